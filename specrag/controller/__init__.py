@@ -1,0 +1,1 @@
+"""The async controller: speculation, adoption, admission; the aiohttp service and client."""

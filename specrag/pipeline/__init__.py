@@ -1,0 +1,1 @@
+"""Prompts as token IDs and the engines that prefill and decode them (vLLM in-process, HTTP, simulated)."""

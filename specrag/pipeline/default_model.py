@@ -1,0 +1,153 @@
+"""The embedded default model: a small Llama-architecture model made locally, never downloaded.
+
+Its weights are random (fixed seed), so its answers are noise, but its prefill and decode costs are
+those of a real transformer run by the real engine: every latency specrag reports on it is real.
+The tokenizer is a byte-level BPE trained on the bundled corpus, so passages tokenize to a
+realistic number of tokens. The size is chosen so a 4k-token cold prefill on one CPU core takes
+about a second, the regime where vector search and prefill cost about the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specrag.atomic import atomic_directory
+from specrag.errors import ArtifactError, InvalidInputError
+
+logger = logging.getLogger(__name__)
+
+BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+MANIFEST_NAME = "specrag-model.json"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class DefaultModelSpec:
+    """Architecture of the default model. Changing any field changes the model (and its fingerprint)."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 512
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 8
+    max_position_embeddings: int = 8192
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.vocab_size < 512:
+            raise InvalidInputError(f"vocab_size must be at least 512, got {self.vocab_size}")
+        if self.hidden_size % self.num_attention_heads:
+            raise InvalidInputError("hidden_size must be a multiple of num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise InvalidInputError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.dtype not in ("bfloat16", "float32", "float16"):
+            raise InvalidInputError(f"unsupported dtype {self.dtype!r}")
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int, output_dir: Path) -> None:
+    """Train a byte-level BPE on ``texts`` and save it in the Hugging Face fast-tokenizer format.
+
+    Byte-level means every string is encodable (no unknown token) and decoding is lossless.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.save(str(output_dir / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    (output_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (output_dir / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}, indent=2)
+    )
+
+
+def _write_weights(spec: DefaultModelSpec, token_ids: dict[str, int], output_dir: Path) -> None:
+    """Random Llama weights from ``spec.seed``, saved as safetensors with a matching config.json."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=token_ids[BOS_TOKEN],
+        eos_token_id=token_ids[EOS_TOKEN],
+        pad_token_id=token_ids[PAD_TOKEN],
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    model.save_pretrained(output_dir, safe_serialization=True)
+
+
+def make_default_model(
+    output_dir: Path, corpus_texts: Iterable[str], spec: DefaultModelSpec | None = None
+) -> Path:
+    """Write the default model directory (atomically) and return it.
+
+    The directory is a plain Hugging Face model directory: vLLM, transformers or any other loader
+    reads it like a downloaded one.
+    """
+    spec = spec or DefaultModelSpec()
+    spec.validate()
+    with atomic_directory(output_dir) as staging:
+        train_tokenizer(corpus_texts, spec.vocab_size, spec.max_position_embeddings, staging)
+        from tokenizers import Tokenizer
+
+        trained = Tokenizer.from_file(str(staging / "tokenizer.json"))
+        token_ids = {token: int(trained.token_to_id(token)) for token in SPECIAL_TOKENS}
+        _write_weights(spec, token_ids, staging)
+        (staging / MANIFEST_NAME).write_text(json.dumps({"spec": asdict(spec)}, indent=2))
+    logger.info("default model written to %s", output_dir)
+    return output_dir
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """Raise :class:`ArtifactError` naming the first missing file of a model directory."""
+    if not model_dir.is_dir():
+        raise ArtifactError(f"model directory not found: {model_dir}")
+    for name in _REQUIRED_FILES:
+        if not (model_dir / name).is_file():
+            raise ArtifactError(f"model directory {model_dir} lacks {name}")
+
+
+def is_current_default_model(model_dir: Path, spec: DefaultModelSpec | None = None) -> bool:
+    """True when ``model_dir`` holds a complete default model built from ``spec``."""
+    manifest = model_dir / MANIFEST_NAME
+    try:
+        check_model_dir(model_dir)
+        recorded = json.loads(manifest.read_text())["spec"]
+    except (ArtifactError, OSError, ValueError, KeyError):
+        return False
+    return bool(recorded == asdict(spec or DefaultModelSpec()))

@@ -1,0 +1,192 @@
+"""The one async interface every engine adapter implements, and the bookkeeping they share.
+
+The controller speaks only this protocol, so the in-process vLLM engine, an OpenAI-compatible
+server over HTTP and the simulated engine are interchangeable. Prompts are token IDs (never text:
+re-tokenizing a concatenation breaks prefix-cache blocks). The protocol exposes exactly what the
+speculation rule needs: when the first token arrived, how many prompt tokens the prefix cache
+served, an abort that works mid-prefill, and how many requests are still waiting for their first
+token (the "prefill pool" that RAGCache's Algorithm 2 compares with ``max_prefill_bs``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from specrag.errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding settings. Greedy by default so the same prompt gives the same answer."""
+
+    max_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidInputError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidInputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """One streamed increment of a request's output.
+
+    ``cached_tokens`` is the number of prompt tokens the engine's prefix cache served (vLLM's
+    ``num_cached_tokens``); it is known from the first increment on. ``received_at`` is the
+    ``time.perf_counter()`` at which the adapter received the increment.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    prompt_tokens: int
+    cached_tokens: int | None
+    finished: bool
+    finish_reason: str | None
+    received_at: float
+
+
+@dataclass(frozen=True)
+class WarmResult:
+    """Outcome of warming a prefix: how much of it the engine already held."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    block_size: int
+    elapsed_s: float
+
+    @property
+    def was_cached(self) -> bool:
+        """True when every full block of the prefix was already in the prefix cache.
+
+        vLLM always recomputes the last block of an exact repeat, so "fully cached" means all
+        blocks but that one.
+        """
+        full_blocks = self.prompt_tokens // self.block_size
+        needed = max(full_blocks - 1, 0) * self.block_size
+        return self.cached_tokens >= needed
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """Requests of ours in the engine: waiting for their first token, or decoding."""
+
+    prefilling: int
+    decoding: int
+
+
+@dataclass(frozen=True)
+class EngineCounts:
+    """The engine's own view of its queues, for leak checks (not our bookkeeping)."""
+
+    running: int
+    waiting: int
+    unfinished: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine with automatic prefix caching, driven by token IDs."""
+
+    @property
+    def block_size(self) -> int:
+        """KV-cache block size in tokens: the granularity of prefix-cache hits."""
+        ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + completion the engine accepts, in tokens."""
+        ...
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the KV cache holds, when the engine reports it."""
+        ...
+
+    def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: Sampling
+    ) -> AsyncIterator[EngineOutput]:
+        """Submit a prompt and stream its output. Leaving the iteration early aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; it stops after the engine's current step. Unknown ids are ignored."""
+        ...
+
+    async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
+        """Prefill a prefix (one output token) so later prompts starting with it hit the cache."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """Our requests in the engine, split by whether their first token has arrived."""
+        ...
+
+    async def counts(self) -> EngineCounts:
+        """The engine's own running/waiting counts."""
+        ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop everything in the prefix cache (for cold-start experiments)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop the engine and release its resources. Idempotent."""
+        ...
+
+
+@dataclass
+class RequestTracker:
+    """Which of our requests wait for their first token, which decode. Shared by all adapters.
+
+    The prefill pool is counted here, on our side, because it is what the speculation gate reads on
+    every search stage: it must be exact and cheap, not a metric scraped a second late.
+    """
+
+    _prefilling: set[str] = field(default_factory=set)
+    _decoding: set[str] = field(default_factory=set)
+
+    def submitted(self, request_id: str) -> None:
+        if request_id in self._prefilling or request_id in self._decoding:
+            raise InvalidInputError(f"request id {request_id!r} is already in flight")
+        self._prefilling.add(request_id)
+
+    def first_token(self, request_id: str) -> None:
+        if request_id in self._prefilling:
+            self._prefilling.discard(request_id)
+            self._decoding.add(request_id)
+
+    def finished(self, request_id: str) -> None:
+        self._prefilling.discard(request_id)
+        self._decoding.discard(request_id)
+
+    def in_flight(self) -> frozenset[str]:
+        return frozenset(self._prefilling | self._decoding)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(prefilling=len(self._prefilling), decoding=len(self._decoding))
+
+
+def check_prompt_fits(prompt_tokens: int, sampling: Sampling, max_model_len: int) -> None:
+    """Reject a prompt the engine would refuse, before it costs anything, with the numbers in the message."""
+    if prompt_tokens == 0:
+        raise InvalidInputError("the prompt is empty")
+    if prompt_tokens + sampling.max_tokens > max_model_len:
+        raise InvalidInputError(
+            f"prompt of {prompt_tokens} tokens + max_tokens {sampling.max_tokens} exceeds the model's "
+            f"limit of {max_model_len} tokens"
+        )
+
+
+def now() -> float:
+    """The clock every timeline uses (monotonic, sub-microsecond)."""
+    return time.perf_counter()

