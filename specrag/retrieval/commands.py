@@ -1,12 +1,21 @@
-"""``specrag corpus …`` sub-commands (and, next to them, the index commands)."""
+"""``specrag corpus …`` and ``specrag index …`` sub-commands."""
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
+import faiss
+
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.retrieval.corpus import DEFAULT_PASSAGE_WORDS, build_default_corpus, write_passages
+from specrag.retrieval.corpus import (
+    DEFAULT_PASSAGE_WORDS,
+    build_default_corpus,
+    load_passages,
+    write_passages,
+)
+from specrag.retrieval.index_store import KINDS, IndexConfig, build_index, save_index
 
 
 def _corpus_build(args: argparse.Namespace) -> int:
@@ -14,6 +23,35 @@ def _corpus_build(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else layout.corpus_file
     count = write_passages(output, build_default_corpus(target_words=args.words))
     print(f"wrote {count} passages to {output}")
+    return 0
+
+
+def _index_build(args: argparse.Namespace) -> int:
+    layout = DataLayout(resolve_data_dir(args.data_dir))
+    corpus = Path(args.corpus) if args.corpus else layout.corpus_file
+    if args.corpus is None and not corpus.is_file():
+        count = write_passages(corpus, build_default_corpus())
+        print(f"no corpus yet: wrote the default corpus ({count} passages) to {corpus}")
+    output = Path(args.output) if args.output else layout.index_dir
+    if args.threads is not None:
+        faiss.omp_set_num_threads(args.threads)
+    config = IndexConfig(
+        kind=args.kind,
+        nlist=args.nlist,
+        nprobe=args.nprobe,
+        ef_search=args.ef_search,
+        embedding_dim=args.dim,
+        pad_to=args.pad_to,
+        seed=args.seed,
+    )
+    started = time.perf_counter()
+    passages = load_passages(corpus)
+    index = build_index(passages, config, progress=True)
+    save_index(index, output)
+    print(
+        f"indexed {len(passages)} passages ({index.searcher.ntotal} rows, {index.dim} dims, "
+        f"{index.searcher.settings}) into {output} in {time.perf_counter() - started:.1f}s"
+    )
     return 0
 
 
@@ -26,3 +64,32 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     build.add_argument("--output", help="JSONL file to write (default: DATA_DIR/corpus/passages.jsonl)")
     build.add_argument("--words", type=int, default=DEFAULT_PASSAGE_WORDS, help="target words per passage")
     build.set_defaults(handler=_corpus_build)
+
+    defaults = IndexConfig()
+    index = subparsers.add_parser("index", help="build the vector index over the corpus")
+    index_sub = index.add_subparsers(dest="index_command", metavar="ACTION", required=True)
+    index_build = index_sub.add_parser(
+        "build", help="embed the corpus (TF-IDF + SVD, no download) and write a checked index directory"
+    )
+    index_build.add_argument(
+        "--corpus", help="JSONL corpus (default: DATA_DIR/corpus/passages.jsonl, built if missing)"
+    )
+    index_build.add_argument("--output", help="index directory (default: DATA_DIR/index)")
+    index_build.add_argument("--kind", choices=KINDS, default=defaults.kind, help="index kind")
+    index_build.add_argument(
+        "--nlist", type=int, default=defaults.nlist, help="IVF lists (capped at rows/39)"
+    )
+    index_build.add_argument("--nprobe", type=int, default=None, help="IVF lists searched (default: nlist/4)")
+    index_build.add_argument("--ef-search", type=int, default=defaults.ef_search, help="HNSW efSearch")
+    index_build.add_argument("--dim", type=int, default=defaults.embedding_dim, help="embedding dimensions")
+    index_build.add_argument(
+        "--pad-to",
+        type=int,
+        default=None,
+        help="add synthetic rows, each mapped to a passage, up to this many",
+    )
+    index_build.add_argument("--threads", type=int, default=None, help="faiss threads while building")
+    index_build.add_argument(
+        "--seed", type=int, default=defaults.seed, help="seed of SVD, k-means and padding"
+    )
+    index_build.set_defaults(handler=_index_build)

@@ -1,0 +1,255 @@
+"""Staged vector search: recall, staging overhead and how early the final top-k appears.
+
+For IVF (faiss) and HNSW (faiss graph, resumable numba search) at a few sizes of synthetic
+384-d data and S ∈ {1, 2, 4, 8} stages, one query at a time on one pinned core with one thread:
+
+* recall@k of the one-shot search against exact search;
+* overhead: the sum over queries of a staged search's time / that of the one-shot search;
+* whether the last stage equals the one-shot search, on every query;
+* stability: after each stage, the fraction of queries whose running top-k already equals the
+  final top-k as a set and as a list (what a speculative prefill would have got right).
+
+Rerun: ``.venv/bin/python -m bench.search --quick`` (about two minutes) or without ``--quick``
+(1M vectors; builds take several minutes). Writes bench/out/search.json and search.png; the
+last line printed is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import faiss
+import matplotlib.pyplot as plt
+import numpy as np
+
+from bench.common import machine, plot_path, write_json
+from specrag.retrieval.search_runner import pin_current_thread
+from specrag.retrieval.staged_hnsw import StagedHNSW
+from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.stages import StagedSearcher, StagePlan
+from specrag.retrieval.synthetic import GaussianMixture, queries_near
+
+STAGE_COUNTS = (1, 2, 4, 8)
+DIM = 384
+
+
+@dataclass(frozen=True)
+class Setting:
+    kind: str
+    size: int
+    params: dict[str, int]
+
+
+QUICK = [
+    Setting("ivf", 100_000, {"nlist": 256, "nprobe": 128}),
+    Setting("ivf", 400_000, {"nlist": 256, "nprobe": 128}),
+    Setting("hnsw", 50_000, {"m": 16, "ef_search": 256}),
+]
+FULL = [
+    Setting("ivf", 250_000, {"nlist": 1024, "nprobe": 256}),
+    Setting("ivf", 1_000_000, {"nlist": 1024, "nprobe": 256}),
+    Setting("hnsw", 100_000, {"m": 16, "ef_search": 512}),
+    Setting("hnsw", 1_000_000, {"m": 16, "ef_search": 512}),
+]
+
+
+def build(setting: Setting, vectors: np.ndarray) -> StagedSearcher:
+    if setting.kind == "ivf":
+        return StagedIVF.build(vectors, nlist=setting.params["nlist"], nprobe=setting.params["nprobe"])
+    return StagedHNSW.build(vectors, m=setting.params["m"], ef_search=setting.params["ef_search"])
+
+
+def measure(searcher: StagedSearcher, queries: np.ndarray, k: int) -> dict[str, Any]:
+    """Time one-shot and staged searches query by query, rotating their order against drift."""
+    variants: list[int] = [0, *STAGE_COUNTS]  # 0 = one-shot
+    times = {v: np.zeros(len(queries)) for v in variants}
+    final_equal = {s: True for s in STAGE_COUNTS}
+    oneshot_ids = np.zeros((len(queries), k), dtype=np.int64)
+    running: dict[int, list[list[np.ndarray]]] = {s: [] for s in STAGE_COUNTS}
+    elapsed_fraction: dict[int, list[list[float]]] = {s: [] for s in STAGE_COUNTS}
+    for warm in queries[:5]:  # page in, JIT and cache warm-up, not timed
+        searcher.search(warm, k)
+        list(searcher.stages(warm, k, StagePlan(4)))
+    for q, query in enumerate(queries):
+        order = variants[q % len(variants) :] + variants[: q % len(variants)]
+        for variant in order:
+            start = time.perf_counter()
+            if variant == 0:
+                oneshot_ids[q] = searcher.search(query, k)[1][0]
+                times[0][q] = time.perf_counter() - start
+                continue
+            stages = list(searcher.stages(query, k, StagePlan(variant)))
+            times[variant][q] = time.perf_counter() - start
+            running[variant].append([stage.ids[0] for stage in stages])
+            cumulative = np.cumsum([stage.elapsed_s for stage in stages])
+            elapsed_fraction[variant].append(list(cumulative / cumulative[-1]))
+        for s in STAGE_COUNTS:
+            final_equal[s] &= bool(np.array_equal(running[s][q][-1], oneshot_ids[q]))
+    result: dict[str, Any] = {
+        "oneshot_ms_mean": float(times[0].mean() * 1e3),
+        "oneshot_ms_median": float(np.median(times[0]) * 1e3),
+        "final_equals_oneshot": all(final_equal.values()),
+        "per_stage_count": {},
+    }
+    for s in STAGE_COUNTS:
+        result["per_stage_count"][str(s)] = {
+            "overhead": float(times[s].sum() / times[0].sum()),
+            "final_equals_oneshot": final_equal[s],
+            **stability(running[s], elapsed_fraction[s], s),
+        }
+    result["oneshot_ids"] = oneshot_ids
+    return result
+
+
+def stability(per_query: list[list[np.ndarray]], fractions: list[list[float]], stages: int) -> dict[str, Any]:
+    """Per stage: share of queries whose running top-k equals the final one (set, list), overlap.
+
+    A search that finished in fewer stages (HNSW, or IVF with fewer probes than stages) counts
+    as final for the remaining ones.
+    """
+    as_set, as_list, overlap, time_share = [], [], [], []
+    for s in range(stages):
+        sets = lists = 0
+        share = 0.0
+        spent = 0.0
+        for query_stages, query_fractions in zip(per_query, fractions, strict=True):
+            current, final = query_stages[min(s, len(query_stages) - 1)], query_stages[-1]
+            sets += set(current.tolist()) == set(final.tolist())
+            lists += bool(np.array_equal(current, final))
+            share += len(set(current.tolist()) & set(final.tolist())) / len(final)
+            spent += query_fractions[min(s, len(query_fractions) - 1)]
+        count = len(per_query)
+        as_set.append(sets / count)
+        as_list.append(lists / count)
+        overlap.append(share / count)
+        time_share.append(spent / count)
+    return {
+        "stable_set_after_stage": as_set,
+        "stable_list_after_stage": as_list,
+        "overlap_after_stage": overlap,
+        "time_fraction_after_stage": time_share,
+    }
+
+
+def recall(found: np.ndarray, exact: np.ndarray) -> float:
+    hits = sum(len(set(f.tolist()) & set(e.tolist())) for f, e in zip(found, exact, strict=True))
+    return hits / exact.size
+
+
+def plot(results: list[dict[str, Any]]) -> str:
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for entry in results:
+        label = f"{entry['kind']} {entry['size']:,}"
+        curve = entry["per_stage_count"]["4"]["stable_set_after_stage"]
+        left.plot(range(1, len(curve) + 1), curve, marker="o", label=label)
+        overheads = [entry["per_stage_count"][str(s)]["overhead"] for s in STAGE_COUNTS]
+        right.plot(STAGE_COUNTS, overheads, marker="o", label=label)
+    left.set(xlabel="stage (S = 4)", ylabel="queries with final top-k set", ylim=(0, 1.02))
+    right.set(xlabel="stages S", ylabel="staged time / one-shot time", xscale="log", xticks=STAGE_COUNTS)
+    right.set_xticklabels([str(s) for s in STAGE_COUNTS])
+    right.axhline(1.0, color="grey", linewidth=0.5)
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.suptitle("Staged vector search (one core, one thread)")
+    figure.tight_layout()
+    path = plot_path("search")
+    figure.savefig(path, dpi=120)
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes; about two minutes")
+    parser.add_argument("--queries", type=int, default=None, help="queries per setting (default 100 / 200)")
+    parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    settings = QUICK if args.quick else FULL
+    num_queries = args.queries or (100 if args.quick else 200)
+    allowed = sorted(os.sched_getaffinity(0))
+    search_core = allowed[-1]
+
+    print(f"generating {max(s.size for s in settings):,} × {DIM} Gaussian-mixture vectors (seed {args.seed})")
+    data = GaussianMixture(DIM, seed=args.seed).sample(max(s.size for s in settings))
+    results: list[dict[str, Any]] = []
+    for setting in settings:
+        vectors = data[: setting.size]
+        queries = queries_near(vectors, num_queries, seed=args.seed + 1)
+        pin_current_thread(allowed)
+        faiss.omp_set_num_threads(len(allowed))
+        build_start = time.perf_counter()
+        searcher = build(setting, vectors)
+        build_s = time.perf_counter() - build_start
+        exact = faiss.IndexFlatIP(DIM)
+        exact.add(vectors)
+        exact_ids = exact.search(queries, args.k)[1]
+        del exact
+        # Searches run pinned to one core with one thread, as a search server apart from the engine.
+        pin_current_thread([search_core])
+        faiss.omp_set_num_threads(1)
+        entry = measure(searcher, queries, args.k)
+        entry.update(
+            kind=setting.kind,
+            size=setting.size,
+            params=setting.params,
+            build_s=build_s,
+            recall_at_k=recall(entry.pop("oneshot_ids"), exact_ids),
+        )
+        results.append(entry)
+        print(
+            f"{setting.kind:4} {setting.size:>9,} {setting.params}"
+            f"  one-shot {entry['oneshot_ms_median']:.2f} ms"
+            f"  recall@{args.k} {entry['recall_at_k']:.3f}  final==one-shot {entry['final_equals_oneshot']}"
+            f"  (built in {build_s:.0f}s)"
+        )
+        for s in STAGE_COUNTS:
+            row = entry["per_stage_count"][str(s)]
+            curve = " ".join(f"{x:.2f}" for x in row["stable_set_after_stage"])
+            print(
+                f"      S={s}: overhead {row['overhead']:.3f}x"
+                f"  top-{args.k} set final after each stage: {curve}"
+            )
+        del searcher
+    pin_current_thread(allowed)
+
+    def headline(kind: str) -> dict[str, Any]:
+        return max((r for r in results if r["kind"] == kind), key=lambda r: r["size"])
+
+    ivf, hnsw = headline("ivf"), headline("hnsw")
+    summary = {
+        "mode": "quick" if args.quick else "full",
+        "ivf_size": ivf["size"],
+        "ivf_oneshot_ms": round(ivf["oneshot_ms_median"], 3),
+        "ivf_overhead_s4": round(ivf["per_stage_count"]["4"]["overhead"], 4),
+        "ivf_final_equals_oneshot": all(r["final_equals_oneshot"] for r in results if r["kind"] == "ivf"),
+        "ivf_recall_at_10": round(ivf["recall_at_k"], 4),
+        "ivf_stable_set_after_stage": [
+            round(x, 4) for x in ivf["per_stage_count"]["4"]["stable_set_after_stage"]
+        ],
+        "hnsw_size": hnsw["size"],
+        "hnsw_oneshot_ms": round(hnsw["oneshot_ms_median"], 3),
+        "hnsw_overhead_s4": round(hnsw["per_stage_count"]["4"]["overhead"], 4),
+        "hnsw_final_equals_oneshot": all(r["final_equals_oneshot"] for r in results if r["kind"] == "hnsw"),
+        "hnsw_recall_at_10": round(hnsw["recall_at_k"], 4),
+        "search_core": search_core,
+        "threads": 1,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    json_path = write_json(
+        "search", {"summary": summary, "results": results, "machine": machine(), "k": args.k}
+    )
+    png_path = plot(results)
+    print(f"search pinned to core {search_core}, 1 faiss thread; wrote {json_path} and {png_path}")
+    print("rerun: .venv/bin/python -m bench.search --quick   (full: drop --quick)")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Build, save and load a :class:`VectorIndex` as one checked directory.
+
+The directory holds the faiss index, the embedder (no pickles), the passage ids in row order,
+the synthetic-row mapping of a padded index, and ``manifest.json`` with the dimensions, metric,
+kind, counts and a sha256 of every file. It is written atomically (a crash leaves the previous
+index in place) and every load re-checks it, so a missing, truncated, swapped or mismatched file
+is an :class:`ArtifactError` that names it rather than wrong search results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from specrag.atomic import atomic_directory, sha256_file
+from specrag.errors import ArtifactError, InvalidInputError
+from specrag.retrieval.corpus import Passage
+from specrag.retrieval.embedders import (
+    DEFAULT_DIM,
+    METRIC,
+    Embedder,
+    TfidfSvdEmbedder,
+    load_array,
+    load_embedder,
+)
+from specrag.retrieval.progress import embed_in_batches
+from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.staged_hnsw import StagedHNSW
+from specrag.retrieval.staged_ivf import DEFAULT_NLIST, StagedIVF
+from specrag.retrieval.stages import StagedSearcher
+from specrag.retrieval.synthetic import pad_with_synthetic
+from specrag.retrieval.vector_index import VectorIndex
+
+FORMAT = "specrag-index"
+VERSION = 1
+MANIFEST_FILE = "manifest.json"
+INDEX_FILE = "index.faiss"
+PASSAGE_IDS_FILE = "passage_ids.json"
+SOURCES_FILE = "synthetic_sources.npy"
+KINDS = ("ivf", "ivf-pq", "hnsw")
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """How to build an index. ``pad_to`` adds synthetic rows (mapped to passages) up to that many."""
+
+    kind: str = "ivf"
+    nlist: int = DEFAULT_NLIST
+    nprobe: int | None = None
+    pq_m: int = 16
+    hnsw_m: int = 32
+    ef_construction: int = 40
+    ef_search: int = 128
+    embedding_dim: int = DEFAULT_DIM
+    pad_to: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidInputError(f"unknown index kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+
+
+def build_searcher(vectors: np.ndarray, config: IndexConfig, progress: bool = False) -> StagedSearcher:
+    """A staged searcher over ``vectors`` (row i = vector i) as ``config`` describes."""
+    if config.kind == "hnsw":
+        return StagedHNSW.build(
+            vectors,
+            m=config.hnsw_m,
+            ef_construction=config.ef_construction,
+            ef_search=config.ef_search,
+            progress=progress,
+        )
+    return StagedIVF.build(
+        vectors,
+        nlist=config.nlist,
+        nprobe=config.nprobe,
+        pq_m=config.pq_m if config.kind == "ivf-pq" else None,
+        seed=config.seed,
+        progress=progress,
+    )
+
+
+def passage_ids_digest(passage_ids: Sequence[str]) -> str:
+    """A checksum of the passage ids in row order, to tell whether a corpus matches an index."""
+    return hashlib.sha256("\n".join(passage_ids).encode("utf-8")).hexdigest()
+
+
+def build_index(
+    passages: Sequence[Passage], config: IndexConfig, embedder: Embedder | None = None, progress: bool = False
+) -> VectorIndex:
+    """Embed ``passages`` (fitting the default embedder on them unless one is given) and index them."""
+    if not passages:
+        raise InvalidInputError("cannot build an index from an empty corpus")
+    texts = [f"{passage.title}\n{passage.text}" for passage in passages]
+    embedder = embedder or TfidfSvdEmbedder.fit(texts, dim=config.embedding_dim, seed=config.seed)
+    vectors = embed_in_batches(embedder, texts, show=progress)
+    sources = None
+    if config.pad_to is not None and config.pad_to > len(vectors):
+        synthetic, sources = pad_with_synthetic(vectors, config.pad_to, seed=config.seed)
+        vectors = np.concatenate([vectors, synthetic])
+        del synthetic
+    searcher = build_searcher(vectors, config, progress=progress)
+    return VectorIndex(searcher, [passage.id for passage in passages], sources, embedder)
+
+
+def save_index(index: VectorIndex, directory: Path) -> None:
+    """Write ``index`` to ``directory`` atomically, replacing what was there."""
+    if index.embedder is None:
+        raise InvalidInputError("an index is saved with its embedder; this one has none")
+    with atomic_directory(directory) as staging:
+        faiss.write_index(index.searcher.owner, str(staging / INDEX_FILE))
+        (staging / PASSAGE_IDS_FILE).write_text(
+            json.dumps(index.passage_ids, ensure_ascii=False), encoding="utf-8"
+        )
+        np.save(staging / SOURCES_FILE, index.synthetic_sources, allow_pickle=False)
+        embedder_entry = index.embedder.save(staging)
+        files = [INDEX_FILE, PASSAGE_IDS_FILE, SOURCES_FILE, *embedder_entry["files"]]
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "metric": METRIC,
+            "dim": index.dim,
+            "ntotal": index.searcher.ntotal,
+            "num_passages": len(index.passage_ids),
+            "passage_ids_sha256": passage_ids_digest(index.passage_ids),
+            "searcher": index.searcher.settings,
+            "embedder": embedder_entry,
+            "files": {name: sha256_file(staging / name) for name in files},
+        }
+        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST_FILE
+    if not path.is_file():
+        raise ArtifactError(f"index manifest not found: {path} (build it with `specrag index build`)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ArtifactError(f"corrupt index manifest {path}: {error}") from error
+    required = {
+        "format",
+        "version",
+        "metric",
+        "dim",
+        "ntotal",
+        "num_passages",
+        "searcher",
+        "embedder",
+        "files",
+    }
+    if not isinstance(manifest, dict) or not required <= manifest.keys():
+        raise ArtifactError(f"corrupt index manifest {path}: expected the keys {sorted(required)}")
+    if (manifest["format"], manifest["version"], manifest["metric"]) != (FORMAT, VERSION, METRIC):
+        raise ArtifactError(f"{path}: unsupported index format {manifest['format']} v{manifest['version']}")
+    return manifest
+
+
+def _verify_files(directory: Path, checksums: dict[str, str]) -> None:
+    for name, expected in checksums.items():
+        path = directory / name
+        if not path.is_file():
+            raise ArtifactError(f"index file missing: {path}")
+        if sha256_file(path) != expected:
+            raise ArtifactError(
+                f"index file {path} does not match its manifest checksum (truncated or replaced)"
+            )
+
+
+def _searcher_from(index: faiss.Index, settings: dict[str, Any], path: Path) -> StagedSearcher:
+    if settings.get("kind") == StagedHNSW.kind and isinstance(index, faiss.IndexHNSWFlat):
+        return StagedHNSW(index, ef_search=int(settings["ef_search"]))
+    if settings.get("kind") == StagedIVF.kind and isinstance(index, faiss.IndexIVF):
+        return StagedIVF(index, nprobe=int(settings["nprobe"]))
+    raise ArtifactError(f"{path}: a {type(index).__name__} does not match the manifest's {settings}")
+
+
+def load_index(directory: Path, runner: SearchRunner | None = None) -> VectorIndex:
+    """Load and check an index directory written by :func:`save_index`."""
+    manifest = _read_manifest(directory)
+    _verify_files(directory, manifest["files"])
+    index_path = directory / INDEX_FILE
+    try:
+        # faiss returns the concrete class, owning its memory: keep this object, not a downcast copy.
+        raw = faiss.read_index(str(index_path))
+    except RuntimeError as error:
+        raise ArtifactError(f"cannot read faiss index {index_path}: {error}") from error
+    searcher = _searcher_from(raw, manifest["searcher"], index_path)
+    if (searcher.dim, searcher.ntotal) != (manifest["dim"], manifest["ntotal"]):
+        raise ArtifactError(
+            f"{index_path}: {searcher.ntotal} × {searcher.dim} vectors, manifest says "
+            f"{manifest['ntotal']} × {manifest['dim']}"
+        )
+    ids_path = directory / PASSAGE_IDS_FILE
+    try:
+        passage_ids = json.loads(ids_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ArtifactError(f"cannot read passage ids {ids_path}: {error}") from error
+    if len(passage_ids) != manifest["num_passages"] or passage_ids_digest(passage_ids) != manifest.get(
+        "passage_ids_sha256"
+    ):
+        raise ArtifactError(f"{ids_path}: passage ids do not match the manifest")
+    embedder = load_embedder(directory, manifest["embedder"])
+    if embedder.dim != searcher.dim:
+        raise ArtifactError(
+            f"{directory}: embedder gives {embedder.dim} dimensions, index has {searcher.dim}"
+        )
+    try:
+        return VectorIndex(searcher, passage_ids, load_array(directory / SOURCES_FILE), embedder, runner)
+    except InvalidInputError as error:
+        raise ArtifactError(f"{directory / SOURCES_FILE}: {error}") from error
+
+
+def check_corpus(index: VectorIndex, passages: Sequence[Passage]) -> None:
+    """Raise ArtifactError unless ``passages`` are the corpus the index was built from, in order."""
+    if passage_ids_digest([p.id for p in passages]) != passage_ids_digest(index.passage_ids):
+        raise ArtifactError(
+            f"the corpus ({len(passages)} passages) is not the one the index was built from "
+            f"({len(index.passage_ids)} passages): rebuild the index"
+        )

@@ -1,0 +1,34 @@
+"""Chunked embedding and index insertion with a tqdm bar, so long builds show where they are."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import faiss
+import numpy as np
+from tqdm import tqdm
+
+from specrag.retrieval.embedders import Embedder
+
+ADD_CHUNK_ROWS = 65_536
+EMBED_BATCH = 256
+
+
+def add_in_chunks(index: faiss.Index, vectors: np.ndarray, show: bool, desc: str = "adding vectors") -> None:
+    """``index.add(vectors)`` in chunks, ticking a progress bar when ``show``."""
+    with tqdm(total=len(vectors), desc=desc, unit="vec", disable=not show) as bar:
+        for start in range(0, len(vectors), ADD_CHUNK_ROWS):
+            chunk = np.ascontiguousarray(vectors[start : start + ADD_CHUNK_ROWS], dtype=np.float32)
+            index.add(chunk)
+            bar.update(len(chunk))
+
+
+def embed_in_batches(embedder: Embedder, texts: Sequence[str], show: bool) -> np.ndarray:
+    """Embed ``texts`` batch by batch into one (len(texts), dim) float32 array."""
+    out = np.empty((len(texts), embedder.dim), dtype=np.float32)
+    with tqdm(total=len(texts), desc="embedding passages", unit="doc", disable=not show) as bar:
+        for start in range(0, len(texts), EMBED_BATCH):
+            batch = texts[start : start + EMBED_BATCH]
+            out[start : start + len(batch)] = embedder.embed(batch)
+            bar.update(len(batch))
+    return out

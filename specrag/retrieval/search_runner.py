@@ -1,0 +1,109 @@
+"""Running staged searches off the event loop, on pinned cores, with cancellation.
+
+faiss and the numba HNSW kernel release the GIL, so a search in a worker thread leaves the event
+loop free to drive speculative prefill. The worker runs ahead of the consumer (a search never
+waits for the controller to handle a stage) and checks a cancel flag between stages, so leaving
+the ``async for`` or cancelling its task stops the search after the stage in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import AsyncGenerator, Callable, Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import faiss
+
+from specrag.errors import InvalidInputError
+from specrag.retrieval.stages import StageResult
+
+
+def _checked_cpus(cpus: Collection[int]) -> frozenset[int]:
+    chosen = frozenset(cpus)
+    count = os.cpu_count() or 1
+    if not chosen or not all(0 <= cpu < count for cpu in chosen):
+        raise InvalidInputError(f"cpu set {sorted(chosen)} is not within this machine's cores 0..{count - 1}")
+    return chosen
+
+
+def pin_current_thread(cpus: Collection[int] | None) -> None:
+    """Restrict the calling thread (and threads it starts later) to ``cpus``; None leaves it free.
+
+    A pinned thread may widen itself again later (the kernel checks against the cgroup's cores).
+    """
+    if cpus is None:
+        return
+    try:
+        os.sched_setaffinity(0, _checked_cpus(cpus))
+    except OSError as error:
+        raise InvalidInputError(f"cannot pin to cores {sorted(cpus)}: {error}") from error
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: BaseException
+
+
+_END = object()
+
+
+class SearchRunner:
+    """A small thread pool for searches; ``threads`` sets faiss's OpenMP threads process-wide."""
+
+    def __init__(
+        self, threads: int | None = None, cpus: Collection[int] | None = None, workers: int = 1
+    ) -> None:
+        if threads is not None:
+            if threads < 1:
+                raise InvalidInputError(f"threads must be at least 1, got {threads}")
+            faiss.omp_set_num_threads(threads)
+        self._executor = ThreadPoolExecutor(
+            max_workers=workers,
+            thread_name_prefix="specrag-search",
+            initializer=pin_current_thread,
+            initargs=(None if cpus is None else _checked_cpus(cpus),),
+        )
+
+    def shutdown(self) -> None:
+        """Wait for searches in flight to stop, then release the threads."""
+        self._executor.shutdown(wait=True)
+
+    async def stream(
+        self, make_stages: Callable[[], Iterator[StageResult]]
+    ) -> AsyncGenerator[StageResult, None]:
+        """Yield the stages of ``make_stages()`` computed in a worker thread, as they complete."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def post(item: object) -> None:
+            # A consumer that left may also have closed its loop: then there is no one to tell.
+            if not cancelled.is_set():
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def produce() -> None:
+            try:
+                stages = make_stages()
+                while not cancelled.is_set():
+                    stage = next(stages, None)
+                    if stage is None:
+                        break
+                    post(stage)
+            except Exception as error:
+                post(_Failure(error))
+            post(_END)
+
+        self._executor.submit(produce)
+        try:
+            while (item := await queue.get()) is not _END:
+                if isinstance(item, _Failure):
+                    raise item.error
+                assert isinstance(item, StageResult)
+                yield item
+        finally:
+            cancelled.set()

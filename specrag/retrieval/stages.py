@@ -1,0 +1,161 @@
+"""Stage results and the stage scheduler shared by every staged index.
+
+The controller speculates on the running top-k of an unfinished search (RAGCache §5.3), so a
+staged search is a sequence of :class:`StageResult` snapshots whose last one is, by contract, the
+result the same index gives in one shot. How the work is cut into stages — by a fixed count of
+equal slices or by a time budget per stage — is independent of the index kind, so it lives here:
+an index only says how to do ``n`` more units of work (IVF: probe lists, HNSW: node expansions).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from specrag.errors import InvalidInputError
+
+# Work beyond this is "everything that is left": a unit count no search reaches.
+UNBOUNDED = 1 << 62
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """The running top-k after one stage.
+
+    ``ids`` are index rows (``-1`` marks padding when fewer than k rows exist or were reached);
+    ``distances`` are faiss's values for the metric (inner products, descending, for the unit
+    vectors the embedders produce). Batch searches hold one row per query, single-query searches
+    hold 1-D arrays. ``stage`` counts from 1; ``done`` is true on the final stage only, whose
+    result equals a one-shot search. ``elapsed_s`` is the compute time of this stage alone.
+    """
+
+    stage: int
+    ids: np.ndarray
+    distances: np.ndarray
+    done: bool
+    elapsed_s: float
+
+    def for_query(self, row: int) -> StageResult:
+        """The 1-D result of one query of a batch."""
+        return StageResult(self.stage, self.ids[row], self.distances[row], self.done, self.elapsed_s)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How to cut a search into stages: ``num_stages`` equal slices, or ``stage_budget_s`` each.
+
+    With a time budget the number of stages is whatever the search needs. With a count, a search
+    with fewer work units than stages (an IVF ``nprobe`` below the count, an HNSW search that
+    converges early) ends in fewer stages; the last stage always finishes the search.
+    """
+
+    num_stages: int = 4
+    stage_budget_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise InvalidInputError(f"num_stages must be at least 1, got {self.num_stages}")
+        if self.stage_budget_s is not None and not self.stage_budget_s > 0:
+            raise InvalidInputError(f"stage_budget_s must be positive, got {self.stage_budget_s}")
+
+
+def prepare_queries(queries: np.ndarray, dim: int, ntotal: int, k: int) -> np.ndarray:
+    """Validate a query batch (or one query) and return it as a C-contiguous float32 matrix."""
+    if ntotal == 0:
+        raise InvalidInputError("the index is empty: build it from a non-empty corpus")
+    if k < 1:
+        raise InvalidInputError(f"k must be at least 1, got {k}")
+    matrix = np.asarray(queries, dtype=np.float32)
+    if matrix.ndim == 1:
+        matrix = matrix[None, :]
+    if matrix.ndim != 2 or matrix.shape[1] != dim or matrix.shape[0] == 0:
+        raise InvalidInputError(
+            f"expected queries of dimension {dim}, got an array of shape {np.shape(queries)}"
+        )
+    if not np.isfinite(matrix).all():
+        raise InvalidInputError("queries contain NaN or infinite values")
+    return np.ascontiguousarray(matrix)
+
+
+def run_stages(
+    advance: Callable[[int], bool],
+    snapshot: Callable[[], tuple[np.ndarray, np.ndarray]],
+    plan: StagePlan,
+    expected_units: int,
+    started: float | None = None,
+) -> Iterator[StageResult]:
+    """Drive a resumable search through the stages of ``plan``.
+
+    ``advance(n)`` does at most ``n`` more units of work and returns True once the search is
+    complete; ``snapshot()`` returns the sorted running (distances, ids). ``expected_units`` is the
+    work a whole search takes (exact for IVF, an average for HNSW) and sizes count-based stages.
+    ``started`` lets the caller charge set-up work (the coarse quantizer) to the first stage.
+    """
+    stage_start = time.perf_counter() if started is None else started
+    stage = 0
+    units_done = 0
+    units_per_second: float | None = None
+    done = False
+    while not done:
+        stage += 1
+        if plan.stage_budget_s is None:
+            if stage >= plan.num_stages:
+                target = UNBOUNDED
+            else:
+                target = max(units_done + 1, math.floor(expected_units * stage / plan.num_stages))
+            done = advance(target - units_done)
+            units_done = target
+        else:
+            deadline = stage_start + plan.stage_budget_s
+            left = plan.stage_budget_s
+            # At least one call per stage, so a budget below the fixed cost still makes progress.
+            while not done and (left > 0 or units_per_second is None):
+                # Probe the speed with one unit, then size each call to fill the rest of the budget.
+                units = 1 if units_per_second is None else max(1, int(units_per_second * left))
+                call_start = time.perf_counter()
+                done = advance(units)
+                units_per_second = units / max(time.perf_counter() - call_start, 1e-9)
+                left = deadline - time.perf_counter()
+        distances, ids = snapshot()
+        now = time.perf_counter()
+        yield StageResult(stage=stage, ids=ids, distances=distances, done=done, elapsed_s=now - stage_start)
+        stage_start = time.perf_counter()
+
+
+class FaissBacked:
+    """Shape of a searcher backed by a faiss index in ``self.index``."""
+
+    index: Any
+
+    @property
+    def dim(self) -> int:
+        return int(self.index.d)
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+
+class StagedSearcher(Protocol):
+    """What every staged index offers; rows are positional ids (row i = the i-th vector added)."""
+
+    kind: str
+    owner: Any  # the faiss index object to save (it owns the memory the searcher reads)
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def ntotal(self) -> int: ...
+
+    @property
+    def settings(self) -> dict[str, Any]: ...
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def stages(self, queries: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]: ...

@@ -1,0 +1,133 @@
+"""The searchable index the controller holds: a staged searcher plus the row → passage mapping.
+
+Row i of the index is passage i of the corpus it was built from. A padded index (see
+:mod:`specrag.retrieval.synthetic`) has more rows than passages; each extra row maps to the real
+passage it was drawn around, and :meth:`VectorIndex.passage_index_of` applies that mapping so
+the caller never sees a row id that is not a passage (several rows may name one passage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, Iterator, Sequence
+
+import numpy as np
+
+from specrag.errors import InvalidInputError
+from specrag.retrieval.embedders import Embedder
+from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries
+
+
+class VectorIndex:
+    """Staged search by vector, one query or a batch, synchronously or on the event loop.
+
+    ``k`` larger than the index gives ``-1`` ids (and faiss's neutral distance) in the slots
+    that no row fills; an empty index or a query of the wrong dimension raises InvalidInputError.
+    """
+
+    def __init__(
+        self,
+        searcher: StagedSearcher,
+        passage_ids: Sequence[str],
+        synthetic_sources: np.ndarray | None = None,
+        embedder: Embedder | None = None,
+        runner: SearchRunner | None = None,
+    ) -> None:
+        extra = searcher.ntotal - len(passage_ids)
+        sources = (
+            np.zeros(0, dtype=np.int64) if synthetic_sources is None else synthetic_sources.astype(np.int64)
+        )
+        if len(sources) != extra or (extra and not 0 <= sources.min() <= sources.max() < len(passage_ids)):
+            raise InvalidInputError(
+                f"{searcher.ntotal} rows need {len(passage_ids)} passages plus {extra} synthetic rows "
+                f"mapped to them, got {len(sources)} mappings"
+            )
+        self.searcher = searcher
+        self.passage_ids = list(passage_ids)
+        self.synthetic_sources = sources
+        self.embedder = embedder
+        self._runner = runner
+        # Row -> passage, with a trailing -1 so that padding ids (-1) map to -1 by plain indexing.
+        self._row_to_passage = np.concatenate([np.arange(len(passage_ids)), sources, [-1]])
+
+    @property
+    def dim(self) -> int:
+        return self.searcher.dim
+
+    @property
+    def runner(self) -> SearchRunner:
+        """The thread pool async searches use (one unpinned worker unless one was given)."""
+        if self._runner is None:
+            self._runner = SearchRunner()
+        return self._runner
+
+    def use_runner(self, runner: SearchRunner) -> None:
+        """Run async searches on ``runner`` (e.g. pinned to cores apart from the LLM engine)."""
+        self._runner = runner
+
+    def passage_index_of(self, row_ids: np.ndarray) -> np.ndarray:
+        """Corpus positions of index rows (same shape); ``-1`` stays ``-1``."""
+        rows = np.asarray(row_ids, dtype=np.int64)
+        if rows.size and (rows.min() < -1 or rows.max() >= self.searcher.ntotal):
+            raise InvalidInputError(f"row ids outside [-1, {self.searcher.ntotal})")
+        return self._row_to_passage[rows]
+
+    def passage_ids_of(self, row_ids: np.ndarray) -> list[str]:
+        """Passage ids of a 1-D result, padding dropped, in rank order."""
+        return [self.passage_ids[i] for i in self.passage_index_of(row_ids).tolist() if i >= 0]
+
+    def embed_query(self, text: str) -> np.ndarray:
+        """The query vector of ``text`` with the embedder the index was built with."""
+        if self.embedder is None:
+            raise InvalidInputError("this index has no embedder: search it by vector")
+        vector: np.ndarray = self.embedder.embed([text])[0]
+        return vector
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One-shot search (no stages): (distances, ids), one row per query."""
+        return self.searcher.search(queries, k)
+
+    def _single(self, query: np.ndarray) -> np.ndarray:
+        if np.ndim(query) != 1:
+            raise InvalidInputError(
+                f"expected one query vector, got shape {np.shape(query)}; use the batch variant"
+            )
+        return np.asarray(query)
+
+    def iter_stages_batch(
+        self, queries: np.ndarray, k: int, plan: StagePlan | None = None
+    ) -> Iterator[StageResult]:
+        """Stages of a batch search in the calling thread; results hold one row per query."""
+        return self.searcher.stages(queries, k, plan or StagePlan())
+
+    def iter_stages(self, query: np.ndarray, k: int, plan: StagePlan | None = None) -> Iterator[StageResult]:
+        """Stages of one query in the calling thread (for scripts); results are 1-D."""
+        return (stage.for_query(0) for stage in self.iter_stages_batch(self._single(query), k, plan))
+
+    async def search_staged_batch(
+        self, queries: np.ndarray, k: int, *, num_stages: int = 4, stage_budget_s: float | None = None
+    ) -> AsyncGenerator[StageResult, None]:
+        """``async for`` over the stages of a batch search run on the search threads.
+
+        Leaving the loop (use ``contextlib.aclosing`` to make it immediate) or cancelling the
+        task stops the search after the stage in flight.
+        """
+        plan = StagePlan(num_stages, stage_budget_s)
+        matrix = prepare_queries(queries, self.dim, self.searcher.ntotal, k)
+        async with contextlib.aclosing(
+            self.runner.stream(lambda: self.searcher.stages(matrix, k, plan))
+        ) as stages:
+            async for stage in stages:
+                yield stage
+
+    async def search_staged(
+        self, query: np.ndarray, k: int, *, num_stages: int = 4, stage_budget_s: float | None = None
+    ) -> AsyncGenerator[StageResult, None]:
+        """``async for`` over the 1-D stages of one query (see :meth:`search_staged_batch`)."""
+        batch = self.search_staged_batch(
+            self._single(query)[None, :], k, num_stages=num_stages, stage_budget_s=stage_budget_s
+        )
+        async with contextlib.aclosing(batch) as stages:
+            async for stage in stages:
+                yield stage.for_query(0)

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from specrag.errors import InvalidInputError
+from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.stages import StagePlan, StageResult
+from specrag.retrieval.vector_index import VectorIndex
+
+
+def make_index(ivf: StagedIVF, runner: SearchRunner | None = None) -> VectorIndex:
+    return VectorIndex(ivf, [f"p{i}" for i in range(ivf.ntotal)], runner=runner)
+
+
+class GatedSearcher:
+    """Wraps a searcher so each stage after the first waits for the test's permission."""
+
+    def __init__(self, inner: StagedIVF) -> None:
+        self.inner = inner
+        self.kind, self.dim, self.ntotal, self.settings = inner.kind, inner.dim, inner.ntotal, inner.settings
+        self.computed: list[int] = []
+        self.gate = threading.Event()
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.search(queries, k)
+
+    def stages(self, queries: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
+        for stage in self.inner.stages(queries, k, plan):
+            self.computed.append(stage.stage)
+            yield stage
+            assert self.gate.wait(timeout=30)
+
+
+async def test_async_stages_equal_sync_stages(ivf: StagedIVF, queries: np.ndarray) -> None:
+    index = make_index(ivf)
+    received = [stage async for stage in index.search_staged(queries[0], 10, num_stages=4)]
+    expected = list(index.iter_stages(queries[0], 10, StagePlan(4)))
+    assert [s.stage for s in received] == [1, 2, 3, 4]
+    for got, want in zip(received, expected, strict=True):
+        np.testing.assert_array_equal(got.ids, want.ids)
+    np.testing.assert_array_equal(received[-1].ids, ivf.search(queries[0], 10)[1][0])
+
+
+async def test_batch_variant_matches_one_shot(ivf: StagedIVF, queries: np.ndarray) -> None:
+    index = make_index(ivf, SearchRunner(threads=1, cpus=[0]))
+    stages = [stage async for stage in index.search_staged_batch(queries, 10, num_stages=3)]
+    assert stages[-1].done and stages[-1].ids.shape == (len(queries), 10)
+    np.testing.assert_array_equal(stages[-1].ids, ivf.search(queries, 10)[1])
+
+
+async def test_breaking_out_stops_the_remaining_stages(ivf: StagedIVF, queries: np.ndarray) -> None:
+    gated = GatedSearcher(ivf)
+    runner = SearchRunner()
+    index = VectorIndex(gated, [f"p{i}" for i in range(ivf.ntotal)], runner=runner)  # type: ignore[arg-type]
+    async with contextlib.aclosing(index.search_staged(queries[0], 10, num_stages=8)) as stages:
+        async for stage in stages:
+            assert stage.stage == 1
+            break
+    gated.gate.set()
+    runner.shutdown()
+    # Stage 2 may have been in flight when the consumer left; nothing after it ran.
+    assert gated.computed in ([1], [1, 2])
+
+
+async def test_cancelling_the_task_stops_the_remaining_stages(ivf: StagedIVF, queries: np.ndarray) -> None:
+    gated = GatedSearcher(ivf)
+    runner = SearchRunner()
+    index = VectorIndex(gated, [f"p{i}" for i in range(ivf.ntotal)], runner=runner)  # type: ignore[arg-type]
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in index.search_staged(queries[0], 10, num_stages=8):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await first.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gated.gate.set()
+    runner.shutdown()
+    assert gated.computed in ([1], [1, 2])
+
+
+async def test_errors_reach_the_consumer(ivf: StagedIVF, queries: np.ndarray) -> None:
+    index = make_index(ivf)
+    with pytest.raises(InvalidInputError, match="dimension"):
+        async for _ in index.search_staged(np.zeros(5, dtype=np.float32), 3):
+            pass
+    with pytest.raises(InvalidInputError, match="one query"):
+        async for _ in index.search_staged(queries[:2], 3):
+            pass
+
+
+async def test_worker_failures_are_raised_in_the_consumer() -> None:
+    def failing() -> Iterator[StageResult]:
+        yield StageResult(1, np.zeros(1), np.zeros(1), False, 0.0)
+        raise RuntimeError("boom")
+
+    runner = SearchRunner()
+    with pytest.raises(RuntimeError, match="boom"):
+        async for _ in runner.stream(failing):
+            pass
+    runner.shutdown()
+
+
+def test_runner_rejects_unknown_cores() -> None:
+    with pytest.raises(InvalidInputError, match="cpu set"):
+        SearchRunner(cpus=[10_000])

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specrag.retrieval import commands
+from specrag.retrieval.index_store import load_index
+
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "sigma",
+    "omega",
+    "rho",
+]
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data-dir")
+    commands.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    result: int = args.handler(args)
+    return result
+
+
+def test_index_build_writes_a_loadable_index(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(
+            f'{{"id": "d{i}", "text": "{WORDS[i % 7]} and {WORDS[i % 11]} with {WORDS[i % 13]}"}}\n'
+            for i in range(60)
+        ),
+        encoding="utf-8",
+    )
+    assert run(["--data-dir", str(tmp_path), "index", "build", "--corpus", str(corpus), "--dim", "8"]) == 0
+    index = load_index(tmp_path / "index")
+    assert index.passage_ids == [f"d{i}" for i in range(60)]
+    assert index.dim == 8

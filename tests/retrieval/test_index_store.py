@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specrag.errors import ArtifactError, InvalidInputError
+from specrag.retrieval.corpus import Passage
+from specrag.retrieval.index_store import (
+    INDEX_FILE,
+    MANIFEST_FILE,
+    PASSAGE_IDS_FILE,
+    IndexConfig,
+    build_index,
+    check_corpus,
+    load_index,
+    save_index,
+)
+from specrag.retrieval.stages import StagePlan
+
+
+@pytest.fixture(scope="module", params=["ivf", "hnsw"])
+def saved(
+    request: pytest.FixtureRequest, passages: list[Passage], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    directory = tmp_path_factory.mktemp("index") / "index"
+    save_index(
+        build_index(passages, IndexConfig(kind=request.param, embedding_dim=16, ef_search=16)), directory
+    )
+    return directory
+
+
+def test_round_trip_gives_the_same_results(saved: Path, passages: list[Passage]) -> None:
+    index = load_index(saved)
+    original_dir = saved.parent / "again"
+    save_index(index, original_dir)
+    again = load_index(original_dir)
+    query = index.embed_query("asyncio event loop")
+    np.testing.assert_array_equal(query, again.embed_query("asyncio event loop"))
+    first = list(index.iter_stages(query, 5, StagePlan(3)))[-1]
+    second = list(again.iter_stages(query, 5, StagePlan(3)))[-1]
+    np.testing.assert_array_equal(first.ids, second.ids)
+    assert index.passage_ids == [p.id for p in passages]
+    assert "asyncio" in passages[int(index.passage_index_of(first.ids)[0])].title
+    check_corpus(index, passages)
+    with pytest.raises(ArtifactError, match="not the one"):
+        check_corpus(index, passages[::-1])
+
+
+def copy_of(saved: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    target.mkdir()
+    for file in saved.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    return target
+
+
+def test_missing_directory_names_the_manifest(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match=MANIFEST_FILE):
+        load_index(tmp_path / "nowhere")
+
+
+def test_corrupt_manifest_is_named(saved: Path, tmp_path: Path) -> None:
+    directory = copy_of(saved, tmp_path)
+    (directory / MANIFEST_FILE).write_text("{not json", encoding="utf-8")
+    with pytest.raises(ArtifactError, match=MANIFEST_FILE):
+        load_index(directory)
+
+
+@pytest.mark.parametrize("name", [INDEX_FILE, PASSAGE_IDS_FILE, "embedder_components.npy"])
+def test_truncated_file_is_named(saved: Path, tmp_path: Path, name: str) -> None:
+    directory = copy_of(saved, tmp_path)
+    data = (directory / name).read_bytes()
+    (directory / name).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ArtifactError, match=name):
+        load_index(directory)
+
+
+def test_missing_file_is_named(saved: Path, tmp_path: Path) -> None:
+    directory = copy_of(saved, tmp_path)
+    (directory / "embedder_idf.npy").unlink()
+    with pytest.raises(ArtifactError, match=r"embedder_idf\.npy"):
+        load_index(directory)
+
+
+def test_mismatched_manifest_is_detected(saved: Path, tmp_path: Path) -> None:
+    directory = copy_of(saved, tmp_path)
+    manifest = json.loads((directory / MANIFEST_FILE).read_text(encoding="utf-8"))
+    manifest["dim"] += 1
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ArtifactError, match=INDEX_FILE):
+        load_index(directory)
+
+
+def test_padded_index_maps_every_row_to_a_passage(passages: list[Passage], tmp_path: Path) -> None:
+    index = build_index(passages, IndexConfig(embedding_dim=16, pad_to=1000))
+    assert index.searcher.ntotal == 1000
+    save_index(index, tmp_path / "padded")
+    loaded = load_index(tmp_path / "padded")
+    rows = np.arange(-1, 1000)
+    mapped = loaded.passage_index_of(rows)
+    assert mapped[0] == -1 and (mapped[1 : len(passages) + 1] == np.arange(len(passages))).all()
+    assert mapped[1:].min() >= 0 and mapped.max() < len(passages)
+    final = list(loaded.iter_stages(loaded.embed_query("dictionary keys"), 20))[-1]
+    assert len(loaded.passage_ids_of(final.ids)) == 20
+    with pytest.raises(InvalidInputError):
+        loaded.passage_index_of(np.array([1000]))
+
+
+def test_empty_corpus_and_unknown_kind_are_rejected() -> None:
+    with pytest.raises(InvalidInputError, match="empty"):
+        build_index([], IndexConfig())
+    with pytest.raises(InvalidInputError, match="kind"):
+        IndexConfig(kind="lsh")
