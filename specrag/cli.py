@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +20,7 @@ from specrag.errors import SpecragError
 COMMAND_MODULES = (
     "specrag.retrieval.commands",
     "specrag.pipeline.commands",
+    "specrag.controller.commands",
 )
 
 
@@ -40,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.verbose:
+        # vLLM logs every start-up step at INFO; keep the commands' own output readable.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,4 +1,43 @@
 """The knowledge tree: a mirror of the engine's prefix cache that decides document order.
 
-Owns no KV and talks to no network or engine; depends on nothing else of specrag's.
+Owns no KV and talks to no network or engine; depends on nothing else of specrag's. The
+controller orders every prompt with a policy over a :class:`KnowledgeTree`, builds it with
+:func:`build_layout`, reports what was served (:meth:`KnowledgeTree.record_served`) and what the
+engine evicted (:meth:`KnowledgeTree.apply_events`); it queues requests with
+:class:`AdmissionQueue` and plans known batches with :func:`plan_batch`.
 """
+
+from specrag.cache.admission import AdmissionQueue
+from specrag.cache.batch import BatchPlan, plan_batch
+from specrag.cache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from specrag.cache.hints import Dedup, HintConfig, SessionDeduplicator, order_hint
+from specrag.cache.layout import DocId, PromptLayout, Segment, build_layout
+from specrag.cache.ordering import POLICY_NAMES, Ordering, OrderingPolicy, get_policy
+from specrag.cache.pgdsf import PrefillProfile
+from specrag.cache.tree import KnowledgeTree, PrefixMatch
+
+__all__ = [
+    "POLICY_NAMES",
+    "AdmissionQueue",
+    "AllBlocksCleared",
+    "BatchPlan",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "Dedup",
+    "DocId",
+    "HintConfig",
+    "KVEvent",
+    "KnowledgeTree",
+    "Ordering",
+    "OrderingPolicy",
+    "PrefillProfile",
+    "PrefixMatch",
+    "PromptLayout",
+    "Segment",
+    "SessionDeduplicator",
+    "build_layout",
+    "get_policy",
+    "order_hint",
+    "plan_batch",
+]

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from specrag.atomic import atomic_directory
 from specrag.errors import ArtifactError, InvalidInputError
@@ -33,7 +34,7 @@ class DefaultModelSpec:
     vocab_size: int = 8192
     hidden_size: int = 512
     intermediate_size: int = 1536
-    num_hidden_layers: int = 6
+    num_hidden_layers: int = 8
     num_attention_heads: int = 8
     num_key_value_heads: int = 8
     max_position_embeddings: int = 8192
@@ -111,6 +112,13 @@ def _write_weights(spec: DefaultModelSpec, token_ids: dict[str, int], output_dir
     model.save_pretrained(output_dir, safe_serialization=True)
 
 
+def _special_token_id(tokenizer: Any, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ArtifactError(f"the trained tokenizer lacks the special token {token!r}")
+    return int(token_id)
+
+
 def make_default_model(
     output_dir: Path, corpus_texts: Iterable[str], spec: DefaultModelSpec | None = None
 ) -> Path:
@@ -126,7 +134,7 @@ def make_default_model(
         from tokenizers import Tokenizer
 
         trained = Tokenizer.from_file(str(staging / "tokenizer.json"))
-        token_ids = {token: int(trained.token_to_id(token)) for token in SPECIAL_TOKENS}
+        token_ids = {token: _special_token_id(trained, token) for token in SPECIAL_TOKENS}
         _write_weights(spec, token_ids, staging)
         (staging / MANIFEST_NAME).write_text(json.dumps({"spec": asdict(spec)}, indent=2))
     logger.info("default model written to %s", output_dir)

@@ -77,7 +77,8 @@ def _engine_args(config: EngineConfig) -> Any:
         "enable_prefix_caching": True,
         "max_model_len": config.max_model_len,
         "enforce_eager": config.enforce_eager,
-        "max_num_batched_tokens": max(config.max_num_batched_tokens, config.max_model_len),
+        "enable_chunked_prefill": True,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
         "long_prefill_token_threshold": config.long_prefill_token_threshold,
         "max_num_seqs": config.max_num_seqs,
         "dtype": config.dtype,
@@ -247,10 +248,12 @@ class VllmEngine:
         if self._closed:
             return
         self._closed = True
-        self._llm.shutdown()
-        # Dropping the last reference now lets AsyncLLM.__del__ run while the interpreter is whole;
-        # at exit it would call into half-torn-down modules and print a spurious traceback.
-        self._llm = None
+        llm, self._llm = self._llm, None
+        llm.shutdown()
+        # vLLM keeps the AsyncLLM referenced until interpreter exit, where its __del__ calls
+        # shutdown() again into half-torn-down modules and prints a spurious traceback. It is
+        # already shut down: make that second call a no-op.
+        llm.shutdown = lambda *args, **kwargs: None
 
     def _ensure_open(self) -> None:
         if self._closed:

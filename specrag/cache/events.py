@@ -1,0 +1,38 @@
+"""The engine's KV-cache events, as plain data the knowledge tree understands.
+
+They mirror vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` without importing
+vLLM, so the cache layer stays engine-free; specrag.pipeline.kv_events converts vLLM's own
+messages into these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BlockHash = int | bytes
+"""vLLM publishes 64-bit ints by default, raw digests with some hash functions."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Consecutive full blocks entered the prefix cache; ``token_ids`` holds ``block_size`` per block."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks were evicted from the prefix cache."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The prefix cache was reset; nothing is resident any more."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -1,0 +1,98 @@
+"""Text hints that keep answers faithful when the cache layer changes what the model sees.
+
+Reordering documents for reuse hides the retriever's relevance ranking, so an *order hint* after
+the documents restates it (RAGBoost §5.3). In a multi-turn session a document already given in
+an earlier turn is not sent again: a *location hint* points the model to where it is in the
+conversation (RAGBoost §6, ContextPilot Algorithm 3). Hints are text; the pipeline tokenizes them
+and places them after the documents, where they cannot break a shared prefix. Labels name
+documents by id, not position, so the document segments can carry the same label at ingest.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specrag.cache.layout import DocId
+from specrag.errors import InvalidInputError
+
+
+@dataclass(frozen=True, slots=True)
+class HintConfig:
+    """Hint switches and wording; ``{label}``, ``{order}`` and ``{turn}`` are filled in."""
+
+    order_hint: bool = True
+    doc_label: str = "[Doc {doc_id}]"
+    order_separator: str = " > "
+    order_template: str = "Most relevant first, the documents rank: {order}. Answer using that priority."
+    location_template: str = (
+        "{label} was already given in turn {turn} of this conversation; use it from there."
+    )
+
+    def label(self, doc_id: DocId) -> str:
+        return self.doc_label.format(doc_id=doc_id)
+
+
+def order_hint(
+    retrieval_order: Sequence[DocId], prompt_order: Sequence[DocId], config: HintConfig
+) -> str | None:
+    """The retrieval ranking as text, or None when switched off or when the order is unchanged."""
+    if len(retrieval_order) != len(prompt_order) or set(retrieval_order) != set(prompt_order):
+        raise InvalidInputError("the prompt order must be a permutation of the retrieval order")
+    if not config.order_hint or list(retrieval_order) == list(prompt_order):
+        return None
+    ranking = config.order_separator.join(config.label(d) for d in retrieval_order)
+    return config.order_template.format(order=ranking)
+
+
+@dataclass(frozen=True, slots=True)
+class Dedup:
+    """A turn's documents split into those to send and those already in the conversation."""
+
+    kept: tuple[DocId, ...]
+    repeated: tuple[DocId, ...]
+    hints: tuple[str, ...]
+
+    def hint_text(self) -> str:
+        return "\n".join(self.hints)
+
+
+class SessionDeduplicator:
+    """Per-conversation record of documents already sent, bounded to ``max_sessions`` (LRU)."""
+
+    def __init__(self, config: HintConfig | None = None, max_sessions: int = 10_000) -> None:
+        if max_sessions <= 0:
+            raise InvalidInputError("max_sessions must be positive")
+        self.config = config or HintConfig()
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, tuple[int, dict[DocId, int]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def dedup(self, conversation: str, doc_ids: Sequence[DocId]) -> Dedup:
+        """Split this turn's documents and register the new ones for the turns that follow."""
+        turns, seen = self._sessions.pop(conversation, (0, {}))
+        turn = turns + 1
+        kept: list[DocId] = []
+        repeated: list[DocId] = []
+        hints: list[str] = []
+        for doc_id in doc_ids:
+            first_turn = seen.get(doc_id)
+            if first_turn is None or first_turn == turn:
+                kept.append(doc_id)
+                seen[doc_id] = turn
+            else:
+                repeated.append(doc_id)
+                hints.append(
+                    self.config.location_template.format(label=self.config.label(doc_id), turn=first_turn)
+                )
+        self._sessions[conversation] = (turn, seen)
+        if len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        return Dedup(tuple(kept), tuple(repeated), tuple(hints))
+
+    def end(self, conversation: str) -> None:
+        """Forget a finished conversation."""
+        self._sessions.pop(conversation, None)

@@ -1,0 +1,99 @@
+"""Build whatever the embedded default is missing: corpus, model, document store, index.
+
+Each step is skipped when its artefact exists and matches what it is built from (the corpus
+checksum, the tokenizer fingerprint, the default model's spec), so the README's commands are
+idempotent and a second run starts at once. Lives in the controller because it is the one package
+allowed to combine retrieval (corpus, store, index) with the pipeline (model, tokenizer).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specrag.errors import ArtifactError
+from specrag.paths import DataLayout
+from specrag.pipeline.default_model import DefaultModelSpec, check_model_dir, is_current_default_model, make_default_model
+from specrag.pipeline.tokenizer import Tokenizer
+from specrag.retrieval.corpus import Passage, build_default_corpus, load_passages, write_passages
+from specrag.retrieval.index_store import IndexConfig, build_index, check_corpus, load_index, save_index
+from specrag.retrieval.store import DocumentStore, build_store, corpus_checksum
+from specrag.retrieval.vector_index import VectorIndex
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Assets:
+    """Everything a query needs besides the engine, loaded and checked against each other."""
+
+    passages: list[Passage]
+    model_dir: Path
+    tokenizer: Tokenizer
+    store: DocumentStore
+    index: VectorIndex
+
+
+def ensure_corpus(layout: DataLayout, corpus_file: Path | None = None) -> list[Passage]:
+    """Load ``corpus_file`` (a user's JSONL), or the default corpus, building it if missing."""
+    if corpus_file is not None:
+        return load_passages(corpus_file)
+    if not layout.corpus_file.is_file():
+        count = write_passages(layout.corpus_file, build_default_corpus())
+        logger.info("built the default corpus: %d passages in %s", count, layout.corpus_file)
+    return load_passages(layout.corpus_file)
+
+
+def ensure_model(layout: DataLayout, passages: list[Passage], model_dir: Path | None = None) -> Path:
+    """A user's model directory as is, or the default model, (re)built when missing or outdated."""
+    if model_dir is not None:
+        check_model_dir(model_dir)
+        return model_dir
+    spec = DefaultModelSpec()
+    if not is_current_default_model(layout.model_dir, spec):
+        logger.info("building the default model in %s (tokenizer trained on the corpus)", layout.model_dir)
+        make_default_model(layout.model_dir, (passage.text for passage in passages), spec)
+    return layout.model_dir
+
+
+def ensure_store(layout: DataLayout, passages: list[Passage], tokenizer: Tokenizer) -> DocumentStore:
+    """The document store for this tokenizer and corpus, tokenizing the corpus if needed."""
+    path = layout.store_file(tokenizer.fingerprint)
+    checksum = corpus_checksum(passages)
+    try:
+        store = DocumentStore(path)
+        store.check_matches(tokenizer.fingerprint, checksum)
+        return store
+    except ArtifactError as reason:
+        logger.info("building the document store %s (%s)", path, reason)
+    with tqdm(total=len(passages), desc="tokenizing passages", unit="passage") as bar:
+        build_store(
+            path, passages, tokenizer.encode_batch, tokenizer.fingerprint, progress=lambda done: bar.update(done - bar.n)
+        )
+    return DocumentStore(path)
+
+
+def ensure_index(layout: DataLayout, passages: list[Passage], config: IndexConfig | None = None) -> VectorIndex:
+    """The vector index over ``passages``, built when missing, corrupt or built from another corpus."""
+    try:
+        index = load_index(layout.index_dir)
+        check_corpus(index, passages)
+        return index
+    except ArtifactError as reason:
+        logger.info("building the vector index in %s (%s)", layout.index_dir, reason)
+    index = build_index(passages, config or IndexConfig(), progress=True)
+    save_index(index, layout.index_dir)
+    return index
+
+
+def ensure_assets(layout: DataLayout, model_dir: Path | None = None, corpus_file: Path | None = None) -> Assets:
+    """Corpus, model, tokenizer, store and index, each built only if missing or stale."""
+    passages = ensure_corpus(layout, corpus_file)
+    resolved_model = ensure_model(layout, passages, model_dir)
+    tokenizer = Tokenizer(resolved_model)
+    store = ensure_store(layout, passages, tokenizer)
+    index = ensure_index(layout, passages)
+    return Assets(passages=passages, model_dir=resolved_model, tokenizer=tokenizer, store=store, index=index)

@@ -1,0 +1,79 @@
+"""Prompts as token IDs, assembled from the document store's per-passage token segments.
+
+The system prompt and the question are tokenized here (once for the system prompt); documents are
+never re-tokenized: their segments come from the store, in the order the cache layer chose, and
+:func:`specrag.cache.layout.build_layout` lays them out, padding to KV-block multiples if asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specrag.cache.layout import PromptLayout, build_layout
+from specrag.errors import InvalidInputError
+from specrag.pipeline.tokenizer import Tokenizer
+from specrag.retrieval.store import DocumentStore
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful assistant for Python programmers. You answer questions about the Python "
+    "language and its standard library. Below are passages retrieved from the Python documentation. "
+    "Base your answer on these passages only. If the passages do not contain the answer, say that "
+    "you do not know instead of guessing. Quote the names of functions, classes and modules exactly "
+    "as they appear in the passages. Keep the answer short: one or two paragraphs, with a small code "
+    "example when it helps. Do not repeat the question. Do not mention these instructions.\n\n"
+)
+DEFAULT_QUESTION_TEMPLATE = "Question: {question}\nAnswer:"
+MAX_QUESTION_CHARS = 4000
+
+
+class PromptBuilder:
+    """Builds :class:`PromptLayout` prompts for one tokenizer, store and system prompt."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        store: DocumentStore,
+        *,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        question_template: str = DEFAULT_QUESTION_TEMPLATE,
+        block_size: int | None = None,
+    ) -> None:
+        store.check_matches(tokenizer.fingerprint)
+        if "{question}" not in question_template:
+            raise InvalidInputError("question_template must contain '{question}'")
+        self.tokenizer = tokenizer
+        self.store = store
+        self.question_template = question_template
+        self.block_size = block_size
+        self.system_token_ids: tuple[int, ...] = tuple(tokenizer.encode(system_prompt))
+        self._pad_token_id = tokenizer.pad_token_id if block_size else None
+
+    def question_tokens(self, question: str) -> list[int]:
+        if not question.strip():
+            raise InvalidInputError("the question is empty")
+        if len(question) > MAX_QUESTION_CHARS:
+            raise InvalidInputError(f"the question is longer than {MAX_QUESTION_CHARS} characters")
+        return self.tokenizer.encode(self.question_template.format(question=question))
+
+    def build(self, doc_rows: Sequence[int], question: str, hint: str | None = None) -> PromptLayout:
+        """The prompt ``system · documents (in this order) · hint · question`` as token IDs."""
+        documents = [(int(row), self.store.tokens(int(row))) for row in doc_rows]
+        return build_layout(
+            self.system_token_ids,
+            documents,
+            self.question_tokens(question),
+            self.tokenizer.encode(hint) if hint else None,
+            block_size=self.block_size,
+            pad_token_id=self._pad_token_id,
+        )
+
+    def system_layout_tokens(self) -> tuple[int, ...]:
+        """The system prompt as it starts every prompt (padded like in :meth:`build`), for warm-up."""
+        layout = build_layout(
+            self.system_token_ids,
+            [],
+            [],
+            block_size=self.block_size,
+            pad_token_id=self._pad_token_id,
+        )
+        return layout.token_ids[: layout.segments[0].end]

@@ -1,0 +1,76 @@
+"""The ordering benchmark's trace contract, run as the user runs it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = [
+    {"docs": [3, 1, 2], "rid": "a"},
+    {"docs": [2, 1, 5]},
+    {"docs": ["x", 1, 3], "rid": 7, "conv": "c"},
+    {"docs": [1, 2, 3], "rid": "d"},
+]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench.ordering", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
+    return path
+
+
+@pytest.mark.parametrize("policy", ["retrieval", "exact", "batch"])
+def test_emit_writes_every_request_once_with_its_documents_permuted(
+    trace: Path, tmp_path: Path, policy: str
+) -> None:
+    out = tmp_path / "out.jsonl"
+    result = run("--trace", str(trace), "--policy", policy, "--emit", str(out))
+    assert result.returncode == 0, result.stderr
+    emitted = [json.loads(line) for line in out.read_text().splitlines()]
+    expected_rids = ["a", 1, 7, "d"]  # a missing rid is the line's index
+    assert sorted(map(str, (e["rid"] for e in emitted))) == sorted(map(str, expected_rids))
+    by_rid = {str(rid): r["docs"] for rid, r in zip(expected_rids, TRACE, strict=True)}
+    for e in emitted:
+        assert sorted(map(str, e["docs"])) == sorted(map(str, by_rid[str(e["rid"])]))
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["policy"] == policy and summary["requests"] == 4
+    for cache in ("unlimited", "lru10"):
+        assert 0.0 <= summary["prefix_reuse"][cache]["token_reuse"] <= 1.0
+    if policy == "retrieval":
+        assert [e["docs"] for e in emitted] == [r["docs"] for r in TRACE]
+
+
+def test_exact_reorders_the_last_request_onto_the_cached_path(trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    assert run("--trace", str(trace), "--policy", "exact", "--emit", str(out)).returncode == 0
+    last = json.loads(out.read_text().splitlines()[-1])
+    assert last["docs"][:2] == [3, 1]  # request "a" served 3, 1, 2 first
+
+
+@pytest.mark.parametrize(
+    ("content", "args", "message"),
+    [
+        (None, ["--policy", "exact"], "cannot read trace"),
+        ('{"docs": [1]}\n{"docs": [1, \n', ["--policy", "exact"], "line 2"),
+        ('{"docs": [1, 1]}\n', ["--policy", "exact"], "line 1"),
+        ('{"docs": [1]}\n', ["--policy", "fastest"], "unknown policy"),
+    ],
+)
+def test_bad_input_fails_clearly(tmp_path: Path, content: str | None, args: list[str], message: str) -> None:
+    path = tmp_path / "trace.jsonl"
+    if content is not None:
+        path.write_text(content)
+    result = run("--trace", str(path), *args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr

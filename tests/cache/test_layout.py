@@ -1,0 +1,52 @@
+import pytest
+
+from specrag.cache import build_layout
+from specrag.errors import InvalidInputError
+
+
+def test_unpadded_layout_concatenates_segments_in_order() -> None:
+    layout = build_layout([1, 2], [("a", [10, 11, 12]), (7, [20])], [30, 31], [40])
+    assert layout.token_ids == (1, 2, 10, 11, 12, 20, 40, 30, 31)
+    assert [(s.kind, s.doc_id, s.start, s.end) for s in layout.segments] == [
+        ("system", None, 0, 2),
+        ("document", "a", 2, 5),
+        ("document", 7, 5, 6),
+        ("hint", None, 6, 7),
+        ("question", None, 7, 9),
+    ]
+    assert layout.document_ids() == ("a", 7)
+
+
+def test_padding_puts_system_and_documents_on_block_boundaries() -> None:
+    layout = build_layout(
+        [1, 2, 3], [("a", [10] * 5), ("b", [20] * 4), ("c", [])], [30], [40, 41], block_size=4, pad_token_id=0
+    )
+    system, a, b, c, hint, question = layout.segments
+    assert (system.start, system.end) == (0, 4)
+    assert (a.start, a.end) == (4, 12)
+    assert (b.start, b.end) == (12, 16)  # already a multiple: no padding
+    assert (c.start, c.end) == (16, 16)
+    assert (hint.start, hint.end, question.end) == (16, 18, 19)  # hint and question stay unpadded
+    assert layout.token_ids[:12] == (1, 2, 3, 0, 10, 10, 10, 10, 10, 0, 0, 0)
+
+
+def test_two_prompts_sharing_a_first_document_diverge_on_a_block_boundary() -> None:
+    first = build_layout([1], [("a", [5] * 3), ("b", [6] * 2)], [9], block_size=4, pad_token_id=0)
+    second = build_layout([1], [("a", [5] * 3), ("c", [7] * 2)], [9], block_size=4, pad_token_id=0)
+    diverge = next(
+        i for i, (x, y) in enumerate(zip(first.token_ids, second.token_ids, strict=False)) if x != y
+    )
+    assert diverge % 4 == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "docs"),
+    [
+        ({"block_size": 4}, [("a", [1])]),
+        ({"block_size": 0, "pad_token_id": 0}, [("a", [1])]),
+        ({}, [("a", [1]), ("a", [2])]),
+    ],
+)
+def test_invalid_layouts_are_rejected(kwargs: dict[str, int], docs: list[tuple[str, list[int]]]) -> None:
+    with pytest.raises(InvalidInputError):
+        build_layout([1], docs, [2], **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,111 @@
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specrag.cache import POLICY_NAMES, KnowledgeTree, get_policy
+from specrag.cache.ordering import OracleOrder
+from specrag.cache.residency import chain_block_keys
+from specrag.errors import InvalidInputError
+from tests.cache.helpers import BLOCK, SYSTEM, FakeEngine, layout
+
+DOCS = range(7)
+served_orders = st.lists(
+    st.permutations(DOCS).flatmap(lambda p: st.integers(1, 5).map(lambda n: tuple(p[:n]))), max_size=25
+)
+requests = st.lists(st.sampled_from(DOCS), min_size=0, max_size=5, unique=True)
+
+
+def build(orders: list[tuple[int, ...]], evictions: list[int]) -> tuple[KnowledgeTree, FakeEngine]:
+    """A tree that followed an engine through served prompts and some evictions."""
+    tree = KnowledgeTree(SYSTEM, block_size=BLOCK)
+    engine = FakeEngine()
+    for order in orders:
+        prompt = layout(order)
+        tree.record_served(prompt)
+        tree.apply_events(engine.serve(prompt))
+    for pick in evictions:
+        if engine.hash_of:
+            keys = list(engine.hash_of)
+            tree.apply_events(engine.evict([keys[pick % len(keys)]]))
+    return tree, engine
+
+
+def brute_force_best(engine: FakeEngine, request: list[int]) -> tuple[int, int]:
+    return max(engine.cached(perm) for perm in itertools.permutations(request))
+
+
+@settings(max_examples=80, deadline=None)
+@given(served_orders, st.lists(st.integers(0, 1000), max_size=8), requests)
+def test_exact_equals_the_oracle_and_never_loses_to_greedy(
+    orders: list[tuple[int, ...]], evictions: list[int], request: list[int]
+) -> None:
+    tree, engine = build(orders, evictions)
+    exact = get_policy("exact").order(tree, request)
+    greedy = get_policy("greedy").order(tree, request)
+    best = brute_force_best(engine, request)
+    assert engine.cached(exact.doc_ids) == best  # on the engine's ground truth, not the tree's
+    assert (exact.cached.tokens, exact.cached.docs) == best  # and the tree predicted it
+    assert engine.cached(exact.doc_ids) >= engine.cached(greedy.doc_ids)
+    oracle = get_policy("oracle").order(tree, request)
+    assert engine.cached(oracle.doc_ids) == best
+
+
+@settings(max_examples=60, deadline=None)
+@given(served_orders, requests, st.sampled_from(POLICY_NAMES))
+def test_every_policy_returns_a_permutation(
+    orders: list[tuple[int, ...]], request: list[int], name: str
+) -> None:
+    tree, _ = build(orders, [])
+    result = get_policy(name).order(tree, request)
+    assert sorted(result.doc_ids) == sorted(request)
+    assert result.cached == tree.cached_prefix(result.doc_ids)
+
+
+def test_exact_finds_a_cached_path_that_greedy_misses() -> None:
+    # greedy takes 2 (first in rank order with a resident child) and stops; exact finds 4 -> 6 -> 8
+    tree, _ = build([(2, 5), (4, 6, 8)], [])
+    request = [2, 4, 6, 8]
+    assert get_policy("greedy").order(tree, request).doc_ids[:1] == (2,)
+    exact = get_policy("exact").order(tree, request)
+    assert exact.doc_ids[:3] == (4, 6, 8)
+    assert exact.cached.docs == 2  # document 8 ends mid-block: its last block holds question tokens
+
+
+def test_exact_puts_a_partly_evicted_document_next_for_its_leading_blocks() -> None:
+    tree, engine = build([(4, 2)], [])
+    prompt = layout((4, 2))
+    keys = chain_block_keys(prompt.token_ids, BLOCK)
+    doc2 = prompt.segments[2]
+    tree.apply_events(engine.evict([keys[doc2.end // BLOCK - 1]]))  # doc 2 loses its last block only
+    exact = get_policy("exact").order(tree, [6, 2, 4])
+    assert exact.doc_ids[:2] == (4, 2)
+    assert exact.cached.tokens == engine.cached((4, 2))[0] > engine.cached((4, 6))[0]
+
+
+def test_the_longest_cached_prefix_comes_first_then_popular_documents() -> None:
+    tree, _ = build([(5,), (3, 5), (6, 3)], [])  # served twice: 5 and 3; once: 6
+    # both [5] (8 tokens) and [6] (12 tokens) are cached prefixes; 6 wins, then 5 (popular)
+    assert get_policy("exact").order(tree, [1, 6, 5, 9]).doc_ids == (6, 5, 1, 9)
+    assert get_policy("exact-rank").order(tree, [1, 6, 5, 9]).doc_ids == (6, 1, 5, 9)
+
+
+def test_oracle_accepts_an_external_probe() -> None:
+    tree, _ = build([(1, 2)], [])
+    probed: list[tuple[int, ...]] = []
+
+    def probe(prefix):  # type: ignore[no-untyped-def]
+        probed.append(tuple(prefix))
+        return tree.cached_prefix(prefix)
+
+    OracleOrder(probe).order(tree, [2, 1, 3])
+    assert (1, 2) in probed and () in probed
+
+
+def test_unknown_policy_and_duplicate_documents_are_rejected() -> None:
+    with pytest.raises(InvalidInputError, match="known"):
+        get_policy("fastest")
+    tree, _ = build([], [])
+    with pytest.raises(InvalidInputError):
+        get_policy("exact").order(tree, [1, 1])

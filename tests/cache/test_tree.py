@@ -1,0 +1,141 @@
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specrag.cache import AllBlocksCleared, KnowledgeTree, PrefixMatch
+from specrag.cache.residency import chain_block_keys
+from specrag.errors import InvalidInputError
+from tests.cache.helpers import BLOCK, SYSTEM, FakeEngine, layout
+
+
+def served_tree(
+    *orders: tuple[int, ...], capacity_blocks: int | None = None
+) -> tuple[KnowledgeTree, FakeEngine]:
+    tree = KnowledgeTree(SYSTEM, block_size=BLOCK, capacity_blocks=capacity_blocks)
+    engine = FakeEngine()
+    for order in orders:
+        prompt = layout(order)
+        tree.record_served(prompt)
+        if capacity_blocks is None:
+            tree.apply_events(engine.serve(prompt))
+    return tree, engine
+
+
+def test_cold_tree_knows_nothing_is_cached() -> None:
+    tree, _ = served_tree()
+    assert not tree.system_prompt_resident()
+    assert tree.cached_prefix([0, 1]).tokens == 0
+
+
+def test_events_make_the_served_path_resident_and_evictions_undo_it() -> None:
+    tree, engine = served_tree((3, 1, 2))
+    assert tree.system_prompt_resident()
+    match = tree.cached_prefix([3, 1, 2])
+    assert (match.tokens, match.docs) == engine.cached((3, 1, 2)) == (28, 3)
+    assert tree.cached_prefix([1, 3]).docs == 0
+    # evict the block that completes inside document 1 (second on the path)
+    prompt = layout((3, 1, 2))
+    keys = chain_block_keys(prompt.token_ids, BLOCK)
+    doc1 = prompt.segments[2]
+    victim = keys[doc1.end // BLOCK - 1]
+    tree.apply_events(engine.evict([victim]))
+    match = tree.cached_prefix([3, 1, 2])
+    assert (match.tokens, match.docs) == engine.cached((3, 1, 2)) == (12, 1)
+    tree.apply_events([AllBlocksCleared()])
+    assert not tree.system_prompt_resident()
+    assert tree.cached_prefix([3, 1, 2]).tokens == 0
+
+
+def test_a_document_ending_mid_block_is_cached_only_up_to_its_last_full_block() -> None:
+    tree, engine = served_tree((2, 1))  # doc 2 has 11 tokens: the path ends mid-block at token 17
+    other = tree.cached_prefix([2, 4])
+    assert (other.tokens, other.docs) == engine.cached((2, 4)) == (16, 0)
+
+
+def test_capacity_model_evicts_when_events_are_unavailable() -> None:
+    tree, _ = served_tree((2, 4), (6, 8), (4, 6), capacity_blocks=10)  # 7 + 6 + 7 blocks
+    assert tree.uses_capacity_model
+    assert tree.stored_blocks == 10
+    assert tree.cached_prefix([2, 4]) == PrefixMatch(0, 4)  # only the shared system block survived
+    assert tree.cached_prefix([4, 6]).tokens == 24
+
+
+def test_first_event_retires_the_capacity_model() -> None:
+    tree, engine = served_tree((2, 4), capacity_blocks=100)
+    assert tree.cached_prefix([2, 4]).tokens == 24
+    prompt = layout((5,))
+    tree.apply_events(engine.serve(prompt))  # the engine's events may arrive before record_served
+    tree.record_served(prompt)
+    assert not tree.uses_capacity_model
+    assert tree.cached_prefix([2, 4]) == PrefixMatch(0, 4)  # only what the engine reported counts now
+    assert tree.cached_prefix([5]).tokens == 8
+
+
+def test_a_different_system_prompt_is_rejected() -> None:
+    tree = KnowledgeTree((7, 7, 7), block_size=BLOCK)
+    with pytest.raises(InvalidInputError):
+        tree.record_served(layout((1,)))
+
+
+def test_mismatched_block_size_in_events_is_rejected() -> None:
+    tree = KnowledgeTree(SYSTEM, block_size=8)
+    with pytest.raises(InvalidInputError):
+        tree.apply_events(FakeEngine().serve(layout((1,))))
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("serve"),
+            st.permutations(range(6)).flatmap(lambda p: st.integers(0, 6).map(lambda n: tuple(p[:n]))),
+        ),
+        st.tuples(st.just("evict"), st.integers(0, 10_000)),
+        st.tuples(st.just("clear"), st.none()),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(operations)
+def test_tree_mirrors_the_engine_under_random_event_streams(ops: list[tuple[str, object]]) -> None:
+    tree, engine = served_tree()
+    for kind, arg in ops:
+        if kind == "serve":
+            assert isinstance(arg, tuple)
+            prompt = layout(arg)
+            tree.record_served(prompt)
+            tree.apply_events(engine.serve(prompt))
+        elif kind == "evict" and engine.hash_of:
+            assert isinstance(arg, int)
+            keys = list(engine.hash_of)
+            tree.apply_events(engine.evict([keys[arg % len(keys)]]))
+        elif kind == "clear":
+            engine.hash_of.clear()
+            tree.apply_events([AllBlocksCleared()])
+    stored = set(engine.hash_of)
+    nodes = list(tree.nodes())
+    assert len(nodes) == len(tree) + 1
+    for node in nodes:
+        assert node.missing == sum(1 for key in node.keys if key not in stored)
+        for doc_id, child in node.children.items():
+            assert child.parent is node and child.doc_id == doc_id and child.start == node.end
+    for order in itertools.permutations(range(4), 3):
+        match = tree.cached_prefix(order)
+        assert (match.tokens, match.docs) == engine.cached(order)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 200), min_size=1, max_size=6, unique=True), min_size=150, max_size=300)
+)
+def test_memory_stays_bounded_under_a_long_stream(requests: list[list[int]]) -> None:
+    tree = KnowledgeTree(SYSTEM, block_size=BLOCK, capacity_blocks=40, max_nodes=30, max_docs=20)
+    for order in requests:
+        tree.record_served(layout(order))
+        assert len(tree) <= 30
+        assert tree.stored_blocks <= 40
+        assert sum(1 for _ in tree.nodes()) == len(tree) + 1
+    assert sum(1 for d in range(201) if tree.popularity(d) > 0) <= 20

@@ -1,0 +1,137 @@
+"""The KV-event subscriber against a local publisher speaking vLLM's wire format."""
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from vllm.distributed import kv_events as vllm_events
+
+from specrag.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from specrag.pipeline.kv_events import KVEventSubscriber
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def batch(seq: int) -> bytes:
+    """A real msgspec-encoded vLLM KVEventBatch; batch n stores block n, 3 removes block 1."""
+    events: list[object]
+    if seq == 3:
+        events = [vllm_events.BlockRemoved(block_hashes=[1], medium="GPU")]
+    elif seq == 5:
+        events = [vllm_events.AllBlocksCleared()]
+    else:
+        events = [
+            vllm_events.BlockStored(
+                block_hashes=[seq],
+                parent_block_hash=seq - 1 if seq else None,
+                token_ids=[seq] * 4,
+                block_size=4,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+        ]
+    return msgspec.msgpack.encode(vllm_events.KVEventBatch(ts=float(seq), events=events))
+
+
+class Publisher:
+    """PUB + ROUTER replay, like vLLM's ZmqEventPublisher, but able to drop batches on purpose."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.endpoint = f"ipc://{tmp_path}/pub"
+        self.replay_endpoint = f"ipc://{tmp_path}/replay"
+        self.context = zmq.asyncio.Context()
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.bind(self.endpoint)
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.bind(self.replay_endpoint)
+        self.sent: dict[int, bytes] = {}
+        self.replays = 0
+        self.server = asyncio.create_task(self._serve_replay())
+
+    async def publish(self, seq: int, *, drop: bool = False) -> None:
+        self.sent[seq] = batch(seq)
+        if not drop:
+            await self.pub.send_multipart((b"kv", seq.to_bytes(8, "big"), self.sent[seq]))
+
+    async def _serve_replay(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            self.replays += 1
+            for seq in sorted(s for s in self.sent if s >= int.from_bytes(start, "big")):
+                await self.router.send_multipart((client, b"", b"kv", seq.to_bytes(8, "big"), self.sent[seq]))
+            await self.router.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    async def close(self) -> None:
+        self.server.cancel()
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+        self.context.term()
+
+
+@pytest.mark.timeout(60)
+async def test_subscriber_converts_orders_and_replays_missed_batches(tmp_path: Path) -> None:
+    publisher = Publisher(tmp_path)
+    received: list[list[KVEvent]] = []
+    done = asyncio.Event()
+
+    def on_events(events: Sequence[KVEvent]) -> None:
+        received.append(list(events))
+        if isinstance(events[0], AllBlocksCleared):
+            done.set()
+
+    await publisher.publish(0)  # published before anyone listens: only replay can recover it
+    subscriber = KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint, "kv", on_events)
+    await subscriber.start()
+    try:
+        await asyncio.sleep(0.3)  # PUB/SUB joins asynchronously
+        await publisher.publish(1)
+        await publisher.publish(2, drop=True)  # lost on the wire
+        await publisher.publish(3)
+        await publisher.publish(4)
+        await publisher.publish(5)
+        async with asyncio.timeout(5):
+            await done.wait()
+    finally:
+        await subscriber.stop()
+        await publisher.close()
+    assert subscriber.lost == 0 and publisher.replays == 2 and subscriber.replayed == 2
+    assert received == [
+        [BlockStored((0,), None, (0, 0, 0, 0), 4)],
+        [BlockStored((1,), 0, (1, 1, 1, 1), 4)],
+        [BlockStored((2,), 1, (2, 2, 2, 2), 4)],
+        [BlockRemoved((1,))],
+        [BlockStored((4,), 3, (4, 4, 4, 4), 4)],
+        [AllBlocksCleared()],
+    ]
+
+
+@pytest.mark.timeout(60)
+async def test_without_replay_gaps_are_counted_and_stop_is_clean(tmp_path: Path) -> None:
+    publisher = Publisher(tmp_path)
+    received: list[int] = []
+    done = asyncio.Event()
+
+    def on_events(events: Sequence[KVEvent]) -> None:
+        received.append(len(events))
+        if len(received) == 2:
+            done.set()
+
+    subscriber = KVEventSubscriber(publisher.endpoint, None, "kv", on_events)
+    await subscriber.start()
+    try:
+        await asyncio.sleep(0.3)
+        await publisher.publish(0)
+        await publisher.publish(1, drop=True)
+        await publisher.publish(2)
+        async with asyncio.timeout(5):
+            await done.wait()
+    finally:
+        await subscriber.stop()
+        await subscriber.stop()  # idempotent
+        await publisher.close()
+    assert subscriber.lost == 1 and received == [1, 1]

@@ -1,0 +1,53 @@
+"""The console command: sub-commands are wired, mistakes give a message and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specrag.cli import main
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "specrag", *args], cwd=cwd, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_corpus_build_writes_jsonl_into_the_data_dir(tmp_path: Path) -> None:
+    result = run_cli("--data-dir", str(tmp_path / "d"), "corpus", "build", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    corpus = tmp_path / "d" / "corpus" / "passages.jsonl"
+    first = json.loads(corpus.read_text().splitlines()[0])
+    assert set(first) == {"id", "title", "text"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "-k", "0"], "-k must be between 1 and"),
+        (["demo", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["corpus", "build", "--words", "3"], "target_words must be at least"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["--data-dir", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["frobnicate"])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_missing_user_model_dir_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--data-dir", str(tmp_path), "prepare", "--model", str(tmp_path / "nope")]) == 2
+    assert "model directory not found" in capsys.readouterr().err
