@@ -64,8 +64,9 @@ async def measure(
         row["cold_over_cached"] = row["cold_s_median"] / row["cached_s_median"]
         rows.append(row)
         print(
-            f"{length:>6} tokens  cold {row['cold_s_median']:.3f} s  50% cached {row['half_cached_s_median']:.3f} s  "
-            f"cached {row['cached_s_median']:.3f} s  ratio {row['cold_over_cached']:.1f}x",
+            f"{length:>6} tokens  cold {row['cold_s_median']:.3f} s  "
+            f"50% cached {row['half_cached_s_median']:.3f} s  cached {row['cached_s_median']:.3f} s  "
+            f"ratio {row['cold_over_cached']:.1f}x",
             flush=True,
         )
     return rows

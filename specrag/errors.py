@@ -20,3 +20,15 @@ class ArtifactError(SpecragError):
 
 class EngineError(SpecragError):
     """The inference engine failed, died or timed out; the request may succeed if retried later."""
+
+
+class NotFoundError(SpecragError, LookupError):
+    """The caller named something that does not exist (an unknown or expired session)."""
+
+
+class OverloadedError(SpecragError):
+    """The service is at its admission limit; the caller should retry after a pause."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -14,7 +14,12 @@ from specrag.cli import main
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "specrag", *args], cwd=cwd, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-m", "specrag", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 

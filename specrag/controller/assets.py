@@ -16,7 +16,12 @@ from tqdm import tqdm
 
 from specrag.errors import ArtifactError
 from specrag.paths import DataLayout
-from specrag.pipeline.default_model import DefaultModelSpec, check_model_dir, is_current_default_model, make_default_model
+from specrag.pipeline.default_model import (
+    DefaultModelSpec,
+    check_model_dir,
+    is_current_default_model,
+    make_default_model,
+)
 from specrag.pipeline.tokenizer import Tokenizer
 from specrag.retrieval.corpus import Passage, build_default_corpus, load_passages, write_passages
 from specrag.retrieval.index_store import IndexConfig, build_index, check_corpus, load_index, save_index
@@ -71,12 +76,18 @@ def ensure_store(layout: DataLayout, passages: list[Passage], tokenizer: Tokeniz
         logger.info("building the document store %s (%s)", path, reason)
     with tqdm(total=len(passages), desc="tokenizing passages", unit="passage") as bar:
         build_store(
-            path, passages, tokenizer.encode_batch, tokenizer.fingerprint, progress=lambda done: bar.update(done - bar.n)
+            path,
+            passages,
+            tokenizer.encode_batch,
+            tokenizer.fingerprint,
+            progress=lambda done: bar.update(done - bar.n),
         )
     return DocumentStore(path)
 
 
-def ensure_index(layout: DataLayout, passages: list[Passage], config: IndexConfig | None = None) -> VectorIndex:
+def ensure_index(
+    layout: DataLayout, passages: list[Passage], config: IndexConfig | None = None
+) -> VectorIndex:
     """The vector index over ``passages``, built when missing, corrupt or built from another corpus."""
     try:
         index = load_index(layout.index_dir)
@@ -89,7 +100,9 @@ def ensure_index(layout: DataLayout, passages: list[Passage], config: IndexConfi
     return index
 
 
-def ensure_assets(layout: DataLayout, model_dir: Path | None = None, corpus_file: Path | None = None) -> Assets:
+def ensure_assets(
+    layout: DataLayout, model_dir: Path | None = None, corpus_file: Path | None = None
+) -> Assets:
     """Corpus, model, tokenizer, store and index, each built only if missing or stale."""
     passages = ensure_corpus(layout, corpus_file)
     resolved_model = ensure_model(layout, passages, model_dir)

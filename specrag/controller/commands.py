@@ -65,8 +65,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     demo = subparsers.add_parser("demo", help="answer real questions with retrieval and the real engine")
     _add_asset_options(demo)
-    demo.add_argument("-q", "--question", action="append", help="a question (repeatable; default: three built in)")
+    demo.add_argument(
+        "-q", "--question", action="append", help="a question (repeatable; default: three built in)"
+    )
     demo.add_argument("-k", type=int, default=10, help=f"passages per prompt (1..{MAX_K})")
     demo.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per answer")
-    demo.add_argument("--eager", action="store_true", help="skip graph compilation (faster start, slower prefill)")
+    demo.add_argument(
+        "--eager", action="store_true", help="skip graph compilation (faster start, slower prefill)"
+    )
     demo.set_defaults(handler=_demo)

@@ -26,7 +26,7 @@ def _make_model(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     make_model = subparsers.add_parser(
         "make-model",
-        help="write the default model: random Llama weights + a BPE tokenizer trained on the corpus (no download)",
+        help="write the default model (random Llama weights, corpus-trained BPE tokenizer; no download)",
     )
     make_model.add_argument("--output", help="model directory (default: DATA_DIR/model)")
     make_model.add_argument("--seed", type=int, default=DefaultModelSpec.seed, help="weight seed")

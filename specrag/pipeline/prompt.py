@@ -55,11 +55,21 @@ class PromptBuilder:
             raise InvalidInputError(f"the question is longer than {MAX_QUESTION_CHARS} characters")
         return self.tokenizer.encode(self.question_template.format(question=question))
 
-    def build(self, doc_rows: Sequence[int], question: str, hint: str | None = None) -> PromptLayout:
-        """The prompt ``system · documents (in this order) · hint · question`` as token IDs."""
+    def build(
+        self,
+        doc_rows: Sequence[int],
+        question: str,
+        hint: str | None = None,
+        history: Sequence[int] | None = None,
+    ) -> PromptLayout:
+        """The prompt ``system · documents (in this order) · hint · question`` as token IDs.
+
+        For a later turn of a conversation, ``history`` (everything said so far) takes the system
+        prompt's place, so the whole conversation is one cached prefix.
+        """
         documents = [(int(row), self.store.tokens(int(row))) for row in doc_rows]
         return build_layout(
-            self.system_token_ids,
+            self.system_token_ids if history is None else history,
             documents,
             self.question_tokens(question),
             self.tokenizer.encode(hint) if hint else None,
@@ -67,13 +77,12 @@ class PromptBuilder:
             pad_token_id=self._pad_token_id,
         )
 
-    def system_layout_tokens(self) -> tuple[int, ...]:
-        """The system prompt as it starts every prompt (padded like in :meth:`build`), for warm-up."""
-        layout = build_layout(
-            self.system_token_ids,
-            [],
-            [],
-            block_size=self.block_size,
-            pad_token_id=self._pad_token_id,
+    def system_layout(self) -> PromptLayout:
+        """The system prompt alone, laid out as it starts every prompt (for warm-up)."""
+        return build_layout(
+            self.system_token_ids, [], [], block_size=self.block_size, pad_token_id=self._pad_token_id
         )
-        return layout.token_ids[: layout.segments[0].end]
+
+    def system_layout_tokens(self) -> tuple[int, ...]:
+        """The system prompt's tokens as they start every prompt (padded like in :meth:`build`)."""
+        return self.system_layout().token_ids

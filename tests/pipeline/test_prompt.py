@@ -19,7 +19,9 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer, default_corpus: list[Passage]) -> DocumentStore:
+def store(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer, default_corpus: list[Passage]
+) -> DocumentStore:
     path = tmp_path_factory.mktemp("store") / "s.sqlite"
     build_store(path, default_corpus[:20], tokenizer.encode_batch, tokenizer.fingerprint)
     return DocumentStore(path)
@@ -39,14 +41,18 @@ def test_prompt_is_the_concatenation_of_stored_segments(tokenizer: Tokenizer, st
     assert layout.document_ids() == (3, 1, 7)
 
 
-def test_stored_segments_are_not_retokenized_across_boundaries(tokenizer: Tokenizer, store: DocumentStore) -> None:
+def test_stored_segments_are_not_retokenized_across_boundaries(
+    tokenizer: Tokenizer, store: DocumentStore
+) -> None:
     layout = PromptBuilder(tokenizer, store).build([0, 1], "q?")
     documents = [s for s in layout.segments if s.kind == "document"]
     for segment, row in zip(documents, (0, 1), strict=True):
         assert layout.token_ids[segment.start : segment.end] == store.tokens(row)
 
 
-def test_block_alignment_puts_every_document_on_a_block_boundary(tokenizer: Tokenizer, store: DocumentStore) -> None:
+def test_block_alignment_puts_every_document_on_a_block_boundary(
+    tokenizer: Tokenizer, store: DocumentStore
+) -> None:
     builder = PromptBuilder(tokenizer, store, block_size=32)
     layout = builder.build([5, 2, 9], "Why?")
     for segment in layout.segments:
@@ -54,7 +60,9 @@ def test_block_alignment_puts_every_document_on_a_block_boundary(tokenizer: Toke
             assert segment.start % 32 == 0 and segment.end % 32 == 0
     # Two prompts that differ from the second document on share exactly the aligned prefix.
     other = builder.build([5, 4, 9], "Why?")
-    shared = next(i for i, (a, b) in enumerate(zip(layout.token_ids, other.token_ids, strict=False)) if a != b)
+    shared = next(
+        i for i, (a, b) in enumerate(zip(layout.token_ids, other.token_ids, strict=False)) if a != b
+    )
     assert shared >= layout.segments[1].end
     assert builder.system_layout_tokens() == layout.token_ids[: layout.segments[0].end]
 
