@@ -38,14 +38,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_corpus: lis
 
 
 @pytest.fixture(scope="session")
-def tiny_engine_config(tiny_model_dir: Path) -> EngineConfig:
+def tiny_engine_config(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
+    """Eager (fast start), 1 GiB of KV, KV-cache events published on IPC sockets."""
     return EngineConfig(
         model=str(tiny_model_dir),
         max_model_len=4096,
         kv_cache_gib=1,
         enforce_eager=True,
         startup_timeout_s=600,
-    ).validate()
+    ).with_kv_events(tmp_path_factory.mktemp("engine-run"))
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -227,6 +227,16 @@ class KnowledgeTree:
             else:
                 self._residency.apply(event)
 
+    def engine_cache_cleared(self) -> None:
+        """The engine dropped its whole prefix cache (reset, restart): nothing is resident.
+
+        Unlike an ``AllBlocksCleared`` event this keeps the capacity model when it is in use,
+        for engines that publish no events.
+        """
+        if self._lru is not None:
+            self._lru.clear()
+        self._reset_residency(engine_cleared=True)
+
     # ----------------------------------------------------------------- internals
 
     def _split(self, layout: PromptLayout) -> tuple[Segment, list[Segment]]:

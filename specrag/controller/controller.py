@@ -258,9 +258,27 @@ class RagController:
         return rows
 
     def _prompt(
+        self,
+        rows: list[int],
+        question: str,
+        mode: Mode,
+        session: Session | None,
+        final: bool,
+        timeline: Timeline,
+    ) -> tuple[PromptLayout, int]:
+        """The prompt for these documents and the tree's estimate of its cached tokens.
+
+        Its cost is the controller's own overhead per stage, so it is timed into the timeline.
+        """
+        started = now()
+        try:
+            return self._ordered_prompt(rows, question, mode, session, final)
+        finally:
+            timeline.controller_s += now() - started
+
+    def _ordered_prompt(
         self, rows: list[int], question: str, mode: Mode, session: Session | None, final: bool
     ) -> tuple[PromptLayout, int]:
-        """The prompt for these documents and the tree's estimate of its cached tokens."""
         if session is not None and session.turns:
             docs, hint = rows, None
             if final:
@@ -333,7 +351,7 @@ class RagController:
                     break
                 if not mode.speculation:
                     continue
-                layout, _ = self._prompt(rows, question, mode, session, final=False)
+                layout, _ = self._prompt(rows, question, mode, session, False, timeline)
                 if speculation is not None and speculation.layout.token_ids == layout.token_ids:
                     continue
                 if speculation is not None:
@@ -352,7 +370,7 @@ class RagController:
                     )
         timeline.search_end = now()
         timeline.documents = [self.builder.store.passage(row).id for row in final_rows]
-        layout, predicted = self._prompt(final_rows, question, mode, session, final=True)
+        layout, predicted = self._prompt(final_rows, question, mode, session, True, timeline)
         timeline.predicted_cached_tokens = predicted
         if speculation is not None and speculation.layout.token_ids == layout.token_ids:
             timeline.adopted = True
@@ -408,6 +426,15 @@ class RagController:
         elif timeline.first_token is not None:
             self.tree.record_served(flight.layout, timeline.cached_prompt_tokens)
         yield AnswerDone("".join(texts), finish_reason, timeline, flight.layout)
+
+    async def reset_prefix_cache(self) -> None:
+        """Empty the engine's prefix cache and tell the tree at once (for cold-start experiments).
+
+        vLLM publishes the AllBlocksCleared event only with its next step; the tree must not
+        believe in cached blocks until then.
+        """
+        await self.engine.reset_prefix_cache()
+        self.tree.engine_cache_cleared()
 
     async def close(self) -> None:
         """Abort every request still in flight (service shutdown)."""

@@ -41,6 +41,7 @@ class Timeline:
     adopted: bool = False
     warmed: bool = False
     queued_s: float = 0.0
+    controller_s: float = 0.0
     documents: list[str] = field(default_factory=list)
 
     def add(self, kind: str, at: float, **detail: Any) -> None:
@@ -80,6 +81,7 @@ class Timeline:
             "retrieval_ms": ms(self.retrieval_s),
             "non_overlapped_retrieval_ms": ms(self.non_overlapped_retrieval_s),
             "queued_ms": ms(self.queued_s),
+            "controller_ms": ms(self.controller_s),
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "predicted_cached_tokens": self.predicted_cached_tokens,

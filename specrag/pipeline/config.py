@@ -41,6 +41,8 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = "kv"
     startup_timeout_s: float = 300.0
 
     def validate(self) -> EngineConfig:
@@ -67,6 +69,8 @@ class EngineConfig:
             raise InvalidInputError(
                 f"engine config: dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}"
             )
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise InvalidInputError("engine config: kv_events_replay_endpoint needs kv_events_endpoint")
         if self.startup_timeout_s <= 0:
             raise InvalidInputError("engine config: startup_timeout_s must be positive")
         return self
@@ -74,6 +78,15 @@ class EngineConfig:
     def with_overrides(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed, validated."""
         return replace(self, **changes).validate()  # type: ignore[arg-type]
+
+    def with_kv_events(self, run_dir: Path, topic: str = "kv") -> EngineConfig:
+        """A copy that publishes KV-cache events on IPC sockets in ``run_dir`` (exact APC mirror)."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return self.with_overrides(
+            kv_events_endpoint=f"ipc://{run_dir / 'kv-events'}",
+            kv_events_replay_endpoint=f"ipc://{run_dir / 'kv-events-replay'}",
+            kv_events_topic=topic,
+        )
 
     def process_environment(self) -> dict[str, str]:
         """Variables vLLM's CPU build reads at start-up (the engine core is a child process)."""

@@ -92,7 +92,11 @@ def _engine_args(config: EngineConfig) -> Any:
         from vllm.config import KVEventsConfig
 
         kwargs["kv_events_config"] = KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=config.kv_events_endpoint
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=config.kv_events_endpoint,
+            replay_endpoint=config.kv_events_replay_endpoint,
+            topic=config.kv_events_topic,
         )
     return AsyncEngineArgs(**kwargs)
 

@@ -1,0 +1,51 @@
+"""The knowledge tree follows the real engine's prefix cache through vLLM's KV-cache events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specrag.controller.assets import Assets
+from specrag.controller.controller import RagRequest
+from specrag.controller.kv_mirror import KVMirror
+from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.vllm_engine import VllmEngine
+from tests.controller.conftest import make_controller, scripted_index
+
+pytestmark = pytest.mark.engine
+
+
+async def _eventually(condition: object, within_s: float = 5.0) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while loop.time() < deadline:
+        if callable(condition) and condition():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_served_documents_become_resident_and_a_reset_clears_them(
+    vllm_engine: VllmEngine, tiny_assets: Assets, tiny_engine_config: EngineConfig
+) -> None:
+    await vllm_engine.reset_prefix_cache()
+    controller = make_controller(vllm_engine, tiny_assets, scripted_index(tiny_assets, [[20, 21, 22]], 0.01))
+    mirror = KVMirror(controller.tree, tiny_engine_config)
+    await mirror.start()
+    try:
+        assert mirror.active
+        done = await controller.answer(RagRequest("What is a frozenset?", k=3, mode="ordering", max_tokens=2))
+        order = list(done.prompt.document_ids())
+        assert await _eventually(lambda: controller.tree.cached_prefix(order).docs == 3)
+        assert not controller.tree.uses_capacity_model
+        assert controller.tree.system_prompt_resident()
+
+        await controller.reset_prefix_cache()
+        assert not controller.tree.system_prompt_resident()
+        assert controller.tree.cached_prefix(order).tokens == 0
+        again = await controller.answer(RagRequest("What is a frozenset?", k=3, mode="all", max_tokens=2))
+        assert again.timeline.warmed
+    finally:
+        await mirror.stop()
+        await controller.close()
