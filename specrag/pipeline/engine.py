@@ -187,6 +187,20 @@ def check_prompt_fits(prompt_tokens: int, sampling: Sampling, max_model_len: int
         )
 
 
+async def warm_by_prefill(engine: Engine, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
+    """Warm a prefix the way every APC engine allows: prefill it, generate one token, report the hit."""
+    started = now()
+    cached = 0
+    async for output in engine.generate(request_id, prompt_token_ids, Sampling(max_tokens=1)):
+        cached = output.cached_tokens or cached
+    return WarmResult(
+        prompt_tokens=len(prompt_token_ids),
+        cached_tokens=cached,
+        block_size=engine.block_size,
+        elapsed_s=now() - started,
+    )
+
+
 def now() -> float:
     """The clock every timeline uses (monotonic, sub-microsecond)."""
     return time.perf_counter()

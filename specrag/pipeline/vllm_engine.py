@@ -24,6 +24,7 @@ from specrag.pipeline.engine import (
     WarmResult,
     check_prompt_fits,
     now,
+    warm_by_prefill,
 )
 
 logger = logging.getLogger(__name__)
@@ -233,16 +234,7 @@ class VllmEngine:
         self._tracker.finished(request_id)
 
     async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
-        started = now()
-        cached = 0
-        async for output in self.generate(request_id, prompt_token_ids, Sampling(max_tokens=1)):
-            cached = output.cached_tokens or 0
-        return WarmResult(
-            prompt_tokens=len(prompt_token_ids),
-            cached_tokens=cached,
-            block_size=self.block_size,
-            elapsed_s=now() - started,
-        )
+        return await warm_by_prefill(self, prompt_token_ids, request_id)
 
     async def reset_prefix_cache(self) -> None:
         self._ensure_open()

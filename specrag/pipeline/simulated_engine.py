@@ -1,0 +1,594 @@
+"""A simulated engine with vLLM's prefix-cache semantics and a measured time model.
+
+Why it exists: unit tests of the controller need an engine that starts in no time, behaves the
+same on every run and can be made to fail on purpose; large simulations (thousands of requests,
+eviction pressure) need one that costs no CPU per token. It is never the product default: every
+figure on the compass comes from a real engine.
+
+What it reproduces of vLLM v1 (checked against the real engine in tests/pipeline/test_simulated_engine.py):
+
+- **APC.** A prompt is split into full blocks of ``block_size`` tokens, each keyed by a chained
+  content key (parent key + block tokens, :func:`specrag.cache.residency.chain_block_keys`). A
+  request's cache hit is the longest run of resident blocks from the first one, capped at
+  ``(prompt_tokens - 1) // block_size`` blocks: vLLM must compute at least the last prompt token to
+  get logits, so an exact repeat recomputes its last full block (a prompt of 1024 tokens with
+  32-token blocks reports 992 cached tokens the second time, one of 1000 tokens also 992).
+- **Blocks enter the cache as the prefill progresses.** Each engine step computes a chunk; the full
+  blocks it completes become resident at the end of the step, so a request aborted mid-prefill
+  leaves the chunks computed so far reusable. Output tokens fill blocks too, as in vLLM.
+- **Block pool and eviction.** ``capacity_blocks`` blocks; a running request holds its blocks, a
+  finished one returns them tail first to an LRU free list, and allocating a block evicts the
+  least recently freed cached block. Running out of blocks preempts the newest running request
+  (recompute, as vLLM does). ``reset_prefix_cache`` refuses while blocks are in use, like vLLM.
+- **Scheduling.** One step loop task: running requests first, then waiting ones in arrival order,
+  within ``max_num_batched_tokens`` per step, each prefill chunk capped at
+  ``long_prefill_token_threshold``; decoding requests take one token per step. A request's first
+  token comes at the end of the step that computes its last prompt token, so head-of-line waits
+  and "abort takes effect after the current step" fall out of the loop, not special cases.
+- **Abort.** Like ``AsyncLLM``: the stream ends at once with an empty output whose
+  ``finish_reason`` is ``"abort"``, while the engine drops the request at its next step.
+
+Time: a step lasts ``step_overhead_s`` + the prefill cost of its chunks + ``decode_step_s`` when
+any request decodes, multiplied by ``time_scale`` and slept with ``asyncio.sleep`` (0.01 makes
+tests 100x faster; 0 only yields). :attr:`SimulatedEngine.simulated_time_s` adds the unscaled
+step times, for simulations that report engine time.
+
+Outputs are synthetic: token IDs drawn from a generator seeded by the prompt (and the sampling
+seed), so the same prompt always gives the same answer; the text is the IDs written out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from specrag.cache.pgdsf import PrefillProfile
+from specrag.cache.residency import ROOT_KEY, chain_block_keys, count_leading
+from specrag.errors import EngineError, InvalidInputError
+from specrag.pipeline.engine import (
+    EngineCounts,
+    EngineLoad,
+    EngineOutput,
+    RequestTracker,
+    Sampling,
+    WarmResult,
+    check_prompt_fits,
+    now,
+    warm_by_prefill,
+)
+
+logger = logging.getLogger(__name__)
+
+_TIMER_GRANULARITY_S = 0.002
+
+KVEventCallback = Callable[[Sequence[KVEvent]], None]
+"""Receives one step's KV events, in order: the same shape as KVEventSubscriber's callback."""
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """How long one engine step takes, in unscaled seconds.
+
+    Prefill cost comes from the cache layer's measured profile: computing tokens
+    ``[cached, cached + new)`` costs ``cold(cached + new) - cold(cached)``, so a partly cached
+    prompt saves less than its cached share (attention makes later tokens dearer).
+    """
+
+    prefill: PrefillProfile = field(default_factory=PrefillProfile)
+    decode_step_s: float = 0.01
+    step_overhead_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        if self.decode_step_s < 0 or self.step_overhead_s < 0:
+            raise InvalidInputError("decode_step_s and step_overhead_s must be >= 0")
+
+
+class _BlockPool:
+    """vLLM's KV block pool: reference counts, an LRU free list, a content-key → block map.
+
+    Block IDs are positions in the pool. A free block may still hold a cached key (it is
+    reusable until allocation evicts it); ``events`` collects what changed since the last drain.
+    """
+
+    def __init__(self, capacity_blocks: int, block_size: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.block_size = block_size
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity_blocks))
+        self._refs = [0] * capacity_blocks
+        self._key_of: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}
+        self.events: list[KVEvent] = []
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity_blocks - len(self._free)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._block_of)
+
+    def leading_cached(self, keys: Sequence[int]) -> int:
+        return count_leading(keys, self._block_of)
+
+    def can_take(self, hit_keys: Sequence[int], new_blocks: int) -> bool:
+        """Whether ``hit_keys`` can be reused and ``new_blocks`` allocated together."""
+        revived = sum(1 for key in hit_keys if self._block_of[key] in self._free)
+        return revived + new_blocks <= len(self._free)
+
+    def take_cached(self, keys: Sequence[int]) -> list[int]:
+        blocks = [self._block_of[key] for key in keys]
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+        return blocks
+
+    def allocate(self, count: int) -> list[int]:
+        """Pop ``count`` blocks from the head of the free list, evicting the keys they held."""
+        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
+        evicted = [self._forget(block) for block in blocks if block in self._key_of]
+        if evicted:
+            self.events.append(BlockRemoved(block_hashes=tuple(evicted)))
+        for block in blocks:
+            self._refs[block] = 1
+        return blocks
+
+    def register(self, block: int, key: int, parent_key: int, tokens: Sequence[int]) -> None:
+        """Make a just-computed full block reusable. A key computed twice at once stays single."""
+        if key in self._block_of:
+            return
+        self._block_of[key] = block
+        self._key_of[block] = key
+        self.events.append(
+            BlockStored(
+                block_hashes=(key,),
+                parent_block_hash=None if parent_key == ROOT_KEY else parent_key,
+                token_ids=tuple(tokens),
+                block_size=self.block_size,
+            )
+        )
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Return a request's blocks tail first, so its last blocks are evicted before its first."""
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+
+    def clear(self) -> bool:
+        if self.in_use:
+            return False
+        self._key_of.clear()
+        self._block_of.clear()
+        self.events.append(AllBlocksCleared())
+        return True
+
+    def _forget(self, block: int) -> int:
+        key = self._key_of.pop(block)
+        del self._block_of[key]
+        return key
+
+
+@dataclass(eq=False)
+class _Request:
+    """A request inside the simulated engine; ``tokens`` grows with every sampled token."""
+
+    request_id: str
+    tokens: list[int]
+    prompt_tokens: int
+    sampling: Sampling
+    answer: list[int]
+    keys: list[int]
+    outputs: asyncio.Queue[EngineOutput | EngineError] = field(default_factory=asyncio.Queue)
+    computed: int = 0
+    registered: int = 0
+    blocks: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None
+    aborted: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_tokens
+
+
+def _answer(prompt: Sequence[int], sampling: Sampling, vocab_size: int) -> list[int]:
+    """The synthetic completion: a function of the prompt and the seed only."""
+    digest = hashlib.blake2b(repr((tuple(prompt), sampling.seed)).encode(), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(digest, "big"))
+    return [rng.randrange(3, vocab_size) for _ in range(sampling.max_tokens)]
+
+
+class SimulatedEngine:
+    """:class:`specrag.pipeline.engine.Engine` simulated in the event loop (see the module doc).
+
+    Fault injection for reliability tests: :meth:`fail_next`, :meth:`stall` / :meth:`resume`,
+    :meth:`hang` and :meth:`die`. ``on_kv_events`` receives each step's BlockStored /
+    BlockRemoved / AllBlocksCleared events, keyed by content key (the parent of a first block is
+    None), so the knowledge tree can mirror this engine exactly as it mirrors vLLM.
+
+    The scheduling knobs default to :class:`specrag.pipeline.config.EngineConfig`'s; the pool
+    holds ``capacity_blocks`` blocks and must fit one ``max_model_len`` request, as vLLM requires.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int = 32,
+        max_model_len: int = 8192,
+        capacity_blocks: int = 8192,
+        max_num_batched_tokens: int = 2048,
+        long_prefill_token_threshold: int = 256,
+        max_num_seqs: int = 64,
+        time_model: TimeModel | None = None,
+        time_scale: float = 1.0,
+        vocab_size: int = 1024,
+        on_kv_events: KVEventCallback | None = None,
+    ) -> None:
+        positive = {
+            "block_size": block_size,
+            "max_model_len": max_model_len,
+            "capacity_blocks": capacity_blocks,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "long_prefill_token_threshold": long_prefill_token_threshold,
+            "max_num_seqs": max_num_seqs,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise InvalidInputError(f"simulated engine: {name} must be positive, got {value}")
+        if time_scale < 0:
+            raise InvalidInputError(f"simulated engine: time_scale must be >= 0, got {time_scale}")
+        if vocab_size <= 3:
+            raise InvalidInputError(f"simulated engine: vocab_size must exceed 3, got {vocab_size}")
+        if capacity_blocks * block_size < max_model_len:
+            # vLLM refuses to start in this case too: one maximal request could never be scheduled.
+            raise InvalidInputError(
+                f"simulated engine: {capacity_blocks} blocks of {block_size} tokens cannot hold "
+                f"one request of max_model_len {max_model_len}"
+            )
+        self._block_size = block_size
+        self._max_model_len = max_model_len
+        self._max_batched = max_num_batched_tokens
+        self._chunk = long_prefill_token_threshold
+        self._max_seqs = max_num_seqs
+        self._time = time_model or TimeModel()
+        self._time_scale = time_scale
+        self._vocab_size = vocab_size
+        self._on_kv_events = on_kv_events
+        self._pool = _BlockPool(capacity_blocks, block_size)
+        self._tracker = RequestTracker()
+        self._requests: dict[str, _Request] = {}
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._work = asyncio.Event()
+        self._unstalled = asyncio.Event()
+        self._unstalled.set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._failures: deque[Exception] = deque()
+        self._dead: str | None = None
+        self._deadline = 0.0
+        self.simulated_time_s = 0.0
+        self.steps = 0
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        return self._pool.capacity_blocks * self._block_size
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks whose KV is resident and reusable (in use or not yet evicted)."""
+        return self._pool.cached_blocks
+
+    def load(self) -> EngineLoad:
+        return self._tracker.load()
+
+    async def counts(self) -> EngineCounts:
+        """Exact engine state: requests scheduled, queued, and not yet finished or aborted."""
+        self._ensure_alive()
+        unfinished = sum(1 for request in self._requests.values() if not request.aborted)
+        return EngineCounts(running=len(self._running), waiting=len(self._waiting), unfinished=unfinished)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: Sampling
+    ) -> AsyncIterator[EngineOutput]:
+        self._ensure_alive()
+        prompt = [int(token) for token in prompt_token_ids]
+        check_prompt_fits(len(prompt), sampling, self.max_model_len)
+        if self._failures:
+            raise self._failures.popleft()
+        self._tracker.submitted(request_id)
+        request = _Request(
+            request_id=request_id,
+            tokens=list(prompt),
+            prompt_tokens=len(prompt),
+            sampling=sampling,
+            answer=_answer(prompt, sampling, self._vocab_size),
+            keys=chain_block_keys(prompt, self._block_size),
+        )
+        self._requests[request_id] = request
+        self._waiting.append(request)
+        self._start_loop()
+        finished = False
+        try:
+            while not finished:
+                item = await request.outputs.get()
+                if isinstance(item, EngineError):
+                    raise item
+                self._tracker.first_token(request_id)
+                finished = item.finished
+                yield item
+        finally:
+            self._tracker.finished(request_id)
+            if not finished:
+                # Leaving early (cancel, consumer break, error) must not leave work in the engine.
+                self._abort(request)
+
+    async def abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._abort(request)
+        self._tracker.finished(request_id)
+
+    async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
+        return await warm_by_prefill(self, prompt_token_ids, request_id)
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached block; like vLLM, does nothing (and logs) while blocks are in use."""
+        self._ensure_alive()
+        if not self._pool.clear():
+            logger.warning("simulated engine: prefix cache not reset, %d blocks in use", self._pool.in_use)
+        self._publish_events()
+
+    async def close(self) -> None:
+        if self._dead is None:
+            await self._shut_down("the engine is closed")
+
+    # Fault injection -------------------------------------------------------------------------
+
+    def fail_next(self, n: int = 1, error: Exception | None = None) -> None:
+        """Make the next ``n`` submissions raise ``error`` (default :class:`EngineError`)."""
+        for _ in range(n):
+            self._failures.append(error or EngineError("simulated engine: injected failure"))
+
+    def stall(self) -> None:
+        """Freeze the step loop (requests stay where they are) until :meth:`resume`."""
+        self._unstalled.clear()
+
+    def resume(self) -> None:
+        self._unstalled.set()
+
+    def hang(self, seconds: float) -> None:
+        """Stall for ``seconds`` of wall-clock time (not scaled: it is what a test waits on).
+
+        The timed resume ends any stall, including one started by :meth:`stall`.
+        """
+        self.stall()
+        asyncio.get_running_loop().call_later(seconds, self.resume)
+
+    async def die(self) -> None:
+        """Crash: in-flight streams raise :class:`EngineError`, and so does every later call."""
+        await self._shut_down("the simulated engine died")
+
+    # The step loop ---------------------------------------------------------------------------
+
+    def _start_loop(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._step_loop(), name="simulated-engine-steps")
+        self._work.set()
+
+    async def _step_loop(self) -> None:
+        try:
+            await self._steps()
+        except Exception as error:
+            # A bug here must fail the streams loudly, not leave them waiting forever.
+            logger.exception("simulated engine: step loop failed")
+            self._loop_task = None
+            self._fail_all(f"the simulated engine's step loop failed: {error!r}")
+
+    async def _steps(self) -> None:
+        while True:
+            await self._work.wait()
+            await self._unstalled.wait()
+            self._drop_aborted()
+            if not self._running and not self._waiting:
+                self._work.clear()
+                self._publish_events()
+                continue
+            plan = self._schedule()
+            seconds = self._step_seconds(plan)
+            self.simulated_time_s += seconds
+            self.steps += 1
+            await self._sleep(seconds * self._time_scale)
+            for request, new_tokens in plan:
+                self._complete_chunk(request, new_tokens)
+            self._publish_events()
+
+    async def _sleep(self, seconds: float) -> None:
+        """Keep wall time in step with scaled engine time on average, not per step.
+
+        asyncio timers fire with about a millisecond of granularity, so sleeping every
+        microsecond-long scaled step would make a thousand steps last a second whatever the
+        scale. Instead the loop tracks when the step should end and sleeps only while ahead of
+        that deadline; a step that ends in the past just yields.
+        """
+        loop = asyncio.get_running_loop()
+        self._deadline = max(self._deadline, loop.time()) + seconds
+        ahead = self._deadline - loop.time()
+        await asyncio.sleep(ahead if ahead > _TIMER_GRANULARITY_S else 0)
+
+    def _drop_aborted(self) -> None:
+        for request in [*self._running, *self._waiting]:
+            if request.aborted:
+                self._remove(request)
+
+    def _schedule(self) -> list[tuple[_Request, int]]:
+        """One step's work: (request, tokens to compute), running requests first, like vLLM."""
+        budget = self._max_batched
+        plan: list[tuple[_Request, int]] = []
+        preempted = False
+        for request in list(self._running):
+            if budget == 0:
+                break
+            if request not in self._running:  # preempted to make room earlier in this loop
+                continue
+            new_tokens = min(len(request.tokens) - request.computed, self._chunk, budget)
+            while not self._allocate(request, new_tokens):
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                plan.append((request, new_tokens))
+                budget -= new_tokens
+        while self._waiting and budget > 0 and not preempted and len(self._running) < self._max_seqs:
+            request = self._waiting[0]
+            hit_keys = self._cache_hit(request)
+            computed = len(hit_keys) * self._block_size
+            new_tokens = min(len(request.tokens) - computed, self._chunk, budget)
+            new_blocks = -(-(computed + new_tokens) // self._block_size) - len(hit_keys)
+            if not self._pool.can_take(hit_keys, new_blocks):
+                break
+            self._waiting.popleft()
+            request.blocks = self._pool.take_cached(hit_keys) + self._pool.allocate(new_blocks)
+            request.computed = request.registered = computed
+            if request.cached_tokens is None:
+                request.cached_tokens = computed
+            self._running.append(request)
+            plan.append((request, new_tokens))
+            budget -= new_tokens
+        return plan
+
+    def _cache_hit(self, request: _Request) -> list[int]:
+        """Keys of the resident leading blocks, never all of the tokens (one must produce logits)."""
+        usable = request.keys[: (len(request.tokens) - 1) // self._block_size]
+        return usable[: self._pool.leading_cached(usable)]
+
+    def _allocate(self, request: _Request, new_tokens: int) -> bool:
+        needed = -(-(request.computed + new_tokens) // self._block_size) - len(request.blocks)
+        if needed <= 0:
+            return True
+        if not self._pool.can_take((), needed):
+            return False
+        request.blocks += self._pool.allocate(needed)
+        return True
+
+    def _preempt(self, request: _Request) -> None:
+        """vLLM's recompute preemption: free the blocks (they stay cached), requeue at the front."""
+        self._running.remove(request)
+        self._pool.release(request.blocks)
+        request.blocks = []
+        request.computed = request.registered = 0
+        self._waiting.appendleft(request)
+
+    def _step_seconds(self, plan: Sequence[tuple[_Request, int]]) -> float:
+        seconds = self._time.step_overhead_s
+        decoding = False
+        for request, new_tokens in plan:
+            if request.generated and new_tokens == 1:
+                decoding = True
+            else:
+                seconds += self._time.prefill.cost(request.computed, new_tokens)
+        return seconds + (self._time.decode_step_s if decoding else 0.0)
+
+    def _complete_chunk(self, request: _Request, new_tokens: int) -> None:
+        """Account for a computed chunk: cache its full blocks, then sample if it reached the end."""
+        request.computed += new_tokens
+        self._register_full_blocks(request)
+        if request.aborted or request.computed < len(request.tokens):
+            return
+        token = request.answer[request.generated]
+        request.tokens.append(token)
+        finished = request.generated >= request.sampling.max_tokens
+        request.outputs.put_nowait(
+            self._output(request, (token,), f" t{token}", "length" if finished else None)
+        )
+        if finished:
+            self._remove(request)
+
+    def _register_full_blocks(self, request: _Request) -> None:
+        full = request.computed // self._block_size
+        known = len(request.keys)
+        if full > known:
+            parent = request.keys[-1] if request.keys else ROOT_KEY
+            tail = request.tokens[known * self._block_size : full * self._block_size]
+            request.keys += chain_block_keys(tail, self._block_size, parent)
+        size = self._block_size
+        for index in range(request.registered // size, full):
+            parent = request.keys[index - 1] if index else ROOT_KEY
+            tokens = request.tokens[index * size : (index + 1) * size]
+            self._pool.register(request.blocks[index], request.keys[index], parent, tokens)
+        request.registered = max(request.registered, full * size)
+
+    def _output(
+        self, request: _Request, token_ids: tuple[int, ...], text: str, finish_reason: str | None
+    ) -> EngineOutput:
+        return EngineOutput(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            text=text,
+            prompt_tokens=request.prompt_tokens,
+            cached_tokens=request.cached_tokens,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            received_at=now(),
+        )
+
+    def _abort(self, request: _Request) -> None:
+        """End the stream now (as AsyncLLM's output processor does); the engine drops it next step."""
+        if request.aborted or self._requests.get(request.request_id) is not request:
+            return
+        request.aborted = True
+        request.outputs.put_nowait(self._output(request, (), "", "abort"))
+
+    def _remove(self, request: _Request) -> None:
+        if request in self._running:
+            self._running.remove(request)
+            self._pool.release(request.blocks)
+            request.blocks = []
+        elif request in self._waiting:
+            self._waiting.remove(request)
+        del self._requests[request.request_id]
+
+    def _publish_events(self) -> None:
+        events, self._pool.events = self._pool.events, []
+        if events and self._on_kv_events is not None:
+            try:
+                self._on_kv_events(events)
+            except Exception:
+                logger.exception("simulated engine: KV-event callback failed")
+
+    async def _shut_down(self, reason: str) -> None:
+        self._dead = reason
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        self._dead = reason
+        for request in self._requests.values():
+            request.outputs.put_nowait(EngineError(f"engine request {request.request_id} failed: {reason}"))
+        self._requests.clear()
+        self._waiting.clear()
+        self._running.clear()
+
+    def _ensure_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineError(self._dead)
