@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from specrag.controller.assets import Assets, ensure_assets
+from specrag.paths import DataLayout
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.default_model import DefaultModelSpec, make_default_model
 from specrag.pipeline.vllm_engine import VllmEngine
@@ -57,3 +59,9 @@ async def vllm_engine(tiny_engine_config: EngineConfig) -> AsyncIterator[VllmEng
         yield engine
     finally:
         await engine.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Assets:
+    """Default corpus, store and index, with the tiny model's tokenizer (built once per session)."""
+    return ensure_assets(DataLayout(tmp_path_factory.mktemp("data")), model_dir=tiny_model_dir)

@@ -411,7 +411,9 @@ class RagController:
         finish_reason: str | None = None
         async for output in flight.outputs(self.config.first_token_timeout_s):
             if timeline.first_token is None:
-                timeline.first_token = flight.first_token_at or output.received_at
+                # When the caller can see it: an adopted speculation may have produced its first
+                # token before the search ended, but it is only known right once the search has.
+                timeline.first_token = now()
                 timeline.cached_prompt_tokens = output.cached_tokens or 0
                 timeline.add("first_token", timeline.first_token, cached_tokens=timeline.cached_prompt_tokens)
             texts.append(output.text)

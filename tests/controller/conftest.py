@@ -1,28 +1,19 @@
-"""Controller fixtures: the tiny model's assets, a controller on the real engine, a scripted index."""
+"""Controller fixtures: a controller on the real engine and a scripted staged index."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
-from specrag.controller.assets import Assets, ensure_assets
+from specrag.controller.assets import Assets
 from specrag.controller.controller import ControllerConfig, RagController
-from specrag.paths import DataLayout
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.stages import StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
-
-
-@pytest.fixture(scope="session")
-def tiny_assets(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Assets:
-    """Default corpus, store and index, with the tiny model's tokenizer (built once per session)."""
-    return ensure_assets(DataLayout(tmp_path_factory.mktemp("data")), model_dir=tiny_model_dir)
 
 
 class ScriptedSearcher:

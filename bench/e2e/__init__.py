@@ -1,0 +1,1 @@
+"""End-to-end latency experiments (``python -m bench.e2e``)."""

@@ -1,0 +1,333 @@
+"""End-to-end RAG latency: the paper's comparisons on the real engine, in one run.
+
+Rerun: ``.venv/bin/python -m bench.e2e`` (about 15-20 minutes here) or ``--quick`` (under 10).
+``--model DIR`` runs it on any Hugging Face model directory; ``--trace FILE`` replays a saved
+trace (``--save-trace FILE`` writes the generated one). Output: bench/out/e2e.json (every
+per-request timeline), e2e_ttft_cdf.png, e2e_ratio_sweep.png, e2e_timelines.png, a table on the
+terminal and, as the last line, a JSON summary.
+
+Fair set-up: the engine's model worker and the vector search are pinned to different cores
+(``--engine-cpus``, ``--search-cpus``); one untimed pass warms up the engine first; every
+configuration starts from an empty prefix cache and replays the same trace; headline ratios
+come with 95 % bootstrap intervals over requests (and over ``--seeds`` traces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from bench.common import machine, plot_path, write_json
+from bench.e2e.report import paired_ratio_ci, plot_ratio_sweep, plot_timeline_strip, plot_ttft_cdf, summarize
+from bench.e2e.runner import (
+    Configuration,
+    RunResult,
+    oracle_ttfts,
+    run_configuration,
+    set_search_ratio,
+    ttft_of,
+)
+from bench.e2e.workload import WORKLOADS, TraceQuery, generate, load_trace, save_trace
+from specrag.controller.assets import Assets, ensure_assets
+from specrag.controller.controller import ControllerConfig
+from specrag.paths import DataLayout, resolve_data_dir
+from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.engine import now
+from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.retrieval.index_store import IndexConfig, build_index, check_corpus, load_index, save_index
+from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.vector_index import VectorIndex
+
+MAIN_MODES = ("serial", "warmup", "ordering", "speculation", "all")
+RATIOS = (0.125, 0.25, 0.5, 1.0)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests, sweeps and vectors")
+    parser.add_argument("--model", help="any Hugging Face model directory (default: the embedded model)")
+    parser.add_argument("--index-size", type=int, help="vectors in the padded index (default 2M, quick 1M)")
+    parser.add_argument("--nlist", type=int, default=1024, help="IVF lists of the padded index")
+    parser.add_argument(
+        "--ratio", type=float, default=0.5, help="vector search ratio of the main configurations"
+    )
+    parser.add_argument("-k", type=int, default=6, help="passages per prompt")
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per answer")
+    parser.add_argument("--requests", type=int, help="queries per configuration (default 32, quick 12)")
+    parser.add_argument("--rate", type=float, help="arrivals per second (default 1, quick 1.5)")
+    parser.add_argument(
+        "--cv", type=float, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson)"
+    )
+    parser.add_argument("--workload", choices=WORKLOADS, default="bursty")
+    parser.add_argument("--seeds", type=int, help="traces for the main configurations (default 2, quick 1)")
+    parser.add_argument("--trace", type=Path, help="replay this JSONL trace instead of generating one")
+    parser.add_argument("--save-trace", type=Path, help="write the generated trace (seed 0) here")
+    parser.add_argument("--engine-cpus", default="0", help="core(s) of the engine's model worker")
+    parser.add_argument("--search-cpus", default="1", help="core(s) of the vector search thread")
+    parser.add_argument("--eager", action="store_true", help="no graph compilation in the engine")
+    args = parser.parse_args()
+    args.index_size = args.index_size or (1_000_000 if args.quick else 2_000_000)
+    args.requests = args.requests or (12 if args.quick else 32)
+    args.rate = args.rate or (1.5 if args.quick else 1.0)
+    args.seeds = args.seeds or (1 if args.quick else 2)
+    return args
+
+
+def cpus(spec: str) -> set[int]:
+    return {int(part) for part in spec.split(",")}
+
+
+def scaled_index(layout: DataLayout, assets: Assets, size: int, nlist: int) -> VectorIndex:
+    """The real passages' vectors padded with synthetic ones (each mapped to a passage) to ``size``."""
+    directory = layout.root / f"index-scaled-{size}-{nlist}"
+    try:
+        index = load_index(directory)
+        check_corpus(index, assets.passages)
+        return index
+    except Exception as reason:  # missing, stale or corrupt: build it (minutes for millions)
+        print(f"building the padded index ({size:,} vectors) in {directory}: {reason}", flush=True)
+    index = build_index(assets.passages, IndexConfig(nlist=nlist, pad_to=size), progress=True)
+    save_index(index, directory)
+    return index
+
+
+def configurations(args: argparse.Namespace) -> list[Configuration]:
+    main = [Configuration(mode, mode, "main", args.ratio) for mode in MAIN_MODES]
+    # "exact" is the main "ordering" configuration and "retrieval" order is "serial".
+    policies = ("sorted", "greedy") if args.quick else ("sorted", "greedy", "recency")
+    ordering = [
+        Configuration(f"ordering-{p}", "ordering", "ordering", args.ratio, {"ordering_policy": p})
+        for p in policies
+    ]
+    prefill_bs = [
+        Configuration(f"all-mpbs{b}", "all", "max_prefill_bs", args.ratio, {"max_prefill_bs": b})
+        for b in ((2, 4) if args.quick else (2, 4, 8))
+    ]
+    stages = [
+        Configuration(f"all-stages{s}", "all", "stages", args.ratio, {"num_stages": s})
+        for s in ((8,) if args.quick else (2, 8))
+    ]
+    ratios = [
+        Configuration(f"{mode}-ratio{int(r * 1000) / 10:g}", mode, "ratio", r)
+        for r in ((RATIOS[0], RATIOS[-1]) if args.quick else RATIOS)
+        if r != args.ratio
+        for mode in ("serial", "all")
+    ]
+    return main + ordering + prefill_bs + stages + ratios
+
+
+async def measure_regime(
+    engine: VllmEngine, index: VectorIndex, builder: PromptBuilder, passages: list[Any], k: int
+) -> tuple[dict[float, float], float]:
+    """One search's time per ratio, and the cold prefill of a typical prompt, on the same cores."""
+    rng = np.random.default_rng(123)
+    queries = [passages[int(i)].text[:120] for i in rng.integers(0, len(passages), 12)]
+    vectors = np.stack([index.embed_query(q) for q in queries])
+    search_ms: dict[float, float] = {}
+    for ratio in RATIOS:
+        set_search_ratio(index, ratio)
+        timings = []
+        for vector in vectors:
+            started = now()
+            async for _ in index.search_staged(vector, k, num_stages=1):
+                pass
+            timings.append((now() - started) * 1000)
+        search_ms[ratio] = statistics.median(timings)
+    cold = []
+    for query, vector in zip(queries[:5], vectors[:5], strict=True):
+        _, rows = index.search(vector[None, :], k)
+        prompt = builder.build(sorted({int(r) for r in index.passage_index_of(rows[0]) if r >= 0}), query)
+        await engine.reset_prefix_cache()
+        cold.append(await ttft_of(engine, prompt.token_ids) * 1000)
+    return search_ms, statistics.median(cold)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    layout = DataLayout(resolve_data_dir())
+    assets = ensure_assets(layout, Path(args.model) if args.model else None)
+    index = scaled_index(layout, assets, args.index_size, args.nlist)
+    index.use_runner(SearchRunner(threads=1, cpus=cpus(args.search_cpus)))
+    run_dir = layout.root / "run" / "e2e"
+    engine_config = EngineConfig(
+        model=str(assets.model_dir), omp_threads_bind=args.engine_cpus, enforce_eager=args.eager
+    ).with_kv_events(run_dir)
+    print(
+        f"engine model worker on core(s) {args.engine_cpus}, vector search on core(s) {args.search_cpus}; "
+        f"model {assets.model_dir}; index {index.searcher.ntotal:,} vectors × {index.dim}, "
+        f"nlist {args.nlist}",
+        flush=True,
+    )
+    engine = await VllmEngine.start(engine_config)
+    try:
+        builder = PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
+        await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
+        search_ms, cold_prefill_ms = await measure_regime(engine, index, builder, assets.passages, args.k)
+        print(
+            "one search (ms) by vector search ratio:", {f"{r:.1%}": round(v, 1) for r, v in search_ms.items()}
+        )
+        print(f"cold prefill of a typical k={args.k} prompt: {cold_prefill_ms:.0f} ms", flush=True)
+        traces: list[list[TraceQuery]] = []
+        for seed in range(args.seeds):
+            if args.trace is not None:
+                traces.append(load_trace(args.trace))
+                break
+            traces.append(
+                generate(assets.passages, args.workload, args.requests, args.rate, cv=args.cv, seed=seed)
+            )
+        if args.save_trace is not None:
+            save_trace(args.save_trace, traces[0])
+        base = ControllerConfig(k_max=max(args.k, 10), max_tokens_default=args.max_tokens)
+        plan = [
+            (seed, c)
+            for seed in range(len(traces))
+            for c in configurations(args)
+            if seed == 0 or c.group == "main"
+        ]
+        results: dict[tuple[int, str], RunResult] = {}
+        for seed, configuration in tqdm(plan, desc="configurations", unit="run"):
+            results[(seed, configuration.name)] = await run_configuration(
+                engine,
+                engine_config,
+                index,
+                builder,
+                base,
+                configuration,
+                traces[seed],
+                args.k,
+                args.max_tokens,
+            )
+        oracle = await oracle_ttfts(engine, results[(0, "serial")].prompts)
+    finally:
+        await engine.close()
+        index.runner.shutdown()
+
+    oracle_ms = {i: v * 1000 for i, v in oracle.items()}
+    idle_ttft_ms = min(r["ttft_ms"] for r in results[(0, "serial")].records if "ttft_ms" in r)
+    slo_ms = 5 * idle_ttft_ms
+    summaries = {
+        f"{name}@seed{seed}": summarize(run, oracle_ms if seed == 0 else {}, slo_ms)
+        for (seed, name), run in results.items()
+    }
+    headline = {}
+    for mode in MAIN_MODES[1:]:
+        baseline = [r for seed in range(len(traces)) for r in _tag(results[(seed, "serial")].records, seed)]
+        other = [r for seed in range(len(traces)) for r in _tag(results[(seed, mode)].records, seed)]
+        ratio, low, high = paired_ratio_ci(baseline, other)
+        headline[mode] = {"ttft_mean_ratio_vs_serial": ratio, "ci95": [low, high]}
+    facts = {
+        **machine(),
+        "engine_cpus": args.engine_cpus,
+        "search_cpus": args.search_cpus,
+        "model": str(assets.model_dir),
+        "index": {"vectors": args.index_size, "dim": index.dim, "nlist": args.nlist, "kind": "ivf-flat"},
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "workload": args.workload if args.trace is None else str(args.trace),
+        "rate_rps": args.rate,
+        "cv": args.cv,
+        "requests": args.requests,
+        "seeds": len(traces),
+        "search_ms_by_ratio": {str(r): v for r, v in search_ms.items()},
+        "cold_prefill_ms": cold_prefill_ms,
+        "idle_ttft_ms": idle_ttft_ms,
+        "slo_ms": slo_ms,
+    }
+    raw = {f"{name}@seed{seed}": run.records for (seed, name), run in results.items()}
+    write_json("e2e", {"facts": facts, "summaries": summaries, "headline": headline, "records": raw})
+    _plots(results, summaries, search_ms, cold_prefill_ms)
+    return {"facts": facts, "summaries": summaries, "headline": headline}
+
+
+def _tag(records: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
+    """Records of several seeds made pairable: request index → (seed, index)."""
+    return [{**r, "i": (seed, r.get("i"))} for r in records]
+
+
+def _plots(
+    results: dict[tuple[int, str], RunResult],
+    summaries: dict[str, Any],
+    search_ms: dict[float, float],
+    cold_ms: float,
+) -> None:
+    main_runs = [results[(0, mode)] for mode in MAIN_MODES]
+    plot_ttft_cdf(main_runs, plot_path("e2e_ttft_cdf"), "TTFT by configuration (seed 0)")
+    sweep = [
+        s
+        for key, s in summaries.items()
+        if key.endswith("@seed0") and (s["group"] == "ratio" or s["config"] in ("serial", "all"))
+    ]
+    plot_ratio_sweep(sweep, search_ms, cold_ms, plot_path("e2e_ratio_sweep"))
+    plot_timeline_strip(
+        results[(0, "all")].records, plot_path("e2e_timelines"), "Requests of the 'all' configuration"
+    )
+
+
+def print_table(result: dict[str, Any]) -> None:
+    columns = ("TTFT mean", "p50", "p99", "non-ovl", "cached", "wasted", "spec", "adopt", "oracle", "err")
+    header = f"{'configuration':<22}" + "".join(f"{c:>10}" for c in columns)
+    print("\n" + header)
+    for key, s in result["summaries"].items():
+        oracle = "" if s["fraction_of_oracle_ttft"] is None else f"{s['fraction_of_oracle_ttft']:.2f}"
+        cells = (
+            f"{s['ttft_mean_ms']:.0f}",
+            f"{s['ttft_p50_ms']:.0f}",
+            f"{s['ttft_p99_ms']:.0f}",
+            f"{s['non_overlapped_retrieval_ms_mean']:.1f}",
+            f"{s['cached_token_ratio']:.2f}",
+            str(s["wasted_spec_prefill_tokens"]),
+            str(s["speculations"]),
+            f"{s['adopted_fraction']:.2f}",
+            oracle,
+            str(s["errors"]),
+        )
+        print(f"{key:<22}" + "".join(f"{c:>10}" for c in cells))
+    print("\nmean TTFT vs serial (95 % CI):")
+    for mode, h in result["headline"].items():
+        print(f"  {mode:<12} {h['ttft_mean_ratio_vs_serial']:.3f}  [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}]")
+    facts = result["facts"]
+    print(
+        f"\nengine on core(s) {facts['engine_cpus']}, search on core(s) {facts['search_cpus']}; "
+        f"search ms by ratio {facts['search_ms_by_ratio']}; cold prefill {facts['cold_prefill_ms']:.0f} ms"
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    result = asyncio.run(run(args))
+    print_table(result)
+    print(f"wrote {plot_path('e2e_ttft_cdf').parent}/e2e.json and e2e_*.png")
+    last = {
+        mode: {
+            key: round(result["summaries"][f"{mode}@seed0"][key], 3)
+            for key in (
+                "ttft_mean_ms",
+                "ttft_p50_ms",
+                "ttft_p99_ms",
+                "non_overlapped_retrieval_ms_mean",
+                "cached_token_ratio",
+                "wasted_spec_prefill_tokens",
+            )
+        }
+        for mode in MAIN_MODES
+    }
+    facts = result["facts"]
+    last["machine"] = {
+        "engine_cpus": facts["engine_cpus"],
+        "search_cpus": facts["search_cpus"],
+        "model": facts["model"],
+        "index": facts["index"],
+        "cpus": facts["cpus"],
+    }
+    print(json.dumps(last))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Figures from the per-request timelines: summaries, paired confidence intervals, plots."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.e2e.runner import RunResult
+
+BOOTSTRAP_SAMPLES = 2000
+
+
+def _ok(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if "error" not in r and r.get("ttft_ms") is not None]
+
+
+def summarize(run: RunResult, oracle_ms: dict[int, float], slo_ms: float) -> dict[str, Any]:
+    """The issue's metrics for one configuration's run."""
+    ok = _ok(run.records)
+    ttft = np.array([r["ttft_ms"] for r in ok]) if ok else np.array([np.nan])
+    e2e = np.array([r["e2e_ms"] for r in ok]) if ok else np.array([np.nan])
+    prompt_tokens = sum(r["prompt_tokens"] for r in ok)
+    paired = [(oracle_ms[r["i"]], r["ttft_ms"]) for r in ok if r["i"] in oracle_ms]
+    return {
+        "config": run.configuration.name,
+        "mode": run.configuration.mode,
+        "group": run.configuration.group,
+        "search_ratio": run.configuration.search_ratio,
+        "nprobe": run.nprobe,
+        "overrides": run.configuration.overrides,
+        "requests": len(run.records),
+        "errors": len(run.records) - len(ok),
+        "ttft_mean_ms": float(np.mean(ttft)),
+        "ttft_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_p99_ms": float(np.percentile(ttft, 99)),
+        "e2e_mean_ms": float(np.mean(e2e)),
+        "e2e_p99_ms": float(np.percentile(e2e, 99)),
+        "retrieval_ms_mean": float(np.mean([r["retrieval_ms"] for r in ok])) if ok else float("nan"),
+        "non_overlapped_retrieval_ms_mean": (
+            float(np.mean([r["non_overlapped_retrieval_ms"] for r in ok])) if ok else float("nan")
+        ),
+        "cached_token_ratio": sum(r["cached_prompt_tokens"] for r in ok) / prompt_tokens
+        if prompt_tokens
+        else 0.0,
+        "wasted_spec_prefill_tokens": int(sum(r["wasted_spec_prefill_tokens"] for r in ok)),
+        "speculations": int(sum(r["speculations"] for r in ok)),
+        "adopted_fraction": float(np.mean([r["adopted"] for r in ok])) if ok else 0.0,
+        "warmups": int(sum(r["warmed"] for r in ok)),
+        "controller_ms_mean": float(np.mean([r["controller_ms"] for r in ok])) if ok else float("nan"),
+        "goodput_rps_at_slo": sum(r["ttft_ms"] <= slo_ms for r in ok) / run.wall_s,
+        "fraction_of_oracle_ttft": (
+            float(np.mean([o for o, _ in paired]) / np.mean([t for _, t in paired])) if paired else None
+        ),
+        "wall_s": run.wall_s,
+    }
+
+
+def paired_ratio_ci(
+    baseline: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]], seed: int = 0
+) -> tuple[float, float, float]:
+    """Mean TTFT of ``other`` over ``baseline`` on the same requests, with a 95 % bootstrap interval."""
+    base = {r["i"]: r["ttft_ms"] for r in _ok(baseline)}
+    pairs = np.array([(base[r["i"]], r["ttft_ms"]) for r in _ok(other) if r["i"] in base])
+    if len(pairs) == 0:
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(pairs), size=(BOOTSTRAP_SAMPLES, len(pairs)))
+    ratios = pairs[picks, 1].mean(axis=1) / pairs[picks, 0].mean(axis=1)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(pairs[:, 1].mean() / pairs[:, 0].mean()), float(low), float(high)
+
+
+def plot_ttft_cdf(runs: Sequence[RunResult], path: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        values = np.sort([r["ttft_ms"] for r in _ok(run.records)])
+        if len(values):
+            axis.step(
+                values,
+                np.arange(1, len(values) + 1) / len(values),
+                where="post",
+                label=run.configuration.name,
+            )
+    axis.set_xlabel("time to first token (ms)")
+    axis.set_ylabel("fraction of requests")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_ratio_sweep(
+    rows: Sequence[dict[str, Any]], search_ms: dict[float, float], cold_prefill_ms: float, path: Path
+) -> None:
+    """TTFT and non-overlapped search time against the searched fraction, serial vs all."""
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in sorted({row["mode"] for row in rows}):
+        chosen = sorted((row for row in rows if row["mode"] == mode), key=lambda row: row["search_ratio"])
+        ratios = [row["search_ratio"] * 100 for row in chosen]
+        left.plot(ratios, [row["ttft_mean_ms"] for row in chosen], marker="o", label=f"{mode}: TTFT mean")
+        right.plot(
+            ratios, [row["non_overlapped_retrieval_ms_mean"] for row in chosen], marker="o", label=mode
+        )
+    ratios = sorted(search_ms)
+    left.plot(
+        [r * 100 for r in ratios],
+        [search_ms[r] for r in ratios],
+        ls="--",
+        color="gray",
+        label="one search alone",
+    )
+    left.axhline(cold_prefill_ms, ls=":", color="black", label="cold prefill of a typical prompt")
+    left.set_xlabel("vector search ratio (% of IVF lists probed)")
+    left.set_ylabel("ms")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    right.set_xlabel("vector search ratio (%)")
+    right.set_ylabel("non-overlapped retrieval (ms, mean)")
+    right.legend()
+    right.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+_MARKERS = {"stage": ("|", "tab:blue"), "spec_submit": ("^", "tab:green"), "spec_abort": ("x", "tab:red"),
+            "adopt": ("*", "gold"), "final_submit": ("s", "tab:purple"), "warmup_start": ("D", "tab:orange"),
+            "first_token": ("o", "black")}  # fmt: skip
+
+
+def plot_timeline_strip(records: Sequence[dict[str, Any]], path: Path, title: str, count: int = 8) -> None:
+    """A few requests on one time axis: search span, stages, speculations, aborts, first token."""
+    import matplotlib.pyplot as plt
+
+    chosen = [r for r in _ok(records) if r.get("events")][:count]
+    figure, axis = plt.subplots(figsize=(10, 0.6 * len(chosen) + 1.5))
+    seen: set[str] = set()
+    for row, record in enumerate(chosen):
+        base = 0.0  # each request on its own clock: spans are ms, arrivals seconds apart
+        axis.barh(row, record["ttft_ms"], left=base, height=0.3, color="lightgray")
+        for event in record["events"]:
+            if event["kind"] not in _MARKERS:
+                continue
+            marker, color = _MARKERS[event["kind"]]
+            label = event["kind"] if event["kind"] not in seen else None
+            seen.add(event["kind"])
+            axis.scatter(base + event["t_ms"], row, marker=marker, color=color, s=60, zorder=3, label=label)
+    axis.set_yticks(range(len(chosen)), [f"req {r['i']}" for r in chosen])
+    axis.set_xlabel("ms since the request's arrival (gray bar: arrival to first token)")
+    axis.set_title(title)
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

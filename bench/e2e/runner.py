@@ -1,0 +1,125 @@
+"""Replay a trace through the controller on the real engine, one configuration at a time.
+
+Every configuration starts from the same state: the engine's prefix cache emptied, a fresh
+controller (so a fresh knowledge tree, mirrored through KV events when the engine publishes them)
+and the same trace replayed open-loop at its recorded arrival times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from bench.e2e.workload import TraceQuery
+from specrag.controller.controller import ControllerConfig, RagController, RagRequest
+from specrag.controller.kv_mirror import KVMirror
+from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.engine import Engine, Sampling, now
+from specrag.pipeline.prompt import PromptBuilder
+from specrag.retrieval.vector_index import VectorIndex
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One row of the comparison: a mode plus controller overrides and the searched fraction."""
+
+    name: str
+    mode: str
+    group: str
+    search_ratio: float
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    configuration: Configuration
+    records: list[dict[str, Any]]
+    wall_s: float
+    nprobe: int
+    prompts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+def set_search_ratio(index: VectorIndex, ratio: float) -> int:
+    """Probe ``ratio`` of the IVF lists (RAGCache's "vector search ratio"); returns nprobe."""
+    searcher: Any = index.searcher
+    nlist = int(searcher.index.nlist)
+    searcher.nprobe = max(1, min(nlist, round(ratio * nlist)))
+    return int(searcher.nprobe)
+
+
+async def replay(
+    controller: RagController, trace: Sequence[TraceQuery], k: int, max_tokens: int, mode: str
+) -> tuple[list[dict[str, Any]], dict[int, tuple[int, ...]], float]:
+    """Submit each query at its arrival time; turns of one conversation run in order."""
+    sessions: dict[str, tuple[str, asyncio.Lock]] = {}
+    records: list[dict[str, Any]] = [{} for _ in trace]
+    prompts: dict[int, tuple[int, ...]] = {}
+    started = now()
+
+    async def one(i: int, query: TraceQuery) -> None:
+        await asyncio.sleep(max(0.0, started + query.t - now()))
+        lock: asyncio.Lock | contextlib.nullcontext[None] = contextlib.nullcontext()
+        session_id = None
+        if query.session is not None:
+            if query.session not in sessions:
+                sessions[query.session] = (controller.sessions.create().session_id, asyncio.Lock())
+            session_id, lock = sessions[query.session]
+        async with lock:
+            request = RagRequest(query.query, k=k, mode=mode, max_tokens=max_tokens, session_id=session_id)
+            try:
+                done = await controller.answer(request)
+            except Exception as error:  # a failed request is a result too: counted, not fatal
+                records[i] = {"i": i, "error": f"{type(error).__name__}: {error}"}
+                return
+        records[i] = {"i": i, "arrival_s": query.t, "session": query.session, **done.timeline.to_dict()}
+        prompts[i] = done.prompt.token_ids
+
+    await asyncio.gather(*(one(i, query) for i, query in enumerate(trace)))
+    return records, prompts, now() - started
+
+
+async def run_configuration(
+    engine: Engine,
+    engine_config: EngineConfig,
+    index: VectorIndex,
+    builder: PromptBuilder,
+    base: ControllerConfig,
+    configuration: Configuration,
+    trace: Sequence[TraceQuery],
+    k: int,
+    max_tokens: int,
+) -> RunResult:
+    nprobe = set_search_ratio(index, configuration.search_ratio)
+    controller = RagController(
+        engine, index, builder, replace(base, mode=configuration.mode, **configuration.overrides)
+    )
+    await controller.reset_prefix_cache()
+    mirror = KVMirror(controller.tree, engine_config)
+    await mirror.start()
+    try:
+        records, prompts, wall = await replay(controller, trace, k, max_tokens, configuration.mode)
+    finally:
+        await mirror.stop()
+        await controller.close()
+    return RunResult(configuration, records, wall, nprobe, prompts)
+
+
+async def ttft_of(engine: Engine, prompt: Sequence[int]) -> float:
+    """Time to first token of one prompt submitted alone."""
+    started = now()
+    async for output in engine.generate("probe-" + uuid.uuid4().hex, prompt, Sampling(max_tokens=1)):
+        return output.received_at - started
+    raise RuntimeError("the engine produced no token")
+
+
+async def oracle_ttfts(engine: Engine, prompts: dict[int, tuple[int, ...]]) -> dict[int, float]:
+    """Each request's TTFT with its whole prompt cached and retrieval instant: the lower bound."""
+    result = {}
+    for i, prompt in sorted(prompts.items()):
+        await ttft_of(engine, prompt)  # make it resident
+        result[i] = await ttft_of(engine, prompt)
+    return result
