@@ -9,3 +9,26 @@ Packages, one concern each (dependencies point one way, see DESIGN.md):
 """
 
 __version__ = "0.1.0"
+
+# The client is what most users import; load it (and aiohttp) only when asked, so that
+# ``import specrag`` stays cheap and never pulls in the service side (vLLM, torch).
+_CLIENT_NAMES = frozenset(
+    {
+        "AsyncClient",
+        "ChatStream",
+        "RagAnswer",
+        "RagStream",
+        "SpecragConnectionError",
+        "SpecragHTTPError",
+        "SpecragTimeoutError",
+    }
+)
+__all__ = ["__version__", *sorted(_CLIENT_NAMES)]
+
+
+def __getattr__(name: str) -> object:
+    if name in _CLIENT_NAMES:
+        from specrag.controller import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'specrag' has no attribute {name!r}")

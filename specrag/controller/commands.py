@@ -1,19 +1,30 @@
-"""``specrag prepare`` and ``specrag demo``: build the embedded default and run real queries on it."""
+"""``specrag prepare``, ``serve`` and ``demo``: build the embedded default, serve it, query it."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-from specrag.controller.assets import ensure_assets
+from aiohttp import web
+
+from specrag.controller.assets import Assets, ensure_assets
+from specrag.controller.client import AsyncClient
+from specrag.controller.controller import ControllerConfig, RagController
 from specrag.controller.demo import DEMO_QUESTIONS, run_demo
+from specrag.controller.modes import MODE_NAMES
+from specrag.controller.server import create_app, serving
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.vllm_engine import VllmEngine
 
-MAX_K = 64
+MAX_K = ControllerConfig().k_max
 
 
 def _paths(args: argparse.Namespace) -> tuple[DataLayout, Path | None, Path | None]:
@@ -21,14 +32,71 @@ def _paths(args: argparse.Namespace) -> tuple[DataLayout, Path | None, Path | No
     return layout, Path(args.model) if args.model else None, Path(args.corpus) if args.corpus else None
 
 
+def _assets(args: argparse.Namespace) -> Assets:
+    return ensure_assets(*_paths(args))
+
+
 def _prepare(args: argparse.Namespace) -> int:
-    layout, model, corpus = _paths(args)
-    assets = ensure_assets(layout, model, corpus)
+    assets = _assets(args)
     print(
-        f"ready in {layout.root}: {len(assets.passages)} passages, model {assets.model_dir}, "
+        f"ready in {_paths(args)[0].root}: {len(assets.passages)} passages, model {assets.model_dir}, "
         f"store {assets.store.path.name} ({assets.store.info.total_tokens} tokens), "
         f"index {assets.index.searcher.ntotal} rows × {assets.index.dim} dims"
     )
+    return 0
+
+
+@contextlib.asynccontextmanager
+async def _service(
+    assets: Assets, eager: bool, config: ControllerConfig, api_token: str | None = None
+) -> AsyncIterator[web.Application]:
+    """vLLM, the controller and the application over them; closed in reverse order on exit."""
+    print(f"starting vLLM on {assets.model_dir} (about a minute on a small CPU machine)…", flush=True)
+    engine = await VllmEngine.start(EngineConfig(model=str(assets.model_dir), enforce_eager=eager))
+    try:
+        builder = PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
+        controller = RagController(engine, assets.index, builder, config)
+        try:
+            yield create_app(controller, api_token=api_token)
+        finally:
+            await controller.close()
+    finally:
+        await engine.close()
+
+
+def _api_token(variable: str | None) -> str | None:
+    """The token from an environment variable: on the command line it would show in ``ps``."""
+    if variable is None:
+        return None
+    token = os.environ.get(variable)
+    if not token:
+        raise InvalidInputError(f"--api-token-env: environment variable {variable} is not set or empty")
+    return token
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
+    token = _api_token(args.api_token_env)
+    config = ControllerConfig(
+        mode=args.mode, num_stages=args.stages, max_prefill_bs=args.max_prefill_bs
+    ).validate()
+    assets = _assets(args)
+
+    async def main() -> None:
+        async with (
+            _service(assets, args.eager, config, token) as app,
+            serving(app, args.host, args.port) as url,
+        ):
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, stop.set)
+            print(f"specrag serving on {url} (mode {config.mode}; Ctrl-C to stop)", flush=True)
+            await stop.wait()
+            print("stopping: aborting queries in flight, shutting vLLM down…", flush=True)
+
+    asyncio.run(main())
     return 0
 
 
@@ -37,40 +105,53 @@ def _demo(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"-k must be between 1 and {MAX_K}, got {args.k}")
     if args.max_tokens < 1:
         raise InvalidInputError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    layout, model, corpus = _paths(args)
-    assets = ensure_assets(layout, model, corpus)
-    config = EngineConfig(model=str(assets.model_dir), enforce_eager=args.eager).validate()
+    assets = _assets(args)
 
     async def main() -> None:
-        print(f"starting vLLM on {assets.model_dir} (about a minute on a small CPU machine)…", flush=True)
-        engine = await VllmEngine.start(config)
-        try:
-            await run_demo(engine, assets, args.question or DEMO_QUESTIONS, args.k, args.max_tokens)
-        finally:
-            await engine.close()
+        async with (
+            _service(assets, args.eager, ControllerConfig()) as app,
+            serving(app, access_log=False) as url,
+            AsyncClient(url) as client,
+        ):
+            noise = "" if args.model else "; the embedded model has random weights: its text is noise"
+            print(f"service on {url}{noise}", flush=True)
+            await run_demo(client, args.question or DEMO_QUESTIONS, args.k, args.max_tokens)
 
     asyncio.run(main())
     return 0
 
 
-def _add_asset_options(parser: argparse.ArgumentParser) -> None:
+def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> None:
     parser.add_argument("--model", help="any Hugging Face model directory (default: the embedded model)")
     parser.add_argument("--corpus", help="JSONL corpus of {id, title, text} (default: the embedded corpus)")
+    if engine:
+        parser.add_argument(
+            "--eager", action="store_true", help="skip graph compilation (faster start, slower prefill)"
+        )
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prepare = subparsers.add_parser("prepare", help="build whatever is missing: corpus, model, store, index")
-    _add_asset_options(prepare)
+    _add_asset_options(prepare, engine=False)
     prepare.set_defaults(handler=_prepare)
 
-    demo = subparsers.add_parser("demo", help="answer real questions with retrieval and the real engine")
+    serve = subparsers.add_parser("serve", help="serve the RAG and OpenAI-compatible HTTP API")
+    _add_asset_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
+    serve.add_argument("--mode", choices=MODE_NAMES, default="all", help="default optimisation mode")
+    serve.add_argument("--api-token-env", metavar="VAR", help="require the bearer token held in $VAR")
+    serve.add_argument(
+        "--max-prefill-bs", type=int, help="prefill pool size (default: from the token budget)"
+    )
+    serve.add_argument("--stages", type=int, default=4, help="search stages (speculation points)")
+    serve.set_defaults(handler=_serve)
+
+    demo = subparsers.add_parser("demo", help="answer real questions through the full service")
     _add_asset_options(demo)
     demo.add_argument(
         "-q", "--question", action="append", help="a question (repeatable; default: three built in)"
     )
     demo.add_argument("-k", type=int, default=10, help=f"passages per prompt (1..{MAX_K})")
     demo.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per answer")
-    demo.add_argument(
-        "--eager", action="store_true", help="skip graph compilation (faster start, slower prefill)"
-    )
     demo.set_defaults(handler=_demo)

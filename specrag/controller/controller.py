@@ -33,6 +33,7 @@ from specrag.cache.tree import KnowledgeTree
 from specrag.controller.gate import PrefillGate, Slot, default_max_prefill_bs
 from specrag.controller.modes import Mode, get_mode
 from specrag.controller.sessions import Session, SessionStore
+from specrag.controller.supervisor import SupervisedEngine
 from specrag.controller.timeline import Timeline
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.engine import Engine, EngineOutput, Sampling, check_prompt_fits, now
@@ -119,6 +120,7 @@ class _Flight:
     ):
         self.request_id = ("spec-" if speculative else "final-") + uuid.uuid4().hex
         self.layout = layout
+        self.sampling = sampling
         self.submitted_at = now()
         self.first_token_at: float | None = None
         self.cached_tokens: int | None = None
@@ -224,7 +226,7 @@ class RagController:
             final = await self._retrieve_and_submit(
                 request.question, k, mode, sampling, session, timeline, flights
             )
-            async for event in self._stream_answer(final, timeline, session):
+            async for event in self._stream_answer(final, timeline, session, flights):
                 yield event
         finally:
             for flight in flights:
@@ -318,7 +320,11 @@ class RagController:
             self._warming = None
 
     def _launch(self, layout: PromptLayout, sampling: Sampling, slot: Slot, speculative: bool) -> _Flight:
-        check_prompt_fits(len(layout.token_ids), sampling, self.engine.max_model_len)
+        try:
+            check_prompt_fits(len(layout.token_ids), sampling, self.engine.max_model_len)
+        except InvalidInputError:
+            slot.release()  # the slot was taken for a request that will never exist
+            raise
         flight = _Flight(self.engine, layout, sampling, slot, speculative)
         self._in_flight.add(flight)
         return flight
@@ -401,15 +407,47 @@ class RagController:
         timeline.wasted_spec_prefill_tokens += len(flight.layout.token_ids) - (flight.cached_tokens or 0)
         timeline.add("spec_abort", now(), request_id=flight.request_id)
 
+    async def _outputs_with_retry(
+        self, flight: _Flight, timeline: Timeline, flights: list[_Flight]
+    ) -> AsyncIterator[EngineOutput]:
+        """The answer's outputs; a request that fails before its first token is retried once.
+
+        RAGCache §6: a failure before the first token loses nothing the caller has seen, so the
+        prompt is resubmitted (after a supervised engine has recovered, bounded in time).
+        """
+        retried = False
+        while True:
+            started = False
+            try:
+                async for output in flight.outputs(self.config.first_token_timeout_s):
+                    started = True
+                    yield output
+                return
+            except EngineError as error:
+                if isinstance(self.engine, SupervisedEngine):
+                    self.engine.report_failure(str(error))
+                if started or retried:
+                    raise
+                retried = True
+                timeline.add("retry", now(), reason=str(error))
+                if isinstance(self.engine, SupervisedEngine) and not await self.engine.wait_ready(
+                    self.config.first_token_timeout_s
+                ):
+                    raise
+                slot = await self.gate.admit(0, len(flight.layout.token_ids))
+                flight = self._launch(flight.layout, flight.sampling, slot, speculative=False)
+                flights.append(flight)
+                timeline.answer_submit = flight.submitted_at
+
     async def _stream_answer(
-        self, flight: _Flight, timeline: Timeline, session: Session | None
+        self, flight: _Flight, timeline: Timeline, session: Session | None, flights: list[_Flight]
     ) -> AsyncIterator[AnswerDelta | AnswerDone]:
         timeline.answer_submit = flight.submitted_at
         timeline.prompt_tokens = len(flight.layout.token_ids)
         texts: list[str] = []
         tokens: list[int] = []
         finish_reason: str | None = None
-        async for output in flight.outputs(self.config.first_token_timeout_s):
+        async for output in self._outputs_with_retry(flight, timeline, flights):
             if timeline.first_token is None:
                 # When the caller can see it: an adopted speculation may have produced its first
                 # token before the search ended, but it is only known right once the search has.

@@ -245,7 +245,9 @@ class VllmEngine:
             return
         self._closed = True
         llm, self._llm = self._llm, None
-        llm.shutdown()
+        # Shutdown terminates the engine core and waits for it (force-killing after a few
+        # seconds): off the event loop, so a hung engine cannot freeze the service.
+        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
         # vLLM keeps the AsyncLLM referenced until interpreter exit, where its __del__ calls
         # shutdown() again into half-torn-down modules and prints a spurious traceback. It is
         # already shut down: make that second call a no-op.

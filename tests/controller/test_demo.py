@@ -1,4 +1,4 @@
-"""The README's main job end to end: default corpus, store and index, real vLLM, real questions."""
+"""The README's main job end to end: default corpus, store and index, the service on real vLLM."""
 
 from __future__ import annotations
 
@@ -7,15 +7,18 @@ from pathlib import Path
 import pytest
 
 from specrag.controller.assets import ensure_assets
+from specrag.controller.client import AsyncClient
 from specrag.controller.demo import run_demo
+from specrag.controller.server import create_app, serving
 from specrag.paths import DataLayout
 from specrag.pipeline.vllm_engine import VllmEngine
+from tests.controller.conftest import make_controller
 
 pytestmark = pytest.mark.engine
 
 
 async def test_demo_answers_questions_and_the_repeat_hits_the_prefix_cache(
-    tmp_path: Path, tiny_model_dir: Path, vllm_engine: VllmEngine
+    tmp_path: Path, tiny_model_dir: Path, vllm_engine: VllmEngine, capsys: pytest.CaptureFixture[str]
 ) -> None:
     layout = DataLayout(tmp_path / "data")
     assets = ensure_assets(layout, model_dir=tiny_model_dir)
@@ -25,12 +28,19 @@ async def test_demo_answers_questions_and_the_repeat_hits_the_prefix_cache(
     again = ensure_assets(layout, model_dir=tiny_model_dir)
     assert again.store.path.stat().st_mtime_ns == store_mtime
 
+    controller = make_controller(vllm_engine, assets)
     questions = ["How does asyncio.run create the event loop?", "What does the assert statement do?"]
-    answers = await run_demo(vllm_engine, assets, questions, k=4, max_tokens=3)
-    assert [a.question for a in answers] == [*questions, questions[0]]
-    assert any("asyncio" in passage for passage in answers[0].passages)
-    first, repeat = answers[0], answers[-1]
-    assert repeat.prompt_tokens == first.prompt_tokens
-    full_blocks = (first.prompt_tokens // vllm_engine.block_size) * vllm_engine.block_size
-    assert repeat.cached_tokens >= 0.9 * full_blocks
-    assert all(a.ttft_ms > 0 and len(a.passages) == 4 for a in answers)
+    try:
+        async with serving(create_app(controller)) as url, AsyncClient(url) as client:
+            answers = await run_demo(client, questions, k=4, max_tokens=3)
+    finally:
+        await controller.close()
+    assert len(answers) == 3
+    assert any("asyncio" in passage for passage in answers[0].documents)
+    first, repeat = answers[0].timeline, answers[-1].timeline
+    assert repeat["documents"] == first["documents"] and repeat["prompt_tokens"] == first["prompt_tokens"]
+    full_blocks = (first["prompt_tokens"] // vllm_engine.block_size) * vllm_engine.block_size
+    assert repeat["cached_prompt_tokens"] >= 0.9 * full_blocks
+    assert all(a.timeline["ttft_ms"] > 0 and len(a.documents) == 4 for a in answers)
+    printed = capsys.readouterr().out
+    assert printed.count("Q: ") == 3 and "not overlapped" in printed and "from the prefix cache" in printed

@@ -1,0 +1,117 @@
+"""Prometheus metrics of the service, computed from each query's timeline.
+
+Every figure comes from the :class:`Timeline` the controller already records, so the metrics and
+the per-request ``specrag`` object of the API can never disagree. The registry is a dedicated
+:class:`CollectorRegistry` rather than the process-global one: several services (tests, benchmark
+runs) can live in one process without "duplicated timeseries" errors. Gauges read the controller
+at scrape time instead of being kept up to date by hand, so they cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from specrag.controller.modes import MODE_NAMES
+from specrag.controller.timeline import Timeline
+
+# From a cached prompt on a GPU (milliseconds) to a cold long prompt on a small CPU box (tens of s).
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+OUTCOMES = ("ok", "rejected", "overloaded", "error", "disconnected")
+
+
+def mode_label(mode: str | None, default: str) -> str:
+    """A bounded label value: a client-chosen unknown mode must not create a new time series."""
+    name = default if mode is None else mode
+    return name if name in MODE_NAMES else "invalid"
+
+
+class ServiceMetrics:
+    """The service's metrics on their own registry; :meth:`observe` records one finished query."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+
+        def histogram(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, registry=self.registry, buckets=LATENCY_BUCKETS_S)
+
+        def counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, documentation, labels, registry=self.registry)
+
+        def gauge(name: str, documentation: str) -> Gauge:
+            return Gauge(name, documentation, registry=self.registry)
+
+        self.ttft = histogram("specrag_ttft_seconds", "Time from arrival to the first answer token")
+        self.e2e = histogram("specrag_e2e_seconds", "Time from arrival to the end of the answer")
+        self.retrieval = histogram("specrag_retrieval_seconds", "Staged vector search time")
+        self.non_overlapped_retrieval = histogram(
+            "specrag_non_overlapped_retrieval_seconds",
+            "Search time not overlapped by the answer's own prefill",
+        )
+        self.queue_wait = histogram(
+            "specrag_queue_wait_seconds", "Time the final prompt waited for a prefill slot"
+        )
+        self.requests = counter("specrag_requests", "Queries by mode and outcome", ("mode", "outcome"))
+        self.speculations = counter("specrag_speculations", "Speculative prefills submitted")
+        self.aborted_speculations = counter("specrag_aborted_speculations", "Speculations aborted")
+        self.adoptions = counter("specrag_adoptions", "Answers served by an adopted speculation")
+        self.warmups = counter("specrag_warmups", "System-prompt warm-ups started")
+        self.prompt_tokens = counter("specrag_prompt_tokens", "Prompt tokens of answered queries")
+        self.cached_prompt_tokens = counter(
+            "specrag_cached_prompt_tokens", "Prompt tokens the engine's prefix cache served"
+        )
+        self.wasted_spec_prefill_tokens = counter(
+            "specrag_wasted_spec_prefill_tokens", "Prompt tokens prefilled by aborted speculations"
+        )
+        self.prefill_pool = Gauge(
+            "specrag_prefill_pool",
+            "Requests admitted and not yet at their first token",
+            registry=self.registry,
+        )
+        self.queued = Gauge(
+            "specrag_queued_requests", "Final requests waiting for a prefill slot", registry=self.registry
+        )
+        self.in_flight = Gauge("specrag_in_flight_queries", "Queries being answered", registry=self.registry)
+
+    def watch(
+        self,
+        prefill_pool: Callable[[], float],
+        queued: Callable[[], float],
+        in_flight: Callable[[], float],
+    ) -> None:
+        """Read the gauges from these functions at every scrape."""
+        self.prefill_pool.set_function(prefill_pool)
+        self.queued.set_function(queued)
+        self.in_flight.set_function(in_flight)
+
+    def observe(self, timeline: Timeline) -> None:
+        """Record a query that ran to the end of its answer."""
+        self.requests.labels(mode=timeline.mode, outcome="ok").inc()
+        for histogram, seconds in (
+            (self.ttft, timeline.ttft_s),
+            (self.e2e, None if timeline.done is None else timeline.done - timeline.arrival),
+            (self.retrieval, timeline.retrieval_s),
+            (self.non_overlapped_retrieval, timeline.non_overlapped_retrieval_s),
+            (self.queue_wait, timeline.queued_s),
+        ):
+            if seconds is not None:
+                histogram.observe(seconds)
+        self.speculations.inc(timeline.speculations)
+        self.aborted_speculations.inc(timeline.aborted_speculations)
+        self.adoptions.inc(int(timeline.adopted))
+        self.warmups.inc(int(timeline.warmed))
+        self.prompt_tokens.inc(timeline.prompt_tokens)
+        self.cached_prompt_tokens.inc(timeline.cached_prompt_tokens)
+        self.wasted_spec_prefill_tokens.inc(timeline.wasted_spec_prefill_tokens)
+
+    def count_unfinished(self, mode: str, outcome: str) -> None:
+        """Record a query that ended without an answer (its timeline stays inside the controller)."""
+        if outcome not in OUTCOMES or outcome == "ok":
+            raise ValueError(f"not an unfinished outcome: {outcome!r}")
+        self.requests.labels(mode=mode, outcome=outcome).inc()
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,480 @@
+"""The HTTP service: specrag's own RAG API, an OpenAI-compatible chat endpoint, sessions, metrics.
+
+Design points, each for a reason:
+
+- A streamed answer's headers are sent with its first token, not before: every error that can
+  happen before the first token (bad k, unknown session, prompt too long, engine failure) still
+  gets its proper HTTP status; only a failure after the first token becomes an SSE ``error``.
+- The service runs with aiohttp's handler cancellation (:func:`serving`): when a client goes away,
+  its handler is cancelled, the controller's stream is closed, and every engine request of that
+  query (speculations included) is aborted instead of burning prefill for nobody.
+- Errors are JSON ``{"error": {"message", "type", "code"}}``; an unexpected exception is logged
+  here and answered with a generic 500, never a stack trace.
+- The API token is compared in constant time; ``/health`` stays open for load balancers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from aiohttp import web
+from aiohttp.log import access_logger
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from specrag.controller.controller import AnswerDelta, AnswerDone, RagController, RagRequest
+from specrag.controller.metrics import ServiceMetrics, mode_label
+from specrag.errors import EngineError, InvalidInputError, NotFoundError, OverloadedError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_QUERIES = 256
+SHUTDOWN_GRACE_S = 5.0
+OPEN_PATHS = frozenset({"/health"})
+RAG_FIELDS = frozenset({"query", "k", "mode", "max_tokens", "session_id", "stream"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
+
+
+@dataclass
+class ServiceState:
+    """What every handler needs; one per application."""
+
+    controller: RagController
+    metrics: ServiceMetrics
+    api_token: str | None
+    model_name: str
+    max_queries: int
+    queries: int = 0
+
+
+STATE = web.AppKey("specrag_state", ServiceState)
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An error as the API reports it."""
+
+    status: int
+    message: str
+    type: str
+    code: str
+    retry_after_s: float | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+    def response(self) -> web.Response:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def describe_error(error: BaseException) -> ErrorInfo:
+    """The status, message and type an exception is reported with; unexpected ones are logged."""
+    if isinstance(error, InvalidInputError):
+        return ErrorInfo(400, str(error), "invalid_request_error", "invalid_input")
+    if isinstance(error, NotFoundError):
+        return ErrorInfo(404, str(error), "not_found_error", "not_found")
+    if isinstance(error, OverloadedError):
+        return ErrorInfo(429, str(error), "overloaded_error", "overloaded", error.retry_after_s)
+    if isinstance(error, EngineError):
+        return ErrorInfo(502, str(error), "engine_error", "engine_failed")
+    if isinstance(error, web.HTTPException):
+        code = error.reason.lower().replace(" ", "_")
+        kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+        return ErrorInfo(error.status, error.text or error.reason, kind, code)
+    logger.error("unexpected error while serving a request", exc_info=error)
+    return ErrorInfo(500, "internal server error", "internal_error", "internal_error")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise  # a redirect or success is aiohttp's to send
+        return describe_error(error).response()
+    except Exception as error:
+        return describe_error(error).response()
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    token = request.app[STATE].api_token
+    if token is not None and request.path not in OPEN_PATHS:
+        scheme, _, provided = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(provided.strip().encode(), token.encode()):
+            return ErrorInfo(
+                401, "missing or wrong bearer token", "authentication_error", "invalid_api_key"
+            ).response()
+    return await handler(request)
+
+
+# ---------------------------------------------------------------------------------------- input
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    if request.content_type != "application/json":
+        raise web.HTTPUnsupportedMediaType(text="the body must be JSON (Content-Type: application/json)")
+    raw = await request.read()  # raises 413 past the application's client_max_size
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise InvalidInputError("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidInputError("the body must be a JSON object")
+    return body
+
+
+_KIND_NAMES = {str: "a string", int: "an integer", bool: "a boolean", list: "a list", dict: "an object"}
+
+
+def _optional(body: dict[str, Any], name: str, kind: type[T]) -> T | None:
+    """``body[name]`` if present and of exactly this JSON type (an int is not a bool here)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidInputError(f"'{name}' must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
+    return value
+
+
+def _required(body: dict[str, Any], name: str, kind: type[T]) -> T:
+    value = _optional(body, name, kind)
+    if value is None:
+        raise InvalidInputError(f"'{name}' is required")
+    return value
+
+
+def _rag_request(body: dict[str, Any], question: str, max_tokens: int | None) -> RagRequest:
+    """The retrieval options both APIs share (``k``, ``mode``, ``session_id``)."""
+    return RagRequest(
+        question=question,
+        k=_optional(body, "k", int),
+        mode=_optional(body, "mode", str),
+        max_tokens=max_tokens,
+        session_id=_optional(body, "session_id", str),
+    )
+
+
+def _last_user_message(messages: list[Any]) -> str:
+    """The text of the last user message: the question RAG answers."""
+    if not messages:
+        raise InvalidInputError("'messages' must not be empty")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidInputError(f"messages[{index}] must be an object with a string 'role'")
+    users = [message for message in messages if message["role"] == "user"]
+    if not users:
+        raise InvalidInputError("'messages' has no user message")
+    content = users[-1].get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "\n".join(part["text"] for part in content)
+    raise InvalidInputError("the last user message's 'content' must be a string or a list of text parts")
+
+
+# ---------------------------------------------------------------------------------------- queries
+
+
+async def _answer_events(
+    state: ServiceState, request: RagRequest
+) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
+    """The controller's stream with admission and accounting; closing it aborts the query."""
+    mode = mode_label(request.mode, state.controller.config.mode)
+    if state.queries >= state.max_queries:
+        state.metrics.count_unfinished(mode, "overloaded")
+        raise OverloadedError(f"{state.queries} queries in flight, the limit is {state.max_queries}")
+    outcome = "disconnected"  # what it is when the consumer stops before the end
+    state.queries += 1
+    try:
+        async with contextlib.aclosing(state.controller.stream(request)) as events:
+            async for event in events:
+                if isinstance(event, AnswerDone):
+                    outcome = "ok"
+                    state.metrics.observe(event.timeline)
+                yield event
+    except (InvalidInputError, NotFoundError):
+        outcome = "rejected"
+        raise
+    except Exception:
+        outcome = "error"
+        raise
+    finally:
+        state.queries -= 1
+        if outcome != "ok":
+            state.metrics.count_unfinished(mode, outcome)
+
+
+async def _collect(state: ServiceState, request: RagRequest) -> tuple[AnswerDone, int]:
+    """The whole answer and its number of generated tokens."""
+    tokens = 0
+    async with contextlib.aclosing(_answer_events(state, request)) as events:
+        async for event in events:
+            if isinstance(event, AnswerDone):
+                return event, tokens
+            tokens += len(event.token_ids)
+    raise EngineError("the answer stream ended without a result")
+
+
+class _Framing(Protocol):
+    """How one API writes a streamed answer as server-sent events."""
+
+    def delta(self, delta: AnswerDelta) -> bytes: ...
+
+    def done(self, done: AnswerDone, completion_tokens: int) -> bytes: ...
+
+    def error(self, info: ErrorInfo) -> bytes: ...
+
+
+async def _stream(
+    request: web.Request, state: ServiceState, rag: RagRequest, framing: _Framing
+) -> web.StreamResponse:
+    async with contextlib.aclosing(_answer_events(state, rag)) as events:
+        event = await anext(events)  # before the headers: an early error keeps its HTTP status
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        tokens = 0
+        try:
+            while not isinstance(event, AnswerDone):
+                tokens += len(event.token_ids)
+                await response.write(framing.delta(event))
+                event = await anext(events)
+            await response.write(framing.done(event, tokens))
+        except ConnectionError:
+            pass  # the client left; leaving the block aborts the query
+        except Exception as error:
+            with contextlib.suppress(ConnectionError):
+                await response.write(framing.error(describe_error(error)))
+    return response
+
+
+def _sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+def _rag_body(done: AnswerDone) -> dict[str, Any]:
+    return {
+        "answer": done.text,
+        "finish_reason": done.finish_reason,
+        "documents": list(done.timeline.documents),
+        "specrag": done.timeline.to_dict(),
+    }
+
+
+class _RagFraming:
+    def delta(self, delta: AnswerDelta) -> bytes:
+        return _sse({"text": delta.text}, "delta")
+
+    def done(self, done: AnswerDone, completion_tokens: int) -> bytes:
+        return _sse(_rag_body(done), "done")
+
+    def error(self, info: ErrorInfo) -> bytes:
+        return _sse({**info.body(), "status": info.status}, "error")
+
+
+def _usage(done: AnswerDone, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done.timeline.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": done.timeline.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.timeline.cached_prompt_tokens},
+    }
+
+
+class _ChatFraming:
+    """OpenAI ``chat.completion.chunk`` lines; the last chunk carries usage and the timeline."""
+
+    def __init__(self, completion_id: str, model: str) -> None:
+        self._head = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self._role_sent = False
+
+    def _chunk(self, delta: dict[str, str], finish_reason: str | None = None, **extra: Any) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return _sse({**self._head, "choices": [choice], **extra})
+
+    def delta(self, delta: AnswerDelta) -> bytes:
+        content = {"content": delta.text}
+        if not self._role_sent:
+            self._role_sent = True
+            content = {"role": "assistant", **content}
+        return self._chunk(content)
+
+    def done(self, done: AnswerDone, completion_tokens: int) -> bytes:
+        last = self._chunk(
+            {},
+            done.finish_reason or "stop",
+            usage=_usage(done, completion_tokens),
+            specrag=done.timeline.to_dict(),
+        )
+        return last + _sse("[DONE]")
+
+    def error(self, info: ErrorInfo) -> bytes:
+        return _sse(info.body()) + _sse("[DONE]")
+
+
+# ---------------------------------------------------------------------------------------- handlers
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        await state.controller.engine.counts()
+    except EngineError as error:
+        return web.json_response({"status": "unavailable", "reason": str(error)}, status=503)
+    return web.json_response(
+        {
+            "status": "ok",
+            "model": state.model_name,
+            "in_flight_queries": state.queries,
+            "prefill_pool": state.controller.gate.pool,
+            "queued": state.controller.gate.waiting,
+        }
+    )
+
+
+async def _rag(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await _json_object(request)
+    unknown = sorted(set(body) - RAG_FIELDS)
+    if unknown:
+        raise InvalidInputError(f"unknown fields: {', '.join(unknown)}")
+    rag = _rag_request(body, _required(body, "query", str), _optional(body, "max_tokens", int))
+    if _optional(body, "stream", bool):
+        return await _stream(request, state, rag, _RagFraming())
+    done, _ = await _collect(state, rag)
+    return web.json_response(_rag_body(done))
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    """OpenAI chat completions; sampling fields are ignored (decoding is greedy, see the README)."""
+    state = request.app[STATE]
+    body = await _json_object(request)
+    _optional(body, "model", str)
+    question = _last_user_message(_required(body, "messages", list))
+    max_tokens = _optional(body, "max_completion_tokens", int)
+    rag = _rag_request(
+        body, question, _optional(body, "max_tokens", int) if max_tokens is None else max_tokens
+    )
+    completion_id = f"chatcmpl-{rag.request_id}"
+    if _optional(body, "stream", bool):
+        return await _stream(request, state, rag, _ChatFraming(completion_id, state.model_name))
+    done, completion_tokens = await _collect(state, rag)
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": done.text},
+        "logprobs": None,
+        "finish_reason": done.finish_reason or "stop",
+    }
+    return web.json_response(
+        {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "choices": [choice],
+            "usage": _usage(done, completion_tokens),
+            "specrag": done.timeline.to_dict(),
+        }
+    )
+
+
+async def _create_session(request: web.Request) -> web.Response:
+    session = request.app[STATE].controller.sessions.create()
+    return web.json_response({"session_id": session.session_id}, status=201)
+
+
+async def _close_session(request: web.Request) -> web.Response:
+    request.app[STATE].controller.sessions.close(request.match_info["session_id"])
+    return web.Response(status=204)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(
+        body=request.app[STATE].metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
+def create_app(
+    controller: RagController,
+    *,
+    api_token: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    model_name: str = "specrag",
+    max_queries: int = DEFAULT_MAX_QUERIES,
+    metrics: ServiceMetrics | None = None,
+) -> web.Application:
+    """The service for one controller. ``max_queries`` bounds concurrent queries (429 beyond)."""
+    if api_token is not None and not api_token:
+        raise InvalidInputError("the API token must not be empty (pass None to disable it)")
+    if max_body_bytes < 1 or max_queries < 1:
+        raise InvalidInputError("max_body_bytes and max_queries must be positive")
+    state = ServiceState(controller, metrics or ServiceMetrics(), api_token, model_name, max_queries)
+    state.metrics.watch(
+        prefill_pool=lambda: controller.gate.pool,
+        queued=lambda: controller.gate.waiting,
+        in_flight=lambda: state.queries,
+    )
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)
+    app[STATE] = state
+    app.router.add_get("/health", _health)
+    app.router.add_post("/v1/rag", _rag)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/sessions", _create_session)
+    app.router.add_delete("/v1/sessions/{session_id}", _close_session)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0, *, access_log: bool = True
+) -> AsyncIterator[str]:
+    """Serve ``app`` for the duration of the block; yields its base URL (the real port if ``port=0``).
+
+    Handler cancellation is on so a client that disconnects aborts its query's engine requests.
+    ``access_log=False`` keeps a terminal demo's output readable.
+    """
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+        access_log=access_logger if access_log else None,
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        bound_port = runner.addresses[0][1]
+        yield f"http://[{host}]:{bound_port}" if ":" in host else f"http://{host}:{bound_port}"
+    finally:
+        await runner.cleanup()

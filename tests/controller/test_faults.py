@@ -1,0 +1,129 @@
+"""Engine faults under the controller: retry before the first token, bounded errors, recovery.
+
+These run on the simulated engine (its fault hooks make every failure mode reproducible in
+milliseconds); ``bench.faults`` and the engine-marked test below inject the same faults into the
+real vLLM engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from specrag.controller.assets import Assets
+from specrag.controller.controller import RagController, RagRequest
+from specrag.controller.supervisor import SupervisedEngine, SupervisorPolicy
+from specrag.errors import EngineError
+from specrag.pipeline.simulated_engine import SimulatedEngine
+from tests.controller.conftest import make_controller, scripted_index
+
+QUESTION = "What does the assert statement do?"
+FAST_POLICY = SupervisorPolicy(probe_timeout_s=0.3, close_timeout_s=1.0, max_attempts=3, backoff_s=0.05)
+
+
+async def supervised(started: list[SimulatedEngine]) -> SupervisedEngine:
+    async def start() -> SimulatedEngine:
+        engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+        started.append(engine)
+        return engine
+
+    return await SupervisedEngine(start, FAST_POLICY).start()
+
+
+def controller_on(engine: SupervisedEngine, assets: Assets, **config: object) -> RagController:
+    return make_controller(engine, assets, scripted_index(assets, [[1, 2, 3], [1, 2, 3]], 0.01), **config)
+
+
+async def assert_no_leak(controller: RagController, engine: SimulatedEngine) -> None:
+    for _ in range(100):
+        counts = await engine.counts()
+        if not controller.in_flight_request_ids() and counts.running == counts.waiting == 0:
+            assert controller.gate.pool == 0
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"left in flight: {controller.in_flight_request_ids()} {await engine.counts()}")
+
+
+async def test_a_failure_before_the_first_token_is_retried_once(tiny_assets: Assets) -> None:
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [[1, 2, 3]], 0.01))
+    engine.fail_next(1)
+    done = await controller.answer(RagRequest(QUESTION, k=3, mode="serial", max_tokens=4))
+    assert [e.kind for e in done.timeline.events].count("retry") == 1
+    assert done.text
+    engine.fail_next(2)
+    with pytest.raises(EngineError, match="injected failure"):
+        await controller.answer(RagRequest(QUESTION, k=3, mode="serial", max_tokens=4))
+    await assert_no_leak(controller, engine)
+    await engine.close()
+
+
+async def test_an_engine_that_dies_mid_load_is_replaced_and_the_tree_cleared(tiny_assets: Assets) -> None:
+    started: list[SimulatedEngine] = []
+    engine = await supervised(started)
+    controller = controller_on(engine, tiny_assets)
+    engine.on_restart(controller.tree.engine_cache_cleared)
+    await controller.answer(RagRequest(QUESTION, k=3, mode="all", max_tokens=4))
+    assert controller.tree.system_prompt_resident()
+
+    queries = [
+        asyncio.create_task(controller.answer(RagRequest(QUESTION, k=3, mode="all", max_tokens=200)))
+        for _ in range(5)
+    ]
+    await asyncio.sleep(0.05)
+    await started[0].die()
+    results = await asyncio.wait_for(asyncio.gather(*queries, return_exceptions=True), timeout=10)
+    # Each query either failed with a clear engine error or was retried on the new engine.
+    assert all(isinstance(r, EngineError) or r.text for r in results)  # type: ignore[union-attr]
+    assert await engine.wait_ready(5) and engine.restarts == 1 and len(started) == 2
+    assert engine.last_recovery_s is not None and engine.last_recovery_s < 5
+    assert not controller.tree.system_prompt_resident() or controller.tree.uses_capacity_model
+    after = await controller.answer(RagRequest(QUESTION, k=3, mode="all", max_tokens=4))
+    assert after.text
+    await assert_no_leak(controller, started[1])
+    await engine.close()
+
+
+async def test_a_hung_engine_is_detected_replaced_and_the_query_retried(tiny_assets: Assets) -> None:
+    started: list[SimulatedEngine] = []
+    engine = await supervised(started)
+    controller = controller_on(engine, tiny_assets, first_token_timeout_s=0.5)
+    started[0].stall()
+    began = time.perf_counter()
+    done = await controller.answer(RagRequest(QUESTION, k=3, mode="serial", max_tokens=4))
+    # The first attempt times out (0.5 s), the probe fails (0.3 s), the engine is replaced and
+    # the prompt, which had produced nothing yet, is retried on the new engine.
+    assert time.perf_counter() - began < 0.5 + 0.3 + 1.0 + 2.0
+    assert [e.kind for e in done.timeline.events].count("retry") == 1 and done.text
+    assert engine.restarts == 1 and engine.state == "ready"
+    await assert_no_leak(controller, started[1])
+    await engine.close()
+
+
+async def test_requests_fail_fast_while_the_engine_is_recovering(tiny_assets: Assets) -> None:
+    gate = asyncio.Event()
+    started: list[SimulatedEngine] = []
+
+    async def slow_start() -> SimulatedEngine:
+        if started:
+            await gate.wait()  # the replacement takes as long as the test wants
+        engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+        started.append(engine)
+        return engine
+
+    engine = await SupervisedEngine(slow_start, FAST_POLICY).start()
+    controller = controller_on(engine, tiny_assets, first_token_timeout_s=0.5)
+    await started[0].die()
+    with pytest.raises(EngineError):
+        await controller.answer(RagRequest(QUESTION, k=3, mode="serial", max_tokens=4))
+    assert engine.state == "recovering"
+    began = time.perf_counter()
+    with pytest.raises(EngineError, match="recovering"):
+        await controller.answer(RagRequest(QUESTION, k=3, mode="serial", max_tokens=4))
+    assert time.perf_counter() - began < 2.0
+    gate.set()
+    assert await engine.wait_ready(5)
+    assert (await controller.answer(RagRequest(QUESTION, k=3, mode="serial", max_tokens=4))).text
+    await engine.close()
