@@ -22,6 +22,14 @@ class EngineError(SpecragError):
     """The inference engine failed, died or timed out; the request may succeed if retried later."""
 
 
+class EngineUnavailableError(EngineError):
+    """No engine is serving right now (starting, recovering after a crash, or shut down)."""
+
+
+class EngineTimeoutError(EngineError):
+    """The engine produced no token within the deadline (hung or overloaded)."""
+
+
 class NotFoundError(SpecragError, LookupError):
     """The caller named something that does not exist (an unknown or expired session)."""
 

@@ -14,15 +14,13 @@ from aiohttp import web
 
 from specrag.controller.assets import Assets, ensure_assets
 from specrag.controller.client import AsyncClient
-from specrag.controller.controller import ControllerConfig, RagController
+from specrag.controller.controller import ControllerConfig
 from specrag.controller.demo import DEMO_QUESTIONS, run_demo
 from specrag.controller.modes import MODE_NAMES
-from specrag.controller.server import create_app, serving
+from specrag.controller.server import serving
+from specrag.controller.service import ServiceOptions, open_service
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.vllm_engine import VllmEngine
 
 MAX_K = ControllerConfig().k_max
 
@@ -48,20 +46,14 @@ def _prepare(args: argparse.Namespace) -> int:
 
 @contextlib.asynccontextmanager
 async def _service(
-    assets: Assets, eager: bool, config: ControllerConfig, api_token: str | None = None
+    args: argparse.Namespace, assets: Assets, options: ServiceOptions
 ) -> AsyncIterator[web.Application]:
-    """vLLM, the controller and the application over them; closed in reverse order on exit."""
-    print(f"starting vLLM on {assets.model_dir} (about a minute on a small CPU machine)…", flush=True)
-    engine = await VllmEngine.start(EngineConfig(model=str(assets.model_dir), enforce_eager=eager))
-    try:
-        builder = PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
-        controller = RagController(engine, assets.index, builder, config)
-        try:
-            yield create_app(controller, api_token=api_token)
-        finally:
-            await controller.close()
-    finally:
-        await engine.close()
+    """The supervised engine, the controller and the application over them (see service.py)."""
+    where = options.engine_url or assets.model_dir
+    print(f"starting the engine on {where} (about a minute on a small CPU machine)…", flush=True)
+    run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
+    async with open_service(assets, options, run_dir) as service:
+        yield service.app
 
 
 def _api_token(variable: str | None) -> str | None:
@@ -81,11 +73,12 @@ def _serve(args: argparse.Namespace) -> int:
     config = ControllerConfig(
         mode=args.mode, num_stages=args.stages, max_prefill_bs=args.max_prefill_bs
     ).validate()
+    options = ServiceOptions(controller=config, engine_url=args.engine_url, eager=args.eager, api_token=token)
     assets = _assets(args)
 
     async def main() -> None:
         async with (
-            _service(assets, args.eager, config, token) as app,
+            _service(args, assets, options) as app,
             serving(app, args.host, args.port) as url,
         ):
             stop = asyncio.Event()
@@ -109,7 +102,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with (
-            _service(assets, args.eager, ControllerConfig()) as app,
+            _service(args, assets, ServiceOptions(eager=args.eager)) as app,
             serving(app, access_log=False) as url,
             AsyncClient(url) as client,
         ):
@@ -145,6 +138,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--max-prefill-bs", type=int, help="prefill pool size (default: from the token budget)"
     )
     serve.add_argument("--stages", type=int, default=4, help="search stages (speculation points)")
+    serve.add_argument(
+        "--engine-url", help="an OpenAI-compatible engine server to use instead of the in-process vLLM"
+    )
     serve.set_defaults(handler=_serve)
 
     demo = subparsers.add_parser("demo", help="answer real questions through the full service")

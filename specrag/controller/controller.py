@@ -35,7 +35,7 @@ from specrag.controller.modes import Mode, get_mode
 from specrag.controller.sessions import Session, SessionStore
 from specrag.controller.supervisor import SupervisedEngine
 from specrag.controller.timeline import Timeline
-from specrag.errors import EngineError, InvalidInputError
+from specrag.errors import EngineError, EngineTimeoutError, InvalidInputError, OverloadedError
 from specrag.pipeline.engine import Engine, EngineOutput, Sampling, check_prompt_fits, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
@@ -61,6 +61,7 @@ class ControllerConfig:
     max_tokens_default: int = 64
     max_tokens_limit: int = 1024
     first_token_timeout_s: float = 60.0
+    max_queue: int = 256
     batched_token_budget: int = 2048
 
     def validate(self) -> ControllerConfig:
@@ -74,6 +75,8 @@ class ControllerConfig:
             raise InvalidInputError("max_prefill_bs must be at least 1")
         if not 1 <= self.max_tokens_default <= self.max_tokens_limit:
             raise InvalidInputError("max_tokens_default must be between 1 and max_tokens_limit")
+        if self.max_queue < 0:
+            raise InvalidInputError("max_queue cannot be negative")
         if self.first_token_timeout_s <= 0 or self.starvation_window_s < 0:
             raise InvalidInputError("timeouts and windows must be positive")
         return self
@@ -153,7 +156,7 @@ class _Flight:
                 item = await asyncio.wait_for(self._outputs.get(), timeout)
             except TimeoutError:
                 await self.abort()
-                raise EngineError(f"no first token within {first_token_timeout_s:.1f} s") from None
+                raise EngineTimeoutError(f"no first token within {first_token_timeout_s:.1f} s") from None
             timeout = None
             if item is None:
                 return
@@ -385,6 +388,13 @@ class RagController:
         if speculation is not None:
             await self._drop(speculation, timeline, flights)
         check_prompt_fits(len(layout.token_ids), sampling, self.engine.max_model_len)
+        if self.gate.waiting >= self.config.max_queue:
+            # Bounded queueing: past the limit a caller is told to come back instead of waiting
+            # behind an unbounded line (the service answers 429 with Retry-After).
+            raise OverloadedError(
+                f"{self.gate.waiting} requests already wait for the engine (limit {self.config.max_queue})",
+                retry_after_s=max(1.0, self.gate.waiting / self.gate.max_prefill_bs * 0.5),
+            )
         queued_at = now()
         if self.gate.pool >= self.gate.max_prefill_bs or self.gate.waiting:
             timeline.add("queued", queued_at, pool=self.gate.pool, waiting=self.gate.waiting)

@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
@@ -31,13 +31,24 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from specrag.controller.controller import AnswerDelta, AnswerDone, RagController, RagRequest
 from specrag.controller.metrics import ServiceMetrics, mode_label
-from specrag.errors import EngineError, InvalidInputError, NotFoundError, OverloadedError
+from specrag.controller.supervisor import SupervisedEngine
+from specrag.errors import (
+    EngineError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    InvalidInputError,
+    NotFoundError,
+    OverloadedError,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_QUERIES = 256
+DEFAULT_MAX_QUERIES_PER_CLIENT = 64
 SHUTDOWN_GRACE_S = 5.0
+# How long a caller should wait before retrying while the engine restarts.
+ENGINE_RETRY_AFTER_S = 5.0
 OPEN_PATHS = frozenset({"/health"})
 RAG_FIELDS = frozenset({"query", "k", "mode", "max_tokens", "session_id", "stream"})
 
@@ -54,7 +65,9 @@ class ServiceState:
     api_token: str | None
     model_name: str
     max_queries: int
+    max_queries_per_client: int
     queries: int = 0
+    per_client: dict[str, int] = field(default_factory=dict)
 
 
 STATE = web.AppKey("specrag_state", ServiceState)
@@ -93,6 +106,10 @@ def describe_error(error: BaseException) -> ErrorInfo:
         return ErrorInfo(404, str(error), "not_found_error", "not_found")
     if isinstance(error, OverloadedError):
         return ErrorInfo(429, str(error), "overloaded_error", "overloaded", error.retry_after_s)
+    if isinstance(error, EngineUnavailableError):
+        return ErrorInfo(503, str(error), "engine_unavailable", "engine_unavailable", ENGINE_RETRY_AFTER_S)
+    if isinstance(error, EngineTimeoutError):
+        return ErrorInfo(504, str(error), "engine_timeout", "engine_timeout")
     if isinstance(error, EngineError):
         return ErrorInfo(502, str(error), "engine_error", "engine_failed")
     if isinstance(error, web.HTTPException):
@@ -198,16 +215,27 @@ def _last_user_message(messages: list[Any]) -> str:
 # ---------------------------------------------------------------------------------------- queries
 
 
+def _client_key(request: web.Request) -> str:
+    """Who a query counts against for the per-client limit: the peer address."""
+    return request.remote or "unknown"
+
+
 async def _answer_events(
-    state: ServiceState, request: RagRequest
+    state: ServiceState, request: RagRequest, client: str
 ) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
     """The controller's stream with admission and accounting; closing it aborts the query."""
     mode = mode_label(request.mode, state.controller.config.mode)
     if state.queries >= state.max_queries:
         state.metrics.count_unfinished(mode, "overloaded")
         raise OverloadedError(f"{state.queries} queries in flight, the limit is {state.max_queries}")
+    if state.per_client.get(client, 0) >= state.max_queries_per_client:
+        state.metrics.count_unfinished(mode, "overloaded")
+        raise OverloadedError(
+            f"client {client} has {state.max_queries_per_client} queries in flight (the limit)"
+        )
     outcome = "disconnected"  # what it is when the consumer stops before the end
     state.queries += 1
+    state.per_client[client] = state.per_client.get(client, 0) + 1
     try:
         async with contextlib.aclosing(state.controller.stream(request)) as events:
             async for event in events:
@@ -223,14 +251,17 @@ async def _answer_events(
         raise
     finally:
         state.queries -= 1
+        state.per_client[client] -= 1
+        if not state.per_client[client]:
+            del state.per_client[client]  # bounded: only clients with queries in flight
         if outcome != "ok":
             state.metrics.count_unfinished(mode, outcome)
 
 
-async def _collect(state: ServiceState, request: RagRequest) -> tuple[AnswerDone, int]:
+async def _collect(state: ServiceState, request: RagRequest, client: str) -> tuple[AnswerDone, int]:
     """The whole answer and its number of generated tokens."""
     tokens = 0
-    async with contextlib.aclosing(_answer_events(state, request)) as events:
+    async with contextlib.aclosing(_answer_events(state, request, client)) as events:
         async for event in events:
             if isinstance(event, AnswerDone):
                 return event, tokens
@@ -251,7 +282,7 @@ class _Framing(Protocol):
 async def _stream(
     request: web.Request, state: ServiceState, rag: RagRequest, framing: _Framing
 ) -> web.StreamResponse:
-    async with contextlib.aclosing(_answer_events(state, rag)) as events:
+    async with contextlib.aclosing(_answer_events(state, rag, _client_key(request))) as events:
         event = await anext(events)  # before the headers: an early error keeps its HTTP status
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -347,11 +378,22 @@ class _ChatFraming:
 
 
 async def _health(request: web.Request) -> web.Response:
+    """200 while an engine serves; 503 while it starts, recovers or is gone (with the reason)."""
     state = request.app[STATE]
+    engine = state.controller.engine
+    supervision = (
+        {
+            "engine_state": engine.state,
+            "engine_restarts": engine.restarts,
+            "last_recovery_s": engine.last_recovery_s,
+        }
+        if isinstance(engine, SupervisedEngine)
+        else {}
+    )
     try:
-        await state.controller.engine.counts()
+        await engine.counts()
     except EngineError as error:
-        return web.json_response({"status": "unavailable", "reason": str(error)}, status=503)
+        return web.json_response({"status": "unavailable", "reason": str(error), **supervision}, status=503)
     return web.json_response(
         {
             "status": "ok",
@@ -359,6 +401,7 @@ async def _health(request: web.Request) -> web.Response:
             "in_flight_queries": state.queries,
             "prefill_pool": state.controller.gate.pool,
             "queued": state.controller.gate.waiting,
+            **supervision,
         }
     )
 
@@ -372,7 +415,7 @@ async def _rag(request: web.Request) -> web.StreamResponse:
     rag = _rag_request(body, _required(body, "query", str), _optional(body, "max_tokens", int))
     if _optional(body, "stream", bool):
         return await _stream(request, state, rag, _RagFraming())
-    done, _ = await _collect(state, rag)
+    done, _ = await _collect(state, rag, _client_key(request))
     return web.json_response(_rag_body(done))
 
 
@@ -389,7 +432,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     completion_id = f"chatcmpl-{rag.request_id}"
     if _optional(body, "stream", bool):
         return await _stream(request, state, rag, _ChatFraming(completion_id, state.model_name))
-    done, completion_tokens = await _collect(state, rag)
+    done, completion_tokens = await _collect(state, rag, _client_key(request))
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": done.text},
@@ -432,14 +475,21 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_name: str = "specrag",
     max_queries: int = DEFAULT_MAX_QUERIES,
+    max_queries_per_client: int = DEFAULT_MAX_QUERIES_PER_CLIENT,
     metrics: ServiceMetrics | None = None,
 ) -> web.Application:
-    """The service for one controller. ``max_queries`` bounds concurrent queries (429 beyond)."""
+    """The service for one controller.
+
+    ``max_queries`` bounds concurrent queries, ``max_queries_per_client`` those of one peer
+    address: beyond either the answer is 429 with Retry-After, never an unbounded queue.
+    """
     if api_token is not None and not api_token:
         raise InvalidInputError("the API token must not be empty (pass None to disable it)")
-    if max_body_bytes < 1 or max_queries < 1:
-        raise InvalidInputError("max_body_bytes and max_queries must be positive")
-    state = ServiceState(controller, metrics or ServiceMetrics(), api_token, model_name, max_queries)
+    if max_body_bytes < 1 or max_queries < 1 or max_queries_per_client < 1:
+        raise InvalidInputError("max_body_bytes, max_queries and max_queries_per_client must be positive")
+    state = ServiceState(
+        controller, metrics or ServiceMetrics(), api_token, model_name, max_queries, max_queries_per_client
+    )
     state.metrics.watch(
         prefill_pool=lambda: controller.gate.pool,
         queued=lambda: controller.gate.waiting,

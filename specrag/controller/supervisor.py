@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from specrag.errors import EngineError
+from specrag.errors import EngineError, EngineUnavailableError
 from specrag.pipeline.engine import Engine, EngineCounts, EngineLoad, EngineOutput, Sampling, WarmResult, now
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class SupervisedEngine:
         """The engine in service; :class:`EngineError` while there is none."""
         if self._engine is None or self.state != "ready":
             detail = f" (last error: {self.last_error})" if self.last_error else ""
-            raise EngineError(f"the engine is {self.state}{detail}; retry shortly")
+            raise EngineUnavailableError(f"the engine is {self.state}{detail}; retry shortly")
         return self._engine
 
     # The Engine protocol, delegated ------------------------------------------------------------
@@ -90,7 +90,7 @@ class SupervisedEngine:
     def _any_engine(self) -> Engine:
         """Static facts (block size, lengths) survive a restart: read them even while recovering."""
         if self._engine is None:
-            raise EngineError("the engine has not started")
+            raise EngineUnavailableError("the engine has not started")
         return self._engine
 
     async def generate(
