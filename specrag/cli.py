@@ -54,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecragError as error:
         print(f"specrag {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a data dir that is a file, an unwritable path, an unknown host
+        print(f"specrag {args.command}: error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

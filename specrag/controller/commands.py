@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -69,6 +70,10 @@ def _api_token(variable: str | None) -> str | None:
 def _serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
+    try:  # before the engine's minute-long start, not after it
+        socket.getaddrinfo(args.host, args.port)
+    except OSError as error:
+        raise InvalidInputError(f"--host {args.host!r} cannot be bound: {error}") from None
     token = _api_token(args.api_token_env)
     config = ControllerConfig(
         mode=args.mode, num_stages=args.stages, max_prefill_bs=args.max_prefill_bs

@@ -62,7 +62,7 @@ class ControllerConfig:
     max_tokens_limit: int = 1024
     first_token_timeout_s: float = 60.0
     max_queue: int = 256
-    batched_token_budget: int = 2048
+    batched_token_budget: int = 512
 
     def validate(self) -> ControllerConfig:
         get_mode(self.mode)
@@ -241,10 +241,14 @@ class RagController:
     def _validate(self, request: RagRequest) -> tuple[int, Mode, Sampling, Session | None]:
         if not isinstance(request.question, str) or not request.question.strip():
             raise InvalidInputError("the question is empty")
+        try:
+            request.question.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (JSON allows "\ud800"); tokenizers reject it
+            raise InvalidInputError("the question is not valid Unicode text") from None
         k = self.config.k_default if request.k is None else request.k
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.config.k_max:
             raise InvalidInputError(f"k must be an integer between 1 and {self.config.k_max}, got {k!r}")
-        mode = get_mode(request.mode or self.config.mode)
+        mode = get_mode(self.config.mode if request.mode is None else request.mode)
         max_tokens = self.config.max_tokens_default if request.max_tokens is None else request.max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
             raise InvalidInputError(f"max_tokens must be an integer, got {max_tokens!r}")

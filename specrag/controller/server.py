@@ -155,6 +155,8 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
         body = json.loads(raw)
     except ValueError:
         raise InvalidInputError("the body is not valid JSON") from None
+    except RecursionError:  # a small body of nested brackets exhausts the parser's stack
+        raise InvalidInputError("the body is nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidInputError("the body must be a JSON object")
     return body

@@ -223,7 +223,7 @@ class SimulatedEngine:
         block_size: int = 32,
         max_model_len: int = 8192,
         capacity_blocks: int = 8192,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int = 512,
         long_prefill_token_threshold: int = 256,
         max_num_seqs: int = 64,
         time_model: TimeModel | None = None,

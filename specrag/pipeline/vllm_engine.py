@@ -245,8 +245,12 @@ class VllmEngine:
             return
         self._closed = True
         llm, self._llm = self._llm, None
-        # Shutdown terminates the engine core and waits for it (force-killing after a few
-        # seconds): off the event loop, so a hung engine cannot freeze the service.
+        # Stop vLLM's output handler first: it would otherwise see the engine core go away and log
+        # a spurious EngineDeadError traceback. Then shut down off the event loop (it terminates
+        # the engine core, force-killing after a few seconds), so a hung engine cannot freeze us.
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
         await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
         # vLLM keeps the AsyncLLM referenced until interpreter exit, where its __del__ calls
         # shutdown() again into half-torn-down modules and prints a spurious traceback. It is

@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import faiss
 import numpy as np
@@ -32,7 +32,6 @@ from specrag.retrieval.embedders import (
 )
 from specrag.retrieval.progress import embed_in_batches
 from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.staged_ivf import DEFAULT_NLIST, StagedIVF
 from specrag.retrieval.stages import StagedSearcher
 from specrag.retrieval.synthetic import pad_with_synthetic
@@ -44,7 +43,11 @@ MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.faiss"
 PASSAGE_IDS_FILE = "passage_ids.json"
 SOURCES_FILE = "synthetic_sources.npy"
-KINDS = ("ivf", "ivf-pq", "hnsw")
+if TYPE_CHECKING:
+    from specrag.retrieval.staged_hnsw import StagedHNSW
+
+HNSW_KIND = "hnsw"
+KINDS = ("ivf", "ivf-pq", HNSW_KIND)
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,22 @@ class IndexConfig:
             raise InvalidInputError(f"unknown index kind {self.kind!r}; choose one of {', '.join(KINDS)}")
 
 
+def _staged_hnsw() -> type[StagedHNSW]:
+    """The HNSW searcher class, imported only when an HNSW index is used.
+
+    It pulls in numba, and a numba (llvmlite) object in ``sys.modules`` makes vLLM's CPU worker
+    fail at start-up (its Triton kernel rebinding calls ``vars()`` on every module attribute).
+    A script whose main module imports specrag for IVF must not load numba by the way.
+    """
+    from specrag.retrieval.staged_hnsw import StagedHNSW
+
+    return StagedHNSW
+
+
 def build_searcher(vectors: np.ndarray, config: IndexConfig, progress: bool = False) -> StagedSearcher:
     """A staged searcher over ``vectors`` (row i = vector i) as ``config`` describes."""
-    if config.kind == "hnsw":
-        return StagedHNSW.build(
+    if config.kind == HNSW_KIND:
+        return _staged_hnsw().build(
             vectors,
             m=config.hnsw_m,
             ef_construction=config.ef_construction,
@@ -175,8 +190,8 @@ def _verify_files(directory: Path, checksums: dict[str, str]) -> None:
 
 
 def _searcher_from(index: faiss.Index, settings: dict[str, Any], path: Path) -> StagedSearcher:
-    if settings.get("kind") == StagedHNSW.kind and isinstance(index, faiss.IndexHNSWFlat):
-        return StagedHNSW(index, ef_search=int(settings["ef_search"]))
+    if settings.get("kind") == HNSW_KIND and isinstance(index, faiss.IndexHNSWFlat):
+        return _staged_hnsw()(index, ef_search=int(settings["ef_search"]))
     if settings.get("kind") == StagedIVF.kind and isinstance(index, faiss.IndexIVF):
         return StagedIVF(index, nprobe=int(settings["nprobe"]))
     raise ArtifactError(f"{path}: a {type(index).__name__} does not match the manifest's {settings}")
