@@ -39,7 +39,8 @@ from specrag.controller.assets import Assets, ensure_assets
 from specrag.controller.controller import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.engine import now
+from specrag.pipeline.engine import Engine, now
+from specrag.pipeline.http_engine import HttpEngine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.index_store import IndexConfig, build_index, check_corpus, load_index, save_index
@@ -73,6 +74,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--engine-cpus", default="0", help="core(s) of the engine's model worker")
     parser.add_argument("--search-cpus", default="1", help="core(s) of the vector search thread")
     parser.add_argument("--eager", action="store_true", help="no graph compilation in the engine")
+    parser.add_argument(
+        "--engine-url",
+        help="an OpenAI-compatible server (vLLM with --enable-prompt-tokens-details, SGLang) instead of "
+        "the in-process engine; --model must then name its model directory (for the tokenizer)",
+    )
     args = parser.parse_args()
     args.index_size = args.index_size or (1_000_000 if args.quick else 2_000_000)
     args.requests = args.requests or (12 if args.quick else 32)
@@ -125,7 +131,7 @@ def configurations(args: argparse.Namespace) -> list[Configuration]:
 
 
 async def measure_regime(
-    engine: VllmEngine, index: VectorIndex, builder: PromptBuilder, passages: list[Any], k: int
+    engine: Engine, index: VectorIndex, builder: PromptBuilder, passages: list[Any], k: int
 ) -> tuple[dict[float, float], float]:
     """One search's time per ratio, and the cold prefill of a typical prompt, on the same cores."""
     rng = np.random.default_rng(123)
@@ -156,16 +162,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     index = scaled_index(layout, assets, args.index_size, args.nlist)
     index.use_runner(SearchRunner(threads=1, cpus=cpus(args.search_cpus)))
     run_dir = layout.root / "run" / "e2e"
-    engine_config = EngineConfig(
-        model=str(assets.model_dir), omp_threads_bind=args.engine_cpus, enforce_eager=args.eager
-    ).with_kv_events(run_dir)
+    engine_config: EngineConfig | None = None
+    if args.engine_url is None:
+        engine_config = EngineConfig(
+            model=str(assets.model_dir), omp_threads_bind=args.engine_cpus, enforce_eager=args.eager
+        ).with_kv_events(run_dir)
+    engine_where = args.engine_url or f"in-process vLLM, model worker on core(s) {args.engine_cpus}"
     print(
-        f"engine model worker on core(s) {args.engine_cpus}, vector search on core(s) {args.search_cpus}; "
-        f"model {assets.model_dir}; index {index.searcher.ntotal:,} vectors × {index.dim}, "
-        f"nlist {args.nlist}",
+        f"engine: {engine_where}; vector search on core(s) {args.search_cpus}; tokenizer and store of "
+        f"{assets.model_dir}; index {index.searcher.ntotal:,} vectors × {index.dim}, nlist {args.nlist}",
         flush=True,
     )
-    engine = await VllmEngine.start(engine_config)
+    engine: Engine = (
+        await VllmEngine.start(engine_config)
+        if engine_config is not None
+        else await HttpEngine.connect(args.engine_url)
+    )
     try:
         builder = PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
         await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
@@ -224,7 +236,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         headline[mode] = {"ttft_mean_ratio_vs_serial": ratio, "ci95": [low, high]}
     facts = {
         **machine(),
-        "engine_cpus": args.engine_cpus,
+        "engine_cpus": args.engine_cpus if args.engine_url is None else None,
+        "engine_url": args.engine_url,
         "search_cpus": args.search_cpus,
         "model": str(assets.model_dir),
         "index": {"vectors": args.index_size, "dim": index.dim, "nlist": args.nlist, "kind": "ivf-flat"},

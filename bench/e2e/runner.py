@@ -84,7 +84,7 @@ async def replay(
 
 async def run_configuration(
     engine: Engine,
-    engine_config: EngineConfig,
+    engine_config: EngineConfig | None,
     index: VectorIndex,
     builder: PromptBuilder,
     base: ControllerConfig,
@@ -98,12 +98,15 @@ async def run_configuration(
         engine, index, builder, replace(base, mode=configuration.mode, **configuration.overrides)
     )
     await controller.reset_prefix_cache()
-    mirror = KVMirror(controller.tree, engine_config)
-    await mirror.start()
+    # Without KV events (an HTTP engine) the tree keeps its capacity model.
+    mirror = KVMirror(controller.tree, engine_config) if engine_config is not None else None
+    if mirror is not None:
+        await mirror.start()
     try:
         records, prompts, wall = await replay(controller, trace, k, max_tokens, configuration.mode)
     finally:
-        await mirror.stop()
+        if mirror is not None:
+            await mirror.stop()
         await controller.close()
     return RunResult(configuration, records, wall, nprobe, prompts)
 
