@@ -1,26 +1,44 @@
-"""The controller on the real vLLM engine: speculation, adoption, abort, gate, warm-up, sessions."""
+"""The controller on the real vLLM engine and on the simulated one: speculation, adoption, abort,
+gate, warm-up, sessions. Every test runs on both; the simulated runs take milliseconds."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
+import pytest_asyncio
 
 from specrag.controller.assets import Assets
 from specrag.controller.controller import AnswerDelta, RagController, RagRequest
 from specrag.errors import InvalidInputError, NotFoundError
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engine import Engine
+from specrag.pipeline.simulated_engine import SimulatedEngine
 from tests.controller.conftest import make_controller, scripted_index
 
-pytestmark = pytest.mark.engine
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def simulated_engine() -> AsyncIterator[SimulatedEngine]:
+    """A fresh simulated engine with the tiny model's limits (fast: a twentieth of real time)."""
+    simulated = SimulatedEngine(time_scale=0.05, max_model_len=4096)
+    yield simulated
+    await simulated.close()
+
+
+@pytest.fixture(params=["simulated", pytest.param("vllm", marks=pytest.mark.engine)])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    """Each test runs on the session's real vLLM engine and on the simulated engine."""
+    chosen: Engine = request.getfixturevalue("vllm_engine" if request.param == "vllm" else "simulated_engine")
+    return chosen
+
 
 QUESTION = "How does asyncio.run create and close the event loop?"
 A = [10, 11, 12, 13]
 B = [10, 11, 14, 15]
 
 
-async def assert_engine_idle(engine: VllmEngine, controller: RagController, within_s: float = 5.0) -> None:
+async def assert_engine_idle(engine: Engine, controller: RagController, within_s: float = 5.0) -> None:
     """No request of ours remains: neither in the controller, nor in the engine's own queues."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s
@@ -36,22 +54,18 @@ async def assert_engine_idle(engine: VllmEngine, controller: RagController, with
     raise AssertionError(f"requests left: {controller.in_flight_request_ids()} {await engine.counts()}")
 
 
-async def test_speculation_answers_from_the_serial_prompt(
-    vllm_engine: VllmEngine, tiny_assets: Assets
-) -> None:
-    controller = make_controller(vllm_engine, tiny_assets)
+async def test_speculation_answers_from_the_serial_prompt(engine: Engine, tiny_assets: Assets) -> None:
+    controller = make_controller(engine, tiny_assets)
     serial = await controller.answer(RagRequest(QUESTION, k=6, mode="serial", max_tokens=6))
     speculative = await controller.answer(RagRequest(QUESTION, k=6, mode="speculation", max_tokens=6))
     assert speculative.prompt.token_ids == serial.prompt.token_ids
     assert speculative.text == serial.text
     assert serial.timeline.speculations == 0 and serial.timeline.documents == speculative.timeline.documents
-    await assert_engine_idle(vllm_engine, controller)
+    await assert_engine_idle(engine, controller)
 
 
-async def test_a_speculation_on_the_final_list_is_adopted(
-    vllm_engine: VllmEngine, tiny_assets: Assets
-) -> None:
-    controller = make_controller(vllm_engine, tiny_assets, scripted_index(tiny_assets, [A, A, A, A]))
+async def test_a_speculation_on_the_final_list_is_adopted(engine: Engine, tiny_assets: Assets) -> None:
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A, A, A]))
     done = await controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=4))
     timeline = done.timeline
     assert timeline.adopted and timeline.speculations == 1 and timeline.aborted_speculations == 0
@@ -59,13 +73,13 @@ async def test_a_speculation_on_the_final_list_is_adopted(
     # The answer's prefill started during the search: most of the search overlapped it.
     assert timeline.non_overlapped_retrieval_s is not None and timeline.retrieval_s is not None
     assert timeline.non_overlapped_retrieval_s < timeline.retrieval_s / 2
-    await assert_engine_idle(vllm_engine, controller)
+    await assert_engine_idle(engine, controller)
 
 
 async def test_a_wrong_speculation_is_aborted_and_the_final_prompt_submitted(
-    vllm_engine: VllmEngine, tiny_assets: Assets
+    engine: Engine, tiny_assets: Assets
 ) -> None:
-    controller = make_controller(vllm_engine, tiny_assets, scripted_index(tiny_assets, [A, A, B]))
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A, B]))
     done = await controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=4))
     timeline = done.timeline
     assert not timeline.adopted
@@ -74,46 +88,40 @@ async def test_a_wrong_speculation_is_aborted_and_the_final_prompt_submitted(
     assert done.prompt.document_ids() == tuple(B)
     # The shared first two documents were prefilled by the speculation: the final prompt reuses them.
     first_two_end = done.prompt.segments[2].end
-    assert timeline.cached_prompt_tokens >= first_two_end // vllm_engine.block_size * vllm_engine.block_size
-    await assert_engine_idle(vllm_engine, controller)
+    assert timeline.cached_prompt_tokens >= first_two_end // engine.block_size * engine.block_size
+    await assert_engine_idle(engine, controller)
 
 
-async def test_changed_candidates_replace_the_speculation(
-    vllm_engine: VllmEngine, tiny_assets: Assets
-) -> None:
-    controller = make_controller(vllm_engine, tiny_assets, scripted_index(tiny_assets, [A, B, B]))
+async def test_changed_candidates_replace_the_speculation(engine: Engine, tiny_assets: Assets) -> None:
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, B, B]))
     timeline = (await controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=4))).timeline
     assert timeline.speculations == 2 and timeline.aborted_speculations == 1 and timeline.adopted
-    await assert_engine_idle(vllm_engine, controller)
+    await assert_engine_idle(engine, controller)
 
 
-async def test_a_closed_stream_leaves_no_request_behind(vllm_engine: VllmEngine, tiny_assets: Assets) -> None:
-    controller = make_controller(vllm_engine, tiny_assets, scripted_index(tiny_assets, [A, B, B, A]))
+async def test_a_closed_stream_leaves_no_request_behind(engine: Engine, tiny_assets: Assets) -> None:
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, B, B, A]))
     stream = controller.stream(RagRequest(QUESTION, k=4, mode="all", max_tokens=500))
     async with contextlib.aclosing(stream):
         async for event in stream:
             assert isinstance(event, AnswerDelta)
             break
-    await assert_engine_idle(vllm_engine, controller)
+    await assert_engine_idle(engine, controller)
 
 
-async def test_a_cancelled_query_leaves_no_request_behind(
-    vllm_engine: VllmEngine, tiny_assets: Assets
-) -> None:
-    controller = make_controller(vllm_engine, tiny_assets, scripted_index(tiny_assets, [A, B, A, B, A]))
+async def test_a_cancelled_query_leaves_no_request_behind(engine: Engine, tiny_assets: Assets) -> None:
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, B, A, B, A]))
     task = asyncio.create_task(controller.answer(RagRequest(QUESTION, k=4, mode="all", max_tokens=500)))
     await asyncio.sleep(0.8)  # mid-search, with a speculation in flight
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await assert_engine_idle(vllm_engine, controller)
+    await assert_engine_idle(engine, controller)
 
 
-async def test_speculation_never_overfills_the_prefill_pool(
-    vllm_engine: VllmEngine, tiny_assets: Assets
-) -> None:
+async def test_speculation_never_overfills_the_prefill_pool(engine: Engine, tiny_assets: Assets) -> None:
     controller = make_controller(
-        vllm_engine,
+        engine,
         tiny_assets,
         scripted_index(tiny_assets, [A, B, A, B], stage_delay_s=0.1),
         max_prefill_bs=1,
@@ -122,29 +130,25 @@ async def test_speculation_never_overfills_the_prefill_pool(
     results = await asyncio.gather(*(controller.answer(r) for r in requests))
     assert controller.gate.peak_pool == 1
     assert all(r.prompt.document_ids() == tuple(B) for r in results)
-    await assert_engine_idle(vllm_engine, controller)
+    await assert_engine_idle(engine, controller)
 
 
-async def test_warm_up_runs_only_when_the_system_prompt_is_cold(
-    vllm_engine: VllmEngine, tiny_assets: Assets
-) -> None:
-    await vllm_engine.reset_prefix_cache()
-    controller = make_controller(vllm_engine, tiny_assets, scripted_index(tiny_assets, [A, A]))
+async def test_warm_up_runs_only_when_the_system_prompt_is_cold(engine: Engine, tiny_assets: Assets) -> None:
+    await engine.reset_prefix_cache()
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A]))
     assert not controller.tree.system_prompt_resident()
     first = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
     assert first.timeline.warmed
     assert controller.tree.system_prompt_resident()
     second = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
     assert not second.timeline.warmed
-    await assert_engine_idle(vllm_engine, controller)
+    await assert_engine_idle(engine, controller)
 
 
 async def test_a_session_continues_the_previous_turn_and_drops_repeated_documents(
-    vllm_engine: VllmEngine, tiny_assets: Assets
+    engine: Engine, tiny_assets: Assets
 ) -> None:
-    controller = make_controller(
-        vllm_engine, tiny_assets, scripted_index(tiny_assets, [A, A], stage_delay_s=0.01)
-    )
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], stage_delay_s=0.01))
     session = controller.sessions.create()
     first = await controller.answer(RagRequest(QUESTION, k=4, max_tokens=4, session_id=session.session_id))
     controller.index = scripted_index(tiny_assets, [B, B], stage_delay_s=0.01)
@@ -157,10 +161,9 @@ async def test_a_session_continues_the_previous_turn_and_drops_repeated_document
     assert history[: len(second.prompt.token_ids)] == second.prompt.token_ids
     assert (
         second.timeline.cached_prompt_tokens
-        >= len(first.prompt.token_ids) // vllm_engine.block_size * vllm_engine.block_size
-        - vllm_engine.block_size
+        >= len(first.prompt.token_ids) // engine.block_size * engine.block_size - engine.block_size
     )
-    await assert_engine_idle(vllm_engine, controller)
+    await assert_engine_idle(engine, controller)
 
 
 @pytest.mark.parametrize(
@@ -177,9 +180,9 @@ async def test_a_session_continues_the_previous_turn_and_drops_repeated_document
     ],
 )
 async def test_bad_requests_are_rejected_with_a_clear_error(
-    vllm_engine: VllmEngine, tiny_assets: Assets, request_: RagRequest, error: type[Exception], message: str
+    engine: Engine, tiny_assets: Assets, request_: RagRequest, error: type[Exception], message: str
 ) -> None:
-    controller = make_controller(vllm_engine, tiny_assets)
+    controller = make_controller(engine, tiny_assets)
     with pytest.raises(error, match=message):
         await controller.answer(request_)
-    await assert_engine_idle(vllm_engine, controller)
+    await assert_engine_idle(engine, controller)
