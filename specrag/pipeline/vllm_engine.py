@@ -8,8 +8,9 @@ over ZMQ), so submitting, streaming and aborting cost no HTTP round trip. Works 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,7 @@ class VllmEngine:
         blocks = getattr(cache_config, "num_gpu_blocks", None)
         self._kv_capacity_tokens = int(blocks) * self._block_size if blocks else None
         self._closed = False
+        self._shut_down = asyncio.Event()
 
     @classmethod
     async def start(cls, config: EngineConfig) -> VllmEngine:
@@ -203,20 +205,21 @@ class VllmEngine:
             stream = self._llm.generate(
                 {"prompt_token_ids": prompt}, self._sampling_params(sampling), request_id
             )
-            async for output in stream:
-                self._tracker.first_token(request_id)
-                completion = output.outputs[0] if output.outputs else None
-                finished = bool(output.finished)
-                yield EngineOutput(
-                    request_id=request_id,
-                    token_ids=tuple(completion.token_ids) if completion else (),
-                    text=completion.text if completion else "",
-                    prompt_tokens=len(prompt),
-                    cached_tokens=output.num_cached_tokens,
-                    finished=finished,
-                    finish_reason=completion.finish_reason if completion else None,
-                    received_at=now(),
-                )
+            async with contextlib.aclosing(until_set(stream, self._shut_down)) as outputs:
+                async for output in outputs:
+                    self._tracker.first_token(request_id)
+                    completion = output.outputs[0] if output.outputs else None
+                    finished = bool(output.finished)
+                    yield EngineOutput(
+                        request_id=request_id,
+                        token_ids=tuple(completion.token_ids) if completion else (),
+                        text=completion.text if completion else "",
+                        prompt_tokens=len(prompt),
+                        cached_tokens=output.num_cached_tokens,
+                        finished=finished,
+                        finish_reason=completion.finish_reason if completion else None,
+                        received_at=now(),
+                    )
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as error:
@@ -244,6 +247,7 @@ class VllmEngine:
         if self._closed:
             return
         self._closed = True
+        self._shut_down.set()  # requests still streaming fail now instead of waiting on a dead core
         llm, self._llm = self._llm, None
         # Stop vLLM's output handler first: it would otherwise see the engine core go away and log
         # a spurious EngineDeadError traceback. Then shut down off the event loop (it terminates
@@ -260,3 +264,28 @@ class VllmEngine:
     def _ensure_open(self) -> None:
         if self._closed:
             raise EngineError("the engine is closed")
+
+
+async def until_set(stream: AsyncIterator[Any], stop: asyncio.Event) -> AsyncGenerator[Any, None]:
+    """``stream``'s items until ``stop`` is set, then :class:`EngineError` rather than a hang.
+
+    A supervisor closes an engine whose core hung or died; vLLM may then never answer the
+    queues of the requests still streaming from it, and their callers would wait forever.
+    """
+    stopped = asyncio.ensure_future(stop.wait())
+    step: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(stream))
+            await asyncio.wait({step, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                raise EngineError("the engine was shut down while the request ran")
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        stopped.cancel()
+        if step is not None and not step.done():
+            step.cancel()

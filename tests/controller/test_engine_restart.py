@@ -1,0 +1,113 @@
+"""The supervisor against a real engine death: SIGKILL the vLLM engine core of a service of our own.
+
+``test_faults`` covers every failure mode on the simulated engine; this one checks that the real
+thing behaves the same: vLLM notices its engine core died, queries in flight get a clear error
+(or are retried), the supervisor starts a new engine core, the service answers again, and no
+request or process is left behind. It starts (and restarts) a separate small engine, never the
+session's shared one, so it takes a minute or two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from specrag.controller.assets import Assets
+from specrag.controller.controller import ControllerConfig, RagController, RagRequest
+from specrag.controller.supervisor import SupervisedEngine, SupervisorPolicy
+from specrag.errors import EngineError
+from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.engine import Engine
+from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.vllm_engine import VllmEngine
+
+pytestmark = pytest.mark.engine
+
+QUESTION = "What does the assert statement do?"
+# Generous correctness bounds: an error must come, and the engine must return, not hang.
+ERROR_BOUND_S = 60.0
+RECOVERY_BOUND_S = 300.0
+CORE_EXIT_BOUND_S = 30.0
+
+
+def core_pids() -> set[int]:
+    return {
+        child.pid
+        for child in multiprocessing.active_children()
+        if "EngineCore" in (child.name or "") and child.pid is not None
+    }
+
+
+async def test_a_killed_engine_core_is_replaced_without_leaks(
+    tiny_model_dir: Path, tiny_assets: Assets, tmp_path: Path
+) -> None:
+    # No KV events: their sockets would clash with the session engine's; the tree's capacity
+    # model is enough here. A smaller KV pool keeps the second engine light beside the first.
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        max_model_len=4096,
+        kv_cache_gib=1,
+        enforce_eager=True,
+        startup_timeout_s=600,
+    )
+    shared = core_pids()  # the session engine's core, if it runs: never touched
+
+    async def start() -> Engine:
+        return await VllmEngine.start(config)
+
+    policy = SupervisorPolicy(probe_timeout_s=5.0, close_timeout_s=20.0, max_attempts=3, backoff_s=1.0)
+    engine = await SupervisedEngine(start, policy).start()
+    builder = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store, block_size=engine.block_size)
+    controller = RagController(
+        engine, tiny_assets.index, builder, ControllerConfig(first_token_timeout_s=10.0)
+    )
+    try:
+        (ours,) = core_pids() - shared
+        await controller.answer(RagRequest(QUESTION, k=4, max_tokens=2))
+        queries = [
+            asyncio.create_task(controller.answer(RagRequest(QUESTION, k=4, max_tokens=400)))
+            for _ in range(3)
+        ]
+        await asyncio.sleep(0.5)
+        killed_at = time.perf_counter()
+        os.kill(ours, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*queries, return_exceptions=True), ERROR_BOUND_S)
+        # Each query failed with a clear engine error or was retried on the new engine; none hung.
+        for result in results:
+            assert isinstance(result, EngineError) or result.text, result  # type: ignore[union-attr]
+
+        assert await engine.wait_ready(RECOVERY_BOUND_S), engine.last_error
+        assert engine.restarts == 1 and engine.state == "ready"
+        assert engine.last_recovery_s is not None and time.perf_counter() - killed_at < RECOVERY_BOUND_S
+        (replacement,) = core_pids() - shared
+        assert replacement != ours
+        assert not controller.tree.system_prompt_resident() or controller.tree.uses_capacity_model
+
+        after = await controller.answer(RagRequest(QUESTION, k=4, max_tokens=4))
+        assert after.text and after.timeline.first_token is not None
+        for _ in range(100):
+            counts = await engine.counts()
+            if not controller.in_flight_request_ids() and counts.running == counts.waiting == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert controller.in_flight_request_ids() == set() and controller.gate.pool == 0
+        counts = await engine.counts()
+        assert (counts.running, counts.waiting, counts.unfinished) == (0, 0, 0)
+    finally:
+        await controller.close()
+        await engine.close()
+    # vLLM's shutdown signals its core and returns; the core then exits within seconds.
+    deadline = time.perf_counter() + CORE_EXIT_BOUND_S
+    while not core_pids() <= shared and time.perf_counter() < deadline:
+        await asyncio.sleep(0.2)
+    assert core_pids() <= shared, "an engine core of ours outlived the engine"
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(ours, 0)
+        pytest.fail(f"the killed engine core {ours} still exists")

@@ -1,0 +1,258 @@
+"""Soak: thousands of mixed requests through the real HTTP service, then nothing may be left over.
+
+A leak that one test cannot see (a prefill slot not given back when a client leaves during the
+search, an engine request not aborted when a handler is cancelled while queued, a tree or session
+store that only grows) shows after thousands of requests. The big soak runs on the simulated
+engine under the supervisor, so 2,000 requests take seconds; the short one repeats the
+disconnects on the real engine, whose own queues must drain to zero.
+
+Traffic: whole and streamed answers, chat, sessions, clients that close the connection mid-stream
+or while waiting for the answer, malformed requests from :mod:`bench.fault_inputs`, and a few
+injected engine failures (each retried once before the first token, so still a 200). Concurrency
+is bounded, and set above the service's limits so the 429 paths run too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+
+from bench.fault_inputs import BAD_REQUESTS, send
+from specrag.cache.tree import KnowledgeTree
+from specrag.controller.assets import Assets
+from specrag.controller.controller import ControllerConfig, RagController
+from specrag.controller.server import create_app, serving
+from specrag.controller.sessions import SessionStore
+from specrag.controller.supervisor import SupervisedEngine, SupervisorPolicy
+from specrag.pipeline.engine import Engine
+from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.pipeline.vllm_engine import VllmEngine
+from tests.controller.conftest import make_controller
+
+TOKEN = "soak-token"
+# Statuses a soak request may legitimately get; anything else (a 5xx above all) fails the soak.
+EXPECTED = {200, 201, 204, 400, 401, 404, 405, 413, 415, 429}
+# Small bad bodies only: the 2 MiB one would make the soak about bandwidth, not leaks.
+BAD = [row for row in BAD_REQUESTS if row.raw is None or len(row.raw) < 4096]
+
+
+@dataclass
+class Soak:
+    """One soak's traffic and its tally (``disconnected`` counts requests abandoned on purpose)."""
+
+    url: str
+    questions: list[str]
+    rng: random.Random
+    max_tokens: int
+    bare: aiohttp.ClientSession | None = None  # no default Authorization: rows choose their own
+    statuses: Counter[int] = field(default_factory=Counter)
+    kinds: Counter[str] = field(default_factory=Counter)
+
+    def question(self) -> str:
+        return self.rng.choice(self.questions)
+
+    def rag_body(self, stream: bool = False) -> dict[str, object]:
+        mode = self.rng.choice(["all", "all", "speculation", "serial"])
+        k = self.rng.randint(2, 6)
+        return {
+            "query": self.question(),
+            "k": k,
+            "mode": mode,
+            "max_tokens": self.max_tokens,
+            "stream": stream,
+        }
+
+
+async def _whole(soak: Soak, http: aiohttp.ClientSession) -> None:
+    async with http.post(f"{soak.url}/v1/rag", json=soak.rag_body()) as response:
+        await response.read()
+        soak.statuses[response.status] += 1
+
+
+async def _streamed(soak: Soak, http: aiohttp.ClientSession) -> None:
+    async with http.post(f"{soak.url}/v1/rag", json=soak.rag_body(stream=True)) as response:
+        body = await response.read()
+        soak.statuses[response.status] += 1
+        if response.status == 200:
+            assert b"event: done" in body, body[-300:]
+
+
+async def _chat(soak: Soak, http: aiohttp.ClientSession) -> None:
+    body = {"messages": [{"role": "user", "content": soak.question()}], "max_tokens": soak.max_tokens}
+    async with http.post(f"{soak.url}/v1/chat/completions", json=body) as response:
+        await response.read()
+        soak.statuses[response.status] += 1
+
+
+async def _leave_mid_stream(soak: Soak, http: aiohttp.ClientSession) -> None:
+    """Read the first event of a long answer, then drop the connection."""
+    body = {**soak.rag_body(stream=True), "max_tokens": 400}
+    async with http.post(f"{soak.url}/v1/rag", json=body) as response:
+        soak.statuses[response.status] += 1
+        await response.content.readline()
+        response.close()
+
+
+async def _leave_while_waiting(soak: Soak, http: aiohttp.ClientSession) -> None:
+    """Give up before the answer (during embedding, search, queueing or prefill): a cancelled call."""
+    call = asyncio.ensure_future(_whole(soak, http))
+    await asyncio.sleep(soak.rng.uniform(0.0, 0.03))
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+
+
+async def _session(soak: Soak, http: aiohttp.ClientSession) -> None:
+    """A two-turn conversation, closed only sometimes: the store must bound the rest itself."""
+    async with http.post(f"{soak.url}/v1/sessions") as response:
+        soak.statuses[response.status] += 1
+        session_id = (await response.json())["session_id"]
+    for _ in range(2):
+        turn = {"query": soak.question(), "k": 3, "max_tokens": soak.max_tokens, "session_id": session_id}
+        async with http.post(f"{soak.url}/v1/rag", json=turn) as response:
+            await response.read()
+            soak.statuses[response.status] += 1
+    if soak.rng.random() < 0.5:
+        async with http.delete(f"{soak.url}/v1/sessions/{session_id}") as response:
+            soak.statuses[response.status] += 1
+
+
+async def _bad(soak: Soak, http: aiohttp.ClientSession) -> None:
+    row = soak.rng.choice(BAD)
+    assert soak.bare is not None
+    status, message = await send(soak.bare, soak.url, row, TOKEN)
+    soak.statuses[status] += 1
+    # Admission comes before the controller's checks: under load a bad query may be told 429 first.
+    assert status in {row.status, 429}, (row.name, status, message)
+
+
+Action = Callable[[Soak, aiohttp.ClientSession], Awaitable[None]]
+MIX: list[tuple[Action, int]] = [
+    (_whole, 40),
+    (_streamed, 15),
+    (_chat, 5),
+    (_leave_mid_stream, 12),
+    (_leave_while_waiting, 12),
+    (_session, 4),
+    (_bad, 12),
+]
+
+
+async def run_soak(
+    soak: Soak, requests: int, concurrency: int, between: Callable[[int], None] = lambda n: None
+) -> None:
+    """``requests`` actions drawn from the mix, ``concurrency`` at a time; ``between(n)`` before each."""
+    actions, weights = zip(*MIX, strict=True)
+    plan = soak.rng.choices(actions, weights, k=requests)
+    queue: asyncio.Queue[tuple[int, Action]] = asyncio.Queue()
+    for item in enumerate(plan):
+        queue.put_nowait(item)
+
+    async def worker(http: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            number, action = queue.get_nowait()
+            between(number)
+            soak.kinds[action.__name__] += 1
+            await action(soak, http)
+
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    timeout = aiohttp.ClientTimeout(total=60)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with (
+        aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as http,
+        aiohttp.ClientSession(timeout=timeout) as soak.bare,
+    ):
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+
+
+async def wait_idle(controller: RagController, engine: Engine, within_s: float = 10.0) -> None:
+    """Our bookkeeping and the engine's own queues drain to zero (bounded; speculations end late)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        counts = await engine.counts()
+        idle = counts.running == counts.waiting == counts.unfinished == 0
+        if idle and not controller.in_flight_request_ids() and controller.gate.pool == 0:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(
+                f"left over: {controller.in_flight_request_ids()} {counts} pool={controller.gate.pool}"
+            )
+        await asyncio.sleep(0.05)
+
+
+def soak_questions(assets: Assets, count: int = 300) -> list[str]:
+    """Varied questions (passage titles and opening words), so the tree keeps meeting new orders."""
+    rng = random.Random(7)
+    passages = rng.sample(assets.passages, count)
+    return [f"{p.title}: {' '.join(p.text.split()[:8])}?" for p in passages]
+
+
+async def test_thousands_of_requests_leave_nothing_behind(tiny_assets: Assets) -> None:
+    started: list[SimulatedEngine] = []
+
+    async def start() -> SimulatedEngine:
+        started.append(SimulatedEngine(time_scale=0.005, max_model_len=8192))
+        return started[-1]
+
+    policy = SupervisorPolicy(probe_timeout_s=2.0, close_timeout_s=2.0, max_attempts=3, backoff_s=0.05)
+    engine = await SupervisedEngine(start, policy).start()
+    builder = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store, block_size=engine.block_size)
+    tree = KnowledgeTree(
+        builder.system_token_ids, block_size=engine.block_size, capacity_blocks=2048, max_nodes=400
+    )
+    sessions = SessionStore(max_sessions=16)
+    config = ControllerConfig(max_prefill_bs=4, max_queue=12, first_token_timeout_s=10.0)
+    controller = RagController(engine, tiny_assets.index, builder, config, tree=tree, sessions=sessions)
+    app = create_app(controller, api_token=TOKEN, max_queries=20, max_queries_per_client=16)
+    soak = Soak("", soak_questions(tiny_assets), random.Random(2024), max_tokens=6)
+
+    def inject(number: int) -> None:
+        if number % 400 == 200:  # a one-off engine failure: retried before the first token
+            started[-1].fail_next(1)
+
+    try:
+        async with serving(app, access_log=False) as url:
+            soak.url = url
+            await asyncio.wait_for(run_soak(soak, 2000, concurrency=18, between=inject), 300)
+            await wait_idle(controller, engine)
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+                async with http.get(f"{url}/health") as response:
+                    assert response.status == 200
+                await _whole(soak, http)  # still answers after the soak
+        assert soak.statuses[200] > 800, soak.statuses
+        assert set(soak.statuses) <= EXPECTED, soak.statuses
+        assert soak.statuses[429] > 0, "the soak never reached the admission limits"
+        assert sum(soak.kinds.values()) == 2000
+        assert engine.restarts == 0 and len(started) == 1  # one-off failures need no restart
+        assert 0 < len(controller.tree) <= tree.max_nodes
+        assert len(controller.sessions) <= sessions.max_sessions
+        assert controller.gate.pool == 0 and controller.gate.waiting == 0
+    finally:
+        await controller.close()
+        await engine.close()
+
+
+@pytest.mark.engine
+async def test_disconnects_on_the_real_engine_leave_its_queues_empty(
+    vllm_engine: VllmEngine, tiny_assets: Assets
+) -> None:
+    controller = make_controller(vllm_engine, tiny_assets, max_prefill_bs=2, max_queue=4)
+    app = create_app(controller, api_token=TOKEN, max_queries=8, max_queries_per_client=6)
+    soak = Soak("", soak_questions(tiny_assets, 40), random.Random(11), max_tokens=3)
+    try:
+        async with serving(app, access_log=False) as url:
+            soak.url = url
+            await asyncio.wait_for(run_soak(soak, 60, concurrency=8), 300)
+            await wait_idle(controller, vllm_engine, within_s=30)
+        assert set(soak.statuses) <= EXPECTED, soak.statuses
+        assert soak.statuses[200] > 0
+        assert soak.kinds["_leave_mid_stream"] + soak.kinds["_leave_while_waiting"] > 0
+    finally:
+        await controller.close()
