@@ -18,7 +18,7 @@ from specrag.controller.client import AsyncClient
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.demo import DEMO_QUESTIONS, run_demo
 from specrag.controller.modes import MODE_NAMES
-from specrag.controller.server import serving
+from specrag.controller.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT, serving
 from specrag.controller.service import ServiceOptions, open_service
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
@@ -74,11 +74,24 @@ def _serve(args: argparse.Namespace) -> int:
         socket.getaddrinfo(args.host, args.port)
     except OSError as error:
         raise InvalidInputError(f"--host {args.host!r} cannot be bound: {error}") from None
+    if args.max_queries < 1 or args.max_queries_per_client < 1:
+        raise InvalidInputError("--max-queries and --max-queries-per-client must be at least 1")
     token = _api_token(args.api_token_env)
     config = ControllerConfig(
-        mode=args.mode, num_stages=args.stages, max_prefill_bs=args.max_prefill_bs
+        mode=args.mode,
+        num_stages=args.stages,
+        max_prefill_bs=args.max_prefill_bs,
+        max_queue=args.max_queue,
+        first_token_timeout_s=args.first_token_timeout,
     ).validate()
-    options = ServiceOptions(controller=config, engine_url=args.engine_url, eager=args.eager, api_token=token)
+    options = ServiceOptions(
+        controller=config,
+        engine_url=args.engine_url,
+        eager=args.eager,
+        api_token=token,
+        max_queries=args.max_queries,
+        max_queries_per_client=args.max_queries_per_client,
+    )
     assets = _assets(args)
 
     async def main() -> None:
@@ -145,6 +158,29 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--stages", type=int, default=4, help="search stages (speculation points)")
     serve.add_argument(
         "--engine-url", help="an OpenAI-compatible engine server to use instead of the in-process vLLM"
+    )
+    limits = serve.add_argument_group("limits (beyond them: 429 with Retry-After, or 504)")
+    limits.add_argument(
+        "--max-queries", type=int, default=DEFAULT_MAX_QUERIES, help="queries in flight, all clients"
+    )
+    limits.add_argument(
+        "--max-queries-per-client",
+        type=int,
+        default=DEFAULT_MAX_QUERIES_PER_CLIENT,
+        help="queries in flight from one client address",
+    )
+    limits.add_argument(
+        "--max-queue",
+        type=int,
+        default=ControllerConfig().max_queue,
+        help="final prompts waiting for the engine's prefill pool",
+    )
+    limits.add_argument(
+        "--first-token-timeout",
+        type=float,
+        default=ControllerConfig().first_token_timeout_s,
+        metavar="SECONDS",
+        help="no first token by then: 504 (after one retry on a fresh engine)",
     )
     serve.set_defaults(handler=_serve)
 

@@ -77,8 +77,10 @@ class ControllerConfig:
             raise InvalidInputError("max_tokens_default must be between 1 and max_tokens_limit")
         if self.max_queue < 0:
             raise InvalidInputError("max_queue cannot be negative")
-        if self.first_token_timeout_s <= 0 or self.starvation_window_s < 0:
-            raise InvalidInputError("timeouts and windows must be positive")
+        if not self.first_token_timeout_s > 0:  # written so that NaN fails too
+            raise InvalidInputError("first_token_timeout_s must be positive")
+        if not self.starvation_window_s >= 0:
+            raise InvalidInputError("starvation_window_s cannot be negative")
         return self
 
 
@@ -191,17 +193,20 @@ class RagController:
         self.index = index
         self.builder = builder
         capacity = engine.kv_capacity_tokens
-        self.tree = tree or KnowledgeTree(
-            builder.system_token_ids,
-            block_size=engine.block_size,
-            capacity_blocks=capacity // engine.block_size if capacity else None,
-        )
+        # ``is None``, not ``or``: an empty tree or session store has length 0 and is falsy.
+        if tree is None:
+            tree = KnowledgeTree(
+                builder.system_token_ids,
+                block_size=engine.block_size,
+                capacity_blocks=capacity // engine.block_size if capacity else None,
+            )
+        self.tree = tree
         max_bs = self.config.max_prefill_bs or default_max_prefill_bs(
             self.config.batched_token_budget,
             len(builder.system_token_ids) + self.config.k_default * _EXPECTED_PASSAGE_TOKENS,
         )
         self.gate = PrefillGate(max_bs, self.config.starvation_window_s)
-        self.sessions = sessions or SessionStore()
+        self.sessions = sessions if sessions is not None else SessionStore()
         self._hints = HintConfig(order_hint=self.config.order_hint)
         self._warming: asyncio.Task[None] | None = None
         self._in_flight: set[_Flight] = set()
@@ -222,7 +227,7 @@ class RagController:
 
     async def stream(self, request: RagRequest) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
         """Answer deltas, then :class:`AnswerDone`. Closing the iterator early aborts every request."""
-        k, mode, sampling, session = self._validate(request)
+        k, mode, sampling, session = self.check(request)
         timeline = Timeline(arrival=now(), mode=mode.name)
         flights: list[_Flight] = []
         try:
@@ -238,7 +243,12 @@ class RagController:
 
     # ------------------------------------------------------------------ steps
 
-    def _validate(self, request: RagRequest) -> tuple[int, Mode, Sampling, Session | None]:
+    def check(self, request: RagRequest) -> tuple[int, Mode, Sampling, Session | None]:
+        """The request's k, mode, sampling and session, or :class:`InvalidInputError`/:class:`NotFoundError`.
+
+        Cheap and public so that a server can check a request before admitting it: under load,
+        malformed input should still get its 4xx, not a 429 for a slot it never needed.
+        """
         if not isinstance(request.question, str) or not request.question.strip():
             raise InvalidInputError("the question is empty")
         try:

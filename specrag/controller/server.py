@@ -227,6 +227,11 @@ async def _answer_events(
 ) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
     """The controller's stream with admission and accounting; closing it aborts the query."""
     mode = mode_label(request.mode, state.controller.config.mode)
+    try:
+        state.controller.check(request)  # bad input gets its 4xx even when the service is full
+    except (InvalidInputError, NotFoundError):
+        state.metrics.count_unfinished(mode, "rejected")
+        raise
     if state.queries >= state.max_queries:
         state.metrics.count_unfinished(mode, "overloaded")
         raise OverloadedError(f"{state.queries} queries in flight, the limit is {state.max_queries}")

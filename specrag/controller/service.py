@@ -19,7 +19,7 @@ from aiohttp import web
 from specrag.controller.assets import Assets
 from specrag.controller.controller import ControllerConfig, RagController
 from specrag.controller.kv_mirror import KVMirror
-from specrag.controller.server import create_app
+from specrag.controller.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT, create_app
 from specrag.controller.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Engine
@@ -36,6 +36,8 @@ class ServiceOptions:
     omp_threads_bind: str | None = None
     api_token: str | None = None
     supervisor: SupervisorPolicy = field(default_factory=SupervisorPolicy)
+    max_queries: int = DEFAULT_MAX_QUERIES
+    max_queries_per_client: int = DEFAULT_MAX_QUERIES_PER_CLIENT
 
 
 @dataclass
@@ -93,7 +95,12 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
         if mirror is not None:
             await mirror.start()
         try:
-            app = create_app(controller, api_token=options.api_token)
+            app = create_app(
+                controller,
+                api_token=options.api_token,
+                max_queries=options.max_queries,
+                max_queries_per_client=options.max_queries_per_client,
+            )
             yield Service(app, controller, engine, mirror, engine_config)
         finally:
             await controller.close()

@@ -425,5 +425,8 @@ async def test_queries_beyond_the_limit_get_429_with_retry_after(
             async with http.post(f"{url}/v1/rag", json={"query": QUESTION}) as response:
                 assert response.status == 429 and int(response.headers["Retry-After"]) >= 1
                 assert (await response.json())["error"]["code"] == "overloaded"
+            # Bad input is still told what is wrong with it, not to come back later.
+            async with http.post(f"{url}/v1/rag", json={"query": "  ", "k": 4}) as response:
+                assert response.status == 400, await response.text()
             held.close()
         await assert_engine_idle(vllm_engine, controller)
