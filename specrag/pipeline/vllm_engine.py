@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specrag.errors import EngineError
-from specrag.pipeline.config import EngineConfig, apply_environment
+from specrag.pipeline.config import EngineConfig, apply_environment, resolve_dtype
 from specrag.pipeline.engine import (
     EngineCounts,
     EngineLoad,
@@ -73,6 +73,11 @@ def _stat_logger_factory(snapshot: SchedulerSnapshot) -> Any:
 
 def _engine_args(config: EngineConfig) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+
+    dtype = resolve_dtype(config.dtype, on_cpu=current_platform.is_cpu())
+    if dtype != config.dtype:
+        logger.info("dtype %s: this CPU has no native bfloat16, computing in %s", config.dtype, dtype)
 
     kwargs: dict[str, Any] = {
         "model": config.model,
@@ -83,7 +88,7 @@ def _engine_args(config: EngineConfig) -> Any:
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "long_prefill_token_threshold": config.long_prefill_token_threshold,
         "max_num_seqs": config.max_num_seqs,
-        "dtype": config.dtype,
+        "dtype": dtype,
         "seed": config.seed,
         "enable_log_requests": False,
         "disable_log_stats": False,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from specrag.errors import InvalidInputError
-from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.config import EngineConfig, cpu_has_native_bf16, resolve_dtype
 
 
 def test_defaults_validate_for_an_existing_model_dir(tmp_path: Path) -> None:
@@ -47,3 +47,22 @@ def test_environment_for_binding_and_long_contexts(tmp_path: Path) -> None:
         "VLLM_CPU_OMP_THREADS_BIND": "1",
         "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
     }
+
+
+AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n"
+SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "native"), [(AVX2_ONLY, False), (SAPPHIRE_RAPIDS, True), (GRAVITON3, True), ("", False)]
+)
+def test_native_bf16_is_read_from_the_cpu_flags(cpuinfo: str, native: bool) -> None:
+    assert cpu_has_native_bf16(cpuinfo) is native
+
+
+def test_auto_dtype_is_float32_only_on_a_cpu_that_would_emulate_bf16() -> None:
+    assert resolve_dtype("auto", on_cpu=True, cpuinfo=AVX2_ONLY) == "float32"
+    assert resolve_dtype("auto", on_cpu=True, cpuinfo=SAPPHIRE_RAPIDS) == "auto"
+    assert resolve_dtype("auto", on_cpu=False, cpuinfo=AVX2_ONLY) == "auto"  # a GPU decides itself
+    assert resolve_dtype("bfloat16", on_cpu=True, cpuinfo=AVX2_ONLY) == "bfloat16"  # asked for: kept
