@@ -57,7 +57,7 @@ def ensure_model(layout: DataLayout, passages: list[Passage], model_dir: Path | 
     if model_dir is not None:
         check_model_dir(model_dir)
         return model_dir
-    spec = DefaultModelSpec()
+    spec = DefaultModelSpec.for_this_machine()
     if not is_current_default_model(layout.model_dir, spec):
         logger.info("building the default model in %s (tokenizer trained on the corpus)", layout.model_dir)
         make_default_model(layout.model_dir, (passage.text for passage in passages), spec)

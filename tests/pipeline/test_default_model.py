@@ -84,3 +84,17 @@ def test_invalid_specs_are_rejected(tmp_path: Path, changes: dict[str, object], 
     with pytest.raises(InvalidInputError, match=message):
         make_default_model(tmp_path / "m", ["text"], spec)
     assert not (tmp_path / "m").exists()
+
+
+def test_the_default_size_follows_the_cpu_and_both_sizes_are_valid() -> None:
+    native = "flags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n"
+    avx2_only = "flags\t\t: avx avx2 fma\n"
+    assert DefaultModelSpec.for_this_machine(native) == DefaultModelSpec.sized("large") == DefaultModelSpec()
+    small = DefaultModelSpec.for_this_machine(avx2_only)
+    assert small == DefaultModelSpec.sized("small") and small.dtype == "float32"
+    large = DefaultModelSpec()
+    assert small.num_hidden_layers * small.hidden_size < large.num_hidden_layers * large.hidden_size
+    for spec in (DefaultModelSpec.sized("large"), small):
+        spec.validate()
+    with pytest.raises(InvalidInputError, match="large, small"):
+        DefaultModelSpec.sized("huge")
