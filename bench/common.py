@@ -5,19 +5,43 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+
+from specrag.pipeline.config import cpu_has_native_bf16
 
 matplotlib.use("Agg")
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
+def cpu_model() -> str:
+    """The CPU's name from /proc/cpuinfo (``platform.processor()`` is often empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on, recorded next to them."""
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    """What the numbers were measured on, recorded next to them.
+
+    Whether the CPU has native bfloat16 matters as much as its core count: it decides the default
+    model's size and dtype, and vLLM's CPU speed differs by ~10x between such machines.
+    """
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "native_bf16": cpu_has_native_bf16(),
+    }
 
 
 def write_json(name: str, data: dict[str, Any]) -> Path:
@@ -31,3 +55,16 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
 def plot_path(name: str) -> Path:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     return OUT_DIR / f"{name}.png"
+
+
+def stop_cleanly_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, ``timeout``) unwind like Ctrl-C, so ``finally`` blocks shut vLLM down.
+
+    Python's default SIGTERM ends the process at once and orphans the engine-core processes it
+    started; KeyboardInterrupt makes ``asyncio.run`` cancel the main task and run its clean-up.
+    """
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)

@@ -40,7 +40,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import machine, plot_path, write_json
+from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.fault_inputs import BAD_REQUESTS, QUESTION, send
 from specrag.controller.assets import Assets, ensure_assets
 from specrag.controller.client import (
@@ -453,6 +453,7 @@ def main() -> None:
     run = Run()
     stopped: set[int] = set()
     try:
+        stop_cleanly_on_sigterm()
         summary = asyncio.run(run_all(args, run, stopped))
     finally:
         kill_leftover(stopped)  # even on error: nothing may stay stopped or orphaned

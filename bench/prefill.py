@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, plot_path, write_json
+from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Sampling, now
@@ -118,6 +118,7 @@ def main() -> None:
         finally:
             await engine.close()
 
+    stop_cleanly_on_sigterm()
     rows = asyncio.run(run())
     result = {
         "machine": machine(),

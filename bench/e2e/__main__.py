@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import machine, plot_path, write_json
+from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.report import paired_ratio_ci, plot_ratio_sweep, plot_timeline_strip, plot_ttft_cdf, summarize
 from bench.e2e.runner import (
     Configuration,
@@ -45,6 +45,7 @@ from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.index_store import IndexConfig, build_index, check_corpus, load_index, save_index
 from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
 
 MAIN_MODES = ("serial", "warmup", "ordering", "speculation", "all")
@@ -63,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("-k", type=int, default=6, help="passages per prompt")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per answer")
     parser.add_argument("--requests", type=int, help="queries per configuration (default 32, quick 12)")
-    parser.add_argument("--rate", type=float, help="arrivals per second (default 1, quick 1.5)")
+    parser.add_argument("--rate", type=float, default=1.5, help="arrivals per second")
     parser.add_argument(
         "--cv", type=float, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson)"
     )
@@ -82,7 +83,6 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.index_size = args.index_size or (1_000_000 if args.quick else 2_000_000)
     args.requests = args.requests or (12 if args.quick else 32)
-    args.rate = args.rate or (1.5 if args.quick else 1.0)
     args.seeds = args.seeds or (1 if args.quick else 2)
     return args
 
@@ -93,7 +93,7 @@ def cpus(spec: str) -> set[int]:
 
 def scaled_index(layout: DataLayout, assets: Assets, size: int, nlist: int) -> VectorIndex:
     """The real passages' vectors padded with synthetic ones (each mapped to a passage) to ``size``."""
-    directory = layout.root / f"index-scaled-{size}-{nlist}"
+    directory = layout.root / f"index-scaled-{size}-{nlist}-p{PADDING_VERSION}"
     try:
         index = load_index(directory)
         check_corpus(index, assets.passages)
@@ -314,6 +314,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main() -> None:
     args = parse_args()
+    stop_cleanly_on_sigterm()
     result = asyncio.run(run(args))
     print_table(result)
     print(f"wrote {plot_path('e2e_ttft_cdf').parent}/e2e.json and e2e_*.png")

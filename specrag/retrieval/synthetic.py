@@ -3,7 +3,8 @@
 Search cost grows with the vectors scanned, so measuring staged search where it matters (a search
 of tens of milliseconds) needs millions of vectors. Two sources: a Gaussian mixture with queries
 near data points, and padding of a real index with vectors drawn around the real embeddings, each
-synthetic row mapped to the real passage it was drawn from so any hit still names a passage.
+synthetic row standing for a passage of its anchor's neighbourhood so any hit still names a
+relevant passage (see :func:`pad_with_synthetic`).
 Everything is deterministic from a seed and generated chunk by chunk into one float32 array, so
 1M × 384 needs its 1.5 GB and little more.
 """
@@ -19,6 +20,10 @@ from specrag.retrieval.embedders import unit_rows
 
 # Fixed so that the output for a seed does not depend on anything but (n, dim, parameters).
 CHUNK_ROWS = 65_536
+# How many real passages around its anchor a synthetic row may stand for (about 2k-3k for k<=10).
+PAD_NEIGHBOURHOOD = 16
+# Bumped whenever padding changes what a synthetic row stands for: cached padded indexes are keyed by it.
+PADDING_VERSION = 2
 # Noise above the centre separation makes clusters overlap, as clusters of real embeddings do; with
 # well-separated clusters every index is exact after its first probe and staging shows nothing.
 DEFAULT_SPREAD = 1.5
@@ -76,19 +81,27 @@ def queries_near(
 
 
 def pad_with_synthetic(
-    real: np.ndarray, total: int, noise: float = 0.5, seed: int = 0
+    real: np.ndarray, total: int, noise: float = 0.5, seed: int = 0, neighbourhood: int = PAD_NEIGHBOURHOOD
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Vectors for rows ``len(real)..total-1`` and the real row each was drawn around.
+    """Vectors for rows ``len(real)..total-1`` and the real row (passage) each stands for.
 
-    Each synthetic vector is a random real embedding plus Gaussian noise scaled by the real
-    embeddings' per-dimension spread, so the padded index keeps the real data's geometry (and
-    search cost per vector) while a hit on a synthetic row maps back to a real passage.
+    Each synthetic vector is a random real embedding (its anchor) plus Gaussian noise scaled by
+    the real embeddings' per-dimension spread, so the padded index keeps the real data's geometry
+    and search cost per vector. It stands for a random passage among the anchor's
+    ``neighbourhood`` nearest real ones (the anchor included), not for the anchor itself: with
+    hundreds of synthetic rows per passage, a query's top-k would otherwise be copies of one or
+    two passages, and every prompt would hold a single document. This way a query near passage A
+    retrieves k distinct passages from A's real neighbourhood, and queries on related passages
+    share documents the way real retrieval makes them.
     """
     num_real, dim = real.shape
     if num_real == 0:
         raise InvalidInputError("cannot pad an empty index")
     if total < num_real:
         raise InvalidInputError(f"cannot pad {num_real} vectors down to {total}")
+    if neighbourhood < 1:
+        raise InvalidInputError(f"neighbourhood must be at least 1, got {neighbourhood}")
+    neighbours = nearest_rows(real, min(neighbourhood, num_real))
     scale = (noise * real.std(axis=0)).astype(np.float32)
     count = total - num_real
     vectors = np.empty((count, dim), dtype=np.float32)
@@ -96,8 +109,19 @@ def pad_with_synthetic(
     for chunk, start in enumerate(range(0, count, CHUNK_ROWS)):
         rows = min(CHUNK_ROWS, count - start)
         rng = np.random.default_rng([seed, 3, chunk])
-        sources[start : start + rows] = rng.integers(0, num_real, size=rows)
+        anchors = rng.integers(0, num_real, size=rows)
         block = rng.standard_normal((rows, dim), dtype=np.float32) * scale
-        block += real[sources[start : start + rows]]
+        block += real[anchors]
         vectors[start : start + rows] = unit_rows(block)
+        sources[start : start + rows] = neighbours[anchors, rng.integers(0, neighbours.shape[1], size=rows)]
     return vectors, sources
+
+
+def nearest_rows(vectors: np.ndarray, m: int) -> np.ndarray:
+    """For each row, the indices of its ``m`` most similar rows (inner product), itself included."""
+    result = np.empty((len(vectors), m), dtype=np.int64)
+    for start in range(0, len(vectors), 1024):  # bounded memory: 1024 x n similarities at a time
+        similarity = vectors[start : start + 1024] @ vectors.T
+        np.fill_diagonal(similarity[:, start:], np.inf)  # a row is its own nearest neighbour
+        result[start : start + 1024] = np.argpartition(-similarity, m - 1, axis=1)[:, :m]
+    return result
