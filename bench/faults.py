@@ -115,10 +115,21 @@ def only_engine_core() -> int:
     return cores[0].pid
 
 
+def is_zombie(pid: int) -> bool:
+    """A process that has exited but was not yet reaped: signals still reach it, nothing runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
 def kill_leftover(pids: set[int]) -> int:
     """SIGCONT then SIGKILL every process we stopped or that is still an engine core; how many lived."""
     alive = 0
     for pid in pids | {core.pid for core in engine_cores() if core.pid is not None}:
+        if is_zombie(pid):
+            continue  # already gone; join() below reaps our own children
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGKILL)

@@ -101,7 +101,7 @@ async def run_configuration(
     # Without KV events (an HTTP engine) the tree keeps its capacity model.
     mirror = KVMirror(controller.tree, engine_config) if engine_config is not None else None
     if mirror is not None:
-        await mirror.start()
+        await mirror.start(catch_up=False)  # the cache was just emptied: no history to replay
     try:
         records, prompts, wall = await replay(controller, trace, k, max_tokens, configuration.mode)
     finally:

@@ -27,7 +27,8 @@ class KVMirror:
     def active(self) -> bool:
         return self._subscriber is not None
 
-    async def start(self) -> None:
+    async def start(self, catch_up: bool = True) -> None:
+        """Subscribe; ``catch_up=False`` right after emptying the engine's cache (see the subscriber)."""
         if self.config.kv_events_endpoint is None or self._subscriber is not None:
             return
         # The subscriber decodes with vLLM's own classes: import it only when events are on.
@@ -38,6 +39,7 @@ class KVMirror:
             self.config.kv_events_replay_endpoint,
             self.config.kv_events_topic,
             self.tree.apply_events,
+            catch_up=catch_up,
         )
         await subscriber.start()
         self._subscriber = subscriber

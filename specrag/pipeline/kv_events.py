@@ -49,6 +49,12 @@ class KVEventSubscriber:
     ``replay_endpoint=None`` disables gap filling (gaps are then only counted). The callback
     runs on the event loop, once per batch, in sequence order; an exception in it is logged and
     does not stop the subscriber.
+
+    ``catch_up`` (default) replays every batch the engine published before this subscriber's
+    first one: what a mirror of an engine that already served requests needs. A caller that has
+    just emptied the engine's cache (and told its tree so) passes ``catch_up=False``: history is
+    then irrelevant, and on a long-running engine replaying thousands of batches would time out
+    and count them lost.
     """
 
     def __init__(
@@ -59,12 +65,14 @@ class KVEventSubscriber:
         on_events: Callable[[Sequence[KVEvent]], None],
         *,
         replay_timeout_s: float = 2.0,
+        catch_up: bool = True,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self._on_events = on_events
         self._replay_timeout_s = replay_timeout_s
+        self._catch_up = catch_up
         self._decoder = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch)
         self._context: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
@@ -108,6 +116,8 @@ class KVEventSubscriber:
         while True:
             _topic, seq_bytes, payload = await self._sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if self.batches == 0 and not self._catch_up:
+                self.last_seq = max(self.last_seq, seq - 1)  # the first batch starts the sequence
             if seq <= self.last_seq:
                 continue
             if seq > self.last_seq + 1:

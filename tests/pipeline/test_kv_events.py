@@ -110,6 +110,36 @@ async def test_subscriber_converts_orders_and_replays_missed_batches(tmp_path: P
     ]
 
 
+async def test_without_catch_up_history_is_not_replayed_but_later_gaps_are(tmp_path: Path) -> None:
+    publisher = Publisher(tmp_path)
+    received: list[list[KVEvent]] = []
+    done = asyncio.Event()
+
+    def on_events(events: Sequence[KVEvent]) -> None:
+        received.append(list(events))
+        if isinstance(events[0], AllBlocksCleared):
+            done.set()
+
+    await publisher.publish(0)  # history from before the subscriber: not wanted here
+    subscriber = KVEventSubscriber(
+        publisher.endpoint, publisher.replay_endpoint, "kv", on_events, catch_up=False
+    )
+    await subscriber.start()
+    try:
+        await asyncio.sleep(0.3)
+        await publisher.publish(1)
+        await publisher.publish(2, drop=True)  # a gap after the start is still filled
+        for seq in (3, 4, 5):
+            await publisher.publish(seq)
+        async with asyncio.timeout(5):
+            await done.wait()
+    finally:
+        await subscriber.stop()
+        await publisher.close()
+    assert subscriber.lost == 0 and publisher.replays == 1 and subscriber.replayed == 1
+    assert received[0] == [BlockStored((1,), 0, (1, 1, 1, 1), 4)] and len(received) == 5
+
+
 @pytest.mark.timeout(60)
 async def test_without_replay_gaps_are_counted_and_stop_is_clean(tmp_path: Path) -> None:
     publisher = Publisher(tmp_path)
