@@ -161,26 +161,29 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     limits = serve.add_argument_group("limits (beyond them: 429 with Retry-After, or 504)")
     limits.add_argument(
-        "--max-queries", type=int, default=DEFAULT_MAX_QUERIES, help="queries in flight, all clients"
+        "--max-queries",
+        type=int,
+        default=DEFAULT_MAX_QUERIES,
+        help="queries in flight, all clients (default %(default)s)",
     )
     limits.add_argument(
         "--max-queries-per-client",
         type=int,
         default=DEFAULT_MAX_QUERIES_PER_CLIENT,
-        help="queries in flight from one client address",
+        help="queries in flight from one client address (default %(default)s)",
     )
     limits.add_argument(
         "--max-queue",
         type=int,
         default=ControllerConfig().max_queue,
-        help="final prompts waiting for the engine's prefill pool",
+        help="final prompts waiting for the engine's prefill pool (default %(default)s)",
     )
     limits.add_argument(
         "--first-token-timeout",
         type=float,
         default=ControllerConfig().first_token_timeout_s,
         metavar="SECONDS",
-        help="no first token by then: 504 (after one retry on a fresh engine)",
+        help="no first token by then: 504 (after one retry on a fresh engine) (default %(default)s)",
     )
     serve.set_defaults(handler=_serve)
 
