@@ -73,8 +73,10 @@ class Publisher:
         self.context.term()
 
 
-@pytest.mark.timeout(60)
-async def test_subscriber_converts_orders_and_replays_missed_batches(tmp_path: Path) -> None:
+async def replay_scenario(
+    tmp_path: Path, *, catch_up: bool
+) -> tuple[KVEventSubscriber, Publisher, list[list[KVEvent]]]:
+    """Batch 0 before the subscriber starts, 1, 2 lost on the wire, 3-5 (5 clears the cache)."""
     publisher = Publisher(tmp_path)
     received: list[list[KVEvent]] = []
     done = asyncio.Event()
@@ -85,20 +87,27 @@ async def test_subscriber_converts_orders_and_replays_missed_batches(tmp_path: P
             done.set()
 
     await publisher.publish(0)  # published before anyone listens: only replay can recover it
-    subscriber = KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint, "kv", on_events)
+    subscriber = KVEventSubscriber(
+        publisher.endpoint, publisher.replay_endpoint, "kv", on_events, catch_up=catch_up
+    )
     await subscriber.start()
     try:
         await asyncio.sleep(0.3)  # PUB/SUB joins asynchronously
         await publisher.publish(1)
         await publisher.publish(2, drop=True)  # lost on the wire
-        await publisher.publish(3)
-        await publisher.publish(4)
-        await publisher.publish(5)
+        for seq in (3, 4, 5):
+            await publisher.publish(seq)
         async with asyncio.timeout(5):
             await done.wait()
     finally:
         await subscriber.stop()
         await publisher.close()
+    return subscriber, publisher, received
+
+
+@pytest.mark.timeout(60)
+async def test_subscriber_converts_orders_and_replays_missed_batches(tmp_path: Path) -> None:
+    subscriber, publisher, received = await replay_scenario(tmp_path, catch_up=True)
     assert subscriber.lost == 0 and publisher.replays == 2 and subscriber.replayed == 2
     assert received == [
         [BlockStored((0,), None, (0, 0, 0, 0), 4)],
@@ -110,32 +119,9 @@ async def test_subscriber_converts_orders_and_replays_missed_batches(tmp_path: P
     ]
 
 
+@pytest.mark.timeout(60)
 async def test_without_catch_up_history_is_not_replayed_but_later_gaps_are(tmp_path: Path) -> None:
-    publisher = Publisher(tmp_path)
-    received: list[list[KVEvent]] = []
-    done = asyncio.Event()
-
-    def on_events(events: Sequence[KVEvent]) -> None:
-        received.append(list(events))
-        if isinstance(events[0], AllBlocksCleared):
-            done.set()
-
-    await publisher.publish(0)  # history from before the subscriber: not wanted here
-    subscriber = KVEventSubscriber(
-        publisher.endpoint, publisher.replay_endpoint, "kv", on_events, catch_up=False
-    )
-    await subscriber.start()
-    try:
-        await asyncio.sleep(0.3)
-        await publisher.publish(1)
-        await publisher.publish(2, drop=True)  # a gap after the start is still filled
-        for seq in (3, 4, 5):
-            await publisher.publish(seq)
-        async with asyncio.timeout(5):
-            await done.wait()
-    finally:
-        await subscriber.stop()
-        await publisher.close()
+    subscriber, publisher, received = await replay_scenario(tmp_path, catch_up=False)
     assert subscriber.lost == 0 and publisher.replays == 1 and subscriber.replayed == 1
     assert received[0] == [BlockStored((1,), 0, (1, 1, 1, 1), 4)] and len(received) == 5
 
