@@ -42,18 +42,18 @@ import aiohttp
 
 from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.fault_inputs import BAD_REQUESTS, QUESTION, send
-from specrag.controller.assets import Assets, ensure_assets
-from specrag.controller.client import (
+from specrag.client import (
     AsyncClient,
     SpecragConnectionError,
     SpecragHTTPError,
     SpecragTimeoutError,
 )
 from specrag.controller.controller import ControllerConfig
-from specrag.controller.server import create_app, serving
-from specrag.controller.service import Service, ServiceOptions, open_service
-from specrag.controller.supervisor import SupervisorPolicy
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.service.assembly import Service, ServiceOptions, open_service
+from specrag.service.assets import Assets, ensure_assets
+from specrag.service.server import create_app, serving
+from specrag.service.supervisor import SupervisorPolicy
 
 TOKEN = "bench-faults-token"
 # The outcome of a request its client abandoned on purpose (nginx's "client closed request").

@@ -1,11 +1,14 @@
 """specrag: faster RAG answers by overlapping staged vector search with prefix-cache-aware prefill.
 
-Packages, one concern each (dependencies point one way, see DESIGN.md):
+Packages, one concern each; imports point only down this list (README, "Layout"):
 
-- ``specrag.retrieval``: corpus, document store, embedders, staged IVF/HNSW search.
+- ``specrag.retrieval``: corpus, embedders, staged IVF/HNSW search.
 - ``specrag.cache``: the knowledge tree that mirrors the engine's prefix cache, ordering, scheduling.
-- ``specrag.pipeline``: prompts as token IDs, engine adapters (in-process vLLM, HTTP, simulated).
-- ``specrag.controller``: speculation, adoption, admission, the aiohttp service and client.
+- ``specrag.pipeline``: the document store, prompts as token IDs, engine adapters (in-process vLLM,
+  HTTP, simulated).
+- ``specrag.controller``: the query core: staged search, speculation, adoption, admission.
+- ``specrag.service``: the aiohttp service, its assembly, engine supervision, the KV mirror, metrics.
+- ``specrag.client``: the async client; imports nothing of the above.
 """
 
 __version__ = "0.1.0"
@@ -28,7 +31,7 @@ __all__ = ["__version__", *sorted(_CLIENT_NAMES)]
 
 def __getattr__(name: str) -> object:
     if name in _CLIENT_NAMES:
-        from specrag.controller import client
+        from specrag import client
 
         return getattr(client, name)
     raise AttributeError(f"module 'specrag' has no attribute {name!r}")

@@ -20,7 +20,7 @@ from specrag.errors import SpecragError
 COMMAND_MODULES = (
     "specrag.retrieval.commands",
     "specrag.pipeline.commands",
-    "specrag.controller.commands",
+    "specrag.service.commands",
 )
 
 

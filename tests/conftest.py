@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from specrag.controller.assets import Assets, ensure_assets
 from specrag.paths import DataLayout
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.default_model import DefaultModelSpec, make_default_model
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import Passage, build_default_corpus
+from specrag.service.assets import Assets, ensure_assets
 
 # Small enough to build in seconds and prefill fast, same architecture and tokenizer kind as the default.
 TINY_MODEL_SPEC = DefaultModelSpec(

@@ -26,16 +26,16 @@ import pytest_asyncio
 
 from bench.fault_inputs import BAD_REQUESTS, QUESTION, BadRequest, send
 from specrag.cli import main
-from specrag.controller.assets import Assets
-from specrag.controller.client import AsyncClient, SpecragConnectionError, SpecragHTTPError
+from specrag.client import AsyncClient, SpecragConnectionError, SpecragHTTPError
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
-from specrag.controller.server import create_app, serving
 from specrag.errors import ArtifactError, InvalidInputError, NotFoundError
 from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.store import DocumentStore
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import load_passages
 from specrag.retrieval.index_store import load_index
-from specrag.retrieval.store import DocumentStore
+from specrag.service.assets import Assets
+from specrag.service.server import create_app, serving
 from tests.controller.conftest import make_controller
 
 pytestmark = pytest.mark.engine

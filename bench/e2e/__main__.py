@@ -35,7 +35,6 @@ from bench.e2e.runner import (
     ttft_of,
 )
 from bench.e2e.workload import WORKLOADS, TraceQuery, generate, load_trace, save_trace
-from specrag.controller.assets import Assets, ensure_assets
 from specrag.controller.controller import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
@@ -47,6 +46,7 @@ from specrag.retrieval.index_store import IndexConfig, build_index, check_corpus
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.assets import Assets, ensure_assets
 
 MAIN_MODES = ("serial", "warmup", "ordering", "speculation", "all")
 RATIOS = (0.125, 0.25, 0.5, 1.0)

@@ -16,11 +16,11 @@ from typing import Any
 
 from bench.e2e.workload import TraceQuery
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
-from specrag.controller.kv_mirror import KVMirror
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Engine, Sampling, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.kv_mirror import KVMirror
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,2 @@
-"""The async controller: speculation, adoption, admission; the aiohttp service and client."""
+"""The query core: one run per query (staged search, speculation, adoption), the prefill gate,
+sessions, timelines and modes. Knows nothing of HTTP."""

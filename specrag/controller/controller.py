@@ -33,12 +33,12 @@ from specrag.cache.tree import KnowledgeTree
 from specrag.controller.gate import PrefillGate, Slot, default_max_prefill_bs
 from specrag.controller.modes import Mode, get_mode
 from specrag.controller.sessions import Session, SessionStore
-from specrag.controller.supervisor import SupervisedEngine
 from specrag.controller.timeline import Timeline
 from specrag.errors import EngineError, EngineTimeoutError, InvalidInputError, OverloadedError
 from specrag.pipeline.engine import Engine, EngineOutput, Sampling, check_prompt_fits, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.supervisor import SupervisedEngine
 
 logger = logging.getLogger(__name__)
 

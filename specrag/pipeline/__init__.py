@@ -1,1 +1,2 @@
-"""Prompts as token IDs and the engines that prefill and decode them (vLLM in-process, HTTP, simulated)."""
+"""The document store, prompts as token IDs, and the engines that prefill and decode them
+(vLLM in-process, HTTP, simulated)."""

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from specrag.cache.layout import PromptLayout, build_layout
 from specrag.errors import InvalidInputError
+from specrag.pipeline.store import DocumentStore
 from specrag.pipeline.tokenizer import Tokenizer
-from specrag.retrieval.store import DocumentStore
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a careful assistant for Python programmers. You answer questions about the Python "

@@ -1,1 +1,1 @@
-"""Retrieval: corpus, document store, embedders and staged vector search. Knows nothing of LLMs."""
+"""Retrieval: corpus, embedders and staged vector search. Knows nothing of LLMs."""

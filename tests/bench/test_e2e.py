@@ -10,13 +10,13 @@ import pytest
 from bench.e2e.report import paired_ratio_ci, summarize
 from bench.e2e.runner import Configuration, RunResult, oracle_ttfts, run_configuration
 from bench.e2e.workload import arrivals, generate, load_trace, save_trace
-from specrag.controller.assets import Assets
 from specrag.controller.controller import ControllerConfig
 from specrag.errors import InvalidInputError
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import Passage
+from specrag.service.assets import Assets
 
 
 @pytest.mark.parametrize("workload", ["zipf", "bursty", "multiturn"])

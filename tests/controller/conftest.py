@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from specrag.controller.assets import Assets
 from specrag.controller.controller import ControllerConfig, RagController
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.stages import StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.assets import Assets
 
 
 class ScriptedSearcher:

@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from specrag.controller.assets import Assets
 from specrag.controller.controller import AnswerDelta, RagController, RagRequest
 from specrag.errors import InvalidInputError, NotFoundError
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.service.assets import Assets
 from tests.controller.conftest import make_controller, scripted_index
 
 

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from specrag.controller.assets import Assets
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
-from specrag.controller.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.errors import EngineError
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.service.assets import Assets
+from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 
 pytestmark = pytest.mark.engine
 

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from specrag.controller.assets import Assets
 from specrag.controller.controller import RagController, RagRequest
-from specrag.controller.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.errors import EngineError
 from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.service.assets import Assets
+from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 from tests.controller.conftest import make_controller, scripted_index
 
 QUESTION = "What does the assert statement do?"

@@ -25,15 +25,15 @@ import pytest
 
 from bench.fault_inputs import BAD_REQUESTS, send
 from specrag.cache.tree import KnowledgeTree
-from specrag.controller.assets import Assets
 from specrag.controller.controller import ControllerConfig, RagController
-from specrag.controller.server import create_app, serving
 from specrag.controller.sessions import SessionStore
-from specrag.controller.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.service.assets import Assets
+from specrag.service.server import create_app, serving
+from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 from tests.controller.conftest import make_controller
 
 TOKEN = "soak-token"

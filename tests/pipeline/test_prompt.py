@@ -8,9 +8,9 @@ import pytest
 
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.pipeline.prompt import MAX_QUESTION_CHARS, PromptBuilder
+from specrag.pipeline.store import DocumentStore, build_store
 from specrag.pipeline.tokenizer import Tokenizer
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.store import DocumentStore, build_store
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from specrag.controller.client import AsyncClient, RagAnswer
+from specrag.client import AsyncClient, RagAnswer
 
 DEMO_QUESTIONS = (
     "What happens to assert statements when Python runs with optimization enabled?",

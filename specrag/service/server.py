@@ -30,8 +30,6 @@ from aiohttp.log import access_logger
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from specrag.controller.controller import AnswerDelta, AnswerDone, RagController, RagRequest
-from specrag.controller.metrics import ServiceMetrics, mode_label
-from specrag.controller.supervisor import SupervisedEngine
 from specrag.errors import (
     EngineError,
     EngineTimeoutError,
@@ -40,6 +38,8 @@ from specrag.errors import (
     NotFoundError,
     OverloadedError,
 )
+from specrag.service.metrics import ServiceMetrics, mode_label
+from specrag.service.supervisor import SupervisedEngine
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from specrag.controller.assets import Assets
 from specrag.controller.controller import RagController
-from specrag.controller.server import create_app, serving
 from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.service.assets import Assets
+from specrag.service.server import create_app, serving
 from tests.controller.conftest import make_controller, scripted_index
 from tests.controller.test_controller_engine import QUESTION, A, B, assert_engine_idle
 

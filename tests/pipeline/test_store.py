@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from specrag.errors import ArtifactError, InvalidInputError
+from specrag.pipeline.store import DocumentStore, build_store, corpus_checksum, render_segment
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.store import DocumentStore, build_store, corpus_checksum, render_segment
 
 PASSAGES = [Passage(id=f"p{i}", title=f"T{i}", text=f"text number {i} " * (i + 1)) for i in range(10)]
 

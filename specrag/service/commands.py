@@ -13,15 +13,15 @@ from pathlib import Path
 
 from aiohttp import web
 
-from specrag.controller.assets import Assets, ensure_assets
-from specrag.controller.client import AsyncClient
+from specrag.client import AsyncClient
 from specrag.controller.controller import ControllerConfig
-from specrag.controller.demo import DEMO_QUESTIONS, run_demo
 from specrag.controller.modes import MODE_NAMES
-from specrag.controller.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT, serving
-from specrag.controller.service import ServiceOptions, open_service
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.service.assembly import ServiceOptions, open_service
+from specrag.service.assets import Assets, ensure_assets
+from specrag.service.demo import DEMO_QUESTIONS, run_demo
+from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT, serving
 
 MAX_K = ControllerConfig().k_max
 

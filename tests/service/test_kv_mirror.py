@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from specrag.controller.assets import Assets
 from specrag.controller.controller import RagRequest
-from specrag.controller.kv_mirror import KVMirror
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.service.assets import Assets
+from specrag.service.kv_mirror import KVMirror
 from tests.controller.conftest import make_controller, scripted_index
 
 pytestmark = pytest.mark.engine

@@ -11,8 +11,7 @@ import pytest_asyncio
 from aiohttp import web
 
 import specrag
-from specrag.controller.assets import Assets
-from specrag.controller.client import (
+from specrag.client import (
     AsyncClient,
     ChatStream,
     RagAnswer,
@@ -21,12 +20,13 @@ from specrag.controller.client import (
     SpecragTimeoutError,
 )
 from specrag.controller.controller import RagController
-from specrag.controller.server import serving
 from specrag.errors import SpecragError
 from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.service.assets import Assets
+from specrag.service.server import serving
 from tests.controller.conftest import make_controller
 from tests.controller.test_controller_engine import QUESTION, assert_engine_idle
-from tests.controller.test_server import TOKEN, metric, running
+from tests.service.test_server import TOKEN, metric, running
 
 pytestmark = pytest.mark.engine
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from specrag.controller.assets import ensure_assets
-from specrag.controller.client import AsyncClient
-from specrag.controller.demo import run_demo
-from specrag.controller.server import create_app, serving
+from specrag.client import AsyncClient
 from specrag.paths import DataLayout
 from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.service.assets import ensure_assets
+from specrag.service.demo import run_demo
+from specrag.service.server import create_app, serving
 from tests.controller.conftest import make_controller
 
 pytestmark = pytest.mark.engine

@@ -22,10 +22,10 @@ from specrag.pipeline.default_model import (
     is_current_default_model,
     make_default_model,
 )
+from specrag.pipeline.store import DocumentStore, build_store, corpus_checksum
 from specrag.pipeline.tokenizer import Tokenizer
 from specrag.retrieval.corpus import Passage, build_default_corpus, load_passages, write_passages
 from specrag.retrieval.index_store import IndexConfig, build_index, check_corpus, load_index, save_index
-from specrag.retrieval.store import DocumentStore, build_store, corpus_checksum
 from specrag.retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)

@@ -16,14 +16,14 @@ from pathlib import Path
 
 from aiohttp import web
 
-from specrag.controller.assets import Assets
 from specrag.controller.controller import ControllerConfig, RagController
-from specrag.controller.kv_mirror import KVMirror
-from specrag.controller.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT, create_app
-from specrag.controller.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
+from specrag.service.assets import Assets
+from specrag.service.kv_mirror import KVMirror
+from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT, create_app
+from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 
 
 @dataclass(frozen=True)
