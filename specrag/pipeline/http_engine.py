@@ -13,7 +13,7 @@ forced by what the server says on the wire:
   back until the usage chunk arrives); a server that never reports it leaves it None throughout,
   and :meth:`HttpEngine.warm` then reports 0 cached tokens.
 - **Abort** closes the request's connection: vLLM aborts a request within ~65 ms of the
-  disconnect (shared/notes/vllm-cpu.md). As with ``AsyncLLM`` the stream then ends with an
+  disconnect (docs/vllm-cpu.md). As with ``AsyncLLM`` the stream then ends with an
   empty output whose ``finish_reason`` is ``"abort"``.
 - **Block size**: from the ``vllm:cache_config_info`` metric when the server exports it, else
   the constructor argument, else 16 (GPU vLLM's default; CPU vLLM defaults to 128, and specrag
