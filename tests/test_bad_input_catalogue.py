@@ -91,12 +91,14 @@ BAD_COMMANDS = (
     BadCommand("negative port", ("serve", "--port", "-1"), "--port must be between 0 and 65535"),
     BadCommand("port not a number", ("serve", "--port", "http"), "invalid int value: 'http'"),
     BadCommand("unresolvable host", ("serve", "--host", "256.1.1.1", "--port", "0"), "cannot be bound"),
-    BadCommand("zero stages", ("serve", "--stages", "0"), "num_stages must be at least 1"),
-    BadCommand("zero prefill pool", ("serve", "--max-prefill-bs", "0"), "max_prefill_bs must be at least 1"),
-    BadCommand("zero query limit", ("serve", "--max-queries", "0"), "--max-queries and --max-queries-per"),
-    BadCommand("negative queue", ("serve", "--max-queue", "-1"), "max_queue cannot be negative"),
+    BadCommand("zero stages", ("serve", "--stages", "0"), "--stages must be at least 1"),
     BadCommand(
-        "NaN first-token timeout", ("serve", "--first-token-timeout", "nan"), "first_token_timeout_s must be"
+        "zero prefill pool", ("serve", "--max-prefill-bs", "0"), "--max-prefill-bs must be at least 1"
+    ),
+    BadCommand("zero query limit", ("serve", "--max-queries", "0"), "--max-queries and --max-queries-per"),
+    BadCommand("negative queue", ("serve", "--max-queue", "-1"), "--max-queue cannot be negative"),
+    BadCommand(
+        "NaN first-token timeout", ("serve", "--first-token-timeout", "nan"), "--first-token-timeout must be"
     ),
     BadCommand("unset token variable", ("serve", "--api-token-env", "SPECRAG_NO_SUCH_VAR"), "is not set"),
     BadCommand("unknown mode", ("serve", "--mode", "turbo"), "invalid choice: 'turbo'"),
@@ -108,6 +110,12 @@ BAD_COMMANDS = (
     BadCommand(
         "corpus not JSONL", ("index", "build", "--corpus", "{tmp}/bad.jsonl"), "bad.jsonl:1: not valid JSON"
     ),
+    BadCommand(
+        "Latin-1 corpus",
+        ("index", "build", "--corpus", "{tmp}/latin1.jsonl"),
+        "latin1.jsonl:2: not UTF-8 text",
+    ),
+    BadCommand("corpus is a directory", ("index", "build", "--corpus", "{tmp}"), "is a directory"),
     BadCommand("unknown index kind", ("index", "build", "--kind", "lsh"), "invalid choice: 'lsh'"),
     BadCommand("missing model dir", ("prepare", "--model", "{tmp}/no-model"), "model directory not found"),
 )
@@ -118,6 +126,9 @@ def test_a_bad_command_line_exits_2_with_one_message(
     row: BadCommand, service: Service, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "bad.jsonl").write_text("this is not json\n")
+    (tmp_path / "latin1.jsonl").write_bytes(
+        '{"id": 1, "text": "ok"}\n{"id": 2, "text": "café"}\n'.encode("latin-1")
+    )
     argv = [arg.replace("{tmp}", str(tmp_path)) for arg in row.argv]
     # The built data directory: a row that gets past its argument checks finds a corpus there.
     try:

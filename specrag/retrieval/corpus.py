@@ -179,33 +179,48 @@ def write_passages(path: Path, passages: Iterable[Passage]) -> int:
 
 def load_passages(path: Path) -> list[Passage]:
     """Read a JSONL corpus, naming the file and line of the first malformed record."""
+    if path.is_dir():
+        raise ArtifactError(f"corpus {path} is a directory: give the JSONL file")
     if not path.is_file():
         raise ArtifactError(f"corpus file not found: {path}")
     passages: list[Passage] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as handle:  # decoded line by line, so an encoding error names its line
+        for line_number, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_number}"
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ArtifactError(f"{path}:{line_number}: not valid JSON ({error.msg})") from error
-            if not isinstance(record, dict):
-                raise ArtifactError(f"{path}:{line_number}: expected a JSON object")
-            passage_id, text = record.get("id"), record.get("text")
-            if not isinstance(passage_id, str | int) or isinstance(passage_id, bool) or str(passage_id) == "":
-                raise ArtifactError(f"{path}:{line_number}: 'id' must be a non-empty string or an integer")
-            if not isinstance(text, str) or not text.strip():
-                raise ArtifactError(f"{path}:{line_number}: 'text' must be a non-empty string")
-            title = record.get("title", "")
-            if not isinstance(title, str):
-                raise ArtifactError(f"{path}:{line_number}: 'title' must be a string")
-            key = str(passage_id)
-            if key in seen:
-                raise ArtifactError(f"{path}:{line_number}: duplicate id {key!r}")
-            seen.add(key)
-            passages.append(Passage(id=key, title=title, text=text))
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ArtifactError(
+                    f"{where}: not UTF-8 text ({error.reason} at column {error.start + 1}); "
+                    "convert the file, e.g. iconv -f latin1 -t utf-8"
+                ) from None
+            _add_record(passages, seen, line, where)
     if not passages:
         raise ArtifactError(f"corpus file has no passages: {path}")
     return passages
+
+
+def _add_record(passages: list[Passage], seen: set[str], line: str, where: str) -> None:
+    """Check one JSONL line and append its passage; errors name the file and line."""
+    if not line.strip():
+        return
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ArtifactError(f"{where}: not valid JSON ({error.msg})") from error
+    if not isinstance(record, dict):
+        raise ArtifactError(f"{where}: expected a JSON object")
+    passage_id, text = record.get("id"), record.get("text")
+    if not isinstance(passage_id, str | int) or isinstance(passage_id, bool) or str(passage_id) == "":
+        raise ArtifactError(f"{where}: 'id' must be a non-empty string or an integer")
+    if not isinstance(text, str) or not text.strip():
+        raise ArtifactError(f"{where}: 'text' must be a non-empty string")
+    title = record.get("title", "")
+    if not isinstance(title, str):
+        raise ArtifactError(f"{where}: 'title' must be a string")
+    key = str(passage_id)
+    if key in seen:
+        raise ArtifactError(f"{where}: duplicate id {key!r}")
+    seen.add(key)
+    passages.append(Passage(id=key, title=title, text=text))

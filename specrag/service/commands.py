@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -50,8 +51,10 @@ async def _service(
     args: argparse.Namespace, assets: Assets, options: ServiceOptions
 ) -> AsyncIterator[web.Application]:
     """The supervised engine, the controller and the application over them (see service.py)."""
-    where = options.engine_url or assets.model_dir
-    print(f"starting the engine on {where} (about a minute on a small CPU machine)…", flush=True)
+    if options.engine_url is not None:
+        print(f"connecting to the engine server at {options.engine_url}…", flush=True)
+    else:
+        print(f"starting vLLM on {assets.model_dir} (about a minute on a small CPU machine)…", flush=True)
     run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
     async with open_service(assets, options, run_dir) as service:
         yield service.app
@@ -67,6 +70,31 @@ def _api_token(variable: str | None) -> str | None:
     return token
 
 
+# The controller setting behind each ``serve`` flag, so that an error names the flag the user typed.
+_FLAG_OF_SETTING = {
+    "num_stages": "--stages",
+    "max_prefill_bs": "--max-prefill-bs",
+    "max_queue": "--max-queue",
+    "first_token_timeout_s": "--first-token-timeout",
+}
+
+
+def _controller_config(args: argparse.Namespace) -> ControllerConfig:
+    try:
+        return ControllerConfig(
+            mode=args.mode,
+            num_stages=args.stages,
+            max_prefill_bs=args.max_prefill_bs,
+            max_queue=args.max_queue,
+            first_token_timeout_s=args.first_token_timeout,
+        ).validate()
+    except InvalidInputError as error:
+        message = str(error)
+        for setting, flag in _FLAG_OF_SETTING.items():
+            message = re.sub(rf"\b{setting}\b", flag, message)
+        raise InvalidInputError(message) from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
@@ -77,13 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_queries < 1 or args.max_queries_per_client < 1:
         raise InvalidInputError("--max-queries and --max-queries-per-client must be at least 1")
     token = _api_token(args.api_token_env)
-    config = ControllerConfig(
-        mode=args.mode,
-        num_stages=args.stages,
-        max_prefill_bs=args.max_prefill_bs,
-        max_queue=args.max_queue,
-        first_token_timeout_s=args.first_token_timeout,
-    ).validate()
+    config = _controller_config(args)
     options = ServiceOptions(
         controller=config,
         engine_url=args.engine_url,
