@@ -2,8 +2,8 @@
 
 Each step is skipped when its artefact exists and matches what it is built from (the corpus
 checksum, the tokenizer fingerprint, the default model's spec), so the README's commands are
-idempotent and a second run starts at once. Lives in the controller because it is the one package
-allowed to combine retrieval (corpus, store, index) with the pipeline (model, tokenizer).
+idempotent and a second run starts at once. Lives in the service because it combines retrieval
+(corpus, index) with the pipeline (model, tokenizer, store).
 """
 
 from __future__ import annotations
@@ -43,9 +43,19 @@ class Assets:
 
 
 def ensure_corpus(layout: DataLayout, corpus_file: Path | None = None) -> list[Passage]:
-    """Load ``corpus_file`` (a user's JSONL), or the default corpus, building it if missing."""
+    """Load ``corpus_file`` (a user's JSONL), or the data directory's corpus, building the default
+    one if there is none.
+
+    A user's corpus is copied into the data directory: the default model's tokenizer is trained on
+    it, so a later command on the same data directory without ``--corpus`` must keep using it, not
+    silently rebuild the store and index from the default corpus.
+    """
     if corpus_file is not None:
-        return load_passages(corpus_file)
+        passages = load_passages(corpus_file)
+        if corpus_file.resolve() != layout.corpus_file.resolve():
+            write_passages(layout.corpus_file, passages)
+            logger.info("recorded the corpus %s in %s", corpus_file, layout.corpus_file)
+        return passages
     if not layout.corpus_file.is_file():
         count = write_passages(layout.corpus_file, build_default_corpus())
         logger.info("built the default corpus: %d passages in %s", count, layout.corpus_file)
