@@ -1,2 +1,3 @@
-"""The query core: one run per query (staged search, speculation, adoption), the prefill gate,
-sessions, timelines and modes. Knows nothing of HTTP."""
+"""The query core: the controller (what queries share) and one run per query (staged search,
+speculation, adoption), the prefill gate, warm-up, sessions, timelines, modes, and the facade
+front ends use. Knows nothing of HTTP."""

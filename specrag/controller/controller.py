@@ -1,179 +1,45 @@
-"""The RAG controller: staged search overlapped with speculative prefill, cache-aware prompts.
+"""The RAG controller: what every query shares, and one :class:`~specrag.controller.run.QueryRun`
+per query.
 
-Per query (RAGCache §5.3, Algorithm 2; RAGCache++ §3.6):
-
-1. Embed the question; start the staged search; if the knowledge tree says the system prompt is
-   not resident, warm it (once, in a free prefill slot).
-2. After each stage, order the running top-k with the knowledge tree and build the prompt. If it
-   differs from the live speculation's prompt, abort that one and, only if the prefill pool has
-   room (:class:`PrefillGate`), submit the new prompt speculatively.
-3. On the final stage, order and build the final prompt. If the live speculation has exactly this
-   prompt, adopt its stream; otherwise abort it and submit the final prompt through the gate.
-4. Stream the answer; record the timeline and what the engine served from its prefix cache.
-
-The answer is always generated from the final retrieval result: a speculation is adopted only when
-its prompt is token-for-token the final prompt, and greedy decoding makes the text identical.
+The controller holds the engine, the vector index, the prompt builder, the knowledge tree, the
+prefill gate, the sessions and the system-prompt warmer; it checks each request once and hands it
+to a new run, which does the query's work (staged search overlapped with speculative prefill,
+cache-aware prompts, adoption; see :mod:`specrag.controller.run`). What is in flight is read from
+the live runs, never kept beside them. Front ends use it through
+:class:`~specrag.controller.facade.QueryCore`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
 
-import numpy as np
-
-from specrag.cache.hints import HintConfig, order_hint
-from specrag.cache.layout import PromptLayout
-from specrag.cache.ordering import get_policy
+from specrag.cache.hints import HintConfig
 from specrag.cache.tree import KnowledgeTree
-from specrag.controller.gate import PrefillGate, Slot, default_max_prefill_bs
-from specrag.controller.modes import Mode, get_mode
-from specrag.controller.sessions import Session, SessionStore
-from specrag.controller.timeline import Timeline
-from specrag.errors import EngineError, EngineTimeoutError, InvalidInputError, OverloadedError
-from specrag.pipeline.engine import Engine, EngineOutput, Sampling, check_prompt_fits, now
+from specrag.controller.config import ControllerConfig
+from specrag.controller.facade import CoreLoad, EngineHealth
+from specrag.controller.gate import PrefillGate, default_max_prefill_bs
+from specrag.controller.modes import get_mode
+from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
+from specrag.controller.run import QueryRun, QueryShared
+from specrag.controller.sessions import SessionStore
+from specrag.controller.warmup import SystemPromptWarmer, WarmupRecord
+from specrag.errors import EngineError, InvalidInputError
+from specrag.pipeline.engine import Engine, Sampling
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.supervisor import SupervisedEngine
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "AnswerDelta",
+    "AnswerDone",
+    "CheckedRequest",
+    "ControllerConfig",
+    "RagController",
+    "RagRequest",
+]
 
 # Typical prompt for the default max_prefill_bs: k passages of ~250 tokens plus the instructions.
 _EXPECTED_PASSAGE_TOKENS = 250
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    """Controller settings; every field can be overridden per service."""
-
-    k_default: int = 10
-    k_max: int = 50
-    num_stages: int = 4
-    max_prefill_bs: int | None = None
-    starvation_window_s: float = 2.0
-    ordering_policy: str = "exact"
-    order_hint: bool = True
-    mode: str = "all"
-    max_tokens_default: int = 64
-    max_tokens_limit: int = 1024
-    first_token_timeout_s: float = 60.0
-    max_queue: int = 256
-    batched_token_budget: int = 512
-
-    def validate(self) -> ControllerConfig:
-        get_mode(self.mode)
-        get_policy(self.ordering_policy)
-        if not 1 <= self.k_default <= self.k_max:
-            raise InvalidInputError("k_default must be between 1 and k_max")
-        if self.num_stages < 1:
-            raise InvalidInputError("num_stages must be at least 1")
-        if self.max_prefill_bs is not None and self.max_prefill_bs < 1:
-            raise InvalidInputError("max_prefill_bs must be at least 1")
-        if not 1 <= self.max_tokens_default <= self.max_tokens_limit:
-            raise InvalidInputError("max_tokens_default must be between 1 and max_tokens_limit")
-        if self.max_queue < 0:
-            raise InvalidInputError("max_queue cannot be negative")
-        if not self.first_token_timeout_s > 0:  # written so that NaN fails too
-            raise InvalidInputError("first_token_timeout_s must be positive")
-        if not self.starvation_window_s >= 0:
-            raise InvalidInputError("starvation_window_s cannot be negative")
-        return self
-
-
-@dataclass(frozen=True)
-class RagRequest:
-    """One question. ``None`` fields take the controller's defaults."""
-
-    question: str
-    k: int | None = None
-    mode: str | None = None
-    max_tokens: int | None = None
-    session_id: str | None = None
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-@dataclass(frozen=True)
-class AnswerDelta:
-    """Newly generated text and tokens of the answer."""
-
-    text: str
-    token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class AnswerDone:
-    """The end of an answer, with its full timeline and the prompt it was generated from."""
-
-    text: str
-    finish_reason: str | None
-    timeline: Timeline
-    prompt: PromptLayout
-
-
-class _Flight:
-    """One engine request, pumped into a queue by a task so its prefill runs while we search.
-
-    The slot in the prefill pool is released at the first token, or when the request ends.
-    """
-
-    def __init__(
-        self, engine: Engine, layout: PromptLayout, sampling: Sampling, slot: Slot, speculative: bool
-    ):
-        self.request_id = ("spec-" if speculative else "final-") + uuid.uuid4().hex
-        self.layout = layout
-        self.sampling = sampling
-        self.submitted_at = now()
-        self.first_token_at: float | None = None
-        self.cached_tokens: int | None = None
-        self._engine = engine
-        self._slot = slot
-        self._outputs: asyncio.Queue[EngineOutput | BaseException | None] = asyncio.Queue()
-        self._task = asyncio.create_task(self._pump(sampling), name=self.request_id)
-
-    async def _pump(self, sampling: Sampling) -> None:
-        try:
-            async for output in self._engine.generate(self.request_id, self.layout.token_ids, sampling):
-                if self.first_token_at is None:
-                    self.first_token_at = output.received_at
-                    self.cached_tokens = output.cached_tokens
-                    self._slot.release()
-                self._outputs.put_nowait(output)
-            self._outputs.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as error:  # handed to the consumer, who raises it in its own context
-            self._outputs.put_nowait(error)
-        finally:
-            self._slot.release()
-
-    async def outputs(self, first_token_timeout_s: float) -> AsyncIterator[EngineOutput]:
-        """The request's outputs; the first must come within the timeout."""
-        timeout: float | None = first_token_timeout_s
-        while True:
-            try:
-                item = await asyncio.wait_for(self._outputs.get(), timeout)
-            except TimeoutError:
-                await self.abort()
-                raise EngineTimeoutError(f"no first token within {first_token_timeout_s:.1f} s") from None
-            timeout = None
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    async def abort(self) -> None:
-        """Stop the request in the engine (effective after its current step) and the pump."""
-        if not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._engine.abort(self.request_id)
-        self._slot.release()
 
 
 class RagController:
@@ -186,14 +52,13 @@ class RagController:
         builder: PromptBuilder,
         config: ControllerConfig | None = None,
         tree: KnowledgeTree | None = None,
-        sessions: SessionStore | None = None,
     ) -> None:
         self.config = (config or ControllerConfig()).validate()
         self.engine = engine
         self.index = index
         self.builder = builder
         capacity = engine.kv_capacity_tokens
-        # ``is None``, not ``or``: an empty tree or session store has length 0 and is falsy.
+        # ``is None``, not ``or``: an empty tree has length 0 and is falsy.
         if tree is None:
             tree = KnowledgeTree(
                 builder.system_token_ids,
@@ -206,48 +71,32 @@ class RagController:
             len(builder.system_token_ids) + self.config.k_default * _EXPECTED_PASSAGE_TOKENS,
         )
         self.gate = PrefillGate(max_bs, self.config.starvation_window_s)
-        self.sessions = sessions if sessions is not None else SessionStore()
+        self.sessions = SessionStore(self.config.max_sessions, self.config.session_ttl_s)
         self._hints = HintConfig(order_hint=self.config.order_hint)
-        self._warming: asyncio.Task[None] | None = None
-        self._in_flight: set[_Flight] = set()
+        self._warmer = SystemPromptWarmer(engine, builder, tree, self.gate)
+        self._runs: set[QueryRun] = set()
 
-    # ------------------------------------------------------------------ public
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def default_mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def warmups(self) -> WarmupRecord:
+        """The system-prompt warm-ups this controller ran (shared work, in no query's timeline)."""
+        return self._warmer.record
 
     def in_flight_request_ids(self) -> set[str]:
-        """Engine requests this controller has submitted and not yet seen end (for leak checks)."""
-        return {flight.request_id for flight in self._in_flight}
+        """Engine requests the live queries hold and have not yet aborted (for leak checks)."""
+        return {request_id for run in self._runs for request_id in run.request_ids()}
 
-    async def answer(self, request: RagRequest) -> AnswerDone:
-        """Run a query to the end and return the whole answer."""
-        async with contextlib.aclosing(self.stream(request)) as events:
-            async for event in events:
-                if isinstance(event, AnswerDone):
-                    return event
-        raise EngineError("the answer stream ended without a result")
-
-    async def stream(self, request: RagRequest) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
-        """Answer deltas, then :class:`AnswerDone`. Closing the iterator early aborts every request."""
-        k, mode, sampling, session = self.check(request)
-        timeline = Timeline(arrival=now(), mode=mode.name)
-        flights: list[_Flight] = []
-        try:
-            final = await self._retrieve_and_submit(
-                request.question, k, mode, sampling, session, timeline, flights
-            )
-            async for event in self._stream_answer(final, timeline, session, flights):
-                yield event
-        finally:
-            for flight in flights:
-                await flight.abort()
-                self._in_flight.discard(flight)
-
-    # ------------------------------------------------------------------ steps
-
-    def check(self, request: RagRequest) -> tuple[int, Mode, Sampling, Session | None]:
-        """The request's k, mode, sampling and session, or :class:`InvalidInputError`/:class:`NotFoundError`.
+    def check(self, request: RagRequest) -> CheckedRequest:
+        """The request checked, or :class:`InvalidInputError`/:class:`NotFoundError`.
 
         Cheap and public so that a server can check a request before admitting it: under load,
-        malformed input should still get its 4xx, not a 429 for a slot it never needed.
+        malformed input should still get its 4xx, not a 429 for a slot it never needed. The
+        result goes to :meth:`stream` or :meth:`answer`, which then do not check it again.
         """
         if not isinstance(request.question, str) or not request.question.strip():
             raise InvalidInputError("the question is empty")
@@ -265,231 +114,72 @@ class RagController:
         if not 1 <= max_tokens <= self.config.max_tokens_limit:
             raise InvalidInputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
         session = self.sessions.get(request.session_id) if request.session_id is not None else None
-        self.builder.question_tokens(request.question)  # rejects over-long questions before any work
-        return k, mode, Sampling(max_tokens=max_tokens), session
+        # Rejects over-long questions before any work; the tokens serve every prompt of the query.
+        question_token_ids = tuple(self.builder.question_tokens(request.question))
+        return CheckedRequest(request, k, mode, Sampling(max_tokens=max_tokens), session, question_token_ids)
 
-    def _rows(self, ids: np.ndarray) -> list[int]:
-        """Corpus rows of a stage's ids in rank order; padding and repeats (synthetic rows) dropped."""
-        rows: list[int] = []
-        for row in self.index.passage_index_of(ids).tolist():
-            if row >= 0 and row not in rows:
-                rows.append(row)
-        return rows
+    async def answer(self, request: RagRequest | CheckedRequest) -> AnswerDone:
+        """Run a query to the end and return the whole answer."""
+        async with contextlib.aclosing(self.stream(request)) as events:
+            async for event in events:
+                if isinstance(event, AnswerDone):
+                    return event
+        raise EngineError("the answer stream ended without a result")
 
-    def _prompt(
-        self,
-        rows: list[int],
-        question: str,
-        mode: Mode,
-        session: Session | None,
-        final: bool,
-        timeline: Timeline,
-    ) -> tuple[PromptLayout, int]:
-        """The prompt for these documents and the tree's estimate of its cached tokens.
+    async def stream(
+        self, request: RagRequest | CheckedRequest
+    ) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
+        """Answer deltas, then :class:`AnswerDone`. Closing the iterator early aborts every request.
 
-        Its cost is the controller's own overhead per stage, so it is timed into the timeline.
+        A plain :class:`RagRequest` is checked here; a :class:`CheckedRequest` is used as it is.
         """
-        started = now()
+        checked = request if isinstance(request, CheckedRequest) else self.check(request)
+        run = QueryRun(self._shared(), checked)
+        self._runs.add(run)
         try:
-            return self._ordered_prompt(rows, question, mode, session, final)
+            async with contextlib.aclosing(run.events()) as events:
+                async for event in events:
+                    yield event
         finally:
-            timeline.controller_s += now() - started
+            await run.abort_all()
+            self._runs.discard(run)
 
-    def _ordered_prompt(
-        self, rows: list[int], question: str, mode: Mode, session: Session | None, final: bool
-    ) -> tuple[PromptLayout, int]:
-        if session is not None and session.turns:
-            docs, hint = rows, None
-            if final:
-                dedup = self.sessions.dedup(session, rows)
-                docs, hint = [int(d) for d in dedup.kept], dedup.hint_text() or None
-            layout = self.builder.build(docs, question, hint, history=session.history)
-            return layout, len(session.history) // self.engine.block_size * self.engine.block_size
-        policy = get_policy(self.config.ordering_policy if mode.ordering else "retrieval")
-        ordering = policy.order(self.tree, rows)
-        ordered = [int(d) for d in ordering.doc_ids]
-        if session is not None and final:
-            self.sessions.dedup(session, ordered)  # a first turn sends every document: remember them
-        hint = order_hint(rows, ordered, self._hints) if mode.ordering else None
-        return self.builder.build(ordered, question, hint), ordering.cached.tokens
+    def _shared(self) -> QueryShared:
+        """What a new run shares with the others (read now: a test may swap the index between queries)."""
+        return QueryShared(
+            self.config,
+            self.engine,
+            self.index,
+            self.builder,
+            self.tree,
+            self.gate,
+            self.sessions,
+            self._warmer,
+            self._hints,
+        )
 
-    def _maybe_warm(self, mode: Mode, timeline: Timeline) -> None:
-        """Warm the system prompt if the tree says it is cold, once at a time, in a free slot."""
-        if not mode.warmup or self.tree.system_prompt_resident() or self._warming is not None:
-            return
-        slot = self.gate.try_speculate()
-        if slot is None:
-            return
-        timeline.add("warmup_start", now())
-        timeline.warmed = True
-        self._warming = asyncio.create_task(self._warm(slot, timeline))
+    # ------------------------------------------------------------------ the rest of the facade
 
-    async def _warm(self, slot: Slot, timeline: Timeline) -> None:
-        tokens = self.builder.system_layout_tokens()
+    def load(self) -> CoreLoad:
+        return CoreLoad(prefill_pool=self.gate.pool, queued=self.gate.waiting)
+
+    async def health(self) -> EngineHealth:
+        """Whether the engine answers (its own counts), with its supervisor's status if it has one."""
+        supervision = self.engine.supervision
+        status = supervision.status() if supervision is not None else None
         try:
-            result = await self.engine.warm(tokens, "warm-" + uuid.uuid4().hex)
-            self.tree.record_served(self.builder.system_layout(), result.cached_tokens)
-            timeline.add("warmup_done", now(), cached_tokens=result.cached_tokens)
-        except Exception as error:  # warm-up is an optimisation: a failure must not fail the query
-            logger.warning("system prompt warm-up failed: %s", error)
-        finally:
-            slot.release()
-            self._warming = None
+            await self.engine.counts()
+        except EngineError as error:
+            return EngineHealth(serving=False, reason=str(error), supervision=status)
+        return EngineHealth(serving=True, reason=None, supervision=status)
 
-    def _launch(self, layout: PromptLayout, sampling: Sampling, slot: Slot, speculative: bool) -> _Flight:
-        try:
-            check_prompt_fits(len(layout.token_ids), sampling, self.engine.max_model_len)
-        except InvalidInputError:
-            slot.release()  # the slot was taken for a request that will never exist
-            raise
-        flight = _Flight(self.engine, layout, sampling, slot, speculative)
-        self._in_flight.add(flight)
-        return flight
+    def create_session(self) -> str:
+        return self.sessions.create().session_id
 
-    async def _retrieve_and_submit(
-        self,
-        question: str,
-        k: int,
-        mode: Mode,
-        sampling: Sampling,
-        session: Session | None,
-        timeline: Timeline,
-        flights: list[_Flight],
-    ) -> _Flight:
-        """Staged search with speculation; returns the flight the answer comes from."""
-        loop = asyncio.get_running_loop()
-        vector = await loop.run_in_executor(None, self.index.embed_query, question)
-        self._maybe_warm(mode, timeline)
-        timeline.search_start = now()
-        stages = self.config.num_stages if mode.speculation else 1
-        speculation: _Flight | None = None
-        final_rows: list[int] = []
-        search = self.index.search_staged(vector, k, num_stages=stages)
-        async with contextlib.aclosing(search) as staged:
-            async for stage in staged:
-                rows = self._rows(stage.ids)
-                timeline.add("stage", now(), stage=stage.stage, done=stage.done, documents=len(rows))
-                if stage.done:
-                    final_rows = rows
-                    break
-                if not mode.speculation:
-                    continue
-                layout, _ = self._prompt(rows, question, mode, session, False, timeline)
-                if speculation is not None and speculation.layout.token_ids == layout.token_ids:
-                    continue
-                if speculation is not None:
-                    await self._drop(speculation, timeline, flights)
-                    speculation = None
-                slot = self.gate.try_speculate()
-                if slot is not None:
-                    speculation = self._launch(layout, sampling, slot, speculative=True)
-                    flights.append(speculation)
-                    timeline.speculations += 1
-                    timeline.add(
-                        "spec_submit",
-                        speculation.submitted_at,
-                        stage=stage.stage,
-                        request_id=speculation.request_id,
-                    )
-        timeline.search_end = now()
-        timeline.documents = [self.builder.store.passage(row).id for row in final_rows]
-        layout, predicted = self._prompt(final_rows, question, mode, session, True, timeline)
-        timeline.predicted_cached_tokens = predicted
-        if speculation is not None and speculation.layout.token_ids == layout.token_ids:
-            timeline.adopted = True
-            timeline.add("adopt", now(), request_id=speculation.request_id)
-            return speculation
-        if speculation is not None:
-            await self._drop(speculation, timeline, flights)
-        check_prompt_fits(len(layout.token_ids), sampling, self.engine.max_model_len)
-        if self.gate.waiting >= self.config.max_queue:
-            # Bounded queueing: past the limit a caller is told to come back instead of waiting
-            # behind an unbounded line (the service answers 429 with Retry-After).
-            raise OverloadedError(
-                f"{self.gate.waiting} requests already wait for the engine (limit {self.config.max_queue})",
-                retry_after_s=max(1.0, self.gate.waiting / self.gate.max_prefill_bs * 0.5),
-            )
-        queued_at = now()
-        if self.gate.pool >= self.gate.max_prefill_bs or self.gate.waiting:
-            timeline.add("queued", queued_at, pool=self.gate.pool, waiting=self.gate.waiting)
-        slot = await self.gate.admit(predicted, len(layout.token_ids) - predicted)
-        timeline.queued_s = now() - queued_at
-        final = self._launch(layout, sampling, slot, speculative=False)
-        flights.append(final)
-        timeline.add("final_submit", final.submitted_at, request_id=final.request_id)
-        return final
+    def close_session(self, session_id: str) -> None:
+        self.sessions.close(session_id)
 
-    async def _drop(self, flight: _Flight, timeline: Timeline, flights: list[_Flight]) -> None:
-        """Abort a stale speculation and count the prefill it may have spent."""
-        await flight.abort()
-        flights.remove(flight)
-        self._in_flight.discard(flight)
-        if flight.first_token_at is not None:
-            # Fully prefilled: its blocks are in the prefix cache now, the tree should know.
-            self.tree.record_served(flight.layout, flight.cached_tokens)
-        timeline.aborted_speculations += 1
-        timeline.wasted_spec_prefill_tokens += len(flight.layout.token_ids) - (flight.cached_tokens or 0)
-        timeline.add("spec_abort", now(), request_id=flight.request_id)
-
-    async def _outputs_with_retry(
-        self, flight: _Flight, timeline: Timeline, flights: list[_Flight]
-    ) -> AsyncIterator[EngineOutput]:
-        """The answer's outputs; a request that fails before its first token is retried once.
-
-        RAGCache §6: a failure before the first token loses nothing the caller has seen, so the
-        prompt is resubmitted (after a supervised engine has recovered, bounded in time).
-        """
-        retried = False
-        while True:
-            started = False
-            try:
-                async for output in flight.outputs(self.config.first_token_timeout_s):
-                    started = True
-                    yield output
-                return
-            except EngineError as error:
-                if isinstance(self.engine, SupervisedEngine):
-                    self.engine.report_failure(str(error))
-                if started or retried:
-                    raise
-                retried = True
-                timeline.add("retry", now(), reason=str(error))
-                if isinstance(self.engine, SupervisedEngine) and not await self.engine.wait_ready(
-                    self.config.first_token_timeout_s
-                ):
-                    raise
-                slot = await self.gate.admit(0, len(flight.layout.token_ids))
-                flight = self._launch(flight.layout, flight.sampling, slot, speculative=False)
-                flights.append(flight)
-                timeline.answer_submit = flight.submitted_at
-
-    async def _stream_answer(
-        self, flight: _Flight, timeline: Timeline, session: Session | None, flights: list[_Flight]
-    ) -> AsyncIterator[AnswerDelta | AnswerDone]:
-        timeline.answer_submit = flight.submitted_at
-        timeline.prompt_tokens = len(flight.layout.token_ids)
-        texts: list[str] = []
-        tokens: list[int] = []
-        finish_reason: str | None = None
-        async for output in self._outputs_with_retry(flight, timeline, flights):
-            if timeline.first_token is None:
-                # When the caller can see it: an adopted speculation may have produced its first
-                # token before the search ended, but it is only known right once the search has.
-                timeline.first_token = now()
-                timeline.cached_prompt_tokens = output.cached_tokens or 0
-                timeline.add("first_token", timeline.first_token, cached_tokens=timeline.cached_prompt_tokens)
-            texts.append(output.text)
-            tokens.extend(output.token_ids)
-            finish_reason = output.finish_reason or finish_reason
-            if output.text or output.token_ids:
-                yield AnswerDelta(output.text, output.token_ids)
-        timeline.done = now()
-        timeline.add("done", timeline.done)
-        if session is not None:
-            self.sessions.record_turn(session, flight.layout.token_ids, tokens)
-        elif timeline.first_token is not None:
-            self.tree.record_served(flight.layout, timeline.cached_prompt_tokens)
-        yield AnswerDone("".join(texts), finish_reason, timeline, flight.layout)
+    # ------------------------------------------------------------------ lifecycle
 
     async def reset_prefix_cache(self) -> None:
         """Empty the engine's prefix cache and tell the tree at once (for cold-start experiments).
@@ -501,11 +191,7 @@ class RagController:
         self.tree.engine_cache_cleared()
 
     async def close(self) -> None:
-        """Abort every request still in flight (service shutdown)."""
-        for flight in list(self._in_flight):
-            await flight.abort()
-        self._in_flight.clear()
-        if self._warming is not None:
-            self._warming.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._warming
+        """Abort every request the live queries hold and any warm-up (service shutdown)."""
+        for run in list(self._runs):
+            await run.abort_all()
+        await self._warmer.close()

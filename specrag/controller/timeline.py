@@ -12,8 +12,12 @@ from typing import Any
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One step: ``kind`` is stage, warmup_start, warmup_done, spec_submit, spec_abort, adopt,
-    final_submit, queued, admitted, first_token or done."""
+    """One step: ``kind`` is stage, warmup_start, spec_submit, spec_abort, adopt, queued,
+    final_submit, retry, first_token or done.
+
+    A warm-up the query triggered is shared work that may outlive it: the query notes only its
+    start; how it ended is in the controller's :class:`~specrag.controller.warmup.WarmupRecord`.
+    """
 
     kind: str
     at: float
@@ -22,7 +26,8 @@ class TimelineEvent:
 
 @dataclass
 class Timeline:
-    """The per-query record; derived figures are properties so they cannot drift from the events."""
+    """The per-query record, written only by the query's own run and never after its ``done``;
+    derived figures are properties so they cannot drift from the events."""
 
     arrival: float
     mode: str

@@ -6,6 +6,10 @@ re-tokenizing a concatenation breaks prefix-cache blocks). The protocol exposes 
 speculation rule needs: when the first token arrived, how many prompt tokens the prefix cache
 served, an abort that works mid-prefill, and how many requests are still waiting for their first
 token (the "prefill pool" that RAGCache's Algorithm 2 compares with ``max_prefill_bs``).
+
+Supervision is an optional capability, asked for through :attr:`Engine.supervision` rather than by
+the engine's class: an engine that something keeps alive (the service's supervisor) returns its
+:class:`Supervision`; a bare adapter returns None.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from specrag.errors import InvalidInputError
 
@@ -94,6 +98,38 @@ class EngineCounts:
     unfinished: int
 
 
+EngineState = Literal["starting", "ready", "recovering", "failed"]
+
+
+@dataclass(frozen=True)
+class SupervisionStatus:
+    """What a supervisor says about its engine, for health checks."""
+
+    state: EngineState
+    restarts: int
+    last_recovery_s: float | None
+
+
+class Supervision(Protocol):
+    """Something that notices a failed engine and replaces it, and that callers may ask for help.
+
+    A query that saw the engine fail in a way the engine cannot see itself (no first token in
+    time) reports it; before retrying, it waits (bounded) for the recovery to finish.
+    """
+
+    def status(self) -> SupervisionStatus:
+        """The engine's state, restart count and last recovery time."""
+        ...
+
+    def report_failure(self, reason: str) -> None:
+        """A caller saw the engine fail: check it, and replace it if it does not answer."""
+        ...
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait (bounded) for a recovery in progress; True when an engine is in service."""
+        ...
+
+
 @runtime_checkable
 class Engine(Protocol):
     """An inference engine with automatic prefix caching, driven by token IDs."""
@@ -111,6 +147,11 @@ class Engine(Protocol):
     @property
     def kv_capacity_tokens(self) -> int | None:
         """Tokens the KV cache holds, when the engine reports it."""
+        ...
+
+    @property
+    def supervision(self) -> Supervision | None:
+        """The supervisor that keeps this engine alive, or None for an engine nobody restarts."""
         ...
 
     def generate(

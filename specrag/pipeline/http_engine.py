@@ -48,6 +48,7 @@ from specrag.pipeline.engine import (
     EngineOutput,
     RequestTracker,
     Sampling,
+    Supervision,
     WarmResult,
     check_prompt_fits,
     now,
@@ -175,6 +176,10 @@ class HttpEngine:
     @property
     def kv_capacity_tokens(self) -> int | None:
         return self._info.kv_capacity_tokens
+
+    @property
+    def supervision(self) -> Supervision | None:
+        return None  # nothing restarts this adapter by itself
 
     def load(self) -> EngineLoad:
         return self._tracker.load()

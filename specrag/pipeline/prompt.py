@@ -67,11 +67,25 @@ class PromptBuilder:
         For a later turn of a conversation, ``history`` (everything said so far) takes the system
         prompt's place, so the whole conversation is one cached prefix.
         """
+        return self.build_with_question_tokens(doc_rows, self.question_tokens(question), hint, history)
+
+    def build_with_question_tokens(
+        self,
+        doc_rows: Sequence[int],
+        question_token_ids: Sequence[int],
+        hint: str | None = None,
+        history: Sequence[int] | None = None,
+    ) -> PromptLayout:
+        """:meth:`build` for a question already tokenized by :meth:`question_tokens`.
+
+        A query builds a prompt at every search stage; tokenizing its question once saves the
+        tokenizer's time on each of them.
+        """
         documents = [(int(row), self.store.tokens(int(row))) for row in doc_rows]
         return build_layout(
             self.system_token_ids if history is None else history,
             documents,
-            self.question_tokens(question),
+            question_token_ids,
             self.tokenizer.encode(hint) if hint else None,
             block_size=self.block_size,
             pad_token_id=self._pad_token_id,

@@ -58,6 +58,7 @@ from specrag.pipeline.engine import (
     EngineOutput,
     RequestTracker,
     Sampling,
+    Supervision,
     WarmResult,
     check_prompt_fits,
     now,
@@ -287,6 +288,10 @@ class SimulatedEngine:
     @property
     def kv_capacity_tokens(self) -> int | None:
         return self._pool.capacity_blocks * self._block_size
+
+    @property
+    def supervision(self) -> Supervision | None:
+        return None  # nothing restarts this adapter by itself
 
     @property
     def cached_blocks(self) -> int:

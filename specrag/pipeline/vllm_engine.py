@@ -22,6 +22,7 @@ from specrag.pipeline.engine import (
     EngineOutput,
     RequestTracker,
     Sampling,
+    Supervision,
     WarmResult,
     check_prompt_fits,
     now,
@@ -149,6 +150,10 @@ class VllmEngine:
     @property
     def kv_capacity_tokens(self) -> int | None:
         return self._kv_capacity_tokens
+
+    @property
+    def supervision(self) -> Supervision | None:
+        return None  # nothing restarts this adapter by itself
 
     @property
     def scheduler(self) -> SchedulerSnapshot:

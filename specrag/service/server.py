@@ -11,6 +11,9 @@ Design points, each for a reason:
 - Errors are JSON ``{"error": {"message", "type", "code"}}``; an unexpected exception is logged
   here and answered with a generic 500, never a stack trace.
 - The API token is compared in constant time; ``/health`` stays open for load balancers.
+- The service talks to the query core only through :class:`~specrag.controller.facade.QueryCore`
+  (answer, load, health, sessions); a request is checked once, before admission, and the checked
+  request is what runs.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from aiohttp import web
 from aiohttp.log import access_logger
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from specrag.controller.controller import AnswerDelta, AnswerDone, RagController, RagRequest
+from specrag.controller.facade import QueryCore
+from specrag.controller.query import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import (
     EngineError,
     EngineTimeoutError,
@@ -39,7 +43,6 @@ from specrag.errors import (
     OverloadedError,
 )
 from specrag.service.metrics import ServiceMetrics, mode_label
-from specrag.service.supervisor import SupervisedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ T = TypeVar("T")
 class ServiceState:
     """What every handler needs; one per application."""
 
-    controller: RagController
+    core: QueryCore
     metrics: ServiceMetrics
     api_token: str | None
     model_name: str
@@ -225,13 +228,13 @@ def _client_key(request: web.Request) -> str:
 async def _answer_events(
     state: ServiceState, request: RagRequest, client: str
 ) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
-    """The controller's stream with admission and accounting; closing it aborts the query."""
-    mode = mode_label(request.mode, state.controller.config.mode)
+    """The query core's stream with admission and accounting; closing it aborts the query."""
     try:
-        state.controller.check(request)  # bad input gets its 4xx even when the service is full
+        checked = state.core.check(request)  # bad input gets its 4xx even when the service is full
     except (InvalidInputError, NotFoundError):
-        state.metrics.count_unfinished(mode, "rejected")
+        state.metrics.count_unfinished(mode_label(request.mode, state.core.default_mode), "rejected")
         raise
+    mode = checked.mode.name
     if state.queries >= state.max_queries:
         state.metrics.count_unfinished(mode, "overloaded")
         raise OverloadedError(f"{state.queries} queries in flight, the limit is {state.max_queries}")
@@ -244,7 +247,7 @@ async def _answer_events(
     state.queries += 1
     state.per_client[client] = state.per_client.get(client, 0) + 1
     try:
-        async with contextlib.aclosing(state.controller.stream(request)) as events:
+        async with contextlib.aclosing(state.core.stream(checked)) as events:
             async for event in events:
                 if isinstance(event, AnswerDone):
                     outcome = "ok"
@@ -387,27 +390,29 @@ class _ChatFraming:
 async def _health(request: web.Request) -> web.Response:
     """200 while an engine serves; 503 while it starts, recovers or is gone (with the reason)."""
     state = request.app[STATE]
-    engine = state.controller.engine
+    health = await state.core.health()
+    status = health.supervision
     supervision = (
         {
-            "engine_state": engine.state,
-            "engine_restarts": engine.restarts,
-            "last_recovery_s": engine.last_recovery_s,
+            "engine_state": status.state,
+            "engine_restarts": status.restarts,
+            "last_recovery_s": status.last_recovery_s,
         }
-        if isinstance(engine, SupervisedEngine)
+        if status is not None
         else {}
     )
-    try:
-        await engine.counts()
-    except EngineError as error:
-        return web.json_response({"status": "unavailable", "reason": str(error), **supervision}, status=503)
+    if not health.serving:
+        return web.json_response(
+            {"status": "unavailable", "reason": health.reason, **supervision}, status=503
+        )
+    load = state.core.load()
     return web.json_response(
         {
             "status": "ok",
             "model": state.model_name,
             "in_flight_queries": state.queries,
-            "prefill_pool": state.controller.gate.pool,
-            "queued": state.controller.gate.waiting,
+            "prefill_pool": load.prefill_pool,
+            "queued": load.queued,
             **supervision,
         }
     )
@@ -460,12 +465,12 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 async def _create_session(request: web.Request) -> web.Response:
-    session = request.app[STATE].controller.sessions.create()
-    return web.json_response({"session_id": session.session_id}, status=201)
+    session_id = request.app[STATE].core.create_session()
+    return web.json_response({"session_id": session_id}, status=201)
 
 
 async def _close_session(request: web.Request) -> web.Response:
-    request.app[STATE].controller.sessions.close(request.match_info["session_id"])
+    request.app[STATE].core.close_session(request.match_info["session_id"])
     return web.Response(status=204)
 
 
@@ -476,7 +481,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def create_app(
-    controller: RagController,
+    core: QueryCore,
     *,
     api_token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -485,7 +490,7 @@ def create_app(
     max_queries_per_client: int = DEFAULT_MAX_QUERIES_PER_CLIENT,
     metrics: ServiceMetrics | None = None,
 ) -> web.Application:
-    """The service for one controller.
+    """The service for one query core (a :class:`~specrag.controller.controller.RagController`).
 
     ``max_queries`` bounds concurrent queries, ``max_queries_per_client`` those of one peer
     address: beyond either the answer is 429 with Retry-After, never an unbounded queue.
@@ -495,11 +500,11 @@ def create_app(
     if max_body_bytes < 1 or max_queries < 1 or max_queries_per_client < 1:
         raise InvalidInputError("max_body_bytes, max_queries and max_queries_per_client must be positive")
     state = ServiceState(
-        controller, metrics or ServiceMetrics(), api_token, model_name, max_queries, max_queries_per_client
+        core, metrics or ServiceMetrics(), api_token, model_name, max_queries, max_queries_per_client
     )
     state.metrics.watch(
-        prefill_pool=lambda: controller.gate.pool,
-        queued=lambda: controller.gate.waiting,
+        prefill_pool=lambda: core.load().prefill_pool,
+        queued=lambda: core.load().queued,
         in_flight=lambda: state.queries,
     )
     app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)

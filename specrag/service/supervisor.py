@@ -7,7 +7,9 @@ that fails too, it closes the engine (bounded in time) and starts a new one with
 backoff: a restart of the in-process vLLM engine, or a reconnect to an HTTP engine. While it
 recovers, new requests fail at once with a clear :class:`EngineError` rather than hang, and
 ``on_restart`` callbacks run once the new engine is up (its prefix cache is empty: the knowledge
-tree must forget what it believed resident).
+tree must forget what it believed resident). It offers itself as the engine's
+:class:`~specrag.pipeline.engine.Supervision`, so the controller and the service ask the engine for
+supervision instead of checking its class.
 """
 
 from __future__ import annotations
@@ -17,14 +19,22 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from specrag.errors import EngineError, EngineUnavailableError
-from specrag.pipeline.engine import Engine, EngineCounts, EngineLoad, EngineOutput, Sampling, WarmResult, now
+from specrag.pipeline.engine import (
+    Engine,
+    EngineCounts,
+    EngineLoad,
+    EngineOutput,
+    EngineState,
+    Sampling,
+    Supervision,
+    SupervisionStatus,
+    WarmResult,
+    now,
+)
 
 logger = logging.getLogger(__name__)
-
-EngineState = Literal["starting", "ready", "recovering", "failed"]
 # A one-token prompt: the cheapest request that proves the engine still steps.
 _PROBE_PROMPT = (1,)
 
@@ -87,6 +97,10 @@ class SupervisedEngine:
     def kv_capacity_tokens(self) -> int | None:
         return self._any_engine().kv_capacity_tokens
 
+    @property
+    def supervision(self) -> Supervision:
+        return self
+
     def _any_engine(self) -> Engine:
         """Static facts (block size, lengths) survive a restart: read them even while recovering."""
         if self._engine is None:
@@ -139,7 +153,10 @@ class SupervisedEngine:
         if engine is not None:
             await self._close_bounded(engine)
 
-    # Recovery ------------------------------------------------------------------------------------
+    # Recovery: the Supervision capability ---------------------------------------------------------
+
+    def status(self) -> SupervisionStatus:
+        return SupervisionStatus(self.state, self.restarts, self.last_recovery_s)
 
     def report_failure(self, reason: str) -> None:
         """A caller saw the engine fail (e.g. no first token in time): check the current engine."""

@@ -26,7 +26,6 @@ import pytest
 from bench.fault_inputs import BAD_REQUESTS, send
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import ControllerConfig, RagController
-from specrag.controller.sessions import SessionStore
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.simulated_engine import SimulatedEngine
@@ -207,9 +206,8 @@ async def test_thousands_of_requests_leave_nothing_behind(tiny_assets: Assets) -
     tree = KnowledgeTree(
         builder.system_token_ids, block_size=engine.block_size, capacity_blocks=2048, max_nodes=400
     )
-    sessions = SessionStore(max_sessions=16)
-    config = ControllerConfig(max_prefill_bs=4, max_queue=12, first_token_timeout_s=10.0)
-    controller = RagController(engine, tiny_assets.index, builder, config, tree=tree, sessions=sessions)
+    config = ControllerConfig(max_prefill_bs=4, max_queue=12, first_token_timeout_s=10.0, max_sessions=16)
+    controller = RagController(engine, tiny_assets.index, builder, config, tree=tree)
     app = create_app(controller, api_token=TOKEN, max_queries=20, max_queries_per_client=16)
     soak = Soak("", soak_questions(tiny_assets), random.Random(2024), max_tokens=6)
 
@@ -232,7 +230,7 @@ async def test_thousands_of_requests_leave_nothing_behind(tiny_assets: Assets) -
         assert sum(soak.kinds.values()) == 2000
         assert engine.restarts == 0 and len(started) == 1  # one-off failures need no restart
         assert 0 < len(controller.tree) <= tree.max_nodes
-        assert len(controller.sessions) <= sessions.max_sessions
+        assert len(controller.sessions) <= config.max_sessions
         assert controller.gate.pool == 0 and controller.gate.waiting == 0
     finally:
         await controller.close()

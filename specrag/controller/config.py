@@ -1,0 +1,52 @@
+"""The controller's settings: defaults and limits for every query, checked once at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specrag.cache.ordering import get_policy
+from specrag.controller.modes import get_mode
+from specrag.errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Controller settings; every field can be overridden per service.
+
+    ``max_sessions`` and ``session_ttl_s`` bound the session store (checked where it is built).
+    """
+
+    k_default: int = 10
+    k_max: int = 50
+    num_stages: int = 4
+    max_prefill_bs: int | None = None
+    starvation_window_s: float = 2.0
+    ordering_policy: str = "exact"
+    order_hint: bool = True
+    mode: str = "all"
+    max_tokens_default: int = 64
+    max_tokens_limit: int = 1024
+    first_token_timeout_s: float = 60.0
+    max_queue: int = 256
+    batched_token_budget: int = 512
+    max_sessions: int = 1000
+    session_ttl_s: float = 3600.0
+
+    def validate(self) -> ControllerConfig:
+        get_mode(self.mode)
+        get_policy(self.ordering_policy)
+        if not 1 <= self.k_default <= self.k_max:
+            raise InvalidInputError("k_default must be between 1 and k_max")
+        if self.num_stages < 1:
+            raise InvalidInputError("num_stages must be at least 1")
+        if self.max_prefill_bs is not None and self.max_prefill_bs < 1:
+            raise InvalidInputError("max_prefill_bs must be at least 1")
+        if not 1 <= self.max_tokens_default <= self.max_tokens_limit:
+            raise InvalidInputError("max_tokens_default must be between 1 and max_tokens_limit")
+        if self.max_queue < 0:
+            raise InvalidInputError("max_queue cannot be negative")
+        if not self.first_token_timeout_s > 0:  # written so that NaN fails too
+            raise InvalidInputError("first_token_timeout_s must be positive")
+        if not self.starvation_window_s >= 0:
+            raise InvalidInputError("starvation_window_s cannot be negative")
+        return self

@@ -1,0 +1,62 @@
+"""What a front end may ask of the query core, and nothing more.
+
+The HTTP service holds a :class:`QueryCore`, not the controller: it answers queries, reads the
+load and the engine's health, and opens and closes sessions, but cannot reach into the prefill
+gate, the engine or the configuration, so the controller's inside can change without the service
+noticing. :class:`~specrag.controller.controller.RagController` is the implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Protocol
+
+from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
+from specrag.pipeline.engine import SupervisionStatus
+
+
+@dataclass(frozen=True)
+class CoreLoad:
+    """Our requests in the prefill pool (no first token yet) and final ones queued for a slot."""
+
+    prefill_pool: int
+    queued: int
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """Whether the engine serves (and why not), with its supervisor's status when it has one."""
+
+    serving: bool
+    reason: str | None
+    supervision: SupervisionStatus | None
+
+
+class QueryCore(Protocol):
+    """The query core as a front end sees it."""
+
+    @property
+    def default_mode(self) -> str:
+        """The mode of a request that names none."""
+        ...
+
+    def check(self, request: RagRequest) -> CheckedRequest:
+        """The request checked (cheap, before admission), or a 4xx-worthy error."""
+        ...
+
+    def stream(self, request: RagRequest | CheckedRequest) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
+        """Answer deltas, then the done event; closing the generator early aborts the query."""
+        ...
+
+    def load(self) -> CoreLoad: ...
+
+    async def health(self) -> EngineHealth: ...
+
+    def create_session(self) -> str:
+        """A new session's id."""
+        ...
+
+    def close_session(self, session_id: str) -> None:
+        """End a session; :class:`~specrag.errors.NotFoundError` for an unknown id."""
+        ...

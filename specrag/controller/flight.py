@@ -1,0 +1,75 @@
+"""One engine request of a query, pumped into a queue so its prefill runs while the query searches."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+from specrag.cache.layout import PromptLayout
+from specrag.controller.gate import Slot
+from specrag.errors import EngineTimeoutError
+from specrag.pipeline.engine import Engine, EngineOutput, Sampling, now
+
+
+class Flight:
+    """One engine request, pumped into a queue by a task so its prefill runs while we search.
+
+    The slot in the prefill pool is released at the first token, or when the request ends.
+    """
+
+    def __init__(
+        self, engine: Engine, layout: PromptLayout, sampling: Sampling, slot: Slot, speculative: bool
+    ):
+        self.request_id = ("spec-" if speculative else "final-") + uuid.uuid4().hex
+        self.layout = layout
+        self.sampling = sampling
+        self.submitted_at = now()
+        self.first_token_at: float | None = None
+        self.cached_tokens: int | None = None
+        self._engine = engine
+        self._slot = slot
+        self._outputs: asyncio.Queue[EngineOutput | BaseException | None] = asyncio.Queue()
+        self._task = asyncio.create_task(self._pump(sampling), name=self.request_id)
+
+    async def _pump(self, sampling: Sampling) -> None:
+        try:
+            async for output in self._engine.generate(self.request_id, self.layout.token_ids, sampling):
+                if self.first_token_at is None:
+                    self.first_token_at = output.received_at
+                    self.cached_tokens = output.cached_tokens
+                    self._slot.release()
+                self._outputs.put_nowait(output)
+            self._outputs.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # handed to the consumer, who raises it in its own context
+            self._outputs.put_nowait(error)
+        finally:
+            self._slot.release()
+
+    async def outputs(self, first_token_timeout_s: float) -> AsyncIterator[EngineOutput]:
+        """The request's outputs; the first must come within the timeout."""
+        timeout: float | None = first_token_timeout_s
+        while True:
+            try:
+                item = await asyncio.wait_for(self._outputs.get(), timeout)
+            except TimeoutError:
+                await self.abort()
+                raise EngineTimeoutError(f"no first token within {first_token_timeout_s:.1f} s") from None
+            timeout = None
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def abort(self) -> None:
+        """Stop the request in the engine (effective after its current step) and the pump."""
+        if not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._engine.abort(self.request_id)
+        self._slot.release()

@@ -1,0 +1,60 @@
+"""What goes into a query and what comes out of it.
+
+A :class:`RagRequest` is what a caller asks; :meth:`RagController.check
+<specrag.controller.controller.RagController.check>` turns it into a :class:`CheckedRequest`
+(defaults applied, limits checked, session found, question tokenized) exactly once, so a server
+that checks a request before admitting it does not pay for the check again when it runs it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from specrag.cache.layout import PromptLayout
+from specrag.controller.modes import Mode
+from specrag.controller.sessions import Session
+from specrag.controller.timeline import Timeline
+from specrag.pipeline.engine import Sampling
+
+
+@dataclass(frozen=True)
+class RagRequest:
+    """One question. ``None`` fields take the controller's defaults."""
+
+    question: str
+    k: int | None = None
+    mode: str | None = None
+    max_tokens: int | None = None
+    session_id: str | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request the controller has checked: everything a query run needs, resolved."""
+
+    request: RagRequest
+    k: int
+    mode: Mode
+    sampling: Sampling
+    session: Session | None
+    question_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AnswerDelta:
+    """Newly generated text and tokens of the answer."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AnswerDone:
+    """The end of an answer, with its full timeline and the prompt it was generated from."""
+
+    text: str
+    finish_reason: str | None
+    timeline: Timeline
+    prompt: PromptLayout

@@ -1,0 +1,290 @@
+"""One query from its checked request to the last token of its answer (RAGCache §5.3, Algorithm 2;
+RAGCache++ §3.6).
+
+1. Embed the question; start the staged search; if the knowledge tree says the system prompt is
+   not resident, have the controller warm it (shared work: recorded by the controller, not here).
+2. A stage arrived: order its running top-k with the knowledge tree and build the prompt. If it
+   differs from the live speculation's prompt, abort that one and, only if the prefill pool has
+   room (:class:`~specrag.controller.gate.PrefillGate`), submit the new prompt speculatively.
+3. The final result is known: order and build the final prompt. If the live speculation has
+   exactly this prompt, adopt its stream; otherwise abort it and submit the final prompt through
+   the gate.
+4. Stream the answer; record the timeline and what the engine served from its prefix cache.
+5. Abort all: whatever way the query ends, every engine request it still holds is aborted.
+
+The answer is always generated from the final retrieval result: a speculation is adopted only when
+its prompt is token-for-token the final prompt, and greedy decoding makes the text identical.
+A run owns its engine requests, so what is in flight is always what the live runs hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrag.cache.hints import HintConfig, order_hint
+from specrag.cache.layout import PromptLayout
+from specrag.cache.ordering import get_policy
+from specrag.cache.tree import KnowledgeTree
+from specrag.controller.config import ControllerConfig
+from specrag.controller.flight import Flight
+from specrag.controller.gate import PrefillGate, Slot
+from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest
+from specrag.controller.sessions import SessionStore
+from specrag.controller.timeline import Timeline
+from specrag.controller.warmup import SystemPromptWarmer
+from specrag.errors import EngineError, InvalidInputError, OverloadedError
+from specrag.pipeline.engine import Engine, EngineOutput, check_prompt_fits, now
+from specrag.pipeline.prompt import PromptBuilder
+from specrag.retrieval.vector_index import VectorIndex
+
+
+@dataclass(frozen=True)
+class QueryShared:
+    """What the queries of one controller share; a run reads it and never changes it."""
+
+    config: ControllerConfig
+    engine: Engine
+    index: VectorIndex
+    builder: PromptBuilder
+    tree: KnowledgeTree
+    gate: PrefillGate
+    sessions: SessionStore
+    warmer: SystemPromptWarmer
+    hints: HintConfig
+
+
+class QueryRun:
+    """One query: its checked request, its timeline and its engine requests; the steps are methods."""
+
+    def __init__(self, shared: QueryShared, checked: CheckedRequest) -> None:
+        self.checked = checked
+        self.timeline = Timeline(arrival=now(), mode=checked.mode.name)
+        self._shared = shared
+        self._flights: list[Flight] = []
+        self._speculation: Flight | None = None
+
+    def request_ids(self) -> set[str]:
+        """Engine requests this run has submitted and not yet aborted or seen end."""
+        return {flight.request_id for flight in self._flights}
+
+    async def events(self) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
+        """Search, submit, then the answer's deltas and done; :meth:`abort_all` must follow."""
+        answer = await self.retrieve()
+        async for event in self.stream_answer(answer):
+            yield event
+
+    async def retrieve(self) -> Flight:
+        """The staged search with speculation; returns the flight the answer comes from."""
+        shared, checked, timeline = self._shared, self.checked, self.timeline
+        loop = asyncio.get_running_loop()
+        vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
+        if checked.mode.warmup and shared.warmer.start_if_cold():
+            timeline.add("warmup_start", now())
+            timeline.warmed = True
+        timeline.search_start = now()
+        stages = shared.config.num_stages if checked.mode.speculation else 1
+        final_rows: list[int] = []
+        search = shared.index.search_staged(vector, checked.k, num_stages=stages)
+        async with contextlib.aclosing(search) as staged:
+            async for stage in staged:
+                rows = self._rows(stage.ids)
+                timeline.add("stage", now(), stage=stage.stage, done=stage.done, documents=len(rows))
+                if stage.done:
+                    final_rows = rows
+                    break
+                await self.stage_arrived(rows, stage.stage)
+        timeline.search_end = now()
+        return await self.final_known(final_rows)
+
+    async def stage_arrived(self, rows: list[int], stage: int) -> None:
+        """Speculate on a stage's running top-k if it changed and the prefill pool has room."""
+        if not self.checked.mode.speculation:
+            return
+        layout, _ = self._prompt(rows, final=False)
+        speculation = self._speculation
+        if speculation is not None and speculation.layout.token_ids == layout.token_ids:
+            return
+        if speculation is not None:
+            await self._drop(speculation)
+        slot = self._shared.gate.try_speculate()
+        if slot is not None:
+            self._speculation = self._launch(layout, slot, speculative=True)
+            self.timeline.speculations += 1
+            self.timeline.add(
+                "spec_submit",
+                self._speculation.submitted_at,
+                stage=stage,
+                request_id=self._speculation.request_id,
+            )
+
+    async def final_known(self, rows: list[int]) -> Flight:
+        """Adopt the speculation if its prompt is the final one; otherwise submit the final prompt."""
+        shared, timeline = self._shared, self.timeline
+        timeline.documents = [shared.builder.store.passage(row).id for row in rows]
+        layout, predicted = self._prompt(rows, final=True)
+        timeline.predicted_cached_tokens = predicted
+        speculation = self._speculation
+        if speculation is not None and speculation.layout.token_ids == layout.token_ids:
+            timeline.adopted = True
+            timeline.add("adopt", now(), request_id=speculation.request_id)
+            return speculation
+        if speculation is not None:
+            await self._drop(speculation)
+        check_prompt_fits(len(layout.token_ids), self.checked.sampling, shared.engine.max_model_len)
+        gate = shared.gate
+        if gate.waiting >= shared.config.max_queue:
+            # Bounded queueing: past the limit a caller is told to come back instead of waiting
+            # behind an unbounded line (the service answers 429 with Retry-After).
+            raise OverloadedError(
+                f"{gate.waiting} requests already wait for the engine (limit {shared.config.max_queue})",
+                retry_after_s=max(1.0, gate.waiting / gate.max_prefill_bs * 0.5),
+            )
+        queued_at = now()
+        if gate.pool >= gate.max_prefill_bs or gate.waiting:
+            timeline.add("queued", queued_at, pool=gate.pool, waiting=gate.waiting)
+        slot = await gate.admit(predicted, len(layout.token_ids) - predicted)
+        timeline.queued_s = now() - queued_at
+        final = self._launch(layout, slot, speculative=False)
+        timeline.add("final_submit", final.submitted_at, request_id=final.request_id)
+        return final
+
+    async def stream_answer(self, flight: Flight) -> AsyncIterator[AnswerDelta | AnswerDone]:
+        """The answer's deltas, then :class:`AnswerDone`; the tree or the session learns the prompt."""
+        shared, timeline, session = self._shared, self.timeline, self.checked.session
+        timeline.answer_submit = flight.submitted_at
+        timeline.prompt_tokens = len(flight.layout.token_ids)
+        texts: list[str] = []
+        tokens: list[int] = []
+        finish_reason: str | None = None
+        async for output in self._outputs_with_retry(flight):
+            if timeline.first_token is None:
+                # When the caller can see it: an adopted speculation may have produced its first
+                # token before the search ended, but it is only known right once the search has.
+                timeline.first_token = now()
+                timeline.cached_prompt_tokens = output.cached_tokens or 0
+                timeline.add("first_token", timeline.first_token, cached_tokens=timeline.cached_prompt_tokens)
+            texts.append(output.text)
+            tokens.extend(output.token_ids)
+            finish_reason = output.finish_reason or finish_reason
+            if output.text or output.token_ids:
+                yield AnswerDelta(output.text, output.token_ids)
+        timeline.done = now()
+        timeline.add("done", timeline.done)
+        if session is not None:
+            shared.sessions.record_turn(session, flight.layout.token_ids, tokens)
+        elif timeline.first_token is not None:
+            shared.tree.record_served(flight.layout, timeline.cached_prompt_tokens)
+        yield AnswerDone("".join(texts), finish_reason, timeline, flight.layout)
+
+    async def abort_all(self) -> None:
+        """Abort every engine request the run still holds (idempotent)."""
+        for flight in list(self._flights):
+            await flight.abort()
+            self._forget(flight)
+        self._speculation = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _rows(self, ids: np.ndarray) -> list[int]:
+        """Corpus rows of a stage's ids in rank order; padding and repeats (synthetic rows) dropped."""
+        rows: list[int] = []
+        for row in self._shared.index.passage_index_of(ids).tolist():
+            if row >= 0 and row not in rows:
+                rows.append(row)
+        return rows
+
+    def _prompt(self, rows: list[int], final: bool) -> tuple[PromptLayout, int]:
+        """The prompt for these documents and the tree's estimate of its cached tokens.
+
+        Its cost is the controller's own overhead per stage, so it is timed into the timeline.
+        """
+        started = now()
+        try:
+            return self._ordered_prompt(rows, final)
+        finally:
+            self.timeline.controller_s += now() - started
+
+    def _ordered_prompt(self, rows: list[int], final: bool) -> tuple[PromptLayout, int]:
+        shared, checked = self._shared, self.checked
+        session, question, builder = checked.session, checked.question_token_ids, shared.builder
+        if session is not None and session.turns:
+            docs, hint = rows, None
+            if final:
+                dedup = shared.sessions.dedup(session, rows)
+                docs, hint = [int(d) for d in dedup.kept], dedup.hint_text() or None
+            layout = builder.build_with_question_tokens(docs, question, hint, history=session.history)
+            block = shared.engine.block_size
+            return layout, len(session.history) // block * block
+        policy = get_policy(shared.config.ordering_policy if checked.mode.ordering else "retrieval")
+        ordering = policy.order(shared.tree, rows)
+        ordered = [int(d) for d in ordering.doc_ids]
+        if session is not None and final:
+            shared.sessions.dedup(session, ordered)  # a first turn sends every document: remember them
+        hint = order_hint(rows, ordered, shared.hints) if checked.mode.ordering else None
+        return builder.build_with_question_tokens(ordered, question, hint), ordering.cached.tokens
+
+    def _launch(self, layout: PromptLayout, slot: Slot, speculative: bool) -> Flight:
+        sampling = self.checked.sampling
+        try:
+            check_prompt_fits(len(layout.token_ids), sampling, self._shared.engine.max_model_len)
+        except InvalidInputError:
+            slot.release()  # the slot was taken for a request that will never exist
+            raise
+        flight = Flight(self._shared.engine, layout, sampling, slot, speculative)
+        self._flights.append(flight)
+        return flight
+
+    def _forget(self, flight: Flight) -> None:
+        """Drop an aborted flight from the run (the controller's close may have done it already)."""
+        if flight in self._flights:
+            self._flights.remove(flight)
+
+    async def _drop(self, flight: Flight) -> None:
+        """Abort a stale speculation and count the prefill it may have spent."""
+        await flight.abort()
+        self._forget(flight)
+        self._speculation = None
+        if flight.first_token_at is not None:
+            # Fully prefilled: its blocks are in the prefix cache now, the tree should know.
+            self._shared.tree.record_served(flight.layout, flight.cached_tokens)
+        timeline = self.timeline
+        timeline.aborted_speculations += 1
+        timeline.wasted_spec_prefill_tokens += len(flight.layout.token_ids) - (flight.cached_tokens or 0)
+        timeline.add("spec_abort", now(), request_id=flight.request_id)
+
+    async def _outputs_with_retry(self, flight: Flight) -> AsyncIterator[EngineOutput]:
+        """The answer's outputs; a request that fails before its first token is retried once.
+
+        RAGCache §6: a failure before the first token loses nothing the caller has seen, so the
+        prompt is resubmitted (after a supervised engine has recovered, bounded in time). The
+        engine's supervisor, when it has one, hears of every failure: a missing first token is
+        one it cannot see by itself.
+        """
+        shared = self._shared
+        timeout_s = shared.config.first_token_timeout_s
+        retried = False
+        while True:
+            started = False
+            try:
+                async for output in flight.outputs(timeout_s):
+                    started = True
+                    yield output
+                return
+            except EngineError as error:
+                supervision = shared.engine.supervision
+                if supervision is not None:
+                    supervision.report_failure(str(error))
+                if started or retried:
+                    raise
+                retried = True
+                self.timeline.add("retry", now(), reason=str(error))
+                if supervision is not None and not await supervision.wait_ready(timeout_s):
+                    raise
+                slot = await shared.gate.admit(0, len(flight.layout.token_ids))
+                flight = self._launch(flight.layout, slot, speculative=False)
+                self.timeline.answer_submit = flight.submitted_at

@@ -1,0 +1,186 @@
+"""One query, one run: in-flight ids come from the live runs, a request is checked once, shared
+warm-up work stays out of finished queries, supervision is asked of the engine. Simulated engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from specrag.controller.controller import AnswerDelta, AnswerDone, RagController, RagRequest
+from specrag.pipeline.engine import EngineOutput, Sampling, Supervision, SupervisionStatus, WarmResult
+from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.service.assets import Assets
+from tests.controller.conftest import make_controller, scripted_index
+from tests.controller.test_controller_engine import QUESTION, A, B, assert_engine_idle
+
+
+class RecordingEngine(SimulatedEngine):
+    """The simulated engine, remembering every request id submitted to it."""
+
+    def __init__(self) -> None:
+        super().__init__(time_scale=0.05, max_model_len=4096)
+        self.submitted: set[str] = set()
+
+    def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: Sampling
+    ) -> AsyncIterator[EngineOutput]:
+        self.submitted.add(request_id)
+        return super().generate(request_id, prompt_token_ids, sampling)
+
+
+class StandInSupervision:
+    """A supervisor that is no SupervisedEngine: the controller and the service must still find it."""
+
+    def __init__(self) -> None:
+        self.reports: list[str] = []
+        self.waits = 0
+
+    def status(self) -> SupervisionStatus:
+        return SupervisionStatus(state="ready", restarts=3, last_recovery_s=1.5)
+
+    def report_failure(self, reason: str) -> None:
+        self.reports.append(reason)
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        self.waits += 1
+        return True
+
+
+class SupervisedSimulation(SimulatedEngine):
+    """The simulated engine offering a supervision capability."""
+
+    def __init__(self, supervision: StandInSupervision) -> None:
+        super().__init__(time_scale=0.01, max_model_len=4096)
+        self._supervision = supervision
+
+    @property
+    def supervision(self) -> Supervision | None:
+        return self._supervision
+
+
+async def first_delta(stream: AsyncIterator[AnswerDelta | AnswerDone]) -> None:
+    assert isinstance(await anext(stream), AnswerDelta)
+
+
+def long_serial() -> RagRequest:
+    """A query with one engine request that decodes long enough to be seen in flight."""
+    return RagRequest(QUESTION, k=4, mode="serial", max_tokens=500)
+
+
+async def test_in_flight_ids_are_those_of_the_live_queries(tiny_assets: Assets) -> None:
+    engine = RecordingEngine()
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01))
+    first, second = controller.stream(long_serial()), controller.stream(long_serial())
+    await first_delta(first)
+    of_first = controller.in_flight_request_ids()
+    assert len(of_first) == 1 and of_first <= engine.submitted
+    await first_delta(second)
+    both = controller.in_flight_request_ids()
+    assert len(both) == 2 and of_first < both and both <= engine.submitted
+    await first.aclose()  # leaving early: the first query's request goes, the second's stays
+    assert controller.in_flight_request_ids() == both - of_first
+    await second.aclose()
+    assert controller.in_flight_request_ids() == set()
+    await assert_engine_idle(engine, controller)
+    await engine.close()
+
+
+async def test_a_query_that_ends_or_is_closed_with_the_controller_leaves_no_id(tiny_assets: Assets) -> None:
+    engine = RecordingEngine()
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, B, B], 0.01))
+    await controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=4))
+    assert controller.in_flight_request_ids() == set() and len(engine.submitted) >= 2
+    stream = controller.stream(long_serial())
+    await first_delta(stream)
+    assert controller.in_flight_request_ids()
+    await controller.close()
+    assert controller.in_flight_request_ids() == set()
+    await stream.aclose()
+    await assert_engine_idle(engine, controller)
+    await engine.close()
+
+
+def count_question_tokenizations(controller: RagController) -> list[str]:
+    """The questions the controller's prompt builder tokenizes, one entry per call."""
+    seen: list[str] = []
+    tokenize = controller.builder.question_tokens
+
+    def counting(question: str) -> list[int]:
+        seen.append(question)
+        return tokenize(question)
+
+    controller.builder.question_tokens = counting  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("checked_first", [True, False])
+async def test_a_query_tokenizes_its_question_once(tiny_assets: Assets, checked_first: bool) -> None:
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    # Three stages with a changing top-k: several speculative prompts and a final one are built.
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, B, A], 0.01))
+    seen = count_question_tokenizations(controller)
+    request = RagRequest(QUESTION, k=4, mode="all", max_tokens=2)
+    done = await controller.answer(controller.check(request) if checked_first else request)
+    assert done.timeline.speculations >= 2
+    assert seen == [QUESTION]
+    await engine.close()
+
+
+class HeldWarmEngine(SimulatedEngine):
+    """The simulated engine whose warm-ups wait until the test lets them finish."""
+
+    def __init__(self) -> None:
+        super().__init__(time_scale=0.01, max_model_len=4096)
+        self.release_warm = asyncio.Event()
+        self.warm_returned = asyncio.Event()
+
+    async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
+        await self.release_warm.wait()
+        result = await super().warm(prompt_token_ids, request_id)
+        self.warm_returned.set()  # the warmer records the result before the test wakes up
+        return result
+
+
+async def test_a_warm_up_that_outlives_its_query_is_recorded_by_the_controller(tiny_assets: Assets) -> None:
+    engine = HeldWarmEngine()
+    controller = make_controller(
+        engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01), max_prefill_bs=2
+    )
+    done = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
+    events = list(done.timeline.events)
+    assert done.timeline.warmed and [e.kind for e in events].count("warmup_start") == 1
+    assert controller.warmups.started == 1 and controller.warmups.succeeded == 0
+
+    engine.release_warm.set()
+    await asyncio.wait_for(engine.warm_returned.wait(), 5)
+    assert controller.warmups.succeeded == 1 and controller.warmups.last_cached_tokens is not None
+    assert done.timeline.events == events and events[-1].kind == "done"
+    assert controller.tree.system_prompt_resident()
+    await assert_engine_idle(engine, controller)
+    await engine.close()
+
+
+async def test_a_failed_warm_up_is_counted_and_the_query_still_answers(tiny_assets: Assets) -> None:
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01))
+    engine.fail_next(1)  # the first submission is the warm-up's
+    done = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
+    assert done.text and done.timeline.warmed
+    assert controller.warmups.started == 1 and controller.warmups.failed == 1
+    await engine.close()
+
+
+async def test_the_controller_asks_the_engine_for_its_supervision(tiny_assets: Assets) -> None:
+    supervision = StandInSupervision()
+    engine = SupervisedSimulation(supervision)
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01))
+    engine.fail_next(1)
+    done = await controller.answer(RagRequest(QUESTION, k=4, mode="serial", max_tokens=2))
+    assert [e.kind for e in done.timeline.events].count("retry") == 1 and done.text
+    assert supervision.reports == ["simulated engine: injected failure"] and supervision.waits == 1
+    health = await controller.health()
+    assert health.serving and health.supervision == supervision.status()
+    await engine.close()
+    assert not (await controller.health()).serving
