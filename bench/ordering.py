@@ -50,7 +50,7 @@ from specrag.cache import (
     plan_batch,
 )
 from specrag.cache.ordering import OracleOrder
-from specrag.cache.residency import ROOT_KEY, BlockLRU, chain_block_keys
+from specrag.cache.residency import ROOT_KEY, BlockPool, chain_block_keys
 from specrag.errors import InvalidInputError
 
 BLOCK_SIZE = 16
@@ -73,17 +73,20 @@ def doc_tokens(doc_id: DocId) -> tuple[int, ...]:
 
 
 class SimulatedAPC:
-    """vLLM's prefix cache reduced to what reuse depends on, publishing vLLM-like events."""
+    """vLLM's prefix cache (the shared :class:`BlockPool` model), publishing vLLM-like events.
+
+    Each prompt runs start to finish before the next (:meth:`BlockPool.serve`): reuse depends on
+    the block pool's contents and eviction order, not on timing, so no engine steps are simulated.
+    """
 
     def __init__(self, capacity_blocks: int | None) -> None:
-        self._lru = BlockLRU(capacity_blocks)
+        self._lru = BlockPool(capacity_blocks)
 
     def serve(self, token_ids: Sequence[int]) -> tuple[int, list[KVEvent]]:
         """Run one prompt: return its cached blocks and the events its blocks caused."""
         keys = chain_block_keys(token_ids, BLOCK_SIZE)
-        cached = self._lru.leading_cached(keys)
-        added, evicted = self._lru.touch(keys)
-        new = set(added)
+        served = self._lru.serve(keys)
+        new = set(served.stored)
         events: list[KVEvent] = []
         run: list[int] = []
         for i, key in enumerate([*keys, None]):  # one BlockStored per run of consecutive new blocks
@@ -97,9 +100,9 @@ class SimulatedAPC:
                     BlockStored(tuple(_engine_hash(keys[j]) for j in run), parent, tokens, BLOCK_SIZE)
                 )
                 run = []
-        if evicted:
-            events.append(BlockRemoved(tuple(_engine_hash(k) for k in evicted)))
-        return cached, events
+        if served.evicted:
+            events.append(BlockRemoved(tuple(_engine_hash(k) for k in served.evicted)))
+        return served.cached_blocks, events
 
     def probe(self) -> Callable[[Sequence[DocId]], PrefixMatch]:
         """Ground-truth reuse of a document order, memoised per prefix (for the oracle)."""

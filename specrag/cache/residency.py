@@ -7,14 +7,15 @@ block gets a *content key* chained the same way: key = hash(parent key, block to
 knowledge tree computes the same keys from the prompts it served, which links engine blocks to
 tree nodes without ever seeing an engine hash in a prompt.
 
-When the engine publishes no events, :class:`BlockLRU` models its cache instead: a fixed number
-of blocks, least recently used evicted first, the last block of a prompt before its first.
+When the engine publishes no events, :class:`BlockPool` models its cache instead: vLLM's block
+pool with its eviction order, the same model the simulated engine runs on.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass
 
 from specrag.cache.events import BlockHash, BlockRemoved, BlockStored
 from specrag.errors import InvalidInputError
@@ -48,48 +49,135 @@ def count_leading(keys: Sequence[int], present: Container[int]) -> int:
     return count
 
 
-class BlockLRU:
-    """A block pool with vLLM's eviction order, for when the engine's own events are unavailable.
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What one request did to the pool: its leading cache hit, the keys it stored and evicted."""
 
-    vLLM frees a finished request's blocks tail first into an LRU free list, so under pressure a
-    prompt loses its last blocks before its first ones; touching the keys in reverse reproduces
-    that. ``capacity_blocks=None`` is an unlimited cache.
+    cached_blocks: int
+    stored: list[int]
+    evicted: list[int]
+
+
+class BlockPool:
+    """vLLM's KV block pool: the one model of which blocks stay resident and which are evicted.
+
+    The simulated engine drives it step by step (take the hit, allocate, register computed blocks,
+    release); the knowledge tree's capacity model and the ordering benchmark run each prompt through
+    it in one go (:meth:`serve`). The rules are vLLM v1's:
+
+    - only full blocks are cached, each under its chained content key (:func:`chain_block_keys`);
+    - a block referenced by a running request is in use and cannot be evicted;
+    - a request frees its blocks tail first onto the end of an LRU free list, so under pressure a
+      prompt loses its last blocks before its first ones;
+    - allocation pops blocks from the head of the free list and evicts the keys they held: blocks
+      never used go first, then the least recently freed. A freed block stays cached (reusable)
+      until then.
+
+    Block IDs are positions in the pool. ``capacity_blocks=None`` is an unlimited pool: allocation
+    never evicts.
     """
 
     def __init__(self, capacity_blocks: int | None) -> None:
         if capacity_blocks is not None and capacity_blocks <= 0:
             raise InvalidInputError(f"capacity_blocks must be positive, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        blocks = capacity_blocks or 0
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(blocks))
+        self._refs = [0] * blocks
+        self._key_of: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}
 
     def __contains__(self, key: int) -> bool:
-        return key in self._blocks
+        return key in self._block_of
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        """Blocks whose KV is resident and reusable (in use or not yet evicted)."""
+        return len(self._block_of)
+
+    @property
+    def in_use(self) -> int:
+        """Blocks referenced by running requests."""
+        return len(self._refs) - len(self._free)
 
     def leading_cached(self, keys: Sequence[int]) -> int:
         """How many of ``keys``, from the first, are cached: the engine's prefix hit in blocks."""
-        return count_leading(keys, self._blocks)
+        return count_leading(keys, self._block_of)
 
-    def touch(self, keys: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Serve a prompt's blocks; return (newly stored keys, evicted keys)."""
-        added: list[int] = []
-        for key in reversed(keys):
-            if key in self._blocks:
-                self._blocks.move_to_end(key)
-            else:
-                self._blocks[key] = None
-                added.append(key)
-        added.reverse()
-        evicted: list[int] = []
-        if self.capacity_blocks is not None:
-            while len(self._blocks) > self.capacity_blocks:
-                evicted.append(self._blocks.popitem(last=False)[0])
-        return added, evicted
+    def can_take(self, hit_keys: Sequence[int], new_blocks: int) -> bool:
+        """Whether ``hit_keys`` (cached) can be reused and ``new_blocks`` allocated together."""
+        if self.capacity_blocks is None:
+            return True
+        revived = sum(1 for key in hit_keys if self._block_of[key] in self._free)
+        return revived + new_blocks <= len(self._free)
 
-    def clear(self) -> None:
-        self._blocks.clear()
+    def take_cached(self, keys: Sequence[int]) -> list[int]:
+        """Reference the blocks of cached ``keys`` for a request: they are in use until released."""
+        blocks = [self._block_of[key] for key in keys]
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+        return blocks
+
+    def allocate(self, count: int) -> tuple[list[int], list[int]]:
+        """``count`` blocks for a request, and the keys their allocation evicted."""
+        if self.capacity_blocks is None:
+            blocks = list(range(len(self._refs), len(self._refs) + count))
+            self._refs.extend([1] * count)
+            return blocks, []
+        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
+        evicted = [self._forget(block) for block in blocks if block in self._key_of]
+        for block in blocks:
+            self._refs[block] = 1
+        return blocks, evicted
+
+    def register(self, block: int, key: int) -> bool:
+        """Cache a just-computed full block under ``key``; False if the key is already cached
+        (computed twice at once: the first copy stays the cached one, as in vLLM)."""
+        if key in self._block_of:
+            return False
+        self._block_of[key] = block
+        self._key_of[block] = key
+        return True
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Free a request's blocks tail first, so its last blocks are evicted before its first."""
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+
+    def clear(self) -> bool:
+        """Forget every cached key; like vLLM's reset, refused (False) while blocks are in use."""
+        if self.in_use:
+            return False
+        self._key_of.clear()
+        self._block_of.clear()
+        return True
+
+    def serve(self, keys: Sequence[int]) -> Served:
+        """Run one request start to finish: reuse its leading cached blocks, compute and cache the
+        rest, free them all.
+
+        A prompt with more blocks than the pool can give it keeps its first ones; the blocks past
+        that are computed and evicted at once (so they are in both ``stored`` and ``evicted``).
+        vLLM never admits such a prompt, but a pool sized from a trace (the ordering benchmark's
+        10 %) can be smaller than one prompt.
+        """
+        hit = self.leading_cached(keys)
+        blocks = self.take_cached(keys[:hit])
+        room = len(self._free) if self.capacity_blocks is not None else len(keys)
+        kept = keys[hit : hit + room]
+        new_blocks, evicted = self.allocate(len(kept))
+        stored = [key for block, key in zip(new_blocks, kept, strict=True) if self.register(block, key)]
+        self.release(blocks + new_blocks)
+        overflow = list(keys[hit + len(kept) :])
+        return Served(hit, stored + overflow, evicted + overflow[::-1])
+
+    def _forget(self, block: int) -> int:
+        key = self._key_of.pop(block)
+        del self._block_of[key]
+        return key
 
 
 class BlockResidency:

@@ -26,7 +26,7 @@ from operator import itemgetter
 from specrag.cache.events import AllBlocksCleared, KVEvent
 from specrag.cache.layout import DocId, PromptLayout, Segment
 from specrag.cache.pgdsf import PgdsfStats, PrefillProfile
-from specrag.cache.residency import BlockLRU, BlockResidency, chain_block_keys
+from specrag.cache.residency import BlockPool, BlockResidency, chain_block_keys
 from specrag.errors import InvalidInputError
 
 
@@ -101,7 +101,7 @@ class KnowledgeTree:
         self._system = tuple(system_token_ids)
         self._owners: dict[int, list[Node]] = {}
         self._residency = BlockResidency(block_size, self._on_block_change)
-        self._lru = BlockLRU(capacity_blocks) if capacity_blocks is not None else None
+        self._lru = BlockPool(capacity_blocks) if capacity_blocks is not None else None
         self._size = 0
         self._tick = 0
         self._clock = 0.0
@@ -206,10 +206,10 @@ class KnowledgeTree:
             self._doc_hits[doc_id] = self._doc_hits.get(doc_id, 0) + 1
             self._doc_last[doc_id] = self._tick
         if self._lru is not None:
-            added, evicted = self._lru.touch(keys)
-            for key in added:
+            served = self._lru.serve(keys)
+            for key in served.stored:
                 self._residency.store(key)
-            for key in evicted:
+            for key in served.evicted:
                 self._residency.remove(key)
         if self._size > self.max_nodes:
             self._prune()

@@ -2,10 +2,15 @@
 
 The controller speaks only this protocol, so the in-process vLLM engine, an OpenAI-compatible
 server over HTTP and the simulated engine are interchangeable. Prompts are token IDs (never text:
-re-tokenizing a concatenation breaks prefix-cache blocks). The protocol exposes exactly what the
+re-tokenizing a concatenation breaks prefix-cache blocks). The protocol exposes what the
 speculation rule needs: when the first token arrived, how many prompt tokens the prefix cache
-served, an abort that works mid-prefill, and how many requests are still waiting for their first
-token (the "prefill pool" that RAGCache's Algorithm 2 compares with ``max_prefill_bs``).
+served and an abort that works mid-prefill. It also reports how many of our requests wait for
+their first token (:meth:`Engine.load`); the speculation gate does not read that, it counts the
+prefill pool itself (``specrag.controller.gate``), so the two can be checked against each other.
+
+The adapters share their request bookkeeping through :class:`EngineBase` (as vLLM v1's engine-core
+clients share one abstract base): the base validates and tracks requests, each adapter only
+talks to its engine.
 
 Supervision is an optional capability, asked for through :attr:`Engine.supervision` rather than by
 the engine's class: an engine that something keeps alive (the service's supervisor) returns its
@@ -14,12 +19,14 @@ the engine's class: an engine that something keeps alive (the service's supervis
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from specrag.errors import InvalidInputError
+from specrag.errors import EngineError, InvalidInputError
 
 
 @dataclass(frozen=True)
@@ -187,10 +194,10 @@ class Engine(Protocol):
 
 @dataclass
 class RequestTracker:
-    """Which of our requests wait for their first token, which decode. Shared by all adapters.
+    """Which of our requests wait for their first token, which decode.
 
-    The prefill pool is counted here, on our side, because it is what the speculation gate reads on
-    every search stage: it must be exact and cheap, not a metric scraped a second late.
+    Counted on our side, not scraped from the engine's metrics, so it is exact at every moment:
+    what tests, leak checks and :meth:`Engine.load` rely on.
     """
 
     _prefilling: set[str] = field(default_factory=set)
@@ -210,11 +217,115 @@ class RequestTracker:
         self._prefilling.discard(request_id)
         self._decoding.discard(request_id)
 
-    def in_flight(self) -> frozenset[str]:
-        return frozenset(self._prefilling | self._decoding)
-
     def load(self) -> EngineLoad:
         return EngineLoad(prefilling=len(self._prefilling), decoding=len(self._decoding))
+
+
+class EngineBase(ABC):
+    """What every adapter does the same way: validation, request tracking, warm-up, closing.
+
+    :meth:`generate` checks the prompt, tracks the request from submission through its first
+    token to its end, and aborts it in the engine when the caller leaves before it finished
+    (cancel, break, error), so no work is left behind. An adapter implements only what talks to
+    its engine: :meth:`_stream` (submit one request, stream its outputs), :meth:`_abort_request`,
+    :meth:`_counts`, :meth:`_reset_prefix_cache` and :meth:`_shut_down`.
+    """
+
+    def __init__(self) -> None:
+        self._tracker = RequestTracker()
+        self._closed_reason: str | None = None
+
+    @property
+    @abstractmethod
+    def block_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def kv_capacity_tokens(self) -> int | None: ...
+
+    @property
+    def supervision(self) -> Supervision | None:
+        return None  # nothing restarts a bare adapter by itself
+
+    @property
+    def closed(self) -> bool:
+        return self._closed_reason is not None
+
+    def load(self) -> EngineLoad:
+        return self._tracker.load()
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: Sampling
+    ) -> AsyncIterator[EngineOutput]:
+        self._ensure_open()
+        prompt = [int(token) for token in prompt_token_ids]
+        check_prompt_fits(len(prompt), sampling, self.max_model_len)
+        self._tracker.submitted(request_id)
+        finished = False
+        try:
+            async with contextlib.aclosing(self._stream(request_id, prompt, sampling)) as outputs:
+                async for output in outputs:
+                    self._tracker.first_token(request_id)
+                    finished = output.finished
+                    yield output
+        finally:
+            self._tracker.finished(request_id)
+            if not finished:
+                await self._abort_request(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self._abort_request(request_id)
+        self._tracker.finished(request_id)
+
+    async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
+        return await warm_by_prefill(self, prompt_token_ids, request_id)
+
+    async def counts(self) -> EngineCounts:
+        self._ensure_open()
+        return await self._counts()
+
+    async def reset_prefix_cache(self) -> None:
+        self._ensure_open()
+        await self._reset_prefix_cache()
+
+    async def close(self) -> None:
+        if not self.closed:
+            await self._close_with("the engine is closed")
+
+    async def _close_with(self, reason: str) -> None:
+        """Refuse every later call with ``reason``, then shut the engine down."""
+        self._closed_reason = reason
+        await self._shut_down()
+
+    def _ensure_open(self) -> None:
+        if self._closed_reason is not None:
+            raise EngineError(self._closed_reason)
+
+    @abstractmethod
+    def _stream(
+        self, request_id: str, prompt: list[int], sampling: Sampling
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """Submit one checked, tracked request and stream its outputs until the finishing one."""
+
+    @abstractmethod
+    async def _abort_request(self, request_id: str) -> None:
+        """Stop the request in the engine (after its current step); unknown ids are ignored."""
+
+    @abstractmethod
+    async def _counts(self) -> EngineCounts:
+        """The engine's own running/waiting counts (the engine is open)."""
+
+    @abstractmethod
+    async def _reset_prefix_cache(self) -> None:
+        """Drop the prefix cache (the engine is open)."""
+
+    @abstractmethod
+    async def _shut_down(self) -> None:
+        """Release the engine, once; requests still streaming must end with :class:`EngineError`."""
 
 
 def check_prompt_fits(prompt_tokens: int, sampling: Sampling, max_model_len: int) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,18 +42,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import (
-    EngineCounts,
-    EngineLoad,
-    EngineOutput,
-    RequestTracker,
-    Sampling,
-    Supervision,
-    WarmResult,
-    check_prompt_fits,
-    now,
-    warm_by_prefill,
-)
+from specrag.pipeline.engine import EngineBase, EngineCounts, EngineOutput, Sampling, now
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +92,7 @@ class _Aborted(Exception):
     """The request's connection was closed by :meth:`HttpEngine.abort`."""
 
 
-class HttpEngine:
+class HttpEngine(EngineBase):
     """:class:`specrag.pipeline.engine.Engine` over an OpenAI-compatible server (see the module doc).
 
     Build it with :meth:`connect`, which asks the server for its model, length limit and block size.
@@ -112,14 +101,13 @@ class HttpEngine:
     def __init__(
         self, session: aiohttp.ClientSession, base_url: str, info: _ServerInfo, timeouts: HttpTimeouts
     ) -> None:
+        super().__init__()
         self._session = session
         self._base_url = base_url
         self._info = info
         self._timeouts = timeouts
-        self._tracker = RequestTracker()
         self._responses: dict[str, aiohttp.ClientResponse] = {}
         self._aborted: set[str] = set()
-        self._closed = False
 
     @classmethod
     async def connect(
@@ -177,14 +165,7 @@ class HttpEngine:
     def kv_capacity_tokens(self) -> int | None:
         return self._info.kv_capacity_tokens
 
-    @property
-    def supervision(self) -> Supervision | None:
-        return None  # nothing restarts this adapter by itself
-
-    def load(self) -> EngineLoad:
-        return self._tracker.load()
-
-    async def counts(self) -> EngineCounts:
+    async def _counts(self) -> EngineCounts:
         families = await self._metrics()
         running = _metric_total(families, _RUNNING_METRICS)
         waiting = _metric_total(families, _WAITING_METRICS)
@@ -192,13 +173,9 @@ class HttpEngine:
             raise EngineError(f"{self._base_url}/metrics reports no running/waiting request counts")
         return EngineCounts(running=running, waiting=waiting, unfinished=running + waiting)
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: Sampling
-    ) -> AsyncIterator[EngineOutput]:
-        self._ensure_open()
-        prompt = [int(token) for token in prompt_token_ids]
-        check_prompt_fits(len(prompt), sampling, self.max_model_len)
-        self._tracker.submitted(request_id)
+    async def _stream(
+        self, request_id: str, prompt: list[int], sampling: Sampling
+    ) -> AsyncGenerator[EngineOutput, None]:
         finished = False
         response: aiohttp.ClientResponse | None = None
         try:
@@ -211,38 +188,30 @@ class HttpEngine:
                     if output.finished:
                         held = output  # wait for the usage chunk: it carries the cached tokens
                         continue
-                    self._tracker.first_token(request_id)
                     yield output
                 if held is not None and cached is not None:
                     held = replace(held, cached_tokens=cached)
             if held is None:
                 raise EngineError(f"{self._base_url}: request {request_id} ended without finishing")
-            self._tracker.first_token(request_id)
             finished = True
             yield held
         except _Aborted:
             finished = True
             yield _output(request_id, len(prompt), {"finish_reason": "abort"})
         finally:
-            self._tracker.finished(request_id)
             self._aborted.discard(request_id)
             self._responses.pop(request_id, None)
             if response is not None and not finished:
                 # Leaving early (cancel, consumer break, error): the disconnect aborts it server-side.
                 response.close()
 
-    async def abort(self, request_id: str) -> None:
+    async def _abort_request(self, request_id: str) -> None:
         response = self._responses.get(request_id)
         if response is not None:
             self._aborted.add(request_id)
             response.close()
-        self._tracker.finished(request_id)
 
-    async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
-        return await warm_by_prefill(self, prompt_token_ids, request_id)
-
-    async def reset_prefix_cache(self) -> None:
-        self._ensure_open()
+    async def _reset_prefix_cache(self) -> None:
         for path in ("/reset_prefix_cache", "/flush_cache"):
             async with self._control("POST", path) as response:
                 if response.status != 404:
@@ -252,10 +221,7 @@ class HttpEngine:
             f"{self._base_url} exposes no prefix-cache reset (start vLLM with VLLM_SERVER_DEV_MODE=1)"
         )
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    async def _shut_down(self) -> None:
         for response in list(self._responses.values()):
             response.close()
         await self._session.close()
@@ -299,7 +265,6 @@ class HttpEngine:
         return {}
 
     async def _metrics(self) -> list[Any]:
-        self._ensure_open()
         async with self._control("GET", "/metrics") as response:
             await self._raise_for_status(response, "GET /metrics")
             text = await response.text()
@@ -410,10 +375,6 @@ class HttpEngine:
         if response.status in _PROMPT_ERRORS:
             raise InvalidInputError(detail)
         raise EngineError(detail)
-
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise EngineError("the engine is closed")
 
 
 class _Guarded:

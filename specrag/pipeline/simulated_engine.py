@@ -16,10 +16,12 @@ What it reproduces of vLLM v1 (checked against the real engine in tests/pipeline
 - **Blocks enter the cache as the prefill progresses.** Each engine step computes a chunk; the full
   blocks it completes become resident at the end of the step, so a request aborted mid-prefill
   leaves the chunks computed so far reusable. Output tokens fill blocks too, as in vLLM.
-- **Block pool and eviction.** ``capacity_blocks`` blocks; a running request holds its blocks, a
-  finished one returns them tail first to an LRU free list, and allocating a block evicts the
-  least recently freed cached block. Running out of blocks preempts the newest running request
-  (recompute, as vLLM does). ``reset_prefix_cache`` refuses while blocks are in use, like vLLM.
+- **Block pool and eviction.** ``capacity_blocks`` blocks in the shared model of vLLM's pool
+  (:class:`specrag.cache.residency.BlockPool`, also the knowledge tree's capacity model): a
+  running request holds its blocks, a finished one returns them tail first to an LRU free list,
+  and allocating a block evicts the least recently freed cached block. Running out of blocks
+  preempts the newest running request (recompute, as vLLM does). ``reset_prefix_cache`` refuses
+  while blocks are in use, like vLLM.
 - **Scheduling.** One step loop task: running requests first, then waiting ones in arrival order,
   within ``max_num_batched_tokens`` per step, each prefill chunk capped at
   ``long_prefill_token_threshold``; decoding requests take one token per step. A request's first
@@ -44,26 +46,15 @@ import contextlib
 import hashlib
 import logging
 import random
-from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from specrag.cache.pgdsf import PrefillProfile
-from specrag.cache.residency import ROOT_KEY, chain_block_keys, count_leading
+from specrag.cache.residency import ROOT_KEY, BlockPool, chain_block_keys
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import (
-    EngineCounts,
-    EngineLoad,
-    EngineOutput,
-    RequestTracker,
-    Sampling,
-    Supervision,
-    WarmResult,
-    check_prompt_fits,
-    now,
-    warm_by_prefill,
-)
+from specrag.pipeline.engine import EngineBase, EngineCounts, EngineOutput, Sampling, now
 
 logger = logging.getLogger(__name__)
 
@@ -89,92 +80,6 @@ class TimeModel:
     def __post_init__(self) -> None:
         if self.decode_step_s < 0 or self.step_overhead_s < 0:
             raise InvalidInputError("decode_step_s and step_overhead_s must be >= 0")
-
-
-class _BlockPool:
-    """vLLM's KV block pool: reference counts, an LRU free list, a content-key → block map.
-
-    Block IDs are positions in the pool. A free block may still hold a cached key (it is
-    reusable until allocation evicts it); ``events`` collects what changed since the last drain.
-    """
-
-    def __init__(self, capacity_blocks: int, block_size: int) -> None:
-        self.capacity_blocks = capacity_blocks
-        self.block_size = block_size
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity_blocks))
-        self._refs = [0] * capacity_blocks
-        self._key_of: dict[int, int] = {}
-        self._block_of: dict[int, int] = {}
-        self.events: list[KVEvent] = []
-
-    @property
-    def in_use(self) -> int:
-        return self.capacity_blocks - len(self._free)
-
-    @property
-    def cached_blocks(self) -> int:
-        return len(self._block_of)
-
-    def leading_cached(self, keys: Sequence[int]) -> int:
-        return count_leading(keys, self._block_of)
-
-    def can_take(self, hit_keys: Sequence[int], new_blocks: int) -> bool:
-        """Whether ``hit_keys`` can be reused and ``new_blocks`` allocated together."""
-        revived = sum(1 for key in hit_keys if self._block_of[key] in self._free)
-        return revived + new_blocks <= len(self._free)
-
-    def take_cached(self, keys: Sequence[int]) -> list[int]:
-        blocks = [self._block_of[key] for key in keys]
-        for block in blocks:
-            if self._refs[block] == 0:
-                del self._free[block]
-            self._refs[block] += 1
-        return blocks
-
-    def allocate(self, count: int) -> list[int]:
-        """Pop ``count`` blocks from the head of the free list, evicting the keys they held."""
-        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
-        evicted = [self._forget(block) for block in blocks if block in self._key_of]
-        if evicted:
-            self.events.append(BlockRemoved(block_hashes=tuple(evicted)))
-        for block in blocks:
-            self._refs[block] = 1
-        return blocks
-
-    def register(self, block: int, key: int, parent_key: int, tokens: Sequence[int]) -> None:
-        """Make a just-computed full block reusable. A key computed twice at once stays single."""
-        if key in self._block_of:
-            return
-        self._block_of[key] = block
-        self._key_of[block] = key
-        self.events.append(
-            BlockStored(
-                block_hashes=(key,),
-                parent_block_hash=None if parent_key == ROOT_KEY else parent_key,
-                token_ids=tuple(tokens),
-                block_size=self.block_size,
-            )
-        )
-
-    def release(self, blocks: Sequence[int]) -> None:
-        """Return a request's blocks tail first, so its last blocks are evicted before its first."""
-        for block in reversed(blocks):
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                self._free[block] = None
-
-    def clear(self) -> bool:
-        if self.in_use:
-            return False
-        self._key_of.clear()
-        self._block_of.clear()
-        self.events.append(AllBlocksCleared())
-        return True
-
-    def _forget(self, block: int) -> int:
-        key = self._key_of.pop(block)
-        del self._block_of[key]
-        return key
 
 
 @dataclass(eq=False)
@@ -206,7 +111,7 @@ def _answer(prompt: Sequence[int], sampling: Sampling, vocab_size: int) -> list[
     return [rng.randrange(3, vocab_size) for _ in range(sampling.max_tokens)]
 
 
-class SimulatedEngine:
+class SimulatedEngine(EngineBase):
     """:class:`specrag.pipeline.engine.Engine` simulated in the event loop (see the module doc).
 
     Fault injection for reliability tests: :meth:`fail_next`, :meth:`stall` / :meth:`resume`,
@@ -253,6 +158,7 @@ class SimulatedEngine:
                 f"simulated engine: {capacity_blocks} blocks of {block_size} tokens cannot hold "
                 f"one request of max_model_len {max_model_len}"
             )
+        super().__init__()
         self._block_size = block_size
         self._max_model_len = max_model_len
         self._max_batched = max_num_batched_tokens
@@ -262,8 +168,9 @@ class SimulatedEngine:
         self._time_scale = time_scale
         self._vocab_size = vocab_size
         self._on_kv_events = on_kv_events
-        self._pool = _BlockPool(capacity_blocks, block_size)
-        self._tracker = RequestTracker()
+        self._capacity_blocks = capacity_blocks
+        self._pool = BlockPool(capacity_blocks)
+        self._events: list[KVEvent] = []
         self._requests: dict[str, _Request] = {}
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -272,7 +179,6 @@ class SimulatedEngine:
         self._unstalled.set()
         self._loop_task: asyncio.Task[None] | None = None
         self._failures: deque[Exception] = deque()
-        self._dead: str | None = None
         self._deadline = 0.0
         self.simulated_time_s = 0.0
         self.steps = 0
@@ -287,35 +193,23 @@ class SimulatedEngine:
 
     @property
     def kv_capacity_tokens(self) -> int | None:
-        return self._pool.capacity_blocks * self._block_size
-
-    @property
-    def supervision(self) -> Supervision | None:
-        return None  # nothing restarts this adapter by itself
+        return self._capacity_blocks * self._block_size
 
     @property
     def cached_blocks(self) -> int:
         """Blocks whose KV is resident and reusable (in use or not yet evicted)."""
-        return self._pool.cached_blocks
+        return len(self._pool)
 
-    def load(self) -> EngineLoad:
-        return self._tracker.load()
-
-    async def counts(self) -> EngineCounts:
+    async def _counts(self) -> EngineCounts:
         """Exact engine state: requests scheduled, queued, and not yet finished or aborted."""
-        self._ensure_alive()
         unfinished = sum(1 for request in self._requests.values() if not request.aborted)
         return EngineCounts(running=len(self._running), waiting=len(self._waiting), unfinished=unfinished)
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: Sampling
-    ) -> AsyncIterator[EngineOutput]:
-        self._ensure_alive()
-        prompt = [int(token) for token in prompt_token_ids]
-        check_prompt_fits(len(prompt), sampling, self.max_model_len)
+    async def _stream(
+        self, request_id: str, prompt: list[int], sampling: Sampling
+    ) -> AsyncGenerator[EngineOutput, None]:
         if self._failures:
             raise self._failures.popleft()
-        self._tracker.submitted(request_id)
         request = _Request(
             request_id=request_id,
             tokens=list(prompt),
@@ -328,39 +222,25 @@ class SimulatedEngine:
         self._waiting.append(request)
         self._start_loop()
         finished = False
-        try:
-            while not finished:
-                item = await request.outputs.get()
-                if isinstance(item, EngineError):
-                    raise item
-                self._tracker.first_token(request_id)
-                finished = item.finished
-                yield item
-        finally:
-            self._tracker.finished(request_id)
-            if not finished:
-                # Leaving early (cancel, consumer break, error) must not leave work in the engine.
-                self._abort(request)
+        while not finished:
+            item = await request.outputs.get()
+            if isinstance(item, EngineError):
+                raise item
+            finished = item.finished
+            yield item
 
-    async def abort(self, request_id: str) -> None:
+    async def _abort_request(self, request_id: str) -> None:
         request = self._requests.get(request_id)
         if request is not None:
             self._abort(request)
-        self._tracker.finished(request_id)
 
-    async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
-        return await warm_by_prefill(self, prompt_token_ids, request_id)
-
-    async def reset_prefix_cache(self) -> None:
+    async def _reset_prefix_cache(self) -> None:
         """Drop every cached block; like vLLM, does nothing (and logs) while blocks are in use."""
-        self._ensure_alive()
-        if not self._pool.clear():
+        if self._pool.clear():
+            self._events.append(AllBlocksCleared())
+        else:
             logger.warning("simulated engine: prefix cache not reset, %d blocks in use", self._pool.in_use)
         self._publish_events()
-
-    async def close(self) -> None:
-        if self._dead is None:
-            await self._shut_down("the engine is closed")
 
     # Fault injection -------------------------------------------------------------------------
 
@@ -386,7 +266,7 @@ class SimulatedEngine:
 
     async def die(self) -> None:
         """Crash: in-flight streams raise :class:`EngineError`, and so does every later call."""
-        await self._shut_down("the simulated engine died")
+        await self._close_with("the simulated engine died")
 
     # The step loop ---------------------------------------------------------------------------
 
@@ -402,7 +282,7 @@ class SimulatedEngine:
             # A bug here must fail the streams loudly, not leave them waiting forever.
             logger.exception("simulated engine: step loop failed")
             self._loop_task = None
-            self._fail_all(f"the simulated engine's step loop failed: {error!r}")
+            await self._close_with(f"the simulated engine's step loop failed: {error!r}")
 
     async def _steps(self) -> None:
         while True:
@@ -469,7 +349,7 @@ class SimulatedEngine:
             if not self._pool.can_take(hit_keys, new_blocks):
                 break
             self._waiting.popleft()
-            request.blocks = self._pool.take_cached(hit_keys) + self._pool.allocate(new_blocks)
+            request.blocks = self._pool.take_cached(hit_keys) + self._allocate_blocks(new_blocks)
             request.computed = request.registered = computed
             if request.cached_tokens is None:
                 request.cached_tokens = computed
@@ -489,8 +369,14 @@ class SimulatedEngine:
             return True
         if not self._pool.can_take((), needed):
             return False
-        request.blocks += self._pool.allocate(needed)
+        request.blocks += self._allocate_blocks(needed)
         return True
+
+    def _allocate_blocks(self, count: int) -> list[int]:
+        blocks, evicted = self._pool.allocate(count)
+        if evicted:
+            self._events.append(BlockRemoved(block_hashes=tuple(evicted)))
+        return blocks
 
     def _preempt(self, request: _Request) -> None:
         """vLLM's recompute preemption: free the blocks (they stay cached), requeue at the front."""
@@ -534,9 +420,17 @@ class SimulatedEngine:
             request.keys += chain_block_keys(tail, self._block_size, parent)
         size = self._block_size
         for index in range(request.registered // size, full):
+            if not self._pool.register(request.blocks[index], request.keys[index]):
+                continue  # a key computed twice at once stays single
             parent = request.keys[index - 1] if index else ROOT_KEY
-            tokens = request.tokens[index * size : (index + 1) * size]
-            self._pool.register(request.blocks[index], request.keys[index], parent, tokens)
+            self._events.append(
+                BlockStored(
+                    block_hashes=(request.keys[index],),
+                    parent_block_hash=None if parent == ROOT_KEY else parent,
+                    token_ids=tuple(request.tokens[index * size : (index + 1) * size]),
+                    block_size=size,
+                )
+            )
         request.registered = max(request.registered, full * size)
 
     def _output(
@@ -570,30 +464,23 @@ class SimulatedEngine:
         del self._requests[request.request_id]
 
     def _publish_events(self) -> None:
-        events, self._pool.events = self._pool.events, []
+        events, self._events = self._events, []
         if events and self._on_kv_events is not None:
             try:
                 self._on_kv_events(events)
             except Exception:
                 logger.exception("simulated engine: KV-event callback failed")
 
-    async def _shut_down(self, reason: str) -> None:
-        self._dead = reason
+    async def _shut_down(self) -> None:
+        """Stop the step loop and fail every request still in the engine with the closing reason."""
         task, self._loop_task = self._loop_task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._fail_all(reason)
-
-    def _fail_all(self, reason: str) -> None:
-        self._dead = reason
+        reason = self._closed_reason
         for request in self._requests.values():
             request.outputs.put_nowait(EngineError(f"engine request {request.request_id} failed: {reason}"))
         self._requests.clear()
         self._waiting.clear()
         self._running.clear()
-
-    def _ensure_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineError(self._dead)

@@ -10,24 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from specrag.errors import EngineError
 from specrag.pipeline.config import EngineConfig, apply_environment
-from specrag.pipeline.engine import (
-    EngineCounts,
-    EngineLoad,
-    EngineOutput,
-    RequestTracker,
-    Sampling,
-    Supervision,
-    WarmResult,
-    check_prompt_fits,
-    now,
-    warm_by_prefill,
-)
+from specrag.pipeline.engine import EngineBase, EngineCounts, EngineOutput, Sampling, now
 
 logger = logging.getLogger(__name__)
 
@@ -89,20 +78,19 @@ def _engine_args(config: EngineConfig) -> Any:
     return AsyncEngineArgs(**kwargs)
 
 
-class VllmEngine:
+class VllmEngine(EngineBase):
     """:class:`specrag.pipeline.engine.Engine` over an in-process vLLM ``AsyncLLM``."""
 
     def __init__(self, llm: Any, config: EngineConfig, snapshot: SchedulerSnapshot) -> None:
+        super().__init__()
         self._llm = llm
         self._config = config
         self._snapshot = snapshot
-        self._tracker = RequestTracker()
         cache_config = llm.vllm_config.cache_config
         self._block_size = int(cache_config.block_size)
         blocks = getattr(cache_config, "num_gpu_blocks", None)
         self._kv_capacity_tokens = int(blocks) * self._block_size if blocks else None
-        self._closed = False
-        self._shut_down = asyncio.Event()
+        self._stopping = asyncio.Event()
 
     @classmethod
     async def start(cls, config: EngineConfig) -> VllmEngine:
@@ -152,18 +140,10 @@ class VllmEngine:
         return self._kv_capacity_tokens
 
     @property
-    def supervision(self) -> Supervision | None:
-        return None  # nothing restarts this adapter by itself
-
-    @property
     def scheduler(self) -> SchedulerSnapshot:
         return self._snapshot
 
-    def load(self) -> EngineLoad:
-        return self._tracker.load()
-
-    async def counts(self) -> EngineCounts:
-        self._ensure_open()
+    async def _counts(self) -> EngineCounts:
         return EngineCounts(
             running=self._snapshot.running,
             waiting=self._snapshot.waiting,
@@ -183,61 +163,38 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: Sampling
-    ) -> AsyncIterator[EngineOutput]:
-        self._ensure_open()
-        prompt = [int(token) for token in prompt_token_ids]
-        check_prompt_fits(len(prompt), sampling, self.max_model_len)
-        self._tracker.submitted(request_id)
-        finished = False
+    async def _stream(
+        self, request_id: str, prompt: list[int], sampling: Sampling
+    ) -> AsyncGenerator[EngineOutput, None]:
         try:
             stream = self._llm.generate(
                 {"prompt_token_ids": prompt}, self._sampling_params(sampling), request_id
             )
-            async with contextlib.aclosing(until_set(stream, self._shut_down)) as outputs:
+            async with contextlib.aclosing(until_set(stream, self._stopping)) as outputs:
                 async for output in outputs:
-                    self._tracker.first_token(request_id)
                     completion = output.outputs[0] if output.outputs else None
-                    finished = bool(output.finished)
                     yield EngineOutput(
                         request_id=request_id,
                         token_ids=tuple(completion.token_ids) if completion else (),
                         text=completion.text if completion else "",
                         prompt_tokens=len(prompt),
                         cached_tokens=output.num_cached_tokens,
-                        finished=finished,
+                        finished=bool(output.finished),
                         finish_reason=completion.finish_reason if completion else None,
                         received_at=now(),
                     )
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as error:
+        except Exception as error:  # cancellation and GeneratorExit are BaseExceptions: not wrapped
             raise EngineError(f"engine request {request_id} failed: {error}") from error
-        finally:
-            self._tracker.finished(request_id)
-            if not finished and not self._closed:
-                # Leaving early (cancel, consumer break, error) must not leave work in the engine.
-                await self._llm.abort(request_id)
 
-    async def abort(self, request_id: str) -> None:
-        if self._closed:
-            return
-        await self._llm.abort(request_id)
-        self._tracker.finished(request_id)
+    async def _abort_request(self, request_id: str) -> None:
+        if not self.closed:
+            await self._llm.abort(request_id)
 
-    async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
-        return await warm_by_prefill(self, prompt_token_ids, request_id)
-
-    async def reset_prefix_cache(self) -> None:
-        self._ensure_open()
+    async def _reset_prefix_cache(self) -> None:
         await self._llm.reset_prefix_cache()
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._shut_down.set()  # requests still streaming fail now instead of waiting on a dead core
+    async def _shut_down(self) -> None:
+        self._stopping.set()  # requests still streaming fail now instead of waiting on a dead core
         llm, self._llm = self._llm, None
         # Stop vLLM's output handler first: it would otherwise see the engine core go away and log
         # a spurious EngineDeadError traceback. Then shut down off the event loop (it terminates
@@ -250,10 +207,6 @@ class VllmEngine:
         # shutdown() again into half-torn-down modules and prints a spurious traceback. It is
         # already shut down: make that second call a no-op.
         llm.shutdown = lambda *args, **kwargs: None
-
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise EngineError("the engine is closed")
 
 
 async def until_set(stream: AsyncIterator[Any], stop: asyncio.Event) -> AsyncGenerator[Any, None]:

@@ -1,4 +1,7 @@
-from specrag.cache.residency import BlockLRU, chain_block_keys
+import pytest
+
+from specrag.cache.residency import BlockPool, chain_block_keys
+from specrag.errors import InvalidInputError
 
 
 def test_chain_keys_depend_on_the_whole_prefix_and_ignore_the_partial_tail() -> None:
@@ -9,12 +12,95 @@ def test_chain_keys_depend_on_the_whole_prefix_and_ignore_the_partial_tail() -> 
     assert chain_block_keys([5, 6, 7, 8], 4, a[0]) == a[1:]
 
 
-def test_lru_evicts_least_recent_and_a_prompts_tail_first() -> None:
-    lru = BlockLRU(3)
-    added, evicted = lru.touch([1, 2])
-    assert (added, evicted) == ([1, 2], [])
-    added, evicted = lru.touch([3, 4])
-    assert added == [3, 4]
-    assert evicted == [2]  # 1 was touched after 2 (tail first), so 2 is older
-    assert lru.leading_cached([1, 3, 4]) == 3
-    assert lru.leading_cached([2, 3]) == 0
+def test_pool_evicts_least_recent_and_a_prompts_tail_first() -> None:
+    pool = BlockPool(3)
+    served = pool.serve([1, 2])
+    assert (served.cached_blocks, served.stored, served.evicted) == (0, [1, 2], [])
+    served = pool.serve([3, 4])
+    assert served.stored == [3, 4]
+    assert served.evicted == [2]  # 1 was freed after 2 (tail first), so 2 is older
+    assert pool.leading_cached([1, 3, 4]) == 3
+    assert pool.leading_cached([2, 3]) == 0
+
+
+def test_a_hit_refreshes_recency_and_is_not_stored_again() -> None:
+    pool = BlockPool(4)
+    pool.serve([1, 2])
+    pool.serve([3, 4])
+    served = pool.serve([1, 2, 5])  # reuses 1, 2; 5 must evict the oldest free block: 4
+    assert (served.cached_blocks, served.stored, served.evicted) == (2, [5], [4])
+    assert [key in pool for key in (1, 2, 3, 4, 5)] == [True, True, True, False, True]
+
+
+def test_blocks_in_use_are_never_evicted() -> None:
+    pool = BlockPool(3)
+    pool.serve([1])
+    running, evicted = pool.allocate(2)  # a running request holds the two never-used blocks
+    assert evicted == []
+    assert pool.register(running[0], 10) and pool.register(running[1], 11)
+    assert pool.in_use == 2
+    assert not pool.can_take((), 2)  # only the block cached for key 1 is free
+    more, evicted = pool.allocate(1)
+    assert evicted == [1]  # the free cached block goes, the running request's blocks stay
+    assert 10 in pool and 11 in pool
+    assert not pool.can_take((), 1)
+    assert not pool.clear()  # like vLLM's reset: refused while blocks are in use
+    pool.release(running + more)
+    assert pool.in_use == 0 and pool.clear() and len(pool) == 0
+
+
+def test_a_block_shared_by_two_requests_stays_in_use_until_both_free_it() -> None:
+    pool = BlockPool(2)
+    pool.serve([1])
+    first, second = pool.take_cached([1]), pool.take_cached([1])
+    pool.release(first)
+    assert pool.in_use == 1 and not pool.can_take((), 2)
+    _, evicted = pool.allocate(1)
+    assert evicted == [] and 1 in pool
+    pool.release(second)
+    assert pool.in_use == 1  # only the block just allocated
+
+
+def test_reusing_a_free_cached_block_takes_a_free_slot() -> None:
+    pool = BlockPool(2)
+    pool.serve([1, 2])
+    assert pool.can_take([1, 2], 0)
+    assert not pool.can_take([1, 2], 1)  # both free blocks are the hit itself
+    blocks = pool.take_cached([1])
+    assert pool.in_use == 1 and not pool.can_take((), 2)
+    pool.release(blocks)
+    assert pool.in_use == 0
+
+
+def test_a_key_computed_twice_keeps_its_first_block() -> None:
+    pool = BlockPool(4)
+    first, _ = pool.allocate(1)
+    second, _ = pool.allocate(1)
+    assert pool.register(first[0], 7)
+    assert not pool.register(second[0], 7)
+    pool.release(first + second)
+    assert len(pool) == 1 and pool.leading_cached([7]) == 1
+
+
+def test_a_prompt_longer_than_the_pool_keeps_its_first_blocks() -> None:
+    pool = BlockPool(3)
+    pool.serve([9])
+    served = pool.serve([1, 2, 3, 4, 5])
+    assert served.stored == [1, 2, 3, 4, 5]
+    assert served.evicted == [9, 5, 4]  # the older block, then the prompt's tail, last first
+    assert [key in pool for key in (1, 2, 3, 4, 5)] == [True, True, True, False, False]
+    assert pool.in_use == 0
+
+
+def test_an_unlimited_pool_never_evicts() -> None:
+    pool = BlockPool(None)
+    for start in range(0, 1000, 10):
+        assert pool.serve(list(range(start, start + 10))).evicted == []
+    assert len(pool) == 1000 and pool.in_use == 0
+    assert pool.serve(list(range(10))).cached_blocks == 10
+
+
+@pytest.mark.parametrize("capacity", [0, -1])
+def test_capacity_must_be_positive(capacity: int) -> None:
+    with pytest.raises(InvalidInputError, match="capacity_blocks"):
+        BlockPool(capacity)

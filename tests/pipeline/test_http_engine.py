@@ -188,6 +188,17 @@ async def test_leaving_the_stream_early_disconnects(engine: HttpEngine, fake: Fa
     assert engine.load().decoding == 0
 
 
+async def test_a_request_is_prefilling_until_its_first_chunk(engine: HttpEngine) -> None:
+    stream = engine.generate("waiting", [FakeServer.HANG, 4], Sampling(max_tokens=2))
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.1)  # the server holds the response back
+    assert engine.load().prefilling == 1 and engine.load().decoding == 0
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert engine.load().prefilling == 0 and engine.load().decoding == 0
+
+
 @pytest.mark.parametrize(
     ("mode", "waiting_for"), [(FakeServer.HANG, "no response"), (FakeServer.MID_STREAM_STALL, "next chunk")]
 )

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from specrag.cache.residency import chain_block_keys
+from specrag.cache.residency import BlockPool, chain_block_keys
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.engine import Engine, EngineOutput, Sampling
 from specrag.pipeline.simulated_engine import (
@@ -156,6 +156,37 @@ async def test_least_recently_used_prompt_is_evicted_tail_first() -> None:
     await engine.close()
 
 
+async def test_its_pool_holds_what_the_shared_block_pool_model_predicts() -> None:
+    """The knowledge tree's capacity model and the ordering benchmark run prompts through the same
+    BlockPool in one go; step by step, in chunks, the engine must end up holding the same blocks."""
+    resident: set[int] = set()
+
+    def mirror(events: Sequence[KVEvent]) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                resident.update(int(key) for key in event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                resident.difference_update(int(key) for key in event.block_hashes)
+
+    engine = SimulatedEngine(time_scale=FAST, capacity_blocks=40, max_model_len=1280, on_kv_events=mirror)
+    model = BlockPool(40)
+    rng = random.Random(40)
+    system = _prompt(seed=41, length=64)
+    documents = [_prompt(seed=50 + i, length=32 * rng.randint(2, 4)) for i in range(6)]
+    seen: set[int] = set()
+    for turn in range(30):
+        question = _prompt(seed=100 + turn, length=32)  # a unique last block, like every real prompt
+        prompt = system + [t for doc in rng.sample(documents, 3) for t in doc] + question
+        keys = chain_block_keys(prompt, 32)
+        seen.update(keys)
+        predicted = model.serve(keys)
+        assert await _cached(engine, prompt) == predicted.cached_blocks * 32
+        assert resident == {key for key in seen if key in model}
+    assert len(seen) > 2 * 40  # far more blocks were stored than fit: eviction decided the outcome
+    assert len(resident) == engine.cached_blocks == 40
+    await engine.close()
+
+
 async def test_kv_events_describe_the_stored_chain_and_the_reset() -> None:
     events: list[KVEvent] = []
     engine = SimulatedEngine(time_scale=FAST, on_kv_events=events.extend)
@@ -276,6 +307,23 @@ async def test_injected_failures_hangs_and_death() -> None:
     with pytest.raises(EngineError, match="died"):
         await _run(engine, prompt)
     with pytest.raises(EngineError):
+        await engine.counts()
+    await engine.close()
+
+
+async def test_a_bug_in_the_step_loop_fails_the_streams_and_closes_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = SimulatedEngine(time_scale=FAST)
+
+    def broken_schedule() -> list[object]:
+        raise RuntimeError("scheduler bug")
+
+    monkeypatch.setattr(engine, "_schedule", broken_schedule)
+    with pytest.raises(EngineError, match=r"step loop failed.*scheduler bug"):
+        await _run(engine, _prompt(seed=20, length=64))
+    assert engine.load().prefilling == 0
+    with pytest.raises(EngineError, match="scheduler bug"):
         await engine.counts()
     await engine.close()
 
