@@ -26,10 +26,12 @@ from specrag.controller.controller import ControllerConfig, RagController
 from specrag.pipeline.default_model import DefaultModelSpec
 from specrag.pipeline.engine import Engine, EngineCounts, EngineOutput, Sampling
 from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.retrieval.stages import StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
 from specrag.service.server import create_app, serving
+from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 
 # Small enough to build in seconds and prefill fast, same architecture and tokenizer kind as the default.
 TINY_MODEL_SPEC = DefaultModelSpec(
@@ -123,6 +125,21 @@ async def run_prompt(
         sampling = Sampling(max_tokens=sampling)
     request_id = request_id or uuid.uuid4().hex
     return [output async for output in engine.generate(request_id, prompt, sampling)]
+
+
+# Quick to give up on a simulated engine: the fault tests take milliseconds, not minutes.
+FAST_POLICY = SupervisorPolicy(probe_timeout_s=0.3, close_timeout_s=1.0, max_attempts=3, backoff_s=0.05)
+
+
+async def supervised(started: list[SimulatedEngine]) -> SupervisedEngine:
+    """A supervised simulated engine; every engine it starts (the first, replacements) joins ``started``."""
+
+    async def start() -> SimulatedEngine:
+        engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+        started.append(engine)
+        return engine
+
+    return await SupervisedEngine(start, FAST_POLICY).start()
 
 
 async def close_stream(stream: AsyncIterator[Any]) -> None:

@@ -16,20 +16,10 @@ from specrag.controller.controller import RagController, RagRequest
 from specrag.errors import EngineError
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
-from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
-from tests.helpers import assert_engine_idle, make_controller, scripted_index
+from specrag.service.supervisor import SupervisedEngine
+from tests.helpers import FAST_POLICY, assert_engine_idle, make_controller, scripted_index, supervised
 
 QUESTION = "What does the assert statement do?"
-FAST_POLICY = SupervisorPolicy(probe_timeout_s=0.3, close_timeout_s=1.0, max_attempts=3, backoff_s=0.05)
-
-
-async def supervised(started: list[SimulatedEngine]) -> SupervisedEngine:
-    async def start() -> SimulatedEngine:
-        engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
-        started.append(engine)
-        return engine
-
-    return await SupervisedEngine(start, FAST_POLICY).start()
 
 
 def controller_on(engine: SupervisedEngine, assets: Assets, **config: object) -> RagController:
