@@ -52,7 +52,7 @@ async def measure(
             # Same first half, new second half: the prefix cache serves about 50 %.
             variant = prompt[: length // 2] + [rng.randrange(10, 8000) for _ in range(length - length // 2)]
             half.append((await _ttft(engine, variant))[0])
-        row = {
+        row: dict[str, Any] = {
             "tokens": length,
             "cold_s_median": statistics.median(cold),
             "cached_s_median": statistics.median(cached),

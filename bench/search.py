@@ -7,7 +7,11 @@ For IVF (faiss) and HNSW (faiss graph, resumable numba search) at a few sizes of
 * overhead: the sum over queries of a staged search's time / that of the one-shot search;
 * whether the last stage equals the one-shot search, on every query;
 * stability: after each stage, the fraction of queries whose running top-k already equals the
-  final top-k as a set and as a list (what a speculative prefill would have got right).
+  final top-k as a set and as a list (what a speculative prefill would have got right);
+* for comparison, a second HNSW implementation on the same vectors and queries: hnswlib, built
+  with the same M, efConstruction and efSearch, searched one-shot (recall@k against the same
+  exact search, latency on the same core). Only up to ``HNSWLIB_MAX_SIZE`` vectors: its build
+  costs about what faiss's does, many minutes at 1M on two cores.
 
 Rerun: ``.venv/bin/python -m bench.search --quick`` (about two minutes) or without ``--quick``
 (1M vectors; builds take several minutes). Writes bench/out/search.json and search.png; the
@@ -20,10 +24,12 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import faiss
+import hnswlib
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -36,6 +42,11 @@ from specrag.retrieval.synthetic import GaussianMixture, queries_near
 
 STAGE_COUNTS = (1, 2, 4, 8)
 DIM = 384
+# StagedHNSW.build's default, given to hnswlib too so both graphs are built alike.
+EF_CONSTRUCTION = 40
+HNSWLIB_MAX_SIZE = 100_000
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,45 @@ FULL = [
 def build(setting: Setting, vectors: np.ndarray) -> StagedSearcher:
     if setting.kind == "ivf":
         return StagedIVF.build(vectors, nlist=setting.params["nlist"], nprobe=setting.params["nprobe"])
-    return StagedHNSW.build(vectors, m=setting.params["m"], ef_search=setting.params["ef_search"])
+    return StagedHNSW.build(
+        vectors, m=setting.params["m"], ef_construction=EF_CONSTRUCTION, ef_search=setting.params["ef_search"]
+    )
+
+
+def build_hnswlib(setting: Setting, vectors: np.ndarray, threads: int, seed: int) -> Any:
+    """hnswlib's graph over the same rows (row i = label i) with faiss's M and efConstruction."""
+    index: Any = hnswlib.Index(space="ip", dim=vectors.shape[1])
+    index.init_index(
+        max_elements=len(vectors), M=setting.params["m"], ef_construction=EF_CONSTRUCTION, random_seed=seed
+    )
+    index.add_items(vectors, np.arange(len(vectors)), num_threads=threads)
+    index.set_ef(setting.params["ef_search"])
+    return index
+
+
+def measure_hnswlib(index: Any, queries: np.ndarray, exact_ids: np.ndarray, k: int) -> dict[str, float]:
+    """One-shot hnswlib searches, one query at a time on one thread: latency and recall@k."""
+    for warm in queries[:5]:
+        index.knn_query(warm, k=k, num_threads=1)
+    times = np.zeros(len(queries))
+    found = np.zeros((len(queries), k), dtype=np.int64)
+    for q, query in enumerate(queries):
+        start = time.perf_counter()
+        labels, _ = index.knn_query(query, k=k, num_threads=1)
+        times[q] = time.perf_counter() - start
+        found[q] = labels[0]
+    return {
+        "oneshot_ms_mean": float(times.mean() * 1e3),
+        "oneshot_ms_median": float(np.median(times) * 1e3),
+        "recall_at_k": recall(found, exact_ids),
+    }
+
+
+def timed(make: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> tuple[T, float]:
+    """What ``make(*args, **kwargs)`` returns and the seconds it took."""
+    start = time.perf_counter()
+    made = make(*args, **kwargs)
+    return made, time.perf_counter() - start
 
 
 def measure(searcher: StagedSearcher, queries: np.ndarray, k: int) -> dict[str, Any]:
@@ -184,9 +233,12 @@ def main() -> None:
         queries = queries_near(vectors, num_queries, seed=args.seed + 1)
         pin_current_thread(allowed)
         faiss.omp_set_num_threads(len(allowed))
-        build_start = time.perf_counter()
-        searcher = build(setting, vectors)
-        build_s = time.perf_counter() - build_start
+        searcher, build_s = timed(build, setting, vectors)
+        second_hnsw = (
+            timed(build_hnswlib, setting, vectors, len(allowed), args.seed)
+            if setting.kind == "hnsw" and setting.size <= HNSWLIB_MAX_SIZE
+            else None
+        )
         exact = faiss.IndexFlatIP(DIM)
         exact.add(vectors)
         exact_ids = exact.search(queries, args.k)[1]
@@ -209,6 +261,17 @@ def main() -> None:
             f"  recall@{args.k} {entry['recall_at_k']:.3f}  final==one-shot {entry['final_equals_oneshot']}"
             f"  (built in {build_s:.0f}s)"
         )
+        if second_hnsw is not None:
+            index, second_build_s = second_hnsw
+            entry["hnswlib"] = {
+                **measure_hnswlib(index, queries, exact_ids, args.k),
+                "build_s": second_build_s,
+            }
+            print(
+                f"      hnswlib, same graph settings: one-shot {entry['hnswlib']['oneshot_ms_median']:.2f} ms"
+                f"  recall@{args.k} {entry['hnswlib']['recall_at_k']:.3f}  (built in {second_build_s:.0f}s)"
+            )
+            del index, second_hnsw
         for s in STAGE_COUNTS:
             row = entry["per_stage_count"][str(s)]
             curve = " ".join(f"{x:.2f}" for x in row["stable_set_after_stage"])
@@ -238,6 +301,17 @@ def main() -> None:
         "hnsw_overhead_s4": round(hnsw["per_stage_count"]["4"]["overhead"], 4),
         "hnsw_final_equals_oneshot": all(r["final_equals_oneshot"] for r in results if r["kind"] == "hnsw"),
         "hnsw_recall_at_10": round(hnsw["recall_at_k"], 4),
+        "hnswlib": [
+            {
+                "size": r["size"],
+                "oneshot_ms": round(r["hnswlib"]["oneshot_ms_median"], 3),
+                "recall_at_10": round(r["hnswlib"]["recall_at_k"], 4),
+                "faiss_oneshot_ms": round(r["oneshot_ms_median"], 3),
+                "faiss_recall_at_10": round(r["recall_at_k"], 4),
+            }
+            for r in results
+            if "hnswlib" in r
+        ],
         "search_core": search_core,
         "threads": 1,
         "wall_s": round(time.perf_counter() - started, 1),

@@ -1,4 +1,4 @@
-"""Document-ID request traces for the ordering benchmark: generators, reader and writer.
+"""Document-ID request traces, the one definition of the benchmarks' workloads.
 
 A trace is what the retriever hands the cache layer: one request a line, its documents in
 retrieval rank. Three generators cover the sharing patterns that matter for prefix reuse:
@@ -8,6 +8,9 @@ retrieval rank. Three generators cover the sharing patterns that matter for pref
   RAGCache++ evaluation (regions of documents, bursts of queries from one region).
 - ``multiturn``: interleaved conversations whose turns re-retrieve part of earlier turns'
   documents (MT-RAG-like sessions), with conversation ids for de-duplication.
+
+``bench.ordering`` replays these traces as they are; ``bench.e2e.workload`` turns each request
+into a question about its top-ranked document, so both benchmarks run the same workloads.
 """
 
 from __future__ import annotations
@@ -112,6 +115,32 @@ def multiturn_trace(
         else:
             sessions.pop(index)
     return requests
+
+
+WORKLOADS = ("zipf", "bursty", "multiturn")
+# multiturn draws 3 × k = 30 distinct candidates per request; bursty needs one topic of 20.
+_MIN_CORPUS = 30
+_DOCS_PER_TOPIC = 20
+
+
+def document_trace(workload: str, n: int, *, corpus: int, seed: int = 0) -> list[TraceRequest]:
+    """``n`` requests of one of :data:`WORKLOADS` over documents ``0 .. corpus - 1``.
+
+    Each generator keeps its other defaults. Zipf and multi-turn ids are popularity ranks (0 is
+    the most popular); bursty ids are positions, and a topic is a run of consecutive ids.
+    """
+    if workload not in WORKLOADS:
+        raise InvalidInputError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    if n < 1:
+        raise InvalidInputError("a trace needs at least one request")
+    if corpus < _MIN_CORPUS:
+        raise InvalidInputError(f"a trace needs a corpus of at least {_MIN_CORPUS} documents, got {corpus}")
+    if workload == "zipf":
+        return zipf_trace(n, corpus=corpus, seed=seed)
+    if workload == "bursty":
+        topics = corpus // _DOCS_PER_TOPIC
+        return bursty_trace(n, topics=topics, docs_per_topic=_DOCS_PER_TOPIC, seed=seed)
+    return multiturn_trace(n, corpus=corpus, seed=seed)
 
 
 def _parse_line(line: str, lineno: int) -> TraceRequest:

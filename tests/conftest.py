@@ -10,21 +10,11 @@ import pytest_asyncio
 
 from specrag.paths import DataLayout
 from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.default_model import DefaultModelSpec, make_default_model
+from specrag.pipeline.default_model import make_default_model
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import Passage, build_default_corpus
 from specrag.service.assets import Assets, ensure_assets
-
-# Small enough to build in seconds and prefill fast, same architecture and tokenizer kind as the default.
-TINY_MODEL_SPEC = DefaultModelSpec(
-    vocab_size=1024,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=4096,
-)
+from tests.helpers import TINY_MODEL_SPEC
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,11 @@
 """Every entry point against a catalogue of malformed input: a precise error, never a 500 or a crash.
 
-Three tables, one per entry point: HTTP requests (shared with ``bench.faults`` through
-:mod:`bench.fault_inputs`), command lines (exit status 2 and a one-line message, or argparse's
-usage error) and Python calls (a typed exception and its message). The HTTP rows run against one
-service on the session's real engine; the last test checks that after the whole catalogue that
-service still answers and that nothing of the rejected requests is left in the engine.
+Three tables, one per entry point: HTTP requests (shared with ``bench.faults``, so they live in
+:mod:`bench.fault_inputs`, whose docstring says why there), command lines (exit status 2 and a
+one-line message, or argparse's usage error) and Python calls (a typed exception and its message).
+The HTTP rows run against one service on the session's real engine; the last test checks that
+after the whole catalogue that service still answers and that nothing of the rejected requests is
+left in the engine.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -36,7 +36,7 @@ from specrag.retrieval.corpus import load_passages
 from specrag.retrieval.index_store import load_index
 from specrag.service.assets import Assets
 from specrag.service.server import create_app, serving
-from tests.controller.conftest import make_controller
+from tests.helpers import free_port, make_controller
 
 pytestmark = pytest.mark.engine
 
@@ -177,12 +177,6 @@ async def _client_call(
         return await call(client)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _corrupt_index(ctx: Context) -> Any:
     directory = ctx.tmp / "index"
     directory.mkdir()
@@ -271,7 +265,7 @@ BAD_CALLS = (
     ),
     BadCall(
         "client: nobody listening",
-        lambda ctx: _client_call(ctx, lambda c: c.health(), url=f"http://127.0.0.1:{_free_port()}"),
+        lambda ctx: _client_call(ctx, lambda c: c.health(), url=f"http://127.0.0.1:{free_port()}"),
         SpecragConnectionError,
         "GET /health",
     ),

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +35,21 @@ from bench.e2e.runner import (
     set_search_ratio,
     ttft_of,
 )
-from bench.e2e.workload import WORKLOADS, TraceQuery, generate, load_trace, save_trace
+from bench.e2e.workload import TraceQuery, generate, load_trace, save_trace
+from bench.traces import WORKLOADS
 from specrag.controller.controller import ControllerConfig
+from specrag.controller.modes import MODE_NAMES
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Engine, now
-from specrag.pipeline.http_engine import HttpEngine
 from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.retrieval.index_store import IndexConfig, build_index, check_corpus, load_index, save_index
+from specrag.retrieval.corpus import Passage
+from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assets import Assets, ensure_assets
+from specrag.service.assembly import ServiceOptions, open_engine, prompt_builder
+from specrag.service.assets import Assets, ensure_assets, ensure_index
 
-MAIN_MODES = ("serial", "warmup", "ordering", "speculation", "all")
 RATIOS = (0.125, 0.25, 0.5, 1.0)
 
 
@@ -94,19 +95,12 @@ def cpus(spec: str) -> set[int]:
 def scaled_index(layout: DataLayout, assets: Assets, size: int, nlist: int) -> VectorIndex:
     """The real passages' vectors padded with synthetic ones (each mapped to a passage) to ``size``."""
     directory = layout.root / f"index-scaled-{size}-{nlist}-p{PADDING_VERSION}"
-    try:
-        index = load_index(directory)
-        check_corpus(index, assets.passages)
-        return index
-    except Exception as reason:  # missing, stale or corrupt: build it (minutes for millions)
-        print(f"building the padded index ({size:,} vectors) in {directory}: {reason}", flush=True)
-    index = build_index(assets.passages, IndexConfig(nlist=nlist, pad_to=size), progress=True)
-    save_index(index, directory)
-    return index
+    print(f"padded index ({size:,} vectors) in {directory}: built if missing or stale (minutes for millions)")
+    return ensure_index(layout, assets.passages, IndexConfig(nlist=nlist, pad_to=size), directory)
 
 
 def configurations(args: argparse.Namespace) -> list[Configuration]:
-    main = [Configuration(mode, mode, "main", args.ratio) for mode in MAIN_MODES]
+    main = [Configuration(mode, mode, "main", args.ratio) for mode in MODE_NAMES]
     # "exact" is the main "ordering" configuration and "retrieval" order is "serial".
     policies = ("sorted", "greedy") if args.quick else ("sorted", "greedy", "recency")
     ordering = [
@@ -131,7 +125,7 @@ def configurations(args: argparse.Namespace) -> list[Configuration]:
 
 
 async def measure_regime(
-    engine: Engine, index: VectorIndex, builder: PromptBuilder, passages: list[Any], k: int
+    engine: Engine, index: VectorIndex, builder: PromptBuilder, passages: Sequence[Passage], k: int
 ) -> tuple[dict[float, float], float]:
     """One search's time per ratio, and the cold prefill of a typical prompt, on the same cores."""
     rng = np.random.default_rng(123)
@@ -156,69 +150,67 @@ async def measure_regime(
     return search_ms, statistics.median(cold)
 
 
+def load_or_generate_traces(args: argparse.Namespace, passages: Sequence[Passage]) -> list[list[TraceQuery]]:
+    """The ``--trace`` file, or one generated trace per seed; ``--save-trace`` writes the first."""
+    traces = (
+        [load_trace(args.trace)]
+        if args.trace is not None
+        else [
+            generate(passages, args.workload, args.requests, args.rate, cv=args.cv, seed=seed)
+            for seed in range(args.seeds)
+        ]
+    )
+    if args.save_trace is not None:
+        save_trace(args.save_trace, traces[0])
+    return traces
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = DataLayout(resolve_data_dir())
     assets = ensure_assets(layout, Path(args.model) if args.model else None)
     index = scaled_index(layout, assets, args.index_size, args.nlist)
     index.use_runner(SearchRunner(threads=1, cpus=cpus(args.search_cpus)))
     run_dir = layout.root / "run" / "e2e"
-    engine_config: EngineConfig | None = None
-    if args.engine_url is None:
-        engine_config = EngineConfig(
-            model=str(assets.model_dir), omp_threads_bind=args.engine_cpus, enforce_eager=args.eager
-        ).with_kv_events(run_dir)
+    options = ServiceOptions(engine_url=args.engine_url, eager=args.eager, omp_threads_bind=args.engine_cpus)
     engine_where = args.engine_url or f"in-process vLLM, model worker on core(s) {args.engine_cpus}"
     print(
         f"engine: {engine_where}; vector search on core(s) {args.search_cpus}; tokenizer and store of "
         f"{assets.model_dir}; index {index.searcher.ntotal:,} vectors × {index.dim}, nlist {args.nlist}",
         flush=True,
     )
-    engine: Engine = (
-        await VllmEngine.start(engine_config)
-        if engine_config is not None
-        else await HttpEngine.connect(args.engine_url)
-    )
     try:
-        builder = PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
-        await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
-        search_ms, cold_prefill_ms = await measure_regime(engine, index, builder, assets.passages, args.k)
-        print(
-            "one search (ms) by vector search ratio:", {f"{r:.1%}": round(v, 1) for r, v in search_ms.items()}
-        )
-        print(f"cold prefill of a typical k={args.k} prompt: {cold_prefill_ms:.0f} ms", flush=True)
-        traces: list[list[TraceQuery]] = []
-        for seed in range(args.seeds):
-            if args.trace is not None:
-                traces.append(load_trace(args.trace))
-                break
-            traces.append(
-                generate(assets.passages, args.workload, args.requests, args.rate, cv=args.cv, seed=seed)
+        async with open_engine(assets.model_dir, options, run_dir) as (engine, engine_config):
+            builder = prompt_builder(assets, engine)
+            await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
+            search_ms, cold_prefill_ms = await measure_regime(engine, index, builder, assets.passages, args.k)
+            print(
+                "one search (ms) by vector search ratio:",
+                {f"{r:.1%}": round(v, 1) for r, v in search_ms.items()},
             )
-        if args.save_trace is not None:
-            save_trace(args.save_trace, traces[0])
-        base = ControllerConfig(k_max=max(args.k, 10), max_tokens_default=args.max_tokens)
-        plan = [
-            (seed, c)
-            for seed in range(len(traces))
-            for c in configurations(args)
-            if seed == 0 or c.group == "main"
-        ]
-        results: dict[tuple[int, str], RunResult] = {}
-        for seed, configuration in tqdm(plan, desc="configurations", unit="run"):
-            results[(seed, configuration.name)] = await run_configuration(
-                engine,
-                engine_config,
-                index,
-                builder,
-                base,
-                configuration,
-                traces[seed],
-                args.k,
-                args.max_tokens,
-            )
-        oracle = await oracle_ttfts(engine, results[(0, "serial")].prompts)
+            print(f"cold prefill of a typical k={args.k} prompt: {cold_prefill_ms:.0f} ms", flush=True)
+            traces = load_or_generate_traces(args, assets.passages)
+            base = ControllerConfig(k_max=max(args.k, 10), max_tokens_default=args.max_tokens)
+            plan = [
+                (seed, c)
+                for seed in range(len(traces))
+                for c in configurations(args)
+                if seed == 0 or c.group == "main"
+            ]
+            results: dict[tuple[int, str], RunResult] = {}
+            for seed, configuration in tqdm(plan, desc="configurations", unit="run"):
+                results[(seed, configuration.name)] = await run_configuration(
+                    engine,
+                    engine_config,
+                    index,
+                    builder,
+                    base,
+                    configuration,
+                    traces[seed],
+                    args.k,
+                    args.max_tokens,
+                )
+            oracle = await oracle_ttfts(engine, results[(0, "serial")].prompts)
     finally:
-        await engine.close()
         index.runner.shutdown()
 
     oracle_ms = {i: v * 1000 for i, v in oracle.items()}
@@ -229,7 +221,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for (seed, name), run in results.items()
     }
     headline = {}
-    for mode in MAIN_MODES[1:]:
+    for mode in (name for name in MODE_NAMES if name != "serial"):
         baseline = [r for seed in range(len(traces)) for r in _tag(results[(seed, "serial")].records, seed)]
         other = [r for seed in range(len(traces)) for r in _tag(results[(seed, mode)].records, seed)]
         ratio, low, high = paired_ratio_ci(baseline, other)
@@ -270,7 +262,7 @@ def _plots(
     search_ms: dict[float, float],
     cold_ms: float,
 ) -> None:
-    main_runs = [results[(0, mode)] for mode in MAIN_MODES]
+    main_runs = [results[(0, mode)] for mode in MODE_NAMES]
     plot_ttft_cdf(main_runs, plot_path("e2e_ttft_cdf"), "TTFT by configuration (seed 0)")
     sweep = [
         s
@@ -330,7 +322,7 @@ def main() -> None:
                 "wasted_spec_prefill_tokens",
             )
         }
-        for mode in MAIN_MODES
+        for mode in MODE_NAMES
     }
     facts = result["facts"]
     last["machine"] = {

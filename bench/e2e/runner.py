@@ -1,8 +1,9 @@
 """Replay a trace through the controller on the real engine, one configuration at a time.
 
 Every configuration starts from the same state: the engine's prefix cache emptied, a fresh
-controller (so a fresh knowledge tree, mirrored through KV events when the engine publishes them)
-and the same trace replayed open-loop at its recorded arrival times.
+controller (so a fresh knowledge tree, mirrored through KV events when the engine publishes them,
+assembled as the service assembles it) and the same trace replayed open-loop at its recorded
+arrival times.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Engine, Sampling, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.kv_mirror import KVMirror
+from specrag.service.assembly import open_controller
 
 
 @dataclass(frozen=True)
@@ -94,20 +95,10 @@ async def run_configuration(
     max_tokens: int,
 ) -> RunResult:
     nprobe = set_search_ratio(index, configuration.search_ratio)
-    controller = RagController(
-        engine, index, builder, replace(base, mode=configuration.mode, **configuration.overrides)
-    )
-    await controller.reset_prefix_cache()
-    # Without KV events (an HTTP engine) the tree keeps its capacity model.
-    mirror = KVMirror(controller.tree, engine_config) if engine_config is not None else None
-    if mirror is not None:
-        await mirror.start(catch_up=False)  # the cache was just emptied: no history to replay
-    try:
+    config = replace(base, mode=configuration.mode, **configuration.overrides)
+    stack = open_controller(engine, engine_config, index, builder, config, empty_cache=True)
+    async with stack as (controller, _mirror):
         records, prompts, wall = await replay(controller, trace, k, max_tokens, configuration.mode)
-    finally:
-        if mirror is not None:
-            await mirror.stop()
-        await controller.close()
     return RunResult(configuration, records, wall, nprobe, prompts)
 
 

@@ -1,31 +1,30 @@
 """Query workloads for the end-to-end experiments: real questions from the corpus, timed arrivals.
 
-Queries are windows of words taken from corpus passages, so retrieval is real (the passage and
-its neighbours come back). Which passage a query comes from follows the popularity pattern of the
-workload; when it arrives follows a Poisson or gamma process. Traces are JSONL so two runs (or
-two configurations) replay exactly the same work.
-
-- ``zipf``: passages drawn by Zipf popularity (a few passages draw most retrievals, RAGCache §3).
-- ``bursty``: bursts of queries on one topic (a stdlib module or reference topic), a fraction
-  ``overlap`` of each burst from the topic, the rest Zipf background (RAGCache++ §4.1).
-- ``multiturn``: conversations of several turns on one topic, each turn a follow-up question.
+The workloads are :mod:`bench.traces`' document-ID traces over the corpus' passages, so the
+ordering benchmark and this one share one definition of ``zipf``, ``bursty`` and ``multiturn``.
+Each request becomes a query: a window of words from its top-ranked passage, so retrieval is real
+(the passage and its neighbours come back). Zipf and multi-turn document ids are popularity ranks,
+spread over the corpus by a seeded permutation; bursty ids are corpus positions, so a topic is a
+run of consecutive passages (the corpus keeps a source document's passages together). Arrivals
+follow a Poisson or gamma process; conversations keep their turns. Traces are JSONL so two runs
+(or two configurations) replay exactly the same work.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from bench.traces import document_trace
 from specrag.atomic import atomic_write_text
 from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage
 
-WORKLOADS = ("zipf", "bursty", "multiturn")
 QUERY_WORDS = 14
 
 
@@ -45,14 +44,6 @@ def _query_from(passage: Passage, rng: np.random.Generator) -> str:
     return " ".join(words[start : start + QUERY_WORDS])
 
 
-def _topics(passages: Sequence[Passage]) -> list[list[int]]:
-    """Passages grouped by source document (the id before '#'), largest groups first."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for row, passage in enumerate(passages):
-        groups[passage.id.split("#")[0]].append(row)
-    return sorted(groups.values(), key=len, reverse=True)
-
-
 def arrivals(n: int, rate: float, cv: float, rng: np.random.Generator) -> np.ndarray:
     """Arrival offsets: Poisson when ``cv`` is 1, gamma inter-arrivals (burstier when cv > 1)."""
     if rate <= 0 or cv <= 0:
@@ -64,51 +55,21 @@ def arrivals(n: int, rate: float, cv: float, rng: np.random.Generator) -> np.nda
 
 
 def generate(
-    passages: Sequence[Passage],
-    workload: str,
-    n: int,
-    rate: float,
-    *,
-    cv: float = 1.0,
-    zipf_exponent: float = 1.1,
-    burst: int = 10,
-    overlap: float = 0.6,
-    turns: int = 3,
-    seed: int = 0,
+    passages: Sequence[Passage], workload: str, n: int, rate: float, *, cv: float = 1.0, seed: int = 0
 ) -> list[TraceQuery]:
-    """A trace of ``n`` queries of the given workload kind."""
-    if workload not in WORKLOADS:
-        raise InvalidInputError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
-    if n < 1:
-        raise InvalidInputError("a trace needs at least one query")
+    """A trace of ``n`` queries of one of :data:`bench.traces.WORKLOADS`."""
+    requests = document_trace(workload, n, corpus=len(passages), seed=seed)
     rng = np.random.default_rng(seed)
-    popularity = rng.permutation(len(passages))
-    weights = 1.0 / np.arange(1, len(passages) + 1) ** zipf_exponent
-    weights /= weights.sum()
-
-    def zipf_row() -> int:
-        return int(popularity[rng.choice(len(passages), p=weights)])
-
-    topics = [group for group in _topics(passages) if len(group) >= 3]
-    times = arrivals(n, rate, cv, rng)
-    queries: list[TraceQuery] = []
-    if workload == "zipf":
-        queries = [TraceQuery(float(t), _query_from(passages[zipf_row()], rng)) for t in times]
-    elif workload == "bursty":
-        topic: list[int] = []
-        for i, t in enumerate(times):
-            if i % burst == 0:
-                topic = topics[int(rng.integers(len(topics)))]
-            row = int(rng.choice(topic)) if rng.random() < overlap else zipf_row()
-            queries.append(TraceQuery(float(t), _query_from(passages[row], rng)))
-    else:
-        session_topic: list[int] = []
-        for i, t in enumerate(times):
-            turn = i % turns
-            if turn == 0:
-                session_topic = topics[int(rng.integers(len(topics)))]
-            row = int(rng.choice(session_topic))
-            queries.append(TraceQuery(float(t), _query_from(passages[row], rng), f"s{i // turns}", turn))
+    rows = np.arange(len(passages)) if workload == "bursty" else rng.permutation(len(passages))
+    turns: Counter[str] = Counter()
+    queries = []
+    for request, t in zip(requests, arrivals(n, rate, cv, rng), strict=True):
+        passage = passages[int(rows[int(request.docs[0])])]
+        turn = 0
+        if request.conv is not None:
+            turn = turns[request.conv]
+            turns[request.conv] += 1
+        queries.append(TraceQuery(float(t), _query_from(passage, rng), request.conv, turn))
     return queries
 
 

@@ -1,10 +1,13 @@
 """Assemble the running service: supervised engine, KV mirror, controller, HTTP application.
 
-One place builds the whole stack so ``specrag serve``, ``specrag demo``, the fault benchmark and
-the tests run the same thing. The engine is the in-process vLLM engine (KV-cache events on, so the
-knowledge tree mirrors the prefix cache exactly) or, with ``engine_url``, any OpenAI-compatible
-server; either way it is supervised: a dead or hung engine is replaced, and on every replacement
-the tree forgets what it believed cached and the KV mirror resubscribes.
+One place builds the whole stack so ``specrag serve``, ``specrag demo``, the benchmarks and the
+tests run the same thing: :func:`open_service` for the service, or its parts (:func:`open_engine`,
+:func:`prompt_builder`, :func:`open_controller`) for a caller that needs no HTTP application, its
+own index, or a fresh controller per configuration over one engine (``bench.e2e``). The engine is
+the in-process vLLM engine (KV-cache events on, so the knowledge tree mirrors the prefix cache
+exactly) or, with ``engine_url``, any OpenAI-compatible server; either way it is supervised: a
+dead or hung engine is replaced, and on every replacement the tree forgets what it believed
+cached and the KV mirror resubscribes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from specrag.controller.controller import ControllerConfig, RagController
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
+from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
 from specrag.service.kv_mirror import KVMirror
 from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT, create_app
@@ -52,7 +56,7 @@ class Service:
 
 
 def _engine_starter(
-    assets: Assets, options: ServiceOptions, run_dir: Path
+    model_dir: Path, options: ServiceOptions, run_dir: Path
 ) -> tuple[Callable[[], Awaitable[Engine]], EngineConfig | None]:
     if options.engine_url is not None:
         from specrag.pipeline.http_engine import HttpEngine
@@ -66,7 +70,7 @@ def _engine_starter(
     from specrag.pipeline.vllm_engine import VllmEngine
 
     config = EngineConfig(
-        model=str(assets.model_dir), enforce_eager=options.eager, omp_threads_bind=options.omp_threads_bind
+        model=str(model_dir), enforce_eager=options.eager, omp_threads_bind=options.omp_threads_bind
     ).with_kv_events(run_dir)
 
     async def start() -> Engine:
@@ -76,35 +80,83 @@ def _engine_starter(
 
 
 @contextlib.asynccontextmanager
-async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -> AsyncIterator[Service]:
-    """Start the stack, yield it, and on exit abort queries in flight and stop the engine."""
-    start, engine_config = _engine_starter(assets, options, run_dir)
+async def open_engine(
+    model_dir: Path, options: ServiceOptions, run_dir: Path
+) -> AsyncIterator[tuple[SupervisedEngine, EngineConfig | None]]:
+    """The supervised engine and, for the in-process engine, its config (where its KV events are).
+
+    ``model_dir`` is the in-process engine's model; ``options.omp_threads_bind`` pins its model
+    worker (benchmarks keep it off the vector search's core). Stopped on exit.
+    """
+    start, engine_config = _engine_starter(model_dir, options, run_dir)
     engine = await SupervisedEngine(start, options.supervisor).start()
     try:
-        builder = PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
-        controller = RagController(engine, assets.index, builder, options.controller)
-        mirror = KVMirror(controller.tree, engine_config) if engine_config is not None else None
-
-        async def after_restart() -> None:
-            controller.tree.engine_cache_cleared()
-            if mirror is not None:  # the new engine numbers its event batches from zero again
-                await mirror.stop()
-                await mirror.start()
-
-        engine.on_restart(after_restart)
-        if mirror is not None:
-            await mirror.start()
-        try:
-            app = create_app(
-                controller,
-                api_token=options.api_token,
-                max_queries=options.max_queries,
-                max_queries_per_client=options.max_queries_per_client,
-            )
-            yield Service(app, controller, engine, mirror, engine_config)
-        finally:
-            await controller.close()
-            if mirror is not None:
-                await mirror.stop()
+        yield engine, engine_config
     finally:
         await engine.close()
+
+
+def prompt_builder(assets: Assets, engine: Engine) -> PromptBuilder:
+    """Prompts from the assets' tokenizer and store, padded to the engine's KV block size."""
+    return PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
+
+
+@contextlib.asynccontextmanager
+async def open_controller(
+    engine: Engine,
+    engine_config: EngineConfig | None,
+    index: VectorIndex,
+    builder: PromptBuilder,
+    config: ControllerConfig,
+    *,
+    empty_cache: bool = False,
+) -> AsyncIterator[tuple[RagController, KVMirror | None]]:
+    """A controller whose knowledge tree mirrors the engine's prefix cache, and that mirror.
+
+    The mirror follows the engine's KV events when ``engine_config`` publishes them (else the tree
+    keeps its capacity model). A supervised engine's replacement empties the cache: the tree
+    forgets it and the mirror resubscribes. ``empty_cache`` starts from an empty prefix cache, as
+    every configuration of an experiment does; the mirror then skips the engine's event history.
+    On exit the controller's queries are aborted and the mirror stops.
+    """
+    controller = RagController(engine, index, builder, config)
+    mirror = KVMirror(controller.tree, engine_config) if engine_config is not None else None
+
+    async def after_restart() -> None:
+        controller.tree.engine_cache_cleared()
+        if mirror is not None:  # the new engine numbers its event batches from zero again
+            await mirror.stop()
+            await mirror.start()
+
+    # An engine that is not supervised is never replaced: there is no restart to follow.
+    forget_restarts = engine.on_restart(after_restart) if isinstance(engine, SupervisedEngine) else None
+    try:
+        if empty_cache:
+            await controller.reset_prefix_cache()
+        if mirror is not None:
+            await mirror.start(catch_up=not empty_cache)
+        yield controller, mirror
+    finally:
+        if forget_restarts is not None:
+            forget_restarts()
+        await controller.close()
+        if mirror is not None:
+            await mirror.stop()
+
+
+@contextlib.asynccontextmanager
+async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -> AsyncIterator[Service]:
+    """Start the stack, yield it, and on exit abort queries in flight and stop the engine."""
+    async with (
+        open_engine(assets.model_dir, options, run_dir) as (engine, engine_config),
+        open_controller(
+            engine, engine_config, assets.index, prompt_builder(assets, engine), options.controller
+        ) as (controller, mirror),
+    ):
+        app = create_app(
+            controller,
+            api_token=options.api_token,
+            max_queries=options.max_queries,
+            max_queries_per_client=options.max_queries_per_client,
+        )
+        yield Service(app, controller, engine, mirror, engine_config)

@@ -96,17 +96,26 @@ def ensure_store(layout: DataLayout, passages: list[Passage], tokenizer: Tokeniz
 
 
 def ensure_index(
-    layout: DataLayout, passages: list[Passage], config: IndexConfig | None = None
+    layout: DataLayout,
+    passages: list[Passage],
+    config: IndexConfig | None = None,
+    directory: Path | None = None,
 ) -> VectorIndex:
-    """The vector index over ``passages``, built when missing, corrupt or built from another corpus."""
+    """The vector index over ``passages``, built when missing, corrupt or built from another corpus.
+
+    It lives in the data directory's index directory unless ``directory`` names another one (a
+    benchmark's padded index, whose name must then say what ``config`` it was built with: only the
+    corpus is checked against it).
+    """
+    directory = directory or layout.index_dir
     try:
-        index = load_index(layout.index_dir)
+        index = load_index(directory)
         check_corpus(index, passages)
         return index
     except ArtifactError as reason:
-        logger.info("building the vector index in %s (%s)", layout.index_dir, reason)
+        logger.info("building the vector index in %s (%s)", directory, reason)
     index = build_index(passages, config or IndexConfig(), progress=True)
-    save_index(index, layout.index_dir)
+    save_index(index, directory)
     return index
 
 

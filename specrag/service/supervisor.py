@@ -71,9 +71,14 @@ class SupervisedEngine:
         self.state = "ready"
         return self
 
-    def on_restart(self, callback: Callable[[], Awaitable[None] | None]) -> None:
-        """Run ``callback`` after every replacement (the new engine's cache is empty)."""
+    def on_restart(self, callback: Callable[[], Awaitable[None] | None]) -> Callable[[], None]:
+        """Run ``callback`` after every replacement (the new engine's cache is empty).
+
+        Returns the function that unregisters it, for a follower (a controller and its KV mirror)
+        that ends before the engine does.
+        """
         self._on_restart.append(callback)
+        return lambda: self._on_restart.remove(callback)
 
     @property
     def engine(self) -> Engine:

@@ -4,7 +4,7 @@ import random
 import numpy as np
 from scipy.sparse import csr_matrix
 
-from specrag.cache import plan_batch
+from specrag.cache import DocId, plan_batch
 from specrag.cache.batch import context_distances
 
 
@@ -56,13 +56,13 @@ def test_plan_maximises_prefix_sharing_between_neighbours() -> None:
     contexts = [rng.sample(rng.choice(topics), 5) for _ in range(60)]
     plan = plan_batch(contexts)
 
-    def shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    def shared_prefix(a: tuple[DocId, ...], b: tuple[DocId, ...]) -> int:
         n = 0
         while n < min(len(a), len(b)) and a[n] == b[n]:
             n += 1
         return n
 
-    def neighbour_sharing(order: list[int], docs: list[tuple[int, ...]]) -> int:
+    def neighbour_sharing(order: list[int], docs: list[tuple[DocId, ...]]) -> int:
         return sum(shared_prefix(docs[i], docs[j]) for i, j in itertools.pairwise(order))
 
     planned = neighbour_sharing(list(plan.order), list(plan.contexts))

@@ -4,11 +4,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = [
+TRACE: list[dict[str, Any]] = [
     {"docs": [3, 1, 2], "rid": "a"},
     {"docs": [2, 1, 5]},
     {"docs": ["x", 1, 3], "rid": 7, "conv": "c"},

@@ -8,7 +8,7 @@ from specrag.cache import POLICY_NAMES, KnowledgeTree, get_policy
 from specrag.cache.ordering import OracleOrder
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
-from tests.cache.helpers import BLOCK, SYSTEM, FakeEngine, layout
+from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout
 
 DOCS = range(7)
 served_orders = st.lists(

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from specrag.cache import AllBlocksCleared, KnowledgeTree, PrefixMatch
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
-from tests.cache.helpers import BLOCK, SYSTEM, FakeEngine, layout
+from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout
 
 
 def served_tree(

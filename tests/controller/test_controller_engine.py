@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from specrag.controller.controller import AnswerDelta, RagController, RagRequest
+from specrag.controller.controller import AnswerDelta, RagRequest
 from specrag.errors import InvalidInputError, NotFoundError
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
-from tests.controller.conftest import make_controller, scripted_index
+from tests.helpers import QUESTION, A, B, assert_engine_idle, make_controller, scripted_index
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -31,27 +31,6 @@ def engine(request: pytest.FixtureRequest) -> Engine:
     """Each test runs on the session's real vLLM engine and on the simulated engine."""
     chosen: Engine = request.getfixturevalue("vllm_engine" if request.param == "vllm" else "simulated_engine")
     return chosen
-
-
-QUESTION = "How does asyncio.run create and close the event loop?"
-A = [10, 11, 12, 13]
-B = [10, 11, 14, 15]
-
-
-async def assert_engine_idle(engine: Engine, controller: RagController, within_s: float = 5.0) -> None:
-    """No request of ours remains: neither in the controller, nor in the engine's own queues."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while loop.time() < deadline:
-        counts = await engine.counts()
-        if (
-            not controller.in_flight_request_ids()
-            and counts.running == counts.waiting == counts.unfinished == 0
-        ):
-            assert engine.load().prefilling == 0 and controller.gate.pool == 0
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"requests left: {controller.in_flight_request_ids()} {await engine.counts()}")
 
 
 async def test_speculation_answers_from_the_serial_prompt(engine: Engine, tiny_assets: Assets) -> None:

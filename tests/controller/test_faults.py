@@ -16,34 +16,14 @@ from specrag.controller.controller import RagController, RagRequest
 from specrag.errors import EngineError
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
-from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
-from tests.controller.conftest import make_controller, scripted_index
+from specrag.service.supervisor import SupervisedEngine
+from tests.helpers import FAST_POLICY, assert_engine_idle, make_controller, scripted_index, supervised
 
 QUESTION = "What does the assert statement do?"
-FAST_POLICY = SupervisorPolicy(probe_timeout_s=0.3, close_timeout_s=1.0, max_attempts=3, backoff_s=0.05)
-
-
-async def supervised(started: list[SimulatedEngine]) -> SupervisedEngine:
-    async def start() -> SimulatedEngine:
-        engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
-        started.append(engine)
-        return engine
-
-    return await SupervisedEngine(start, FAST_POLICY).start()
 
 
 def controller_on(engine: SupervisedEngine, assets: Assets, **config: object) -> RagController:
     return make_controller(engine, assets, scripted_index(assets, [[1, 2, 3], [1, 2, 3]], 0.01), **config)
-
-
-async def assert_no_leak(controller: RagController, engine: SimulatedEngine) -> None:
-    for _ in range(100):
-        counts = await engine.counts()
-        if not controller.in_flight_request_ids() and counts.running == counts.waiting == 0:
-            assert controller.gate.pool == 0
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"left in flight: {controller.in_flight_request_ids()} {await engine.counts()}")
 
 
 async def test_a_failure_before_the_first_token_is_retried_once(tiny_assets: Assets) -> None:
@@ -56,7 +36,7 @@ async def test_a_failure_before_the_first_token_is_retried_once(tiny_assets: Ass
     engine.fail_next(2)
     with pytest.raises(EngineError, match="injected failure"):
         await controller.answer(RagRequest(QUESTION, k=3, mode="serial", max_tokens=4))
-    await assert_no_leak(controller, engine)
+    await assert_engine_idle(engine, controller)
     await engine.close()
 
 
@@ -82,7 +62,7 @@ async def test_an_engine_that_dies_mid_load_is_replaced_and_the_tree_cleared(tin
     assert not controller.tree.system_prompt_resident() or controller.tree.uses_capacity_model
     after = await controller.answer(RagRequest(QUESTION, k=3, mode="all", max_tokens=4))
     assert after.text
-    await assert_no_leak(controller, started[1])
+    await assert_engine_idle(started[1], controller)
     await engine.close()
 
 
@@ -98,7 +78,7 @@ async def test_a_hung_engine_is_detected_replaced_and_the_query_retried(tiny_ass
     assert time.perf_counter() - began < 0.5 + 0.3 + 1.0 + 2.0
     assert [e.kind for e in done.timeline.events].count("retry") == 1 and done.text
     assert engine.restarts == 1 and engine.state == "ready"
-    await assert_no_leak(controller, started[1])
+    await assert_engine_idle(started[1], controller)
     await engine.close()
 
 

@@ -8,12 +8,21 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from specrag.controller.controller import AnswerDelta, AnswerDone, RagController, RagRequest
-from specrag.pipeline.engine import EngineOutput, Sampling, Supervision, SupervisionStatus, WarmResult
+from specrag.controller.controller import AnswerDelta, AnswerDone, RagRequest
+from specrag.pipeline.engine import EngineOutput, Sampling, WarmResult
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
-from tests.controller.conftest import make_controller, scripted_index
-from tests.controller.test_controller_engine import QUESTION, A, B, assert_engine_idle
+from tests.helpers import (
+    QUESTION,
+    A,
+    B,
+    StandInSupervision,
+    SupervisedSimulation,
+    assert_engine_idle,
+    count_question_tokenizations,
+    make_controller,
+    scripted_index,
+)
 
 
 class RecordingEngine(SimulatedEngine):
@@ -28,36 +37,6 @@ class RecordingEngine(SimulatedEngine):
     ) -> AsyncIterator[EngineOutput]:
         self.submitted.add(request_id)
         return super().generate(request_id, prompt_token_ids, sampling)
-
-
-class StandInSupervision:
-    """A supervisor that is no SupervisedEngine: the controller and the service must still find it."""
-
-    def __init__(self) -> None:
-        self.reports: list[str] = []
-        self.waits = 0
-
-    def status(self) -> SupervisionStatus:
-        return SupervisionStatus(state="ready", restarts=3, last_recovery_s=1.5)
-
-    def report_failure(self, reason: str) -> None:
-        self.reports.append(reason)
-
-    async def wait_ready(self, timeout_s: float) -> bool:
-        self.waits += 1
-        return True
-
-
-class SupervisedSimulation(SimulatedEngine):
-    """The simulated engine offering a supervision capability."""
-
-    def __init__(self, supervision: StandInSupervision) -> None:
-        super().__init__(time_scale=0.01, max_model_len=4096)
-        self._supervision = supervision
-
-    @property
-    def supervision(self) -> Supervision | None:
-        return self._supervision
 
 
 async def first_delta(stream: AsyncIterator[AnswerDelta | AnswerDone]) -> None:
@@ -100,19 +79,6 @@ async def test_a_query_that_ends_or_is_closed_with_the_controller_leaves_no_id(t
     await stream.aclose()
     await assert_engine_idle(engine, controller)
     await engine.close()
-
-
-def count_question_tokenizations(controller: RagController) -> list[str]:
-    """The questions the controller's prompt builder tokenizes, one entry per call."""
-    seen: list[str] = []
-    tokenize = controller.builder.question_tokens
-
-    def counting(question: str) -> list[int]:
-        seen.append(question)
-        return tokenize(question)
-
-    controller.builder.question_tokens = counting  # type: ignore[method-assign]
-    return seen
 
 
 @pytest.mark.parametrize("checked_first", [True, False])

@@ -26,14 +26,13 @@ import pytest
 from bench.fault_inputs import BAD_REQUESTS, send
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import ControllerConfig, RagController
-from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from specrag.service.server import create_app, serving
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
-from tests.controller.conftest import make_controller
+from tests.helpers import assert_engine_idle, make_controller
 
 TOKEN = "soak-token"
 # Statuses a soak request may legitimately get; anything else (a 5xx above all) fails the soak.
@@ -170,22 +169,6 @@ async def run_soak(
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
 
 
-async def wait_idle(controller: RagController, engine: Engine, within_s: float = 10.0) -> None:
-    """Our bookkeeping and the engine's own queues drain to zero (bounded; speculations end late)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while True:
-        counts = await engine.counts()
-        idle = counts.running == counts.waiting == counts.unfinished == 0
-        if idle and not controller.in_flight_request_ids() and controller.gate.pool == 0:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(
-                f"left over: {controller.in_flight_request_ids()} {counts} pool={controller.gate.pool}"
-            )
-        await asyncio.sleep(0.05)
-
-
 def soak_questions(assets: Assets, count: int = 300) -> list[str]:
     """Varied questions (passage titles and opening words), so the tree keeps meeting new orders."""
     rng = random.Random(7)
@@ -219,7 +202,7 @@ async def test_thousands_of_requests_leave_nothing_behind(tiny_assets: Assets) -
         async with serving(app, access_log=False) as url:
             soak.url = url
             await asyncio.wait_for(run_soak(soak, 2000, concurrency=18, between=inject), 300)
-            await wait_idle(controller, engine)
+            await assert_engine_idle(engine, controller, within_s=10.0)
             async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
                 async with http.get(f"{url}/health") as response:
                     assert response.status == 200
@@ -248,7 +231,7 @@ async def test_disconnects_on_the_real_engine_leave_its_queues_empty(
         async with serving(app, access_log=False) as url:
             soak.url = url
             await asyncio.wait_for(run_soak(soak, 60, concurrency=8), 300)
-            await wait_idle(controller, vllm_engine, within_s=30)
+            await assert_engine_idle(vllm_engine, controller, within_s=30)
         assert set(soak.statuses) <= EXPECTED, soak.statuses
         assert soak.statuses[200] > 0
         assert soak.kinds["_leave_mid_stream"] + soak.kinds["_leave_while_waiting"] > 0

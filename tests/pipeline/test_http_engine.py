@@ -5,13 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
-import socket
 import subprocess
 import time
 import urllib.request
-import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +18,9 @@ from aiohttp import web
 
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.commands import engine_server_config
-from specrag.pipeline.engine import Engine, EngineOutput, Sampling
+from specrag.pipeline.engine import Engine, Sampling
 from specrag.pipeline.http_engine import HttpEngine, HttpTimeouts
+from tests.helpers import close_stream, free_port, random_prompt, run_prompt
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -132,11 +130,6 @@ async def engine(fake: FakeServer) -> AsyncIterator[HttpEngine]:
         await engine.close()
 
 
-async def _run(engine: Engine, prompt: Sequence[int], max_tokens: int = 3) -> list[EngineOutput]:
-    sampling = Sampling(max_tokens=max_tokens)
-    return [output async for output in engine.generate(uuid.uuid4().hex, prompt, sampling)]
-
-
 async def test_discovers_the_model_limit_and_block_size(engine: HttpEngine) -> None:
     assert isinstance(engine, Engine)
     assert (engine.model, engine.max_model_len, engine.block_size) == ("fake", 2048, 32)
@@ -147,7 +140,7 @@ async def test_discovers_the_model_limit_and_block_size(engine: HttpEngine) -> N
 async def test_streams_tokens_and_reports_cached_tokens_on_the_last_output(
     engine: HttpEngine, fake: FakeServer
 ) -> None:
-    outputs = await _run(engine, [FakeServer.NORMAL, 5, 6, 7], max_tokens=3)
+    outputs = await run_prompt(engine, [FakeServer.NORMAL, 5, 6, 7], 3)
     assert [output.token_ids for output in outputs] == [(100,), (101,), (102,)]
     assert "".join(output.text for output in outputs) == " w0 w1 w2"
     assert [output.cached_tokens for output in outputs] == [None, None, 64]
@@ -162,7 +155,7 @@ async def test_streams_tokens_and_reports_cached_tokens_on_the_last_output(
 
 
 async def test_cached_tokens_are_none_when_the_server_does_not_report_them(engine: HttpEngine) -> None:
-    outputs = await _run(engine, [FakeServer.NO_DETAILS, 5], max_tokens=2)
+    outputs = await run_prompt(engine, [FakeServer.NO_DETAILS, 5], 2)
     assert [output.cached_tokens for output in outputs] == [None, None]
     assert (await engine.warm([FakeServer.NO_DETAILS, 6], "warm-2")).cached_tokens == 0
 
@@ -183,7 +176,7 @@ async def test_leaving_the_stream_early_disconnects(engine: HttpEngine, fake: Fa
     fake.disconnected.clear()
     stream = engine.generate("left", [FakeServer.ENDLESS, 2], Sampling(max_tokens=100))
     await anext(stream)
-    await stream.aclose()
+    await close_stream(stream)
     await asyncio.wait_for(fake.disconnected.wait(), timeout=5)
     assert engine.load().decoding == 0
 
@@ -208,25 +201,23 @@ async def test_a_silent_server_times_out_with_engine_error(
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(EngineError, match=waiting_for):
-        await asyncio.wait_for(_run(engine, [mode, 3], max_tokens=5), timeout=10)
+        await asyncio.wait_for(run_prompt(engine, [mode, 3], 5), timeout=10)
     assert loop.time() - started < 5  # the engine's own bound (1 s / 0.5 s) fired, not wait_for's
     assert engine.load().prefilling == 0 and engine.load().decoding == 0
 
 
 async def test_http_errors_carry_status_and_server_message(engine: HttpEngine) -> None:
     with pytest.raises(EngineError, match="HTTP 500: engine exploded"):
-        await _run(engine, [FakeServer.SERVER_ERROR])
+        await run_prompt(engine, [FakeServer.SERVER_ERROR], 3)
     with pytest.raises(InvalidInputError, match="HTTP 400: This model's maximum context length"):
-        await _run(engine, [FakeServer.TOO_LONG])
+        await run_prompt(engine, [FakeServer.TOO_LONG], 3)
     with pytest.raises(InvalidInputError, match="exceeds the model's limit"):
-        await _run(engine, [FakeServer.NORMAL] * 2048)
+        await run_prompt(engine, [FakeServer.NORMAL] * 2048, 3)
     assert engine.load().prefilling == 0
 
 
 async def test_a_refused_connection_is_an_engine_error() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with pytest.raises(EngineError, match=f"127.0.0.1:{port}"):
         await HttpEngine.connect(f"http://127.0.0.1:{port}", timeouts=HttpTimeouts(connect_s=2, control_s=2))
 
@@ -237,22 +228,16 @@ async def test_closed_engine_refuses_work(fake: FakeServer) -> None:
     await engine.close()
     await engine.close()
     with pytest.raises(EngineError, match="closed"):
-        await _run(engine, [FakeServer.NORMAL])
+        await run_prompt(engine, [FakeServer.NORMAL], 3)
 
 
 # The real server ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """vLLM's OpenAI server as a subprocess on loopback, started once, always terminated."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
     # The command `specrag engine` runs, so the documented way to start a separate engine is tested.
     config = engine_server_config(str(tiny_model_dir), eager=True, kv_events_port=None)
@@ -293,14 +278,13 @@ async def test_real_vllm_server_caches_prefixes_and_aborts(vllm_server: str) -> 
     engine = await HttpEngine.connect(vllm_server)
     try:
         assert engine.block_size == 32 and engine.max_model_len == 4096
-        rng = random.Random(40)
-        prompt = [rng.randrange(3, 1000) for _ in range(1000)]
-        first = await _run(engine, prompt, max_tokens=2)
-        second = await _run(engine, prompt, max_tokens=2)
+        prompt = random_prompt(seed=40, length=1000)
+        first = await run_prompt(engine, prompt, 2)
+        second = await run_prompt(engine, prompt, 2)
         assert first[-1].cached_tokens == 0
         assert second[-1].cached_tokens == 992  # every full block but the last is served again
         await engine.reset_prefix_cache()
-        assert (await _run(engine, prompt, max_tokens=1))[-1].cached_tokens == 0
+        assert (await run_prompt(engine, prompt, 1))[-1].cached_tokens == 0
 
         sampling = Sampling(max_tokens=3000, ignore_eos=True)
         stream = engine.generate("real-abort", prompt[:64], sampling)

@@ -18,7 +18,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 def batch(seq: int) -> bytes:
     """A real msgspec-encoded vLLM KVEventBatch; batch n stores block n, 3 removes block 1."""
-    events: list[object]
+    events: list[vllm_events.BlockStored | vllm_events.BlockRemoved | vllm_events.AllBlocksCleared]
     if seq == 3:
         events = [vllm_events.BlockRemoved(block_hashes=[1], medium="GPU")]
     elif seq == 5:

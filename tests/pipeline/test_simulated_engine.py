@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -18,45 +17,18 @@ from specrag.pipeline.simulated_engine import (
     TimeModel,
 )
 from specrag.pipeline.vllm_engine import VllmEngine
+from tests.helpers import close_stream, engine_idle, random_prompt, run_prompt, wait_until
 
 FAST = 0.001
 """time_scale for these tests: a 1 s simulated prefill takes 1 ms."""
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(length)]
-
-
-async def _run(engine: Engine, prompt: Sequence[int], max_tokens: int = 1) -> list[EngineOutput]:
-    sampling = Sampling(max_tokens=max_tokens)
-    return [output async for output in engine.generate(uuid.uuid4().hex, prompt, sampling)]
-
-
 async def _cached(engine: Engine, prompt: Sequence[int]) -> int | None:
-    return (await _run(engine, prompt))[0].cached_tokens
+    return (await run_prompt(engine, prompt))[0].cached_tokens
 
 
 def _tokens(outputs: Sequence[EngineOutput]) -> list[int]:
     return [token for output in outputs for token in output.token_ids]
-
-
-async def _until(condition: Callable[[], bool], within_s: float = 5.0) -> None:
-    """Wait until ``condition()`` is true (bounded), yielding to the engine's step loop."""
-    async with asyncio.timeout(within_s):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.001)
-
-
-async def _idle(engine: Engine, within_s: float = 5.0) -> None:
-    async with asyncio.timeout(within_s):
-        while True:
-            counts = await engine.counts()
-            if (counts.running, counts.waiting, counts.unfinished) == (0, 0, 0):
-                return
-            await asyncio.sleep(0.001)
 
 
 async def _frozen(engine: SimulatedEngine) -> None:
@@ -70,19 +42,19 @@ async def _frozen(engine: SimulatedEngine) -> None:
 
 # The sequence compared with the real engine: exact repeats of several lengths (the last-block
 # rule), a prefix then an extension of it, and a prompt that diverges mid-block.
-_SHARED = _prompt(seed=30, length=100)
+_SHARED = random_prompt(seed=30, length=100)
 APC_SEQUENCE = [
-    _prompt(seed=31, length=1000),
-    _prompt(seed=31, length=1000),
-    _prompt(seed=32, length=1024),
-    _prompt(seed=32, length=1024),
-    _prompt(seed=33, length=640),
-    _prompt(seed=33, length=640),
-    _prompt(seed=33, length=640) + _prompt(seed=34, length=100),
-    _prompt(seed=35, length=33),
-    _prompt(seed=35, length=33),
-    _SHARED + _prompt(seed=36, length=200),
-    _SHARED + _prompt(seed=37, length=200),
+    random_prompt(seed=31, length=1000),
+    random_prompt(seed=31, length=1000),
+    random_prompt(seed=32, length=1024),
+    random_prompt(seed=32, length=1024),
+    random_prompt(seed=33, length=640),
+    random_prompt(seed=33, length=640),
+    random_prompt(seed=33, length=640) + random_prompt(seed=34, length=100),
+    random_prompt(seed=35, length=33),
+    random_prompt(seed=35, length=33),
+    _SHARED + random_prompt(seed=36, length=200),
+    _SHARED + random_prompt(seed=37, length=200),
 ]
 APC_EXPECTED = [0, 992, 0, 992, 0, 608, 640, 0, 32, 0, 96]
 
@@ -105,12 +77,12 @@ async def test_cached_tokens_match_the_real_engine(vllm_engine: VllmEngine) -> N
 
 async def test_every_output_carries_the_cache_hit_and_the_answer_is_deterministic() -> None:
     engine = SimulatedEngine(time_scale=FAST)
-    prompt = _prompt(seed=1, length=300)
-    first = await _run(engine, prompt, max_tokens=5)
+    prompt = random_prompt(seed=1, length=300)
+    first = await run_prompt(engine, prompt, 5)
     await engine.reset_prefix_cache()
-    second = await _run(engine, prompt, max_tokens=5)
+    second = await run_prompt(engine, prompt, 5)
     assert len(_tokens(first)) == 5 and _tokens(first) == _tokens(second)
-    assert _tokens(first) != _tokens(await _run(engine, _prompt(seed=2, length=300), max_tokens=5))
+    assert _tokens(first) != _tokens(await run_prompt(engine, random_prompt(seed=2, length=300), 5))
     assert all(output.cached_tokens == 0 for output in second)
     assert [output.finished for output in first] == [False] * 4 + [True]
     assert first[-1].finish_reason == "length" and first[0].prompt_tokens == 300
@@ -126,15 +98,15 @@ async def test_an_abort_mid_prefill_leaves_the_computed_chunks_cached() -> None:
             engine.stall()
 
     engine = SimulatedEngine(time_scale=FAST, long_prefill_token_threshold=256, on_kv_events=on_events)
-    prompt = _prompt(seed=3, length=2048)
+    prompt = random_prompt(seed=3, length=2048)
     stream = engine.generate("aborted", prompt, Sampling(max_tokens=1))
     first = asyncio.ensure_future(anext(stream))
-    await _until(lambda: len(stored) >= 16)
+    await wait_until(lambda: len(stored) >= 16, every_s=0.001)
     await engine.abort("aborted")
     aborted = await first
     assert aborted.finished and aborted.finish_reason == "abort" and not aborted.token_ids
     engine.resume()
-    await _idle(engine)
+    await wait_until(lambda: engine_idle(engine), every_s=0.001)
     assert len(stored) == 16
     assert await _cached(engine, prompt) == 512
     await engine.close()
@@ -145,9 +117,9 @@ async def test_least_recently_used_prompt_is_evicted_tail_first() -> None:
     engine = SimulatedEngine(
         time_scale=FAST, capacity_blocks=48, max_model_len=1536, on_kv_events=events.extend
     )
-    a, b = _prompt(seed=4, length=1024), _prompt(seed=5, length=1024)
-    await _run(engine, a)
-    await _run(engine, b)  # 16 never-used blocks, then the last 16 of a's 32
+    a, b = random_prompt(seed=4, length=1024), random_prompt(seed=5, length=1024)
+    await run_prompt(engine, a)
+    await run_prompt(engine, b)  # 16 never-used blocks, then the last 16 of a's 32
     removed = {key for event in events if isinstance(event, BlockRemoved) for key in event.block_hashes}
     assert removed == set(chain_block_keys(a, 32)[16:])
     assert engine.cached_blocks == 48
@@ -171,11 +143,11 @@ async def test_its_pool_holds_what_the_shared_block_pool_model_predicts() -> Non
     engine = SimulatedEngine(time_scale=FAST, capacity_blocks=40, max_model_len=1280, on_kv_events=mirror)
     model = BlockPool(40)
     rng = random.Random(40)
-    system = _prompt(seed=41, length=64)
-    documents = [_prompt(seed=50 + i, length=32 * rng.randint(2, 4)) for i in range(6)]
+    system = random_prompt(seed=41, length=64)
+    documents = [random_prompt(seed=50 + i, length=32 * rng.randint(2, 4)) for i in range(6)]
     seen: set[int] = set()
     for turn in range(30):
-        question = _prompt(seed=100 + turn, length=32)  # a unique last block, like every real prompt
+        question = random_prompt(seed=100 + turn, length=32)  # a unique last block, like every real prompt
         prompt = system + [t for doc in rng.sample(documents, 3) for t in doc] + question
         keys = chain_block_keys(prompt, 32)
         seen.update(keys)
@@ -190,8 +162,8 @@ async def test_its_pool_holds_what_the_shared_block_pool_model_predicts() -> Non
 async def test_kv_events_describe_the_stored_chain_and_the_reset() -> None:
     events: list[KVEvent] = []
     engine = SimulatedEngine(time_scale=FAST, on_kv_events=events.extend)
-    prompt = _prompt(seed=6, length=100)
-    await _run(engine, prompt)
+    prompt = random_prompt(seed=6, length=100)
+    await run_prompt(engine, prompt)
     keys = chain_block_keys(prompt, 32)
     stored = [event for event in events if isinstance(event, BlockStored)]
     assert [event.block_hashes[0] for event in stored] == keys
@@ -205,19 +177,20 @@ async def test_kv_events_describe_the_stored_chain_and_the_reset() -> None:
 
 async def test_reset_is_refused_while_blocks_are_in_use() -> None:
     engine = SimulatedEngine(time_scale=FAST)
-    prompt = _prompt(seed=7, length=64)
+    prompt = random_prompt(seed=7, length=64)
     stream = engine.generate("busy", prompt, Sampling(max_tokens=5000))
     await anext(stream)
     await engine.reset_prefix_cache()
     assert await _cached(engine, prompt) == 32
-    await stream.aclose()
+    await close_stream(stream)
     await engine.close()
 
 
 async def test_counts_are_exact_and_abort_takes_effect_at_the_next_step() -> None:
     engine = SimulatedEngine(time_scale=FAST, max_num_seqs=2)
     streams = [
-        engine.generate(f"r{i}", _prompt(seed=10 + i, length=64), Sampling(max_tokens=5000)) for i in range(3)
+        engine.generate(f"r{i}", random_prompt(seed=10 + i, length=64), Sampling(max_tokens=5000))
+        for i in range(3)
     ]
     await _frozen(engine)
     firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
@@ -235,26 +208,28 @@ async def test_counts_are_exact_and_abort_takes_effect_at_the_next_step() -> Non
     await _frozen(engine)
     assert (await engine.counts()).__dict__ == {"running": 2, "waiting": 0, "unfinished": 2}
     for stream in streams:
-        await stream.aclose()
+        await close_stream(stream)
     engine.resume()
-    await _idle(engine)
+    await wait_until(lambda: engine_idle(engine), every_s=0.001)
     assert engine.load().decoding == 0
     await engine.close()
 
 
 async def test_a_cached_request_overtakes_a_long_cold_prefill() -> None:
     engine = SimulatedEngine(time_scale=0.1, long_prefill_token_threshold=256, max_num_batched_tokens=512)
-    short = _prompt(seed=12, length=200)
-    await _run(engine, short)
+    short = random_prompt(seed=12, length=200)
+    await run_prompt(engine, short)
     order: list[str] = []
 
     async def first_token(name: str, prompt: list[int]) -> None:
         async for _ in engine.generate(name, prompt, Sampling(max_tokens=1)):
             order.append(name)
 
-    long_task = asyncio.create_task(first_token("long", _prompt(seed=13, length=4000)))
+    long_task = asyncio.create_task(first_token("long", random_prompt(seed=13, length=4000)))
     steps = engine.steps
-    await _until(lambda: engine.steps > steps)  # its first chunk is computed: it has 15 to go
+    await wait_until(
+        lambda: engine.steps > steps, every_s=0.001
+    )  # its first chunk is computed: it has 15 to go
     await first_token("short", short)
     await long_task
     assert order == ["short", "long"]
@@ -263,11 +238,11 @@ async def test_a_cached_request_overtakes_a_long_cold_prefill() -> None:
 
 async def test_preemption_under_block_pressure_still_completes_both_answers() -> None:
     engine = SimulatedEngine(time_scale=FAST, capacity_blocks=64, max_model_len=2048)
-    prompts = [_prompt(seed=14, length=1000), _prompt(seed=15, length=1000)]
-    together = await asyncio.gather(*(_run(engine, prompt, max_tokens=600) for prompt in prompts))
+    prompts = [random_prompt(seed=14, length=1000), random_prompt(seed=15, length=1000)]
+    together = await asyncio.gather(*(run_prompt(engine, prompt, 600) for prompt in prompts))
     alone = SimulatedEngine(time_scale=FAST, capacity_blocks=64, max_model_len=2048)
     for prompt, outputs in zip(prompts, together, strict=True):
-        assert _tokens(outputs) == _tokens(await _run(alone, prompt, max_tokens=600))
+        assert _tokens(outputs) == _tokens(await run_prompt(alone, prompt, 600))
     assert (await engine.counts()).__dict__ == {"running": 0, "waiting": 0, "unfinished": 0}
     await engine.close()
     await alone.close()
@@ -276,7 +251,7 @@ async def test_preemption_under_block_pressure_still_completes_both_answers() ->
 async def test_simulated_time_follows_the_profile() -> None:
     model = TimeModel(decode_step_s=0.5, step_overhead_s=0.01)
     engine = SimulatedEngine(time_model=model, time_scale=0.0, long_prefill_token_threshold=256)
-    await _run(engine, _prompt(seed=16, length=1024), max_tokens=3)
+    await run_prompt(engine, random_prompt(seed=16, length=1024), 3)
     assert engine.steps == 4 + 2
     assert engine.simulated_time_s == pytest.approx(0.21 + 6 * 0.01 + 2 * 0.5)
     await engine.close()
@@ -284,18 +259,18 @@ async def test_simulated_time_follows_the_profile() -> None:
 
 async def test_injected_failures_hangs_and_death() -> None:
     engine = SimulatedEngine(time_scale=FAST)
-    prompt = _prompt(seed=17, length=64)
+    prompt = random_prompt(seed=17, length=64)
     engine.fail_next(2)
     for _ in range(2):
         with pytest.raises(EngineError, match="injected"):
-            await _run(engine, prompt)
-    assert len(await _run(engine, prompt)) == 1
+            await run_prompt(engine, prompt)
+    assert len(await run_prompt(engine, prompt)) == 1
     assert engine.load().prefilling == 0
 
     loop = asyncio.get_running_loop()
     engine.hang(0.3)
     started = loop.time()
-    await _run(engine, prompt)
+    await run_prompt(engine, prompt)
     assert loop.time() - started >= 0.25
 
     stream = engine.generate("doomed", prompt, Sampling(max_tokens=5000))
@@ -305,7 +280,7 @@ async def test_injected_failures_hangs_and_death() -> None:
         async for _ in stream:
             pass
     with pytest.raises(EngineError, match="died"):
-        await _run(engine, prompt)
+        await run_prompt(engine, prompt)
     with pytest.raises(EngineError):
         await engine.counts()
     await engine.close()
@@ -321,7 +296,7 @@ async def test_a_bug_in_the_step_loop_fails_the_streams_and_closes_the_engine(
 
     monkeypatch.setattr(engine, "_schedule", broken_schedule)
     with pytest.raises(EngineError, match=r"step loop failed.*scheduler bug"):
-        await _run(engine, _prompt(seed=20, length=64))
+        await run_prompt(engine, random_prompt(seed=20, length=64))
     assert engine.load().prefilling == 0
     with pytest.raises(EngineError, match="scheduler bug"):
         await engine.counts()
@@ -331,19 +306,14 @@ async def test_a_bug_in_the_step_loop_fails_the_streams_and_closes_the_engine(
 async def test_inputs_are_validated() -> None:
     engine = SimulatedEngine(time_scale=FAST, max_model_len=256, capacity_blocks=8)
     with pytest.raises(InvalidInputError, match="exceeds the model's limit"):
-        await _run(engine, _prompt(seed=18, length=256))
-    stream = engine.generate("same", _prompt(seed=19, length=10), Sampling(max_tokens=100))
+        await run_prompt(engine, random_prompt(seed=18, length=256))
+    stream = engine.generate("same", random_prompt(seed=19, length=10), Sampling(max_tokens=100))
     await anext(stream)
     with pytest.raises(InvalidInputError, match="already in flight"):
-        await _run_with_id(engine, "same")
-    await stream.aclose()
+        await run_prompt(engine, [5, 6, 7], request_id="same")
+    await close_stream(stream)
     with pytest.raises(InvalidInputError, match="cannot hold"):
         SimulatedEngine(capacity_blocks=4, block_size=32, max_model_len=256)
     await engine.close()
     with pytest.raises(EngineError, match="closed"):
-        await _run(engine, _prompt(seed=18, length=10))
-
-
-async def _run_with_id(engine: SimulatedEngine, request_id: str) -> None:
-    async for _ in engine.generate(request_id, [5, 6, 7], Sampling(max_tokens=1)):
-        pass
+        await run_prompt(engine, random_prompt(seed=18, length=10))

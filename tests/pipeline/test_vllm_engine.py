@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import uuid
 
 import pytest
@@ -11,27 +10,9 @@ import pytest
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engine import Engine, EngineOutput, Sampling
 from specrag.pipeline.vllm_engine import VllmEngine
+from tests.helpers import close_stream, engine_idle, random_prompt, run_prompt, wait_until
 
 pytestmark = pytest.mark.engine
-
-
-def _random_prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(length)]
-
-
-async def _run(engine: VllmEngine, prompt: list[int], sampling: Sampling) -> list[EngineOutput]:
-    return [output async for output in engine.generate(uuid.uuid4().hex, prompt, sampling)]
-
-
-async def _wait_idle(engine: VllmEngine, within_s: float) -> bool:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while asyncio.get_running_loop().time() < deadline:
-        counts = await engine.counts()
-        if counts.running == 0 and counts.waiting == 0 and counts.unfinished == 0:
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 def test_adapter_satisfies_the_engine_protocol(vllm_engine: VllmEngine) -> None:
@@ -41,9 +22,9 @@ def test_adapter_satisfies_the_engine_protocol(vllm_engine: VllmEngine) -> None:
 
 
 async def test_second_submission_is_served_from_the_prefix_cache(vllm_engine: VllmEngine) -> None:
-    prompt = _random_prompt(seed=1, length=1000)
-    first = await _run(vllm_engine, prompt, Sampling(max_tokens=2))
-    second = await _run(vllm_engine, prompt, Sampling(max_tokens=2))
+    prompt = random_prompt(seed=1, length=1000)
+    first = await run_prompt(vllm_engine, prompt, Sampling(max_tokens=2))
+    second = await run_prompt(vllm_engine, prompt, Sampling(max_tokens=2))
     full_blocks_tokens = (len(prompt) // vllm_engine.block_size) * vllm_engine.block_size
     assert first[0].cached_tokens == 0
     assert second[0].cached_tokens is not None
@@ -58,7 +39,7 @@ async def test_abort_stops_a_long_generation_and_leaves_the_engine_idle(vllm_eng
 
     async def consume() -> None:
         sampling = Sampling(max_tokens=3000, ignore_eos=True)
-        async for output in vllm_engine.generate(request_id, _random_prompt(seed=2, length=64), sampling):
+        async for output in vllm_engine.generate(request_id, random_prompt(seed=2, length=64), sampling):
             received.append(output)
             decoding.set()
 
@@ -70,14 +51,14 @@ async def test_abort_stops_a_long_generation_and_leaves_the_engine_idle(vllm_eng
     tokens = sum(len(output.token_ids) for output in received)
     assert tokens < 3000
     assert not received[-1].finished or received[-1].finish_reason == "abort"
-    assert await _wait_idle(vllm_engine, within_s=5)
+    await wait_until(lambda: engine_idle(vllm_engine))
     assert vllm_engine.load().prefilling == 0 and vllm_engine.load().decoding == 0
 
 
 async def test_cancelling_the_consumer_aborts_the_request(vllm_engine: VllmEngine) -> None:
     async def consume() -> None:
         sampling = Sampling(max_tokens=3000, ignore_eos=True)
-        async for _ in vllm_engine.generate(uuid.uuid4().hex, _random_prompt(seed=3, length=64), sampling):
+        async for _ in vllm_engine.generate(uuid.uuid4().hex, random_prompt(seed=3, length=64), sampling):
             pass
 
     task = asyncio.create_task(consume())
@@ -85,15 +66,15 @@ async def test_cancelling_the_consumer_aborts_the_request(vllm_engine: VllmEngin
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await _wait_idle(vllm_engine, within_s=5)
+    await wait_until(lambda: engine_idle(vllm_engine))
 
 
 async def test_warm_up_makes_the_prefix_cached_for_the_next_prompt(vllm_engine: VllmEngine) -> None:
-    prefix = _random_prompt(seed=4, length=640)
+    prefix = random_prompt(seed=4, length=640)
     warm = await vllm_engine.warm(prefix, "warm-" + uuid.uuid4().hex)
     assert warm.cached_tokens == 0 and not warm.was_cached
-    prompt = prefix + _random_prompt(seed=5, length=100)
-    outputs = await _run(vllm_engine, prompt, Sampling(max_tokens=1))
+    prompt = prefix + random_prompt(seed=5, length=100)
+    outputs = await run_prompt(vllm_engine, prompt, Sampling(max_tokens=1))
     # Every full block of the prefix except the one vLLM recomputes for an exact repeat.
     assert outputs[0].cached_tokens is not None
     assert outputs[0].cached_tokens >= (len(prefix) // vllm_engine.block_size - 1) * vllm_engine.block_size
@@ -102,11 +83,15 @@ async def test_warm_up_makes_the_prefix_cached_for_the_next_prompt(vllm_engine: 
 
 
 async def test_greedy_output_is_deterministic(vllm_engine: VllmEngine) -> None:
-    prompt = _random_prompt(seed=6, length=300)
+    prompt = random_prompt(seed=6, length=300)
     sampling = Sampling(max_tokens=24, ignore_eos=True)
-    first = [token for output in await _run(vllm_engine, prompt, sampling) for token in output.token_ids]
+    first = [
+        token for output in await run_prompt(vllm_engine, prompt, sampling) for token in output.token_ids
+    ]
     await vllm_engine.reset_prefix_cache()
-    second = [token for output in await _run(vllm_engine, prompt, sampling) for token in output.token_ids]
+    second = [
+        token for output in await run_prompt(vllm_engine, prompt, sampling) for token in output.token_ids
+    ]
     assert len(first) == 24
     assert first == second
 
@@ -114,23 +99,18 @@ async def test_greedy_output_is_deterministic(vllm_engine: VllmEngine) -> None:
 async def test_prompt_longer_than_the_model_allows_is_rejected_before_submission(
     vllm_engine: VllmEngine,
 ) -> None:
-    too_long = _random_prompt(seed=7, length=vllm_engine.max_model_len)
+    too_long = random_prompt(seed=7, length=vllm_engine.max_model_len)
     with pytest.raises(InvalidInputError, match="exceeds the model's limit"):
-        await _run(vllm_engine, too_long, Sampling(max_tokens=8))
+        await run_prompt(vllm_engine, too_long, Sampling(max_tokens=8))
     assert vllm_engine.load().prefilling == 0
 
 
 async def test_duplicate_request_id_is_rejected(vllm_engine: VllmEngine) -> None:
     request_id = "dup-" + uuid.uuid4().hex
-    stream = vllm_engine.generate(request_id, _random_prompt(seed=8, length=64), Sampling(max_tokens=200))
+    stream = vllm_engine.generate(request_id, random_prompt(seed=8, length=64), Sampling(max_tokens=200))
     first = await anext(stream)
     assert first.request_id == request_id
     with pytest.raises(InvalidInputError, match="already in flight"):
-        await _run_with_id(vllm_engine, request_id)
-    await stream.aclose()
-    assert await _wait_idle(vllm_engine, within_s=5)
-
-
-async def _run_with_id(engine: VllmEngine, request_id: str) -> None:
-    async for _ in engine.generate(request_id, _random_prompt(seed=9, length=64), Sampling(max_tokens=2)):
-        pass
+        await run_prompt(vllm_engine, random_prompt(seed=9, length=64), 2, request_id=request_id)
+    await close_stream(stream)
+    await wait_until(lambda: engine_idle(vllm_engine))

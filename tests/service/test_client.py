@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -24,9 +23,7 @@ from specrag.errors import SpecragError
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from specrag.service.server import serving
-from tests.controller.conftest import make_controller
-from tests.controller.test_controller_engine import QUESTION, assert_engine_idle
-from tests.service.test_server import TOKEN, metric, running
+from tests.helpers import QUESTION, TOKEN, assert_engine_idle, free_port, make_controller, metric, running
 
 pytestmark = pytest.mark.engine
 
@@ -47,7 +44,7 @@ async def client(service: tuple[str, RagController]) -> AsyncIterator[AsyncClien
 def test_the_client_is_exported_by_the_package() -> None:
     assert specrag.AsyncClient is AsyncClient and specrag.SpecragHTTPError is SpecragHTTPError
     with pytest.raises(AttributeError):
-        _ = specrag.NoSuchThing  # type: ignore[attr-defined]
+        _ = specrag.NoSuchThing
 
 
 async def test_health_rag_and_metrics(client: AsyncClient) -> None:
@@ -64,6 +61,7 @@ async def test_a_streamed_answer_gives_text_then_the_timeline(client: AsyncClien
         deltas = [text async for text in stream]
     assert deltas and "".join(deltas) == stream.answer
     assert stream.timeline is not None and stream.timeline["ttft_ms"] > 0
+    assert stream.documents is not None
     assert stream.documents == stream.timeline["documents"] and len(stream.documents) == 4
 
 
@@ -77,6 +75,7 @@ async def test_chat_plain_and_streamed(client: AsyncClient) -> None:
         chunks = [chunk async for chunk in stream]
     assert chunks[-1]["choices"][0]["finish_reason"] in {"stop", "length"}
     assert stream.timeline == chunks[-1]["specrag"]
+    assert stream.timeline is not None
     assert stream.timeline["documents"] == completion["specrag"]["documents"]
 
 
@@ -141,10 +140,7 @@ async def test_a_silent_service_is_a_timeout(silent_service: str) -> None:
 
 
 async def test_no_service_is_a_connection_error() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]  # free once closed: nobody listens there
-    async with AsyncClient(f"http://127.0.0.1:{port}") as client:
+    async with AsyncClient(f"http://127.0.0.1:{free_port()}") as client:
         with pytest.raises(SpecragConnectionError):
             await client.health()
 

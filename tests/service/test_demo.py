@@ -12,7 +12,7 @@ from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import ensure_assets
 from specrag.service.demo import run_demo
 from specrag.service.server import create_app, serving
-from tests.controller.conftest import make_controller
+from tests.helpers import make_controller
 
 pytestmark = pytest.mark.engine
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from specrag.controller.controller import RagRequest
@@ -11,19 +9,9 @@ from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from specrag.service.kv_mirror import KVMirror
-from tests.controller.conftest import make_controller, scripted_index
+from tests.helpers import make_controller, scripted_index, wait_until
 
 pytestmark = pytest.mark.engine
-
-
-async def _eventually(condition: object, within_s: float = 5.0) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while loop.time() < deadline:
-        if callable(condition) and condition():
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 async def test_served_documents_become_resident_and_a_reset_clears_them(
@@ -39,8 +27,8 @@ async def test_served_documents_become_resident_and_a_reset_clears_them(
         order = list(done.prompt.document_ids())
         # The first event retires the capacity model; a late subscriber first replays the
         # engine's backlog, which may take a moment after other tests.
-        assert await _eventually(lambda: not controller.tree.uses_capacity_model, within_s=20)
-        assert await _eventually(lambda: controller.tree.cached_prefix(order).docs == 3)
+        await wait_until(lambda: not controller.tree.uses_capacity_model, within_s=20)
+        await wait_until(lambda: controller.tree.cached_prefix(order).docs == 3)
         assert controller.tree.system_prompt_resident()
 
         await controller.reset_prefix_cache()

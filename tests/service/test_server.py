@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,25 +14,22 @@ import pytest_asyncio
 from specrag.controller.controller import RagController
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
-from tests.controller.conftest import make_controller, scripted_index
-from tests.controller.test_controller_engine import QUESTION, A, B, assert_engine_idle
+from tests.helpers import (
+    QUESTION,
+    TOKEN,
+    A,
+    B,
+    assert_engine_idle,
+    make_controller,
+    metric,
+    running,
+    scripted_index,
+)
 
 pytestmark = pytest.mark.engine
 
-TOKEN = "test-token-123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MAX_BODY = 16 * 1024
-
-
-@contextlib.asynccontextmanager
-async def running(controller: RagController, **options: Any) -> AsyncIterator[str]:
-    """The service for ``controller`` on a free loopback port, closed (queries aborted) on exit."""
-    try:
-        async with serving(create_app(controller, **options)) as url:
-            yield url
-    finally:
-        await controller.close()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -59,14 +54,6 @@ def sse_events(text: str) -> list[tuple[str, str]]:
         fields = dict(line.split(": ", 1) for line in block.splitlines())
         events.append((fields.get("event", "message"), fields["data"]))
     return events
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample's value from Prometheus text (0 when the series does not exist yet)."""
-    wanted = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
-    pattern = re.escape(name + (f"{{{wanted}}}" if labels else "")) + r" ([0-9.e+-]+)$"
-    match = re.search(pattern, text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
 
 
 async def metrics_text(http: aiohttp.ClientSession, url: str) -> str:

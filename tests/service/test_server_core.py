@@ -11,12 +11,14 @@ import pytest_asyncio
 from specrag.controller.controller import RagController
 from specrag.service.assets import Assets
 from specrag.service.server import create_app, serving
-from tests.controller.conftest import make_controller, scripted_index
-from tests.controller.test_controller_engine import QUESTION, A
-from tests.controller.test_query_run import (
+from tests.helpers import (
+    QUESTION,
+    A,
     StandInSupervision,
     SupervisedSimulation,
     count_question_tokenizations,
+    make_controller,
+    scripted_index,
 )
 
 

@@ -1,0 +1,341 @@
+"""What the tests share besides fixtures: constants, fakes, and helpers that run, poll and serve.
+
+Fixtures live in the ``conftest.py`` files; everything else more than one test module needs lives
+here, once. No test module imports another test module (or a conftest), so a test file can change
+or go without breaking the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import random
+import re
+import socket
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Any, cast
+
+import numpy as np
+
+from specrag.cache import BlockRemoved, BlockStored, DocId, KVEvent, PromptLayout, build_layout
+from specrag.cache.residency import chain_block_keys
+from specrag.controller.controller import ControllerConfig, RagController
+from specrag.pipeline.default_model import DefaultModelSpec
+from specrag.pipeline.engine import (
+    Engine,
+    EngineCounts,
+    EngineOutput,
+    Sampling,
+    Supervision,
+    SupervisionStatus,
+)
+from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.retrieval.stages import StagePlan, StageResult
+from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.assets import Assets
+from specrag.service.server import create_app, serving
+from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
+
+# Small enough to build in seconds and prefill fast, same architecture and tokenizer kind as the default.
+TINY_MODEL_SPEC = DefaultModelSpec(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
+
+# A question the default corpus answers, and two scripted top-4 lists sharing their first two passages.
+QUESTION = "How does asyncio.run create and close the event loop?"
+A = [10, 11, 12, 13]
+B = [10, 11, 14, 15]
+# The bearer token of the services the tests start.
+TOKEN = "test-token-123"
+
+
+# ------------------------------------------------------------------------------------- waiting
+
+
+async def wait_until(
+    condition: Callable[[], bool | Awaitable[bool]],
+    within_s: float = 5.0,
+    *,
+    every_s: float = 0.05,
+    what: Callable[[], str] | None = None,
+) -> None:
+    """Poll ``condition`` (sync or async) until it holds; AssertionError if not within ``within_s``.
+
+    ``every_s`` is how long to yield between polls (short for the simulated engine, whose steps
+    take milliseconds); ``what`` describes the state when it fails.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        result = condition()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {within_s} s" + (f": {what()}" if what else ""))
+        await asyncio.sleep(every_s)
+
+
+def engine_queues_empty(counts: EngineCounts) -> bool:
+    return counts.running == counts.waiting == counts.unfinished == 0
+
+
+async def engine_idle(engine: Engine) -> bool:
+    """The engine's own queues (not our bookkeeping) hold nothing."""
+    return engine_queues_empty(await engine.counts())
+
+
+async def assert_engine_idle(engine: Engine, controller: RagController, within_s: float = 5.0) -> None:
+    """No request of ours remains: neither in the controller, nor in the engine's own queues."""
+    last: list[EngineCounts] = []
+
+    async def idle() -> bool:
+        last[:] = [await engine.counts()]
+        return (
+            engine_queues_empty(last[0])
+            and not controller.in_flight_request_ids()
+            and controller.gate.pool == 0
+        )
+
+    def left() -> str:
+        return f"requests left: {controller.in_flight_request_ids()} {last} pool={controller.gate.pool}"
+
+    await wait_until(idle, within_s, what=left)
+    assert engine.load().prefilling == 0
+
+
+# ------------------------------------------------------------------------------------- engines
+
+
+def random_prompt(seed: int, length: int) -> list[int]:
+    """Token ids of a prompt nothing else shares (ids 3-999: inside every test model's vocabulary)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(length)]
+
+
+async def run_prompt(
+    engine: Engine, prompt: Sequence[int], sampling: Sampling | int = 1, *, request_id: str | None = None
+) -> list[EngineOutput]:
+    """Every output of one request (``sampling`` as an int is ``max_tokens``); a fresh id by default."""
+    if isinstance(sampling, int):
+        sampling = Sampling(max_tokens=sampling)
+    request_id = request_id or uuid.uuid4().hex
+    return [output async for output in engine.generate(request_id, prompt, sampling)]
+
+
+# Quick to give up on a simulated engine: the fault tests take milliseconds, not minutes.
+FAST_POLICY = SupervisorPolicy(probe_timeout_s=0.3, close_timeout_s=1.0, max_attempts=3, backoff_s=0.05)
+
+
+async def supervised(started: list[SimulatedEngine]) -> SupervisedEngine:
+    """A supervised simulated engine; every engine it starts (the first, replacements) joins ``started``."""
+
+    async def start() -> SimulatedEngine:
+        engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+        started.append(engine)
+        return engine
+
+    return await SupervisedEngine(start, FAST_POLICY).start()
+
+
+async def close_stream(stream: AsyncIterator[Any]) -> None:
+    """Leave an engine's output stream early (the protocol types it as an iterator; it is a generator)."""
+    await cast(AsyncGenerator[Any, None], stream).aclose()
+
+
+# ------------------------------------------------------------------------------------- controllers
+
+
+class ScriptedSearcher:
+    """A staged searcher whose stages are given: to make speculation right or wrong on purpose."""
+
+    kind = "scripted"
+    owner: Any = None
+
+    def __init__(self, stages: Sequence[Sequence[int]], ntotal: int, dim: int, stage_delay_s: float) -> None:
+        self._stages = [list(ids) for ids in stages]
+        self._ntotal = ntotal
+        self._dim = dim
+        self._delay = stage_delay_s
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def ntotal(self) -> int:
+        return self._ntotal
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.array([self._stages[-1][:k]] * len(queries), dtype=np.int64)
+        return np.zeros(ids.shape, dtype=np.float32), ids
+
+    def stages(self, queries: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
+        for number, ids in enumerate(self._stages, start=1):
+            time.sleep(self._delay)  # the search's own time, in the search thread
+            row = np.array([ids[:k]] * len(queries), dtype=np.int64)
+            yield StageResult(
+                number, row, np.zeros(row.shape, dtype=np.float32), number == len(self._stages), self._delay
+            )
+
+
+def scripted_index(
+    assets: Assets, stages: Sequence[Sequence[int]], stage_delay_s: float = 0.3
+) -> VectorIndex:
+    searcher = ScriptedSearcher(stages, len(assets.passages), assets.index.dim, stage_delay_s)
+    return VectorIndex(searcher, assets.index.passage_ids, None, assets.index.embedder)
+
+
+def make_controller(
+    engine: Engine, assets: Assets, index: VectorIndex | None = None, **config: Any
+) -> RagController:
+    builder = PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
+    return RagController(engine, index or assets.index, builder, ControllerConfig(**config))
+
+
+# ------------------------------------------------------------------------------------- services
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (free once the probe socket closes)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def running(controller: RagController, **options: Any) -> AsyncIterator[str]:
+    """The service for ``controller`` on a free loopback port, closed (queries aborted) on exit."""
+    try:
+        async with serving(create_app(controller, **options)) as url:
+            yield url
+    finally:
+        await controller.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value from Prometheus text (0 when the series does not exist yet)."""
+    wanted = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    pattern = re.escape(name + (f"{{{wanted}}}" if labels else "")) + r" ([0-9.e+-]+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+# ------------------------------------------------------------------------------------- cache
+
+
+# The knowledge-tree tests' tiny engine: a set of stored content keys and vLLM-like events.
+# Independent of the tree under test: it only shares the content-key function, whose single job
+# (chaining block contents) is checked on its own in test_residency.py.
+BLOCK = 4
+SYSTEM = (1, 2, 3, 4, 5, 6)
+QUESTION_TOKENS = (9, 9, 9)
+
+
+def doc_tokens(doc_id: DocId) -> tuple[int, ...]:
+    """Lengths 1..11 so documents end on, before and across block boundaries (ids are integers)."""
+    number = int(doc_id)
+    return tuple(100 * (number + 1) + i for i in range(1 + (number * 5) % 11))
+
+
+def layout(order: Sequence[DocId]) -> PromptLayout:
+    return build_layout(SYSTEM, [(d, doc_tokens(d)) for d in order], QUESTION_TOKENS)
+
+
+class FakeEngine:
+    """Stores every full block of a served prompt; evicts only when told."""
+
+    def __init__(self) -> None:
+        self.hash_of: dict[int, int] = {}  # content key -> engine hash
+
+    def serve(self, prompt: PromptLayout) -> list[KVEvent]:
+        keys = chain_block_keys(prompt.token_ids, BLOCK)
+        events: list[KVEvent] = []
+        for i, key in enumerate(keys):
+            if key not in self.hash_of:
+                self.hash_of[key] = hash(("engine", key))
+                parent = self.hash_of[keys[i - 1]] if i else None
+                tokens = prompt.token_ids[i * BLOCK : (i + 1) * BLOCK]
+                events.append(BlockStored((self.hash_of[key],), parent, tokens, BLOCK))
+        return events
+
+    def evict(self, keys: Sequence[int]) -> list[KVEvent]:
+        hashes = tuple(self.hash_of.pop(k) for k in keys if k in self.hash_of)
+        return [BlockRemoved(hashes)] if hashes else []
+
+    def cached(self, order: Sequence[DocId]) -> tuple[int, int]:
+        """Ground truth (tokens, leading whole documents) a prompt in this order would reuse.
+
+        Blocks reaching into the question are not counted: questions differ between requests.
+        """
+        prompt = layout(order)
+        documents_end = prompt.segments[-1].start
+        blocks = 0
+        for key in chain_block_keys(prompt.token_ids[:documents_end], BLOCK):
+            if key not in self.hash_of:
+                break
+            blocks += 1
+        docs = 0
+        for seg in prompt.segments[1:]:
+            if seg.kind != "document" or seg.end > blocks * BLOCK:
+                break
+            docs += 1
+        return blocks * BLOCK, docs
+
+
+class StandInSupervision:
+    """A supervisor that is no SupervisedEngine: the controller and the service must still find it."""
+
+    def __init__(self) -> None:
+        self.reports: list[str] = []
+        self.waits = 0
+
+    def status(self) -> SupervisionStatus:
+        return SupervisionStatus(state="ready", restarts=3, last_recovery_s=1.5)
+
+    def report_failure(self, reason: str) -> None:
+        self.reports.append(reason)
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        self.waits += 1
+        return True
+
+
+class SupervisedSimulation(SimulatedEngine):
+    """The simulated engine offering a supervision capability."""
+
+    def __init__(self, supervision: StandInSupervision) -> None:
+        super().__init__(time_scale=0.01, max_model_len=4096)
+        self._supervision = supervision
+
+    @property
+    def supervision(self) -> Supervision | None:
+        return self._supervision
+
+
+def count_question_tokenizations(controller: RagController) -> list[str]:
+    """The questions the controller's prompt builder tokenizes, one entry per call."""
+    seen: list[str] = []
+    tokenize = controller.builder.question_tokens
+
+    def counting(question: str) -> list[int]:
+        seen.append(question)
+        return tokenize(question)
+
+    controller.builder.question_tokens = counting  # type: ignore[method-assign]
+    return seen
