@@ -11,11 +11,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from specrag.cache.layout import DocId
+from specrag.cache.ordering import ExactOrder, Ordering
+from specrag.cache.tree import KnowledgeTree
 from specrag.errors import InvalidInputError
 
 T = TypeVar("T")
@@ -76,3 +79,108 @@ class AdmissionQueue(Generic[T]):
         entry.taken = True
         self._len -= 1
         return entry.request
+
+
+@dataclass(eq=False)
+class _Waiting(Generic[T]):
+    request: T
+    doc_ids: tuple[DocId, ...]
+    prompt_tokens: int
+    enqueued: float
+    documents: frozenset[DocId]
+
+
+class WindowScheduler(Generic[T]):
+    """Choose the next request *and* its document order together, over a bounded window.
+
+    RAGCache's queue ranks waiting requests by cached/compute tokens; it cannot see that two
+    waiting requests share documents the cache does not hold yet. Here the next request is taken
+    from the oldest ``window_requests`` waiting ones (and, with ``window_s``, only those that
+    arrived within that many seconds of the oldest), ordered with :class:`ExactOrder` against the
+    tree at the moment it is admitted, and chosen by cached/compute ratio with ties to the one
+    sharing most documents with the rest of the window. Behind its cached prefix its documents
+    are ordered for the window: first the document most of the waiting requests that share that
+    prefix also hold, then the most common among those holding both, and so on (the offline
+    plan's shared-prefix tree, built over what is waiting), so the requests admitted next find
+    those documents cached. A request that has waited past ``starvation_window_s`` goes next,
+    as in :class:`AdmissionQueue`.
+    """
+
+    def __init__(
+        self,
+        starvation_window_s: float,
+        *,
+        window_requests: int = 16,
+        window_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if starvation_window_s < 0 or window_requests < 1 or (window_s is not None and window_s < 0):
+            raise InvalidInputError("the windows must be positive and the starvation window not negative")
+        self.starvation_window_s = starvation_window_s
+        self.window_requests = window_requests
+        self.window_s = window_s
+        self._clock = clock
+        self._policy = ExactOrder()
+        self._waiting: list[_Waiting[T]] = []
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def push(self, request: T, doc_ids: Sequence[DocId], prompt_tokens: int) -> None:
+        """Queue a request with its documents (retrieval rank) and its prompt length in tokens."""
+        documents = frozenset(doc_ids)
+        if len(documents) != len(doc_ids):
+            raise InvalidInputError("a request lists the same document twice")
+        if prompt_tokens < 0:
+            raise InvalidInputError("the prompt length cannot be negative")
+        self._waiting.append(_Waiting(request, tuple(doc_ids), prompt_tokens, self._clock(), documents))
+
+    def pop(self, tree: KnowledgeTree) -> tuple[T, Ordering]:
+        """The request to admit now and its document order; IndexError when empty."""
+        if not self._waiting:
+            raise IndexError("pop from an empty window scheduler")
+        oldest = self._waiting[0]
+        if self._clock() - oldest.enqueued > self.starvation_window_s:
+            window = [oldest]
+        else:
+            window = self._waiting[: self.window_requests]
+            if self.window_s is not None:
+                window = [w for w in window if w.enqueued - oldest.enqueued <= self.window_s]
+        shared = Counter(d for w in window for d in w.documents)
+        best: tuple[float, int, int] | None = None
+        chosen = oldest
+        chosen_order = None
+        for index, waiting in enumerate(window):
+            ordering = self._policy.order(tree, waiting.doc_ids)
+            cached = ordering.cached.tokens
+            ratio = cached / max(waiting.prompt_tokens - cached, 1)
+            score = (ratio, sum(shared[d] for d in waiting.documents), -index)
+            if best is None or score > best:
+                best, chosen, chosen_order = score, waiting, ordering
+        assert chosen_order is not None
+        self._waiting.remove(chosen)
+        others = [w.documents for w in window if w is not chosen]
+        return chosen.request, _order_for_window(tree, chosen_order, others)
+
+
+def _order_for_window(tree: KnowledgeTree, ordering: Ordering, others: list[frozenset[DocId]]) -> Ordering:
+    """Reorder what follows the cached prefix for the waiting requests that share that prefix."""
+    ordered = ordering.doc_ids
+    keep = ordering.cached.docs
+    head = ordered[:keep]
+    group = [docs for docs in others if docs.issuperset(head)]
+    rest = list(ordered[keep:])
+    tail: list[DocId] = []
+    while group and rest:
+        counts = Counter(d for docs in group for d in docs)
+        doc_id = max(rest, key=lambda d: counts[d])  # the first of equals: exact's order breaks ties
+        if not counts[doc_id]:
+            break
+        tail.append(doc_id)
+        rest.remove(doc_id)
+        group = [docs for docs in group if doc_id in docs]
+    reordered = (*head, *tail, *rest)
+    match = tree.cached_prefix(reordered)
+    if (match.tokens, match.docs) < (ordering.cached.tokens, ordering.cached.docs):
+        return ordering  # a partly evicted document after the prefix reused more where it was
+    return Ordering(reordered, match)

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specrag.cache import POLICY_NAMES, KnowledgeTree, get_policy
-from specrag.cache.ordering import OracleOrder
+from specrag.cache.ordering import MyopicOracleOrder
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
 from tests.cache.helpers import BLOCK, SYSTEM, FakeEngine, layout
@@ -38,7 +38,7 @@ def brute_force_best(engine: FakeEngine, request: list[int]) -> tuple[int, int]:
 
 @settings(max_examples=80, deadline=None)
 @given(served_orders, st.lists(st.integers(0, 1000), max_size=8), requests)
-def test_exact_equals_the_oracle_and_never_loses_to_greedy(
+def test_exact_reuses_the_most_any_order_can_for_the_request_and_never_loses_to_greedy(
     orders: list[tuple[int, ...]], evictions: list[int], request: list[int]
 ) -> None:
     tree, engine = build(orders, evictions)
@@ -48,7 +48,7 @@ def test_exact_equals_the_oracle_and_never_loses_to_greedy(
     assert engine.cached(exact.doc_ids) == best  # on the engine's ground truth, not the tree's
     assert (exact.cached.tokens, exact.cached.docs) == best  # and the tree predicted it
     assert engine.cached(exact.doc_ids) >= engine.cached(greedy.doc_ids)
-    oracle = get_policy("oracle").order(tree, request)
+    oracle = get_policy("myopic-oracle").order(tree, request)
     assert engine.cached(oracle.doc_ids) == best
 
 
@@ -91,7 +91,7 @@ def test_the_longest_cached_prefix_comes_first_then_popular_documents() -> None:
     assert get_policy("exact-rank").order(tree, [1, 6, 5, 9]).doc_ids == (6, 1, 5, 9)
 
 
-def test_oracle_accepts_an_external_probe() -> None:
+def test_myopic_oracle_accepts_an_external_probe() -> None:
     tree, _ = build([(1, 2)], [])
     probed: list[tuple[int, ...]] = []
 
@@ -99,7 +99,7 @@ def test_oracle_accepts_an_external_probe() -> None:
         probed.append(tuple(prefix))
         return tree.cached_prefix(prefix)
 
-    OracleOrder(probe).order(tree, [2, 1, 3])
+    MyopicOracleOrder(probe).order(tree, [2, 1, 3])
     assert (1, 2) in probed and () in probed
 
 
