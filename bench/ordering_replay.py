@@ -90,15 +90,21 @@ class Window:
             ) from None
 
 
+def saturating_rate(prompt_tokens: Sequence[int], profile: PrefillProfile, load: float) -> float:
+    """Arrivals per second that keep one slot ``load`` times busy if nothing were cached."""
+    mean_cold_s = float(np.mean([profile.seconds(tokens) for tokens in prompt_tokens]))
+    return load / mean_cold_s
+
+
 def arrival_times(trace: Sequence[TraceRequest], rate_per_s: float | None, seed: int = 0) -> list[float]:
-    """The trace's own arrival times, else a Poisson process at ``rate_per_s``."""
-    if all(r.arrival_s is not None for r in trace):
+    """A Poisson process at ``rate_per_s`` when given, else the trace's own arrival times."""
+    if rate_per_s is None and all(r.arrival_s is not None for r in trace):
         times = [float(r.arrival_s) for r in trace if r.arrival_s is not None]
         if any(b < a for a, b in itertools.pairwise(times)):
             raise InvalidInputError("the trace's arrival_s values must not decrease")
         return times
     if rate_per_s is None or rate_per_s <= 0:
-        raise InvalidInputError("the trace has no arrival_s on every line: give a positive --rate")
+        raise InvalidInputError("the replay needs arrival_s on every line or a positive rate")
     gaps = np.random.default_rng(seed).exponential(1.0 / rate_per_s, size=len(trace))
     return [float(t) for t in np.cumsum(gaps)]
 

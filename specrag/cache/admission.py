@@ -164,9 +164,23 @@ class WindowScheduler(Generic[T]):
 
 
 def _order_for_window(tree: KnowledgeTree, ordering: Ordering, others: list[frozenset[DocId]]) -> Ordering:
-    """Reorder what follows the cached prefix for the waiting requests that share that prefix."""
-    ordered = ordering.doc_ids
-    keep = ordering.cached.docs
+    """Reorder what follows the cached prefix for the waiting requests that share that prefix.
+
+    The prefix is the leading whole documents the engine holds, plus the next one when its
+    leading blocks survive (then keeping it in place is what reuses them).
+    """
+    cached = (ordering.cached.tokens, ordering.cached.docs)
+    for keep in (ordering.cached.docs, ordering.cached.docs + 1):
+        reordered = _shared_first(ordering.doc_ids, keep, others)
+        match = tree.cached_prefix(reordered)
+        if (match.tokens, match.docs) >= cached:
+            return Ordering(reordered, match)
+    return ordering
+
+
+def _shared_first(ordered: tuple[DocId, ...], keep: int, others: list[frozenset[DocId]]) -> tuple[DocId, ...]:
+    """Keep ``keep`` leading documents, then greedily the one most of the requests holding the
+    path so far also hold (the offline plan's shared-prefix tree, over the waiting requests)."""
     head = ordered[:keep]
     group = [docs for docs in others if docs.issuperset(head)]
     rest = list(ordered[keep:])
@@ -179,8 +193,4 @@ def _order_for_window(tree: KnowledgeTree, ordering: Ordering, others: list[froz
         tail.append(doc_id)
         rest.remove(doc_id)
         group = [docs for docs in group if doc_id in docs]
-    reordered = (*head, *tail, *rest)
-    match = tree.cached_prefix(reordered)
-    if (match.tokens, match.docs) < (ordering.cached.tokens, ordering.cached.docs):
-        return ordering  # a partly evicted document after the prefix reused more where it was
-    return Ordering(reordered, match)
+    return (*head, *tail, *rest)

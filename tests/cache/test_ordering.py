@@ -109,3 +109,32 @@ def test_unknown_policy_and_duplicate_documents_are_rejected() -> None:
     tree, _ = build([], [])
     with pytest.raises(InvalidInputError):
         get_policy("exact").order(tree, [1, 1])
+
+
+def test_the_rest_follows_affinity_not_global_popularity() -> None:
+    # 7 is served most (3 times) but never with this request's documents; 1 was served twice,
+    # each time with 2 or 3, so after the cached prefix 2 -> 3 it comes before 7
+    tree, _ = build([(2, 3), (5, 1, 2), (5, 1, 3), (7, 4), (7, 4), (7, 4)], [])
+    assert tree.popularity(7) > tree.popularity(1)
+    assert get_policy("exact").order(tree, [7, 1, 3, 2]).doc_ids == (2, 3, 1, 7)
+    assert get_policy("exact-rank").order(tree, [7, 1, 3, 2]).doc_ids == (2, 3, 7, 1)
+
+
+def test_after_an_eviction_exact_takes_the_remembered_path_again() -> None:
+    tree, engine = build([(2, 4, 6), (2, 4, 6)], [])
+    prompt = layout((2, 4, 6))
+    keys = chain_block_keys(prompt.token_ids, BLOCK)
+    tree.apply_events(engine.evict(keys[prompt.segments[2].start // BLOCK :]))  # 4 and 6 are gone
+    # affinity alone would put 6 before 4 here: served with 8 twice more, so it is more popular
+    for order in [(8, 6), (8, 6)]:
+        tree.record_served(layout(order))
+    ordered = get_policy("exact").order(tree, [6, 4, 2]).doc_ids
+    assert ordered == (2, 4, 6)  # the evicted path, re-created, is where later requests will go
+    assert get_policy("exact-rank").order(tree, [6, 4, 2]).doc_ids == (2, 4, 6)
+
+
+def test_a_resident_prefix_is_never_given_up_for_the_remembered_path() -> None:
+    tree, _ = build([(1, 2, 3), (1, 2, 3), (1, 2, 3), (5, 3)], [])
+    exact = get_policy("exact").order(tree, [3, 5, 2, 1])
+    assert exact.doc_ids[:3] == (1, 2, 3)
+    assert exact.cached == tree.cached_prefix(exact.doc_ids)
