@@ -176,7 +176,10 @@ def _by_affinity(tree: KnowledgeTree, request: Sequence[DocId], rest: list[DocId
     its popularity), most first; retrieval rank breaks ties. ``map`` keeps the k² look-ups in C.
     """
     zeros = repeat(0)
-    scores = [-sum(map(tree.companions(d).get, request, zeros)) for d in rest]
+    rows = [tree.companions(d) for d in rest]
+    if not any(rows):
+        return rest  # nothing of it was ever served: retrieval rank
+    scores = [-sum(map(row.get, request, zeros)) if row else 0 for row in rows]
     return [d for _, _, d in sorted(zip(scores, range(len(rest)), rest, strict=True))]
 
 
@@ -220,7 +223,10 @@ def _best_resident_prefix(
             ends.pop()
             path.pop()
             remaining.add(doc_id)
-        score = (tokens, bisect_right(ends, tokens), node.pgdsf.frequency)
+        docs = bisect_right(ends, tokens)
+        if (tokens, docs) < best_score[:2]:
+            return
+        score = (tokens, docs, node.pgdsf.frequency)  # hits only break ties: read them last
         if score > best_score:
             best_score = score
             if frontier is None:
