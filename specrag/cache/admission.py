@@ -4,6 +4,11 @@ When more requests wait than the engine's prefill pool takes, serving those with
 prefix and little to compute first raises the hit rate: their KV is reused before it can be
 evicted, and short computations displace little. Ratio order alone can starve a request with
 nothing cached, so a request that has waited longer than the starvation window goes next.
+
+:class:`AdmissionQueue` ranks by the ratio predicted when a request was queued;
+:class:`WindowScheduler` decides at admission time, against the tree as it is then, which of the
+oldest waiting requests goes next and in which document order, so that the requests after it
+find what it leaves cached.
 """
 
 from __future__ import annotations
