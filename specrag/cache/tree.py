@@ -30,7 +30,7 @@ from specrag.cache.residency import BlockLRU, BlockResidency, chain_block_keys
 from specrag.errors import InvalidInputError
 
 _NO_COMPANIONS: Mapping[DocId, int] = {}
-MAX_COMPANIONS = 512
+MAX_COMPANIONS = 64
 """Companions remembered per document; past it only the most frequent half is kept."""
 
 
