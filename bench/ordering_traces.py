@@ -17,15 +17,21 @@ seeds and shapes) instead of one:
 - with probability ``locality`` a question is on the same subject as the one before (users
   asking follow-ups, a subject in the news): subjects come in runs instead of fully interleaved;
 - arrivals are a Poisson process of ``rate_per_s`` questions a second.
+
+    python -m bench.ordering_traces --shape contextpilot --seed 11 -n 500 --out T.jsonl
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from bench.traces import TraceRequest
+from bench.traces import TraceRequest, write_trace
 from specrag.errors import InvalidInputError
 
 
@@ -97,3 +103,24 @@ def topic_cluster_trace(n: int, shape: TopicShape | None = None, *, seed: int = 
                 docs.insert(int(rng.integers(len(docs) + 1)), noise)
         requests.append(TraceRequest(i, tuple(docs), arrival_s=round(float(arrivals[i]), 6)))
     return requests
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.ordering_traces", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="contextpilot")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-n", "--requests", type=int, default=500)
+    parser.add_argument("--out", type=Path, required=True, help="JSONL trace to write")
+    args = parser.parse_args(argv)
+    try:
+        write_trace(args.out, topic_cluster_trace(args.requests, SHAPES[args.shape], seed=args.seed))
+    except (InvalidInputError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,13 +2,14 @@
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 
-from bench import ordering
+from bench import ordering, ordering_traces
 from bench.ordering_replay import Window
 from bench.ordering_traces import SHAPES, TopicShape, topic_cluster_trace
-from bench.traces import TraceRequest
+from bench.traces import TraceRequest, read_trace
 from specrag.errors import InvalidInputError
 
 
@@ -62,3 +63,10 @@ def test_topic_traces_are_seeded_and_cluster_by_subject() -> None:
     assert times == sorted(times)  # type: ignore[type-var]
     with pytest.raises(InvalidInputError):
         topic_cluster_trace(5, TopicShape(docs_per_topic=5))
+
+
+def test_trace_generator_cli_writes_a_readable_trace_and_rejects_bad_input(tmp_path: Path) -> None:
+    out = tmp_path / "t.jsonl"
+    assert ordering_traces.main(["--shape", "runs", "--seed", "2", "-n", "30", "--out", str(out)]) == 0
+    assert read_trace(out) == topic_cluster_trace(30, SHAPES["runs"], seed=2)
+    assert ordering_traces.main(["-n", "-1", "--out", str(out)]) == 2
