@@ -140,6 +140,14 @@ class WindowScheduler(Generic[T]):
             raise InvalidInputError("the prompt length cannot be negative")
         self._waiting.append(_Waiting(request, tuple(doc_ids), prompt_tokens, self._clock(), documents))
 
+    def remove(self, request: T) -> bool:
+        """Forget a waiting request (its client left); False if it was not waiting."""
+        for index, waiting in enumerate(self._waiting):
+            if waiting.request is request:
+                del self._waiting[index]
+                return True
+        return False
+
     def pop(self, tree: KnowledgeTree) -> tuple[T, Ordering]:
         """The request to admit now and its document order; IndexError when empty."""
         if not self._waiting:

@@ -140,6 +140,19 @@ def test_window_never_reuses_less_than_exact_for_the_request_it_admits(
     assert sorted(admitted) == list(range(len(waiting)))
 
 
+def test_a_removed_request_is_neither_admitted_nor_counted_as_sharing() -> None:
+    tree = window_tree((1, 2))
+    window: WindowScheduler[str] = WindowScheduler(10.0, clock=Clock())
+    gone, first = "gone", "first"
+    window.push(first, (5, 9, 1, 2), prompt_tokens((5, 9, 1, 2)))
+    window.push(gone, (1, 2, 9), prompt_tokens((1, 2, 9)))
+    assert window.remove(gone) and not window.remove(gone)
+    name, ordering = window.pop(tree)
+    # with "gone" waiting, 9 (which it shares behind 1, 2) would come first; now rank order
+    assert name == "first" and ordering.doc_ids[2:] == (5, 9)
+    assert len(window) == 0
+
+
 def test_window_rejects_bad_input() -> None:
     with pytest.raises(InvalidInputError):
         WindowScheduler(-1.0)
