@@ -32,6 +32,7 @@ class TraceRequest:
     rid: int | str
     docs: tuple[DocId, ...]
     conv: str | None = None
+    arrival_s: float | None = None  # seconds from the trace's start, for arrival-timed replays
 
 
 def _zipf_weights(corpus: int, exponent: float) -> np.ndarray:
@@ -159,7 +160,12 @@ def _parse_line(line: str, lineno: int) -> TraceRequest:
     conv = record.get("conv")
     if not isinstance(rid, int | str) or isinstance(rid, bool) or not (conv is None or isinstance(conv, str)):
         raise InvalidInputError(f'line {lineno}: "rid" must be an integer or string, "conv" a string')
-    return TraceRequest(rid, tuple(docs), conv)
+    arrival = record.get("arrival_s")
+    if arrival is not None and (
+        not isinstance(arrival, int | float) or isinstance(arrival, bool) or arrival < 0
+    ):
+        raise InvalidInputError(f'line {lineno}: "arrival_s" must be a non-negative number of seconds')
+    return TraceRequest(rid, tuple(docs), conv, None if arrival is None else float(arrival))
 
 
 def read_trace(path: Path) -> list[TraceRequest]:
@@ -177,5 +183,7 @@ def write_trace(path: Path, requests: Sequence[TraceRequest]) -> None:
         record: dict[str, object] = {"rid": r.rid, "docs": list(r.docs)}
         if r.conv is not None:
             record["conv"] = r.conv
+        if r.arrival_s is not None:
+            record["arrival_s"] = r.arrival_s
         lines.append(json.dumps(record))
     atomic_write_text(path, "".join(line + "\n" for line in lines))

@@ -4,11 +4,12 @@ Owns no KV and talks to no network or engine; depends on nothing else of specrag
 controller orders every prompt with a policy over a :class:`KnowledgeTree`, builds it with
 :func:`build_layout`, reports what was served (:meth:`KnowledgeTree.record_served`) and what the
 engine evicted (:meth:`KnowledgeTree.apply_events`) and queues requests with
-:class:`AdmissionQueue`. :func:`plan_batch` orders a batch known in advance (the ordering benchmark's
-offline plan).
+:class:`AdmissionQueue` (or chooses request and document order together over the waiting ones
+with :class:`WindowScheduler`). :func:`plan_batch` orders a batch known in advance (the ordering
+benchmark's offline plan).
 """
 
-from specrag.cache.admission import AdmissionQueue
+from specrag.cache.admission import AdmissionQueue, WindowScheduler
 from specrag.cache.batch import BatchPlan, plan_batch
 from specrag.cache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 from specrag.cache.hints import Dedup, HintConfig, SessionDeduplicator, order_hint
@@ -37,6 +38,7 @@ __all__ = [
     "PromptLayout",
     "Segment",
     "SessionDeduplicator",
+    "WindowScheduler",
     "build_layout",
     "get_policy",
     "order_hint",

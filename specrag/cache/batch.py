@@ -18,25 +18,26 @@ at the root. No pairwise Python loop; scipy does the products and the linkage.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.cluster.hierarchy import linkage
-from scipy.sparse import bmat, csr_matrix
+from scipy.sparse import bmat, csr_matrix, hstack
 from scipy.sparse.csgraph import connected_components
 
 from specrag.cache.layout import DocId
 from specrag.errors import InvalidInputError
 
+_SHIFT_SCALE = float(2**32)
+
 
 @dataclass(frozen=True, slots=True)
 class BatchPlan:
-    """Execution order (request indices), each request's document order, and its search path."""
+    """Execution order (request indices) and each request's document order."""
 
     order: tuple[int, ...]
     contexts: tuple[tuple[DocId, ...], ...]
-    paths: tuple[tuple[int, ...], ...]
 
 
 @dataclass(eq=False)
@@ -50,34 +51,52 @@ class _Cluster:
 def context_distances(x: csr_matrix, positions: csr_matrix, alpha: float) -> np.ndarray:
     """Condensed distances: 1 - shared / max(len) + alpha * rms position shift of shared docs.
 
-    Only pairs sharing a document are computed (the rest stay at distance 1). Positions count
-    from 1, so every product below is non-zero exactly where two contexts share a document:
-    the four sparse results have one pattern and their data arrays line up once sorted.
+    Only pairs sharing a document are computed (the rest stay at distance 1), all in one sparse
+    product: with positions counted from 1, the left factor ``[S x + p², x, -2 p]`` times the
+    right factor ``[x, p², p]`` gives ``S * shared + sum((p_i - p_j)²)`` over shared documents,
+    every term an integer, so with ``S = 2**32`` (more than any squared shift of a context
+    shorter than 1,600 documents) both parts come back exactly. Without the positional term
+    (``alpha == 0``) the product is ``x xᵀ`` alone.
     """
     m = x.shape[0]
-    squares = positions.multiply(positions).tocsr()
-    products = [x @ x.T, squares @ x.T, x @ squares.T, positions @ positions.T]
-    pattern = products[0]
-    if not all(np.array_equal(p.indices, pattern.indices) for p in products[1:]):
-        for product in products:  # same-structure operands give one order; sort only if not
-            product.sort_indices()
-    shared, squares_i, squares_j, cross = (p.data for p in products)
-    indptr, cols = pattern.indptr, pattern.indices
+    if alpha:
+        squares = positions.multiply(positions).tocsr()
+        left = hstack([x * _SHIFT_SCALE + squares, x, positions * -2.0], format="csr")
+        right = hstack([x, squares, positions], format="csr")
+        product = (left @ right.T).tocsr()
+    else:
+        product = (x @ x.T).tocsr()
+    indptr, cols, data = product.indptr, product.indices, product.data
     rows = np.repeat(np.arange(m), np.diff(indptr))
     upper = rows < cols
-    rows, cols, count = rows[upper], cols[upper], shared[upper]
-    squared_shift = np.maximum(squares_i[upper] + squares_j[upper] - 2.0 * cross[upper], 0.0)
+    rows, cols, data = rows[upper], cols[upper], data[upper]
     lengths = np.diff(x.indptr)
-    values = 1.0 - count / np.maximum(lengths[rows], lengths[cols]) + alpha * np.sqrt(squared_shift / count)
+    if alpha:
+        shared = np.floor(data / _SHIFT_SCALE)
+        shift = alpha * np.sqrt(np.maximum(data - shared * _SHIFT_SCALE, 0.0) / shared)
+    else:
+        shared, shift = data, 0.0
+    values = 1.0 - shared / np.maximum(lengths[rows], lengths[cols]) + shift
     condensed = np.ones(m * (m - 1) // 2)
     condensed[m * rows - rows * (rows + 1) // 2 + cols - rows - 1] = values
     return condensed
 
 
 def plan_batch(
-    contexts: Sequence[Sequence[DocId]], *, alpha: float = 0.005, method: str = "average"
+    contexts: Sequence[Sequence[DocId]],
+    *,
+    alpha: float = 0.0,
+    method: str = "average",
+    refine_passes: int = 1,
 ) -> BatchPlan:
-    """Cluster, order and schedule ``contexts`` (each a list of doc ids in retrieval rank)."""
+    """Cluster, order and schedule ``contexts`` (each a list of doc ids in retrieval rank).
+
+    ``alpha`` weighs ContextPilot's positional term (0 by default: on every trace of
+    ``bench.ordering`` it changed reuse by less than 0.005 and it triples the distance cost).
+    ``refine_passes`` bounds the re-insertion passes over the plan's prefix tree.
+    """
+    if alpha < 0 or refine_passes < 0:
+        raise InvalidInputError("alpha and refine_passes cannot be negative")
     for i, ctx in enumerate(contexts):
         if len(set(ctx)) != len(ctx):
             raise InvalidInputError(f"request {i} lists the same document twice")
@@ -89,33 +108,125 @@ def plan_batch(
     frequency = Counter(d for ctx in contexts for d in ctx)
     first_seen = {d: i for i, d in enumerate(frequency)}  # Counter keeps first-seen order
 
+    def by_frequency(docs: Iterable[DocId]) -> list[DocId]:
+        return sorted(docs, key=lambda d: (-frequency[d], first_seen[d]))
+
     leaves = [_Cluster(frozenset(ctx), unique_id=u, size=len(groups[u])) for u, ctx in enumerate(unique)]
     root = _Cluster(frozenset())
     root.children = [_cluster_component(leaves, comp, unique, alpha, method) for comp in _components(unique)]
     _splice(root)
 
-    reordered: list[tuple[DocId, ...]] = [tuple(ctx) for ctx in contexts]
-    paths: list[tuple[int, ...]] = [() for _ in contexts]
-    order: list[int] = []
-    stack: list[tuple[_Cluster, tuple[DocId, ...], tuple[int, ...]]] = [(root, (), ())]
+    orders: list[tuple[DocId, ...]] = [()] * len(unique)
+    stack: list[tuple[_Cluster, tuple[DocId, ...]]] = [(root, ())]
     while stack:
-        node, prefix, path = stack.pop()
+        node, prefix = stack.pop()
         if node.unique_id is not None:
             in_prefix = set(prefix)
-            docs = (*prefix, *(d for d in unique[node.unique_id] if d not in in_prefix))
-            for request in groups[node.unique_id]:
-                reordered[request], paths[request] = docs, path
-                order.append(request)
+            orders[node.unique_id] = (*prefix, *by_frequency(d for d in node.content if d not in in_prefix))
             continue
-        node.children.sort(key=lambda c: -c.size)
-        for index in reversed(range(len(node.children))):
-            child = node.children[index]
-            if child.unique_id is None:  # shared documents: most frequent in the batch first
-                new = sorted(child.content - node.content, key=lambda d: (-frequency[d], first_seen[d]))
-                stack.append((child, (*prefix, *new), (*path, index)))
+        for child in node.children:  # shared documents: most frequent in the batch first
+            stack.append(
+                (
+                    child,
+                    prefix
+                    if child.unique_id is not None
+                    else (*prefix, *by_frequency(child.content - node.content)),
+                )
+            )
+
+    trie = _PrefixTrie()
+    for u, order in enumerate(orders):
+        trie.add(order, len(groups[u]))
+    for _ in range(refine_passes):
+        changed = False
+        for u, order in enumerate(orders):
+            weight = len(groups[u])
+            trie.add(order, -weight)
+            path = trie.deepest_path(order)
+            in_path = set(path)
+            better = (*path, *by_frequency(d for d in order if d not in in_path))
+            trie.add(better, weight)
+            changed = changed or better != order
+            orders[u] = better
+        if not changed:
+            break
+
+    reordered: list[tuple[DocId, ...]] = [()] * len(contexts)
+    for u, group in enumerate(groups):
+        for request in group:
+            reordered[request] = orders[u]
+    by_order = {order: u for u, order in enumerate(orders)}
+    schedule = [request for order in trie.depth_first(by_order) for request in groups[by_order[order]]]
+    return BatchPlan(tuple(schedule), tuple(reordered))
+
+
+class _TrieNode:
+    __slots__ = ("children", "weight")
+
+    def __init__(self) -> None:
+        self.children: dict[DocId, _TrieNode] = {}
+        self.weight = 0  # requests whose order passes through this node
+
+
+class _PrefixTrie:
+    """The plan's shared-prefix tree: document orders weighted by how many requests use them."""
+
+    def __init__(self) -> None:
+        self.root = _TrieNode()
+
+    def add(self, order: Sequence[DocId], weight: int) -> None:
+        """Add (or, with a negative weight, remove) requests using ``order``."""
+        node = self.root
+        for doc_id in order:
+            child = node.children.get(doc_id)
+            if child is None:
+                child = node.children[doc_id] = _TrieNode()
+            child.weight += weight
+            if not child.weight:
+                del node.children[doc_id]
+                return
+            node = child
+
+    def deepest_path(self, docs: Sequence[DocId]) -> list[DocId]:
+        """The longest path made only of ``docs``, ties to the most used; exhaustive, k levels."""
+        best: list[DocId] = []
+        best_weight = -1
+        path: list[DocId] = []
+        remaining = set(docs)
+
+        def visit(node: _TrieNode) -> None:
+            nonlocal best, best_weight
+            if len(path) > len(best) or (len(path) == len(best) and node.weight > best_weight):
+                best, best_weight = list(path), node.weight
+            if len(path) + len(remaining) < len(best):
+                return  # even every remaining document could not make a longer path
+            children = node.children
+            if len(children) < len(remaining):
+                below = [(d, c) for d, c in children.items() if d in remaining]
             else:
-                stack.append((child, prefix, (*path, index)))
-    return BatchPlan(tuple(order), tuple(reordered), tuple(paths))
+                below = [(d, c) for d in remaining if (c := children.get(d)) is not None]
+            for doc_id, child in below:
+                remaining.discard(doc_id)
+                path.append(doc_id)
+                visit(child)
+                path.pop()
+                remaining.add(doc_id)
+
+        visit(self.root)
+        return best
+
+    def depth_first(self, ends: dict[tuple[DocId, ...], int]) -> list[tuple[DocId, ...]]:
+        """The orders in ``ends`` in depth-first order, heavier subtrees first, a path before its
+        extensions: what runs consecutively shares the longest prefixes, as an LRU cache needs."""
+        out: list[tuple[DocId, ...]] = []
+        stack: list[tuple[_TrieNode, tuple[DocId, ...]]] = [(self.root, ())]
+        while stack:
+            node, path = stack.pop()
+            if path in ends:
+                out.append(path)
+            children = sorted(node.children.items(), key=lambda item: item[1].weight)
+            stack.extend((child, (*path, doc_id)) for doc_id, child in children)
+        return out
 
 
 def _components(unique: Sequence[Sequence[DocId]]) -> list[list[int]]:

@@ -2,9 +2,10 @@
 
 All of them return a permutation of the request's documents. The cache-aware ones put the
 longest prefix the engine already holds first; what follows it is ordered for *future* sharing:
-popular documents first (retrieval rank breaks ties), so that requests drawing from the same
-popular documents converge on the same path of the tree. The order hint (hints.py) tells the
-model the original ranking whenever the order changed.
+the path earlier requests took (even where a small cache evicted it), then the documents most
+often served together with this request's (retrieval rank breaks ties), so that requests on one
+subject converge on one path of the tree. The order hint (hints.py) tells the model the original
+ranking whenever the order changed.
 
 - ``retrieval``: the retriever's order (plain APC baseline).
 - ``sorted``: by document id, a canonical order with no cache knowledge.
@@ -12,10 +13,10 @@ model the original ranking whenever the order changed.
 - ``greedy``: RAGCache++'s trie walk, first resident child in rank order at each level.
 - ``exact`` / ``exact-rank``: the best resident prefix by depth-first search of the trie limited
   to the request's documents; "best" is most cached tokens (what APC saves), ties to more whole
-  documents, then more hits; the rest by popularity (``exact``) or retrieval rank (``exact-rank``).
-- ``oracle``: every order of the documents, scored by a probe (the tree by default, the real cache
-  in benchmarks); exhaustive over k! orders, skipping only extensions of a broken prefix, which
-  can never reuse more.
+  documents, then more hits; the rest along the most travelled remembered path, then by affinity
+  (``exact``), or in retrieval rank (``exact-rank``).
+- ``myopic-oracle``: every order of the documents, scored by a probe (the tree by default, the
+  real cache in benchmarks), then ``exact``'s tail: the best for the request at hand only.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Protocol
 
 from specrag.cache.layout import DocId
@@ -54,11 +56,6 @@ def _check_distinct(doc_ids: Sequence[DocId]) -> None:
 def _sort_key(doc_id: DocId) -> tuple[int, int, str]:
     """Ints before strings, each in natural order, so mixed ids sort without a TypeError."""
     return (0, doc_id, "") if isinstance(doc_id, int) else (1, 0, doc_id)
-
-
-def _by_popularity(tree: KnowledgeTree, doc_ids: Sequence[DocId]) -> list[DocId]:
-    """Most served first; ``sorted`` is stable, so retrieval rank breaks ties."""
-    return sorted(doc_ids, key=lambda d: -tree.popularity(d))
 
 
 class _Reorder:
@@ -126,76 +123,133 @@ class ExactOrder:
     O(k) per such node and never more than k levels. At every reached node it also looks one
     step further for a non-resident child whose leading blocks survive (vLLM evicts a prompt's
     tail first), because putting that document next still reuses those blocks.
+
+    After that prefix the prompt follows the most travelled path the tree remembers below it,
+    resident or not: a path evicted from a small cache is where earlier requests went, so taking
+    it again re-creates blocks that later requests (which follow the same path) reuse, instead of
+    forking a new branch that only this request uses. What is left is ordered by *affinity*:
+    how often each document was served together with this request's documents (its own
+    popularity included), so the documents later requests of the same subject are likely to
+    share come first, and an off-topic document, however popular elsewhere, comes last. With
+    ``rank_tail`` the rest keeps retrieval rank instead (``exact-rank``).
     """
 
-    def __init__(self, name: str = "exact", *, popular_tail: bool = True) -> None:
+    def __init__(self, name: str = "exact", *, rank_tail: bool = False) -> None:
         self.name = name
-        self._popular_tail = popular_tail
+        self._rank_tail = rank_tail
 
     def order(self, tree: KnowledgeTree, doc_ids: Sequence[DocId]) -> Ordering:
-        _check_distinct(doc_ids)
+        candidates = set(doc_ids)
+        if len(candidates) != len(doc_ids):
+            raise InvalidInputError("a request lists the same document twice")
         prefix: list[DocId] = []
         if not tree.root.missing:
-            search = _PrefixSearch(tree, doc_ids)
-            search.visit(tree.root)
-            prefix = search.best_prefix
-        chosen = set(prefix)
-        rest = [d for d in doc_ids if d not in chosen]
-        if self._popular_tail:
-            rest = _by_popularity(tree, rest)
+            prefix, end = _best_resident_prefix(tree, doc_ids, candidates)
+            candidates.difference_update(prefix)
+            _follow_travelled_path(end, candidates, prefix)
+        rest = [d for d in doc_ids if d in candidates]
+        if len(rest) > 1 and not self._rank_tail:
+            rest = _by_affinity(tree, doc_ids, rest)
         ordered = (*prefix, *rest)
         return Ordering(ordered, tree.cached_prefix(ordered))
 
 
-class _PrefixSearch:
-    """Depth-first search state of :class:`ExactOrder`; score = (tokens, docs, hits)."""
+def _follow_travelled_path(node: Node, candidates: set[DocId], path: list[DocId]) -> None:
+    """Extend ``path`` from ``node`` through the most used children among ``candidates``."""
+    while candidates and node.children:
+        children = node.children
+        best: Node | None = None
+        for doc_id in candidates:
+            child = children.get(doc_id)
+            if child is not None and (best is None or child.pgdsf.frequency > best.pgdsf.frequency):
+                best = child
+        if best is None:
+            return
+        assert best.doc_id is not None  # only the root has none
+        path.append(best.doc_id)
+        candidates.discard(best.doc_id)
+        node = best
 
-    def __init__(self, tree: KnowledgeTree, doc_ids: Sequence[DocId]) -> None:
-        self.tree = tree
-        self.doc_ids = doc_ids
-        self.candidates = set(doc_ids)
-        self.best: tuple[int, int, int] = (-1, -1, -1)
-        self.best_prefix: list[DocId] = []
-        self._path: list[DocId] = []
-        self._ends: list[int] = []
 
-    def visit(self, node: Node) -> None:
-        tree = self.tree
-        frontier_tokens = tree.resident_tokens(node)
-        frontier: DocId | None = None
-        remaining = self.candidates
-        if len(node.children) < len(remaining):
-            pairs = [(d, c) for d, c in node.children.items() if d in remaining]
+def _by_affinity(tree: KnowledgeTree, request: Sequence[DocId], rest: list[DocId]) -> list[DocId]:
+    """``rest`` by how often each was served with the request's documents (itself included:
+    its popularity), most first; retrieval rank breaks ties. ``map`` keeps the k² look-ups in C.
+    """
+    zeros = repeat(0)
+    rows = [tree.companions(d) for d in rest]
+    if not any(rows):
+        return rest  # nothing of it was ever served: retrieval rank
+    scores = [-sum(map(row.get, request, zeros)) if row else 0 for row in rows]
+    return [d for _, _, d in sorted(zip(scores, range(len(rest)), rest, strict=True))]
+
+
+def _best_resident_prefix(
+    tree: KnowledgeTree, doc_ids: Sequence[DocId], candidates: set[DocId]
+) -> tuple[list[DocId], Node]:
+    """Depth-first search of resident paths made of ``candidates``; best = (tokens, docs, hits).
+
+    Returns the best path and its last node; the path may end with a non-resident document
+    whose leading blocks survive (the frontier). A closure over locals, not an object: this runs
+    on every request's critical path, and local look-ups are the cheapest Python has.
+    """
+    block = tree.block_size
+    partial_tokens = tree.partial_tokens
+    remaining = set(candidates)
+    path: list[DocId] = []
+    ends: list[int] = []
+    best_score = (-1, -1, -1)
+    best_path: list[DocId] = []
+    best_node = tree.root
+
+    def visit(node: Node) -> None:
+        nonlocal best_score, best_path, best_node
+        children = node.children
+        if len(children) < len(remaining):
+            below = [c for d, c in children.items() if d in remaining]
         else:
-            pairs = [
-                (d, c) for d in self.doc_ids if d in remaining and (c := node.children.get(d)) is not None
-            ]
-        for doc_id, child in pairs:
-            if child.missing == 0:
-                remaining.discard(doc_id)
-                self._path.append(doc_id)
-                self._ends.append(child.end)
-                self.visit(child)
-                self._ends.pop()
-                self._path.pop()
-                remaining.add(doc_id)
-            elif (tokens := tree.partial_tokens(child)) > frontier_tokens:
-                frontier_tokens, frontier = tokens, doc_id
-        score = (frontier_tokens, bisect_right(self._ends, frontier_tokens), node.hits)
-        if score > self.best:
-            self.best = score
-            self.best_prefix = self._path + ([frontier] if frontier is not None else [])
+            below = [c for d in doc_ids if d in remaining and (c := children.get(d)) is not None]
+        tokens = node.end // block * block
+        frontier: Node | None = None
+        for child in below:
+            if child.missing:
+                if (partial := partial_tokens(child)) > tokens:
+                    tokens, frontier = partial, child
+                continue
+            doc_id: DocId = child.doc_id  # type: ignore[assignment]  # only the root has none
+            remaining.discard(doc_id)
+            path.append(doc_id)
+            ends.append(child.end)
+            visit(child)
+            ends.pop()
+            path.pop()
+            remaining.add(doc_id)
+        docs = bisect_right(ends, tokens)
+        if (tokens, docs) < best_score[:2]:
+            return
+        score = (tokens, docs, node.pgdsf.frequency)  # hits only break ties: read them last
+        if score > best_score:
+            best_score = score
+            if frontier is None:
+                best_path, best_node = path[:], node
+            else:
+                best_path, best_node = [*path, frontier.doc_id], frontier  # type: ignore[list-item]
+
+    visit(tree.root)
+    return best_path, best_node
 
 
-class OracleOrder:
-    """Exhaustive search over all orders, scored by ``probe`` (default: the tree itself).
+class MyopicOracleOrder:
+    """The best prefix for *this* request over all orders, scored by ``probe`` (default: the tree).
 
-    A prefix whose last document is not fully cached is not extended: the engine's chained
-    blocks stop there, so no extension reuses more documents or tokens. Exponential in the
-    worst case; meant for tests and benchmarks, not for serving.
+    Exhaustive over the request's orders, skipping only extensions of a prefix whose last
+    document is not fully cached (the engine's chained blocks stop there, so no extension reuses
+    more). It is myopic, not an upper bound: it maximises what the current request reuses and then
+    shares ``exact``'s tail, so it knows nothing that helps later requests; an order that gives up
+    a little now for more sharing later (``batch``, a window over waiting requests) can beat it
+    over a trace. Exponential in the worst case; meant for tests and benchmarks, not for serving.
     """
 
-    name = "oracle"
+    name = "myopic-oracle"
 
     def __init__(self, probe: Probe | None = None) -> None:
         self._probe = probe
@@ -217,7 +271,8 @@ class OracleOrder:
         visit((), list(doc_ids))
         prefix = best[0][1]
         chosen = set(prefix)
-        ordered = (*prefix, *_by_popularity(tree, [d for d in doc_ids if d not in chosen]))
+        rest = [d for d in doc_ids if d not in chosen]
+        ordered = (*prefix, *_by_affinity(tree, doc_ids, rest))
         return Ordering(ordered, probe(ordered))
 
 
@@ -227,8 +282,8 @@ _FACTORIES: dict[str, Callable[[], OrderingPolicy]] = {
     "recency": RecencyOrder,
     "greedy": GreedyOrder,
     "exact": ExactOrder,
-    "exact-rank": lambda: ExactOrder("exact-rank", popular_tail=False),
-    "oracle": OracleOrder,
+    "exact-rank": lambda: ExactOrder("exact-rank", rank_tail=True),
+    "myopic-oracle": MyopicOracleOrder,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 

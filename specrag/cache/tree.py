@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -28,6 +28,10 @@ from specrag.cache.layout import DocId, PromptLayout, Segment
 from specrag.cache.pgdsf import PgdsfStats, PrefillProfile
 from specrag.cache.residency import BlockPool, BlockResidency, chain_block_keys
 from specrag.errors import InvalidInputError
+
+_NO_COMPANIONS: Mapping[DocId, int] = {}
+MAX_COMPANIONS = 64
+"""Companions remembered per document; past it only the most frequent half is kept."""
 
 
 class Node:
@@ -107,6 +111,7 @@ class KnowledgeTree:
         self._clock = 0.0
         self._doc_hits: dict[DocId, int] = {}
         self._doc_last: dict[DocId, int] = {}
+        self._companions: dict[DocId, dict[DocId, int]] = {}
         self.root = Node(None, None, 0, len(self._system))
         self._assign_keys(self.root, chain_block_keys(self._system, block_size))
 
@@ -136,6 +141,10 @@ class KnowledgeTree:
     def popularity(self, doc_id: DocId) -> int:
         """How many served prompts contained the document (bounded memory: rare ones forgotten)."""
         return self._doc_hits.get(doc_id, 0)
+
+    def companions(self, doc_id: DocId) -> Mapping[DocId, int]:
+        """How many served prompts held each other document together with ``doc_id``."""
+        return self._companions.get(doc_id, _NO_COMPANIONS)
 
     def last_used(self, doc_id: DocId) -> int:
         """Logical time the document was last served, -1 if never (or forgotten)."""
@@ -205,6 +214,12 @@ class KnowledgeTree:
         for doc_id in doc_ids:
             self._doc_hits[doc_id] = self._doc_hits.get(doc_id, 0) + 1
             self._doc_last[doc_id] = self._tick
+            row = self._companions.setdefault(doc_id, {})
+            for other in doc_ids:
+                row[other] = row.get(other, 0) + 1
+            if len(row) > MAX_COMPANIONS:
+                keep = heapq.nlargest(MAX_COMPANIONS // 2, row.items(), key=itemgetter(1))
+                self._companions[doc_id] = dict(keep)
         if self._lru is not None:
             served = self._lru.serve(keys)
             for key in served.stored:
@@ -312,3 +327,7 @@ class KnowledgeTree:
         keep = heapq.nlargest(self._max_docs // 2, self._doc_hits.items(), key=itemgetter(1))
         self._doc_hits = dict(keep)
         self._doc_last = {doc_id: self._doc_last[doc_id] for doc_id in self._doc_hits}
+        self._companions = {
+            doc_id: {other: n for other, n in self._companions[doc_id].items() if other in self._doc_hits}
+            for doc_id in self._doc_hits
+        }

@@ -1,11 +1,16 @@
 import itertools
 import random
+from collections.abc import Sequence
 
 import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.sparse import csr_matrix
 
 from specrag.cache import DocId, plan_batch
 from specrag.cache.batch import context_distances
+from specrag.errors import InvalidInputError
 
 
 def test_distance_matches_the_formula_pair_by_pair() -> None:
@@ -45,7 +50,7 @@ def test_plan_groups_sharing_contexts_and_orders_shared_documents_first() -> Non
     assert positions == list(range(positions[0], positions[0] + len(with_12)))
     # the identical contexts 0 and 5 run consecutively with the same order and path
     assert abs(plan.order.index(0) - plan.order.index(5)) == 1
-    assert plan.contexts[0] == plan.contexts[5] and plan.paths[0] == plan.paths[5]
+    assert plan.contexts[0] == plan.contexts[5]
     # the unrelated context keeps its retrieval order
     assert plan.contexts[1] == (5, 7, 8)
 
@@ -68,3 +73,51 @@ def test_plan_maximises_prefix_sharing_between_neighbours() -> None:
     planned = neighbour_sharing(list(plan.order), list(plan.contexts))
     baseline = neighbour_sharing(list(range(60)), [tuple(c) for c in contexts])
     assert planned > baseline + 30
+
+
+def trie_nodes(orders: Sequence[tuple[DocId, ...]]) -> int:
+    """Distinct prefixes: what a prefix cache must compute once each (fewer = more reuse)."""
+    return len({order[: i + 1] for order in orders for i in range(len(order))})
+
+
+contexts_strategy = st.lists(
+    st.lists(st.integers(0, 15), min_size=1, max_size=6, unique=True), min_size=1, max_size=40
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(contexts_strategy)
+def test_refinement_never_adds_prefixes_and_the_schedule_runs_every_subtree_contiguously(
+    contexts: list[list[int]],
+) -> None:
+    unrefined = plan_batch(contexts, refine_passes=0)
+    plan = plan_batch(contexts, refine_passes=2)
+    assert sorted(plan.order) == list(range(len(contexts)))
+    for original, reordered in zip(contexts, plan.contexts, strict=True):
+        assert sorted(original) == sorted(reordered)
+    assert trie_nodes(list(plan.contexts)) <= trie_nodes(list(unrefined.contexts))
+    # depth first: the requests sharing any prefix run back to back, and a prefix's own request
+    # (if it is one) runs before its extensions
+    schedule = [plan.contexts[i] for i in plan.order]
+    for prefix in {order[: i + 1] for order in schedule for i in range(len(order))}:
+        positions = [p for p, order in enumerate(schedule) if order[: len(prefix)] == prefix]
+        assert positions == list(range(positions[0], positions[-1] + 1))
+        exact = [p for p in positions if schedule[p] == prefix]
+        assert all(p <= positions[0] + len(exact) - 1 for p in exact)
+
+
+def test_distance_without_the_positional_term_counts_shared_documents_only() -> None:
+    # contexts [1, 2, 3], [3, 2, 1], [4, 5], [1, 9]: rows of documents with their positions
+    x = csr_matrix(([1.0] * 10, ([0, 0, 0, 1, 1, 1, 2, 2, 3, 3], [1, 2, 3, 1, 2, 3, 4, 5, 1, 9])))
+    positions = csr_matrix(([1.0, 2, 3, 3, 2, 1, 1, 2, 1, 2], x.nonzero()))
+    np.testing.assert_allclose(
+        context_distances(x, positions, alpha=0.0), [0.0, 1.0, 1 - 1 / 3, 1.0, 1 - 1 / 3, 1.0]
+    )
+    assert context_distances(x, positions, alpha=0.5)[0] > 0.0  # same documents, other order
+
+
+def test_bad_parameters_are_rejected() -> None:
+    with pytest.raises(InvalidInputError):
+        plan_batch([[1, 2]], alpha=-1.0)
+    with pytest.raises(InvalidInputError):
+        plan_batch([[1, 1]])

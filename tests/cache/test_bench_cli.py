@@ -30,7 +30,7 @@ def trace(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("policy", ["retrieval", "exact", "batch"])
+@pytest.mark.parametrize("policy", ["retrieval", "exact", "batch", "window", "myopic-oracle"])
 def test_emit_writes_every_request_once_with_its_documents_permuted(
     trace: Path, tmp_path: Path, policy: str
 ) -> None:
@@ -47,6 +47,8 @@ def test_emit_writes_every_request_once_with_its_documents_permuted(
     assert summary["policy"] == policy and summary["requests"] == 4
     for cache in ("unlimited", "lru10"):
         assert 0.0 <= summary["prefix_reuse"][cache]["token_reuse"] <= 1.0
+    assert summary["emitted_from"] == "lru10"
+    assert set(summary["independent"]) == {"unlimited", "lru"}
     if policy == "retrieval":
         assert [e["docs"] for e in emitted] == [r["docs"] for r in TRACE]
 
@@ -62,6 +64,8 @@ def test_exact_reorders_the_last_request_onto_the_cached_path(trace: Path, tmp_p
     ("content", "args", "message"),
     [
         (None, ["--policy", "exact"], "cannot read trace"),
+        ('{"docs": [1]}\n', ["--policy", "window", "--window", "soon"], "--window"),
+        ('{"docs": [1], "arrival_s": -1}\n', ["--policy", "window"], "arrival_s"),
         ('{"docs": [1]}\n{"docs": [1, \n', ["--policy", "exact"], "line 2"),
         ('{"docs": [1, 1]}\n', ["--policy", "exact"], "line 1"),
         ('{"docs": [1]}\n', ["--policy", "fastest"], "unknown policy"),
@@ -75,3 +79,38 @@ def test_bad_input_fails_clearly(tmp_path: Path, content: str | None, args: list
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def emitted_rids(path: Path) -> list[object]:
+    return [json.loads(line)["rid"] for line in path.read_text().splitlines()]
+
+
+def test_window_replays_the_traces_arrival_times_and_emits_in_execution_order(tmp_path: Path) -> None:
+    # all but the first arrive while the first is served: the window admits the request sharing
+    # the most with what is cached, not the next in line
+    records = [
+        {"rid": "first", "docs": [1, 2, 3], "arrival_s": 0.0},
+        {"rid": "stranger", "docs": [7, 8, 9], "arrival_s": 0.001},
+        {"rid": "sibling", "docs": [3, 2, 1], "arrival_s": 0.002},
+    ]
+    path = tmp_path / "timed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out.jsonl"
+    args = ("--trace", str(path), "--policy", "window", "--emit", str(out), "--emit-cache", "unlimited")
+    result = run(*args)
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line)["rid"] for line in out.read_text().splitlines()] == [
+        "first",
+        "sibling",
+        "stranger",
+    ]
+    assert json.loads(out.read_text().splitlines()[1])["docs"] == [1, 2, 3]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["emitted_from"] == "unlimited" and summary["independent"]["unlimited"] == 3 / 9
+    fifo = run("--trace", str(path), "--policy", "window", "--window", "1", "--emit", str(out))
+    assert fifo.returncode == 0, fifo.stderr
+    assert [json.loads(line)["rid"] for line in out.read_text().splitlines()] == [
+        "first",
+        "stranger",
+        "sibling",
+    ]

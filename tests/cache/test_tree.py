@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specrag.cache import AllBlocksCleared, KnowledgeTree, PrefixMatch
+from specrag.cache import tree as tree_module
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
 from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout
@@ -139,3 +140,27 @@ def test_memory_stays_bounded_under_a_long_stream(requests: list[list[int]]) -> 
         assert tree.stored_blocks <= 40
         assert sum(1 for _ in tree.nodes()) == len(tree) + 1
     assert sum(1 for d in range(201) if tree.popularity(d) > 0) <= 20
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=5, unique=True), max_size=30))
+def test_companions_count_the_prompts_two_documents_shared(requests: list[list[int]]) -> None:
+    tree = KnowledgeTree(SYSTEM, block_size=BLOCK)
+    for order in requests:
+        tree.record_served(layout(order))
+    for a in range(13):
+        assert tree.companions(a).get(a, 0) == tree.popularity(a)
+        for b in range(13):
+            together = sum(1 for order in requests if a in order and b in order)
+            assert tree.companions(a).get(b, 0) == together
+
+
+def test_companions_stay_bounded_and_keep_the_most_frequent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tree_module, "MAX_COMPANIONS", 8)
+    tree = KnowledgeTree(SYSTEM, block_size=BLOCK)
+    for _ in range(3):
+        tree.record_served(layout((0, 1)))  # 1 is 0's frequent companion
+    for other in range(2, 40):
+        tree.record_served(layout((0, other)))
+        assert len(tree.companions(0)) <= 8
+    assert tree.companions(0)[1] == 3 and tree.companions(0)[0] == 41
