@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from specrag.controller.controller import AnswerDelta, RagController, RagRequest
+from specrag.controller.controller import AnswerDelta, AnswerDone, RagController, RagRequest
 from specrag.errors import InvalidInputError, NotFoundError
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.simulated_engine import SimulatedEngine
@@ -149,7 +149,7 @@ async def test_a_session_continues_the_previous_turn_and_drops_repeated_document
     engine: Engine, tiny_assets: Assets
 ) -> None:
     controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], stage_delay_s=0.01))
-    session = controller.sessions.create()
+    session = controller.sessions.create("test")
     first = await controller.answer(RagRequest(QUESTION, k=4, max_tokens=4, session_id=session.session_id))
     controller.index = scripted_index(tiny_assets, [B, B], stage_delay_s=0.01)
     second = await controller.answer(
@@ -185,4 +185,50 @@ async def test_bad_requests_are_rejected_with_a_clear_error(
     controller = make_controller(engine, tiny_assets)
     with pytest.raises(error, match=message):
         await controller.answer(request_)
+    await assert_engine_idle(engine, controller)
+
+
+async def test_a_stop_string_ends_the_answer_before_it(engine: Engine, tiny_assets: Assets) -> None:
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], stage_delay_s=0.01))
+    whole = await controller.answer(RagRequest(QUESTION, k=4, mode="serial", max_tokens=24))
+    middle = len(whole.text) // 2
+    stop = whole.text[middle : middle + 2]
+    stopped = await controller.answer(RagRequest(QUESTION, k=4, mode="serial", max_tokens=24, stop=[stop]))
+    assert (stopped.text, stopped.finish_reason) == (whole.text[: whole.text.index(stop)], "stop")
+    await assert_engine_idle(engine, controller)
+
+
+def questions(assets: Assets, count: int) -> list[str]:
+    """Questions on different topics, so every turn retrieves new documents."""
+    step = len(assets.passages) // count
+    return [f"What does {assets.passages[i * step].title} say?" for i in range(count)]
+
+
+async def run_conversation(
+    controller: RagController, turns: int, assets: Assets, k: int | None = None
+) -> list[AnswerDone]:
+    """``turns`` turns (at the controller's defaults but for ``k``), checking after each that the
+    model still sees every retrieved document: sent now, or given by a turn still in the context."""
+    session_id = controller.create_session("test")
+    answers = []
+    for question in questions(assets, turns):
+        done = await controller.answer(RagRequest(question, k=k, session_id=session_id))
+        session = controller.sessions.get(session_id)
+        assert session.history[: len(done.prompt.token_ids)] == done.prompt.token_ids
+        store = controller.builder.store
+        given = [store.passage(int(doc)).id for past in session.context for doc in past.documents]
+        assert len(given) == len(set(given)) and set(done.timeline.documents) <= set(given)
+        answers.append(done)
+    return answers
+
+
+async def test_a_conversation_at_the_defaults_stays_inside_the_context(
+    engine: Engine, tiny_assets: Assets
+) -> None:
+    """The defaults' proportions on the test model's 4k context (k = 5 where the 8k default has 10,
+    64 output tokens): 20 turns outgrow the context many times over, and none fails."""
+    controller = make_controller(engine, tiny_assets)
+    answers = await run_conversation(controller, 20, tiny_assets, k=5)
+    assert sum(done.timeline.dropped_turns for done in answers) > 0
+    assert all(len(done.prompt.token_ids) + 64 <= engine.max_model_len for done in answers)
     await assert_engine_idle(engine, controller)
