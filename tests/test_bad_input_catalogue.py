@@ -1,7 +1,8 @@
 """Every entry point against a catalogue of malformed input: a precise error, never a 500 or a crash.
 
 Three tables, one per entry point: HTTP requests (shared with ``bench.faults`` through
-:mod:`bench.fault_inputs`), command lines (exit status 2 and a one-line message, or argparse's
+:mod:`bench.fault_inputs`; the service here has 2-second read timeouts, so the half-sent requests
+end quickly), command lines (exit status 2 and a one-line message, or argparse's
 usage error) and Python calls (a typed exception and its message). The HTTP rows run against one
 service on the session's real engine; the last test checks that after the whole catalogue that
 service still answers and that nothing of the rejected requests is left in the engine.
@@ -56,7 +57,8 @@ class Service:
 async def service(vllm_engine: VllmEngine, tiny_assets: Assets) -> AsyncIterator[Service]:
     controller = make_controller(vllm_engine, tiny_assets)
     try:
-        async with serving(create_app(controller, api_token=TOKEN), access_log=False) as url:
+        app = create_app(controller, api_token=TOKEN, header_timeout_s=2.0, body_timeout_s=2.0)
+        async with serving(app, access_log=False) as url:
             # The store sits at DATA_DIR/store/<file>: the data directory tiny_assets was built in.
             store = tiny_assets.store.path
             yield Service(url, controller, vllm_engine, store.parent.parent, store)

@@ -9,7 +9,15 @@ Design points, each for a reason:
   its handler is cancelled, the controller's stream is closed, and every engine request of that
   query (speculations included) is aborted instead of burning prefill for nobody.
 - Errors are JSON ``{"error": {"message", "type", "code"}}``; an unexpected exception is logged
-  here and answered with a generic 500, never a stack trace.
+  here and answered with a generic 500, never a stack trace. What aiohttp's HTTP parser rejects
+  (bad chunk size, duplicate header, over-long line, unknown method) gets the same JSON shape and
+  one log line at INFO: a client's mistake is not the service's error.
+- Reads are bounded in time: a connection whose request headers are not complete within
+  ``header_timeout_s`` (also the idle keep-alive time) is closed, a body that does not arrive
+  within ``body_timeout_s`` is a 408. Bodies are decoded here, not by aiohttp, so a gzip or
+  deflate body that does not decode is a 400 and one that decodes past the body limit a 413.
+- JSON is read strictly: ``NaN``/``Infinity`` are rejected (they are not JSON), an integer is
+  limited to 100 digits, and input echoed in a message is cut short.
 - The API token is compared in constant time; ``/health`` stays open for load balancers.
 - The service talks to the query core only through :class:`~specrag.controller.facade.QueryCore`
   (answer, load, health, sessions); a request is checked once, before admission, and the checked
@@ -18,29 +26,36 @@ Design points, each for a reason:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
 import logging
 import math
 import time
+import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeVar, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 from aiohttp.log import access_logger
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from specrag.controller.facade import QueryCore
 from specrag.controller.query import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import (
+    ECHO_LIMIT,
+    ConflictError,
     EngineError,
     EngineTimeoutError,
     EngineUnavailableError,
     InvalidInputError,
     NotFoundError,
     OverloadedError,
+    echo,
 )
 from specrag.service.metrics import ServiceMetrics, mode_label
 
@@ -49,11 +64,31 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_QUERIES = 256
 DEFAULT_MAX_QUERIES_PER_CLIENT = 64
+# Longer than aiohttp's client keep-alive (15 s), so an idle client never reuses a closed connection.
+DEFAULT_HEADER_TIMEOUT_S = 30.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+MAX_JSON_INTEGER_DIGITS = 100
+# Content-Encoding -> zlib window bits: gzip's header, or zlib's (RFC 9110 "deflate").
+_BODY_DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 SHUTDOWN_GRACE_S = 5.0
 # How long a caller should wait before retrying while the engine restarts.
 ENGINE_RETRY_AFTER_S = 5.0
 OPEN_PATHS = frozenset({"/health"})
 RAG_FIELDS = frozenset({"query", "k", "mode", "max_tokens", "session_id", "stream"})
+# The OpenAI chat fields honoured (README: "Sampling fields"), and those accepted at their neutral
+# value only; any other field is refused rather than silently ignored.
+CHAT_FIELDS = frozenset(
+    {
+        *("model", "messages", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens"),
+        *("temperature", "top_p", "seed", "stop", "k", "mode", "session_id"),
+    }
+)
+CHAT_NEUTRAL_FIELDS: dict[str, tuple[type, Any]] = {
+    "n": (int, 1),
+    "logprobs": (bool, False),
+    "presence_penalty": (float, 0),
+    "frequency_penalty": (float, 0),
+}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
@@ -69,8 +104,18 @@ class ServiceState:
     model_name: str
     max_queries: int
     max_queries_per_client: int
+    limits: BodyLimits
+    created: int = field(default_factory=lambda: int(time.time()))
     queries: int = 0
     per_client: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """How large a request body may be (decoded) and how long it may take to arrive."""
+
+    max_bytes: int
+    timeout_s: float
 
 
 STATE = web.AppKey("specrag_state", ServiceState)
@@ -107,6 +152,8 @@ def describe_error(error: BaseException) -> ErrorInfo:
         return ErrorInfo(400, str(error), "invalid_request_error", "invalid_input")
     if isinstance(error, NotFoundError):
         return ErrorInfo(404, str(error), "not_found_error", "not_found")
+    if isinstance(error, ConflictError):
+        return ErrorInfo(409, str(error), "conflict_error", "conflict")
     if isinstance(error, OverloadedError):
         return ErrorInfo(429, str(error), "overloaded_error", "overloaded", error.retry_after_s)
     if isinstance(error, EngineUnavailableError):
@@ -150,12 +197,66 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
 # ---------------------------------------------------------------------------------------- input
 
 
+async def _body(request: web.Request) -> bytes:
+    """The body, decoded, within the time and size limits (408, 413, 415 or 400 otherwise)."""
+    limits = request.app[STATE].limits
+    try:
+        async with asyncio.timeout(limits.timeout_s):
+            raw = await request.read()  # raises 413 past the application's client_max_size
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"the body did not arrive within {limits.timeout_s:g} s") from None
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding not in _BODY_DECODERS:
+        raise web.HTTPUnsupportedMediaType(
+            text=f"Content-Encoding {echo(encoding)} is not supported: use gzip, deflate or none"
+        )
+    decoder = zlib.decompressobj(_BODY_DECODERS[encoding])
+    try:
+        body = decoder.decompress(raw, limits.max_bytes + 1)
+    except zlib.error as error:
+        raise InvalidInputError(f"the body does not decode as {encoding}: {error}") from None
+    if len(body) > limits.max_bytes:
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limits.max_bytes,
+            actual_size=len(body),
+            text=f"Maximum request body size {limits.max_bytes} exceeded once decoded from {encoding}",
+        )
+    if not decoder.eof:
+        raise InvalidInputError(f"the body ends before its {encoding} stream does")
+    return body
+
+
+def _parse_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_JSON_INTEGER_DIGITS:
+        raise InvalidInputError(
+            f"the body holds an integer of {digits:,} digits; "
+            f"no field takes more than {MAX_JSON_INTEGER_DIGITS}"
+        )
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise InvalidInputError(f"the body holds a number too large for a float: {echo(text, 40)}")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise InvalidInputError(f"the body is not valid JSON: {name} is not a JSON number")
+
+
 async def _json_object(request: web.Request) -> dict[str, Any]:
     if request.content_type != "application/json":
         raise web.HTTPUnsupportedMediaType(text="the body must be JSON (Content-Type: application/json)")
-    raw = await request.read()  # raises 413 past the application's client_max_size
+    raw = await _body(request)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constant)
+    except InvalidInputError:
+        raise  # valid JSON, or nearly, with something precise to say about it
     except ValueError:
         raise InvalidInputError("the body is not valid JSON") from None
     except RecursionError:  # a small body of nested brackets exhausts the parser's stack
@@ -165,17 +266,35 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     return body
 
 
-_KIND_NAMES = {str: "a string", int: "an integer", bool: "a boolean", list: "a list", dict: "an object"}
+def _check_fields(body: dict[str, Any], known: frozenset[str], what: str) -> None:
+    """400 naming the fields not in ``known`` (at most ten of them, each cut short)."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        names = [name if len(name) <= ECHO_LIMIT else echo(name) for name in unknown[:10]]
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+        raise InvalidInputError(f"{what}: {', '.join(names)}{more}")
+
+
+_KIND_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    list: "a list",
+    dict: "an object",
+}
 
 
 def _optional(body: dict[str, Any], name: str, kind: type[T]) -> T | None:
-    """``body[name]`` if present and of exactly this JSON type (an int is not a bool here)."""
+    """``body[name]`` if present and of exactly this JSON type (an int is not a bool here; for
+    ``float``, any number)."""
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    accepted: tuple[type, ...] = (int, float) if kind is float else (kind,)
+    if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
         raise InvalidInputError(f"'{name}' must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
-    return value
+    return cast(T, value)
 
 
 def _required(body: dict[str, Any], name: str, kind: type[T]) -> T:
@@ -193,6 +312,31 @@ def _rag_request(body: dict[str, Any], question: str, max_tokens: int | None) ->
         mode=_optional(body, "mode", str),
         max_tokens=max_tokens,
         session_id=_optional(body, "session_id", str),
+    )
+
+
+def _chat_request(body: dict[str, Any], question: str) -> RagRequest:
+    """A chat body's request: the shared options and the sampling fields (README: "Sampling fields")."""
+    _check_fields(body, CHAT_FIELDS | CHAT_NEUTRAL_FIELDS.keys(), "unsupported fields")
+    for name, (kind, neutral) in CHAT_NEUTRAL_FIELDS.items():
+        value = _optional(body, name, kind)
+        if value is not None and value != neutral:
+            raise InvalidInputError(f"'{name}' is not supported: only {json.dumps(neutral)} is accepted")
+    _optional(body, "model", str)
+    _optional(body, "user", str)
+    _optional(body, "stream_options", dict)  # usage is always in the last chunk
+    max_tokens = _optional(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _optional(body, "max_tokens", int)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str | list):
+        raise InvalidInputError(f"'stop' must be a string or a list of strings, got {type(stop).__name__}")
+    return replace(
+        _rag_request(body, question, max_tokens),
+        temperature=_optional(body, "temperature", float),
+        top_p=_optional(body, "top_p", float),
+        seed=_optional(body, "seed", int),
+        stop=stop,
     )
 
 
@@ -231,7 +375,7 @@ async def _answer_events(
     """The query core's stream with admission and accounting; closing it aborts the query."""
     try:
         checked = state.core.check(request)  # bad input gets its 4xx even when the service is full
-    except (InvalidInputError, NotFoundError):
+    except (InvalidInputError, NotFoundError, ConflictError):
         state.metrics.count_unfinished(mode_label(request.mode, state.core.default_mode), "rejected")
         raise
     mode = checked.mode.name
@@ -253,7 +397,7 @@ async def _answer_events(
                     outcome = "ok"
                     state.metrics.observe(event.timeline)
                 yield event
-    except (InvalidInputError, NotFoundError):
+    except (InvalidInputError, NotFoundError, ConflictError):
         outcome = "rejected"
         raise
     except Exception:
@@ -421,9 +565,7 @@ async def _health(request: web.Request) -> web.Response:
 async def _rag(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _json_object(request)
-    unknown = sorted(set(body) - RAG_FIELDS)
-    if unknown:
-        raise InvalidInputError(f"unknown fields: {', '.join(unknown)}")
+    _check_fields(body, RAG_FIELDS, "unknown fields")
     rag = _rag_request(body, _required(body, "query", str), _optional(body, "max_tokens", int))
     if _optional(body, "stream", bool):
         return await _stream(request, state, rag, _RagFraming())
@@ -432,15 +574,10 @@ async def _rag(request: web.Request) -> web.StreamResponse:
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
-    """OpenAI chat completions; sampling fields are ignored (decoding is greedy, see the README)."""
+    """OpenAI chat completions: RAG on the last user message, with the sampling fields the README lists."""
     state = request.app[STATE]
     body = await _json_object(request)
-    _optional(body, "model", str)
-    question = _last_user_message(_required(body, "messages", list))
-    max_tokens = _optional(body, "max_completion_tokens", int)
-    rag = _rag_request(
-        body, question, _optional(body, "max_tokens", int) if max_tokens is None else max_tokens
-    )
+    rag = _chat_request(body, _last_user_message(_required(body, "messages", list)))
     completion_id = f"chatcmpl-{rag.request_id}"
     if _optional(body, "stream", bool):
         return await _stream(request, state, rag, _ChatFraming(completion_id, state.model_name))
@@ -465,8 +602,25 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 async def _create_session(request: web.Request) -> web.Response:
-    session_id = request.app[STATE].core.create_session()
+    session_id = request.app[STATE].core.create_session(_client_key(request))
     return web.json_response({"session_id": session_id}, status=201)
+
+
+def _model_card(state: ServiceState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specrag"}
+
+
+async def _models(request: web.Request) -> web.Response:
+    """OpenAI's model list: the one model this service answers with (clients discover it here)."""
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    if name != state.model_name:
+        raise NotFoundError(f"unknown model {echo(name)}; this service serves {state.model_name!r}")
+    return web.json_response(_model_card(state))
 
 
 async def _close_session(request: web.Request) -> web.Response:
@@ -489,33 +643,108 @@ def create_app(
     max_queries: int = DEFAULT_MAX_QUERIES,
     max_queries_per_client: int = DEFAULT_MAX_QUERIES_PER_CLIENT,
     metrics: ServiceMetrics | None = None,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> web.Application:
     """The service for one query core (a :class:`~specrag.controller.controller.RagController`).
 
     ``max_queries`` bounds concurrent queries, ``max_queries_per_client`` those of one peer
     address: beyond either the answer is 429 with Retry-After, never an unbounded queue.
+    ``header_timeout_s`` bounds the wait for a request's headers (and an idle keep-alive
+    connection), ``body_timeout_s`` the wait for its body.
     """
     if api_token is not None and not api_token:
         raise InvalidInputError("the API token must not be empty (pass None to disable it)")
     if max_body_bytes < 1 or max_queries < 1 or max_queries_per_client < 1:
         raise InvalidInputError("max_body_bytes, max_queries and max_queries_per_client must be positive")
+    if not (header_timeout_s > 0 and body_timeout_s > 0):  # written so that NaN fails too
+        raise InvalidInputError("header_timeout_s and body_timeout_s must be positive")
     state = ServiceState(
-        core, metrics or ServiceMetrics(), api_token, model_name, max_queries, max_queries_per_client
+        core,
+        metrics or ServiceMetrics(),
+        api_token,
+        model_name,
+        max_queries,
+        max_queries_per_client,
+        BodyLimits(max_body_bytes, body_timeout_s),
     )
     state.metrics.watch(
         prefill_pool=lambda: core.load().prefill_pool,
         queued=lambda: core.load().queued,
         in_flight=lambda: state.queries,
+        warmups=lambda: core.warmups,
     )
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)
+    app = web.Application(
+        middlewares=[_errors, _auth],
+        client_max_size=max_body_bytes,
+        # For every connection, whatever runs the app: bodies are decoded by _body (bounded, and a
+        # bad encoding is a 400); half-sent headers and idle keep-alive connections are closed.
+        handler_args={"auto_decompress": False, "keepalive_timeout": header_timeout_s},
+    )
     app[STATE] = state
     app.router.add_get("/health", _health)
     app.router.add_post("/v1/rag", _rag)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/sessions", _create_session)
     app.router.add_delete("/v1/sessions/{session_id}", _close_session)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model}", _model)
     app.router.add_get("/metrics", _metrics)
     return app
+
+
+class _ConnectionHandler(RequestHandler):
+    """aiohttp's per-connection protocol, answering what its HTTP parser rejects in the API's JSON
+    error shape (aiohttp answers in plain text and logs a traceback at ERROR)."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:  # an error of ours that escaped the middleware: a bug, logged in full
+            logger.error("error while serving a request from %s", request.remote, exc_info=exc)
+            info = ErrorInfo(status, "internal server error", "internal_error", "internal_error")
+        else:
+            if isinstance(exc, LineTooLong):
+                detail = "the request line or a header is longer than 8190 bytes"
+            else:
+                detail = (message or "").strip().splitlines()[0].rstrip(":") if message else "bad request"
+            detail = detail if len(detail) <= ECHO_LIMIT else detail[:ECHO_LIMIT] + "…"
+            logger.info("malformed HTTP request from %s: %s", request.remote, detail)
+            info = ErrorInfo(
+                status, f"malformed HTTP request: {detail}", "invalid_request_error", "bad_request"
+            )
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response had already started; the connection is closed instead")
+        response = info.response()
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    """aiohttp's server, with :class:`_ConnectionHandler` connections."""
+
+    def __call__(self) -> RequestHandler:
+        return _ConnectionHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    """aiohttp's application runner, serving through :class:`_Server`."""
+
+    async def _make_server(self) -> web.Server:
+        made = await super()._make_server()
+        return _Server(
+            made.request_handler,
+            request_factory=made.request_factory,
+            handler_cancellation=made.handler_cancellation,
+            loop=made._loop,
+            **made._kwargs,
+        )
 
 
 @contextlib.asynccontextmanager
@@ -527,7 +756,7 @@ async def serving(
     Handler cancellation is on so a client that disconnects aborts its query's engine requests.
     ``access_log=False`` keeps a terminal demo's output readable.
     """
-    runner = web.AppRunner(
+    runner = _Runner(
         app,
         handler_cancellation=True,
         shutdown_timeout=SHUTDOWN_GRACE_S,
