@@ -20,9 +20,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
-from yarl import URL
 
 QUESTION = "What does the assert statement do?"
 USER = [{"role": "user", "content": QUESTION}]
@@ -254,9 +254,9 @@ async def send_wire(base_url: str, request: bytes, within_s: float = 90.0) -> tu
     Status 0 when the service closes the connection without answering. ``within_s`` bounds the
     whole exchange, past the service's own read timeouts (30 s by default): a hang fails here.
     """
-    url = URL(base_url)
+    url = urlsplit(base_url)
     async with asyncio.timeout(within_s):
-        reader, writer = await asyncio.open_connection(url.host, url.port)
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
         try:
             writer.write(request)
             await writer.drain()

@@ -4,16 +4,20 @@ RAGCache++ §3.6).
 1. Embed the question; start the staged search; if the knowledge tree says the system prompt is
    not resident, have the controller warm it (shared work: recorded by the controller, not here).
 2. A stage arrived: order its running top-k with the knowledge tree and build the prompt. If it
-   differs from the live speculation's prompt, abort that one and, only if the prefill pool has
-   room (:class:`~specrag.controller.gate.PrefillGate`), submit the new prompt speculatively.
+   differs from the live speculation's prompt, abort that one and, only if the prompt fits the
+   model and the prefill pool has room (:class:`~specrag.controller.gate.PrefillGate`), submit
+   the new prompt speculatively. A later turn of a conversation continues its history instead,
+   dropping the oldest turns that do not fit (:mod:`specrag.controller.conversation`).
 3. The final result is known: order and build the final prompt. If the live speculation has
    exactly this prompt, adopt its stream; otherwise abort it and submit the final prompt through
    the gate.
-4. Stream the answer; record the timeline and what the engine served from its prefix cache.
+4. Stream the answer; record the timeline and what the engine served from its prefix cache. A
+   session's turn is recorded only now, once answered: a failed or abandoned turn changes nothing.
 5. Abort all: whatever way the query ends, every engine request it still holds is aborted.
 
 The answer is always generated from the final retrieval result: a speculation is adopted only when
-its prompt is token-for-token the final prompt, and greedy decoding makes the text identical.
+its prompt is token-for-token the final prompt, and greedy decoding (the default) makes the text
+identical.
 A run owns its engine requests, so what is in flight is always what the live runs hold.
 """
 
