@@ -9,15 +9,8 @@ Design points, each for a reason:
   its handler is cancelled, the controller's stream is closed, and every engine request of that
   query (speculations included) is aborted instead of burning prefill for nobody.
 - Errors are JSON ``{"error": {"message", "type", "code"}}``; an unexpected exception is logged
-  here and answered with a generic 500, never a stack trace. What aiohttp's HTTP parser rejects
-  (bad chunk size, duplicate header, over-long line, unknown method) gets the same JSON shape and
-  one log line at INFO: a client's mistake is not the service's error.
-- Reads are bounded in time: a connection whose request headers are not complete within
-  ``header_timeout_s`` (also the idle keep-alive time) is closed, a body that does not arrive
-  within ``body_timeout_s`` is a 408. Bodies are decoded here, not by aiohttp, so a gzip or
-  deflate body that does not decode is a 400 and one that decodes past the body limit a 413.
-- JSON is read strictly: ``NaN``/``Infinity`` are rejected (they are not JSON), an integer is
-  limited to 100 digits, and input echoed in a message is cut short.
+  here and answered with a generic 500, never a stack trace. How requests are read off the wire
+  (bodies, JSON, timeouts, what the HTTP parser rejects) is :mod:`specrag.service.wire`'s.
 - The API token is compared in constant time; ``/health`` stays open for load balancers.
 - The service talks to the query core only through :class:`~specrag.controller.facade.QueryCore`
   (answer, load, health, sessions); a request is checked once, before admission, and the checked
@@ -26,22 +19,17 @@ Design points, each for a reason:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import json
 import logging
-import math
 import time
-import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar, cast
 
 from aiohttp import web
-from aiohttp.http_exceptions import LineTooLong
 from aiohttp.log import access_logger
-from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from specrag.controller.facade import QueryCore
@@ -58,18 +46,22 @@ from specrag.errors import (
     echo,
 )
 from specrag.service.metrics import ServiceMetrics, mode_label
+from specrag.service.wire import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    BodyLimits,
+    ErrorInfo,
+    JsonErrorRunner,
+    handler_args,
+    parse_json_object,
+    read_body,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_QUERIES = 256
 DEFAULT_MAX_QUERIES_PER_CLIENT = 64
-# Longer than aiohttp's client keep-alive (15 s), so an idle client never reuses a closed connection.
-DEFAULT_HEADER_TIMEOUT_S = 30.0
-DEFAULT_BODY_TIMEOUT_S = 30.0
-MAX_JSON_INTEGER_DIGITS = 100
-# Content-Encoding -> zlib window bits: gzip's header, or zlib's (RFC 9110 "deflate").
-_BODY_DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 SHUTDOWN_GRACE_S = 5.0
 # How long a caller should wait before retrying while the engine restarts.
 ENGINE_RETRY_AFTER_S = 5.0
@@ -110,40 +102,10 @@ class ServiceState:
     per_client: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class BodyLimits:
-    """How large a request body may be (decoded) and how long it may take to arrive."""
-
-    max_bytes: int
-    timeout_s: float
-
-
 STATE = web.AppKey("specrag_state", ServiceState)
 
 
 # ---------------------------------------------------------------------------------------- errors
-
-
-@dataclass(frozen=True)
-class ErrorInfo:
-    """An error as the API reports it."""
-
-    status: int
-    message: str
-    type: str
-    code: str
-    retry_after_s: float | None = None
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
-
-    def response(self) -> web.Response:
-        headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        if self.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return web.json_response(self.body(), status=self.status, headers=headers)
 
 
 def describe_error(error: BaseException) -> ErrorInfo:
@@ -197,73 +159,10 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
 # ---------------------------------------------------------------------------------------- input
 
 
-async def _body(request: web.Request) -> bytes:
-    """The body, decoded, within the time and size limits (408, 413, 415 or 400 otherwise)."""
-    limits = request.app[STATE].limits
-    try:
-        async with asyncio.timeout(limits.timeout_s):
-            raw = await request.read()  # raises 413 past the application's client_max_size
-    except TimeoutError:
-        raise web.HTTPRequestTimeout(text=f"the body did not arrive within {limits.timeout_s:g} s") from None
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding in ("", "identity"):
-        return raw
-    if encoding not in _BODY_DECODERS:
-        raise web.HTTPUnsupportedMediaType(
-            text=f"Content-Encoding {echo(encoding)} is not supported: use gzip, deflate or none"
-        )
-    decoder = zlib.decompressobj(_BODY_DECODERS[encoding])
-    try:
-        body = decoder.decompress(raw, limits.max_bytes + 1)
-    except zlib.error as error:
-        raise InvalidInputError(f"the body does not decode as {encoding}: {error}") from None
-    if len(body) > limits.max_bytes:
-        raise web.HTTPRequestEntityTooLarge(
-            max_size=limits.max_bytes,
-            actual_size=len(body),
-            text=f"Maximum request body size {limits.max_bytes} exceeded once decoded from {encoding}",
-        )
-    if not decoder.eof:
-        raise InvalidInputError(f"the body ends before its {encoding} stream does")
-    return body
-
-
-def _parse_int(text: str) -> int:
-    digits = len(text.lstrip("-"))
-    if digits > MAX_JSON_INTEGER_DIGITS:
-        raise InvalidInputError(
-            f"the body holds an integer of {digits:,} digits; "
-            f"no field takes more than {MAX_JSON_INTEGER_DIGITS}"
-        )
-    return int(text)
-
-
-def _parse_float(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise InvalidInputError(f"the body holds a number too large for a float: {echo(text, 40)}")
-    return value
-
-
-def _no_constant(name: str) -> Any:
-    raise InvalidInputError(f"the body is not valid JSON: {name} is not a JSON number")
-
-
 async def _json_object(request: web.Request) -> dict[str, Any]:
     if request.content_type != "application/json":
         raise web.HTTPUnsupportedMediaType(text="the body must be JSON (Content-Type: application/json)")
-    raw = await _body(request)
-    try:
-        body = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constant)
-    except InvalidInputError:
-        raise  # valid JSON, or nearly, with something precise to say about it
-    except ValueError:
-        raise InvalidInputError("the body is not valid JSON") from None
-    except RecursionError:  # a small body of nested brackets exhausts the parser's stack
-        raise InvalidInputError("the body is nested too deeply") from None
-    if not isinstance(body, dict):
-        raise InvalidInputError("the body must be a JSON object")
-    return body
+    return parse_json_object(await read_body(request, request.app[STATE].limits))
 
 
 def _check_fields(body: dict[str, Any], known: frozenset[str], what: str) -> None:
@@ -677,9 +576,7 @@ def create_app(
     app = web.Application(
         middlewares=[_errors, _auth],
         client_max_size=max_body_bytes,
-        # For every connection, whatever runs the app: bodies are decoded by _body (bounded, and a
-        # bad encoding is a 400); half-sent headers and idle keep-alive connections are closed.
-        handler_args={"auto_decompress": False, "keepalive_timeout": header_timeout_s},
+        handler_args=handler_args(header_timeout_s),
     )
     app[STATE] = state
     app.router.add_get("/health", _health)
@@ -693,60 +590,6 @@ def create_app(
     return app
 
 
-class _ConnectionHandler(RequestHandler):
-    """aiohttp's per-connection protocol, answering what its HTTP parser rejects in the API's JSON
-    error shape (aiohttp answers in plain text and logs a traceback at ERROR)."""
-
-    __slots__ = ()
-
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if status >= 500:  # an error of ours that escaped the middleware: a bug, logged in full
-            logger.error("error while serving a request from %s", request.remote, exc_info=exc)
-            info = ErrorInfo(status, "internal server error", "internal_error", "internal_error")
-        else:
-            if isinstance(exc, LineTooLong):
-                detail = "the request line or a header is longer than 8190 bytes"
-            else:
-                detail = (message or "").strip().splitlines()[0].rstrip(":") if message else "bad request"
-            detail = detail if len(detail) <= ECHO_LIMIT else detail[:ECHO_LIMIT] + "…"
-            logger.info("malformed HTTP request from %s: %s", request.remote, detail)
-            info = ErrorInfo(
-                status, f"malformed HTTP request: {detail}", "invalid_request_error", "bad_request"
-            )
-        if request.writer.output_size > 0:
-            raise ConnectionError("the response had already started; the connection is closed instead")
-        response = info.response()
-        response.force_close()
-        return response
-
-
-class _Server(web.Server):
-    """aiohttp's server, with :class:`_ConnectionHandler` connections."""
-
-    def __call__(self) -> RequestHandler:
-        return _ConnectionHandler(self, loop=self._loop, **self._kwargs)
-
-
-class _Runner(web.AppRunner):
-    """aiohttp's application runner, serving through :class:`_Server`."""
-
-    async def _make_server(self) -> web.Server:
-        made = await super()._make_server()
-        return _Server(
-            made.request_handler,
-            request_factory=made.request_factory,
-            handler_cancellation=made.handler_cancellation,
-            loop=made._loop,
-            **made._kwargs,
-        )
-
-
 @contextlib.asynccontextmanager
 async def serving(
     app: web.Application, host: str = "127.0.0.1", port: int = 0, *, access_log: bool = True
@@ -756,7 +599,7 @@ async def serving(
     Handler cancellation is on so a client that disconnects aborts its query's engine requests.
     ``access_log=False`` keeps a terminal demo's output readable.
     """
-    runner = _Runner(
+    runner = JsonErrorRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=SHUTDOWN_GRACE_S,
