@@ -70,7 +70,9 @@ async def service(tiny_assets: Assets) -> AsyncIterator[Service]:
 
 
 def http(local_address: str | None = None) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(local_addr=(local_address, 0) if local_address else None)
+    """A client on fresh connections: the service closes idle ones after the (short) header timeout."""
+    source = (local_address, 0) if local_address else None
+    connector = aiohttp.TCPConnector(local_addr=source, force_close=True)
     return aiohttp.ClientSession(connector=connector, headers=AUTH, timeout=aiohttp.ClientTimeout(total=30))
 
 
