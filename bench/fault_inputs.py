@@ -12,14 +12,21 @@ tests also check ``bench.e2e`` and ``bench.search``), never bench → tests, so 
 a checkout without the test suite or pytest. It is not product code either, so it stays out of
 ``specrag``. The command-line and Python-call rows of the catalogue stay in the test module: only
 the tests drive those entry points.
+
+Rows with ``wire`` bytes go over a raw socket: malformed HTTP that a client library refuses to
+send, and requests that stop half-way, which the service must end at its read timeouts (the
+header timeout closes the connection: status 0; the body timeout answers 408).
 """
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -30,6 +37,10 @@ JSON_TYPE = {"Content-Type": "application/json"}
 HUGE_BODY = json.dumps({"query": "x" * (2 << 20)}).encode()
 # Far below the limit, yet deep enough to exhaust a recursive JSON parser.
 NESTED_BODY = b"[" * 100_000 + b"]" * 100_000
+# Small on the wire, past the 1 MiB limit once decoded.
+GZIP_BOMB = gzip.compress(b" " * (2 << 20))
+# Longer than any request line a server reads (aiohttp: 8190 bytes).
+LONG_PATH = "/v1/" + "a" * 9000
 
 
 @dataclass(frozen=True)
@@ -37,7 +48,9 @@ class BadRequest:
     """One malformed request: what is sent, and the status and message fragment it must get.
 
     ``body`` is sent as JSON unless ``raw`` is given; ``auth`` False leaves the token out, a
-    string replaces the whole Authorization header.
+    string replaces the whole Authorization header. ``wire``, when given, is the whole request as
+    sent on a raw socket (``{token}`` is replaced by the token); status 0 means "the connection is
+    closed without an answer".
     """
 
     name: str
@@ -49,6 +62,7 @@ class BadRequest:
     headers: Mapping[str, str] = field(default_factory=dict)
     method: str = "POST"
     auth: bool | str = True
+    wire: bytes | None = None
 
 
 def _rag(name: str, body: Any, status: int, message: str) -> BadRequest:
@@ -63,6 +77,26 @@ def _raw(
     name: str, raw: bytes, status: int, message: str, headers: Mapping[str, str] = JSON_TYPE
 ) -> BadRequest:
     return BadRequest(name, "/v1/rag", status, message, raw=raw, headers=headers)
+
+
+def _field(name: str, field_name: str, value: Any, message: str) -> BadRequest:
+    """A chat request whose one extra field is rejected with a 400."""
+    return _chat(name, {"messages": USER, field_name: value}, 400, message)
+
+
+def _wire(name: str, wire: bytes, status: int, message: str) -> BadRequest:
+    return BadRequest(name, "", status, message, wire=wire)
+
+
+def _post_head(length: int, extra: bytes = b"") -> bytes:
+    return (
+        b"POST /v1/rag HTTP/1.1\r\nHost: specrag\r\nAuthorization: Bearer {token}\r\n"
+        b"Content-Type: application/json\r\n" + extra + b"Content-Length: %d\r\n\r\n" % length
+    )
+
+
+def _encoded(name: str, raw: bytes, encoding: str, status: int, message: str) -> BadRequest:
+    return _raw(name, raw, status, message, {**JSON_TYPE, "Content-Encoding": encoding})
 
 
 K_RANGE = "k must be an integer between 1 and 50"
@@ -129,6 +163,71 @@ BAD_REQUESTS: tuple[BadRequest, ...] = (
     BadRequest("close an unknown session", "/v1/sessions/nope", 404, "unknown session", method="DELETE"),
     BadRequest("unknown route", "/v1/completions", 404, "Not Found", method="POST"),
     BadRequest("wrong method", "/v1/rag", 405, "Method Not Allowed", method="PUT"),
+    # Issue 17: JSON that is valid but unusable, or not JSON at all.
+    _raw("NaN", b'{"query": "hi", "k": NaN}', 400, "NaN is not a JSON number"),
+    _raw("-Infinity", b'{"query": "hi", "k": -Infinity}', 400, "-Infinity is not a JSON number"),
+    _raw("float overflow", b'{"query": "hi", "k": 1e999}', 400, "too large for a float"),
+    _raw("5,000-digit integer", b'{"query": "hi", "k": %s}' % (b"7" * 5000), 400, "integer of 5,000 digits"),
+    _rag("4,000-digit k", {"query": QUESTION, "k": 10**3999}, 400, "integer of 4,000 digits"),
+    _rag(
+        "10,000-character session id",
+        {"query": QUESTION, "session_id": "s" * 10_000},
+        404,
+        "… (10,002 characters) (never created",
+    ),
+    _rag("10,000-character field name", {"query": QUESTION, "f" * 10_000: 1}, 400, "(10,002 characters)"),
+    # Content-Encoding: decoded by the service, bounded, a bad one is the client's error.
+    _encoded("gzip body that does not decode", b'{"query": "hi"}', "gzip", 400, "does not decode as gzip"),
+    _encoded("deflate body that does not decode", b"\x00\x01", "deflate", 400, "does not decode as deflate"),
+    _encoded("truncated gzip body", gzip.compress(b'{"query": 1}')[:-4], "gzip", 400, "ends before its gzip"),
+    _encoded("gzip bomb", GZIP_BOMB, "gzip", 413, "exceeded once decoded from gzip"),
+    _encoded("brotli body", b'{"query": "hi"}', "br", 415, "Content-Encoding 'br' is not supported"),
+    # OpenAI fields: validated like OpenAI, 400 for what is not supported.
+    _field("chat stop is a number", "stop", 5, "'stop' must be a string or a list"),
+    _field("chat stop of 5 strings", "stop", list("abcde"), "at most 4 strings"),
+    _field("chat stop empty", "stop", [""], "each stop string must have 1 to"),
+    _field("chat stop list of numbers", "stop", [1], "stop must be a string or a list"),
+    _field("chat n 2", "n", 2, "'n' is not supported: only 1"),
+    _field("chat n is a string", "n", "2", "'n' must be an integer, got str"),
+    _field("chat logprobs", "logprobs", True, "'logprobs' is not supported"),
+    _field("chat temperature 5", "temperature", 5, "temperature must be between 0 and 2"),
+    _field("chat temperature -1", "temperature", -1, "temperature must be between"),
+    _field("chat temperature hot", "temperature", "hot", "'temperature' must be a number"),
+    _field("chat top_p 7", "top_p", 7, "top_p must be greater than 0 and at most 1"),
+    _field("chat top_p 0", "top_p", 0, "top_p must be greater than 0"),
+    _field("chat seed negative", "seed", -1, "seed must be an integer between 0"),
+    _field("chat seed is a float", "seed", 1.5, "'seed' must be an integer, got float"),
+    _field("chat presence penalty", "presence_penalty", 1, "'presence_penalty' is not"),
+    _field("chat tools", "tools", [], "unsupported fields: tools"),
+    BadRequest("unknown model", "/v1/models/gpt-4o", 404, "unknown model 'gpt-4o'", method="GET"),
+    # What an HTTP client library would not send: answered in the same JSON shape.
+    _wire(
+        "bad chunk size",
+        b"POST /v1/rag HTTP/1.1\r\nHost: specrag\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+        400,
+        "malformed HTTP request: Invalid character in chunk size",
+    ),
+    _wire(
+        "duplicate Content-Length",
+        b"POST /v1/rag HTTP/1.1\r\nHost: specrag\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
+        400,
+        "malformed HTTP request: Duplicate Content-Length",
+    ),
+    _wire(
+        "duplicate Host",
+        b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        400,
+        "malformed HTTP request: Duplicate 'Host' header",
+    ),
+    _wire(
+        "over-long URL",
+        b"GET " + LONG_PATH.encode() + b" HTTP/1.1\r\nHost: specrag\r\n\r\n",
+        400,
+        "longer than 8190 bytes",
+    ),
+    _wire("unknown method", b"FOO /v1/rag HTTP/1.1\r\nHost: specrag\r\n\r\n", 400, "Invalid method"),
+    _wire("half-sent headers", b"POST /v1/rag HTTP/1.1\r\nHost: specrag\r\n", 0, ""),
+    _wire("body short of its Content-Length", _post_head(100) + b'{"query": ', 408, "did not arrive within"),
 )
 
 
@@ -137,6 +236,8 @@ async def send(http: aiohttp.ClientSession, base_url: str, row: BadRequest, toke
 
     ``http`` must carry no default Authorization header: the rows about tokens choose their own.
     """
+    if row.wire is not None:
+        return await send_wire(base_url, row.wire.replace(b"{token}", token.encode()))
     headers = dict(row.headers)
     if row.auth is True:
         headers["Authorization"] = f"Bearer {token}"
@@ -151,3 +252,31 @@ async def send(http: aiohttp.ClientSession, base_url: str, row: BadRequest, toke
         return response.status, str(json.loads(text)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return response.status, text
+
+
+async def send_wire(base_url: str, request: bytes, within_s: float = 90.0) -> tuple[int, str]:
+    """Send raw bytes and read one response: its status and JSON error message (or raw text).
+
+    Status 0 when the service closes the connection without answering. ``within_s`` bounds the
+    whole exchange, past the service's own read timeouts (30 s by default): a hang fails here.
+    """
+    url = urlsplit(base_url)
+    async with asyncio.timeout(within_s):
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        try:
+            writer.write(request)
+            await writer.drain()
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return 0, ""
+            lines = head.decode("latin-1").split("\r\n")
+            sizes = [int(line[15:]) for line in lines if line.lower().startswith("content-length:")]
+            text = (await reader.readexactly(sizes[0] if sizes else 0)).decode("utf-8", "replace")
+        finally:
+            writer.close()
+    status = int(lines[0].split()[1])
+    try:
+        return status, str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return status, text

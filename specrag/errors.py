@@ -34,9 +34,31 @@ class NotFoundError(SpecragError, LookupError):
     """The caller named something that does not exist (an unknown or expired session)."""
 
 
+class ConflictError(SpecragError):
+    """What the caller named is busy (a session with a turn in progress); retry when it is done."""
+
+
 class OverloadedError(SpecragError):
     """The service is at its admission limit; the caller should retry after a pause."""
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+ECHO_LIMIT = 80
+
+
+def echo(value: object, limit: int = ECHO_LIMIT) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters.
+
+    Messages quote what the caller sent so the mistake is visible, but a 10,000-character session
+    id or a 4,000-digit number must not come back whole (nor fill a log line).
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** (limit + 1):
+        # Before repr: it is quadratic in the digits, and Python refuses beyond 4,300 of them.
+        return f"an integer of more than {limit} digits"
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text):,} characters)"

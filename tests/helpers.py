@@ -22,7 +22,7 @@ import numpy as np
 
 from specrag.cache import BlockRemoved, BlockStored, DocId, KVEvent, PromptLayout, build_layout
 from specrag.cache.residency import chain_block_keys
-from specrag.controller.controller import ControllerConfig, RagController
+from specrag.controller.controller import AnswerDone, ControllerConfig, RagController, RagRequest
 from specrag.pipeline.default_model import DefaultModelSpec
 from specrag.pipeline.engine import (
     Engine,
@@ -31,6 +31,7 @@ from specrag.pipeline.engine import (
     Sampling,
     Supervision,
     SupervisionStatus,
+    WarmResult,
 )
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.simulated_engine import SimulatedEngine
@@ -339,3 +340,61 @@ def count_question_tokenizations(controller: RagController) -> list[str]:
 
     controller.builder.question_tokens = counting  # type: ignore[method-assign]
     return seen
+
+
+class HeldWarmEngine(SimulatedEngine):
+    """The simulated engine whose warm-ups wait until the test lets them finish."""
+
+    def __init__(self) -> None:
+        super().__init__(time_scale=0.01, max_model_len=4096)
+        self.release_warm = asyncio.Event()
+        self.warm_returned = asyncio.Event()
+
+    async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
+        await self.release_warm.wait()
+        result = await super().warm(prompt_token_ids, request_id)
+        self.warm_returned.set()  # the warmer records the result before the test wakes up
+        return result
+
+
+def sse_events(text: str) -> list[tuple[str, str]]:
+    """``(event, data)`` pairs of a server-sent event body (event is "message" when unnamed)."""
+    events = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        fields = dict(line.split(": ", 1) for line in block.splitlines())
+        events.append((fields.get("event", "message"), fields["data"]))
+    return events
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def questions(assets: Assets, count: int) -> list[str]:
+    """Questions on different topics, so every turn retrieves new documents."""
+    step = len(assets.passages) // count
+    return [f"What does {assets.passages[i * step].title} say?" for i in range(count)]
+
+
+async def run_conversation(
+    controller: RagController, turns: int, assets: Assets, k: int | None = None
+) -> list[AnswerDone]:
+    """``turns`` turns (at the controller's defaults but for ``k``), checking after each that the
+    model still sees every retrieved document: sent now, or given by a turn still in the context."""
+    session_id = controller.create_session("test")
+    answers = []
+    for question in questions(assets, turns):
+        done = await controller.answer(RagRequest(question, k=k, session_id=session_id))
+        session = controller.sessions.get(session_id)
+        assert session.history[: len(done.prompt.token_ids)] == done.prompt.token_ids
+        store = controller.builder.store
+        given = [store.passage(int(doc)).id for past in session.context for doc in past.documents]
+        assert len(given) == len(set(given)) and set(done.timeline.documents) <= set(given)
+        answers.append(done)
+    return answers

@@ -1,17 +1,18 @@
 """Every entry point against a catalogue of malformed input: a precise error, never a 500 or a crash.
 
-Three tables, one per entry point: HTTP requests (shared with ``bench.faults``, so they live in
-:mod:`bench.fault_inputs`, whose docstring says why there), command lines (exit status 2 and a
-one-line message, or argparse's usage error) and Python calls (a typed exception and its message).
-The HTTP rows run against one service on the session's real engine; the last test checks that
-after the whole catalogue that service still answers and that nothing of the rejected requests is
-left in the engine.
+Three tables, one per entry point: HTTP requests (shared with ``bench.faults`` through
+:mod:`bench.fault_inputs`; the service here has 2-second read timeouts, so the half-sent requests
+end quickly), command lines (exit status 2 and a one-line message, or argparse's
+usage error) and Python calls (a typed exception and its message). The HTTP rows run against one
+service on the session's real engine; the last test checks that after the whole catalogue that
+service still answers and that nothing of the rejected requests is left in the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from bench.fault_inputs import BAD_REQUESTS, QUESTION, BadRequest, send
 from specrag.cli import main
 from specrag.client import AsyncClient, SpecragConnectionError, SpecragHTTPError
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
-from specrag.errors import ArtifactError, InvalidInputError, NotFoundError
+from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.store import DocumentStore
 from specrag.pipeline.vllm_engine import VllmEngine
@@ -56,7 +57,8 @@ class Service:
 async def service(vllm_engine: VllmEngine, tiny_assets: Assets) -> AsyncIterator[Service]:
     controller = make_controller(vllm_engine, tiny_assets)
     try:
-        async with serving(create_app(controller, api_token=TOKEN), access_log=False) as url:
+        app = create_app(controller, api_token=TOKEN, header_timeout_s=2.0, body_timeout_s=2.0)
+        async with serving(app, access_log=False) as url:
             # The store sits at DATA_DIR/store/<file>: the data directory tiny_assets was built in.
             store = tiny_assets.store.path
             yield Service(url, controller, vllm_engine, store.parent.parent, store)
@@ -177,6 +179,17 @@ async def _client_call(
         return await call(client)
 
 
+async def _second_turn_while_one_runs(ctx: Context) -> Any:
+    controller = ctx.service.controller
+    session_id = controller.create_session("catalogue")
+    running = controller.stream(RagRequest(QUESTION, k=4, max_tokens=200, session_id=session_id))
+    try:
+        await anext(running)  # the first turn is answering
+        return await controller.answer(RagRequest(QUESTION, k=4, max_tokens=2, session_id=session_id))
+    finally:
+        await running.aclose()
+
+
 def _corrupt_index(ctx: Context) -> Any:
     directory = ctx.tmp / "index"
     directory.mkdir()
@@ -224,6 +237,15 @@ BAD_CALLS = (
     ),
     BadCall("max_tokens over the limit", _answer(max_tokens=5000), InvalidInputError, "between 1 and 1024"),
     BadCall("unknown session", _answer(session_id="gone"), NotFoundError, "unknown session 'gone'"),
+    BadCall("10,000-character session id", _answer(session_id="s" * 10_000), NotFoundError, "10,002 chara"),
+    BadCall("k of 4,000 digits", _answer(k=10**3999), InvalidInputError, "an integer of more than 80 digits"),
+    BadCall("second turn while one runs", _second_turn_while_one_runs, ConflictError, "turn in progress"),
+    BadCall("temperature 5", _answer(temperature=5), InvalidInputError, "temperature must be between 0 and"),
+    BadCall("temperature NaN", _answer(temperature=math.nan), InvalidInputError, "must be a finite number"),
+    BadCall("temperature a string", _answer(temperature="hot"), InvalidInputError, "must be a number"),
+    BadCall("top_p 0", _answer(top_p=0), InvalidInputError, "top_p must be greater than 0"),
+    BadCall("seed True", _answer(seed=True), InvalidInputError, "seed must be an integer between 0"),
+    BadCall("stop not strings", _answer(stop=[1]), InvalidInputError, "stop must be a string or a list"),
     BadCall(
         "prompt over the model limit",
         _answer(k=50, mode="serial"),

@@ -67,7 +67,7 @@ async def replay(
         session_id = None
         if query.session is not None:
             if query.session not in sessions:
-                sessions[query.session] = (controller.sessions.create().session_id, asyncio.Lock())
+                sessions[query.session] = (controller.create_session(query.session), asyncio.Lock())
             session_id, lock = sessions[query.session]
         async with lock:
             request = RagRequest(query.query, k=k, mode=mode, max_tokens=max_tokens, session_id=session_id)

@@ -11,7 +11,7 @@ documents by id, not position, so the document segments can carry the same label
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specrag.cache.layout import DocId
@@ -58,8 +58,32 @@ class Dedup:
         return "\n".join(self.hints)
 
 
+def split_repeated(first_given: Mapping[DocId, int], doc_ids: Sequence[DocId], config: HintConfig) -> Dedup:
+    """Split a turn's documents into new ones and ones already given, with a location hint each.
+
+    ``first_given`` maps every document still in the conversation to the turn that gave it. Pure:
+    the caller records what was sent only once the turn is done, so a turn that fails or is
+    abandoned changes nothing.
+    """
+    kept: list[DocId] = []
+    repeated: list[DocId] = []
+    hints: list[str] = []
+    for doc_id in doc_ids:
+        turn = first_given.get(doc_id)
+        if turn is None:
+            kept.append(doc_id)
+        else:
+            repeated.append(doc_id)
+            hints.append(config.location_template.format(label=config.label(doc_id), turn=turn))
+    return Dedup(tuple(kept), tuple(repeated), tuple(hints))
+
+
 class SessionDeduplicator:
-    """Per-conversation record of documents already sent, bounded to ``max_sessions`` (LRU)."""
+    """Per-conversation record of documents already sent, bounded to ``max_sessions`` (LRU).
+
+    For traces where every turn counts as sent the moment it is split (the ordering benchmark); a
+    live conversation records its documents only when a turn ends (see the controller's sessions).
+    """
 
     def __init__(self, config: HintConfig | None = None, max_sessions: int = 10_000) -> None:
         if max_sessions <= 0:
@@ -75,23 +99,12 @@ class SessionDeduplicator:
         """Split this turn's documents and register the new ones for the turns that follow."""
         turns, seen = self._sessions.pop(conversation, (0, {}))
         turn = turns + 1
-        kept: list[DocId] = []
-        repeated: list[DocId] = []
-        hints: list[str] = []
-        for doc_id in doc_ids:
-            first_turn = seen.get(doc_id)
-            if first_turn is None or first_turn == turn:
-                kept.append(doc_id)
-                seen[doc_id] = turn
-            else:
-                repeated.append(doc_id)
-                hints.append(
-                    self.config.location_template.format(label=self.config.label(doc_id), turn=first_turn)
-                )
+        result = split_repeated(seen, doc_ids, self.config)
+        seen.update(dict.fromkeys(result.kept, turn))
         self._sessions[conversation] = (turn, seen)
         if len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)
-        return Dedup(tuple(kept), tuple(repeated), tuple(hints))
+        return result
 
     def end(self, conversation: str) -> None:
         """Forget a finished conversation."""

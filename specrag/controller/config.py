@@ -13,7 +13,8 @@ from specrag.errors import InvalidInputError
 class ControllerConfig:
     """Controller settings; every field can be overridden per service.
 
-    ``max_sessions`` and ``session_ttl_s`` bound the session store (checked where it is built).
+    ``max_sessions``, ``max_sessions_per_client`` and ``session_ttl_s`` bound the session store
+    (checked where it is built).
     """
 
     k_default: int = 10
@@ -30,6 +31,7 @@ class ControllerConfig:
     max_queue: int = 256
     batched_token_budget: int = 512
     max_sessions: int = 1000
+    max_sessions_per_client: int = 64
     session_ttl_s: float = 3600.0
 
     def validate(self) -> ControllerConfig:

@@ -17,15 +17,17 @@ from collections.abc import AsyncGenerator
 from specrag.cache.hints import HintConfig
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.config import ControllerConfig
+from specrag.controller.conversation import TurnPrompts
 from specrag.controller.facade import CoreLoad, EngineHealth
 from specrag.controller.gate import PrefillGate, default_max_prefill_bs
 from specrag.controller.modes import get_mode
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
 from specrag.controller.run import QueryRun, QueryShared
+from specrag.controller.sampling import check_sampling
 from specrag.controller.sessions import SessionStore
 from specrag.controller.warmup import SystemPromptWarmer, WarmupRecord
-from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import Engine, Sampling
+from specrag.errors import EngineError, InvalidInputError, echo
+from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 
@@ -71,8 +73,11 @@ class RagController:
             len(builder.system_token_ids) + self.config.k_default * _EXPECTED_PASSAGE_TOKENS,
         )
         self.gate = PrefillGate(max_bs, self.config.starvation_window_s)
-        self.sessions = SessionStore(self.config.max_sessions, self.config.session_ttl_s)
+        self.sessions = SessionStore(
+            self.config.max_sessions, self.config.session_ttl_s, self.config.max_sessions_per_client
+        )
         self._hints = HintConfig(order_hint=self.config.order_hint)
+        self._turn_prompts = TurnPrompts(builder, self._hints)
         self._warmer = SystemPromptWarmer(engine, builder, tree, self.gate)
         self._runs: set[QueryRun] = set()
 
@@ -106,17 +111,20 @@ class RagController:
             raise InvalidInputError("the question is not valid Unicode text") from None
         k = self.config.k_default if request.k is None else request.k
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.config.k_max:
-            raise InvalidInputError(f"k must be an integer between 1 and {self.config.k_max}, got {k!r}")
+            raise InvalidInputError(f"k must be an integer between 1 and {self.config.k_max}, got {echo(k)}")
         mode = get_mode(self.config.mode if request.mode is None else request.mode)
         max_tokens = self.config.max_tokens_default if request.max_tokens is None else request.max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise InvalidInputError(f"max_tokens must be an integer, got {max_tokens!r}")
+            raise InvalidInputError(f"max_tokens must be an integer, got {echo(max_tokens)}")
         if not 1 <= max_tokens <= self.config.max_tokens_limit:
             raise InvalidInputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
+        sampling = check_sampling(request, max_tokens)
         session = self.sessions.get(request.session_id) if request.session_id is not None else None
+        if session is not None:  # told before admission; stream() claims the session
+            self.sessions.ensure_idle(session)
         # Rejects over-long questions before any work; the tokens serve every prompt of the query.
         question_token_ids = tuple(self.builder.question_tokens(request.question))
-        return CheckedRequest(request, k, mode, Sampling(max_tokens=max_tokens), session, question_token_ids)
+        return CheckedRequest(request, k, mode, sampling, session, question_token_ids)
 
     async def answer(self, request: RagRequest | CheckedRequest) -> AnswerDone:
         """Run a query to the end and return the whole answer."""
@@ -132,8 +140,12 @@ class RagController:
         """Answer deltas, then :class:`AnswerDone`. Closing the iterator early aborts every request.
 
         A plain :class:`RagRequest` is checked here; a :class:`CheckedRequest` is used as it is.
+        A session runs one turn at a time: a second one gets :class:`ConflictError`.
         """
         checked = request if isinstance(request, CheckedRequest) else self.check(request)
+        session = checked.session
+        if session is not None:
+            self.sessions.begin_turn(session)
         run = QueryRun(self._shared(), checked)
         self._runs.add(run)
         try:
@@ -143,6 +155,8 @@ class RagController:
         finally:
             await run.abort_all()
             self._runs.discard(run)
+            if session is not None:
+                self.sessions.end_turn(session)
 
     def _shared(self) -> QueryShared:
         """What a new run shares with the others (read now: a test may swap the index between queries)."""
@@ -156,6 +170,7 @@ class RagController:
             self.sessions,
             self._warmer,
             self._hints,
+            self._turn_prompts,
         )
 
     # ------------------------------------------------------------------ the rest of the facade
@@ -173,8 +188,8 @@ class RagController:
             return EngineHealth(serving=False, reason=str(error), supervision=status)
         return EngineHealth(serving=True, reason=None, supervision=status)
 
-    def create_session(self) -> str:
-        return self.sessions.create().session_id
+    def create_session(self, client: str) -> str:
+        return self.sessions.create(client).session_id
 
     def close_session(self, session_id: str) -> None:
         self.sessions.close(session_id)

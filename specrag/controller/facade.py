@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
+from specrag.controller.warmup import WarmupRecord
 from specrag.pipeline.engine import SupervisionStatus
 
 
@@ -53,8 +54,13 @@ class QueryCore(Protocol):
 
     async def health(self) -> EngineHealth: ...
 
-    def create_session(self) -> str:
-        """A new session's id."""
+    @property
+    def warmups(self) -> WarmupRecord:
+        """The system-prompt warm-ups the core ran (shared work, in no query's timeline)."""
+        ...
+
+    def create_session(self, client: str) -> str:
+        """A new session's id; ``client`` (who asks) is what the per-client session bound counts."""
         ...
 
     def close_session(self, session_id: str) -> None:

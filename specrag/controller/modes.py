@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specrag.errors import InvalidInputError
+from specrag.errors import InvalidInputError, echo
 
 
 @dataclass(frozen=True)
@@ -39,4 +39,4 @@ def get_mode(name: str) -> Mode:
     try:
         return MODES[name]
     except KeyError:
-        raise InvalidInputError(f"unknown mode {name!r}; known: {', '.join(MODE_NAMES)}") from None
+        raise InvalidInputError(f"unknown mode {echo(name)}; known: {', '.join(MODE_NAMES)}") from None

@@ -9,6 +9,7 @@ that checks a request before admitting it does not pay for the check again when 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specrag.cache.layout import PromptLayout
@@ -20,13 +21,17 @@ from specrag.pipeline.engine import Sampling
 
 @dataclass(frozen=True)
 class RagRequest:
-    """One question. ``None`` fields take the controller's defaults."""
+    """One question. ``None`` fields take the controller's defaults (decoding: greedy, no stop)."""
 
     question: str
     k: int | None = None
     mode: str | None = None
     max_tokens: int | None = None
     session_id: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 

@@ -4,16 +4,20 @@ RAGCache++ §3.6).
 1. Embed the question; start the staged search; if the knowledge tree says the system prompt is
    not resident, have the controller warm it (shared work: recorded by the controller, not here).
 2. A stage arrived: order its running top-k with the knowledge tree and build the prompt. If it
-   differs from the live speculation's prompt, abort that one and, only if the prefill pool has
-   room (:class:`~specrag.controller.gate.PrefillGate`), submit the new prompt speculatively.
+   differs from the live speculation's prompt, abort that one and, only if the prompt fits the
+   model and the prefill pool has room (:class:`~specrag.controller.gate.PrefillGate`), submit
+   the new prompt speculatively. A later turn of a conversation continues its history instead,
+   dropping the oldest turns that do not fit (:mod:`specrag.controller.conversation`).
 3. The final result is known: order and build the final prompt. If the live speculation has
    exactly this prompt, adopt its stream; otherwise abort it and submit the final prompt through
    the gate.
-4. Stream the answer; record the timeline and what the engine served from its prefix cache.
+4. Stream the answer; record the timeline and what the engine served from its prefix cache. A
+   session's turn is recorded only now, once answered: a failed or abandoned turn changes nothing.
 5. Abort all: whatever way the query ends, every engine request it still holds is aborted.
 
 The answer is always generated from the final retrieval result: a speculation is adopted only when
-its prompt is token-for-token the final prompt, and greedy decoding makes the text identical.
+its prompt is token-for-token the final prompt, and greedy decoding (the default) makes the text
+identical.
 A run owns its engine requests, so what is in flight is always what the live runs hold.
 """
 
@@ -31,6 +35,7 @@ from specrag.cache.layout import PromptLayout
 from specrag.cache.ordering import get_policy
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.config import ControllerConfig
+from specrag.controller.conversation import TurnPrompt, TurnPrompts
 from specrag.controller.flight import Flight
 from specrag.controller.gate import PrefillGate, Slot
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest
@@ -56,6 +61,7 @@ class QueryShared:
     sessions: SessionStore
     warmer: SystemPromptWarmer
     hints: HintConfig
+    turn_prompts: TurnPrompts
 
 
 class QueryRun:
@@ -67,6 +73,7 @@ class QueryRun:
         self._shared = shared
         self._flights: list[Flight] = []
         self._speculation: Flight | None = None
+        self._turn: TurnPrompt | None = None  # a later session turn's final prompt: what it kept
 
     def request_ids(self) -> set[str]:
         """Engine requests this run has submitted and not yet aborted or seen end."""
@@ -102,7 +109,11 @@ class QueryRun:
         return await self.final_known(final_rows)
 
     async def stage_arrived(self, rows: list[int], stage: int) -> None:
-        """Speculate on a stage's running top-k if it changed and the prefill pool has room."""
+        """Speculate on a stage's running top-k if it changed and the prefill pool has room.
+
+        A running top-k may make a longer prompt than the final one: if it does not fit the
+        model, it is not speculated on, and the query goes on (only the final prompt must fit).
+        """
         if not self.checked.mode.speculation:
             return
         layout, _ = self._prompt(rows, final=False)
@@ -111,6 +122,9 @@ class QueryRun:
             return
         if speculation is not None:
             await self._drop(speculation)
+        if len(layout.token_ids) + self.checked.sampling.max_tokens > self._shared.engine.max_model_len:
+            self.timeline.add("spec_skip", now(), stage=stage, prompt_tokens=len(layout.token_ids))
+            return
         slot = self._shared.gate.try_speculate()
         if slot is not None:
             self._speculation = self._launch(layout, slot, speculative=True)
@@ -128,6 +142,15 @@ class QueryRun:
         timeline.documents = [shared.builder.store.passage(row).id for row in rows]
         layout, predicted = self._prompt(rows, final=True)
         timeline.predicted_cached_tokens = predicted
+        if self._turn is not None and self._turn.dropped:
+            dropped = self._turn.dropped
+            timeline.dropped_turns = len(dropped)
+            timeline.add(
+                "history_dropped",
+                now(),
+                turns=[turn.number for turn in dropped],
+                tokens=sum(len(turn.tokens) for turn in dropped),
+            )
         speculation = self._speculation
         if speculation is not None and speculation.layout.token_ids == layout.token_ids:
             timeline.adopted = True
@@ -176,7 +199,9 @@ class QueryRun:
         timeline.done = now()
         timeline.add("done", timeline.done)
         if session is not None:
-            shared.sessions.record_turn(session, flight.layout.token_ids, tokens)
+            if finish_reason != "abort":  # the only place a session changes: a whole turn
+                kept = self._turn.kept if self._turn is not None else ()
+                shared.sessions.record_turn(session, kept, flight.layout, tokens)
         elif timeline.first_token is not None:
             shared.tree.record_served(flight.layout, timeline.cached_prompt_tokens)
         yield AnswerDone("".join(texts), finish_reason, timeline, flight.layout)
@@ -213,18 +238,14 @@ class QueryRun:
         shared, checked = self._shared, self.checked
         session, question, builder = checked.session, checked.question_token_ids, shared.builder
         if session is not None and session.turns:
-            docs, hint = rows, None
+            budget = shared.engine.max_model_len - checked.sampling.max_tokens
+            turn = shared.turn_prompts.build(session, rows, question, budget)
             if final:
-                dedup = shared.sessions.dedup(session, rows)
-                docs, hint = [int(d) for d in dedup.kept], dedup.hint_text() or None
-            layout = builder.build_with_question_tokens(docs, question, hint, history=session.history)
-            block = shared.engine.block_size
-            return layout, len(session.history) // block * block
+                self._turn = turn
+            return turn.layout, turn.predicted_cached_tokens(session, shared.engine.block_size)
         policy = get_policy(shared.config.ordering_policy if checked.mode.ordering else "retrieval")
         ordering = policy.order(shared.tree, rows)
         ordered = [int(d) for d in ordering.doc_ids]
-        if session is not None and final:
-            shared.sessions.dedup(session, ordered)  # a first turn sends every document: remember them
         hint = order_hint(rows, ordered, shared.hints) if checked.mode.ordering else None
         return builder.build_with_question_tokens(ordered, question, hint), ordering.cached.tokens
 

@@ -12,8 +12,9 @@ from typing import Any
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One step: ``kind`` is stage, warmup_start, spec_submit, spec_abort, adopt, queued,
-    final_submit, retry, first_token or done.
+    """One step: ``kind`` is stage, warmup_start, spec_submit, spec_abort, spec_skip (a running
+    top-k's prompt too long for the model), history_dropped (a conversation's oldest turns left
+    the context), adopt, queued, final_submit, retry, first_token or done.
 
     A warm-up the query triggered is shared work that may outlive it: the query notes only its
     start; how it ended is in the controller's :class:`~specrag.controller.warmup.WarmupRecord`.
@@ -45,6 +46,7 @@ class Timeline:
     wasted_spec_prefill_tokens: int = 0
     adopted: bool = False
     warmed: bool = False
+    dropped_turns: int = 0
     queued_s: float = 0.0
     controller_s: float = 0.0
     documents: list[str] = field(default_factory=list)
@@ -95,6 +97,7 @@ class Timeline:
             "wasted_spec_prefill_tokens": self.wasted_spec_prefill_tokens,
             "adopted": self.adopted,
             "warmed": self.warmed,
+            "dropped_turns": self.dropped_turns,
             "documents": list(self.documents),
             "events": [
                 {"kind": event.kind, "t_ms": round((event.at - self.arrival) * 1000, 3), **event.detail}

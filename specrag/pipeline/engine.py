@@ -37,6 +37,8 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Strings that end the answer; the text stops before the first one (finish reason "stop")."""
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -46,6 +48,8 @@ class Sampling:
             raise InvalidInputError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not all(self.stop):
+            raise InvalidInputError("a stop string cannot be empty")
 
 
 @dataclass(frozen=True)

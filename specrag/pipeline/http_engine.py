@@ -297,6 +297,8 @@ class HttpEngine(EngineBase):
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
         if sampling.ignore_eos:
             body["ignore_eos"] = True
         url = f"{self._base_url}/v1/completions"

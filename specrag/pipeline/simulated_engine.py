@@ -90,7 +90,8 @@ class _Request:
     tokens: list[int]
     prompt_tokens: int
     sampling: Sampling
-    answer: list[int]
+    answer: list[tuple[int, str]]
+    end_reason: str
     keys: list[int]
     outputs: asyncio.Queue[EngineOutput | EngineError] = field(default_factory=asyncio.Queue)
     computed: int = 0
@@ -104,11 +105,26 @@ class _Request:
         return len(self.tokens) - self.prompt_tokens
 
 
-def _answer(prompt: Sequence[int], sampling: Sampling, vocab_size: int) -> list[int]:
-    """The synthetic completion: a function of the prompt and the seed only."""
+def _answer(prompt: Sequence[int], sampling: Sampling, vocab_size: int) -> tuple[list[tuple[int, str]], str]:
+    """The synthetic completion, a function of the prompt and the seed only: (token, text) pairs
+    and the finish reason; like vLLM, it ends with the token that completes a stop string, and
+    the text stops before that string."""
     digest = hashlib.blake2b(repr((tuple(prompt), sampling.seed)).encode(), digest_size=8).digest()
     rng = random.Random(int.from_bytes(digest, "big"))
-    return [rng.randrange(3, vocab_size) for _ in range(sampling.max_tokens)]
+    tokens = [rng.randrange(3, vocab_size) for _ in range(sampling.max_tokens)]
+    texts = [f" t{token}" for token in tokens]
+    full = "".join(texts)
+    hits = [(at, len(stop)) for stop in sampling.stop if (at := full.find(stop)) >= 0]
+    if not hits:
+        return list(zip(tokens, texts, strict=True)), "length"
+    cut, length = min(hits)
+    answer, offset = [], 0
+    for token, text in zip(tokens, texts, strict=True):
+        answer.append((token, text[: max(0, cut - offset)]))
+        offset += len(text)
+        if offset >= cut + length:
+            break
+    return answer, "stop"
 
 
 class SimulatedEngine(EngineBase):
@@ -210,12 +226,14 @@ class SimulatedEngine(EngineBase):
     ) -> AsyncGenerator[EngineOutput, None]:
         if self._failures:
             raise self._failures.popleft()
+        answer, end_reason = _answer(prompt, sampling, self._vocab_size)
         request = _Request(
             request_id=request_id,
             tokens=list(prompt),
             prompt_tokens=len(prompt),
             sampling=sampling,
-            answer=_answer(prompt, sampling, self._vocab_size),
+            answer=answer,
+            end_reason=end_reason,
             keys=chain_block_keys(prompt, self._block_size),
         )
         self._requests[request_id] = request
@@ -402,11 +420,11 @@ class SimulatedEngine(EngineBase):
         self._register_full_blocks(request)
         if request.aborted or request.computed < len(request.tokens):
             return
-        token = request.answer[request.generated]
+        token, text = request.answer[request.generated]
         request.tokens.append(token)
-        finished = request.generated >= request.sampling.max_tokens
+        finished = request.generated >= len(request.answer)
         request.outputs.put_nowait(
-            self._output(request, (token,), f" t{token}", "length" if finished else None)
+            self._output(request, (token,), text, request.end_reason if finished else None)
         )
         if finished:
             self._remove(request)

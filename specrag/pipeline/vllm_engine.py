@@ -159,6 +159,7 @@ class VllmEngine(EngineBase):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
+            stop=list(sampling.stop) or None,
             ignore_eos=sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )

@@ -9,12 +9,15 @@ at scrape time instead of being kept up to date by hand, so they cannot drift.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from specrag.controller.modes import MODE_NAMES
 from specrag.controller.timeline import Timeline
+from specrag.controller.warmup import WarmupRecord
 
 # From a cached prompt on a GPU (milliseconds) to a cold long prompt on a small CPU box (tens of s).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -26,6 +29,32 @@ def mode_label(mode: str | None, default: str) -> str:
     """A bounded label value: a client-chosen unknown mode must not create a new time series."""
     name = default if mode is None else mode
     return name if name in MODE_NAMES else "invalid"
+
+
+class _WarmupCollector(Collector):
+    """System-prompt warm-ups by outcome, read from the controller's own record at each scrape.
+
+    A warm-up is shared work that may outlive the query that started it, so it is counted where
+    it is recorded, not from finished queries' timelines.
+    """
+
+    def __init__(self, record: Callable[[], WarmupRecord]) -> None:
+        self._record = record
+
+    def collect(self) -> Iterator[Metric]:
+        record = self._record()
+        family = CounterMetricFamily(
+            "specrag_warmups",
+            "System-prompt warm-ups, by outcome (started, succeeded, failed)",
+            labels=["outcome"],
+        )
+        for outcome, count in (
+            ("started", record.started),
+            ("succeeded", record.succeeded),
+            ("failed", record.failed),
+        ):
+            family.add_metric([outcome], count)
+        yield family
 
 
 class ServiceMetrics:
@@ -57,7 +86,6 @@ class ServiceMetrics:
         self.speculations = counter("specrag_speculations", "Speculative prefills submitted")
         self.aborted_speculations = counter("specrag_aborted_speculations", "Speculations aborted")
         self.adoptions = counter("specrag_adoptions", "Answers served by an adopted speculation")
-        self.warmups = counter("specrag_warmups", "System-prompt warm-ups started")
         self.prompt_tokens = counter("specrag_prompt_tokens", "Prompt tokens of answered queries")
         self.cached_prompt_tokens = counter(
             "specrag_cached_prompt_tokens", "Prompt tokens the engine's prefix cache served"
@@ -80,11 +108,13 @@ class ServiceMetrics:
         prefill_pool: Callable[[], float],
         queued: Callable[[], float],
         in_flight: Callable[[], float],
+        warmups: Callable[[], WarmupRecord],
     ) -> None:
-        """Read the gauges from these functions at every scrape."""
+        """Read the gauges and the warm-up counters from these functions at every scrape."""
         self.prefill_pool.set_function(prefill_pool)
         self.queued.set_function(queued)
         self.in_flight.set_function(in_flight)
+        self.registry.register(_WarmupCollector(warmups))
 
     def observe(self, timeline: Timeline) -> None:
         """Record a query that ran to the end of its answer."""
@@ -101,7 +131,6 @@ class ServiceMetrics:
         self.speculations.inc(timeline.speculations)
         self.aborted_speculations.inc(timeline.aborted_speculations)
         self.adoptions.inc(int(timeline.adopted))
-        self.warmups.inc(int(timeline.warmed))
         self.prompt_tokens.inc(timeline.prompt_tokens)
         self.cached_prompt_tokens.inc(timeline.cached_prompt_tokens)
         self.wasted_spec_prefill_tokens.inc(timeline.wasted_spec_prefill_tokens)

@@ -9,7 +9,8 @@ Design points, each for a reason:
   its handler is cancelled, the controller's stream is closed, and every engine request of that
   query (speculations included) is aborted instead of burning prefill for nobody.
 - Errors are JSON ``{"error": {"message", "type", "code"}}``; an unexpected exception is logged
-  here and answered with a generic 500, never a stack trace.
+  here and answered with a generic 500, never a stack trace. How requests are read off the wire
+  (bodies, JSON, timeouts, what the HTTP parser rejects) is :mod:`specrag.service.wire`'s.
 - The API token is compared in constant time; ``/health`` stays open for load balancers.
 - The service talks to the query core only through :class:`~specrag.controller.facade.QueryCore`
   (answer, load, health, sessions); a request is checked once, before admission, and the checked
@@ -22,11 +23,10 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeVar, cast
 
 from aiohttp import web
 from aiohttp.log import access_logger
@@ -35,14 +35,27 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from specrag.controller.facade import QueryCore
 from specrag.controller.query import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import (
+    ECHO_LIMIT,
+    ConflictError,
     EngineError,
     EngineTimeoutError,
     EngineUnavailableError,
     InvalidInputError,
     NotFoundError,
     OverloadedError,
+    echo,
 )
 from specrag.service.metrics import ServiceMetrics, mode_label
+from specrag.service.wire import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    BodyLimits,
+    ErrorInfo,
+    JsonErrorRunner,
+    handler_args,
+    parse_json_object,
+    read_body,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +67,20 @@ SHUTDOWN_GRACE_S = 5.0
 ENGINE_RETRY_AFTER_S = 5.0
 OPEN_PATHS = frozenset({"/health"})
 RAG_FIELDS = frozenset({"query", "k", "mode", "max_tokens", "session_id", "stream"})
+# The OpenAI chat fields honoured (README: "Sampling fields"), and those accepted at their neutral
+# value only; any other field is refused rather than silently ignored.
+CHAT_FIELDS = frozenset(
+    {
+        *("model", "messages", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens"),
+        *("temperature", "top_p", "seed", "stop", "k", "mode", "session_id"),
+    }
+)
+CHAT_NEUTRAL_FIELDS: dict[str, tuple[type, Any]] = {
+    "n": (int, 1),
+    "logprobs": (bool, False),
+    "presence_penalty": (float, 0),
+    "frequency_penalty": (float, 0),
+}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
@@ -69,6 +96,8 @@ class ServiceState:
     model_name: str
     max_queries: int
     max_queries_per_client: int
+    limits: BodyLimits
+    created: int = field(default_factory=lambda: int(time.time()))
     queries: int = 0
     per_client: dict[str, int] = field(default_factory=dict)
 
@@ -79,34 +108,14 @@ STATE = web.AppKey("specrag_state", ServiceState)
 # ---------------------------------------------------------------------------------------- errors
 
 
-@dataclass(frozen=True)
-class ErrorInfo:
-    """An error as the API reports it."""
-
-    status: int
-    message: str
-    type: str
-    code: str
-    retry_after_s: float | None = None
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
-
-    def response(self) -> web.Response:
-        headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        if self.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return web.json_response(self.body(), status=self.status, headers=headers)
-
-
 def describe_error(error: BaseException) -> ErrorInfo:
     """The status, message and type an exception is reported with; unexpected ones are logged."""
     if isinstance(error, InvalidInputError):
         return ErrorInfo(400, str(error), "invalid_request_error", "invalid_input")
     if isinstance(error, NotFoundError):
         return ErrorInfo(404, str(error), "not_found_error", "not_found")
+    if isinstance(error, ConflictError):
+        return ErrorInfo(409, str(error), "conflict_error", "conflict")
     if isinstance(error, OverloadedError):
         return ErrorInfo(429, str(error), "overloaded_error", "overloaded", error.retry_after_s)
     if isinstance(error, EngineUnavailableError):
@@ -153,29 +162,38 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def _json_object(request: web.Request) -> dict[str, Any]:
     if request.content_type != "application/json":
         raise web.HTTPUnsupportedMediaType(text="the body must be JSON (Content-Type: application/json)")
-    raw = await request.read()  # raises 413 past the application's client_max_size
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise InvalidInputError("the body is not valid JSON") from None
-    except RecursionError:  # a small body of nested brackets exhausts the parser's stack
-        raise InvalidInputError("the body is nested too deeply") from None
-    if not isinstance(body, dict):
-        raise InvalidInputError("the body must be a JSON object")
-    return body
+    return parse_json_object(await read_body(request, request.app[STATE].limits))
 
 
-_KIND_NAMES = {str: "a string", int: "an integer", bool: "a boolean", list: "a list", dict: "an object"}
+def _check_fields(body: dict[str, Any], known: frozenset[str], what: str) -> None:
+    """400 naming the fields not in ``known`` (at most ten of them, each cut short)."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        names = [name if len(name) <= ECHO_LIMIT else echo(name) for name in unknown[:10]]
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+        raise InvalidInputError(f"{what}: {', '.join(names)}{more}")
+
+
+_KIND_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    list: "a list",
+    dict: "an object",
+}
 
 
 def _optional(body: dict[str, Any], name: str, kind: type[T]) -> T | None:
-    """``body[name]`` if present and of exactly this JSON type (an int is not a bool here)."""
+    """``body[name]`` if present and of exactly this JSON type (an int is not a bool here; for
+    ``float``, any number)."""
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    accepted: tuple[type, ...] = (int, float) if kind is float else (kind,)
+    if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
         raise InvalidInputError(f"'{name}' must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
-    return value
+    return cast(T, value)
 
 
 def _required(body: dict[str, Any], name: str, kind: type[T]) -> T:
@@ -193,6 +211,31 @@ def _rag_request(body: dict[str, Any], question: str, max_tokens: int | None) ->
         mode=_optional(body, "mode", str),
         max_tokens=max_tokens,
         session_id=_optional(body, "session_id", str),
+    )
+
+
+def _chat_request(body: dict[str, Any], question: str) -> RagRequest:
+    """A chat body's request: the shared options and the sampling fields (README: "Sampling fields")."""
+    _check_fields(body, CHAT_FIELDS | CHAT_NEUTRAL_FIELDS.keys(), "unsupported fields")
+    for name, (kind, neutral) in CHAT_NEUTRAL_FIELDS.items():
+        value = _optional(body, name, kind)
+        if value is not None and value != neutral:
+            raise InvalidInputError(f"'{name}' is not supported: only {json.dumps(neutral)} is accepted")
+    _optional(body, "model", str)
+    _optional(body, "user", str)
+    _optional(body, "stream_options", dict)  # usage is always in the last chunk
+    max_tokens = _optional(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _optional(body, "max_tokens", int)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str | list):
+        raise InvalidInputError(f"'stop' must be a string or a list of strings, got {type(stop).__name__}")
+    return replace(
+        _rag_request(body, question, max_tokens),
+        temperature=_optional(body, "temperature", float),
+        top_p=_optional(body, "top_p", float),
+        seed=_optional(body, "seed", int),
+        stop=stop,
     )
 
 
@@ -231,7 +274,7 @@ async def _answer_events(
     """The query core's stream with admission and accounting; closing it aborts the query."""
     try:
         checked = state.core.check(request)  # bad input gets its 4xx even when the service is full
-    except (InvalidInputError, NotFoundError):
+    except (InvalidInputError, NotFoundError, ConflictError):
         state.metrics.count_unfinished(mode_label(request.mode, state.core.default_mode), "rejected")
         raise
     mode = checked.mode.name
@@ -253,7 +296,7 @@ async def _answer_events(
                     outcome = "ok"
                     state.metrics.observe(event.timeline)
                 yield event
-    except (InvalidInputError, NotFoundError):
+    except (InvalidInputError, NotFoundError, ConflictError):
         outcome = "rejected"
         raise
     except Exception:
@@ -421,9 +464,7 @@ async def _health(request: web.Request) -> web.Response:
 async def _rag(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _json_object(request)
-    unknown = sorted(set(body) - RAG_FIELDS)
-    if unknown:
-        raise InvalidInputError(f"unknown fields: {', '.join(unknown)}")
+    _check_fields(body, RAG_FIELDS, "unknown fields")
     rag = _rag_request(body, _required(body, "query", str), _optional(body, "max_tokens", int))
     if _optional(body, "stream", bool):
         return await _stream(request, state, rag, _RagFraming())
@@ -432,15 +473,10 @@ async def _rag(request: web.Request) -> web.StreamResponse:
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
-    """OpenAI chat completions; sampling fields are ignored (decoding is greedy, see the README)."""
+    """OpenAI chat completions: RAG on the last user message, with the sampling fields the README lists."""
     state = request.app[STATE]
     body = await _json_object(request)
-    _optional(body, "model", str)
-    question = _last_user_message(_required(body, "messages", list))
-    max_tokens = _optional(body, "max_completion_tokens", int)
-    rag = _rag_request(
-        body, question, _optional(body, "max_tokens", int) if max_tokens is None else max_tokens
-    )
+    rag = _chat_request(body, _last_user_message(_required(body, "messages", list)))
     completion_id = f"chatcmpl-{rag.request_id}"
     if _optional(body, "stream", bool):
         return await _stream(request, state, rag, _ChatFraming(completion_id, state.model_name))
@@ -465,8 +501,25 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 async def _create_session(request: web.Request) -> web.Response:
-    session_id = request.app[STATE].core.create_session()
+    session_id = request.app[STATE].core.create_session(_client_key(request))
     return web.json_response({"session_id": session_id}, status=201)
+
+
+def _model_card(state: ServiceState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specrag"}
+
+
+async def _models(request: web.Request) -> web.Response:
+    """OpenAI's model list: the one model this service answers with (clients discover it here)."""
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    if name != state.model_name:
+        raise NotFoundError(f"unknown model {echo(name)}; this service serves {state.model_name!r}")
+    return web.json_response(_model_card(state))
 
 
 async def _close_session(request: web.Request) -> web.Response:
@@ -489,31 +542,50 @@ def create_app(
     max_queries: int = DEFAULT_MAX_QUERIES,
     max_queries_per_client: int = DEFAULT_MAX_QUERIES_PER_CLIENT,
     metrics: ServiceMetrics | None = None,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> web.Application:
     """The service for one query core (a :class:`~specrag.controller.controller.RagController`).
 
     ``max_queries`` bounds concurrent queries, ``max_queries_per_client`` those of one peer
     address: beyond either the answer is 429 with Retry-After, never an unbounded queue.
+    ``header_timeout_s`` bounds the wait for a request's headers (and an idle keep-alive
+    connection), ``body_timeout_s`` the wait for its body.
     """
     if api_token is not None and not api_token:
         raise InvalidInputError("the API token must not be empty (pass None to disable it)")
     if max_body_bytes < 1 or max_queries < 1 or max_queries_per_client < 1:
         raise InvalidInputError("max_body_bytes, max_queries and max_queries_per_client must be positive")
+    if not (header_timeout_s > 0 and body_timeout_s > 0):  # written so that NaN fails too
+        raise InvalidInputError("header_timeout_s and body_timeout_s must be positive")
     state = ServiceState(
-        core, metrics or ServiceMetrics(), api_token, model_name, max_queries, max_queries_per_client
+        core,
+        metrics or ServiceMetrics(),
+        api_token,
+        model_name,
+        max_queries,
+        max_queries_per_client,
+        BodyLimits(max_body_bytes, body_timeout_s),
     )
     state.metrics.watch(
         prefill_pool=lambda: core.load().prefill_pool,
         queued=lambda: core.load().queued,
         in_flight=lambda: state.queries,
+        warmups=lambda: core.warmups,
     )
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)
+    app = web.Application(
+        middlewares=[_errors, _auth],
+        client_max_size=max_body_bytes,
+        handler_args=handler_args(header_timeout_s),
+    )
     app[STATE] = state
     app.router.add_get("/health", _health)
     app.router.add_post("/v1/rag", _rag)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/sessions", _create_session)
     app.router.add_delete("/v1/sessions/{session_id}", _close_session)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model}", _model)
     app.router.add_get("/metrics", _metrics)
     return app
 
@@ -527,7 +599,7 @@ async def serving(
     Handler cancellation is on so a client that disconnects aborts its query's engine requests.
     ``access_log=False`` keeps a terminal demo's output readable.
     """
-    runner = web.AppRunner(
+    runner = JsonErrorRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=SHUTDOWN_GRACE_S,

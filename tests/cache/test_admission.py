@@ -5,15 +5,7 @@ from hypothesis import strategies as st
 from specrag.cache import AdmissionQueue, KnowledgeTree, get_policy
 from specrag.cache.admission import WindowScheduler
 from specrag.errors import InvalidInputError
-from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import BLOCK, SYSTEM, Clock, FakeEngine, layout
 
 
 def test_highest_cached_to_compute_ratio_goes_first() -> None:

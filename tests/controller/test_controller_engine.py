@@ -15,7 +15,15 @@ from specrag.errors import InvalidInputError, NotFoundError
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
-from tests.helpers import QUESTION, A, B, assert_engine_idle, make_controller, scripted_index
+from tests.helpers import (
+    QUESTION,
+    A,
+    B,
+    assert_engine_idle,
+    make_controller,
+    run_conversation,
+    scripted_index,
+)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -128,7 +136,7 @@ async def test_a_session_continues_the_previous_turn_and_drops_repeated_document
     engine: Engine, tiny_assets: Assets
 ) -> None:
     controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], stage_delay_s=0.01))
-    session = controller.sessions.create()
+    session = controller.sessions.create("test")
     first = await controller.answer(RagRequest(QUESTION, k=4, max_tokens=4, session_id=session.session_id))
     controller.index = scripted_index(tiny_assets, [B, B], stage_delay_s=0.01)
     second = await controller.answer(
@@ -164,4 +172,26 @@ async def test_bad_requests_are_rejected_with_a_clear_error(
     controller = make_controller(engine, tiny_assets)
     with pytest.raises(error, match=message):
         await controller.answer(request_)
+    await assert_engine_idle(engine, controller)
+
+
+async def test_a_stop_string_ends_the_answer_before_it(engine: Engine, tiny_assets: Assets) -> None:
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], stage_delay_s=0.01))
+    whole = await controller.answer(RagRequest(QUESTION, k=4, mode="serial", max_tokens=24))
+    middle = len(whole.text) // 2
+    stop = whole.text[middle : middle + 2]
+    stopped = await controller.answer(RagRequest(QUESTION, k=4, mode="serial", max_tokens=24, stop=[stop]))
+    assert (stopped.text, stopped.finish_reason) == (whole.text[: whole.text.index(stop)], "stop")
+    await assert_engine_idle(engine, controller)
+
+
+async def test_a_conversation_at_the_defaults_stays_inside_the_context(
+    engine: Engine, tiny_assets: Assets
+) -> None:
+    """The defaults' proportions on the test model's 4k context (k = 5 where the 8k default has 10,
+    64 output tokens): 20 turns outgrow the context many times over, and none fails."""
+    controller = make_controller(engine, tiny_assets)
+    answers = await run_conversation(controller, 20, tiny_assets, k=5)
+    assert sum(done.timeline.dropped_turns for done in answers) > 0
+    assert all(len(done.prompt.token_ids) + 64 <= engine.max_model_len for done in answers)
     await assert_engine_idle(engine, controller)

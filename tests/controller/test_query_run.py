@@ -9,13 +9,14 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from specrag.controller.controller import AnswerDelta, AnswerDone, RagRequest
-from specrag.pipeline.engine import EngineOutput, Sampling, WarmResult
+from specrag.pipeline.engine import EngineOutput, Sampling
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
 from tests.helpers import (
     QUESTION,
     A,
     B,
+    HeldWarmEngine,
     StandInSupervision,
     SupervisedSimulation,
     assert_engine_idle,
@@ -92,21 +93,6 @@ async def test_a_query_tokenizes_its_question_once(tiny_assets: Assets, checked_
     assert done.timeline.speculations >= 2
     assert seen == [QUESTION]
     await engine.close()
-
-
-class HeldWarmEngine(SimulatedEngine):
-    """The simulated engine whose warm-ups wait until the test lets them finish."""
-
-    def __init__(self) -> None:
-        super().__init__(time_scale=0.01, max_model_len=4096)
-        self.release_warm = asyncio.Event()
-        self.warm_returned = asyncio.Event()
-
-    async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
-        await self.release_warm.wait()
-        result = await super().warm(prompt_token_ids, request_id)
-        self.warm_returned.set()  # the warmer records the result before the test wakes up
-        return result
 
 
 async def test_a_warm_up_that_outlives_its_query_is_recorded_by_the_controller(tiny_assets: Assets) -> None:

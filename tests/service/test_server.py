@@ -24,6 +24,7 @@ from tests.helpers import (
     metric,
     running,
     scripted_index,
+    sse_events,
 )
 
 pytestmark = pytest.mark.engine
@@ -43,17 +44,6 @@ async def service(vllm_engine: VllmEngine, tiny_assets: Assets) -> AsyncIterator
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(headers=AUTH, timeout=aiohttp.ClientTimeout(total=120)) as session:
         yield session
-
-
-def sse_events(text: str) -> list[tuple[str, str]]:
-    """``(event, data)`` pairs of a server-sent event body (event is "message" when unnamed)."""
-    events = []
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        fields = dict(line.split(": ", 1) for line in block.splitlines())
-        events.append((fields.get("event", "message"), fields["data"]))
-    return events
 
 
 async def metrics_text(http: aiohttp.ClientSession, url: str) -> str:
