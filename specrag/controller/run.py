@@ -38,7 +38,7 @@ from specrag.controller.sessions import SessionStore
 from specrag.controller.timeline import Timeline
 from specrag.controller.warmup import SystemPromptWarmer
 from specrag.errors import EngineError, InvalidInputError, OverloadedError
-from specrag.pipeline.engine import Engine, EngineOutput, check_prompt_fits, now
+from specrag.pipeline.engine import Engine, EngineOutput, check_prompt_fits, latest_cached_tokens, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 
@@ -166,8 +166,9 @@ class QueryRun:
                 # When the caller can see it: an adopted speculation may have produced its first
                 # token before the search ended, but it is only known right once the search has.
                 timeline.first_token = now()
-                timeline.cached_prompt_tokens = output.cached_tokens or 0
-                timeline.add("first_token", timeline.first_token, cached_tokens=timeline.cached_prompt_tokens)
+                timeline.add("first_token", timeline.first_token, cached_tokens=output.cached_tokens)
+            # An OpenAI server reports the count only with its last output: keep the latest.
+            timeline.cached_prompt_tokens = latest_cached_tokens(output, timeline.cached_prompt_tokens) or 0
             texts.append(output.text)
             tokens.extend(output.token_ids)
             finish_reason = output.finish_reason or finish_reason
