@@ -37,7 +37,7 @@ from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest
 from specrag.controller.sessions import SessionStore
 from specrag.controller.timeline import Timeline
 from specrag.controller.warmup import SystemPromptWarmer
-from specrag.errors import EngineError, InvalidInputError, OverloadedError
+from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError, OverloadedError
 from specrag.pipeline.engine import Engine, EngineOutput, check_prompt_fits, latest_cached_tokens, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
@@ -285,7 +285,11 @@ class QueryRun:
                 retried = True
                 self.timeline.add("retry", now(), reason=str(error))
                 if supervision is not None and not await supervision.wait_ready(timeout_s):
-                    raise
+                    if isinstance(error, EngineUnavailableError):
+                        raise
+                    raise EngineUnavailableError(
+                        f"no engine in service after: {error}; retry shortly"
+                    ) from error
                 slot = await shared.gate.admit(0, len(flight.layout.token_ids))
                 flight = self._launch(flight.layout, slot, speculative=False)
                 self.timeline.answer_submit = flight.submitted_at

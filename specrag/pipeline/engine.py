@@ -109,7 +109,9 @@ class EngineCounts:
     unfinished: int
 
 
-EngineState = Literal["starting", "ready", "recovering", "failed"]
+EngineState = Literal["starting", "ready", "recovering", "down", "stopping", "failed"]
+"""``recovering``: replacing a failed engine; ``down``: a replacement failed and is retried with
+backoff; ``stopping``: the service is shutting down; ``failed``: closed or given up on."""
 
 
 @dataclass(frozen=True)
