@@ -109,6 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServiceOptions(
         controller=config,
         engine_url=args.engine_url,
+        engine_kv_events=args.engine_kv_events,
         eager=args.eager,
         api_token=token,
         max_queries=args.max_queries,
@@ -180,6 +181,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--stages", type=int, default=4, help="search stages (speculation points)")
     serve.add_argument(
         "--engine-url", help="an OpenAI-compatible engine server to use instead of the in-process vLLM"
+    )
+    serve.add_argument(
+        "--engine-kv-events",
+        metavar="tcp://HOST:PORT",
+        help="mirror the --engine-url server's prefix cache through the KV events it publishes there "
+        "(replay on PORT+1, topic kv: what `specrag engine --kv-events-port PORT` starts)",
     )
     limits = serve.add_argument_group("limits (beyond them: 429 with Retry-After, or 504)")
     limits.add_argument(
