@@ -132,6 +132,11 @@ BAD_COMMANDS = (
     ),
     BadCommand("corpus is a directory", ("index", "build", "--corpus", "{tmp}"), "is a directory"),
     BadCommand("unknown index kind", ("index", "build", "--kind", "lsh"), "invalid choice: 'lsh'"),
+    BadCommand(
+        "PQ index of a small corpus",
+        ("index", "build", "--kind", "ivf-pq"),
+        "IVF-PQ needs at least 9984 vectors to train its codebooks",
+    ),
     BadCommand("missing model dir", ("prepare", "--model", "{tmp}/no-model"), "model directory not found"),
 )
 

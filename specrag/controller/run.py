@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ from specrag.errors import EngineError, EngineUnavailableError, InvalidInputErro
 from specrag.pipeline.engine import Engine, EngineOutput, check_prompt_fits, latest_cached_tokens, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,9 @@ class QueryRun:
                 yield AnswerDelta(output.text, output.token_ids)
         timeline.done = now()
         timeline.add("done", timeline.done)
+        if logger.isEnabledFor(logging.DEBUG):  # `serve -v`: one line per answered query
+            summary = {k: v for k, v in timeline.to_dict().items() if k not in ("events", "documents")}
+            logger.debug("query answered (%s): %s", finish_reason, summary)
         if session is not None:
             shared.sessions.record_turn(session, flight.layout.token_ids, tokens)
         elif timeline.first_token is not None:

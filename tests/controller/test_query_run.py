@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -171,12 +172,16 @@ class LateCachedCountEngine(SimulatedEngine):
             yield output
 
 
-async def test_a_count_reported_only_at_the_end_reaches_the_timeline(tiny_assets: Assets) -> None:
+async def test_a_count_reported_only_at_the_end_reaches_the_timeline(
+    tiny_assets: Assets, caplog: pytest.LogCaptureFixture
+) -> None:
     engine = LateCachedCountEngine()
     controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A], 0.01))
     request = RagRequest(QUESTION, k=4, mode="serial", max_tokens=4)
     await controller.answer(request)
-    repeated = await controller.answer(request)
+    with caplog.at_level(logging.DEBUG, logger="specrag.controller.run"):  # what `serve -v` shows
+        repeated = await controller.answer(request)
     assert engine.reported[-1] and repeated.timeline.cached_prompt_tokens == engine.reported[-1]
+    assert f"'cached_prompt_tokens': {engine.reported[-1]}" in caplog.text
     await controller.close()
     await engine.close()
