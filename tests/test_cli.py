@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -130,15 +131,16 @@ def test_ctrl_c_with_a_query_in_flight_stops_quietly_and_cleans_up(
             time.sleep(0.5)
         run_dir = data_dir / "run" / f"serve-{process.pid}"
         assert run_dir.is_dir()
-        body = json.dumps({"query": QUESTION, "k": 4, "max_tokens": 3000, "stream": True}).encode()
+        body = json.dumps({"query": QUESTION, "k": 4, "max_tokens": 1024, "stream": True}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/rag", data=body, method="POST")
         request.add_header("Content-Type", "application/json")
         with urllib.request.urlopen(request, timeout=60) as response:
             response.readline()  # the answer is streaming: a query is in flight
             os.killpg(process.pid, signal.SIGINT)
-            with contextlib.suppress(OSError):
+            # It finishes, or its connection is closed once the shutdown grace is over.
+            with contextlib.suppress(OSError, http.client.HTTPException):
                 response.read()
-        assert process.wait(timeout=60) == 0
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
