@@ -10,12 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 import random
 import re
+import signal
 import socket
+import subprocess
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -23,6 +28,7 @@ import numpy as np
 from specrag.cache import BlockRemoved, BlockStored, DocId, KVEvent, PromptLayout, build_layout
 from specrag.cache.residency import chain_block_keys
 from specrag.controller.controller import AnswerDone, ControllerConfig, RagController, RagRequest
+from specrag.pipeline.commands import engine_server_config
 from specrag.pipeline.default_model import DefaultModelSpec
 from specrag.pipeline.engine import (
     Engine,
@@ -217,6 +223,74 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+class EngineServer:
+    """vLLM's OpenAI server started with the command ``specrag engine`` runs (so that command is
+    what the tests exercise), in its own process group so that it can be killed whole and started
+    again on the same ports."""
+
+    def __init__(self, model_dir: Path, log_path: Path, kv_events_port: int | None = None) -> None:
+        config = engine_server_config(str(model_dir), eager=True, kv_events_port=kv_events_port)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._command, environment = config.with_overrides(max_model_len=4096, kv_cache_gib=1).server_command(
+            "127.0.0.1", self.port, on_cpu=True
+        )
+        self._environment = {
+            **os.environ,
+            **environment,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_SERVER_DEV_MODE": "1",
+        }
+        self._log_path = log_path
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self, within_s: float = 240) -> None:
+        """Start it and wait until ``/health`` answers 200."""
+        with self._log_path.open("ab") as log:
+            process = subprocess.Popen(
+                self._command,
+                env=self._environment,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._process = process
+        deadline = time.monotonic() + within_s
+        while not self.healthy():
+            if process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = self._log_path.read_text(errors="replace")[-3000:]
+                raise AssertionError(f"vLLM server did not become healthy (exit {process.poll()}):\n{tail}")
+            time.sleep(0.5)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine processes at once, as a crash would."""
+        self._signal(signal.SIGKILL)
+
+    def stop(self) -> None:
+        """Terminate it (killed after 30 s); safe to call twice."""
+        self._signal(signal.SIGTERM)
+
+    def _signal(self, signum: int) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signum)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
 
 
 @contextlib.asynccontextmanager

@@ -104,6 +104,21 @@ BAD_COMMANDS = (
     ),
     BadCommand("unset token variable", ("serve", "--api-token-env", "SPECRAG_NO_SUCH_VAR"), "is not set"),
     BadCommand("unknown mode", ("serve", "--mode", "turbo"), "invalid choice: 'turbo'"),
+    BadCommand(
+        "KV events without an engine URL",
+        ("serve", "--engine-kv-events", "tcp://127.0.0.1:5557"),
+        "--engine-kv-events needs --engine-url",
+    ),
+    BadCommand(
+        "KV events not over TCP",
+        ("serve", "--engine-url", "http://127.0.0.1:1", "--engine-kv-events", "ipc:///tmp/kv"),
+        "must look like tcp://HOST:PORT",
+    ),
+    BadCommand(
+        "KV events port out of range",
+        ("serve", "--engine-url", "http://127.0.0.1:1", "--engine-kv-events", "tcp://127.0.0.1:65535"),
+        "(PORT 1..65534)",
+    ),
     BadCommand("k above the limit", ("demo", "-k", "51"), "-k must be between 1 and 50"),
     BadCommand("k not a number", ("demo", "-k", "ten"), "invalid int value: 'ten'"),
     BadCommand(
@@ -119,6 +134,11 @@ BAD_COMMANDS = (
     ),
     BadCommand("corpus is a directory", ("index", "build", "--corpus", "{tmp}"), "is a directory"),
     BadCommand("unknown index kind", ("index", "build", "--kind", "lsh"), "invalid choice: 'lsh'"),
+    BadCommand(
+        "PQ index of a small corpus",
+        ("index", "build", "--kind", "ivf-pq"),
+        "IVF-PQ needs at least 9984 vectors to train its codebooks",
+    ),
     BadCommand("missing model dir", ("prepare", "--model", "{tmp}/no-model"), "model directory not found"),
 )
 

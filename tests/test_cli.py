@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from specrag.cli import build_parser, main
+from specrag.service.assets import Assets
+from tests.helpers import QUESTION, free_port
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -88,3 +96,56 @@ def test_help_shows_defaults_and_the_global_options(
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for fragment in shown:
         assert fragment in text
+
+
+def test_verbose_shows_specrag_s_own_steps(tiny_assets: Assets) -> None:
+    data_dir = tiny_assets.store.path.parent.parent
+    model = str(tiny_assets.model_dir)
+    result = run_cli("--data-dir", str(data_dir), "prepare", "--model", model, "-v", cwd=data_dir)
+    assert result.returncode == 0, result.stderr
+    assert "loaded the vector index" in result.stderr and "up to date" in result.stderr
+    quiet = run_cli("--data-dir", str(data_dir), "prepare", "--model", model, cwd=data_dir)
+    assert "loaded the vector index" not in quiet.stderr
+
+
+@pytest.mark.engine
+def test_ctrl_c_with_a_query_in_flight_stops_quietly_and_cleans_up(
+    tiny_assets: Assets, tmp_path: Path
+) -> None:
+    data_dir = tiny_assets.store.path.parent.parent  # the data directory tiny_assets was built in
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "specrag", "--data-dir", str(data_dir), "serve"]
+    command += ["--model", str(tiny_assets.model_dir), "--eager", "--port", str(port)]
+    # serve's 8,192-token limit is beyond the tiny model's 4,096 positions; its prompts are short.
+    env = {**os.environ, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+    with log_path.open("w") as log:
+        # Its own process group: the SIGINT below goes to every process in it, as a terminal's does.
+        process = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while "specrag serving on" not in log_path.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        run_dir = data_dir / "run" / f"serve-{process.pid}"
+        assert run_dir.is_dir()
+        body = json.dumps({"query": QUESTION, "k": 4, "max_tokens": 1024, "stream": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/rag", data=body, method="POST")
+        request.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            response.readline()  # the answer is streaming: a query is in flight
+            os.killpg(process.pid, signal.SIGINT)
+            # It finishes, or its connection is closed once the shutdown grace is over.
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                response.read()
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    output = log_path.read_text()
+    for noise in ("Traceback", "replacing the engine", "leaked shared_memory"):
+        assert noise not in output, output[-3000:]
+    assert not run_dir.exists()

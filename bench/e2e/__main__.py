@@ -179,7 +179,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
     try:
-        async with open_engine(assets.model_dir, options, run_dir) as (engine, engine_config):
+        async with open_engine(assets.model_dir, options, run_dir) as (engine, kv_events):
             builder = prompt_builder(assets, engine)
             await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
             search_ms, cold_prefill_ms = await measure_regime(engine, index, builder, assets.passages, args.k)
@@ -200,7 +200,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for seed, configuration in tqdm(plan, desc="configurations", unit="run"):
                 results[(seed, configuration.name)] = await run_configuration(
                     engine,
-                    engine_config,
+                    kv_events,
                     index,
                     builder,
                     base,

@@ -17,7 +17,7 @@ from typing import Any
 
 from bench.e2e.workload import TraceQuery
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
-from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.config import KVEventSource
 from specrag.pipeline.engine import Engine, Sampling, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
@@ -85,7 +85,7 @@ async def replay(
 
 async def run_configuration(
     engine: Engine,
-    engine_config: EngineConfig | None,
+    kv_events: KVEventSource | None,
     index: VectorIndex,
     builder: PromptBuilder,
     base: ControllerConfig,
@@ -96,7 +96,7 @@ async def run_configuration(
 ) -> RunResult:
     nprobe = set_search_ratio(index, configuration.search_ratio)
     config = replace(base, mode=configuration.mode, **configuration.overrides)
-    stack = open_controller(engine, engine_config, index, builder, config, empty_cache=True)
+    stack = open_controller(engine, kv_events, index, builder, config, empty_cache=True)
     async with stack as (controller, _mirror):
         records, prompts, wall = await replay(controller, trace, k, max_tokens, configuration.mode)
     return RunResult(configuration, records, wall, nprobe, prompts)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from specrag.cache.layout import PromptLayout
 from specrag.controller.gate import Slot
 from specrag.errors import EngineTimeoutError
-from specrag.pipeline.engine import Engine, EngineOutput, Sampling, now
+from specrag.pipeline.engine import Engine, EngineOutput, Sampling, latest_cached_tokens, now
 
 
 class Flight:
@@ -36,9 +36,9 @@ class Flight:
     async def _pump(self, sampling: Sampling) -> None:
         try:
             async for output in self._engine.generate(self.request_id, self.layout.token_ids, sampling):
+                self.cached_tokens = latest_cached_tokens(output, self.cached_tokens)
                 if self.first_token_at is None:
                     self.first_token_at = output.received_at
-                    self.cached_tokens = output.cached_tokens
                     self._slot.release()
                 self._outputs.put_nowait(output)
             self._outputs.put_nowait(None)

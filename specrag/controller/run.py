@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
@@ -42,10 +43,12 @@ from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest
 from specrag.controller.sessions import SessionStore
 from specrag.controller.timeline import Timeline
 from specrag.controller.warmup import SystemPromptWarmer
-from specrag.errors import EngineError, InvalidInputError, OverloadedError
-from specrag.pipeline.engine import Engine, EngineOutput, check_prompt_fits, now
+from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError, OverloadedError
+from specrag.pipeline.engine import Engine, EngineOutput, check_prompt_fits, latest_cached_tokens, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -189,8 +192,9 @@ class QueryRun:
                 # When the caller can see it: an adopted speculation may have produced its first
                 # token before the search ended, but it is only known right once the search has.
                 timeline.first_token = now()
-                timeline.cached_prompt_tokens = output.cached_tokens or 0
-                timeline.add("first_token", timeline.first_token, cached_tokens=timeline.cached_prompt_tokens)
+                timeline.add("first_token", timeline.first_token, cached_tokens=output.cached_tokens)
+            # An OpenAI server reports the count only with its last output: keep the latest.
+            timeline.cached_prompt_tokens = latest_cached_tokens(output, timeline.cached_prompt_tokens) or 0
             texts.append(output.text)
             tokens.extend(output.token_ids)
             finish_reason = output.finish_reason or finish_reason
@@ -198,6 +202,9 @@ class QueryRun:
                 yield AnswerDelta(output.text, output.token_ids)
         timeline.done = now()
         timeline.add("done", timeline.done)
+        if logger.isEnabledFor(logging.DEBUG):  # `serve -v`: one line per answered query
+            summary = {k: v for k, v in timeline.to_dict().items() if k not in ("events", "documents")}
+            logger.debug("query answered (%s): %s", finish_reason, summary)
         if session is not None:
             if finish_reason != "abort":  # the only place a session changes: a whole turn
                 kept = self._turn.kept if self._turn is not None else ()
@@ -305,7 +312,11 @@ class QueryRun:
                 retried = True
                 self.timeline.add("retry", now(), reason=str(error))
                 if supervision is not None and not await supervision.wait_ready(timeout_s):
-                    raise
+                    if isinstance(error, EngineUnavailableError):
+                        raise
+                    raise EngineUnavailableError(
+                        f"no engine in service after: {error}; retry shortly"
+                    ) from error
                 slot = await shared.gate.admit(0, len(flight.layout.token_ids))
                 flight = self._launch(flight.layout, slot, speculative=False)
                 self.timeline.answer_submit = flight.submitted_at

@@ -34,6 +34,29 @@ _DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
+class KVEventSource:
+    """Where an engine publishes its KV-cache events (vLLM's ZMQ publisher), for the KV mirror."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = "kv"
+
+    @classmethod
+    def remote(cls, endpoint: str, topic: str = "kv") -> KVEventSource:
+        """The events of a separate engine at ``tcp://HOST:PORT``, replayed from PORT+1.
+
+        That is what ``specrag engine --kv-events-port PORT`` publishes (topic ``kv``).
+        """
+        scheme, _, address = endpoint.partition("://")
+        host, _, port_text = address.rpartition(":")
+        if scheme != "tcp" or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65534:
+            raise InvalidInputError(
+                f"--engine-kv-events must look like tcp://HOST:PORT (PORT 1..65534), got {endpoint!r}"
+            )
+        return cls(endpoint, f"tcp://{host}:{int(port_text) + 1}", topic)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to start the in-process engine; any Hugging Face model directory works."""
 
@@ -95,6 +118,12 @@ class EngineConfig:
             kv_events_replay_endpoint=f"ipc://{run_dir / 'kv-events-replay'}",
             kv_events_topic=topic,
         )
+
+    def kv_event_source(self) -> KVEventSource | None:
+        """Where this engine publishes its KV-cache events; None when it publishes none."""
+        if self.kv_events_endpoint is None:
+            return None
+        return KVEventSource(self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_events_topic)
 
     def engine_arguments(self, on_cpu: bool) -> dict[str, Any]:
         """vLLM's engine arguments for this config, the one source for both ways of running vLLM.

@@ -57,7 +57,11 @@ class EngineOutput:
     """One streamed increment of a request's output.
 
     ``cached_tokens`` is the number of prompt tokens the engine's prefix cache served (vLLM's
-    ``num_cached_tokens``); it is known from the first increment on. ``received_at`` is the
+    ``num_cached_tokens``), or None while the engine has not reported it. Every adapter reports it
+    on the finishing output at the latest (when the engine reports it at all) and on every output
+    after the first that carries it; the in-process engine knows it from the first increment on,
+    an OpenAI server only in its final usage chunk. Read the latest non-None value (see
+    :func:`latest_cached_tokens`). ``received_at`` is the
     ``time.perf_counter()`` at which the adapter received the increment.
     """
 
@@ -109,7 +113,9 @@ class EngineCounts:
     unfinished: int
 
 
-EngineState = Literal["starting", "ready", "recovering", "failed"]
+EngineState = Literal["starting", "ready", "recovering", "down", "stopping", "failed"]
+"""``recovering``: replacing a failed engine; ``down``: a replacement failed and is retried with
+backoff; ``stopping``: the service is shutting down; ``failed``: closed or given up on."""
 
 
 @dataclass(frozen=True)
@@ -346,15 +352,20 @@ def check_prompt_fits(prompt_tokens: int, sampling: Sampling, max_model_len: int
 async def warm_by_prefill(engine: Engine, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
     """Warm a prefix the way every APC engine allows: prefill it, generate one token, report the hit."""
     started = now()
-    cached = 0
+    cached: int | None = None
     async for output in engine.generate(request_id, prompt_token_ids, Sampling(max_tokens=1)):
-        cached = output.cached_tokens or cached
+        cached = latest_cached_tokens(output, cached)
     return WarmResult(
         prompt_tokens=len(prompt_token_ids),
-        cached_tokens=cached,
+        cached_tokens=cached or 0,
         block_size=engine.block_size,
         elapsed_s=now() - started,
     )
+
+
+def latest_cached_tokens(output: EngineOutput, known: int | None) -> int | None:
+    """The request's cached-token count after ``output``: its own when reported, else ``known``."""
+    return known if output.cached_tokens is None else output.cached_tokens
 
 
 def now() -> float:

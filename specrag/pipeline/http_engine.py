@@ -8,10 +8,13 @@ forced by what the server says on the wire:
   ``stream: true``; output token IDs come from vLLM's ``return_token_ids`` extension (a server
   without it streams text only, and ``token_ids`` is then empty).
 - **Cached tokens** come from ``usage.prompt_tokens_details.cached_tokens``, which vLLM sends
-  only when started with ``--enable-prompt-tokens-details`` and only in the final usage chunk.
-  So here ``cached_tokens`` is None on every increment but the last (the finishing output is held
-  back until the usage chunk arrives); a server that never reports it leaves it None throughout,
-  and :meth:`HttpEngine.warm` then reports 0 cached tokens.
+  only when started with ``--enable-prompt-tokens-details`` and only in the final usage chunk
+  (vLLM 0.32's ``continuous_usage_stats`` adds token counts to every chunk but never the prompt
+  details, so it is not asked for). So here ``cached_tokens`` is None on every increment but the
+  last (the finishing output is held back until the usage chunk arrives), which the protocol
+  allows (see :class:`~specrag.pipeline.engine.EngineOutput`); a server that never reports it
+  leaves it None throughout, and :meth:`HttpEngine.warm` then reports 0 cached tokens. A request
+  aborted before it finishes never learns its count.
 - **Abort** closes the request's connection: vLLM aborts a request within ~65 ms of the
   disconnect (docs/vllm-cpu.md). As with ``AsyncLLM`` the stream then ends with an
   empty output whose ``finish_reason`` is ``"abort"``.
@@ -292,7 +295,7 @@ class HttpEngine(EngineBase):
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "stream_options": {"include_usage": True},
             "return_token_ids": True,
         }
         if sampling.seed is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -103,9 +104,16 @@ class VllmEngine(EngineBase):
         loop = asyncio.get_running_loop()
 
         def build() -> Any:
-            return AsyncLLM.from_engine_args(
-                _engine_args(config), stat_loggers=[_stat_logger_factory(snapshot)]
-            )
+            # vLLM's processes inherit this thread's signal mask. With SIGINT blocked there, a
+            # Ctrl-C in the terminal reaches only us, and we shut them down in order: otherwise
+            # they stop on their own mid-request (tracebacks, a leaked shared-memory segment).
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                return AsyncLLM.from_engine_args(
+                    _engine_args(config), stat_loggers=[_stat_logger_factory(snapshot)]
+                )
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
         try:
             # Building spawns the engine core and blocks until it is ready; keep the loop free.

@@ -8,6 +8,7 @@ call (~25 µs), which is noise once a search takes more than a few milliseconds.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from specrag.retrieval.progress import add_in_chunks
 from specrag.retrieval.stages import FaissBacked, StagePlan, StageResult, prepare_queries, run_stages
 from specrag.retrieval.topk import RunningTopK
 
+logger = logging.getLogger(__name__)
 # faiss's k-means wants at least this many training points per list; fewer lists beat bad ones.
 MIN_POINTS_PER_LIST = 39
 DEFAULT_NLIST = 1024
@@ -54,6 +56,14 @@ class StagedIVF(FaissBacked):
         if self.nprobe < 1:
             raise InvalidInputError(f"nprobe must be at least 1, got {self.nprobe}")
         self.nprobe = min(self.nprobe, self.index.nlist)
+        if self.nprobe == 1:
+            logger.warning(
+                "this IVF index searches one list (nlist %d, nprobe 1): a search is a single stage, so "
+                "nothing is speculated during it; a corpus of %d+ passages, --pad-to, --nprobe 2+ or "
+                "--kind hnsw gives it stages",
+                self.index.nlist,
+                8 * MIN_POINTS_PER_LIST,
+            )
 
     @classmethod
     def build(
@@ -77,11 +87,14 @@ class StagedIVF(FaissBacked):
         if pq_m is None:
             index = faiss.IndexIVFFlat(quantizer, dim, lists, metric)
         else:
-            if dim % pq_m or num < MIN_POINTS_PER_LIST * (1 << PQ_BITS):
+            needed = MIN_POINTS_PER_LIST * (1 << PQ_BITS)  # to train 256 centroids per sub-vector
+            if num < needed:
                 raise InvalidInputError(
-                    f"IVF-PQ needs dim divisible by pq_m ({dim} % {pq_m}) and at least "
-                    f"{MIN_POINTS_PER_LIST * (1 << PQ_BITS)} vectors (got {num})"
+                    f"IVF-PQ needs at least {needed} vectors to train its codebooks, the corpus has {num}: "
+                    f"use --kind ivf, or --pad-to {needed} to add synthetic rows"
                 )
+            if dim % pq_m:
+                raise InvalidInputError(f"IVF-PQ needs the dimension ({dim}) divisible by pq_m ({pq_m})")
             index = faiss.IndexIVFPQ(quantizer, dim, lists, pq_m, PQ_BITS, metric)
         index.cp.seed = seed
         train_size = min(num, lists * MAX_TRAIN_POINTS_PER_LIST)
@@ -93,7 +106,8 @@ class StagedIVF(FaissBacked):
     @property
     def settings(self) -> dict[str, Any]:
         """What a manifest records to rebuild this searcher around the saved faiss index."""
-        codes = "pq" if isinstance(self.index, faiss.IndexIVFPQ) else "flat"
+        # extract_index_ivf returns the IndexIVF base class: downcast to see the codes.
+        codes = "pq" if isinstance(faiss.downcast_index(self.index), faiss.IndexIVFPQ) else "flat"
         return {"kind": self.kind, "codes": codes, "nlist": int(self.index.nlist), "nprobe": self.nprobe}
 
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:

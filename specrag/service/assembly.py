@@ -5,7 +5,8 @@ tests run the same thing: :func:`open_service` for the service, or its parts (:f
 :func:`prompt_builder`, :func:`open_controller`) for a caller that needs no HTTP application, its
 own index, or a fresh controller per configuration over one engine (``bench.e2e``). The engine is
 the in-process vLLM engine (KV-cache events on, so the knowledge tree mirrors the prefix cache
-exactly) or, with ``engine_url``, any OpenAI-compatible server; either way it is supervised: a
+exactly) or, with ``engine_url``, any OpenAI-compatible server (mirrored through the KV events it
+publishes over TCP when ``engine_kv_events`` says where); either way it is supervised: a
 dead or hung engine is replaced, and on every replacement the tree forgets what it believed
 cached and the KV mirror resubscribes.
 """
@@ -20,7 +21,8 @@ from pathlib import Path
 from aiohttp import web
 
 from specrag.controller.controller import ControllerConfig, RagController
-from specrag.pipeline.config import EngineConfig
+from specrag.errors import InvalidInputError
+from specrag.pipeline.config import EngineConfig, KVEventSource
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
@@ -36,12 +38,21 @@ class ServiceOptions:
 
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     engine_url: str | None = None
+    engine_kv_events: str | None = None
     eager: bool = False
     omp_threads_bind: str | None = None
     api_token: str | None = None
     supervisor: SupervisorPolicy = field(default_factory=SupervisorPolicy)
     max_queries: int = DEFAULT_MAX_QUERIES
     max_queries_per_client: int = DEFAULT_MAX_QUERIES_PER_CLIENT
+
+    def __post_init__(self) -> None:
+        if self.engine_kv_events is not None:
+            if self.engine_url is None:
+                raise InvalidInputError(
+                    "--engine-kv-events needs --engine-url (the in-process engine's events are always on)"
+                )
+            KVEventSource.remote(self.engine_kv_events)  # a malformed endpoint fails before any start
 
 
 @dataclass
@@ -52,21 +63,23 @@ class Service:
     controller: RagController
     engine: SupervisedEngine
     mirror: KVMirror | None
-    engine_config: EngineConfig | None
+    kv_events: KVEventSource | None
 
 
 def _engine_starter(
     model_dir: Path, options: ServiceOptions, run_dir: Path
-) -> tuple[Callable[[], Awaitable[Engine]], EngineConfig | None]:
+) -> tuple[Callable[[], Awaitable[Engine]], KVEventSource | None]:
     if options.engine_url is not None:
         from specrag.pipeline.http_engine import HttpEngine
 
         url = options.engine_url
+        remote_events = options.engine_kv_events
+        source = KVEventSource.remote(remote_events) if remote_events is not None else None
 
         async def connect() -> Engine:
             return await HttpEngine.connect(url)
 
-        return connect, None
+        return connect, source
     from specrag.pipeline.vllm_engine import VllmEngine
 
     config = EngineConfig(
@@ -76,22 +89,22 @@ def _engine_starter(
     async def start() -> Engine:
         return await VllmEngine.start(config)
 
-    return start, config
+    return start, config.kv_event_source()
 
 
 @contextlib.asynccontextmanager
 async def open_engine(
     model_dir: Path, options: ServiceOptions, run_dir: Path
-) -> AsyncIterator[tuple[SupervisedEngine, EngineConfig | None]]:
-    """The supervised engine and, for the in-process engine, its config (where its KV events are).
+) -> AsyncIterator[tuple[SupervisedEngine, KVEventSource | None]]:
+    """The supervised engine and where its KV events are published (None: nowhere known).
 
     ``model_dir`` is the in-process engine's model; ``options.omp_threads_bind`` pins its model
     worker (benchmarks keep it off the vector search's core). Stopped on exit.
     """
-    start, engine_config = _engine_starter(model_dir, options, run_dir)
+    start, kv_events = _engine_starter(model_dir, options, run_dir)
     engine = await SupervisedEngine(start, options.supervisor).start()
     try:
-        yield engine, engine_config
+        yield engine, kv_events
     finally:
         await engine.close()
 
@@ -104,7 +117,7 @@ def prompt_builder(assets: Assets, engine: Engine) -> PromptBuilder:
 @contextlib.asynccontextmanager
 async def open_controller(
     engine: Engine,
-    engine_config: EngineConfig | None,
+    kv_events: KVEventSource | None,
     index: VectorIndex,
     builder: PromptBuilder,
     config: ControllerConfig,
@@ -113,14 +126,14 @@ async def open_controller(
 ) -> AsyncIterator[tuple[RagController, KVMirror | None]]:
     """A controller whose knowledge tree mirrors the engine's prefix cache, and that mirror.
 
-    The mirror follows the engine's KV events when ``engine_config`` publishes them (else the tree
+    The mirror follows the engine's KV events when ``kv_events`` says where they are (else the tree
     keeps its capacity model). A supervised engine's replacement empties the cache: the tree
     forgets it and the mirror resubscribes. ``empty_cache`` starts from an empty prefix cache, as
     every configuration of an experiment does; the mirror then skips the engine's event history.
     On exit the controller's queries are aborted and the mirror stops.
     """
     controller = RagController(engine, index, builder, config)
-    mirror = KVMirror(controller.tree, engine_config) if engine_config is not None else None
+    mirror = KVMirror(controller.tree, kv_events) if kv_events is not None else None
 
     async def after_restart() -> None:
         controller.tree.engine_cache_cleared()
@@ -148,9 +161,9 @@ async def open_controller(
 async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -> AsyncIterator[Service]:
     """Start the stack, yield it, and on exit abort queries in flight and stop the engine."""
     async with (
-        open_engine(assets.model_dir, options, run_dir) as (engine, engine_config),
+        open_engine(assets.model_dir, options, run_dir) as (engine, kv_events),
         open_controller(
-            engine, engine_config, assets.index, prompt_builder(assets, engine), options.controller
+            engine, kv_events, assets.index, prompt_builder(assets, engine), options.controller
         ) as (controller, mirror),
     ):
         app = create_app(
@@ -159,4 +172,4 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
             max_queries=options.max_queries,
             max_queries_per_client=options.max_queries_per_client,
         )
-        yield Service(app, controller, engine, mirror, engine_config)
+        yield Service(app, controller, engine, mirror, kv_events)

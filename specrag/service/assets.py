@@ -81,6 +81,7 @@ def ensure_store(layout: DataLayout, passages: list[Passage], tokenizer: Tokeniz
     try:
         store = DocumentStore(path)
         store.check_matches(tokenizer.fingerprint, checksum)
+        logger.debug("document store %s: %d tokens, up to date", path, store.info.total_tokens)
         return store
     except ArtifactError as reason:
         logger.info("building the document store %s (%s)", path, reason)
@@ -111,12 +112,18 @@ def ensure_index(
     try:
         index = load_index(directory)
         check_corpus(index, passages)
+        _describe(index, f"loaded the vector index {directory}")
         return index
     except ArtifactError as reason:
         logger.info("building the vector index in %s (%s)", directory, reason)
     index = build_index(passages, config or IndexConfig(), progress=True)
     save_index(index, directory)
+    _describe(index, f"built the vector index {directory}")
     return index
+
+
+def _describe(index: VectorIndex, what: str) -> None:
+    logger.debug("%s: %s, %d rows × %d dims", what, index.searcher.settings, index.searcher.ntotal, index.dim)
 
 
 def ensure_assets(
@@ -128,4 +135,5 @@ def ensure_assets(
     tokenizer = Tokenizer(resolved_model)
     store = ensure_store(layout, passages, tokenizer)
     index = ensure_index(layout, passages)
+    logger.debug("assets ready: %d passages, model %s", len(passages), resolved_model)
     return Assets(passages=passages, model_dir=resolved_model, tokenizer=tokenizer, store=store, index=index)

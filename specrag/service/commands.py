@@ -7,22 +7,26 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
-
-from aiohttp import web
 
 from specrag.client import AsyncClient
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.service.assembly import ServiceOptions, open_service
+from specrag.service.assembly import Service, ServiceOptions, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
-from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT, serving
+from specrag.service.server import (
+    DEFAULT_MAX_QUERIES,
+    DEFAULT_MAX_QUERIES_PER_CLIENT,
+    SHUTDOWN_GRACE_S,
+    serving,
+)
 
 MAX_K = ControllerConfig().k_max
 
@@ -49,15 +53,22 @@ def _prepare(args: argparse.Namespace) -> int:
 @contextlib.asynccontextmanager
 async def _service(
     args: argparse.Namespace, assets: Assets, options: ServiceOptions
-) -> AsyncIterator[web.Application]:
-    """The supervised engine, the controller and the application over them (see service.py)."""
+) -> AsyncIterator[Service]:
+    """The supervised engine, the controller and the application over them (see assembly.py).
+
+    The run directory (the in-process engine's KV-event sockets) is this process's alone: it goes
+    when the service stops.
+    """
     if options.engine_url is not None:
         print(f"connecting to the engine server at {options.engine_url}…", flush=True)
     else:
         print(f"starting vLLM on {assets.model_dir} (about a minute on a small CPU machine)…", flush=True)
     run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
-    async with open_service(assets, options, run_dir) as service:
-        yield service.app
+    try:
+        async with open_service(assets, options, run_dir) as service:
+            yield service
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _api_token(variable: str | None) -> str | None:
@@ -109,6 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServiceOptions(
         controller=config,
         engine_url=args.engine_url,
+        engine_kv_events=args.engine_kv_events,
         eager=args.eager,
         api_token=token,
         max_queries=args.max_queries,
@@ -117,17 +129,26 @@ def _serve(args: argparse.Namespace) -> int:
     assets = _assets(args)
 
     async def main() -> None:
-        async with (
-            _service(args, assets, options) as app,
-            serving(app, args.host, args.port) as url,
-        ):
+        async with _service(args, assets, options) as service:
             stop = asyncio.Event()
+
+            def shut_down() -> None:
+                # At once, in the handler: from now on new queries get 503 and engine failures
+                # are the shutdown's, not faults to repair.
+                service.engine.begin_shutdown()
+                stop.set()
+
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, stop.set)
-            print(f"specrag serving on {url} (mode {config.mode}; Ctrl-C to stop)", flush=True)
-            await stop.wait()
-            print("stopping: aborting queries in flight, shutting vLLM down…", flush=True)
+                loop.add_signal_handler(signum, shut_down)
+            async with serving(service.app, args.host, args.port) as url:
+                print(f"specrag serving on {url} (mode {config.mode}; Ctrl-C to stop)", flush=True)
+                await stop.wait()
+                print(
+                    f"stopping: new queries get 503, queries in flight have {SHUTDOWN_GRACE_S:g} s "
+                    "to finish; then the engine shuts down…",
+                    flush=True,
+                )
 
     asyncio.run(main())
     return 0
@@ -142,8 +163,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with (
-            _service(args, assets, ServiceOptions(eager=args.eager)) as app,
-            serving(app, access_log=False) as url,
+            _service(args, assets, ServiceOptions(eager=args.eager)) as service,
+            serving(service.app, access_log=False) as url,
             AsyncClient(url) as client,
         ):
             noise = "" if args.model else "; the embedded model has random weights: its text is noise"
@@ -180,6 +201,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--stages", type=int, default=4, help="search stages (speculation points)")
     serve.add_argument(
         "--engine-url", help="an OpenAI-compatible engine server to use instead of the in-process vLLM"
+    )
+    serve.add_argument(
+        "--engine-kv-events",
+        metavar="tcp://HOST:PORT",
+        help="mirror the --engine-url server's prefix cache through the KV events it publishes there "
+        "(replay on PORT+1, topic kv: what `specrag engine --kv-events-port PORT` starts)",
     )
     limits = serve.add_argument_group("limits (beyond them: 429 with Retry-After, or 504)")
     limits.add_argument(

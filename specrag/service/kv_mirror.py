@@ -1,7 +1,9 @@
 """Keep the knowledge tree in step with the engine's prefix cache through vLLM's KV-cache events.
 
 With events the tree knows exactly which blocks the engine holds and which it evicted; without
-them (an engine that publishes none) it keeps using its capacity model.
+them (an engine that publishes none) it keeps using its capacity model. The events come from the
+in-process engine's IPC sockets or, for a separate engine server, from its TCP publisher
+(``serve --engine-kv-events``).
 """
 
 from __future__ import annotations
@@ -9,18 +11,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from specrag.cache.tree import KnowledgeTree
-from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.config import KVEventSource
 
 if TYPE_CHECKING:
     from specrag.pipeline.kv_events import KVEventSubscriber
 
 
 class KVMirror:
-    """Subscribes the tree to the engine's KV events; a no-op when the engine publishes none."""
+    """Subscribes the tree to the KV events an engine publishes at ``source``."""
 
-    def __init__(self, tree: KnowledgeTree, config: EngineConfig) -> None:
+    def __init__(self, tree: KnowledgeTree, source: KVEventSource) -> None:
         self.tree = tree
-        self.config = config
+        self.source = source
         self._subscriber: KVEventSubscriber | None = None
 
     @property
@@ -29,15 +31,15 @@ class KVMirror:
 
     async def start(self, catch_up: bool = True) -> None:
         """Subscribe; ``catch_up=False`` right after emptying the engine's cache (see the subscriber)."""
-        if self.config.kv_events_endpoint is None or self._subscriber is not None:
+        if self._subscriber is not None:
             return
         # The subscriber decodes with vLLM's own classes: import it only when events are on.
         from specrag.pipeline.kv_events import KVEventSubscriber
 
         subscriber = KVEventSubscriber(
-            self.config.kv_events_endpoint,
-            self.config.kv_events_replay_endpoint,
-            self.config.kv_events_topic,
+            self.source.endpoint,
+            self.source.replay_endpoint,
+            self.source.topic,
             self.tree.apply_events,
             catch_up=catch_up,
         )

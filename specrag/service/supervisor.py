@@ -3,13 +3,18 @@
 :class:`SupervisedEngine` is an :class:`~specrag.pipeline.engine.Engine` that delegates to the
 engine it started. When a request fails with :class:`EngineError` (the engine died, errored or
 produced no token in time), it probes the engine with a one-token request under a deadline; if
-that fails too, it closes the engine (bounded in time) and starts a new one with exponential
-backoff: a restart of the in-process vLLM engine, or a reconnect to an HTTP engine. While it
-recovers, new requests fail at once with a clear :class:`EngineError` rather than hang, and
-``on_restart`` callbacks run once the new engine is up (its prefix cache is empty: the knowledge
-tree must forget what it believed resident). It offers itself as the engine's
-:class:`~specrag.pipeline.engine.Supervision`, so the controller and the service ask the engine for
-supervision instead of checking its class.
+that fails too, it closes the engine (bounded in time) and starts a new one: a restart of the
+in-process vLLM engine, or a reconnect to an HTTP engine. A start that fails leaves the engine
+``down`` and is retried with exponential backoff capped at ``max_backoff_s`` (for ever by
+default), so a separate engine server that comes back on the same address is picked up within
+seconds of being ready. While there is no engine, requests fail at once with
+:class:`EngineUnavailableError` (the service's 503) rather than hang: :meth:`wait_ready` stops
+waiting as soon as a start has failed. ``on_restart`` callbacks run once the new engine is up
+(its prefix cache is empty: the knowledge tree must forget what it believed resident).
+:meth:`begin_shutdown` says the service is stopping: the engine's failures from then on are the
+shutdown's doing, so they are neither probed nor repaired, and they answer 503. It offers itself
+as the engine's :class:`~specrag.pipeline.engine.Supervision`, so the controller and the service
+ask the engine for supervision instead of checking its class.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from specrag.errors import EngineError, EngineUnavailableError
 from specrag.pipeline.engine import (
@@ -41,13 +47,17 @@ _PROBE_PROMPT = (1,)
 
 @dataclass(frozen=True)
 class SupervisorPolicy:
-    """How hard to try: probe deadline, close deadline, restart attempts and backoff."""
+    """How hard to try: probe deadline, close deadline, restart attempts and backoff.
+
+    ``max_attempts=None`` retries for ever; ``max_backoff_s`` bounds how long an engine that is
+    back waits to be noticed.
+    """
 
     probe_timeout_s: float = 10.0
     close_timeout_s: float = 15.0
-    max_attempts: int = 5
+    max_attempts: int | None = None
     backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
+    max_backoff_s: float = 5.0
 
 
 class SupervisedEngine:
@@ -60,6 +70,8 @@ class SupervisedEngine:
         self.policy = policy or SupervisorPolicy()
         self._engine: Engine | None = None
         self._recovery: asyncio.Task[None] | None = None
+        # Set when a recovery ends or one of its starts fails: waiters have their answer then.
+        self._settled = asyncio.Event()
         self._on_restart: list[Callable[[], Awaitable[None] | None]] = []
         self.state: EngineState = "starting"
         self.restarts = 0
@@ -83,6 +95,8 @@ class SupervisedEngine:
     @property
     def engine(self) -> Engine:
         """The engine in service; :class:`EngineError` while there is none."""
+        if self.state == "stopping":
+            raise EngineUnavailableError("the service is shutting down")
         if self._engine is None or self.state != "ready":
             detail = f" (last error: {self.last_error})" if self.last_error else ""
             raise EngineUnavailableError(f"the engine is {self.state}{detail}; retry shortly")
@@ -120,11 +134,10 @@ class SupervisedEngine:
             async for output in engine.generate(request_id, prompt_token_ids, sampling):
                 yield output
         except EngineError as error:
-            self.suspect(engine, str(error))
-            raise
+            self._failed(engine, error)
 
     async def abort(self, request_id: str) -> None:
-        if self._engine is not None and self.state == "ready":
+        if self._engine is not None and self.state in ("ready", "stopping"):
             with contextlib.suppress(EngineError):
                 await self._engine.abort(request_id)
 
@@ -133,8 +146,7 @@ class SupervisedEngine:
         try:
             return await engine.warm(prompt_token_ids, request_id)
         except EngineError as error:
-            self.suspect(engine, str(error))
-            raise
+            self._failed(engine, error)
 
     def load(self) -> EngineLoad:
         if self._engine is None or self.state != "ready":
@@ -147,7 +159,12 @@ class SupervisedEngine:
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()
 
+    def begin_shutdown(self) -> None:
+        """The service is stopping: admit nothing more, and take failures for the shutdown's doing."""
+        self.state = "stopping"
+
     async def close(self) -> None:
+        self.begin_shutdown()
         if self._recovery is not None:
             self._recovery.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -168,19 +185,30 @@ class SupervisedEngine:
         if self._engine is not None and self.state == "ready":
             self.suspect(self._engine, reason)
 
+    def _failed(self, engine: Engine, error: EngineError) -> NoReturn:
+        """Re-raise a request's failure after suspecting its engine; 503 while shutting down."""
+        if self.state == "stopping":
+            raise EngineUnavailableError(f"the service is shutting down ({error})") from error
+        self.suspect(engine, str(error))
+        raise error
+
     def suspect(self, engine: Engine, reason: str) -> None:
         """A request on ``engine`` failed: check it, and replace it if it does not answer."""
-        if engine is not self._engine or self._recovery is not None:
+        if engine is not self._engine or self._recovery is not None or self.state == "stopping":
             return
         self.last_error = reason
+        self._settled.clear()
         self._recovery = asyncio.create_task(self._check_and_recover(engine), name="engine-recovery")
 
     async def wait_ready(self, timeout_s: float) -> bool:
-        """Wait (bounded) for a recovery in progress; True when an engine is in service."""
-        recovery = self._recovery
-        if recovery is not None:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(recovery), timeout_s)
+        """Wait (bounded) for a recovery in progress; True when an engine is in service.
+
+        Returns at once when the engine is down (a start attempt failed): the next attempt may be
+        long in coming, and a caller should hear "unavailable" now rather than hang.
+        """
+        if self._recovery is not None and self.state != "down":
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), timeout_s)
         return self.state == "ready"
 
     async def _probe(self, engine: Engine) -> bool:
@@ -204,6 +232,7 @@ class SupervisedEngine:
             await self._recover(engine)
         finally:
             self._recovery = None
+            self._settled.set()
 
     async def _recover(self, old: Engine) -> None:
         started = now()
@@ -211,16 +240,23 @@ class SupervisedEngine:
         logger.error("replacing the engine: %s", self.last_error)
         await self._close_bounded(old)
         delay = self.policy.backoff_s
-        for attempt in range(1, self.policy.max_attempts + 1):
+        attempts = self.policy.max_attempts
+        attempt = 0
+        while attempts is None or attempt < attempts:
+            attempt += 1
             try:
                 self._engine = await self._start()
             except Exception as error:
                 self.last_error = f"restart attempt {attempt} failed: {error}"
-                logger.error("%s", self.last_error)
+                # The first failure says the engine is down; the retries that follow say little more.
+                logger.log(logging.ERROR if attempt == 1 else logging.INFO, "%s", self.last_error)
+                self.state = "down"
+                self._settled.set()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.policy.max_backoff_s)
                 continue
-            self.state = "ready"
+            if self.state != "stopping":
+                self.state = "ready"
             self.restarts += 1
             self.last_recovery_s = now() - started
             for callback in self._on_restart:

@@ -77,7 +77,7 @@ async def test_a_configuration_replays_a_trace_on_the_real_engine(
     configuration = Configuration("all", "all", "main", 0.5)
     run = await run_configuration(
         vllm_engine,
-        tiny_engine_config,
+        tiny_engine_config.kv_event_source(),
         tiny_assets.index,
         builder,
         ControllerConfig(),

@@ -13,11 +13,18 @@ import time
 import pytest
 
 from specrag.controller.controller import RagController, RagRequest
-from specrag.errors import EngineError
+from specrag.errors import EngineError, EngineUnavailableError
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
-from specrag.service.supervisor import SupervisedEngine
-from tests.helpers import FAST_POLICY, assert_engine_idle, make_controller, scripted_index, supervised
+from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
+from tests.helpers import (
+    FAST_POLICY,
+    assert_engine_idle,
+    make_controller,
+    scripted_index,
+    supervised,
+    wait_until,
+)
 
 QUESTION = "What does the assert statement do?"
 
@@ -106,4 +113,49 @@ async def test_requests_fail_fast_while_the_engine_is_recovering(tiny_assets: As
     gate.set()
     assert await engine.wait_ready(5)
     assert (await controller.answer(RagRequest(QUESTION, k=3, mode="serial", max_tokens=4))).text
+    await engine.close()
+
+
+async def test_a_down_engine_answers_unavailable_at_once_and_is_retried_until_back(
+    tiny_assets: Assets,
+) -> None:
+    started: list[SimulatedEngine] = []
+    refusals = 8  # more than any fixed attempt budget would allow: it keeps trying
+
+    async def start() -> SimulatedEngine:
+        nonlocal refusals
+        if started and refusals:
+            refusals -= 1
+            raise EngineError("connection refused")
+        engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+        started.append(engine)
+        return engine
+
+    policy = SupervisorPolicy(probe_timeout_s=0.3, close_timeout_s=1.0, backoff_s=0.02, max_backoff_s=0.1)
+    engine = await SupervisedEngine(start, policy).start()
+    controller = controller_on(engine, tiny_assets, first_token_timeout_s=30)
+    await started[0].die()
+    for _ in range(2):  # the query that finds it dead, then one while it is down
+        began = time.perf_counter()
+        with pytest.raises(EngineUnavailableError):
+            await controller.answer(RagRequest(QUESTION, k=3, mode="serial", max_tokens=4))
+        assert time.perf_counter() - began < 5  # not the 30 s first-token timeout
+    assert engine.state == "down"
+    await wait_until(lambda: engine.state == "ready", within_s=10)
+    assert refusals == 0 and engine.restarts == 1
+    assert (await controller.answer(RagRequest(QUESTION, k=3, mode="serial", max_tokens=4))).text
+    await engine.close()
+
+
+async def test_failures_during_shutdown_are_unavailable_and_not_repaired(tiny_assets: Assets) -> None:
+    started: list[SimulatedEngine] = []
+    engine = await supervised(started)
+    controller = controller_on(engine, tiny_assets)
+    query = asyncio.create_task(controller.answer(RagRequest(QUESTION, k=3, mode="serial", max_tokens=500)))
+    await wait_until(lambda: bool(controller.in_flight_request_ids()), within_s=10)
+    engine.begin_shutdown()
+    await started[0].die()  # what Ctrl-C does to vLLM's own processes
+    with pytest.raises(EngineUnavailableError, match="shutting down"):
+        await query
+    assert engine.status().state == "stopping" and len(started) == 1 and engine.restarts == 0
     await engine.close()

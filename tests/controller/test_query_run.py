@@ -4,6 +4,8 @@ warm-up work stays out of finished queries, supervision is asked of the engine. 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -136,3 +138,36 @@ async def test_the_controller_asks_the_engine_for_its_supervision(tiny_assets: A
     assert health.serving and health.supervision == supervision.status()
     await engine.close()
     assert not (await controller.health()).serving
+
+
+class LateCachedCountEngine(SimulatedEngine):
+    """Reports cached tokens only on the finishing output, as an OpenAI server does."""
+
+    def __init__(self) -> None:
+        super().__init__(time_scale=0.05, max_model_len=4096)
+        self.reported: list[int | None] = []
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: Sampling
+    ) -> AsyncIterator[EngineOutput]:
+        async for output in super().generate(request_id, prompt_token_ids, sampling):
+            if not output.finished:
+                output = dataclasses.replace(output, cached_tokens=None)
+            else:
+                self.reported.append(output.cached_tokens)
+            yield output
+
+
+async def test_a_count_reported_only_at_the_end_reaches_the_timeline(
+    tiny_assets: Assets, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = LateCachedCountEngine()
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A], 0.01))
+    request = RagRequest(QUESTION, k=4, mode="serial", max_tokens=4)
+    await controller.answer(request)
+    with caplog.at_level(logging.DEBUG, logger="specrag.controller.run"):  # what `serve -v` shows
+        repeated = await controller.answer(request)
+    assert engine.reported[-1] and repeated.timeline.cached_prompt_tokens == engine.reported[-1]
+    assert f"'cached_prompt_tokens': {engine.reported[-1]}" in caplog.text
+    await controller.close()
+    await engine.close()

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,10 +13,9 @@ import pytest_asyncio
 from aiohttp import web
 
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.commands import engine_server_config
 from specrag.pipeline.engine import Engine, Sampling
 from specrag.pipeline.http_engine import HttpEngine, HttpTimeouts
-from tests.helpers import close_stream, free_port, random_prompt, run_prompt
+from tests.helpers import EngineServer, close_stream, free_port, random_prompt, run_prompt
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -237,40 +232,12 @@ async def test_closed_engine_refuses_work(fake: FakeServer) -> None:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """vLLM's OpenAI server as a subprocess on loopback, started once, always terminated."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    # The command `specrag engine` runs, so the documented way to start a separate engine is tested.
-    config = engine_server_config(str(tiny_model_dir), eager=True, kv_events_port=None)
-    command, environment = config.with_overrides(max_model_len=4096, kv_cache_gib=1).server_command(
-        "127.0.0.1", port, on_cpu=True
-    )
-    env = {**os.environ, **environment, "VLLM_TARGET_DEVICE": "cpu", "VLLM_SERVER_DEV_MODE": "1"}
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = EngineServer(tiny_model_dir, tmp_path_factory.mktemp("vllm-server") / "server.log")
+    server.start()
     try:
-        deadline = time.monotonic() + 240
-        while not _healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                pytest.fail(f"vLLM server did not become healthy (exit {process.poll()}):\n{tail}")
-            time.sleep(1)
-        yield url
+        yield server.url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
+        server.stop()
 
 
 @pytest.mark.engine

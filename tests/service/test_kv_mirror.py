@@ -19,7 +19,9 @@ async def test_served_documents_become_resident_and_a_reset_clears_them(
 ) -> None:
     await vllm_engine.reset_prefix_cache()
     controller = make_controller(vllm_engine, tiny_assets, scripted_index(tiny_assets, [[20, 21, 22]], 0.01))
-    mirror = KVMirror(controller.tree, tiny_engine_config)
+    source = tiny_engine_config.kv_event_source()
+    assert source is not None
+    mirror = KVMirror(controller.tree, source)
     await mirror.start()
     try:
         assert mirror.active

@@ -1,0 +1,37 @@
+"""What an IVF index says about itself: why a PQ build is refused, its codes, a single-stage index."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from specrag.errors import InvalidInputError
+from specrag.retrieval.staged_ivf import StagedIVF
+
+
+def vectors(num: int, dim: int = 32) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((num, dim)).astype(np.float32)
+
+
+def test_too_few_vectors_for_pq_names_the_cause_and_the_remedy() -> None:
+    with pytest.raises(
+        InvalidInputError, match=r"at least 9984 vectors .* has 500: use --kind ivf, or --pad-to"
+    ):
+        StagedIVF.build(vectors(500), pq_m=8)
+
+
+def test_a_pq_index_says_its_codes_are_pq() -> None:
+    assert StagedIVF.build(vectors(10_000), nlist=16, pq_m=8).settings["codes"] == "pq"
+    assert StagedIVF.build(vectors(1_000), nlist=16).settings["codes"] == "flat"
+
+
+def test_an_index_of_one_probed_list_warns_that_it_cannot_stage(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="specrag.retrieval.staged_ivf"):
+        StagedIVF.build(vectors(200))
+    assert "a search is a single stage" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specrag.retrieval.staged_ivf"):
+        StagedIVF.build(vectors(400))  # 10 lists, 2 probed: stages
+    assert "single stage" not in caplog.text

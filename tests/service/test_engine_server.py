@@ -1,0 +1,105 @@
+"""specrag against a separate vLLM server started as ``specrag engine`` starts it, with KV events:
+cached tokens over HTTP, the knowledge tree following the remote cache, and recovery when the
+server is killed and started again on the same ports."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specrag.controller.controller import RagRequest
+from specrag.pipeline.http_engine import HttpTimeouts
+from specrag.service.assembly import ServiceOptions, open_service
+from specrag.service.assets import Assets
+from specrag.service.server import serving
+from tests.helpers import QUESTION, A, EngineServer, free_port, scripted_index, wait_until
+
+pytestmark = pytest.mark.engine
+
+
+def kv_events_ports() -> int:
+    """A port that is free along with the next one (the replay socket's)."""
+    while True:
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
+def serial(question: str) -> RagRequest:
+    return RagRequest(question, k=4, mode="serial", max_tokens=4)
+
+
+async def prefix_cache_hits(url: str) -> float:
+    """vLLM's own count of prompt tokens served from its prefix cache, all requests so far."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as response:
+        text = await response.text()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "vllm:prefix_cache_hits"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
+async def rag_status(http: aiohttp.ClientSession, url: str) -> int:
+    body = {"query": QUESTION, "k": 4, "mode": "serial", "max_tokens": 4}
+    async with http.post(url + "/v1/rag", json=body) as response:
+        await response.read()
+        return response.status
+
+
+async def test_cached_tokens_mirror_and_recovery_against_a_separate_server(
+    tiny_assets: Assets, tmp_path: Path
+) -> None:
+    kv_port = kv_events_ports()
+    server = EngineServer(tiny_assets.model_dir, tmp_path / "server.log", kv_events_port=kv_port)
+    await asyncio.to_thread(server.start)
+    # Scripted documents: two questions over the same documents share the system and document blocks.
+    assets = dataclasses.replace(tiny_assets, index=scripted_index(tiny_assets, [A], 0.01))
+    options = ServiceOptions(engine_url=server.url, engine_kv_events=f"tcp://127.0.0.1:{kv_port}")
+    try:
+        async with (
+            open_service(assets, options, tmp_path / "run") as service,
+            serving(service.app, access_log=False) as url,
+        ):
+            controller = service.controller
+            assert service.mirror is not None and service.mirror.active
+            first = await controller.answer(serial(QUESTION))
+            order = list(first.prompt.document_ids())
+            await wait_until(lambda: controller.tree.cached_prefix(order).docs == len(order), within_s=20)
+
+            hits_before = await prefix_cache_hits(server.url)
+            repeated = await controller.answer(serial(QUESTION))
+            reported = await prefix_cache_hits(server.url) - hits_before
+            assert repeated.timeline.cached_prompt_tokens == reported > 0
+
+            other = await controller.answer(serial("What is a frozenset?"))
+            assert list(other.prompt.document_ids()) == order
+            assert other.timeline.predicted_cached_tokens == other.timeline.cached_prompt_tokens > 0
+
+            server.kill()
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+                for _ in range(3):  # the query that finds it dead, then queries while it is down
+                    began = time.perf_counter()
+                    assert await rag_status(http, url) == 503
+                    assert time.perf_counter() - began < HttpTimeouts().connect_s
+                await asyncio.to_thread(server.start)
+                ready = time.perf_counter()
+                while await rag_status(http, url) != 200:
+                    assert time.perf_counter() - ready < 10
+                    await asyncio.sleep(0.25)
+            assert service.engine.restarts == 1
+    finally:
+        server.stop()
