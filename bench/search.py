@@ -11,8 +11,10 @@ For IVF (faiss) and HNSW (faiss graph, resumable numba search) at a few sizes of
 * stage schedules at S = 4: equal slices, geometric ones (1/8, 1/4, 1/2, 1 of the work) and a
   time budget of a quarter of the one-shot search per stage: for each, how often the first
   stage's top-k is already final, when (as a share of the search's time) the running top-k first
-  equals the final one, and the cost against the one-shot search. The best schedule is the one
-  whose top-k is final earliest on average while costing at most ``MAX_SCHEDULE_OVERHEAD``;
+  equals the final one, and the cost against the one-shot search and against the same index's
+  single-stage staged search (the schedule's own cost: the HNSW kernel alone is slower than
+  faiss's search, whatever the schedule). The best schedule is the one whose top-k is final
+  earliest on average while its own cost stays within ``MAX_SCHEDULE_OVERHEAD``;
 * for comparison, a second HNSW implementation on the same vectors and queries: hnswlib, built
   with the same M, efConstruction and efSearch, searched one-shot (recall@k against the same
   exact search, latency on the same core). Only up to ``HNSWLIB_MAX_SIZE`` vectors: its build
@@ -172,6 +174,7 @@ def measure(searcher: StagedSearcher, queries: np.ndarray, k: int) -> dict[str, 
     def figures(variant: str, stages: int) -> dict[str, Any]:
         return {
             "overhead": float(times[variant].sum() / times["oneshot"].sum()),
+            "staging_overhead": float(times[variant].sum() / times["1"].sum()),
             "final_equals_oneshot": final_equal[variant],
             **stability(running[variant], elapsed_fraction[variant], stages),
         }
@@ -192,14 +195,15 @@ def measure(searcher: StagedSearcher, queries: np.ndarray, k: int) -> dict[str, 
 
 
 def best_schedule(results: list[dict[str, Any]]) -> str:
-    """The schedule whose top-k is final earliest (mean over settings) within the cost limit.
+    """The schedule whose top-k is final earliest (mean over settings) within the cost limit
+    (its time over a single-stage staged search on the same index).
 
     Equal slices are today's behaviour and the fallback when no other schedule qualifies.
     """
     qualified = {
         name: float(np.mean([r["per_schedule"][name]["final_at_time_fraction"] for r in results]))
         for name in SCHEDULE_NAMES
-        if all(r["per_schedule"][name]["overhead"] <= MAX_SCHEDULE_OVERHEAD for r in results)
+        if all(r["per_schedule"][name]["staging_overhead"] <= MAX_SCHEDULE_OVERHEAD for r in results)
     }
     return min(qualified, key=lambda name: qualified[name]) if qualified else "equal"
 
@@ -348,7 +352,8 @@ def main() -> None:
             )
         for name, row in entry["per_schedule"].items():
             print(
-                f"      {name:>9}: overhead {row['overhead']:.3f}x  first stage final"
+                f"      {name:>9}: overhead {row['overhead']:.3f}x ({row['staging_overhead']:.3f}x S=1)"
+                f"  first stage final"
                 f" {row['stable_set_after_stage'][0]:.2f} after {row['time_fraction_after_stage'][0]:.2f}"
                 f" of the search; top-{args.k} final after {row['final_at_time_fraction']:.2f} on average"
             )
@@ -389,6 +394,7 @@ def main() -> None:
             name: {
                 kind: {
                     "overhead": round(headline(kind)["per_schedule"][name]["overhead"], 4),
+                    "staging_overhead": round(headline(kind)["per_schedule"][name]["staging_overhead"], 4),
                     "first_stage_final": round(
                         headline(kind)["per_schedule"][name]["stable_set_after_stage"][0], 4
                     ),

@@ -39,7 +39,7 @@ def test_schedules_are_measured_and_the_best_is_the_earliest_within_the_cost_lim
         overheads = {"equal": 1.02, "geometric": 1.05, "budget": 1.5}
         return {
             "per_schedule": {
-                name: {"overhead": overheads[name], "final_at_time_fraction": final_at[name]}
+                name: {"staging_overhead": overheads[name], "final_at_time_fraction": final_at[name]}
                 for name in SCHEDULE_NAMES
             }
         }
