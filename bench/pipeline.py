@@ -383,7 +383,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             engine, engine_config = opened
             builder = prompt_builder(assets, engine)
             await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
-            base = ControllerConfig(k_max=max(PROMPT_SIZES), max_tokens_default=args.max_tokens)
+            base = ControllerConfig(
+                k_default=PREFERRED_K, k_max=max(PROMPT_SIZES), max_tokens_default=args.max_tokens
+            )
             stack = Stack(engine, engine_config, builder, base, args.max_tokens)
             search_ms, prefill_ms = await calibrate(stack, index, queries, vectors)
             sweep = sweep_points(search_ms, prefill_ms)
