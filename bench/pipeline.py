@@ -67,7 +67,7 @@ PREFERRED_K = 4
 EF_SEARCH_RANGE = (64, 16384)
 CALIBRATION_QUERIES = 4
 # An idle trace spaces arrivals this many times one query's expected search + prefill apart.
-IDLE_GAP_FACTOR = 3.0
+IDLE_GAP_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
