@@ -499,16 +499,16 @@ def plot(points: Sequence[dict[str, Any]], hnsw: dict[str, Any]) -> Path:
     ratios = [p["configurations"]["all"]["ratio"] for p in points]
     order = np.argsort(ratios)
     x = [ratios[i] for i in order]
-    left.plot(
-        x, [points[i]["configurations"]["all"]["serial_ttft_ms"] for i in order], marker="o", label="serial"
+    # One colour per configuration in both panels (serial has no overlap_fraction of its own).
+    colours = dict(
+        zip(points[0]["summaries"], plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False)
     )
+    serial_ttft = [points[i]["configurations"]["all"]["serial_ttft_ms"] for i in order]
+    left.plot(x, serial_ttft, marker="o", label="serial", color=colours["serial"])
     for name in points[0]["configurations"]:
-        left.plot(
-            x, [points[i]["configurations"][name]["config_ttft_ms"] for i in order], marker="o", label=name
-        )
-        right.plot(
-            x, [points[i]["configurations"][name]["overlap_fraction"] for i in order], marker="o", label=name
-        )
+        style = {"marker": "o", "label": name, "color": colours[name]}
+        left.plot(x, [points[i]["configurations"][name]["config_ttft_ms"] for i in order], **style)
+        right.plot(x, [points[i]["configurations"][name]["overlap_fraction"] for i in order], **style)
     left.plot(
         x,
         [points[i]["configurations"]["all"]["bound_ttft_ms"] for i in order],
