@@ -8,6 +8,13 @@ For IVF (faiss) and HNSW (faiss graph, resumable numba search) at a few sizes of
 * whether the last stage equals the one-shot search, on every query;
 * stability: after each stage, the fraction of queries whose running top-k already equals the
   final top-k as a set and as a list (what a speculative prefill would have got right);
+* stage schedules at S = 4: equal slices, geometric ones (1/8, 1/4, 1/2, 1 of the work) and a
+  time budget of a quarter of the one-shot search per stage: for each, how often the first
+  stage's top-k is already final, when (as a share of the search's time) the running top-k first
+  equals the final one, and the cost against the one-shot search and against the same index's
+  single-stage staged search (the schedule's own cost: the HNSW kernel alone is slower than
+  faiss's search, whatever the schedule). The best schedule is the one whose top-k is final
+  earliest on average while its own cost stays within ``MAX_SCHEDULE_OVERHEAD``;
 * for comparison, a second HNSW implementation on the same vectors and queries: hnswlib, built
   with the same M, efConstruction and efSearch, searched one-shot (recall@k against the same
   exact search, latency on the same core). Only up to ``HNSWLIB_MAX_SIZE`` vectors: its build
@@ -41,6 +48,9 @@ from specrag.retrieval.stages import StagedSearcher, StagePlan
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 
 STAGE_COUNTS = (1, 2, 4, 8)
+SCHEDULE_STAGES = 4
+SCHEDULE_NAMES = ("equal", "geometric", "budget")
+MAX_SCHEDULE_OVERHEAD = 1.10
 DIM = 384
 # StagedHNSW.build's default, given to hnswlib too so both graphs are built alike.
 EF_CONSTRUCTION = 40
@@ -113,50 +123,94 @@ def timed(make: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> tuple[T, f
     return made, time.perf_counter() - start
 
 
+def plans(oneshot_s: float) -> dict[str, StagePlan]:
+    """Every staged variant by name: equal slices at each of ``STAGE_COUNTS``, and the schedules.
+
+    The time budget is a quarter of the warm one-shot search per stage, so that it too cuts a
+    search into about ``SCHEDULE_STAGES`` stages.
+    """
+    variants = {str(s): StagePlan(s) for s in STAGE_COUNTS}
+    variants["geometric"] = StagePlan(SCHEDULE_STAGES, schedule="geometric")
+    variants["budget"] = StagePlan(stage_budget_s=oneshot_s / SCHEDULE_STAGES)
+    return variants
+
+
+def schedule_variant(name: str) -> str:
+    """The variant that runs schedule ``name`` (equal slices at S = 4 are the variant "4")."""
+    return str(SCHEDULE_STAGES) if name == "equal" else name
+
+
 def measure(searcher: StagedSearcher, queries: np.ndarray, k: int) -> dict[str, Any]:
     """Time one-shot and staged searches query by query, rotating their order against drift."""
-    variants: list[int] = [0, *STAGE_COUNTS]  # 0 = one-shot
-    times = {v: np.zeros(len(queries)) for v in variants}
-    final_equal = {s: True for s in STAGE_COUNTS}
-    oneshot_ids = np.zeros((len(queries), k), dtype=np.int64)
-    running: dict[int, list[list[np.ndarray]]] = {s: [] for s in STAGE_COUNTS}
-    elapsed_fraction: dict[int, list[list[float]]] = {s: [] for s in STAGE_COUNTS}
+    warm_times = []
     for warm in queries[:5]:  # page in, JIT and cache warm-up, not timed
-        searcher.search(warm, k)
         list(searcher.stages(warm, k, StagePlan(4)))
+        start = time.perf_counter()
+        searcher.search(warm, k)
+        warm_times.append(time.perf_counter() - start)
+    staged = plans(float(np.median(warm_times)))
+    variants = ["oneshot", *staged]
+    times = {v: np.zeros(len(queries)) for v in variants}
+    final_equal = {v: True for v in staged}
+    oneshot_ids = np.zeros((len(queries), k), dtype=np.int64)
+    running: dict[str, list[list[np.ndarray]]] = {v: [] for v in staged}
+    elapsed_fraction: dict[str, list[list[float]]] = {v: [] for v in staged}
     for q, query in enumerate(queries):
         order = variants[q % len(variants) :] + variants[: q % len(variants)]
         for variant in order:
             start = time.perf_counter()
-            if variant == 0:
+            if variant == "oneshot":
                 oneshot_ids[q] = searcher.search(query, k)[1][0]
-                times[0][q] = time.perf_counter() - start
+                times[variant][q] = time.perf_counter() - start
                 continue
-            stages = list(searcher.stages(query, k, StagePlan(variant)))
+            stages = list(searcher.stages(query, k, staged[variant]))
             times[variant][q] = time.perf_counter() - start
             running[variant].append([stage.ids[0] for stage in stages])
             cumulative = np.cumsum([stage.elapsed_s for stage in stages])
             elapsed_fraction[variant].append(list(cumulative / cumulative[-1]))
-        for s in STAGE_COUNTS:
-            final_equal[s] &= bool(np.array_equal(running[s][q][-1], oneshot_ids[q]))
-    result: dict[str, Any] = {
-        "oneshot_ms_mean": float(times[0].mean() * 1e3),
-        "oneshot_ms_median": float(np.median(times[0]) * 1e3),
-        "final_equals_oneshot": all(final_equal.values()),
-        "per_stage_count": {},
-    }
-    for s in STAGE_COUNTS:
-        result["per_stage_count"][str(s)] = {
-            "overhead": float(times[s].sum() / times[0].sum()),
-            "final_equals_oneshot": final_equal[s],
-            **stability(running[s], elapsed_fraction[s], s),
+        for v in staged:
+            final_equal[v] &= bool(np.array_equal(running[v][q][-1], oneshot_ids[q]))
+
+    def figures(variant: str, stages: int) -> dict[str, Any]:
+        return {
+            "overhead": float(times[variant].sum() / times["oneshot"].sum()),
+            "staging_overhead": float(times[variant].sum() / times["1"].sum()),
+            "final_equals_oneshot": final_equal[variant],
+            **stability(running[variant], elapsed_fraction[variant], stages),
         }
+
+    result: dict[str, Any] = {
+        "oneshot_ms_mean": float(times["oneshot"].mean() * 1e3),
+        "oneshot_ms_median": float(np.median(times["oneshot"]) * 1e3),
+        "final_equals_oneshot": all(final_equal.values()),
+        "per_stage_count": {str(s): figures(str(s), s) for s in STAGE_COUNTS},
+    }
+    result["per_schedule"] = {}
+    for name in SCHEDULE_NAMES:
+        variant = schedule_variant(name)
+        most_stages = max(len(stages) for stages in running[variant])
+        result["per_schedule"][name] = figures(variant, most_stages)
     result["oneshot_ids"] = oneshot_ids
     return result
 
 
+def best_schedule(results: list[dict[str, Any]]) -> str:
+    """The schedule whose top-k is final earliest (mean over settings) within the cost limit
+    (its time over a single-stage staged search on the same index).
+
+    Equal slices are today's behaviour and the fallback when no other schedule qualifies.
+    """
+    qualified = {
+        name: float(np.mean([r["per_schedule"][name]["final_at_time_fraction"] for r in results]))
+        for name in SCHEDULE_NAMES
+        if all(r["per_schedule"][name]["staging_overhead"] <= MAX_SCHEDULE_OVERHEAD for r in results)
+    }
+    return min(qualified, key=lambda name: qualified[name]) if qualified else "equal"
+
+
 def stability(per_query: list[list[np.ndarray]], fractions: list[list[float]], stages: int) -> dict[str, Any]:
-    """Per stage: share of queries whose running top-k equals the final one (set, list), overlap.
+    """Per stage: share of queries whose running top-k equals the final one (set, list), overlap;
+    and the mean share of a search's time after which its running top-k set is first final.
 
     A search that finished in fewer stages (HNSW, or IVF with fewer probes than stages) counts
     as final for the remaining ones.
@@ -177,7 +231,16 @@ def stability(per_query: list[list[np.ndarray]], fractions: list[list[float]], s
         as_list.append(lists / count)
         overlap.append(share / count)
         time_share.append(spent / count)
+    final_at = [
+        next(
+            fraction
+            for ids, fraction in zip(query_stages, query_fractions, strict=True)
+            if set(ids.tolist()) == set(query_stages[-1].tolist())
+        )
+        for query_stages, query_fractions in zip(per_query, fractions, strict=True)
+    ]
     return {
+        "final_at_time_fraction": float(np.mean(final_at)),
         "stable_set_after_stage": as_set,
         "stable_list_after_stage": as_list,
         "overlap_after_stage": overlap,
@@ -191,18 +254,26 @@ def recall(found: np.ndarray, exact: np.ndarray) -> float:
 
 
 def plot(results: list[dict[str, Any]]) -> str:
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (left, right, schedules) = plt.subplots(1, 3, figsize=(16, 4))
     for entry in results:
         label = f"{entry['kind']} {entry['size']:,}"
         curve = entry["per_stage_count"]["4"]["stable_set_after_stage"]
         left.plot(range(1, len(curve) + 1), curve, marker="o", label=label)
         overheads = [entry["per_stage_count"][str(s)]["overhead"] for s in STAGE_COUNTS]
         right.plot(STAGE_COUNTS, overheads, marker="o", label=label)
+        for name, row in entry["per_schedule"].items():
+            schedules.plot(
+                [0.0, *row["time_fraction_after_stage"]],
+                [0.0, *row["stable_set_after_stage"]],
+                marker="o",
+                label=f"{label} {name}",
+            )
+    schedules.set(xlabel="share of the search's time", ylabel="queries with final top-k set", ylim=(0, 1.02))
     left.set(xlabel="stage (S = 4)", ylabel="queries with final top-k set", ylim=(0, 1.02))
     right.set(xlabel="stages S", ylabel="staged time / one-shot time", xscale="log", xticks=STAGE_COUNTS)
     right.set_xticklabels([str(s) for s in STAGE_COUNTS])
     right.axhline(1.0, color="grey", linewidth=0.5)
-    for axis in (left, right):
+    for axis in (left, right, schedules):
         axis.grid(alpha=0.3)
         axis.legend()
     figure.suptitle("Staged vector search (one core, one thread)")
@@ -279,6 +350,13 @@ def main() -> None:
                 f"      S={s}: overhead {row['overhead']:.3f}x"
                 f"  top-{args.k} set final after each stage: {curve}"
             )
+        for name, row in entry["per_schedule"].items():
+            print(
+                f"      {name:>9}: overhead {row['overhead']:.3f}x ({row['staging_overhead']:.3f}x S=1)"
+                f"  first stage final"
+                f" {row['stable_set_after_stage'][0]:.2f} after {row['time_fraction_after_stage'][0]:.2f}"
+                f" of the search; top-{args.k} final after {row['final_at_time_fraction']:.2f} on average"
+            )
         del searcher
     pin_current_thread(allowed)
 
@@ -312,6 +390,26 @@ def main() -> None:
             for r in results
             if "hnswlib" in r
         ],
+        "schedules": {
+            name: {
+                kind: {
+                    "overhead": round(headline(kind)["per_schedule"][name]["overhead"], 4),
+                    "staging_overhead": round(headline(kind)["per_schedule"][name]["staging_overhead"], 4),
+                    "first_stage_final": round(
+                        headline(kind)["per_schedule"][name]["stable_set_after_stage"][0], 4
+                    ),
+                    "first_stage_time_fraction": round(
+                        headline(kind)["per_schedule"][name]["time_fraction_after_stage"][0], 4
+                    ),
+                    "final_at_time_fraction": round(
+                        headline(kind)["per_schedule"][name]["final_at_time_fraction"], 4
+                    ),
+                }
+                for kind in ("ivf", "hnsw")
+            }
+            for name in SCHEDULE_NAMES
+        },
+        "best_schedule": best_schedule(results),
         "search_core": search_core,
         "threads": 1,
         "wall_s": round(time.perf_counter() - started, 1),

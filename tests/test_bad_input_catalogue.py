@@ -279,6 +279,12 @@ BAD_CALLS = (
         "k_default must be between 1 and k_max",
     ),
     BadCall(
+        "unknown stage schedule",
+        lambda ctx: ControllerConfig(stage_schedule="front").validate(),
+        InvalidInputError,
+        "unknown stage schedule 'front'; choose one of equal, geometric",
+    ),
+    BadCall(
         "client timeout 0", lambda ctx: AsyncClient("http://x", timeout_s=0), ValueError, "must be positive"
     ),
     BadCall(

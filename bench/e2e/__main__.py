@@ -30,6 +30,7 @@ from bench.e2e.report import paired_ratio_ci, plot_ratio_sweep, plot_timeline_st
 from bench.e2e.runner import (
     Configuration,
     RunResult,
+    one_search_ms,
     oracle_ttfts,
     run_configuration,
     set_search_ratio,
@@ -40,7 +41,7 @@ from bench.traces import WORKLOADS
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.engine import Engine, now
+from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import IndexConfig
@@ -134,13 +135,7 @@ async def measure_regime(
     search_ms: dict[float, float] = {}
     for ratio in RATIOS:
         set_search_ratio(index, ratio)
-        timings = []
-        for vector in vectors:
-            started = now()
-            async for _ in index.search_staged(vector, k, num_stages=1):
-                pass
-            timings.append((now() - started) * 1000)
-        search_ms[ratio] = statistics.median(timings)
+        search_ms[ratio] = await one_search_ms(index, vectors, k)
     cold = []
     for query, vector in zip(queries[:5], vectors[:5], strict=True):
         _, rows = index.search(vector[None, :], k)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from bench.e2e.workload import TraceQuery
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
@@ -100,6 +103,17 @@ async def run_configuration(
     async with stack as (controller, _mirror):
         records, prompts, wall = await replay(controller, trace, k, max_tokens, configuration.mode)
     return RunResult(configuration, records, wall, nprobe, prompts)
+
+
+async def one_search_ms(index: VectorIndex, vectors: np.ndarray, k: int) -> float:
+    """The median time of one-shot searches on the index's search runner (its pinned core)."""
+    timings = []
+    for vector in vectors:
+        started = now()
+        async for _ in index.search_staged(vector, k, num_stages=1):
+            pass
+        timings.append((now() - started) * 1000)
+    return statistics.median(timings)
 
 
 async def ttft_of(engine: Engine, prompt: Sequence[int]) -> float:

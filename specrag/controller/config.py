@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from specrag.cache.ordering import get_policy
 from specrag.controller.modes import get_mode
 from specrag.errors import InvalidInputError
+from specrag.retrieval.stages import check_schedule
+
+# The stage schedule that measured best (bench/search.py: first-stage stability at <= 1.10x the
+# one-shot search's cost); see the README's "Pipelining" section.
+DEFAULT_STAGE_SCHEDULE = "geometric"
 
 
 @dataclass(frozen=True)
@@ -20,6 +25,7 @@ class ControllerConfig:
     k_default: int = 10
     k_max: int = 50
     num_stages: int = 4
+    stage_schedule: str = DEFAULT_STAGE_SCHEDULE
     max_prefill_bs: int | None = None
     starvation_window_s: float = 2.0
     ordering_policy: str = "exact"
@@ -41,6 +47,7 @@ class ControllerConfig:
             raise InvalidInputError("k_default must be between 1 and k_max")
         if self.num_stages < 1:
             raise InvalidInputError("num_stages must be at least 1")
+        check_schedule(self.stage_schedule)
         if self.max_prefill_bs is not None and self.max_prefill_bs < 1:
             raise InvalidInputError("max_prefill_bs must be at least 1")
         if not 1 <= self.max_tokens_default <= self.max_tokens_limit:

@@ -99,7 +99,9 @@ class QueryRun:
         timeline.search_start = now()
         stages = shared.config.num_stages if checked.mode.speculation else 1
         final_rows: list[int] = []
-        search = shared.index.search_staged(vector, checked.k, num_stages=stages)
+        search = shared.index.search_staged(
+            vector, checked.k, num_stages=stages, schedule=shared.config.stage_schedule
+        )
         async with contextlib.aclosing(search) as staged:
             async for stage in staged:
                 rows = self._rows(stage.ids)

@@ -3,8 +3,9 @@
 The controller speculates on the running top-k of an unfinished search (RAGCache §5.3), so a
 staged search is a sequence of :class:`StageResult` snapshots whose last one is, by contract, the
 result the same index gives in one shot. How the work is cut into stages — by a fixed count of
-equal slices or by a time budget per stage — is independent of the index kind, so it lives here:
-an index only says how to do ``n`` more units of work (IVF: probe lists, HNSW: node expansions).
+equal slices, by geometrically growing ones, or by a time budget per stage — is independent of
+the index kind, so it lives here: an index only says how to do ``n`` more units of work (IVF:
+probe lists, HNSW: node expansions).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from specrag.errors import InvalidInputError
 
 # Work beyond this is "everything that is left": a unit count no search reaches.
 UNBOUNDED = 1 << 62
+# How count-based stages cut the expected work: "equal" slices (1/S, 2/S, ... of it), or
+# "geometric" ones that double (1/2^(S-1), ..., 1/4, 1/2, 1): a small first stage lets a
+# speculative prefill start after a fraction of the search, since the nearest probe lists (the
+# closest graph nodes) already hold most of the final top-k, at the same total work.
+SCHEDULES = ("equal", "geometric")
 
 
 @dataclass(frozen=True)
@@ -47,21 +53,40 @@ class StageResult:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """How to cut a search into stages: ``num_stages`` equal slices, or ``stage_budget_s`` each.
+    """How to cut a search into stages: ``num_stages`` slices cut by ``schedule``, or
+    ``stage_budget_s`` each.
 
-    With a time budget the number of stages is whatever the search needs. With a count, a search
-    with fewer work units than stages (an IVF ``nprobe`` below the count, an HNSW search that
-    converges early) ends in fewer stages; the last stage always finishes the search.
+    With a time budget the number of stages is whatever the search needs (the schedule is not
+    used). With a count, a search with fewer work units than stages (an IVF ``nprobe`` below the
+    count, an HNSW search that converges early) ends in fewer stages; the last stage always
+    finishes the search, so every schedule ends on the one-shot result.
     """
 
     num_stages: int = 4
     stage_budget_s: float | None = None
+    schedule: str = "equal"
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
             raise InvalidInputError(f"num_stages must be at least 1, got {self.num_stages}")
         if self.stage_budget_s is not None and not self.stage_budget_s > 0:
             raise InvalidInputError(f"stage_budget_s must be positive, got {self.stage_budget_s}")
+        check_schedule(self.schedule)
+
+    def done_fraction(self, stage: int) -> float:
+        """The share of the expected work done by the end of count-based ``stage`` (from 1)."""
+        if stage >= self.num_stages:
+            return 1.0
+        if self.schedule == "geometric":
+            return float(2.0 ** (stage - self.num_stages))
+        return stage / self.num_stages
+
+
+def check_schedule(schedule: str) -> str:
+    """``schedule`` if it names one of :data:`SCHEDULES`, else a clear error."""
+    if schedule not in SCHEDULES:
+        raise InvalidInputError(f"unknown stage schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    return schedule
 
 
 def prepare_queries(queries: np.ndarray, dim: int, ntotal: int, k: int) -> np.ndarray:
@@ -107,7 +132,7 @@ def run_stages(
             if stage >= plan.num_stages:
                 target = UNBOUNDED
             else:
-                target = max(units_done + 1, math.floor(expected_units * stage / plan.num_stages))
+                target = max(units_done + 1, math.floor(expected_units * plan.done_fraction(stage)))
             done = advance(target - units_done)
             units_done = target
         else:

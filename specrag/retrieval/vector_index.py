@@ -106,14 +106,20 @@ class VectorIndex:
         return (stage.for_query(0) for stage in self.iter_stages_batch(self._single(query), k, plan))
 
     async def search_staged_batch(
-        self, queries: np.ndarray, k: int, *, num_stages: int = 4, stage_budget_s: float | None = None
+        self,
+        queries: np.ndarray,
+        k: int,
+        *,
+        num_stages: int = 4,
+        stage_budget_s: float | None = None,
+        schedule: str = "equal",
     ) -> AsyncGenerator[StageResult, None]:
         """``async for`` over the stages of a batch search run on the search threads.
 
         Leaving the loop (use ``contextlib.aclosing`` to make it immediate) or cancelling the
         task stops the search after the stage in flight.
         """
-        plan = StagePlan(num_stages, stage_budget_s)
+        plan = StagePlan(num_stages, stage_budget_s, schedule)
         matrix = prepare_queries(queries, self.dim, self.searcher.ntotal, k)
         async with contextlib.aclosing(
             self.runner.stream(lambda: self.searcher.stages(matrix, k, plan))
@@ -122,11 +128,21 @@ class VectorIndex:
                 yield stage
 
     async def search_staged(
-        self, query: np.ndarray, k: int, *, num_stages: int = 4, stage_budget_s: float | None = None
+        self,
+        query: np.ndarray,
+        k: int,
+        *,
+        num_stages: int = 4,
+        stage_budget_s: float | None = None,
+        schedule: str = "equal",
     ) -> AsyncGenerator[StageResult, None]:
         """``async for`` over the 1-D stages of one query (see :meth:`search_staged_batch`)."""
         batch = self.search_staged_batch(
-            self._single(query)[None, :], k, num_stages=num_stages, stage_budget_s=stage_budget_s
+            self._single(query)[None, :],
+            k,
+            num_stages=num_stages,
+            stage_budget_s=stage_budget_s,
+            schedule=schedule,
         )
         async with contextlib.aclosing(batch) as stages:
             async for stage in stages:

@@ -14,10 +14,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from specrag.client import AsyncClient
+from specrag.controller.config import DEFAULT_STAGE_SCHEDULE
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.retrieval.stages import SCHEDULES
 from specrag.service.assembly import Service, ServiceOptions, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
@@ -84,6 +86,7 @@ def _api_token(variable: str | None) -> str | None:
 # The controller setting behind each ``serve`` flag, so that an error names the flag the user typed.
 _FLAG_OF_SETTING = {
     "num_stages": "--stages",
+    "stage_schedule": "--stage-schedule",
     "max_prefill_bs": "--max-prefill-bs",
     "max_queue": "--max-queue",
     "first_token_timeout_s": "--first-token-timeout",
@@ -95,6 +98,7 @@ def _controller_config(args: argparse.Namespace) -> ControllerConfig:
         return ControllerConfig(
             mode=args.mode,
             num_stages=args.stages,
+            stage_schedule=args.stage_schedule,
             max_prefill_bs=args.max_prefill_bs,
             max_queue=args.max_queue,
             first_token_timeout_s=args.first_token_timeout,
@@ -199,6 +203,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--max-prefill-bs", type=int, help="prefill pool size (default: from the token budget)"
     )
     serve.add_argument("--stages", type=int, default=4, help="search stages (speculation points)")
+    serve.add_argument(
+        "--stage-schedule",
+        choices=SCHEDULES,
+        default=DEFAULT_STAGE_SCHEDULE,
+        help="how the stages cut the search: equal slices, or geometric (1/8, 1/4, 1/2, 1 of it "
+        "for 4 stages: the first speculation starts early) (default: %(default)s)",
+    )
     serve.add_argument(
         "--engine-url", help="an OpenAI-compatible engine server to use instead of the in-process vLLM"
     )

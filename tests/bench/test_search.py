@@ -1,10 +1,14 @@
-"""bench.search's second HNSW implementation: hnswlib on the same vectors, queries and exact top-k."""
+"""bench.search: the second HNSW implementation (hnswlib on the same vectors, queries and exact
+top-k), and the stage schedules' figures and choice."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import faiss
 
-from bench.search import Setting, build_hnswlib, measure_hnswlib
+from bench.search import SCHEDULE_NAMES, Setting, best_schedule, build_hnswlib, measure, measure_hnswlib
+from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 
 
@@ -19,3 +23,27 @@ def test_hnswlib_with_a_beam_as_wide_as_the_data_finds_the_exact_top_k() -> None
     result = measure_hnswlib(index, queries, exact_ids, k=10)
     assert result["recall_at_k"] == 1.0
     assert result["oneshot_ms_median"] > 0
+
+
+def test_schedules_are_measured_and_the_best_is_the_earliest_within_the_cost_limit() -> None:
+    vectors = GaussianMixture(32, seed=0).sample(4000)
+    queries = queries_near(vectors, 12, seed=1)
+    searcher = StagedIVF.build(vectors, nlist=64, nprobe=32)
+    measured = measure(searcher, queries, 5)
+    assert set(measured["per_schedule"]) == set(SCHEDULE_NAMES)
+    assert measured["final_equals_oneshot"]
+    for row in measured["per_schedule"].values():
+        assert 0.0 < row["final_at_time_fraction"] <= 1.0
+
+    def entry(**final_at: float) -> dict[str, Any]:
+        overheads = {"equal": 1.02, "geometric": 1.05, "budget": 1.5}
+        return {
+            "per_schedule": {
+                name: {"staging_overhead": overheads[name], "final_at_time_fraction": final_at[name]}
+                for name in SCHEDULE_NAMES
+            }
+        }
+
+    # The budget schedule is earliest but too costly; geometric wins over equal.
+    assert best_schedule([entry(equal=0.5, geometric=0.3, budget=0.1)]) == "geometric"
+    assert best_schedule([entry(equal=0.2, geometric=0.3, budget=0.1)]) == "equal"

@@ -9,7 +9,16 @@ from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.stages import StagePlan
 
 
-@pytest.mark.parametrize("plan", [StagePlan(1), StagePlan(4), StagePlan(16), StagePlan(stage_budget_s=2e-5)])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        StagePlan(1),
+        StagePlan(4),
+        StagePlan(16),
+        StagePlan(4, schedule="geometric"),
+        StagePlan(stage_budget_s=2e-5),
+    ],
+)
 def test_final_stage_equals_faiss_exactly(hnsw: StagedHNSW, queries: np.ndarray, plan: StagePlan) -> None:
     distances, ids = hnsw.search(queries, 10)
     final = list(hnsw.stages(queries, 10, plan))[-1]

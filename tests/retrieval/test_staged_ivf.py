@@ -12,7 +12,16 @@ from specrag.retrieval.stages import StagePlan
 
 
 @pytest.mark.parametrize(
-    "plan", [StagePlan(1), StagePlan(2), StagePlan(4), StagePlan(7), StagePlan(stage_budget_s=1e-5)]
+    "plan",
+    [
+        StagePlan(1),
+        StagePlan(2),
+        StagePlan(4),
+        StagePlan(7),
+        StagePlan(4, schedule="geometric"),
+        StagePlan(7, schedule="geometric"),
+        StagePlan(stage_budget_s=1e-5),
+    ],
 )
 def test_final_stage_equals_one_shot(ivf: StagedIVF, queries: np.ndarray, plan: StagePlan) -> None:
     distances, ids = ivf.search(queries, 10)
@@ -76,6 +85,8 @@ def test_invalid_plans_and_k_are_rejected(ivf: StagedIVF, queries: np.ndarray) -
         StagePlan(0)
     with pytest.raises(InvalidInputError):
         StagePlan(stage_budget_s=0)
+    with pytest.raises(InvalidInputError, match="stage schedule"):
+        StagePlan(4, schedule="exponential")
     with pytest.raises(InvalidInputError):
         ivf.stages(queries, 0, StagePlan())
 

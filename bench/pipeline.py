@@ -1,0 +1,590 @@
+"""Where speculative pipelining pays: TTFT against the search-to-prefill ratio r = S / P.
+
+Overlapping the search with the answer's prefill can at best hide the shorter of the two: per
+query the **overlap bound** is ``embed + max(search, prefill)``, taken from the serial
+configuration's own timeline (prefill = serial TTFT - embed - search). Each configuration's share
+of the possible gain is ``overlap_fraction = (serial - config) / (serial - bound)`` over the
+means, and ``non_overlapped_over_search`` is its mean non-overlapped search time over serial's
+mean search time.
+
+The sweep sets r by the IVF probe share (nprobe) of a padded index and by the prompt size k, chosen
+from a calibration of one search per probe share and one prefill per k; r is then *measured* from
+the serial run's timelines. At each point, one query at a time (idle), it runs ``serial``,
+``speculation`` with equal stages, ``speculation`` with the default schedule and ``all`` (default
+schedule); at the point nearest r = 1 the same four also run loaded (Poisson arrivals at
+``--utilization`` of the saturation rate measured from the idle serial run); and an HNSW index at
+r near 1 (efSearch sets its search time) adds one more idle point.
+
+Fair set-up as in bench.e2e: the engine's model worker and the search thread are pinned to
+different cores (``--engine-cpus``, ``--search-cpus``), one engine and one trace per figure, a
+fresh controller and an emptied prefix cache for every configuration (the first query's cached
+prompt tokens are recorded to confirm it).
+
+Rerun: ``.venv/bin/python -m bench.pipeline --quick`` (under 12 minutes on two cores once the
+padded indexes exist) or without ``--quick`` (more queries, a 2M-vector index). Writes
+bench/out/pipeline.json (every per-request timeline) and pipeline.png; the last line printed is
+a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.e2e.__main__ import cpus, scaled_index
+from bench.e2e.report import summarize
+from bench.e2e.runner import Configuration, RunResult, one_search_ms, replay, set_search_ratio, ttft_of
+from bench.e2e.workload import TraceQuery, generate
+from specrag.controller.config import DEFAULT_STAGE_SCHEDULE, ControllerConfig
+from specrag.paths import DataLayout, resolve_data_dir
+from specrag.pipeline.config import KVEventSource
+from specrag.pipeline.engine import Engine
+from specrag.pipeline.prompt import PromptBuilder
+from specrag.retrieval.corpus import Passage
+from specrag.retrieval.index_store import IndexConfig
+from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.synthetic import PADDING_VERSION
+from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
+from specrag.service.assets import Assets, ensure_assets, ensure_index
+
+TARGET_RATIOS = (0.25, 0.5, 1.0, 2.0)
+PROBE_SHARES = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
+PROMPT_SIZES = (1, 2, 4, 8)
+# Among settings about as close to a target ratio, prefer prompts of this many passages.
+PREFERRED_K = 4
+EF_SEARCH_RANGE = (64, 16384)
+CALIBRATION_QUERIES = 4
+# An idle trace spaces arrivals this many times one query's expected search + prefill apart.
+IDLE_GAP_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Point:
+    """One point of the sweep: what sets its ratio and the ratio the calibration predicts."""
+
+    kind: str
+    knob: float  # IVF: share of the lists probed; HNSW: efSearch
+    k: int
+    predicted_ratio: float
+    search_ms: float
+    prefill_ms: float
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer queries, a 1M-vector index")
+    parser.add_argument("--model", help="any Hugging Face model directory (default: the embedded model)")
+    parser.add_argument(
+        "--index-size", type=int, help="vectors in the padded IVF index (default 2M, quick 1M)"
+    )
+    parser.add_argument("--nlist", type=int, default=1024, help="IVF lists of the padded index")
+    parser.add_argument("--hnsw-size", type=int, default=200_000, help="vectors in the padded HNSW index")
+    parser.add_argument(
+        "--idle-queries", type=int, help="queries per idle configuration (default 16, quick 8)"
+    )
+    parser.add_argument(
+        "--loaded-queries", type=int, help="queries per loaded configuration (default 48, quick 20)"
+    )
+    parser.add_argument(
+        "--utilization", type=float, default=0.7, help="loaded arrival rate / saturation rate"
+    )
+    parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per answer")
+    parser.add_argument("--engine-cpus", default="0", help="core(s) of the engine's model worker")
+    parser.add_argument("--search-cpus", default="1", help="core(s) of the vector search thread")
+    parser.add_argument("--eager", action="store_true", help="no graph compilation in the engine")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.index_size = args.index_size or (1_000_000 if args.quick else 2_000_000)
+    args.idle_queries = args.idle_queries or (8 if args.quick else 16)
+    args.loaded_queries = args.loaded_queries or (20 if args.quick else 48)
+    if not 0 < args.utilization < 1:
+        parser.error("--utilization must be between 0 and 1")
+    return args
+
+
+def configurations(search_share: float) -> list[Configuration]:
+    """serial, speculation on equal and on default stages, and all (default stages)."""
+    return [
+        Configuration("serial", "serial", "pipeline", search_share),
+        Configuration("spec-equal", "speculation", "pipeline", search_share, {"stage_schedule": "equal"}),
+        Configuration(
+            f"spec-{DEFAULT_STAGE_SCHEDULE}",
+            "speculation",
+            "pipeline",
+            search_share,
+            {"stage_schedule": DEFAULT_STAGE_SCHEDULE},
+        ),
+        Configuration("all", "all", "pipeline", search_share, {"stage_schedule": DEFAULT_STAGE_SCHEDULE}),
+    ]
+
+
+async def prefill_ms_by_k(
+    engine: Engine, index: VectorIndex, builder: PromptBuilder, queries: Sequence[str], vectors: np.ndarray
+) -> dict[int, float]:
+    """The median TTFT of a k-passage prompt with only the system prompt cached, per k."""
+    result = {}
+    for k in PROMPT_SIZES:
+        timings = []
+        for query, vector in zip(queries, vectors, strict=True):
+            _, rows = index.search(vector[None, :], k)
+            passages = sorted({int(r) for r in index.passage_index_of(rows[0]) if r >= 0})
+            await engine.reset_prefix_cache()
+            await ttft_of(engine, builder.system_layout_tokens())
+            timings.append(await ttft_of(engine, builder.build(passages, query).token_ids) * 1000)
+        result[k] = statistics.median(timings)
+    return result
+
+
+def nearest_point(
+    kind: str, search_ms: dict[float, float], prefill_ms: dict[int, float], target: float
+) -> Point:
+    """The (knob, k) whose predicted S / P is nearest ``target`` (log scale), preferring k near 4."""
+
+    def distance(knob: float, k: int) -> float:
+        off = abs(math.log(search_ms[knob] / prefill_ms[k] / target))
+        return off + 0.05 * abs(math.log2(k / PREFERRED_K))
+
+    knob, k = min(((knob, k) for knob in search_ms for k in prefill_ms), key=lambda pair: distance(*pair))
+    return Point(kind, knob, k, search_ms[knob] / prefill_ms[k], search_ms[knob], prefill_ms[k])
+
+
+def embed_ms(record: dict[str, Any]) -> float:
+    """Arrival to the search's start: the timeline's own field, else the final stage minus the search."""
+    if record.get("embed_ms") is not None:
+        return float(record["embed_ms"])
+    final = [e["t_ms"] for e in record["events"] if e["kind"] == "stage" and e.get("done")]
+    return float(final[-1] - record["retrieval_ms"])
+
+
+def _ok(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if "error" not in r and r.get("ttft_ms") is not None]
+
+
+def overlap(serial: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The bound from serial's timelines and ``other``'s share of the gain, over the same queries."""
+    base = {r["i"]: r for r in _ok(serial)}
+    paired = [(base[r["i"]], r) for r in _ok(other) if r["i"] in base]
+    embed = np.array([embed_ms(s) for s, _ in paired])
+    search = np.array([s["retrieval_ms"] for s, _ in paired])
+    serial_ttft = np.array([s["ttft_ms"] for s, _ in paired])
+    prefill = serial_ttft - embed - search
+    bound = embed + np.maximum(search, prefill)
+    config_ttft = np.array([o["ttft_ms"] for _, o in paired])
+    gain = serial_ttft.mean() - bound.mean()
+    return {
+        "ratio": float(search.mean() / prefill.mean()),
+        "embed_ms": float(embed.mean()),
+        "search_ms": float(search.mean()),
+        "prefill_ms": float(prefill.mean()),
+        "serial_ttft_ms": float(serial_ttft.mean()),
+        "config_ttft_ms": float(config_ttft.mean()),
+        "bound_ttft_ms": float(bound.mean()),
+        "overlap_fraction": float((serial_ttft.mean() - config_ttft.mean()) / gain) if gain > 0 else math.nan,
+        "non_overlapped_over_search": float(
+            np.mean([o["non_overlapped_retrieval_ms"] for _, o in paired]) / search.mean()
+        ),
+    }
+
+
+def wasted_share(records: Sequence[dict[str, Any]]) -> float:
+    """Wasted speculative prefill over all prefill the engine computed (answers' uncached + wasted)."""
+    ok = _ok(records)
+    wasted = sum(r["wasted_spec_prefill_tokens"] for r in ok)
+    computed = sum(r["prompt_tokens"] - r["cached_prompt_tokens"] for r in ok) + wasted
+    return wasted / computed if computed else 0.0
+
+
+@dataclass
+class Stack:
+    """What every configuration of one run shares."""
+
+    engine: Engine
+    kv_events: KVEventSource | None
+    builder: PromptBuilder
+    base: ControllerConfig
+    max_tokens: int
+
+
+async def run_all(
+    stack: Stack, index: VectorIndex, point: Point, trace: Sequence[TraceQuery]
+) -> dict[str, RunResult]:
+    """Every configuration on ``trace``, each from an emptied prefix cache and a fresh controller."""
+    results = {}
+    for configuration in configurations(point.knob if point.kind == "ivf" else math.nan):
+        nprobe = set_search_ratio(index, point.knob) if point.kind == "ivf" else 0
+        config = replace(stack.base, mode=configuration.mode, **configuration.overrides)
+        opened = open_controller(
+            stack.engine, stack.kv_events, index, stack.builder, config, empty_cache=True
+        )
+        async with opened as (controller, _mirror):
+            records, prompts, wall = await replay(
+                controller, trace, point.k, stack.max_tokens, configuration.mode
+            )
+        results[configuration.name] = RunResult(configuration, records, wall, nprobe, prompts)
+    return results
+
+
+def idle_trace(
+    passages: Sequence[Passage], point: Point, n: int, max_tokens: int, seed: int
+) -> list[TraceQuery]:
+    """Near-regular arrivals far enough apart that each query runs alone."""
+    gap_s = IDLE_GAP_FACTOR * (point.search_ms + point.prefill_ms) / 1000 + 0.05 * max_tokens + 0.2
+    return generate(passages, "zipf", n, 1 / gap_s, cv=0.05, seed=seed)
+
+
+def point_summary(point: Point, results: dict[str, RunResult]) -> dict[str, Any]:
+    serial = results["serial"].records
+    rows = {name: overlap(serial, run.records) for name, run in results.items() if name != "serial"}
+    return {
+        "kind": point.kind,
+        "knob": point.knob,
+        "k": point.k,
+        "predicted_ratio": point.predicted_ratio,
+        "nprobe": results["serial"].nprobe,
+        "configurations": rows,
+        "first_query_cached_tokens": {
+            name: next((r["cached_prompt_tokens"] for r in _ok(run.records)), None)
+            for name, run in results.items()
+        },
+        "summaries": {name: summarize(run, {}, math.inf) for name, run in results.items()},
+    }
+
+
+def saturation_rps(serial: Sequence[dict[str, Any]]) -> float:
+    """Queries per second one engine and one search thread sustain: 1 / the busier one's time."""
+    ok = _ok(serial)
+    engine_s = np.mean([r["e2e_ms"] - embed_ms(r) - r["retrieval_ms"] for r in ok]) / 1000
+    search_s = np.mean([r["retrieval_ms"] for r in ok]) / 1000
+    return float(1 / max(engine_s, search_s))
+
+
+async def hnsw_index(layout: DataLayout, assets: Assets, size: int, runner: SearchRunner) -> VectorIndex:
+    """A padded HNSW index (built once); imported only now that the engine runs (numba, see index_store)."""
+    directory = layout.root / f"index-scaled-hnsw-{size}-p{PADDING_VERSION}"
+    print(f"padded HNSW index ({size:,} vectors) in {directory}: built if missing or stale", flush=True)
+    index = ensure_index(layout, assets.passages, IndexConfig(kind="hnsw", pad_to=size), directory)
+    index.use_runner(runner)
+    return index
+
+
+def with_ef_search(index: VectorIndex, ef_search: int) -> VectorIndex:
+    """The same graph searched at ``ef_search`` (its stage sizes recalibrated)."""
+    searcher: Any = index.searcher
+    retuned = type(searcher)(searcher.owner, ef_search)
+    return VectorIndex(retuned, index.passage_ids, index.synthetic_sources, index.embedder, index.runner)
+
+
+async def hnsw_point(
+    index: VectorIndex, vectors: np.ndarray, prefill_ms: dict[int, float]
+) -> tuple[VectorIndex, Point]:
+    """Double efSearch until one search takes about a prefill (r near 1) or the range ends."""
+    ef = EF_SEARCH_RANGE[0]
+    search_ms: dict[float, float] = {}
+    tuned: dict[float, VectorIndex] = {}
+    while ef <= min(EF_SEARCH_RANGE[1], index.searcher.ntotal):
+        tuned[ef] = with_ef_search(index, ef)
+        search_ms[ef] = await one_search_ms(tuned[ef], vectors, PREFERRED_K)
+        if search_ms[ef] >= min(prefill_ms.values()):
+            break
+        ef *= 2
+    point = nearest_point("hnsw", search_ms, prefill_ms, 1.0)
+    return tuned[point.knob], point
+
+
+async def calibrate(
+    stack: Stack, index: VectorIndex, queries: Sequence[str], vectors: np.ndarray
+) -> tuple[dict[float, float], dict[int, float]]:
+    """One search per probe share and one prefill per prompt size, to choose the sweep's points."""
+    search_ms = {}
+    for share in PROBE_SHARES:
+        set_search_ratio(index, share)
+        search_ms[share] = await one_search_ms(index, vectors, PREFERRED_K)
+    prefill_ms = await prefill_ms_by_k(stack.engine, index, stack.builder, queries, vectors)
+    print("one search (ms) by probe share:", {f"{s:.3g}": round(v, 1) for s, v in search_ms.items()})
+    print("prefill (ms) by k, system prompt cached:", {k: round(v, 1) for k, v in prefill_ms.items()})
+    return search_ms, prefill_ms
+
+
+def sweep_points(search_ms: dict[float, float], prefill_ms: dict[int, float]) -> list[Point]:
+    """The point nearest each target ratio; targets the index cannot reach share a point (run once)."""
+    points: dict[tuple[float, int], Point] = {}
+    for target in TARGET_RATIOS:
+        point = nearest_point("ivf", search_ms, prefill_ms, target)
+        points.setdefault((point.knob, point.k), point)
+    return list(points.values())
+
+
+async def idle_sweep(
+    stack: Stack,
+    index: VectorIndex,
+    passages: Sequence[Passage],
+    points: Sequence[Point],
+    args: argparse.Namespace,
+) -> tuple[list[dict[str, Any]], list[dict[str, RunResult]]]:
+    summaries, runs = [], []
+    for number, point in enumerate(points):
+        trace = idle_trace(passages, point, args.idle_queries, args.max_tokens, args.seed + number)
+        results = await run_all(stack, index, point, trace)
+        summaries.append(point_summary(point, results))
+        runs.append(results)
+        print_point(summaries[-1], "idle")
+    return summaries, runs
+
+
+async def loaded_run(
+    stack: Stack,
+    index: VectorIndex,
+    passages: Sequence[Passage],
+    point: Point,
+    idle_serial: Sequence[dict[str, Any]],
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], dict[str, RunResult]]:
+    """Poisson arrivals at ``args.utilization`` of the saturation rate the idle serial run shows."""
+    saturation = saturation_rps(idle_serial)
+    target_rps = args.utilization * saturation
+    drawn = generate(passages, "zipf", args.loaded_queries, target_rps, seed=args.seed + 50)
+    # A short Poisson trace's own rate strays far from the target (tens of percent at 20 arrivals):
+    # stretch its gaps so that it offers exactly the target rate, keeping their shape.
+    stretch = (len(drawn) - 1) / drawn[-1].t / target_rps
+    trace = [replace(query, t=query.t * stretch) for query in drawn]
+    offered_rps = (len(trace) - 1) / trace[-1].t
+    results = await run_all(stack, index, point, trace)
+    summary = loaded_summary(point, results, offered_rps / saturation, saturation)
+    print_loaded(summary)
+    return summary, results
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    layout = DataLayout(resolve_data_dir())
+    assets = ensure_assets(layout, Path(args.model) if args.model else None)
+    index = scaled_index(layout, assets, args.index_size, args.nlist)
+    runner = SearchRunner(threads=1, cpus=cpus(args.search_cpus))
+    index.use_runner(runner)
+    pinning = (
+        f"engine model worker on core(s) {args.engine_cpus}, vector search on core(s) {args.search_cpus}"
+    )
+    print(f"{pinning}; index {index.searcher.ntotal:,} vectors, nlist {args.nlist}", flush=True)
+    rng = np.random.default_rng(args.seed + 99)
+    picks = rng.integers(0, len(assets.passages), CALIBRATION_QUERIES)
+    queries = [assets.passages[int(i)].text[:120] for i in picks]
+    vectors = np.stack([index.embed_query(q) for q in queries])
+    options = ServiceOptions(eager=args.eager, omp_threads_bind=args.engine_cpus)
+    try:
+        async with open_engine(assets.model_dir, options, layout.root / "run" / "pipeline") as opened:
+            engine, kv_events = opened
+            builder = prompt_builder(assets, engine)
+            await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
+            base = ControllerConfig(
+                k_default=PREFERRED_K, k_max=max(PROMPT_SIZES), max_tokens_default=args.max_tokens
+            )
+            stack = Stack(engine, kv_events, builder, base, args.max_tokens)
+            search_ms, prefill_ms = await calibrate(stack, index, queries, vectors)
+            sweep = sweep_points(search_ms, prefill_ms)
+            idle, idle_runs = await idle_sweep(stack, index, assets.passages, sweep, args)
+            nearest_one = min(
+                range(len(idle)), key=lambda i: abs(math.log(idle[i]["configurations"]["all"]["ratio"]))
+            )
+            loaded, loaded_runs = await loaded_run(
+                stack,
+                index,
+                assets.passages,
+                sweep[nearest_one],
+                idle_runs[nearest_one]["serial"].records,
+                args,
+            )
+            graph = await hnsw_index(layout, assets, args.hnsw_size, runner)
+            hnsw, hnsw_at = await hnsw_point(graph, vectors, prefill_ms)
+            trace = idle_trace(assets.passages, hnsw_at, args.idle_queries, args.max_tokens, args.seed + 70)
+            hnsw_runs = await run_all(stack, hnsw, hnsw_at, trace)
+            hnsw_summary = point_summary(hnsw_at, hnsw_runs)
+            print_point(hnsw_summary, "idle")
+    finally:
+        runner.shutdown()
+    facts = {
+        **machine(),
+        "pinning": pinning,
+        "engine_cpus": args.engine_cpus,
+        "search_cpus": args.search_cpus,
+        "model": str(assets.model_dir),
+        "index": {"vectors": args.index_size, "nlist": args.nlist, "kind": "ivf-flat"},
+        "hnsw_vectors": args.hnsw_size,
+        "idle_queries": args.idle_queries,
+        "loaded_queries": args.loaded_queries,
+        "max_tokens": args.max_tokens,
+        "default_schedule": DEFAULT_STAGE_SCHEDULE,
+        "search_ms_by_probe_share": {str(s): v for s, v in search_ms.items()},
+        "prefill_ms_by_k": {str(k): v for k, v in prefill_ms.items()},
+    }
+    records = {
+        **{f"idle-{i}": runs for i, runs in enumerate(idle_runs)},
+        "loaded": loaded_runs,
+        "hnsw": hnsw_runs,
+    }
+    raw = {key: {name: run.records for name, run in runs.items()} for key, runs in records.items()}
+    write_json(
+        "pipeline", {"facts": facts, "idle": idle, "loaded": loaded, "hnsw": hnsw_summary, "records": raw}
+    )
+    plot(idle, hnsw_summary)
+    return {"facts": facts, "idle": idle, "loaded": loaded, "hnsw": hnsw_summary}
+
+
+def loaded_summary(
+    point: Point, results: dict[str, RunResult], utilization: float, saturation: float
+) -> dict[str, Any]:
+    summary = point_summary(point, results)
+    serial = summary["summaries"]["serial"]
+    summary.update(
+        utilization=utilization,
+        saturation_rps=saturation,
+        ttft_mean_over_serial={
+            n: s["ttft_mean_ms"] / serial["ttft_mean_ms"] for n, s in summary["summaries"].items()
+        },
+        ttft_p99_over_serial={
+            n: s["ttft_p99_ms"] / serial["ttft_p99_ms"] for n, s in summary["summaries"].items()
+        },
+        wasted_spec_prefill_share={n: wasted_share(run.records) for n, run in results.items()},
+    )
+    return summary
+
+
+def print_point(summary: dict[str, Any], label: str) -> None:
+    rows = summary["configurations"]
+    first = next(iter(rows.values()))
+    print(
+        f"{label} {summary['kind']} knob {summary['knob']:.3g} k={summary['k']}:"
+        f" measured r = {first['ratio']:.2f} (predicted {summary['predicted_ratio']:.2f});"
+        f" serial {first['serial_ttft_ms']:.0f} ms, bound {first['bound_ttft_ms']:.0f} ms;"
+        f" first query's cached tokens {summary['first_query_cached_tokens']}"
+    )
+    for name, row in rows.items():
+        print(
+            f"    {name:<16} TTFT {row['config_ttft_ms']:7.0f} ms"
+            f"  overlap_fraction {row['overlap_fraction']:6.2f}"
+            f"  non-overlapped / search {row['non_overlapped_over_search']:.2f}"
+        )
+    print(flush=True)
+
+
+def print_loaded(summary: dict[str, Any]) -> None:
+    first = summary["configurations"]["all"]
+    print(
+        f"loaded at utilization {summary['utilization']:.2f} of {summary['saturation_rps']:.2f} queries/s,"
+        f" measured r = {first['ratio']:.2f}; serial TTFT {first['serial_ttft_ms']:.0f} ms"
+    )
+    for name in summary["configurations"]:
+        print(
+            f"    {name:<16} mean TTFT {summary['ttft_mean_over_serial'][name]:.2f}x serial,"
+            f" p99 {summary['ttft_p99_over_serial'][name]:.2f}x,"
+            f" wasted speculative prefill {summary['wasted_spec_prefill_share'][name]:.1%} of all prefill"
+        )
+    print(flush=True)
+
+
+def plot(points: Sequence[dict[str, Any]], hnsw: dict[str, Any]) -> Path:
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ratios = [p["configurations"]["all"]["ratio"] for p in points]
+    order = np.argsort(ratios)
+    x = [ratios[i] for i in order]
+    # One colour per configuration in both panels (serial has no overlap_fraction of its own).
+    colours = dict(
+        zip(points[0]["summaries"], plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False)
+    )
+    serial_ttft = [points[i]["configurations"]["all"]["serial_ttft_ms"] for i in order]
+    left.plot(x, serial_ttft, marker="o", label="serial", color=colours["serial"])
+    for name in points[0]["configurations"]:
+        style = {"marker": "o", "label": name, "color": colours[name]}
+        left.plot(x, [points[i]["configurations"][name]["config_ttft_ms"] for i in order], **style)
+        right.plot(x, [points[i]["configurations"][name]["overlap_fraction"] for i in order], **style)
+    left.plot(
+        x,
+        [points[i]["configurations"]["all"]["bound_ttft_ms"] for i in order],
+        ls="--",
+        color="black",
+        label="overlap bound",
+    )
+    hnsw_all = hnsw["configurations"]["all"]
+    right.scatter(
+        [hnsw_all["ratio"]],
+        [hnsw_all["overlap_fraction"]],
+        marker="*",
+        s=150,
+        color="black",
+        label="all, HNSW",
+    )
+    left.set(
+        xscale="log", xlabel="measured search / prefill ratio r", ylabel="mean TTFT (ms), one query at a time"
+    )
+    right.set(
+        xscale="log", xlabel="measured search / prefill ratio r", ylabel="overlap_fraction (1 = the bound)"
+    )
+    right.axhline(1.0, color="grey", linewidth=0.5)
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle("Speculative pipelining against the search-to-prefill ratio (IVF, idle)")
+    figure.tight_layout()
+    path = plot_path("pipeline")
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's last-line summary, for ``all`` on the default schedule."""
+    loaded = result["loaded"]
+    hnsw_all = result["hnsw"]["configurations"]["all"]
+    return {
+        "idle": [
+            {
+                "ratio": round(row["ratio"], 3),
+                "serial_ttft_ms": round(row["serial_ttft_ms"], 1),
+                "all_ttft_ms": round(row["config_ttft_ms"], 1),
+                "bound_ttft_ms": round(row["bound_ttft_ms"], 1),
+                "overlap_fraction": round(row["overlap_fraction"], 3),
+                "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
+            }
+            for row in sorted((p["configurations"]["all"] for p in result["idle"]), key=lambda r: r["ratio"])
+        ],
+        "loaded": {
+            "ratio": round(loaded["configurations"]["all"]["ratio"], 3),
+            "utilization": round(loaded["utilization"], 3),
+            "ttft_mean_all_over_serial": round(loaded["ttft_mean_over_serial"]["all"], 3),
+            "ttft_p99_all_over_serial": round(loaded["ttft_p99_over_serial"]["all"], 3),
+            "wasted_spec_prefill_share": round(loaded["wasted_spec_prefill_share"]["all"], 4),
+        },
+        "hnsw": {
+            "ratio": round(hnsw_all["ratio"], 3),
+            "overlap_fraction": round(hnsw_all["overlap_fraction"], 3),
+        },
+        "schedule": DEFAULT_STAGE_SCHEDULE,
+        "pinning": result["facts"]["pinning"],
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    stop_cleanly_on_sigterm()
+    started = time.perf_counter()
+    result = asyncio.run(run(args))
+    wall_s = time.perf_counter() - started
+    print(f"wrote {plot_path('pipeline').parent}/pipeline.json and pipeline.png in {wall_s:.0f} s")
+    print("rerun: .venv/bin/python -m bench.pipeline --quick   (full: drop --quick)")
+    print(json.dumps(headline(result)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""bench.pipeline's arithmetic: the overlap bound from serial timelines, point choice, waste."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.pipeline import embed_ms, nearest_point, overlap, saturation_rps, sweep_points, wasted_share
+
+
+def record(
+    i: int, ttft: float, search: float, embed: float, non_overlapped: float, **extra: Any
+) -> dict[str, Any]:
+    """A timeline as Timeline.to_dict exports it: the final stage arrives when the search ends."""
+    return {
+        "i": i,
+        "ttft_ms": ttft,
+        "retrieval_ms": search,
+        "non_overlapped_retrieval_ms": non_overlapped,
+        "events": [{"kind": "stage", "t_ms": embed + search, "stage": 1, "done": True}],
+        **extra,
+    }
+
+
+def test_embed_time_is_the_timeline_field_or_the_final_stage_minus_the_search() -> None:
+    assert embed_ms(record(0, 300, 100, 20, 100)) == pytest.approx(20)
+    assert embed_ms({**record(0, 300, 100, 20, 100), "embed_ms": 7.0}) == 7.0
+
+
+def test_overlap_fraction_is_the_share_of_the_gain_the_bound_allows() -> None:
+    # Serial: embed 20 + search 100 + prefill 200 = 320; bound 20 + max(100, 200) = 220.
+    serial = [record(i, 320, 100, 20, 100) for i in range(3)]
+    reaching = [record(i, 220, 100, 20, 0) for i in range(3)]
+    halfway = [record(i, 270, 100, 20, 50) for i in range(3)]
+    full = overlap(serial, reaching)
+    assert full["ratio"] == pytest.approx(0.5)
+    assert full["bound_ttft_ms"] == pytest.approx(220)
+    assert full["overlap_fraction"] == pytest.approx(1.0)
+    assert full["non_overlapped_over_search"] == pytest.approx(0.0)
+    assert overlap(serial, halfway)["overlap_fraction"] == pytest.approx(0.5)
+    assert overlap(serial, serial)["overlap_fraction"] == pytest.approx(0.0)
+
+
+def test_overlap_pairs_queries_and_skips_failed_ones() -> None:
+    serial = [record(0, 320, 100, 20, 100), record(1, 620, 100, 20, 100)]
+    other = [record(0, 220, 100, 20, 0), {"i": 1, "error": "EngineError: gone"}]
+    assert overlap(serial, other)["serial_ttft_ms"] == pytest.approx(320)
+
+
+def test_points_are_chosen_by_predicted_ratio_and_unreachable_targets_share_one() -> None:
+    search_ms = {0.25: 25.0, 0.5: 50.0, 1.0: 100.0}
+    prefill_ms = {1: 100.0, 4: 200.0}
+    assert nearest_point("ivf", search_ms, prefill_ms, 0.25).predicted_ratio == pytest.approx(0.25)
+    one = nearest_point("ivf", search_ms, prefill_ms, 1.0)
+    assert (one.knob, one.k) == (1.0, 1)
+    # 2.0 is out of reach: it maps to the same point as 1.0 and runs once.
+    assert len(sweep_points(search_ms, prefill_ms)) == 3
+
+
+def test_waste_counts_against_everything_the_engine_prefilled() -> None:
+    records = [
+        record(0, 1, 1, 1, 0, prompt_tokens=100, cached_prompt_tokens=20, wasted_spec_prefill_tokens=20),
+        record(1, 1, 1, 1, 0, prompt_tokens=100, cached_prompt_tokens=100, wasted_spec_prefill_tokens=0),
+    ]
+    assert wasted_share(records) == pytest.approx(20 / 100)
+
+
+def test_saturation_is_set_by_the_busier_of_engine_and_search() -> None:
+    engine_bound = [record(0, 300, 100, 20, 100, e2e_ms=520)]  # engine busy 400 ms
+    assert saturation_rps(engine_bound) == pytest.approx(2.5)
+    search_bound = [record(0, 700, 600, 20, 600, e2e_ms=720)]  # engine 100 ms, search 600 ms
+    assert saturation_rps(search_bound) == pytest.approx(1 / 0.6)
