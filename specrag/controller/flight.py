@@ -24,9 +24,13 @@ class Flight:
     ):
         self.request_id = ("spec-" if speculative else "final-") + uuid.uuid4().hex
         self.layout = layout
+        # The knowledge tree's estimate of the engine's prefix hit at submission, set by the run
+        # that launched it, to be checked against the engine's answer (``cached_tokens``).
+        self.predicted_cached_tokens = 0
         self.sampling = sampling
         self.submitted_at = now()
         self.first_token_at: float | None = None
+        self.scheduled_at: float | None = None  # when the engine began its prefill, if it says
         self.cached_tokens: int | None = None
         self._engine = engine
         self._slot = slot
@@ -38,6 +42,7 @@ class Flight:
             async for output in self._engine.generate(self.request_id, self.layout.token_ids, sampling):
                 if self.first_token_at is None:
                     self.first_token_at = output.received_at
+                    self.scheduled_at = output.scheduled_at
                     self.cached_tokens = output.cached_tokens
                     self._slot.release()
                 self._outputs.put_nowait(output)
@@ -66,10 +71,16 @@ class Flight:
             yield item
 
     async def abort(self) -> None:
-        """Stop the request in the engine (effective after its current step) and the pump."""
-        if not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._engine.abort(self.request_id)
-        self._slot.release()
+        """Stop the request in the engine (effective after its current step) and the pump.
+
+        The slot is given back even when the engine's abort fails: the request is gone from our
+        side either way, and a slot held forever would shrink the prefill pool for good.
+        """
+        try:
+            if not self._task.done():
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+            await self._engine.abort(self.request_id)
+        finally:
+            self._slot.release()

@@ -82,11 +82,12 @@ class QueryRun:
         """The staged search with speculation; returns the flight the answer comes from."""
         shared, checked, timeline = self._shared, self.checked, self.timeline
         loop = asyncio.get_running_loop()
+        timeline.embed_start = now()
         vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
+        timeline.search_start = now()
         if checked.mode.warmup and shared.warmer.start_if_cold():
             timeline.add("warmup_start", now())
             timeline.warmed = True
-        timeline.search_start = now()
         stages = shared.config.num_stages if checked.mode.speculation else 1
         final_rows: list[int] = []
         search = shared.index.search_staged(vector, checked.k, num_stages=stages)
@@ -105,7 +106,7 @@ class QueryRun:
         """Speculate on a stage's running top-k if it changed and the prefill pool has room."""
         if not self.checked.mode.speculation:
             return
-        layout, _ = self._prompt(rows, final=False)
+        layout, predicted = self._prompt(rows, final=False)
         speculation = self._speculation
         if speculation is not None and speculation.layout.token_ids == layout.token_ids:
             return
@@ -113,7 +114,7 @@ class QueryRun:
             await self._drop(speculation)
         slot = self._shared.gate.try_speculate()
         if slot is not None:
-            self._speculation = self._launch(layout, slot, speculative=True)
+            self._speculation = self._launch(layout, slot, speculative=True, predicted=predicted)
             self.timeline.speculations += 1
             self.timeline.add(
                 "spec_submit",
@@ -127,7 +128,6 @@ class QueryRun:
         shared, timeline = self._shared, self.timeline
         timeline.documents = [shared.builder.store.passage(row).id for row in rows]
         layout, predicted = self._prompt(rows, final=True)
-        timeline.predicted_cached_tokens = predicted
         speculation = self._speculation
         if speculation is not None and speculation.layout.token_ids == layout.token_ids:
             timeline.adopted = True
@@ -149,7 +149,8 @@ class QueryRun:
             timeline.add("queued", queued_at, pool=gate.pool, waiting=gate.waiting)
         slot = await gate.admit(predicted, len(layout.token_ids) - predicted)
         timeline.queued_s = now() - queued_at
-        final = self._launch(layout, slot, speculative=False)
+        # The cache may have changed while the request waited for its slot: predict again.
+        final = self._launch(layout, slot, speculative=False, predicted=self._predicted(layout, predicted))
         timeline.add("final_submit", final.submitted_at, request_id=final.request_id)
         return final
 
@@ -157,6 +158,7 @@ class QueryRun:
         """The answer's deltas, then :class:`AnswerDone`; the tree or the session learns the prompt."""
         shared, timeline, session = self._shared, self.timeline, self.checked.session
         timeline.answer_submit = flight.submitted_at
+        timeline.predicted_cached_tokens = flight.predicted_cached_tokens
         timeline.prompt_tokens = len(flight.layout.token_ids)
         texts: list[str] = []
         tokens: list[int] = []
@@ -166,6 +168,7 @@ class QueryRun:
                 # When the caller can see it: an adopted speculation may have produced its first
                 # token before the search ended, but it is only known right once the search has.
                 timeline.first_token = now()
+                timeline.answer_scheduled = flight.scheduled_at
                 timeline.cached_prompt_tokens = output.cached_tokens or 0
                 timeline.add("first_token", timeline.first_token, cached_tokens=timeline.cached_prompt_tokens)
             texts.append(output.text)
@@ -182,11 +185,24 @@ class QueryRun:
         yield AnswerDone("".join(texts), finish_reason, timeline, flight.layout)
 
     async def abort_all(self) -> None:
-        """Abort every engine request the run still holds (idempotent)."""
+        """Abort every engine request the run still holds (idempotent).
+
+        One failed abort must not leave the others running: each is tried, and the first
+        failure is raised once all were.
+        """
+        failures: list[Exception] = []
         for flight in list(self._flights):
-            await flight.abort()
-            self._forget(flight)
+            try:
+                await flight.abort()
+            except Exception as error:
+                failures.append(error)
+            finally:
+                self._forget(flight)
         self._speculation = None
+        if failures:
+            raise EngineError(
+                f"{len(failures)} of the query's engine requests could not be aborted: {failures[0]}"
+            ) from failures[0]
 
     # ------------------------------------------------------------------ helpers
 
@@ -228,7 +244,13 @@ class QueryRun:
         hint = order_hint(rows, ordered, shared.hints) if checked.mode.ordering else None
         return builder.build_with_question_tokens(ordered, question, hint), ordering.cached.tokens
 
-    def _launch(self, layout: PromptLayout, slot: Slot, speculative: bool) -> Flight:
+    def _predicted(self, layout: PromptLayout, session_prediction: int) -> int:
+        """The tree's estimate of the engine's hit for this prompt now (a session's is its history)."""
+        if self.checked.session is not None:
+            return session_prediction
+        return self._shared.tree.cached_prefix(layout.document_ids()).tokens
+
+    def _launch(self, layout: PromptLayout, slot: Slot, speculative: bool, predicted: int) -> Flight:
         sampling = self.checked.sampling
         try:
             check_prompt_fits(len(layout.token_ids), sampling, self._shared.engine.max_model_len)
@@ -236,6 +258,7 @@ class QueryRun:
             slot.release()  # the slot was taken for a request that will never exist
             raise
         flight = Flight(self._shared.engine, layout, sampling, slot, speculative)
+        flight.predicted_cached_tokens = predicted
         self._flights.append(flight)
         return flight
 
@@ -286,5 +309,6 @@ class QueryRun:
                 if supervision is not None and not await supervision.wait_ready(timeout_s):
                     raise
                 slot = await shared.gate.admit(0, len(flight.layout.token_ids))
-                flight = self._launch(flight.layout, slot, speculative=False)
+                layout = flight.layout
+                flight = self._launch(layout, slot, speculative=False, predicted=self._predicted(layout, 0))
                 self.timeline.answer_submit = flight.submitted_at
