@@ -151,3 +151,29 @@ async def test_without_replay_gaps_are_counted_and_stop_is_clean(tmp_path: Path)
         await subscriber.stop()  # idempotent
         await publisher.close()
     assert subscriber.lost == 1 and received == [1, 1]
+
+
+@pytest.mark.timeout(60)
+async def test_a_failing_callback_is_counted_and_later_batches_still_arrive(tmp_path: Path) -> None:
+    publisher = Publisher(tmp_path)
+    received: list[int] = []
+    done = asyncio.Event()
+
+    def on_events(events: Sequence[KVEvent]) -> None:
+        received.append(len(events))
+        if len(received) == 1:
+            raise RuntimeError("the tree rejected the batch")
+        done.set()
+
+    subscriber = KVEventSubscriber(publisher.endpoint, None, "kv", on_events)
+    await subscriber.start()
+    try:
+        await asyncio.sleep(0.3)
+        await publisher.publish(0)
+        await publisher.publish(1)
+        async with asyncio.timeout(5):
+            await done.wait()
+    finally:
+        await subscriber.stop()
+        await publisher.close()
+    assert subscriber.callback_errors == 1 and subscriber.lost == 0 and received == [1, 1]
