@@ -347,6 +347,7 @@ LAST_LINE_KEYS = (
     "wasted_spec_prefill_tokens",
     "docs_per_prompt_mean",
     "tree_agreement",
+    "tree_agreement_without_prefill_beside",
     "errors",
     "reset_confirmed",
     "first_request_cold",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,18 @@ def _basis(ok: Sequence[dict[str, Any]]) -> str | None:
     """The one basis of every non-overlap figure of the run, or "mixed"."""
     bases = {r.get("non_overlapped_basis") for r in ok}
     return bases.pop() if len(bases) == 1 else ("mixed" if bases else None)
+
+
+def tree_agreement(ok: Sequence[dict[str, Any]]) -> float:
+    """Share of answers whose request the tree predicted the engine's prefix hit for exactly.
+
+    The prediction is made when the request is submitted; the engine answers when it schedules
+    it. Requests submitted while another was being prefilled may find more cached by then,
+    which is no fault of the mirror: the caller reports the share without them beside this one.
+    """
+    if not ok:
+        return float("nan")
+    return float(np.mean([r["predicted_cached_tokens"] == r["cached_prompt_tokens"] for r in ok]))
 
 
 def first_request_cold(run: RunResult) -> bool | None:
@@ -75,10 +88,10 @@ def summarize(run: RunResult, oracle_ms: dict[int, float], slo_ms: float) -> dic
         "non_overlapped_basis": _basis(ok),
         "non_overlapped_retrieval_submitted_ms_mean": _mean(ok, "non_overlapped_retrieval_submitted_ms"),
         "docs_per_prompt_mean": float(np.mean([len(r["documents"]) for r in ok])) if ok else float("nan"),
-        "tree_agreement": (
-            float(np.mean([r["predicted_cached_tokens"] == r["cached_prompt_tokens"] for r in ok]))
-            if ok
-            else float("nan")
+        "kv_mirror": None if run.mirror is None else asdict(run.mirror),
+        "tree_agreement": tree_agreement(ok),
+        "tree_agreement_without_prefill_beside": tree_agreement(
+            [r for r in ok if not r.get("predicted_beside_prefill")]
         ),
         "cached_token_ratio": sum(r["cached_prompt_tokens"] for r in ok) / prompt_tokens
         if prompt_tokens

@@ -24,6 +24,7 @@ from specrag.pipeline.engine import Engine, Sampling, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import open_controller
+from specrag.service.kv_mirror import MirrorFaults
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class RunResult:
     prompts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     reset_confirmed: bool = False
     system_prompt_tokens: int = 0
+    mirror: MirrorFaults | None = None  # None: the engine publishes no KV events
 
 
 def set_search_ratio(index: VectorIndex, ratio: float) -> int:
@@ -102,11 +104,11 @@ async def run_configuration(
     config = replace(base, mode=configuration.mode, **configuration.overrides)
     confirmed = await reset_confirmed(engine, builder.system_layout_tokens())
     stack = open_controller(engine, engine_config, index, builder, config, empty_cache=True)
-    async with stack as (controller, _mirror):
+    async with stack as (controller, mirror):
         records, prompts, wall = await replay(controller, trace, k, max_tokens, configuration.mode)
-    return RunResult(
-        configuration, records, wall, nprobe, prompts, confirmed, len(builder.system_layout_tokens())
-    )
+        faults = mirror.faults() if mirror is not None else None
+    system_tokens = len(builder.system_layout_tokens())
+    return RunResult(configuration, records, wall, nprobe, prompts, confirmed, system_tokens, faults)
 
 
 async def reset_confirmed(engine: Engine, served_prefix: Sequence[int]) -> bool:

@@ -78,8 +78,10 @@ class RagController:
         capacity = engine.kv_capacity_tokens
         # ``is None``, not ``or``: an empty tree has length 0 and is falsy.
         if tree is None:
+            # The system prompt as it starts every prompt, padded to whole blocks: the engine
+            # caches (and the tree must predict) its padding block too.
             tree = KnowledgeTree(
-                builder.system_token_ids,
+                builder.system_layout_tokens(),
                 block_size=engine.block_size,
                 capacity_blocks=capacity // engine.block_size if capacity else None,
             )

@@ -27,6 +27,9 @@ class Flight:
         # The knowledge tree's estimate of the engine's prefix hit at submission, set by the run
         # that launched it, to be checked against the engine's answer (``cached_tokens``).
         self.predicted_cached_tokens = 0
+        # Whether another request was being prefilled when this one was submitted: if so the
+        # engine's cache may grow before it schedules this one, and the prediction lag behind.
+        self.others_prefilling = engine.load().prefilling > 0
         self.sampling = sampling
         self.submitted_at = now()
         self.first_token_at: float | None = None

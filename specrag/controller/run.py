@@ -159,6 +159,7 @@ class QueryRun:
         shared, timeline, session = self._shared, self.timeline, self.checked.session
         timeline.answer_submit = flight.submitted_at
         timeline.predicted_cached_tokens = flight.predicted_cached_tokens
+        timeline.predicted_beside_prefill = flight.others_prefilling
         timeline.prompt_tokens = len(flight.layout.token_ids)
         texts: list[str] = []
         tokens: list[int] = []

@@ -42,6 +42,7 @@ class Timeline:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     predicted_cached_tokens: int = 0
+    predicted_beside_prefill: bool = False
     speculations: int = 0
     aborted_speculations: int = 0
     wasted_spec_prefill_tokens: int = 0
@@ -129,6 +130,7 @@ class Timeline:
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "predicted_cached_tokens": self.predicted_cached_tokens,
+            "predicted_beside_prefill": self.predicted_beside_prefill,
             "speculations": self.speculations,
             "aborted_speculations": self.aborted_speculations,
             "wasted_spec_prefill_tokens": self.wasted_spec_prefill_tokens,

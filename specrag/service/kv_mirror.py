@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MirrorFaults:
-    """What the mirror missed: event batches lost (or unreadable) and callback errors."""
+    """What the mirror applied and what it missed: event batches lost (or unreadable) and
+    callback errors."""
 
+    applied_batches: int = 0
     lost_batches: int = 0
     callback_errors: int = 0
 
@@ -47,6 +49,7 @@ class KVMirror:
         if current is None:
             return self._earlier
         return MirrorFaults(
+            self._earlier.applied_batches + current.batches - current.callback_errors,
             self._earlier.lost_batches + current.lost + current.undecodable,
             self._earlier.callback_errors + current.callback_errors,
         )
