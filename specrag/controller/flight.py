@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from specrag.cache.layout import PromptLayout
 from specrag.controller.gate import Slot
@@ -30,6 +30,9 @@ class Flight:
         # Whether another request was being prefilled when this one was submitted: if so the
         # engine's cache may grow before it schedules this one, and the prediction lag behind.
         self.others_prefilling = engine.load().prefilling > 0
+        # Told at the first token, when the prompt's blocks are in the engine's cache; set by the
+        # run right after construction (the pump starts at the run's next await).
+        self.on_prefilled: Callable[[Flight], None] | None = None
         self.sampling = sampling
         self.submitted_at = now()
         self.first_token_at: float | None = None
@@ -47,6 +50,8 @@ class Flight:
                     self.first_token_at = output.received_at
                     self.scheduled_at = output.scheduled_at
                     self.cached_tokens = output.cached_tokens
+                    if self.on_prefilled is not None:  # before the slot wakes a queued request
+                        self.on_prefilled(self)
                     self._slot.release()
                 self._outputs.put_nowait(output)
             self._outputs.put_nowait(None)

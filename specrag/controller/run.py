@@ -155,7 +155,8 @@ class QueryRun:
         return final
 
     async def stream_answer(self, flight: Flight) -> AsyncIterator[AnswerDelta | AnswerDone]:
-        """The answer's deltas, then :class:`AnswerDone`; the tree or the session learns the prompt."""
+        """The answer's deltas, then :class:`AnswerDone`; a session learns the turn at the end (the
+        tree learned the prompt at its first token, see :meth:`_prefilled`)."""
         shared, timeline, session = self._shared, self.timeline, self.checked.session
         timeline.answer_submit = flight.submitted_at
         timeline.predicted_cached_tokens = flight.predicted_cached_tokens
@@ -181,8 +182,6 @@ class QueryRun:
         timeline.add("done", timeline.done)
         if session is not None:
             shared.sessions.record_turn(session, flight.layout.token_ids, tokens)
-        elif timeline.first_token is not None:
-            shared.tree.record_served(flight.layout, timeline.cached_prompt_tokens)
         yield AnswerDone("".join(texts), finish_reason, timeline, flight.layout)
 
     async def abort_all(self) -> None:
@@ -260,8 +259,17 @@ class QueryRun:
             raise
         flight = Flight(self._shared.engine, layout, sampling, slot, speculative)
         flight.predicted_cached_tokens = predicted
+        if self.checked.session is None:  # a session's prompts are the session's, not the tree's
+            flight.on_prefilled = self._prefilled
         self._flights.append(flight)
         return flight
+
+    def _prefilled(self, flight: Flight) -> None:
+        """A prompt of ours reached its first token: the tree learns it was served and that its
+        blocks are cached (an aborted speculation's too: its prefill is done)."""
+        tree = self._shared.tree
+        tree.record_served(flight.layout, flight.cached_tokens)
+        tree.record_prefilled(flight.layout)
 
     def _forget(self, flight: Flight) -> None:
         """Drop an aborted flight from the run (the controller's close may have done it already)."""
@@ -273,9 +281,6 @@ class QueryRun:
         await flight.abort()
         self._forget(flight)
         self._speculation = None
-        if flight.first_token_at is not None:
-            # Fully prefilled: its blocks are in the prefix cache now, the tree should know.
-            self._shared.tree.record_served(flight.layout, flight.cached_tokens)
         timeline = self.timeline
         timeline.aborted_speculations += 1
         timeline.wasted_spec_prefill_tokens += len(flight.layout.token_ids) - (flight.cached_tokens or 0)
