@@ -12,7 +12,14 @@ b. stops the engine core (SIGSTOP) mid-load: queries must hit the first-token ti
 c. overloads it past ``max_queries``, ``max_queries_per_client`` and the controller's
    ``max_queue``: the excess gets 429 with Retry-After, the admitted queries' p99 is reported;
 d. opens streams and drops them mid-answer or mid-wait: nothing may be left in the engine;
-e. sends the catalogue of malformed requests in :mod:`bench.fault_inputs`: each must get its 4xx.
+e. sends the catalogue of malformed requests in :mod:`bench.fault_inputs`: each must get its 4xx;
+f. soaks it for a bounded time (``--soak-s``): callers back to back while others keep leaving
+   mid-stream and mid-wait; afterwards no engine request may be left in any state.
+
+A 5xx other than the documented engine errors (502 engine error, 503 engine recovering, 504 no
+first token in time) counts as a server error. A leak is any engine request still running,
+waiting or unfinished in the engine's own counts, or still held by the controller, after the
+service settled.
 
 Output: bench/out/faults.json, faults.png (request outcomes over time around the faults, recovery
 times), a table on the terminal and, as the last line, a JSON summary. Every engine-core process
@@ -272,7 +279,9 @@ async def overload(service: Service, url: str, client: AsyncClient, run: Run, bu
     run.overload = report
 
 
-async def disconnects(url: str, client: AsyncClient, run: Run, count: int) -> None:
+async def disconnects(
+    url: str, client: AsyncClient, run: Run, count: int, scenario: str = "disconnect"
+) -> None:
     """Clients that leave mid-stream (after the first delta) or mid-wait (before any answer)."""
 
     async def leave_mid_stream(number: int) -> None:
@@ -280,7 +289,7 @@ async def disconnects(url: str, client: AsyncClient, run: Run, count: int) -> No
         async with client.stream_rag(QUESTIONS[number % len(QUESTIONS)], k=4, max_tokens=200) as answer:
             with contextlib.suppress(SpecragHTTPError, StopAsyncIteration):
                 await anext(answer)
-        run.outcomes.append(Outcome("disconnect", started, run.now() - started, CLIENT_LEFT, "mid-stream"))
+        run.outcomes.append(Outcome(scenario, started, run.now() - started, CLIENT_LEFT, "mid-stream"))
 
     async def leave_mid_wait(number: int) -> None:
         started = run.now()
@@ -288,10 +297,25 @@ async def disconnects(url: str, client: AsyncClient, run: Run, count: int) -> No
         await asyncio.sleep(0.05 + 0.1 * (number % 5))
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
-        run.outcomes.append(Outcome("disconnect", started, run.now() - started, CLIENT_LEFT, "mid-wait"))
+        run.outcomes.append(Outcome(scenario, started, run.now() - started, CLIENT_LEFT, "mid-wait"))
 
     await asyncio.gather(*(leave_mid_stream(n) for n in range(count // 2)))
     await asyncio.gather(*(leave_mid_wait(n) for n in range(count - count // 2)))
+
+
+async def soak(url: str, client: AsyncClient, run: Run, duration_s: float, clients: int) -> None:
+    """Back-to-back callers and waves of leaving clients on the real engine, for ``duration_s``."""
+    stop = asyncio.Event()
+
+    async def leavers() -> None:
+        while not stop.is_set():
+            await disconnects(url, client, run, 4, scenario="soak disconnect")
+
+    async def timer() -> None:
+        await asyncio.sleep(duration_s)
+        stop.set()
+
+    await asyncio.gather(load(client, run, "soak", stop, clients), leavers(), timer())
 
 
 async def bad_inputs(url: str, run: Run) -> None:
@@ -316,7 +340,9 @@ async def settle(service: Service, run: Run, within_s: float = 30.0) -> None:
     while True:
         counts = await service.engine.counts()
         in_flight = service.controller.in_flight_request_ids()
-        left = counts.running + counts.waiting + len(in_flight)
+        # Every state a request can be left in; one request may count twice (running and
+        # unfinished), which is fine: only zero means "nothing left".
+        left = counts.running + counts.waiting + counts.unfinished + len(in_flight)
         if left == 0 or time.perf_counter() > deadline:
             run.leaks = {**asdict(counts), "controller_in_flight": len(in_flight), "leaked": left}
             return
@@ -359,6 +385,10 @@ async def run_all(args: argparse.Namespace, run: Run, stopped: set[int]) -> dict
                 await disconnects(url, client, run, args.disconnects)
                 await settle(service, run)
                 disconnect_leaks = dict(run.leaks)
+                print(f"(f) soak with disconnects for {args.soak_s:.0f} s", flush=True)
+                await soak(url, client, run, args.soak_s, args.clients)
+                await settle(service, run)
+                soak_leaks = dict(run.leaks)
                 print("(a) kill the engine core", flush=True)
                 await fault_scenario(
                     "kill", lambda pid: os.kill(pid, signal.SIGKILL), service, client, run, args.clients
@@ -372,27 +402,48 @@ async def run_all(args: argparse.Namespace, run: Run, stopped: set[int]) -> dict
                 await fault_scenario("hang", hang, service, client, run, args.clients)
                 await settle(service, run)
                 run.leaks["after_disconnects"] = disconnect_leaks
+                run.leaks["after_soak"] = soak_leaks
             health_stop.set()
             await health
     return summarize(run, kill_leftover(stopped))
 
 
+ENGINE_ERROR_STATUSES = (502, 503, 504)
+"""The documented engine errors: 502 the engine failed, 503 it is recovering, 504 no first token."""
+
+
+def is_server_error(status: int) -> bool:
+    """A 5xx that is not a documented engine error: the service itself failed."""
+    return 500 <= status < 600 and status not in ENGINE_ERROR_STATUSES
+
+
 def summarize(run: Run, leftover_processes: int) -> dict[str, Any]:
     statuses = Counter(outcome.status for outcome in run.outcomes)
     fault_errors = [o for o in run.outcomes if o.scenario in ("kill", "hang") and o.status != 200]
+    soaked = [o for o in run.outcomes if o.scenario.startswith("soak")]
     return {
         "requests": len(run.outcomes),
         "statuses": {str(status): count for status, count in sorted(statuses.items())},
         "faults_injected": len(run.faults),
         "bad_inputs_tried": len(run.bad_inputs),
         "bad_inputs_wrong_status": sum(1 for row in run.bad_inputs if not row["ok"]),
-        "server_errors_5xx": statuses[500],
-        "engine_errors_returned": statuses[502] + statuses[503] + statuses[504],
+        "server_errors_5xx": sum(
+            count
+            for status, count in statuses.items()
+            if 500 <= status < 600 and status not in ENGINE_ERROR_STATUSES
+        ),
+        "engine_errors_returned": sum(statuses[status] for status in ENGINE_ERROR_STATUSES),
         "connection_errors": statuses[0],
         "overloaded_429": statuses[429],
         "max_fault_error_latency_s": max((o.latency_s for o in fault_errors), default=0.0),
         "crashes": run.health_failures,
-        "leaked_engine_requests": run.leaks.get("leaked", 0) + run.leaks["after_disconnects"]["leaked"],
+        "leaked_engine_requests": sum(
+            leaks["leaked"] for leaks in (run.leaks, run.leaks["after_disconnects"], run.leaks["after_soak"])
+        ),
+        "soak_requests": len(soaked),
+        "soak_disconnects": sum(o.status == CLIENT_LEFT for o in soaked),
+        "soak_statuses": {str(k): v for k, v in sorted(Counter(o.status for o in soaked).items())},
+        "soak_leaked": run.leaks["after_soak"]["leaked"],
         "max_recovery_s": max(run.recoveries.values(), default=None),
         "recovery_s": run.recoveries,
         "admitted_p99_s": {label: r["admitted_p99_s"] for label, r in run.overload.items()},
@@ -448,7 +499,7 @@ def print_table(summary: dict[str, Any], run: Run) -> None:
         print(f"overload {label}: {report['statuses']} admitted p99 {report['admitted_p99_s']}")
     print(f"leaks: {run.leaks}")
     print(
-        f"{'500s':<12}{summary['server_errors_5xx']}   crashes {summary['crashes']}   "
+        f"{'5xx (not engine errors)':<12}{summary['server_errors_5xx']}   crashes {summary['crashes']}   "
         f"leaked {summary['leaked_engine_requests']}   bad inputs wrong {summary['bad_inputs_wrong_status']}"
     )
 
@@ -456,10 +507,15 @@ def print_table(summary: dict[str, Any], run: Run) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter loads, fewer disconnects")
+    parser.add_argument(
+        "--soak-s", type=float, help="seconds of soak with disconnects on the real engine (60 quick, 600)"
+    )
     args = parser.parse_args()
     args.clients = 3 if args.quick else 6
     args.burst = 12 if args.quick else 32
     args.disconnects = 12 if args.quick else 60
+    if args.soak_s is None:
+        args.soak_s = 60.0 if args.quick else 600.0
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     run = Run()
     stopped: set[int] = set()

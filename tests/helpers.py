@@ -40,7 +40,7 @@ from specrag.pipeline.engine import (
     WarmResult,
 )
 from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.pipeline.simulated_engine import KVEventCallback, SimulatedEngine
 from specrag.retrieval.stages import StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
@@ -145,11 +145,14 @@ async def run_prompt(
 FAST_POLICY = SupervisorPolicy(probe_timeout_s=0.3, close_timeout_s=1.0, max_attempts=3, backoff_s=0.05)
 
 
-async def supervised(started: list[SimulatedEngine]) -> SupervisedEngine:
-    """A supervised simulated engine; every engine it starts (the first, replacements) joins ``started``."""
+async def supervised(
+    started: list[SimulatedEngine], on_kv_events: KVEventCallback | None = None
+) -> SupervisedEngine:
+    """A supervised simulated engine; every engine it starts (the first, replacements) joins ``started``
+    and publishes its KV events to ``on_kv_events``."""
 
     async def start() -> SimulatedEngine:
-        engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+        engine = SimulatedEngine(time_scale=0.01, max_model_len=4096, on_kv_events=on_kv_events)
         started.append(engine)
         return engine
 

@@ -8,8 +8,12 @@ terminal and, as the last line, a JSON summary.
 
 Fair set-up: the engine's model worker and the vector search are pinned to different cores
 (``--engine-cpus``, ``--search-cpus``); one untimed pass warms up the engine first; every
-configuration starts from an empty prefix cache and replays the same trace; headline ratios
-come with 95 % bootstrap intervals over requests (and over ``--seeds`` traces).
+configuration starts from an empty prefix cache (confirmed by the engine, see
+:mod:`bench.e2e.runner`) and replays the same trace; the order of the configurations is rotated
+from one trace (repetition) to the next, so drift of the engine is not charged to one side, and
+the order run is recorded. Headline ratios come with 95 % bootstrap intervals over blocks of
+consecutive requests of each trace, not over single requests of one queueing trace; failed
+requests are counted per configuration beside its figures.
 """
 
 from __future__ import annotations
@@ -145,6 +149,20 @@ async def measure_regime(
     return search_ms, statistics.median(cold)
 
 
+def run_order(configurations: Sequence[Configuration], traces: int) -> list[tuple[int, Configuration]]:
+    """Every configuration on trace 0, the main ones on the others; each trace's list rotated.
+
+    Trace ``s`` starts ``s`` places further along its list, so no configuration always runs first
+    (on a warming engine) or last.
+    """
+    plan = []
+    for seed in range(traces):
+        chosen = [c for c in configurations if seed == 0 or c.group == "main"]
+        shift = seed % len(chosen)
+        plan += [(seed, c) for c in chosen[shift:] + chosen[:shift]]
+    return plan
+
+
 def load_or_generate_traces(args: argparse.Namespace, passages: Sequence[Passage]) -> list[list[TraceQuery]]:
     """The ``--trace`` file, or one generated trace per seed; ``--save-trace`` writes the first."""
     traces = (
@@ -185,12 +203,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"cold prefill of a typical k={args.k} prompt: {cold_prefill_ms:.0f} ms", flush=True)
             traces = load_or_generate_traces(args, assets.passages)
             base = ControllerConfig(k_max=max(args.k, 10), max_tokens_default=args.max_tokens)
-            plan = [
-                (seed, c)
-                for seed in range(len(traces))
-                for c in configurations(args)
-                if seed == 0 or c.group == "main"
-            ]
+            plan = run_order(configurations(args), len(traces))
             results: dict[tuple[int, str], RunResult] = {}
             for seed, configuration in tqdm(plan, desc="configurations", unit="run"):
                 results[(seed, configuration.name)] = await run_configuration(
@@ -220,7 +233,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         baseline = [r for seed in range(len(traces)) for r in _tag(results[(seed, "serial")].records, seed)]
         other = [r for seed in range(len(traces)) for r in _tag(results[(seed, mode)].records, seed)]
         ratio, low, high = paired_ratio_ci(baseline, other)
-        headline[mode] = {"ttft_mean_ratio_vs_serial": ratio, "ci95": [low, high]}
+        failed = sum("error" in r for r in baseline + other)
+        headline[mode] = {"ttft_mean_ratio_vs_serial": ratio, "ci95": [low, high], "unpaired_errors": failed}
     facts = {
         **machine(),
         "engine_cpus": args.engine_cpus if args.engine_url is None else None,
@@ -239,6 +253,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "cold_prefill_ms": cold_prefill_ms,
         "idle_ttft_ms": idle_ttft_ms,
         "slo_ms": slo_ms,
+        "run_order": [f"{c.name}@seed{seed}" for seed, c in plan],
     }
     raw = {f"{name}@seed{seed}": run.records for (seed, name), run in results.items()}
     write_json("e2e", {"facts": facts, "summaries": summaries, "headline": headline, "records": raw})
@@ -271,7 +286,19 @@ def _plots(
 
 
 def print_table(result: dict[str, Any]) -> None:
-    columns = ("TTFT mean", "p50", "p99", "non-ovl", "cached", "wasted", "spec", "adopt", "oracle", "err")
+    columns = (
+        "TTFT mean",
+        "p50",
+        "p99",
+        "non-ovl",
+        "cached",
+        "wasted",
+        "spec",
+        "adopt",
+        "oracle",
+        "agree",
+        "err",
+    )
     header = f"{'configuration':<22}" + "".join(f"{c:>10}" for c in columns)
     print("\n" + header)
     for key, s in result["summaries"].items():
@@ -286,17 +313,44 @@ def print_table(result: dict[str, Any]) -> None:
             str(s["speculations"]),
             f"{s['adopted_fraction']:.2f}",
             oracle,
+            f"{s['tree_agreement']:.2f}",
             str(s["errors"]),
         )
         print(f"{key:<22}" + "".join(f"{c:>10}" for c in cells))
     print("\nmean TTFT vs serial (95 % CI):")
     for mode, h in result["headline"].items():
-        print(f"  {mode:<12} {h['ttft_mean_ratio_vs_serial']:.3f}  [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}]")
+        print(
+            f"  {mode:<12} {h['ttft_mean_ratio_vs_serial']:.3f}  [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}]"
+            f"  ({h['unpaired_errors']} failed requests left out)"
+        )
     facts = result["facts"]
     print(
         f"\nengine on core(s) {facts['engine_cpus']}, search on core(s) {facts['search_cpus']}; "
         f"search ms by ratio {facts['search_ms_by_ratio']}; cold prefill {facts['cold_prefill_ms']:.0f} ms"
     )
+
+
+LAST_LINE_KEYS = (
+    "ttft_mean_ms",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "embed_ms_mean",
+    "non_overlapped_retrieval_ms_mean",
+    "non_overlapped_basis",
+    "non_overlapped_retrieval_submitted_ms_mean",
+    "cached_token_ratio",
+    "wasted_spec_prefill_tokens",
+    "docs_per_prompt_mean",
+    "tree_agreement",
+    "tree_agreement_without_prefill_beside",
+    "errors",
+    "reset_confirmed",
+    "first_request_cold",
+)
+
+
+def _rounded(value: Any) -> Any:
+    return round(value, 3) if isinstance(value, float) else value
 
 
 def main() -> None:
@@ -305,18 +359,8 @@ def main() -> None:
     result = asyncio.run(run(args))
     print_table(result)
     print(f"wrote {plot_path('e2e_ttft_cdf').parent}/e2e.json and e2e_*.png")
-    last = {
-        mode: {
-            key: round(result["summaries"][f"{mode}@seed0"][key], 3)
-            for key in (
-                "ttft_mean_ms",
-                "ttft_p50_ms",
-                "ttft_p99_ms",
-                "non_overlapped_retrieval_ms_mean",
-                "cached_token_ratio",
-                "wasted_spec_prefill_tokens",
-            )
-        }
+    last: dict[str, Any] = {
+        mode: {key: _rounded(result["summaries"][f"{mode}@seed0"][key]) for key in LAST_LINE_KEYS}
         for mode in MODE_NAMES
     }
     facts = result["facts"]

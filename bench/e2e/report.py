@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +13,49 @@ import numpy as np
 from bench.e2e.runner import RunResult
 
 BOOTSTRAP_SAMPLES = 2000
+BLOCK_REQUESTS = 4
+"""Requests of a trace resampled together: neighbours in one queueing trace are not independent
+(a slow request delays the next ones), so the bootstrap draws runs of consecutive requests."""
 
 
 def _ok(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if "error" not in r and r.get("ttft_ms") is not None]
+
+
+def _mean(ok: Sequence[dict[str, Any]], key: str) -> float:
+    values = [r[key] for r in ok if r.get(key) is not None]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def _basis(ok: Sequence[dict[str, Any]]) -> str | None:
+    """The one basis of every non-overlap figure of the run, or "mixed"."""
+    bases = {r.get("non_overlapped_basis") for r in ok}
+    return bases.pop() if len(bases) == 1 else ("mixed" if bases else None)
+
+
+def tree_agreement(ok: Sequence[dict[str, Any]]) -> float:
+    """Share of answers whose request the tree predicted the engine's prefix hit for exactly.
+
+    The prediction is made when the request is submitted; the engine answers when it schedules
+    it. Requests submitted while another was being prefilled may find more cached by then,
+    which is no fault of the mirror: the caller reports the share without them beside this one.
+    """
+    if not ok:
+        return float("nan")
+    return float(np.mean([r["predicted_cached_tokens"] == r["cached_prompt_tokens"] for r in ok]))
+
+
+def first_request_cold(run: RunResult) -> bool | None:
+    """Whether the run's first request found nothing cached but the system prompt (what warm-up
+    or its own speculation put there): the reset held until the run began.
+
+    None when it cannot be judged: the request failed, or a speculation of its own was dropped
+    (its documents may be cached by then).
+    """
+    first = next((r for r in run.records if r.get("i") == 0), None)
+    if first is None or "error" in first or first.get("aborted_speculations", 0) > 0:
+        return None
+    return bool(first["cached_prompt_tokens"] <= run.system_prompt_tokens)
 
 
 def summarize(run: RunResult, oracle_ms: dict[int, float], slo_ms: float) -> dict[str, Any]:
@@ -33,14 +74,24 @@ def summarize(run: RunResult, oracle_ms: dict[int, float], slo_ms: float) -> dic
         "overrides": run.configuration.overrides,
         "requests": len(run.records),
         "errors": len(run.records) - len(ok),
+        "error_kinds": dict(Counter(r["error"].split(":")[0] for r in run.records if "error" in r)),
+        "reset_confirmed": run.reset_confirmed,
+        "first_request_cold": first_request_cold(run),
         "ttft_mean_ms": float(np.mean(ttft)),
         "ttft_p50_ms": float(np.percentile(ttft, 50)),
         "ttft_p99_ms": float(np.percentile(ttft, 99)),
         "e2e_mean_ms": float(np.mean(e2e)),
         "e2e_p99_ms": float(np.percentile(e2e, 99)),
-        "retrieval_ms_mean": float(np.mean([r["retrieval_ms"] for r in ok])) if ok else float("nan"),
-        "non_overlapped_retrieval_ms_mean": (
-            float(np.mean([r["non_overlapped_retrieval_ms"] for r in ok])) if ok else float("nan")
+        "embed_ms_mean": _mean(ok, "embed_ms"),
+        "retrieval_ms_mean": _mean(ok, "retrieval_ms"),
+        "non_overlapped_retrieval_ms_mean": _mean(ok, "non_overlapped_retrieval_ms"),
+        "non_overlapped_basis": _basis(ok),
+        "non_overlapped_retrieval_submitted_ms_mean": _mean(ok, "non_overlapped_retrieval_submitted_ms"),
+        "docs_per_prompt_mean": float(np.mean([len(r["documents"]) for r in ok])) if ok else float("nan"),
+        "kv_mirror": None if run.mirror is None else asdict(run.mirror),
+        "tree_agreement": tree_agreement(ok),
+        "tree_agreement_without_prefill_beside": tree_agreement(
+            [r for r in ok if not r.get("predicted_beside_prefill")]
         ),
         "cached_token_ratio": sum(r["cached_prompt_tokens"] for r in ok) / prompt_tokens
         if prompt_tokens
@@ -61,16 +112,28 @@ def summarize(run: RunResult, oracle_ms: dict[int, float], slo_ms: float) -> dic
 def paired_ratio_ci(
     baseline: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]], seed: int = 0
 ) -> tuple[float, float, float]:
-    """Mean TTFT of ``other`` over ``baseline`` on the same requests, with a 95 % bootstrap interval."""
+    """Mean TTFT of ``other`` over ``baseline`` on the same requests, with a 95 % block-bootstrap
+    interval.
+
+    A record's ``i`` is ``(trace, index)``; the bootstrap resamples blocks of
+    :data:`BLOCK_REQUESTS` consecutive requests of one trace (each trace a repetition), never
+    single requests of one queueing trace. Requests that failed in either run are not paired:
+    their count is reported beside the ratio by the caller.
+    """
     base = {r["i"]: r["ttft_ms"] for r in _ok(baseline)}
-    pairs = np.array([(base[r["i"]], r["ttft_ms"]) for r in _ok(other) if r["i"] in base])
-    if len(pairs) == 0:
+    blocks: dict[tuple[Any, int], list[tuple[float, float]]] = {}
+    for r in _ok(other):
+        if r["i"] in base:
+            trace, index = r["i"]
+            blocks.setdefault((trace, index // BLOCK_REQUESTS), []).append((base[r["i"]], r["ttft_ms"]))
+    if not blocks:
         return float("nan"), float("nan"), float("nan")
+    sums = np.array([np.sum(pairs, axis=0) for pairs in blocks.values()])  # per block: (base, other)
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(pairs), size=(BOOTSTRAP_SAMPLES, len(pairs)))
-    ratios = pairs[picks, 1].mean(axis=1) / pairs[picks, 0].mean(axis=1)
+    picks = rng.integers(0, len(sums), size=(BOOTSTRAP_SAMPLES, len(sums)))
+    ratios = sums[picks, 1].sum(axis=1) / sums[picks, 0].sum(axis=1)
     low, high = np.percentile(ratios, [2.5, 97.5])
-    return float(pairs[:, 1].mean() / pairs[:, 0].mean()), float(low), float(high)
+    return float(sums[:, 1].sum() / sums[:, 0].sum()), float(low), float(high)
 
 
 def plot_ttft_cdf(runs: Sequence[RunResult], path: Path, title: str) -> None:

@@ -3,7 +3,9 @@
 Every configuration starts from the same state: the engine's prefix cache emptied, a fresh
 controller (so a fresh knowledge tree, mirrored through KV events when the engine publishes them,
 assembled as the service assembles it) and the same trace replayed open-loop at its recorded
-arrival times.
+arrival times. That the cache really was empty is checked with the engine's own answer, not
+assumed: after the reset (which the engine confirms or refuses), a probe of the system prompt,
+which every earlier run served, must find nothing cached; then the cache is reset again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from specrag.pipeline.engine import Engine, Sampling, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import open_controller
+from specrag.service.kv_mirror import MirrorFaults
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class RunResult:
     wall_s: float
     nprobe: int
     prompts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    reset_confirmed: bool = False
+    system_prompt_tokens: int = 0
+    mirror: MirrorFaults | None = None  # None: the engine publishes no KV events
 
 
 def set_search_ratio(index: VectorIndex, ratio: float) -> int:
@@ -99,10 +105,24 @@ async def run_configuration(
 ) -> RunResult:
     nprobe = set_search_ratio(index, configuration.search_ratio)
     config = replace(base, mode=configuration.mode, **configuration.overrides)
+    confirmed = await reset_confirmed(engine, builder.system_layout_tokens())
     stack = open_controller(engine, kv_events, index, builder, config, empty_cache=True)
-    async with stack as (controller, _mirror):
+    async with stack as (controller, mirror):
         records, prompts, wall = await replay(controller, trace, k, max_tokens, configuration.mode)
-    return RunResult(configuration, records, wall, nprobe, prompts)
+        faults = mirror.faults() if mirror is not None else None
+    system_tokens = len(builder.system_layout_tokens())
+    return RunResult(configuration, records, wall, nprobe, prompts, confirmed, system_tokens, faults)
+
+
+async def reset_confirmed(engine: Engine, served_prefix: Sequence[int]) -> bool:
+    """Reset the prefix cache and check with the engine that ``served_prefix`` is no longer cached.
+
+    The reset raises if the engine refuses it; the probe puts the prefix back, so the caller
+    resets again (as :func:`~specrag.service.assembly.open_controller` does with ``empty_cache``).
+    """
+    await engine.reset_prefix_cache()
+    probe = await engine.warm(served_prefix, "reset-probe-" + uuid.uuid4().hex)
+    return probe.cached_tokens == 0
 
 
 async def one_search_ms(index: VectorIndex, vectors: np.ndarray, k: int) -> float:

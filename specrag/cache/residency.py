@@ -196,6 +196,7 @@ class BlockResidency:
         self._max_blocks = max_blocks
         self._refs: dict[int, int] = {}
         self._by_hash: dict[BlockHash, int] = {}
+        self._expected: set[int] = set()  # stored on our word, their BlockStored not yet seen
 
     def __len__(self) -> int:
         return len(self._refs)
@@ -213,6 +214,17 @@ class BlockResidency:
         if refs == 0:
             self._on_change(key, True)
 
+    def expect(self, key: int) -> None:
+        """The engine has just computed this block (its request reached its first token): count it
+        stored now, before its BlockStored event arrives; that event then confirms it rather than
+        adding a second reference. Events lag the request's output by a few milliseconds, and a
+        request submitted in between (a queued one takes the slot the first token freed) would
+        otherwise be predicted against a cache that no longer exists.
+        """
+        if key not in self._refs:
+            self._expected.add(key)
+            self.store(key)
+
     def remove(self, key: int) -> None:
         refs = self._refs.get(key, 0)
         if refs > 1:
@@ -225,6 +237,7 @@ class BlockResidency:
         """Forget everything without callbacks: the caller resets what depended on it."""
         self._refs.clear()
         self._by_hash.clear()
+        self._expected.clear()
 
     def apply(self, event: BlockStored | BlockRemoved) -> None:
         """Apply one engine event (a full reset is the owner's job: it resets more than this)."""
@@ -255,7 +268,10 @@ class BlockResidency:
             if block_hash in self._by_hash:
                 continue
             self._by_hash[block_hash] = key
-            self.store(key)
+            if key in self._expected:
+                self._expected.discard(key)  # confirmed: the reference is already counted
+            else:
+                self.store(key)
         while len(self._by_hash) > self._max_blocks:
             oldest = next(iter(self._by_hash))
             self.remove(self._by_hash.pop(oldest))

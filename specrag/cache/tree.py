@@ -231,6 +231,20 @@ class KnowledgeTree:
         if len(self._doc_hits) > self._max_docs:
             self._forget_rare_docs()
 
+    def record_prefilled(self, layout: PromptLayout) -> None:
+        """The engine just prefilled this prompt: its system and document blocks are cached now.
+
+        For a tree that follows KV events (with the capacity model, :meth:`record_served` already
+        serves the prompt): the blocks count as stored until their events confirm them, so a
+        prediction made before the events arrive is not behind the engine.
+        """
+        if self._lru is not None:
+            return
+        system, documents = self._split(layout)
+        prefix_end = documents[-1].end if documents else system.end
+        for key in chain_block_keys(layout.token_ids[:prefix_end], self.block_size):
+            self._residency.expect(key)
+
     def apply_events(self, events: Iterable[KVEvent]) -> None:
         """Apply the engine's KV events in order; the first one retires the capacity model."""
         if self._lru is not None:

@@ -13,6 +13,9 @@ from specrag.retrieval.stages import check_schedule
 # one-shot search's cost); see the README's "Pipelining" section.
 DEFAULT_STAGE_SCHEDULE = "geometric"
 
+FALLBACK_BATCHED_TOKEN_BUDGET = 512
+"""vLLM's CPU default ``max_num_batched_tokens``: assumed only for an engine that reports none."""
+
 
 @dataclass(frozen=True)
 class ControllerConfig:
@@ -20,6 +23,10 @@ class ControllerConfig:
 
     ``max_sessions``, ``max_sessions_per_client`` and ``session_ttl_s`` bound the session store
     (checked where it is built).
+    ``batched_token_budget`` (prompt tokens the engine computes per step, from which the default
+    ``max_prefill_bs`` follows) is None to read it from the engine's own configuration; it needs
+    setting only for an engine that does not report it (an HTTP server), else
+    :data:`FALLBACK_BATCHED_TOKEN_BUDGET` is assumed and logged.
     """
 
     k_default: int = 10
@@ -35,7 +42,7 @@ class ControllerConfig:
     max_tokens_limit: int = 1024
     first_token_timeout_s: float = 60.0
     max_queue: int = 256
-    batched_token_budget: int = 512
+    batched_token_budget: int | None = None
     max_sessions: int = 1000
     max_sessions_per_client: int = 64
     session_ttl_s: float = 3600.0
@@ -52,6 +59,8 @@ class ControllerConfig:
             raise InvalidInputError("max_prefill_bs must be at least 1")
         if not 1 <= self.max_tokens_default <= self.max_tokens_limit:
             raise InvalidInputError("max_tokens_default must be between 1 and max_tokens_limit")
+        if self.batched_token_budget is not None and self.batched_token_budget < 1:
+            raise InvalidInputError("batched_token_budget must be at least 1")
         if self.max_queue < 0:
             raise InvalidInputError("max_queue cannot be negative")
         if not self.first_token_timeout_s > 0:  # written so that NaN fails too

@@ -12,11 +12,12 @@ the live runs, never kept beside them. Front ends use it through
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncGenerator
 
 from specrag.cache.hints import HintConfig
 from specrag.cache.tree import KnowledgeTree
-from specrag.controller.config import ControllerConfig
+from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, ControllerConfig
 from specrag.controller.conversation import TurnPrompts
 from specrag.controller.facade import CoreLoad, EngineHealth
 from specrag.controller.gate import PrefillGate, default_max_prefill_bs
@@ -40,8 +41,25 @@ __all__ = [
     "RagRequest",
 ]
 
+logger = logging.getLogger(__name__)
+
 # Typical prompt for the default max_prefill_bs: k passages of ~250 tokens plus the instructions.
 _EXPECTED_PASSAGE_TOKENS = 250
+
+
+def step_token_budget(config: ControllerConfig, engine: Engine) -> int:
+    """Prompt tokens the engine computes per step: configured, else the engine's own, else vLLM's
+    CPU default (logged, since the prefill pool is then sized on an assumption)."""
+    if config.batched_token_budget is not None:
+        return config.batched_token_budget
+    reported = engine.batched_token_budget
+    if reported is not None:
+        return reported
+    logger.warning(
+        "the engine reports no per-step token budget: assuming %d (set batched_token_budget)",
+        FALLBACK_BATCHED_TOKEN_BUDGET,
+    )
+    return FALLBACK_BATCHED_TOKEN_BUDGET
 
 
 class RagController:
@@ -62,14 +80,17 @@ class RagController:
         capacity = engine.kv_capacity_tokens
         # ``is None``, not ``or``: an empty tree has length 0 and is falsy.
         if tree is None:
+            # The system prompt as it starts every prompt, padded to whole blocks: the engine
+            # caches (and the tree must predict) its padding block too.
             tree = KnowledgeTree(
-                builder.system_token_ids,
+                builder.system_layout_tokens(),
                 block_size=engine.block_size,
                 capacity_blocks=capacity // engine.block_size if capacity else None,
             )
         self.tree = tree
+        self.batched_token_budget = step_token_budget(self.config, engine)
         max_bs = self.config.max_prefill_bs or default_max_prefill_bs(
-            self.config.batched_token_budget,
+            self.batched_token_budget,
             len(builder.system_token_ids) + self.config.k_default * _EXPECTED_PASSAGE_TOKENS,
         )
         self.gate = PrefillGate(max_bs, self.config.starvation_window_s)

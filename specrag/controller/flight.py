@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from specrag.cache.layout import PromptLayout
 from specrag.controller.gate import Slot
@@ -24,9 +24,19 @@ class Flight:
     ):
         self.request_id = ("spec-" if speculative else "final-") + uuid.uuid4().hex
         self.layout = layout
+        # The knowledge tree's estimate of the engine's prefix hit at submission, set by the run
+        # that launched it, to be checked against the engine's answer (``cached_tokens``).
+        self.predicted_cached_tokens = 0
+        # Whether another request was being prefilled when this one was submitted: if so the
+        # engine's cache may grow before it schedules this one, and the prediction lag behind.
+        self.others_prefilling = engine.load().prefilling > 0
+        # Told at the first token, when the prompt's blocks are in the engine's cache; set by the
+        # run right after construction (the pump starts at the run's next await).
+        self.on_prefilled: Callable[[Flight], None] | None = None
         self.sampling = sampling
         self.submitted_at = now()
         self.first_token_at: float | None = None
+        self.scheduled_at: float | None = None  # when the engine began its prefill, if it says
         self.cached_tokens: int | None = None
         self._engine = engine
         self._slot = slot
@@ -39,6 +49,9 @@ class Flight:
                 self.cached_tokens = latest_cached_tokens(output, self.cached_tokens)
                 if self.first_token_at is None:
                     self.first_token_at = output.received_at
+                    self.scheduled_at = output.scheduled_at
+                    if self.on_prefilled is not None:  # before the slot wakes a queued request
+                        self.on_prefilled(self)
                     self._slot.release()
                 self._outputs.put_nowait(output)
             self._outputs.put_nowait(None)
@@ -66,10 +79,16 @@ class Flight:
             yield item
 
     async def abort(self) -> None:
-        """Stop the request in the engine (effective after its current step) and the pump."""
-        if not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._engine.abort(self.request_id)
-        self._slot.release()
+        """Stop the request in the engine (effective after its current step) and the pump.
+
+        The slot is given back even when the engine's abort fails: the request is gone from our
+        side either way, and a slot held forever would shrink the prefill pool for good.
+        """
+        try:
+            if not self._task.done():
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+            await self._engine.abort(self.request_id)
+        finally:
+            self._slot.release()

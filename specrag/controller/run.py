@@ -92,11 +92,12 @@ class QueryRun:
         """The staged search with speculation; returns the flight the answer comes from."""
         shared, checked, timeline = self._shared, self.checked, self.timeline
         loop = asyncio.get_running_loop()
+        timeline.embed_start = now()
         vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
+        timeline.search_start = now()
         if checked.mode.warmup and shared.warmer.start_if_cold():
             timeline.add("warmup_start", now())
             timeline.warmed = True
-        timeline.search_start = now()
         stages = shared.config.num_stages if checked.mode.speculation else 1
         final_rows: list[int] = []
         search = shared.index.search_staged(
@@ -121,7 +122,7 @@ class QueryRun:
         """
         if not self.checked.mode.speculation:
             return
-        layout, _ = self._prompt(rows, final=False)
+        layout, predicted = self._prompt(rows, final=False)
         speculation = self._speculation
         if speculation is not None and speculation.layout.token_ids == layout.token_ids:
             return
@@ -132,7 +133,7 @@ class QueryRun:
             return
         slot = self._shared.gate.try_speculate()
         if slot is not None:
-            self._speculation = self._launch(layout, slot, speculative=True)
+            self._speculation = self._launch(layout, slot, speculative=True, predicted=predicted)
             self.timeline.speculations += 1
             self.timeline.add(
                 "spec_submit",
@@ -146,7 +147,6 @@ class QueryRun:
         shared, timeline = self._shared, self.timeline
         timeline.documents = [shared.builder.store.passage(row).id for row in rows]
         layout, predicted = self._prompt(rows, final=True)
-        timeline.predicted_cached_tokens = predicted
         if self._turn is not None and self._turn.dropped:
             dropped = self._turn.dropped
             timeline.dropped_turns = len(dropped)
@@ -177,14 +177,18 @@ class QueryRun:
             timeline.add("queued", queued_at, pool=gate.pool, waiting=gate.waiting)
         slot = await gate.admit(predicted, len(layout.token_ids) - predicted)
         timeline.queued_s = now() - queued_at
-        final = self._launch(layout, slot, speculative=False)
+        # The cache may have changed while the request waited for its slot: predict again.
+        final = self._launch(layout, slot, speculative=False, predicted=self._predicted(layout, predicted))
         timeline.add("final_submit", final.submitted_at, request_id=final.request_id)
         return final
 
     async def stream_answer(self, flight: Flight) -> AsyncIterator[AnswerDelta | AnswerDone]:
-        """The answer's deltas, then :class:`AnswerDone`; the tree or the session learns the prompt."""
+        """The answer's deltas, then :class:`AnswerDone`; a session learns the turn at the end (the
+        tree learned the prompt at its first token, see :meth:`_prefilled`)."""
         shared, timeline, session = self._shared, self.timeline, self.checked.session
         timeline.answer_submit = flight.submitted_at
+        timeline.predicted_cached_tokens = flight.predicted_cached_tokens
+        timeline.predicted_beside_prefill = flight.others_prefilling
         timeline.prompt_tokens = len(flight.layout.token_ids)
         texts: list[str] = []
         tokens: list[int] = []
@@ -194,6 +198,7 @@ class QueryRun:
                 # When the caller can see it: an adopted speculation may have produced its first
                 # token before the search ended, but it is only known right once the search has.
                 timeline.first_token = now()
+                timeline.answer_scheduled = flight.scheduled_at
                 timeline.add("first_token", timeline.first_token, cached_tokens=output.cached_tokens)
             # An OpenAI server reports the count only with its last output: keep the latest.
             timeline.cached_prompt_tokens = latest_cached_tokens(output, timeline.cached_prompt_tokens) or 0
@@ -207,20 +212,30 @@ class QueryRun:
         if logger.isEnabledFor(logging.DEBUG):  # `serve -v`: one line per answered query
             summary = {k: v for k, v in timeline.to_dict().items() if k not in ("events", "documents")}
             logger.debug("query answered (%s): %s", finish_reason, summary)
-        if session is not None:
-            if finish_reason != "abort":  # the only place a session changes: a whole turn
-                kept = self._turn.kept if self._turn is not None else ()
-                shared.sessions.record_turn(session, kept, flight.layout, tokens)
-        elif timeline.first_token is not None:
-            shared.tree.record_served(flight.layout, timeline.cached_prompt_tokens)
+        if session is not None and finish_reason != "abort":  # the only place a session changes
+            kept = self._turn.kept if self._turn is not None else ()
+            shared.sessions.record_turn(session, kept, flight.layout, tokens)
         yield AnswerDone("".join(texts), finish_reason, timeline, flight.layout)
 
     async def abort_all(self) -> None:
-        """Abort every engine request the run still holds (idempotent)."""
+        """Abort every engine request the run still holds (idempotent).
+
+        One failed abort must not leave the others running: each is tried, and the first
+        failure is raised once all were.
+        """
+        failures: list[Exception] = []
         for flight in list(self._flights):
-            await flight.abort()
-            self._forget(flight)
+            try:
+                await flight.abort()
+            except Exception as error:
+                failures.append(error)
+            finally:
+                self._forget(flight)
         self._speculation = None
+        if failures:
+            raise EngineError(
+                f"{len(failures)} of the query's engine requests could not be aborted: {failures[0]}"
+            ) from failures[0]
 
     # ------------------------------------------------------------------ helpers
 
@@ -258,7 +273,13 @@ class QueryRun:
         hint = order_hint(rows, ordered, shared.hints) if checked.mode.ordering else None
         return builder.build_with_question_tokens(ordered, question, hint), ordering.cached.tokens
 
-    def _launch(self, layout: PromptLayout, slot: Slot, speculative: bool) -> Flight:
+    def _predicted(self, layout: PromptLayout, session_prediction: int) -> int:
+        """The tree's estimate of the engine's hit for this prompt now (a session's is its history)."""
+        if self.checked.session is not None:
+            return session_prediction
+        return self._shared.tree.cached_prefix(layout.document_ids()).tokens
+
+    def _launch(self, layout: PromptLayout, slot: Slot, speculative: bool, predicted: int) -> Flight:
         sampling = self.checked.sampling
         try:
             check_prompt_fits(len(layout.token_ids), sampling, self._shared.engine.max_model_len)
@@ -266,8 +287,18 @@ class QueryRun:
             slot.release()  # the slot was taken for a request that will never exist
             raise
         flight = Flight(self._shared.engine, layout, sampling, slot, speculative)
+        flight.predicted_cached_tokens = predicted
+        if self.checked.session is None:  # a session's prompts are the session's, not the tree's
+            flight.on_prefilled = self._prefilled
         self._flights.append(flight)
         return flight
+
+    def _prefilled(self, flight: Flight) -> None:
+        """A prompt of ours reached its first token: the tree learns it was served and that its
+        blocks are cached (an aborted speculation's too: its prefill is done)."""
+        tree = self._shared.tree
+        tree.record_served(flight.layout, flight.cached_tokens)
+        tree.record_prefilled(flight.layout)
 
     def _forget(self, flight: Flight) -> None:
         """Drop an aborted flight from the run (the controller's close may have done it already)."""
@@ -279,9 +310,6 @@ class QueryRun:
         await flight.abort()
         self._forget(flight)
         self._speculation = None
-        if flight.first_token_at is not None:
-            # Fully prefilled: its blocks are in the prefix cache now, the tree should know.
-            self._shared.tree.record_served(flight.layout, flight.cached_tokens)
         timeline = self.timeline
         timeline.aborted_speculations += 1
         timeline.wasted_spec_prefill_tokens += len(flight.layout.token_ids) - (flight.cached_tokens or 0)
@@ -320,5 +348,6 @@ class QueryRun:
                         f"no engine in service after: {error}; retry shortly"
                     ) from error
                 slot = await shared.gate.admit(0, len(flight.layout.token_ids))
-                flight = self._launch(flight.layout, slot, speculative=False)
+                layout = flight.layout
+                flight = self._launch(layout, slot, speculative=False, predicted=self._predicted(layout, 0))
                 self.timeline.answer_submit = flight.submitted_at

@@ -33,14 +33,17 @@ class Timeline:
     arrival: float
     mode: str
     events: list[TimelineEvent] = field(default_factory=list)
+    embed_start: float | None = None
     search_start: float | None = None
     search_end: float | None = None
     answer_submit: float | None = None
+    answer_scheduled: float | None = None
     first_token: float | None = None
     done: float | None = None
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     predicted_cached_tokens: int = 0
+    predicted_beside_prefill: bool = False
     speculations: int = 0
     aborted_speculations: int = 0
     wasted_spec_prefill_tokens: int = 0
@@ -59,21 +62,55 @@ class Timeline:
         return None if self.first_token is None else self.first_token - self.arrival
 
     @property
-    def retrieval_s(self) -> float | None:
-        if self.search_start is None or self.search_end is None:
+    def retrieval_start(self) -> float | None:
+        """Retrieval begins with the question's embedding (when a run recorded it), then searches."""
+        return self.embed_start if self.embed_start is not None else self.search_start
+
+    @property
+    def embed_s(self) -> float | None:
+        if self.embed_start is None or self.search_start is None:
             return None
-        return self.search_end - self.search_start
+        return self.search_start - self.embed_start
+
+    @property
+    def retrieval_s(self) -> float | None:
+        """Embedding plus staged search."""
+        start = self.retrieval_start
+        if start is None or self.search_end is None:
+            return None
+        return self.search_end - start
+
+    @property
+    def non_overlapped_basis(self) -> str:
+        """What "the answer's prefill began" means in :attr:`non_overlapped_retrieval_s`.
+
+        ``engine_scheduled`` when the engine said when it first scheduled the answer's request,
+        else ``submitted`` (the moment we handed it over; time it waited in the engine's queue
+        then counts as overlap, so the figure is a lower bound).
+        """
+        return "engine_scheduled" if self.answer_scheduled is not None else "submitted"
 
     @property
     def non_overlapped_retrieval_s(self) -> float | None:
-        """The part of the search the answer's own prefill did not overlap (RAGCache Table 3).
+        """The part of retrieval the answer's own prefill did not overlap (RAGCache Table 3).
 
-        From the search's start to whichever comes first, its end or the submission of the prompt
-        the answer came from (an adopted speculation's submission overlaps the rest of the search).
+        From the retrieval's start (the embedding) to whichever comes first, the search's end or
+        the moment the engine began the prefill of the request the answer came from (an adopted
+        speculation's prefill overlaps the rest of the search). See :attr:`non_overlapped_basis`.
         """
-        if self.search_start is None or self.search_end is None or self.answer_submit is None:
+        began = self.answer_scheduled if self.answer_scheduled is not None else self.answer_submit
+        return self._not_overlapped_until(began)
+
+    @property
+    def non_overlapped_retrieval_submitted_s(self) -> float | None:
+        """The same, up to the answer request's submission instead: ignores the engine's queue."""
+        return self._not_overlapped_until(self.answer_submit)
+
+    def _not_overlapped_until(self, began: float | None) -> float | None:
+        start = self.retrieval_start
+        if start is None or self.search_end is None or began is None:
             return None
-        return max(0.0, min(self.search_end, self.answer_submit) - self.search_start)
+        return max(0.0, min(self.search_end, began) - start)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: durations in ms, events relative to arrival."""
@@ -85,13 +122,17 @@ class Timeline:
             "mode": self.mode,
             "ttft_ms": ms(self.ttft_s),
             "e2e_ms": ms(None if self.done is None else self.done - self.arrival),
+            "embed_ms": ms(self.embed_s),
             "retrieval_ms": ms(self.retrieval_s),
             "non_overlapped_retrieval_ms": ms(self.non_overlapped_retrieval_s),
+            "non_overlapped_basis": self.non_overlapped_basis,
+            "non_overlapped_retrieval_submitted_ms": ms(self.non_overlapped_retrieval_submitted_s),
             "queued_ms": ms(self.queued_s),
             "controller_ms": ms(self.controller_s),
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "predicted_cached_tokens": self.predicted_cached_tokens,
+            "predicted_beside_prefill": self.predicted_beside_prefill,
             "speculations": self.speculations,
             "aborted_speculations": self.aborted_speculations,
             "wasted_spec_prefill_tokens": self.wasted_spec_prefill_tokens,

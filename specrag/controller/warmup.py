@@ -57,6 +57,7 @@ class SystemPromptWarmer:
         try:
             result = await self._engine.warm(self._builder.system_layout_tokens(), "warm-" + uuid.uuid4().hex)
             self._tree.record_served(self._builder.system_layout(), result.cached_tokens)
+            self._tree.record_prefilled(self._builder.system_layout())
             self.record.succeeded += 1
             self.record.last_cached_tokens = result.cached_tokens
         except Exception as error:  # warm-up is an optimisation: a failure must not fail a query

@@ -19,6 +19,7 @@ the engine's class: an engine that something keeps alive (the service's supervis
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from abc import ABC, abstractmethod
@@ -27,6 +28,10 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from specrag.errors import EngineError, InvalidInputError
+
+RESET_TIMEOUT_S = 30.0
+"""How long a prefix-cache reset waits for the requests holding blocks to end."""
+RESET_RETRY_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,10 @@ class EngineOutput:
     after the first that carries it; the in-process engine knows it from the first increment on,
     an OpenAI server only in its final usage chunk. Read the latest non-None value (see
     :func:`latest_cached_tokens`). ``received_at`` is the
-    ``time.perf_counter()`` at which the adapter received the increment.
+    ``time.perf_counter()`` at which the adapter received the increment. ``scheduled_at`` is when
+    the engine's scheduler first gave the request a step (its prefill began), on the same clock,
+    when the engine reports it (vLLM's per-request statistics do); None when it does not, and a
+    figure built on it must then say it used the submission time instead.
     """
 
     request_id: str
@@ -73,6 +81,7 @@ class EngineOutput:
     finished: bool
     finish_reason: str | None
     received_at: float
+    scheduled_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -193,8 +202,17 @@ class Engine(Protocol):
         """The engine's own running/waiting counts."""
         ...
 
+    @property
+    def batched_token_budget(self) -> int | None:
+        """Prompt tokens the engine computes in one step (vLLM's ``max_num_batched_tokens``), when known."""
+        ...
+
     async def reset_prefix_cache(self) -> None:
-        """Drop everything in the prefix cache (for cold-start experiments)."""
+        """Drop everything in the prefix cache (for cold-start experiments).
+
+        Returns only once the engine confirmed the reset; raises :class:`EngineError` otherwise
+        (vLLM refuses a reset while requests hold blocks).
+        """
         ...
 
     async def close(self) -> None:
@@ -262,6 +280,10 @@ class EngineBase(ABC):
         return None  # nothing restarts a bare adapter by itself
 
     @property
+    def batched_token_budget(self) -> int | None:
+        return None  # an adapter whose engine reports its step budget says so
+
+    @property
     def closed(self) -> bool:
         return self._closed_reason is not None
 
@@ -288,8 +310,10 @@ class EngineBase(ABC):
                 await self._abort_request(request_id)
 
     async def abort(self, request_id: str) -> None:
-        await self._abort_request(request_id)
-        self._tracker.finished(request_id)
+        try:
+            await self._abort_request(request_id)
+        finally:
+            self._tracker.finished(request_id)
 
     async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
         return await warm_by_prefill(self, prompt_token_ids, request_id)
@@ -299,8 +323,22 @@ class EngineBase(ABC):
         return await self._counts()
 
     async def reset_prefix_cache(self) -> None:
+        """Reset, retrying while requests still hold blocks; :class:`EngineError` if it never happens.
+
+        vLLM refuses a reset (and says so only in its result) while any block is in use: the
+        requests just aborted may still be finishing their step. A reset that was refused must
+        not be reported as done, or every "cold start" figure after it would be warm.
+        """
         self._ensure_open()
-        await self._reset_prefix_cache()
+        deadline = now() + RESET_TIMEOUT_S
+        while not await self._reset_prefix_cache():
+            if now() >= deadline:
+                counts = await self._counts()
+                raise EngineError(
+                    f"the engine refused to reset its prefix cache for {RESET_TIMEOUT_S:.0f} s: "
+                    f"{counts.unfinished} requests still hold blocks"
+                )
+            await asyncio.sleep(RESET_RETRY_S)  # wait for the engine to go idle, then ask again
 
     async def close(self) -> None:
         if not self.closed:
@@ -330,8 +368,8 @@ class EngineBase(ABC):
         """The engine's own running/waiting counts (the engine is open)."""
 
     @abstractmethod
-    async def _reset_prefix_cache(self) -> None:
-        """Drop the prefix cache (the engine is open)."""
+    async def _reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (the engine is open); False when the engine refused (blocks in use)."""
 
     @abstractmethod
     async def _shut_down(self) -> None:

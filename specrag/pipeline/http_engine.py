@@ -35,6 +35,7 @@ Errors: connection refused, timeouts (connect, first token, between chunks) and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -214,12 +215,12 @@ class HttpEngine(EngineBase):
             self._aborted.add(request_id)
             response.close()
 
-    async def _reset_prefix_cache(self) -> None:
+    async def _reset_prefix_cache(self) -> bool:
         for path in ("/reset_prefix_cache", "/flush_cache"):
             async with self._control("POST", path) as response:
                 if response.status != 404:
                     await self._raise_for_status(response, f"POST {path}")
-                    return
+                    return await _reset_succeeded(response)
         raise EngineError(
             f"{self._base_url} exposes no prefix-cache reset (start vLLM with VLLM_SERVER_DEV_MODE=1)"
         )
@@ -446,3 +447,13 @@ def _metric_total(families: Sequence[Any], names: Sequence[str]) -> int | None:
         if samples:
             return int(sum(samples))
     return None
+
+
+async def _reset_succeeded(response: aiohttp.ClientResponse) -> bool:
+    """vLLM answers ``{"success": false}`` while blocks are in use; a server that says nothing
+    (SGLang's ``/flush_cache``, older vLLM) is taken at its 200."""
+    with contextlib.suppress(aiohttp.ContentTypeError, ValueError):
+        body = await response.json()
+        if isinstance(body, dict) and "success" in body:
+            return bool(body["success"])
+    return True

@@ -82,6 +82,8 @@ class KVEventSubscriber:
         self.batches = 0
         self.replayed = 0
         self.lost = 0
+        self.undecodable = 0  # batches received but not readable: lost to the mirror too
+        self.callback_errors = 0
 
     async def start(self) -> None:
         """Connect and start receiving in a background task."""
@@ -152,6 +154,7 @@ class KVEventSubscriber:
         try:
             batch = self._decoder.decode(payload)
         except msgspec.DecodeError:
+            self.undecodable += 1
             logger.exception("undecodable KV event batch %d", seq)
             return
         self.batches += 1
@@ -159,4 +162,5 @@ class KVEventSubscriber:
         try:
             self._on_events(events)
         except Exception:
+            self.callback_errors += 1
             logger.exception("KV event callback failed on batch %d", seq)

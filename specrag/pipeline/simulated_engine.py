@@ -98,6 +98,7 @@ class _Request:
     registered: int = 0
     blocks: list[int] = field(default_factory=list)
     cached_tokens: int | None = None
+    scheduled_at: float | None = None
     aborted: bool = False
 
     @property
@@ -212,6 +213,10 @@ class SimulatedEngine(EngineBase):
         return self._capacity_blocks * self._block_size
 
     @property
+    def batched_token_budget(self) -> int:
+        return self._max_batched
+
+    @property
     def cached_blocks(self) -> int:
         """Blocks whose KV is resident and reusable (in use or not yet evicted)."""
         return len(self._pool)
@@ -252,13 +257,13 @@ class SimulatedEngine(EngineBase):
         if request is not None:
             self._abort(request)
 
-    async def _reset_prefix_cache(self) -> None:
-        """Drop every cached block; like vLLM, does nothing (and logs) while blocks are in use."""
-        if self._pool.clear():
+    async def _reset_prefix_cache(self) -> bool:
+        """Drop every cached block; like vLLM, refused (False) while blocks are in use."""
+        cleared = self._pool.clear()
+        if cleared:
             self._events.append(AllBlocksCleared())
-        else:
-            logger.warning("simulated engine: prefix cache not reset, %d blocks in use", self._pool.in_use)
         self._publish_events()
+        return cleared
 
     # Fault injection -------------------------------------------------------------------------
 
@@ -369,8 +374,9 @@ class SimulatedEngine(EngineBase):
             self._waiting.popleft()
             request.blocks = self._pool.take_cached(hit_keys) + self._allocate_blocks(new_blocks)
             request.computed = request.registered = computed
-            if request.cached_tokens is None:
+            if request.cached_tokens is None:  # first scheduled (a preempted request keeps both)
                 request.cached_tokens = computed
+                request.scheduled_at = now()
             self._running.append(request)
             plan.append((request, new_tokens))
             budget -= new_tokens
@@ -463,6 +469,7 @@ class SimulatedEngine(EngineBase):
             finished=finish_reason is not None,
             finish_reason=finish_reason,
             received_at=now(),
+            scheduled_at=request.scheduled_at,
         )
 
     def _abort(self, request: _Request) -> None:

@@ -91,6 +91,7 @@ class VllmEngine(EngineBase):
         self._block_size = int(cache_config.block_size)
         blocks = getattr(cache_config, "num_gpu_blocks", None)
         self._kv_capacity_tokens = int(blocks) * self._block_size if blocks else None
+        self._batched_token_budget = int(llm.vllm_config.scheduler_config.max_num_batched_tokens)
         self._stopping = asyncio.Event()
 
     @classmethod
@@ -148,6 +149,10 @@ class VllmEngine(EngineBase):
         return self._kv_capacity_tokens
 
     @property
+    def batched_token_budget(self) -> int:
+        return self._batched_token_budget
+
+    @property
     def scheduler(self) -> SchedulerSnapshot:
         return self._snapshot
 
@@ -191,16 +196,21 @@ class VllmEngine(EngineBase):
                         finished=bool(output.finished),
                         finish_reason=completion.finish_reason if completion else None,
                         received_at=now(),
+                        scheduled_at=scheduled_at(output),
                     )
         except Exception as error:  # cancellation and GeneratorExit are BaseExceptions: not wrapped
             raise EngineError(f"engine request {request_id} failed: {error}") from error
 
     async def _abort_request(self, request_id: str) -> None:
-        if not self.closed:
+        if self.closed:
+            return
+        try:
             await self._llm.abort(request_id)
+        except Exception as error:  # vLLM's EngineDeadError and the like: our type, the id in it
+            raise EngineError(f"aborting engine request {request_id} failed: {error}") from error
 
-    async def _reset_prefix_cache(self) -> None:
-        await self._llm.reset_prefix_cache()
+    async def _reset_prefix_cache(self) -> bool:
+        return bool(await self._llm.reset_prefix_cache())
 
     async def _shut_down(self) -> None:
         self._stopping.set()  # requests still streaming fail now instead of waiting on a dead core
@@ -216,6 +226,19 @@ class VllmEngine(EngineBase):
         # shutdown() again into half-torn-down modules and prints a spurious traceback. It is
         # already shut down: make that second call a no-op.
         llm.shutdown = lambda *args, **kwargs: None
+
+
+def scheduled_at(output: Any) -> float | None:
+    """When vLLM's scheduler first gave the request a step, on our clock; None before it did.
+
+    vLLM's engine core stamps its request events with ``time.monotonic()`` in its own process;
+    on Linux that is CLOCK_MONOTONIC, the clock ``time.perf_counter()`` reads here too (both
+    system-wide), so the stamp compares directly with our timelines. The statistics exist only
+    with vLLM's stat logging on, which :func:`_engine_args` turns on.
+    """
+    metrics = getattr(output, "metrics", None)
+    stamp = getattr(metrics, "scheduled_ts", 0.0) if metrics is not None else 0.0
+    return float(stamp) if stamp else None
 
 
 async def until_set(stream: AsyncIterator[Any], stop: asyncio.Event) -> AsyncGenerator[Any, None]:

@@ -28,6 +28,7 @@ from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
 from specrag.service.kv_mirror import KVMirror
+from specrag.service.metrics import ServiceMetrics
 from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT, create_app
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 
@@ -166,10 +167,15 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
             engine, kv_events, assets.index, prompt_builder(assets, engine), options.controller
         ) as (controller, mirror),
     ):
+        metrics = ServiceMetrics()
+        if mirror is not None:
+            faults = mirror.faults
+            metrics.watch_kv_mirror(lambda: faults().lost_batches, lambda: faults().callback_errors)
         app = create_app(
             controller,
             api_token=options.api_token,
             max_queries=options.max_queries,
             max_queries_per_client=options.max_queries_per_client,
+            metrics=metrics,
         )
         yield Service(app, controller, engine, mirror, kv_events)

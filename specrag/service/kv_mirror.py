@@ -8,6 +8,7 @@ in-process engine's IPC sockets or, for a separate engine server, from its TCP p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specrag.cache.tree import KnowledgeTree
@@ -17,6 +18,16 @@ if TYPE_CHECKING:
     from specrag.pipeline.kv_events import KVEventSubscriber
 
 
+@dataclass(frozen=True)
+class MirrorFaults:
+    """What the mirror applied and what it missed: event batches lost (or unreadable) and
+    callback errors."""
+
+    applied_batches: int = 0
+    lost_batches: int = 0
+    callback_errors: int = 0
+
+
 class KVMirror:
     """Subscribes the tree to the KV events an engine publishes at ``source``."""
 
@@ -24,10 +35,26 @@ class KVMirror:
         self.tree = tree
         self.source = source
         self._subscriber: KVEventSubscriber | None = None
+        self._earlier = MirrorFaults()  # of the subscribers replaced since (engine restarts)
 
     @property
     def active(self) -> bool:
         return self._subscriber is not None
+
+    def faults(self) -> MirrorFaults:
+        """Event batches the tree never saw, and callback failures, since the mirror was made.
+
+        Either means the tree may believe blocks cached that are not (or the reverse): the
+        service exports both in ``/metrics`` rather than only logging them.
+        """
+        current = self._subscriber
+        if current is None:
+            return self._earlier
+        return MirrorFaults(
+            self._earlier.applied_batches + current.batches - current.callback_errors,
+            self._earlier.lost_batches + current.lost + current.undecodable,
+            self._earlier.callback_errors + current.callback_errors,
+        )
 
     async def start(self, catch_up: bool = True) -> None:
         """Subscribe; ``catch_up=False`` right after emptying the engine's cache (see the subscriber)."""
@@ -47,6 +74,7 @@ class KVMirror:
         self._subscriber = subscriber
 
     async def stop(self) -> None:
+        self._earlier = self.faults()
         subscriber, self._subscriber = self._subscriber, None
         if subscriber is not None:
             await subscriber.stop()

@@ -74,10 +74,14 @@ class ServiceMetrics:
 
         self.ttft = histogram("specrag_ttft_seconds", "Time from arrival to the first answer token")
         self.e2e = histogram("specrag_e2e_seconds", "Time from arrival to the end of the answer")
-        self.retrieval = histogram("specrag_retrieval_seconds", "Staged vector search time")
+        self.embed = histogram("specrag_embed_seconds", "Embedding of the question (part of retrieval)")
+        self.retrieval = histogram(
+            "specrag_retrieval_seconds", "Question embedding plus staged vector search"
+        )
         self.non_overlapped_retrieval = histogram(
             "specrag_non_overlapped_retrieval_seconds",
-            "Search time not overlapped by the answer's own prefill",
+            "Retrieval time not overlapped by the answer's own prefill (from when the engine "
+            "scheduled it where the engine reports that, else from its submission)",
         )
         self.queue_wait = histogram(
             "specrag_queue_wait_seconds", "Time the final prompt waited for a prefill slot"
@@ -116,12 +120,27 @@ class ServiceMetrics:
         self.in_flight.set_function(in_flight)
         self.registry.register(_WarmupCollector(warmups))
 
+    def watch_kv_mirror(
+        self, lost_batches: Callable[[], float], callback_errors: Callable[[], float]
+    ) -> None:
+        """Export what the KV mirror missed (read at every scrape): a drifting tree is visible."""
+        for name, documentation, read in (
+            ("specrag_kv_event_batches_lost", "KV event batches the tree never applied", lost_batches),
+            (
+                "specrag_kv_event_callback_errors",
+                "KV event batches whose application failed",
+                callback_errors,
+            ),
+        ):
+            Gauge(name, documentation + " (since start)", registry=self.registry).set_function(read)
+
     def observe(self, timeline: Timeline) -> None:
         """Record a query that ran to the end of its answer."""
         self.requests.labels(mode=timeline.mode, outcome="ok").inc()
         for histogram, seconds in (
             (self.ttft, timeline.ttft_s),
             (self.e2e, None if timeline.done is None else timeline.done - timeline.arrival),
+            (self.embed, timeline.embed_s),
             (self.retrieval, timeline.retrieval_s),
             (self.non_overlapped_retrieval, timeline.non_overlapped_retrieval_s),
             (self.queue_wait, timeline.queued_s),

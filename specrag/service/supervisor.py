@@ -117,6 +117,10 @@ class SupervisedEngine:
         return self._any_engine().kv_capacity_tokens
 
     @property
+    def batched_token_budget(self) -> int | None:
+        return self._any_engine().batched_token_budget
+
+    @property
     def supervision(self) -> Supervision:
         return self
 

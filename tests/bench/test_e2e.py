@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.e2e.__main__ import run_order
 from bench.e2e.report import paired_ratio_ci, summarize
 from bench.e2e.runner import Configuration, RunResult, oracle_ttfts, run_configuration
 from bench.e2e.workload import arrivals, generate, load_trace, save_trace
@@ -55,7 +56,7 @@ def test_trace_round_trip_and_malformed_lines(tmp_path: Path, default_corpus: li
 
 
 def _record(i: int, ttft: float) -> dict[str, object]:
-    return {"i": i, "ttft_ms": ttft}
+    return {"i": (0, i), "ttft_ms": ttft}
 
 
 def test_paired_ratio_and_interval() -> None:
@@ -66,6 +67,40 @@ def test_paired_ratio_and_interval() -> None:
     noisy = [_record(i, (100.0 + i) * (0.5 if i % 2 else 1.5)) for i in range(50)]
     ratio, low, high = paired_ratio_ci(baseline, noisy)
     assert low < ratio < high
+
+
+def test_the_interval_resamples_blocks_of_consecutive_requests_not_single_ones() -> None:
+    baseline = [_record(i, 100.0) for i in range(48)]
+    # Alternating inside every block: each block's sum is the same, so blocks agree exactly,
+    # while single requests scatter; a per-request bootstrap would give a wide interval.
+    alternating = [_record(i, 50.0 if i % 2 else 150.0) for i in range(48)]
+    ratio, low, high = paired_ratio_ci(baseline, alternating)
+    assert ratio == pytest.approx(1.0) and low == pytest.approx(1.0) and high == pytest.approx(1.0)
+
+
+def test_failed_requests_are_counted_not_dropped() -> None:
+    records = [
+        {**_record(0, 100.0), "i": 0, "documents": ["a"], "cached_prompt_tokens": 0},
+        {"i": 1, "error": "EngineError: gone"},
+    ]
+    ok = records[0]
+    ok.update(prompt_tokens=10, predicted_cached_tokens=0, e2e_ms=120.0, wasted_spec_prefill_tokens=0)
+    ok.update(speculations=0, adopted=False, warmed=False, controller_ms=1.0, aborted_speculations=0)
+    run = RunResult(Configuration("serial", "serial", "main", 0.5), records, 1.0, 8, {}, True, 32)
+    summary = summarize(run, {}, slo_ms=1000)
+    assert summary["requests"] == 2 and summary["errors"] == 1
+    assert summary["error_kinds"] == {"EngineError": 1}
+    assert summary["reset_confirmed"] is True and summary["first_request_cold"] is True
+
+
+def test_each_trace_runs_the_configurations_in_a_rotated_order() -> None:
+    main = [Configuration(mode, mode, "main", 0.5) for mode in ("serial", "warmup", "all")]
+    extra = [Configuration("all-mpbs2", "all", "max_prefill_bs", 0.5)]
+    plan = run_order(main + extra, traces=3)
+    firsts = [next(c.name for seed, c in plan if seed == s) for s in range(3)]
+    assert firsts == ["serial", "warmup", "all"]
+    assert [c.name for seed, c in plan if seed == 0] == ["serial", "warmup", "all", "all-mpbs2"]
+    assert all(c.group == "main" for seed, c in plan if seed > 0)
 
 
 @pytest.mark.engine
@@ -88,9 +123,21 @@ async def test_a_configuration_replays_a_trace_on_the_real_engine(
     )
     assert isinstance(run, RunResult) and len(run.records) == 4
     assert all("error" not in r and r["ttft_ms"] > 0 for r in run.records)
+    assert run.reset_confirmed  # the engine itself found the system prompt gone after the reset
+    for r in run.records:
+        assert r["cached_prompt_tokens"] <= r["prompt_tokens"]
+        assert r["non_overlapped_basis"] == "engine_scheduled"
+        assert r["non_overlapped_retrieval_submitted_ms"] <= r["non_overlapped_retrieval_ms"]
+        assert r["non_overlapped_retrieval_ms"] <= r["retrieval_ms"]
+        assert 0 < r["embed_ms"] < r["retrieval_ms"]
+        assert r["aborted_speculations"] <= r["speculations"]
+        assert not r["adopted"] or r["speculations"] >= 1
+        assert 1 <= len(r["documents"]) <= 3
     oracle = await oracle_ttfts(vllm_engine, run.prompts)
     summary = summarize(run, {i: v * 1000 for i, v in oracle.items()}, slo_ms=10_000)
     assert summary["requests"] == 4 and summary["errors"] == 0
     assert 0 < summary["cached_token_ratio"] <= 1
+    assert summary["adopted_fraction"] * 4 <= summary["speculations"]
+    assert summary["first_request_cold"] in (True, None)
     assert summary["goodput_rps_at_slo"] > 0
     assert summary["fraction_of_oracle_ttft"] is not None and summary["fraction_of_oracle_ttft"] > 0

@@ -164,3 +164,28 @@ def test_companions_stay_bounded_and_keep_the_most_frequent(monkeypatch: pytest.
         tree.record_served(layout((0, other)))
         assert len(tree.companions(0)) <= 8
     assert tree.companions(0)[1] == 3 and tree.companions(0)[0] == 41
+
+
+def test_a_prefilled_prompt_counts_as_cached_before_its_events_and_they_do_not_double_it() -> None:
+    tree, engine = served_tree((2, 4))  # a tree that follows events
+    prompt = layout((6, 8))
+    events = engine.serve(prompt)  # the engine prefilled it; its events are still on the way
+    tree.record_served(prompt)
+    assert tree.cached_prefix([6, 8]).tokens < engine.cached((6, 8))[0]
+    tree.record_prefilled(prompt)  # at the first token
+    match = tree.cached_prefix([6, 8])
+    assert (match.tokens, match.docs) == engine.cached((6, 8))
+    tree.apply_events(events)  # the events confirm the blocks: one reference each, not two
+    keys = chain_block_keys(prompt.token_ids, BLOCK)
+    evicted = keys[prompt.segments[1].end // BLOCK - 1]  # the last full block of document 6
+    tree.apply_events(engine.evict([evicted]))
+    assert tree.cached_prefix([6, 8]).docs == engine.cached((6, 8))[1] == 0
+
+
+def test_prefill_expectations_are_dropped_with_the_engines_cache() -> None:
+    tree, _ = served_tree((2, 4))
+    prompt = layout((6,))
+    tree.record_served(prompt)
+    tree.record_prefilled(prompt)
+    tree.engine_cache_cleared()
+    assert tree.cached_prefix([6]).tokens == 0 and not tree.system_prompt_resident()

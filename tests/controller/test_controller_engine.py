@@ -23,6 +23,7 @@ from tests.helpers import (
     make_controller,
     run_conversation,
     scripted_index,
+    wait_until,
 )
 
 
@@ -99,7 +100,10 @@ async def test_a_closed_stream_leaves_no_request_behind(engine: Engine, tiny_ass
 async def test_a_cancelled_query_leaves_no_request_behind(engine: Engine, tiny_assets: Assets) -> None:
     controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, B, A, B, A]))
     task = asyncio.create_task(controller.answer(RagRequest(QUESTION, k=4, mode="all", max_tokens=500)))
-    await asyncio.sleep(0.8)  # mid-search, with a speculation in flight
+    # Cancel mid-search (5 stages of 0.3 s), with a speculation in flight and no final request yet.
+    await wait_until(lambda: any(r.startswith("spec-") for r in controller.in_flight_request_ids()))
+    assert not any(r.startswith("final-") for r in controller.in_flight_request_ids())
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -25,8 +25,10 @@ from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.service.assembly import open_controller
 from specrag.service.assets import Assets
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -48,15 +50,15 @@ def core_pids() -> set[int]:
 async def test_a_killed_engine_core_is_replaced_without_leaks(
     tiny_model_dir: Path, tiny_assets: Assets, tmp_path: Path
 ) -> None:
-    # No KV events: their sockets would clash with the session engine's; the tree's capacity
-    # model is enough here. A smaller KV pool keeps the second engine light beside the first.
+    # KV events on IPC sockets of this test's own directory (no clash with the session engine):
+    # the tree follows the real engine's cache. A smaller KV pool keeps the second engine light.
     config = EngineConfig(
         model=str(tiny_model_dir),
         max_model_len=4096,
         kv_cache_gib=1,
         enforce_eager=True,
         startup_timeout_s=600,
-    )
+    ).with_kv_events(tmp_path / "run")
     shared = core_pids()  # the session engine's core, if it runs: never touched
 
     async def start() -> Engine:
@@ -65,43 +67,17 @@ async def test_a_killed_engine_core_is_replaced_without_leaks(
     policy = SupervisorPolicy(probe_timeout_s=5.0, close_timeout_s=20.0, max_attempts=3, backoff_s=1.0)
     engine = await SupervisedEngine(start, policy).start()
     builder = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store, block_size=engine.block_size)
-    controller = RagController(
-        engine, tiny_assets.index, builder, ControllerConfig(first_token_timeout_s=10.0)
+    stack = open_controller(
+        engine,
+        config.kv_event_source(),
+        tiny_assets.index,
+        builder,
+        ControllerConfig(first_token_timeout_s=10.0),
     )
     try:
-        (ours,) = core_pids() - shared
-        await controller.answer(RagRequest(QUESTION, k=4, max_tokens=2))
-        queries = [
-            asyncio.create_task(controller.answer(RagRequest(QUESTION, k=4, max_tokens=400)))
-            for _ in range(3)
-        ]
-        await asyncio.sleep(0.5)
-        killed_at = time.perf_counter()
-        os.kill(ours, signal.SIGKILL)
-        results = await asyncio.wait_for(asyncio.gather(*queries, return_exceptions=True), ERROR_BOUND_S)
-        # Each query failed with a clear engine error or was retried on the new engine; none hung.
-        for result in results:
-            assert isinstance(result, EngineError) or result.text, result  # type: ignore[union-attr]
-
-        assert await engine.wait_ready(RECOVERY_BOUND_S), engine.last_error
-        assert engine.restarts == 1 and engine.state == "ready"
-        assert engine.last_recovery_s is not None and time.perf_counter() - killed_at < RECOVERY_BOUND_S
-        (replacement,) = core_pids() - shared
-        assert replacement != ours
-        assert not controller.tree.system_prompt_resident() or controller.tree.uses_capacity_model
-
-        after = await controller.answer(RagRequest(QUESTION, k=4, max_tokens=4))
-        assert after.text and after.timeline.first_token is not None
-        for _ in range(100):
-            counts = await engine.counts()
-            if not controller.in_flight_request_ids() and counts.running == counts.waiting == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert controller.in_flight_request_ids() == set() and controller.gate.pool == 0
-        counts = await engine.counts()
-        assert (counts.running, counts.waiting, counts.unfinished) == (0, 0, 0)
+        async with stack as (controller, _mirror):
+            ours = await killed_and_replaced(engine, controller, shared)
     finally:
-        await controller.close()
         await engine.close()
     # vLLM's shutdown signals its core and returns; the core then exits within seconds.
     for _ in range(round(CORE_EXIT_BOUND_S / 0.2)):
@@ -112,3 +88,49 @@ async def test_a_killed_engine_core_is_replaced_without_leaks(
     with contextlib.suppress(ProcessLookupError):
         os.kill(ours, 0)
         pytest.fail(f"the killed engine core {ours} still exists")
+
+
+async def killed_and_replaced(engine: SupervisedEngine, controller: RagController, shared: set[int]) -> int:
+    """Kill our engine core under load; check the errors, the recovery, the tree and the queues.
+
+    Returns the killed core's pid, to check that it is gone once the engine is closed.
+    """
+    # Registered after open_controller's follower: it reads the tree once that one cleared it.
+    resident_at_restart: list[bool] = []
+    forget = engine.on_restart(lambda: resident_at_restart.append(controller.tree.system_prompt_resident()))
+    tree = controller.tree
+    (ours,) = core_pids() - shared
+    await controller.answer(RagRequest(QUESTION, k=4, max_tokens=2))
+    await wait_until(lambda: not tree.uses_capacity_model and tree.system_prompt_resident(), within_s=20)
+    queries = [
+        asyncio.create_task(controller.answer(RagRequest(QUESTION, k=4, max_tokens=400))) for _ in range(3)
+    ]
+    await asyncio.sleep(0.5)
+    killed_at = time.perf_counter()
+    os.kill(ours, signal.SIGKILL)
+    results = await asyncio.wait_for(asyncio.gather(*queries, return_exceptions=True), ERROR_BOUND_S)
+    # Each query failed with a clear engine error or was retried on the new engine; none hung.
+    for result in results:
+        assert isinstance(result, EngineError) or result.text, result  # type: ignore[union-attr]
+
+    assert await engine.wait_ready(RECOVERY_BOUND_S), engine.last_error
+    assert engine.restarts == 1 and engine.state == "ready"
+    assert engine.last_recovery_s is not None and time.perf_counter() - killed_at < RECOVERY_BOUND_S
+    (replacement,) = core_pids() - shared
+    assert replacement != ours
+    assert resident_at_restart == [False]  # the tree forgot the dead engine's cache at once
+    forget()
+
+    after = await controller.answer(RagRequest(QUESTION, k=4, max_tokens=4))
+    assert after.text and after.timeline.first_token is not None
+    # The resubscribed mirror hears the new engine's events: the system prompt is back.
+    await wait_until(tree.system_prompt_resident, within_s=20)
+    for _ in range(100):
+        counts = await engine.counts()
+        if not controller.in_flight_request_ids() and counts.running == counts.waiting == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert controller.in_flight_request_ids() == set() and controller.gate.pool == 0
+    counts = await engine.counts()
+    assert (counts.running, counts.waiting, counts.unfinished) == (0, 0, 0)
+    return ours

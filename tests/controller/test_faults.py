@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import RagController, RagRequest
 from specrag.errors import EngineError, EngineUnavailableError
 from specrag.pipeline.simulated_engine import SimulatedEngine
@@ -49,10 +50,15 @@ async def test_a_failure_before_the_first_token_is_retried_once(tiny_assets: Ass
 
 async def test_an_engine_that_dies_mid_load_is_replaced_and_the_tree_cleared(tiny_assets: Assets) -> None:
     started: list[SimulatedEngine] = []
-    engine = await supervised(started)
+    trees: list[KnowledgeTree] = []  # the tree follows the engines' own KV events
+    engine = await supervised(started, on_kv_events=lambda events: trees[0].apply_events(events))
     controller = controller_on(engine, tiny_assets)
+    trees.append(controller.tree)
     engine.on_restart(controller.tree.engine_cache_cleared)
+    resident_at_restart: list[bool] = []  # read right after the tree heard of the restart
+    engine.on_restart(lambda: resident_at_restart.append(controller.tree.system_prompt_resident()))
     await controller.answer(RagRequest(QUESTION, k=3, mode="all", max_tokens=4))
+    assert not controller.tree.uses_capacity_model
     assert controller.tree.system_prompt_resident()
 
     queries = [
@@ -66,9 +72,10 @@ async def test_an_engine_that_dies_mid_load_is_replaced_and_the_tree_cleared(tin
     assert all(isinstance(r, EngineError) or r.text for r in results)  # type: ignore[union-attr]
     assert await engine.wait_ready(5) and engine.restarts == 1 and len(started) == 2
     assert engine.last_recovery_s is not None and engine.last_recovery_s < 5
-    assert not controller.tree.system_prompt_resident() or controller.tree.uses_capacity_model
+    assert resident_at_restart == [False]
     after = await controller.answer(RagRequest(QUESTION, k=3, mode="all", max_tokens=4))
     assert after.text
+    assert controller.tree.system_prompt_resident()  # the new engine's events put it back
     await assert_engine_idle(started[1], controller)
     await engine.close()
 

@@ -19,6 +19,7 @@ class ScriptedEngine(EngineBase):
         self.submitted: list[str] = []
         self.aborted: list[str] = []
         self.resets = 0
+        self.refusals = 0  # resets the engine refuses first (blocks in use)
         self.shut_downs = 0
         self._feeds: dict[str, asyncio.Queue[EngineOutput | Exception]] = {}
 
@@ -61,8 +62,12 @@ class ScriptedEngine(EngineBase):
     async def _counts(self) -> EngineCounts:
         return EngineCounts(running=0, waiting=0, unfinished=0)
 
-    async def _reset_prefix_cache(self) -> None:
+    async def _reset_prefix_cache(self) -> bool:
+        if self.refusals:
+            self.refusals -= 1
+            return False
         self.resets += 1
+        return True
 
     async def _shut_down(self) -> None:
         self.shut_downs += 1
@@ -163,6 +168,38 @@ async def test_warm_prefills_and_reports_the_engines_cache_hit() -> None:
     result = await warming
     assert (result.prompt_tokens, result.cached_tokens, result.block_size) == (40, 32, 16)
     assert result.was_cached  # 2 full blocks, the last one always recomputed
+
+
+async def test_a_refused_reset_is_retried_until_the_engine_does_it() -> None:
+    engine = ScriptedEngine()
+    engine.refusals = 3
+    await engine.reset_prefix_cache()
+    assert engine.resets == 1 and engine.refusals == 0
+
+
+async def test_a_reset_the_engine_keeps_refusing_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("specrag.pipeline.engine.RESET_TIMEOUT_S", 0.2)
+    engine = ScriptedEngine()
+    engine.refusals = 10**6
+    with pytest.raises(EngineError, match="refused to reset"):
+        await engine.reset_prefix_cache()
+    assert engine.resets == 0
+
+
+async def test_an_abort_the_engine_fails_still_untracks_the_request() -> None:
+    engine = ScriptedEngine()
+
+    async def broken_abort(request_id: str) -> None:
+        raise EngineError("the engine is gone")
+
+    stream = engine.generate("doomed", [1, 2], Sampling())
+    pending = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    engine._abort_request = broken_abort  # type: ignore[method-assign]
+    with pytest.raises(EngineError, match="gone"):
+        await engine.abort("doomed")
+    assert engine.load().prefilling == 0
+    pending.cancel()
 
 
 async def test_a_closed_engine_shuts_down_once_and_refuses_everything() -> None:

@@ -1,7 +1,7 @@
 """The KV-event subscriber against a local publisher speaking vLLM's wire format."""
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -105,6 +105,30 @@ async def replay_scenario(
     return subscriber, publisher, received
 
 
+async def without_replay(
+    publisher: Publisher,
+    on_events: Callable[[Sequence[KVEvent]], None],
+    done: asyncio.Event,
+    *,
+    count: int = 3,
+    dropped: frozenset[int] | set[int] = frozenset(),
+) -> KVEventSubscriber:
+    """Batches 0..count-1 (``dropped`` lost on the wire) to a subscriber with no replay socket."""
+    subscriber = KVEventSubscriber(publisher.endpoint, None, "kv", on_events)
+    await subscriber.start()
+    try:
+        await asyncio.sleep(0.3)  # PUB/SUB joins asynchronously
+        for seq in range(count):
+            await publisher.publish(seq, drop=seq in dropped)
+        async with asyncio.timeout(5):
+            await done.wait()
+    finally:
+        await subscriber.stop()
+        await subscriber.stop()  # idempotent
+        await publisher.close()
+    return subscriber
+
+
 @pytest.mark.timeout(60)
 async def test_subscriber_converts_orders_and_replays_missed_batches(tmp_path: Path) -> None:
     subscriber, publisher, received = await replay_scenario(tmp_path, catch_up=True)
@@ -137,17 +161,21 @@ async def test_without_replay_gaps_are_counted_and_stop_is_clean(tmp_path: Path)
         if len(received) == 2:
             done.set()
 
-    subscriber = KVEventSubscriber(publisher.endpoint, None, "kv", on_events)
-    await subscriber.start()
-    try:
-        await asyncio.sleep(0.3)
-        await publisher.publish(0)
-        await publisher.publish(1, drop=True)
-        await publisher.publish(2)
-        async with asyncio.timeout(5):
-            await done.wait()
-    finally:
-        await subscriber.stop()
-        await subscriber.stop()  # idempotent
-        await publisher.close()
+    subscriber = await without_replay(publisher, on_events, done, dropped={1})
     assert subscriber.lost == 1 and received == [1, 1]
+
+
+@pytest.mark.timeout(60)
+async def test_a_failing_callback_is_counted_and_later_batches_still_arrive(tmp_path: Path) -> None:
+    publisher = Publisher(tmp_path)
+    received: list[int] = []
+    done = asyncio.Event()
+
+    def on_events(events: Sequence[KVEvent]) -> None:
+        received.append(len(events))
+        if len(received) == 1:
+            raise RuntimeError("the tree rejected the batch")
+        done.set()
+
+    subscriber = await without_replay(publisher, on_events, done, count=2)
+    assert subscriber.callback_errors == 1 and subscriber.lost == 0 and received == [1, 1]

@@ -175,14 +175,17 @@ async def test_kv_events_describe_the_stored_chain_and_the_reset() -> None:
     await engine.close()
 
 
-async def test_reset_is_refused_while_blocks_are_in_use() -> None:
-    engine = SimulatedEngine(time_scale=FAST)
+async def test_reset_waits_while_blocks_are_in_use_and_happens_once_they_are_free() -> None:
+    engine = SimulatedEngine(time_scale=0.05)  # 8000 decode steps: seconds, the reset waits on them
     prompt = random_prompt(seed=7, length=64)
-    stream = engine.generate("busy", prompt, Sampling(max_tokens=5000))
+    stream = engine.generate("busy", prompt, Sampling(max_tokens=8000))
     await anext(stream)
-    await engine.reset_prefix_cache()
-    assert await _cached(engine, prompt) == 32
+    reset = asyncio.ensure_future(engine.reset_prefix_cache())
+    await asyncio.sleep(0.2)
+    assert not reset.done() and engine.cached_blocks > 0  # refused: the busy request holds blocks
     await close_stream(stream)
+    await asyncio.wait_for(reset, 5)
+    assert engine.cached_blocks == 0 and await _cached(engine, prompt) == 0
     await engine.close()
 
 

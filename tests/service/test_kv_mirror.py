@@ -36,8 +36,15 @@ async def test_served_documents_become_resident_and_a_reset_clears_them(
         await controller.reset_prefix_cache()
         assert not controller.tree.system_prompt_resident()
         assert controller.tree.cached_prefix(order).tokens == 0
-        again = await controller.answer(RagRequest("What is a frozenset?", k=3, mode="all", max_tokens=2))
-        assert again.timeline.warmed
+        # The engine's own answer: the question again finds nothing cached ("ordering" runs no
+        # warm-up or speculation before it), and the tree predicted exactly that.
+        question = RagRequest("What is a frozenset?", k=3, mode="ordering", max_tokens=2)
+        again = await controller.answer(question)
+        assert again.timeline.cached_prompt_tokens == 0
+        assert again.timeline.predicted_cached_tokens == 0
+        # Once the mirror has heard of that request's blocks, the tree holds them again.
+        again_order = list(again.prompt.document_ids())
+        await wait_until(lambda: controller.tree.cached_prefix(again_order).docs == 3)
     finally:
         await mirror.stop()
         await controller.close()
