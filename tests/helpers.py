@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from specrag.cache import BlockRemoved, BlockStored, DocId, KVEvent, PromptLayout, build_layout
+from specrag.cache import BlockRemoved, BlockStored, DocId, KnowledgeTree, KVEvent, PromptLayout, build_layout
 from specrag.cache.residency import chain_block_keys
 from specrag.controller.controller import AnswerDone, ControllerConfig, RagController, RagRequest
 from specrag.pipeline.commands import engine_server_config
@@ -475,3 +475,18 @@ async def run_conversation(
         assert len(given) == len(set(given)) and set(done.timeline.documents) <= set(given)
         answers.append(done)
     return answers
+
+
+def served_tree(
+    *orders: tuple[int, ...], capacity_blocks: int | None = None
+) -> tuple[KnowledgeTree, FakeEngine]:
+    """A tree that followed an engine through served prompts (with a capacity: a tree without
+    KV events, which models the cache instead)."""
+    tree = KnowledgeTree(SYSTEM, block_size=BLOCK, capacity_blocks=capacity_blocks)
+    engine = FakeEngine()
+    for order in orders:
+        prompt = layout(order)
+        tree.record_served(prompt)
+        if capacity_blocks is None:
+            tree.apply_events(engine.serve(prompt))
+    return tree, engine

@@ -2,10 +2,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specrag.cache import AdmissionQueue, KnowledgeTree, get_policy
+from specrag.cache import AdmissionQueue, get_policy
 from specrag.cache.admission import WindowScheduler
 from specrag.errors import InvalidInputError
-from tests.helpers import BLOCK, SYSTEM, Clock, FakeEngine, layout
+from tests.helpers import Clock, layout, served_tree
 
 
 def test_highest_cached_to_compute_ratio_goes_first() -> None:
@@ -44,22 +44,12 @@ def test_starved_requests_are_not_served_twice() -> None:
     assert len(queue) == 0
 
 
-def window_tree(*orders: tuple[int, ...]) -> KnowledgeTree:
-    tree = KnowledgeTree(SYSTEM, block_size=BLOCK)
-    engine = FakeEngine()
-    for order in orders:
-        prompt = layout(order)
-        tree.record_served(prompt)
-        tree.apply_events(engine.serve(prompt))
-    return tree
-
-
 def prompt_tokens(docs: tuple[int, ...]) -> int:
     return len(layout(docs).token_ids)
 
 
 def test_window_admits_the_request_with_the_most_cached_and_orders_it_for_the_tree() -> None:
-    tree = window_tree((1, 2, 3))
+    tree, _ = served_tree((1, 2, 3))
     window: WindowScheduler[str] = WindowScheduler(10.0, window_requests=4, clock=Clock())
     for name, docs in (("cold", (7, 8)), ("warm", (3, 9, 1, 2)), ("half", (2, 1, 6))):
         window.push(name, docs, prompt_tokens(docs))
@@ -72,7 +62,7 @@ def test_window_admits_the_request_with_the_most_cached_and_orders_it_for_the_tr
 
 
 def test_window_looks_only_at_the_oldest_requests_and_those_close_in_time() -> None:
-    tree = window_tree((1, 2, 3))
+    tree, _ = served_tree((1, 2, 3))
     clock = Clock()
     by_count: WindowScheduler[str] = WindowScheduler(10.0, window_requests=2, clock=clock)
     by_time: WindowScheduler[str] = WindowScheduler(10.0, window_requests=8, window_s=0.5, clock=clock)
@@ -86,7 +76,7 @@ def test_window_looks_only_at_the_oldest_requests_and_those_close_in_time() -> N
 
 
 def test_window_serves_a_starved_request_first() -> None:
-    tree = window_tree((1, 2, 3))
+    tree, _ = served_tree((1, 2, 3))
     clock = Clock()
     window: WindowScheduler[str] = WindowScheduler(5.0, clock=clock)
     window.push("cold", (7, 8), prompt_tokens((7, 8)))
@@ -97,7 +87,7 @@ def test_window_serves_a_starved_request_first() -> None:
 
 
 def test_window_puts_the_documents_waiting_requests_share_right_after_the_cached_prefix() -> None:
-    tree = window_tree((1, 2))
+    tree, _ = served_tree((1, 2))
     window: WindowScheduler[str] = WindowScheduler(10.0, clock=Clock())
     window.push("first", (9, 5, 4, 1, 2), prompt_tokens((9, 5, 4, 1, 2)))
     window.push("next", (1, 2, 4, 5, 7), prompt_tokens((1, 2, 4, 5, 7)))
@@ -117,7 +107,7 @@ def test_window_puts_the_documents_waiting_requests_share_right_after_the_cached
 def test_window_never_reuses_less_than_exact_for_the_request_it_admits(
     served: list[tuple[int, ...]], waiting: list[list[int]]
 ) -> None:
-    tree = window_tree(*served)
+    tree, _ = served_tree(*served)
     window: WindowScheduler[int] = WindowScheduler(10.0, clock=Clock())
     for i, docs in enumerate(waiting):
         window.push(i, docs, prompt_tokens(tuple(docs)))
@@ -133,7 +123,7 @@ def test_window_never_reuses_less_than_exact_for_the_request_it_admits(
 
 
 def test_a_removed_request_is_neither_admitted_nor_counted_as_sharing() -> None:
-    tree = window_tree((1, 2))
+    tree, _ = served_tree((1, 2))
     window: WindowScheduler[str] = WindowScheduler(10.0, clock=Clock())
     gone, first = "gone", "first"
     window.push(first, (5, 9, 1, 2), prompt_tokens((5, 9, 1, 2)))

@@ -8,7 +8,7 @@ from specrag.cache import POLICY_NAMES, KnowledgeTree, get_policy
 from specrag.cache.ordering import MyopicOracleOrder
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
-from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout
+from tests.helpers import BLOCK, FakeEngine, layout, served_tree
 
 DOCS = range(7)
 served_orders = st.lists(
@@ -19,12 +19,7 @@ requests = st.lists(st.sampled_from(DOCS), min_size=0, max_size=5, unique=True)
 
 def build(orders: list[tuple[int, ...]], evictions: list[int]) -> tuple[KnowledgeTree, FakeEngine]:
     """A tree that followed an engine through served prompts and some evictions."""
-    tree = KnowledgeTree(SYSTEM, block_size=BLOCK)
-    engine = FakeEngine()
-    for order in orders:
-        prompt = layout(order)
-        tree.record_served(prompt)
-        tree.apply_events(engine.serve(prompt))
+    tree, engine = served_tree(*orders)
     for pick in evictions:
         if engine.hash_of:
             keys = list(engine.hash_of)

@@ -8,20 +8,7 @@ from specrag.cache import AllBlocksCleared, KnowledgeTree, PrefixMatch
 from specrag.cache import tree as tree_module
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
-from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout
-
-
-def served_tree(
-    *orders: tuple[int, ...], capacity_blocks: int | None = None
-) -> tuple[KnowledgeTree, FakeEngine]:
-    tree = KnowledgeTree(SYSTEM, block_size=BLOCK, capacity_blocks=capacity_blocks)
-    engine = FakeEngine()
-    for order in orders:
-        prompt = layout(order)
-        tree.record_served(prompt)
-        if capacity_blocks is None:
-            tree.apply_events(engine.serve(prompt))
-    return tree, engine
+from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout, served_tree
 
 
 def test_cold_tree_knows_nothing_is_cached() -> None:
