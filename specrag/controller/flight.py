@@ -1,4 +1,8 @@
-"""One engine request of a query, pumped into a queue so its prefill runs while the query searches."""
+"""One engine request of a query, pumped into a queue so its prefill runs while the query searches.
+
+The request runs on one replica, which counts it as pending until its first token (its queue is
+what the router estimates waits from) and may fail it at once when the replica is excluded.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,10 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
-from specrag.cache.layout import PromptLayout
 from specrag.controller.gate import Slot
-from specrag.errors import EngineTimeoutError
-from specrag.pipeline.engine import Engine, EngineOutput, Sampling, now
+from specrag.controller.placement import Placed
+from specrag.errors import EngineError, EngineTimeoutError
+from specrag.pipeline.engine import EngineOutput, Sampling, now
 
 
 class Flight:
@@ -20,25 +24,32 @@ class Flight:
     """
 
     def __init__(
-        self, engine: Engine, layout: PromptLayout, sampling: Sampling, slot: Slot, speculative: bool
+        self,
+        placed: Placed,
+        sampling: Sampling,
+        slot: Slot,
+        speculative: bool,
     ):
         self.request_id = ("spec-" if speculative else "final-") + uuid.uuid4().hex
-        self.layout = layout
+        self.replica = replica = placed.replica
+        self.layout = layout = placed.layout
         self.sampling = sampling
         self.submitted_at = now()
         self.first_token_at: float | None = None
         self.cached_tokens: int | None = None
-        self._engine = engine
         self._slot = slot
         self._outputs: asyncio.Queue[EngineOutput | BaseException | None] = asyncio.Queue()
+        replica.submitted(self.request_id, placed.predicted_cached, len(layout.token_ids), self._fail)
         self._task = asyncio.create_task(self._pump(sampling), name=self.request_id)
 
     async def _pump(self, sampling: Sampling) -> None:
         try:
-            async for output in self._engine.generate(self.request_id, self.layout.token_ids, sampling):
+            engine = self.replica.engine
+            async for output in engine.generate(self.request_id, self.layout.token_ids, sampling):
                 if self.first_token_at is None:
                     self.first_token_at = output.received_at
                     self.cached_tokens = output.cached_tokens
+                    self.replica.first_token(self.request_id, output.received_at)
                     self._slot.release()
                 self._outputs.put_nowait(output)
             self._outputs.put_nowait(None)
@@ -47,7 +58,16 @@ class Flight:
         except BaseException as error:  # handed to the consumer, who raises it in its own context
             self._outputs.put_nowait(error)
         finally:
+            self.replica.finished(self.request_id)
             self._slot.release()
+
+    def _fail(self, error: EngineError) -> None:
+        """The replica was excluded before our first token: end the request with ``error`` now.
+
+        The pump stops; the consumer raises the error and may retry on another replica.
+        """
+        self._task.cancel()
+        self._outputs.put_nowait(error)
 
     async def outputs(self, first_token_timeout_s: float) -> AsyncIterator[EngineOutput]:
         """The request's outputs; the first must come within the timeout."""
@@ -71,5 +91,6 @@ class Flight:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self._engine.abort(self.request_id)
+        await self.replica.engine.abort(self.request_id)
+        self.replica.finished(self.request_id)
         self._slot.release()

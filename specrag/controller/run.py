@@ -21,24 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from specrag.cache.hints import HintConfig, order_hint
-from specrag.cache.layout import PromptLayout
+from specrag.cache.layout import DocId, PromptLayout
 from specrag.cache.ordering import get_policy
-from specrag.cache.tree import KnowledgeTree
 from specrag.controller.config import ControllerConfig
 from specrag.controller.flight import Flight
 from specrag.controller.gate import PrefillGate, Slot
+from specrag.controller.placement import Placed, Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest
 from specrag.controller.sessions import SessionStore
 from specrag.controller.timeline import Timeline
 from specrag.controller.warmup import SystemPromptWarmer
 from specrag.errors import EngineError, InvalidInputError, OverloadedError
-from specrag.pipeline.engine import Engine, EngineOutput, check_prompt_fits, now
+from specrag.pipeline.engine import EngineOutput, check_prompt_fits, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 
@@ -48,10 +48,9 @@ class QueryShared:
     """What the queries of one controller share; a run reads it and never changes it."""
 
     config: ControllerConfig
-    engine: Engine
+    placement: Placement
     index: VectorIndex
     builder: PromptBuilder
-    tree: KnowledgeTree
     gate: PrefillGate
     sessions: SessionStore
     warmer: SystemPromptWarmer
@@ -105,37 +104,39 @@ class QueryRun:
         """Speculate on a stage's running top-k if it changed and the prefill pool has room."""
         if not self.checked.mode.speculation:
             return
-        layout, _ = self._prompt(rows, final=False)
+        placed = self._prompt(rows, final=False)
         speculation = self._speculation
-        if speculation is not None and speculation.layout.token_ids == layout.token_ids:
+        if speculation is not None and speculation.layout.token_ids == placed.layout.token_ids:
             return
         if speculation is not None:
             await self._drop(speculation)
         slot = self._shared.gate.try_speculate()
         if slot is not None:
-            self._speculation = self._launch(layout, slot, speculative=True)
+            self._speculation = self._launch(placed, slot, speculative=True)
             self.timeline.speculations += 1
             self.timeline.add(
                 "spec_submit",
                 self._speculation.submitted_at,
                 stage=stage,
                 request_id=self._speculation.request_id,
+                replica=placed.replica.name,
             )
 
     async def final_known(self, rows: list[int]) -> Flight:
         """Adopt the speculation if its prompt is the final one; otherwise submit the final prompt."""
         shared, timeline = self._shared, self.timeline
         timeline.documents = [shared.builder.store.passage(row).id for row in rows]
-        layout, predicted = self._prompt(rows, final=True)
+        placed = self._prompt(rows, final=True)
+        layout, predicted = placed.layout, placed.predicted_cached
         timeline.predicted_cached_tokens = predicted
         speculation = self._speculation
         if speculation is not None and speculation.layout.token_ids == layout.token_ids:
             timeline.adopted = True
-            timeline.add("adopt", now(), request_id=speculation.request_id)
+            timeline.add("adopt", now(), request_id=speculation.request_id, replica=speculation.replica.name)
             return speculation
         if speculation is not None:
             await self._drop(speculation)
-        check_prompt_fits(len(layout.token_ids), self.checked.sampling, shared.engine.max_model_len)
+        check_prompt_fits(len(layout.token_ids), self.checked.sampling, placed.replica.engine.max_model_len)
         gate = shared.gate
         if gate.waiting >= shared.config.max_queue:
             # Bounded queueing: past the limit a caller is told to come back instead of waiting
@@ -149,7 +150,8 @@ class QueryRun:
             timeline.add("queued", queued_at, pool=gate.pool, waiting=gate.waiting)
         slot = await gate.admit(predicted, len(layout.token_ids) - predicted)
         timeline.queued_s = now() - queued_at
-        final = self._launch(layout, slot, speculative=False)
+        final = self._launch(placed, slot, speculative=False)
+        self._note_route(placed)
         timeline.add("final_submit", final.submitted_at, request_id=final.request_id)
         return final
 
@@ -178,7 +180,7 @@ class QueryRun:
         if session is not None:
             shared.sessions.record_turn(session, flight.layout.token_ids, tokens)
         elif timeline.first_token is not None:
-            shared.tree.record_served(flight.layout, timeline.cached_prompt_tokens)
+            flight.replica.tree.record_served(flight.layout, timeline.cached_prompt_tokens)
         yield AnswerDone("".join(texts), finish_reason, timeline, flight.layout)
 
     async def abort_all(self) -> None:
@@ -198,8 +200,8 @@ class QueryRun:
                 rows.append(row)
         return rows
 
-    def _prompt(self, rows: list[int], final: bool) -> tuple[PromptLayout, int]:
-        """The prompt for these documents and the tree's estimate of its cached tokens.
+    def _prompt(self, rows: list[int], final: bool) -> Placed:
+        """The prompt for these documents, where it goes and that replica's estimate of its cached tokens.
 
         Its cost is the controller's own overhead per stage, so it is timed into the timeline.
         """
@@ -209,35 +211,52 @@ class QueryRun:
         finally:
             self.timeline.controller_s += now() - started
 
-    def _ordered_prompt(self, rows: list[int], final: bool) -> tuple[PromptLayout, int]:
+    def _ordered_prompt(self, rows: list[int], final: bool) -> Placed:
         shared, checked = self._shared, self.checked
         session, question, builder = checked.session, checked.question_token_ids, shared.builder
+        # The final prompt prefers the speculation's replica on a tie, so adoption stays possible.
+        prefer = self._speculation.replica if self._speculation is not None else None
         if session is not None and session.turns:
             docs, hint = rows, None
             if final:
                 dedup = shared.sessions.dedup(session, rows)
                 docs, hint = [int(d) for d in dedup.kept], dedup.hint_text() or None
             layout = builder.build_with_question_tokens(docs, question, hint, history=session.history)
-            block = shared.engine.block_size
-            return layout, len(session.history) // block * block
+            return shared.placement.place_prompt(layout, prefer=prefer)
         policy = get_policy(shared.config.ordering_policy if checked.mode.ordering else "retrieval")
-        ordering = policy.order(shared.tree, rows)
-        ordered = [int(d) for d in ordering.doc_ids]
-        if session is not None and final:
-            shared.sessions.dedup(session, ordered)  # a first turn sends every document: remember them
-        hint = order_hint(rows, ordered, shared.hints) if checked.mode.ordering else None
-        return builder.build_with_question_tokens(ordered, question, hint), ordering.cached.tokens
 
-    def _launch(self, layout: PromptLayout, slot: Slot, speculative: bool) -> Flight:
+        def build(doc_ids: Sequence[DocId]) -> PromptLayout:
+            ordered = [int(d) for d in doc_ids]
+            hint = order_hint(rows, ordered, shared.hints) if checked.mode.ordering else None
+            return builder.build_with_question_tokens(ordered, question, hint)
+
+        placed = shared.placement.place_documents(policy, rows, build, prefer=prefer)
+        if session is not None and final:
+            # A first turn sends every document: remember them.
+            shared.sessions.dedup(session, placed.layout.document_ids())
+        return placed
+
+    def _launch(self, placed: Placed, slot: Slot, speculative: bool) -> Flight:
         sampling = self.checked.sampling
         try:
-            check_prompt_fits(len(layout.token_ids), sampling, self._shared.engine.max_model_len)
+            check_prompt_fits(len(placed.layout.token_ids), sampling, placed.replica.engine.max_model_len)
         except InvalidInputError:
             slot.release()  # the slot was taken for a request that will never exist
             raise
-        flight = Flight(self._shared.engine, layout, sampling, slot, speculative)
+        flight = Flight(placed, sampling, slot, speculative)
         self._flights.append(flight)
         return flight
+
+    def _note_route(self, placed: Placed) -> None:
+        """The timeline (and so /metrics) says where the answer's prompt went, and why."""
+        self.timeline.add(
+            "route",
+            now(),
+            replica=placed.replica.name,
+            reason=placed.reason,
+            estimate_ms=round(placed.estimate_s * 1000, 3),
+            predicted_cached_tokens=placed.predicted_cached,
+        )
 
     def _forget(self, flight: Flight) -> None:
         """Drop an aborted flight from the run (the controller's close may have done it already)."""
@@ -251,23 +270,24 @@ class QueryRun:
         self._speculation = None
         if flight.first_token_at is not None:
             # Fully prefilled: its blocks are in the prefix cache now, the tree should know.
-            self._shared.tree.record_served(flight.layout, flight.cached_tokens)
+            flight.replica.tree.record_served(flight.layout, flight.cached_tokens)
         timeline = self.timeline
         timeline.aborted_speculations += 1
         timeline.wasted_spec_prefill_tokens += len(flight.layout.token_ids) - (flight.cached_tokens or 0)
         timeline.add("spec_abort", now(), request_id=flight.request_id)
 
     async def _outputs_with_retry(self, flight: Flight) -> AsyncIterator[EngineOutput]:
-        """The answer's outputs; a request that fails before its first token is retried once.
+        """The answer's outputs; a request that fails before its first token is retried.
 
         RAGCache §6: a failure before the first token loses nothing the caller has seen, so the
-        prompt is resubmitted (after a supervised engine has recovered, bounded in time). The
-        engine's supervisor, when it has one, hears of every failure: a missing first token is
-        one it cannot see by itself.
+        prompt is resubmitted: on another replica when there is one (the failed one is excluded),
+        else after a supervised engine has recovered, bounded in time. The placement hears of
+        every failure: a missing first token is one an engine's supervisor cannot see by itself.
         """
         shared = self._shared
+        placement = shared.placement
         timeout_s = shared.config.first_token_timeout_s
-        retried = False
+        retries_left = max(1, len(placement.replicas) - 1)
         while True:
             started = False
             try:
@@ -276,15 +296,15 @@ class QueryRun:
                     yield output
                 return
             except EngineError as error:
-                supervision = shared.engine.supervision
-                if supervision is not None:
-                    supervision.report_failure(str(error))
-                if started or retried:
+                placement.report_failure(flight.replica, str(error))
+                if started or not retries_left:
                     raise
-                retried = True
-                self.timeline.add("retry", now(), reason=str(error))
-                if supervision is not None and not await supervision.wait_ready(timeout_s):
+                retries_left -= 1
+                self.timeline.add("retry", now(), reason=str(error), replica=flight.replica.name)
+                if not await placement.wait_ready(timeout_s):
                     raise
-                slot = await shared.gate.admit(0, len(flight.layout.token_ids))
-                flight = self._launch(flight.layout, slot, speculative=False)
+                placed = placement.place_prompt(flight.layout, avoid=(flight.replica,))
+                slot = await shared.gate.admit(placed.predicted_cached, len(flight.layout.token_ids))
+                flight = self._launch(placed, slot, speculative=False)
+                self._note_route(placed)
                 self.timeline.answer_submit = flight.submitted_at
