@@ -14,7 +14,8 @@ from specrag.controller.replicas import Replica
 from specrag.controller.timeline import Timeline, TimelineEvent
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
-from tests.helpers import pool_controller, scripted_index, simulated_pool, wait_until
+from specrag.service.metrics import ServiceMetrics
+from tests.helpers import metric, pool_controller, scripted_index, simulated_pool, wait_until
 
 QUESTION = "What does the assert statement do?"
 
@@ -106,3 +107,15 @@ async def test_with_every_replica_down_the_health_check_says_so(tiny_assets: Ass
     health = await controller.health()
     assert not health.serving and "r0" in str(health.reason) and "r1" in str(health.reason)
     await controller.close()
+
+
+async def test_metrics_count_answers_by_replica_and_reason(tiny_assets: Assets) -> None:
+    pool = simulated_pool(tiny_assets, 2)
+    controller = pool_controller(pool, tiny_assets, scripted_index(tiny_assets, [[1, 2, 3]], 0.0))
+    metrics = ServiceMetrics()
+    timeline = await ask(controller)
+    metrics.observe(timeline)
+    (replica,) = routes(timeline)
+    text = metrics.exposition().decode()
+    assert metric(text, "specrag_routed_total", reason="lowest estimated TTFT", replica=replica) == 1
+    await close(pool, controller)
