@@ -14,7 +14,7 @@ the live runs, never kept beside them. Front ends use it through
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from specrag.cache.hints import HintConfig
 from specrag.cache.tree import KnowledgeTree
@@ -69,7 +69,7 @@ class RagController:
             self.placement = engine
         else:
             # ``is None``, not ``or``: an empty tree has length 0 and is falsy.
-            tree = tree if tree is not None else new_tree(engine, builder)
+            tree = tree if tree is not None else new_tree(engine, builder.system_token_ids)
             self.placement = Placement([Replica("0", engine, tree)])
         self.index = index
         self.builder = builder
@@ -225,11 +225,11 @@ class RagController:
         await self._warmer.close()
 
 
-def new_tree(engine: Engine, builder: PromptBuilder) -> KnowledgeTree:
+def new_tree(engine: Engine, system_token_ids: Sequence[int]) -> KnowledgeTree:
     """An empty knowledge tree for an engine: its block size, and its capacity model until events come."""
     capacity = engine.kv_capacity_tokens
     return KnowledgeTree(
-        builder.system_token_ids,
+        system_token_ids,
         block_size=engine.block_size,
         capacity_blocks=capacity // engine.block_size if capacity else None,
     )

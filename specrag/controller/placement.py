@@ -247,7 +247,7 @@ class Placement:
             await asyncio.sleep(every_s)
             for replica in self.replicas:
                 if replica.excluded is not None and await _answers(replica, probe_timeout_s):
-                    replica.rejoin()
+                    await replica.rejoin()
 
 
 async def _answers(replica: Replica, timeout_s: float) -> bool:

@@ -15,7 +15,7 @@ sees it answer again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,8 @@ class Replica:
         self.excluded: str | None = None
         self.exclusions = 0
         self._pending: dict[str, _Pending] = {}
+        # Run on every rejoin, e.g. to resubscribe a KV-event mirror to a restarted engine.
+        self.rejoin_hooks: list[Callable[[], Awaitable[None]]] = []
 
     @classmethod
     def simulated(
@@ -138,10 +140,12 @@ class Replica:
         for request in pending.values():
             request.fail(EngineError(f"replica {self.name} was excluded: {reason}"))
 
-    def rejoin(self) -> None:
+    async def rejoin(self) -> None:
         """Back in routing, with an empty tree: a restarted engine's cache is empty."""
         if self.excluded is None:
             return
         logger.info("replica %s rejoins", self.name)
-        self.excluded = None
         self.tree.engine_cache_cleared()
+        for hook in self.rejoin_hooks:
+            await hook()
+        self.excluded = None

@@ -8,18 +8,28 @@ the in-process vLLM engine (KV-cache events on, so the knowledge tree mirrors th
 exactly) or, with ``engine_url``, any OpenAI-compatible server; either way it is supervised: a
 dead or hung engine is replaced, and on every replacement the tree forgets what it believed
 cached and the KV mirror resubscribes.
+
+With ``ray`` set, :func:`open_ray_service` runs several vLLM replicas as Ray actors instead
+(:mod:`specrag.pipeline.ray_engine`), each with its own tree fed by its own KV events, behind
+the router of :mod:`specrag.controller.placement`; Ray restarts a dead replica and the router's
+health checks bring it back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
-from specrag.controller.controller import ControllerConfig, RagController
+from specrag.controller.controller import ControllerConfig, RagController, new_tree
+from specrag.controller.placement import Placement, health_checks
+from specrag.controller.replicas import Replica
+from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
@@ -42,6 +52,10 @@ class ServiceOptions:
     supervisor: SupervisorPolicy = field(default_factory=SupervisorPolicy)
     max_queries: int = DEFAULT_MAX_QUERIES
     max_queries_per_client: int = DEFAULT_MAX_QUERIES_PER_CLIENT
+    # Ray: None for no Ray, "" for a local instance (or $RAY_ADDRESS), else a cluster's address.
+    ray_address: str | None = None
+    replicas: int = 1
+    router: str = "specrag"
 
 
 @dataclass
@@ -160,3 +174,94 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
             max_queries_per_client=options.max_queries_per_client,
         )
         yield Service(app, controller, engine, mirror, engine_config)
+
+
+@dataclass
+class RayService:
+    """The parts of a service over Ray replicas, for callers that look inside."""
+
+    app: web.Application
+    controller: RagController
+    placement: Placement
+
+
+@contextlib.asynccontextmanager
+async def open_ray_placement(
+    model_dir: Path, options: ServiceOptions, system_token_ids: Sequence[int]
+) -> AsyncIterator[Placement]:
+    """``options.replicas`` vLLM replicas as Ray actors behind the router; all stopped on exit.
+
+    Connects to the cluster at ``options.ray_address`` (or starts a local instance, shut down
+    on exit). Each replica's KV events go to a port chosen free on this machine; each replica's
+    tree is fed by its own subscriber, resubscribed whenever the replica rejoins (Ray restarted it).
+    """
+    import ray
+
+    from specrag.pipeline.ray_engine import RayEngine, replica_config, subscriber_config
+
+    if options.replicas < 1:
+        raise InvalidInputError(f"--replicas must be at least 1, got {options.replicas}")
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=options.ray_address or None, include_dashboard=False, log_to_driver=False)
+    mirrors: list[KVMirror] = []
+    engines: list[RayEngine] = []
+    try:
+        base = EngineConfig(model=str(model_dir), enforce_eager=options.eager)
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        configs = [replica_config(base, i, free_port_pair(), cpus) for i in range(options.replicas)]
+        starts = [RayEngine.start(config, f"r{i}") for i, config in enumerate(configs)]
+        for started in await asyncio.gather(*starts, return_exceptions=True):
+            if isinstance(started, RayEngine):
+                engines.append(started)
+        if len(engines) < len(configs):
+            raise EngineError(f"only {len(engines)} of {len(configs)} Ray replicas started")
+        replicas = []
+        for engine, config in zip(engines, configs, strict=True):
+            tree = new_tree(engine, system_token_ids)
+            mirror = KVMirror(tree, subscriber_config(config, engine.node_ip))
+            await mirror.start()
+            mirrors.append(mirror)
+            replica = Replica(engine.name, engine, tree)
+            replica.rejoin_hooks.append(mirror.restart)
+            replicas.append(replica)
+        placement = Placement(replicas, router=options.router)
+        async with health_checks(placement):
+            yield placement
+    finally:
+        for mirror in mirrors:
+            await mirror.stop()
+        for engine in engines:
+            await engine.close()
+        if started_ray:
+            ray.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def open_ray_service(assets: Assets, options: ServiceOptions) -> AsyncIterator[RayService]:
+    """The service over Ray replicas (see :func:`open_ray_placement`)."""
+    system_token_ids = PromptBuilder(assets.tokenizer, assets.store).system_token_ids
+    async with open_ray_placement(assets.model_dir, options, system_token_ids) as placement:
+        builder = prompt_builder(assets, placement.replicas[0].engine)
+        controller = RagController(placement, assets.index, builder, options.controller)
+        try:
+            app = create_app(
+                controller,
+                api_token=options.api_token,
+                max_queries=options.max_queries,
+                max_queries_per_client=options.max_queries_per_client,
+            )
+            yield RayService(app, controller, placement)
+        finally:
+            await controller.close()
+
+
+def free_port_pair() -> int:
+    """A port P with P and P+1 free on this machine (KV events and their replay socket)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("0.0.0.0", 0))
+            port = int(probe.getsockname()[1])
+        with socket.socket() as second, contextlib.suppress(OSError):
+            second.bind(("0.0.0.0", port + 1))
+            return port
