@@ -17,9 +17,10 @@ from aiohttp import web
 from specrag.client import AsyncClient
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES
+from specrag.controller.placement import ROUTERS
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.service.assembly import ServiceOptions, open_service
+from specrag.service.assembly import ServiceOptions, open_ray_service, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT, serving
@@ -51,10 +52,16 @@ async def _service(
     args: argparse.Namespace, assets: Assets, options: ServiceOptions
 ) -> AsyncIterator[web.Application]:
     """The supervised engine, the controller and the application over them (see service.py)."""
-    if options.engine_url is not None:
+    if options.engine_url is not None and options.ray_address is None:
         print(f"connecting to the engine server at {options.engine_url}…", flush=True)
-    else:
+    elif options.ray_address is None:
         print(f"starting vLLM on {assets.model_dir} (about a minute on a small CPU machine)…", flush=True)
+    if options.ray_address is not None:
+        where = options.ray_address or "a local Ray instance"
+        print(f"starting {options.replicas} vLLM replicas on {where}…", flush=True)
+        async with open_ray_service(assets, options) as ray_service:
+            yield ray_service.app
+        return
     run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
     async with open_service(assets, options, run_dir) as service:
         yield service.app
@@ -113,7 +120,16 @@ def _serve(args: argparse.Namespace) -> int:
         api_token=token,
         max_queries=args.max_queries,
         max_queries_per_client=args.max_queries_per_client,
+        ray_address=args.ray,
+        replicas=args.replicas,
+        router=args.router,
     )
+    if args.replicas < 1:
+        raise InvalidInputError(f"--replicas must be at least 1, got {args.replicas}")
+    if (args.replicas > 1 or args.router != "specrag") and args.ray is None:
+        raise InvalidInputError("--replicas and --router need --ray (replicas run as Ray actors)")
+    if args.ray is not None and args.engine_url is not None:
+        raise InvalidInputError("--ray and --engine-url exclude each other")
     assets = _assets(args)
 
     async def main() -> None:
@@ -181,6 +197,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--engine-url", help="an OpenAI-compatible engine server to use instead of the in-process vLLM"
     )
+    scale = serve.add_argument_group("scale-out (pip install 'specrag[ray]')")
+    scale.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run the engines as Ray actors: on the cluster at ADDRESS, else a local Ray instance",
+    )
+    scale.add_argument("--replicas", type=int, default=1, help="engine replicas (with --ray)")
+    scale.add_argument("--router", choices=ROUTERS, default="specrag", help="how prompts are placed")
     limits = serve.add_argument_group("limits (beyond them: 429 with Retry-After, or 504)")
     limits.add_argument(
         "--max-queries",
