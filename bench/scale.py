@@ -393,6 +393,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--real-rate", type=float, default=1.0, help="arrivals per second on the real pair")
     parser.add_argument("--kill-after-s", type=float, default=5.0, help="when the kill comes")
     parser.add_argument("--no-real", action="store_true", help="skip the real replicas and the kill")
+    parser.add_argument("--no-simulated", action="store_true", help="skip the simulated replicas")
     parser.add_argument("--eager", action="store_true", help="no graph compilation in the engines")
     parser.add_argument("--data-dir", type=Path, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -407,14 +408,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    by_router = await simulated(args.queries, args.rate, args.time_scale, args.seed)
-    result: dict[str, Any] = {
-        "simulated": {router: merge(list(runs.values())) for router, runs in by_router.items()},
-        "simulated_by_trace": {
+    result: dict[str, Any] = {}
+    if not args.no_simulated:
+        by_router = await simulated(args.queries, args.rate, args.time_scale, args.seed)
+        result["simulated"] = {router: merge(list(runs.values())) for router, runs in by_router.items()}
+        result["simulated_by_trace"] = {
             router: {trace: summary(samples) for trace, samples in runs.items()}
             for router, runs in by_router.items()
-        },
-    }
+        }
     if not args.no_real:
         result["real"], result["kill"] = await real(args)
     return result
@@ -429,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     result["settings"] = {key: str(value) for key, value in vars(args).items()}
     result["machine"] = machine()
     write_json("scale", result)
-    plot(result, plot_path("scale"))
+    if "simulated" in result:
+        plot(result, plot_path("scale"))
     print(json.dumps({key: result[key] for key in ("simulated", "real", "kill") if key in result}))
 
 

@@ -187,9 +187,9 @@ class RayService:
 
 @contextlib.asynccontextmanager
 async def open_ray_placement(
-    model_dir: Path, options: ServiceOptions, system_token_ids: Sequence[int]
+    base: EngineConfig, options: ServiceOptions, system_token_ids: Sequence[int]
 ) -> AsyncIterator[Placement]:
-    """``options.replicas`` vLLM replicas as Ray actors behind the router; all stopped on exit.
+    """``options.replicas`` vLLM replicas of ``base`` as Ray actors behind the router; all stopped on exit.
 
     Connects to the cluster at ``options.ray_address`` (or starts a local instance, shut down
     on exit). Each replica's KV events go to a port chosen free on this machine; each replica's
@@ -207,15 +207,14 @@ async def open_ray_placement(
     mirrors: list[KVMirror] = []
     engines: list[RayEngine] = []
     try:
-        base = EngineConfig(model=str(model_dir), enforce_eager=options.eager)
         cpus = int(ray.cluster_resources().get("CPU", 1))
         configs = [replica_config(base, i, free_port_pair(), cpus) for i in range(options.replicas)]
         starts = [RayEngine.start(config, f"r{i}") for i, config in enumerate(configs)]
-        for started in await asyncio.gather(*starts, return_exceptions=True):
-            if isinstance(started, RayEngine):
-                engines.append(started)
-        if len(engines) < len(configs):
-            raise EngineError(f"only {len(engines)} of {len(configs)} Ray replicas started")
+        outcomes = await asyncio.gather(*starts, return_exceptions=True)
+        engines += [started for started in outcomes if isinstance(started, RayEngine)]
+        failures = [str(error) for error in outcomes if isinstance(error, BaseException)]
+        if failures:
+            raise EngineError(f"{len(failures)} of {len(configs)} Ray replicas did not start: {failures[0]}")
         replicas = []
         for engine, config in zip(engines, configs, strict=True):
             tree = new_tree(engine, system_token_ids)
@@ -241,7 +240,8 @@ async def open_ray_placement(
 async def open_ray_service(assets: Assets, options: ServiceOptions) -> AsyncIterator[RayService]:
     """The service over Ray replicas (see :func:`open_ray_placement`)."""
     system_token_ids = PromptBuilder(assets.tokenizer, assets.store).system_token_ids
-    async with open_ray_placement(assets.model_dir, options, system_token_ids) as placement:
+    base = EngineConfig(model=str(assets.model_dir), enforce_eager=options.eager)
+    async with open_ray_placement(base, options, system_token_ids) as placement:
         builder = prompt_builder(assets, placement.replicas[0].engine)
         controller = RagController(placement, assets.index, builder, options.controller)
         try:

@@ -12,6 +12,7 @@ import pytest
 
 from specrag.controller.controller import RagController, RagRequest
 from specrag.errors import EngineError
+from specrag.pipeline.config import EngineConfig
 from specrag.service.assembly import ServiceOptions, open_ray_placement
 from specrag.service.assets import Assets
 from tests.helpers import random_prompt, run_prompt, scripted_index, wait_until
@@ -21,7 +22,9 @@ ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 
-async def test_two_ray_replicas_answer_queries_and_a_killed_one_is_routed_around(tiny_assets: Assets) -> None:
+async def test_two_ray_replicas_answer_queries_and_a_killed_one_is_routed_around(
+    tiny_assets: Assets, tiny_engine_config: EngineConfig
+) -> None:
     from specrag.pipeline.prompt import PromptBuilder
     from specrag.pipeline.ray_engine import RayEngine
 
@@ -29,7 +32,7 @@ async def test_two_ray_replicas_answer_queries_and_a_killed_one_is_routed_around
     try:
         options = ServiceOptions(ray_address="", replicas=2, router="round_robin", eager=True)
         system = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store).system_token_ids
-        async with open_ray_placement(tiny_assets.model_dir, options, system) as placement:
+        async with open_ray_placement(tiny_engine_config, options, system) as placement:
             builder = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store, block_size=32)
             index = scripted_index(tiny_assets, [[1, 2, 3]], 0.0)
             controller = RagController(placement, index, builder)
