@@ -69,6 +69,7 @@ class Sample:
     replica: str
     retried_from: str | None = None
     first_token_at: float | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -105,7 +106,9 @@ async def run_query(
                 answer.extend(output.token_ids)
         except EngineError as error:
             placement.report_failure(placed.replica, str(error))
-            if flight.first_token_at is not None or not retries_left:
+            if flight.first_token_at is not None:  # the caller has seen tokens: no retry
+                raise EngineError(f"{placed.replica.name} failed after the first token: {error}") from error
+            if not retries_left:
                 raise
             retries_left -= 1
             failed_on = failed_on or placed.replica.name
@@ -155,8 +158,8 @@ async def replay_trace(
                 placed = placement.place_prompt(build(fresh, question, history))
             try:
                 sample, answer = await run_query(placement, placed, replay, gate)
-            except EngineError:  # counted as failed, not retried further
-                return Sample(None, len(placed.layout.token_ids), 0, placed.replica.name)
+            except EngineError as error:  # counted as failed, not retried further
+                return Sample(None, len(placed.layout.token_ids), 0, placed.replica.name, error=str(error))
             if conv is not None:
                 histories[conv] = (*placed.layout.token_ids, *answer)
                 seen.setdefault(conv, set()).update(request.docs)
@@ -354,6 +357,7 @@ async def kill_run(
     return {
         "queries": len(trace),
         "failed": failed,
+        "errors": [s.error for s in samples if s.error is not None],
         "retried": len(gaps),
         "max_gap_s": round(max(gaps), 3) if gaps else 0.0,
     }
