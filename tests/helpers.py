@@ -28,6 +28,8 @@ import numpy as np
 from specrag.cache import BlockRemoved, BlockStored, DocId, KnowledgeTree, KVEvent, PromptLayout, build_layout
 from specrag.cache.residency import chain_block_keys
 from specrag.controller.controller import AnswerDone, ControllerConfig, RagController, RagRequest
+from specrag.controller.placement import Placement
+from specrag.controller.replicas import Replica
 from specrag.pipeline.commands import engine_server_config
 from specrag.pipeline.default_model import DefaultModelSpec
 from specrag.pipeline.engine import (
@@ -216,6 +218,21 @@ def make_controller(
 ) -> RagController:
     builder = PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
     return RagController(engine, index or assets.index, builder, ControllerConfig(**config))
+
+
+def simulated_pool(assets: Assets, n: int, **engine_options: Any) -> list[Replica]:
+    """``n`` simulated replicas, each with its own tree fed by its own KV events."""
+    builder = PromptBuilder(assets.tokenizer, assets.store, block_size=32)
+    options = {"time_scale": 0.01, "max_model_len": 4096, **engine_options}
+    return [Replica.simulated(f"r{i}", builder.system_layout_tokens(), **options) for i in range(n)]
+
+
+def pool_controller(
+    pool: Sequence[Replica], assets: Assets, index: VectorIndex, router: str = "specrag", **config: Any
+) -> RagController:
+    """A controller over several replicas behind a router."""
+    builder = PromptBuilder(assets.tokenizer, assets.store, block_size=pool[0].engine.block_size)
+    return RagController(Placement(pool, router=router), index, builder, ControllerConfig(**config))
 
 
 # ------------------------------------------------------------------------------------- services

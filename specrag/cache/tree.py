@@ -181,6 +181,16 @@ class KnowledgeTree:
         tokens = self.partial_tokens(partial) if partial is not None else self.resident_tokens(node)
         return PrefixMatch(bisect_right(ends, tokens), tokens, len(ends) == len(doc_ids))
 
+    def cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """What the engine would reuse of any prompt whose token order is fixed (a session's turn).
+
+        The resident leading blocks by content key, capped like the engine's hit: the last prompt
+        token is always computed, so an exact repeat reuses all blocks but the one holding it.
+        """
+        usable = (len(token_ids) - 1) // self.block_size
+        keys = chain_block_keys(token_ids[: usable * self.block_size], self.block_size)
+        return self._residency.leading_stored(keys) * self.block_size
+
     # ----------------------------------------------------------------- updates
 
     def record_served(self, layout: PromptLayout, cached_tokens: int | None = None) -> None:

@@ -1,10 +1,12 @@
 """The RAG controller: what every query shares, and one :class:`~specrag.controller.run.QueryRun`
 per query.
 
-The controller holds the engine, the vector index, the prompt builder, the knowledge tree, the
-prefill gate, the sessions and the system-prompt warmer; it checks each request once and hands it
-to a new run, which does the query's work (staged search overlapped with speculative prefill,
-cache-aware prompts, adoption; see :mod:`specrag.controller.run`). What is in flight is read from
+The controller holds the engine replicas (one, or several behind a router: see
+:mod:`specrag.controller.placement`), each with the knowledge tree mirroring its cache, the vector
+index, the prompt builder, the prefill gate, the sessions and the system-prompt warmer; it checks
+each request once and hands it to a new run, which does the query's work (staged search
+overlapped with speculative prefill, cache-aware prompts, adoption; see
+:mod:`specrag.controller.run`). What is in flight is read from
 the live runs, never kept beside them. Front ends use it through
 :class:`~specrag.controller.facade.QueryCore`.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from specrag.cache.hints import HintConfig
 from specrag.cache.tree import KnowledgeTree
@@ -22,7 +24,9 @@ from specrag.controller.conversation import TurnPrompts
 from specrag.controller.facade import CoreLoad, EngineHealth
 from specrag.controller.gate import PrefillGate, default_max_prefill_bs
 from specrag.controller.modes import get_mode
+from specrag.controller.placement import Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
+from specrag.controller.replicas import Replica
 from specrag.controller.run import QueryRun, QueryShared
 from specrag.controller.sampling import check_sampling
 from specrag.controller.sessions import SessionStore
@@ -63,44 +67,57 @@ def step_token_budget(config: ControllerConfig, engine: Engine) -> int:
 
 
 class RagController:
-    """Answers questions with staged retrieval, speculative prefill and cache-aware ordering."""
+    """Answers questions with staged retrieval, speculative prefill and cache-aware ordering.
+
+    ``engine`` is one engine (its tree is ``tree``, or a new one) or a :class:`Placement` over
+    several replicas, each with its own tree. The prefill gate grows with the replicas: each
+    engine's steps hold ``max_prefill_bs`` prompts.
+    """
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | Placement,
         index: VectorIndex,
         builder: PromptBuilder,
         config: ControllerConfig | None = None,
         tree: KnowledgeTree | None = None,
     ) -> None:
         self.config = (config or ControllerConfig()).validate()
-        self.engine = engine
+        if isinstance(engine, Placement):
+            if tree is not None:
+                raise InvalidInputError("replicas bring their own trees: pass no tree with a placement")
+            self.placement = engine
+        else:
+            # ``is None``, not ``or``: an empty tree has length 0 and is falsy.
+            # The system prompt as it starts every prompt, padded to whole blocks: the engine caches
+            # (and the tree must predict) its padding block too.
+            tree = tree if tree is not None else new_tree(engine, builder.system_layout_tokens())
+            self.placement = Placement([Replica("0", engine, tree)])
         self.index = index
         self.builder = builder
-        capacity = engine.kv_capacity_tokens
-        # ``is None``, not ``or``: an empty tree has length 0 and is falsy.
-        if tree is None:
-            # The system prompt as it starts every prompt, padded to whole blocks: the engine
-            # caches (and the tree must predict) its padding block too.
-            tree = KnowledgeTree(
-                builder.system_layout_tokens(),
-                block_size=engine.block_size,
-                capacity_blocks=capacity // engine.block_size if capacity else None,
-            )
-        self.tree = tree
-        self.batched_token_budget = step_token_budget(self.config, engine)
+        self.batched_token_budget = step_token_budget(self.config, self.engine)
         max_bs = self.config.max_prefill_bs or default_max_prefill_bs(
             self.batched_token_budget,
             len(builder.system_token_ids) + self.config.k_default * _EXPECTED_PASSAGE_TOKENS,
         )
-        self.gate = PrefillGate(max_bs, self.config.starvation_window_s)
+        self.gate = PrefillGate(max_bs * len(self.placement.replicas), self.config.starvation_window_s)
         self.sessions = SessionStore(
             self.config.max_sessions, self.config.session_ttl_s, self.config.max_sessions_per_client
         )
         self._hints = HintConfig(order_hint=self.config.order_hint)
         self._turn_prompts = TurnPrompts(builder, self._hints)
-        self._warmer = SystemPromptWarmer(engine, builder, tree, self.gate)
+        self._warmer = SystemPromptWarmer(self.placement.replicas, builder, self.gate)
         self._runs: set[QueryRun] = set()
+
+    @property
+    def engine(self) -> Engine:
+        """The first replica's engine: the only one without scale-out."""
+        return self.placement.replicas[0].engine
+
+    @property
+    def tree(self) -> KnowledgeTree:
+        """The first replica's knowledge tree: the only one without scale-out."""
+        return self.placement.replicas[0].tree
 
     # ------------------------------------------------------------------ queries
 
@@ -183,10 +200,9 @@ class RagController:
         """What a new run shares with the others (read now: a test may swap the index between queries)."""
         return QueryShared(
             self.config,
-            self.engine,
+            self.placement,
             self.index,
             self.builder,
-            self.tree,
             self.gate,
             self.sessions,
             self._warmer,
@@ -200,14 +216,25 @@ class RagController:
         return CoreLoad(prefill_pool=self.gate.pool, queued=self.gate.waiting)
 
     async def health(self) -> EngineHealth:
-        """Whether the engine answers (its own counts), with its supervisor's status if it has one."""
+        """Whether an engine answers (its own counts), with the first's supervisor status if it has one.
+
+        With several replicas the service serves while any replica does: one replica down (or
+        restarting) is routed around, not a reason to turn callers away.
+        """
         supervision = self.engine.supervision
         status = supervision.status() if supervision is not None else None
-        try:
-            await self.engine.counts()
-        except EngineError as error:
-            return EngineHealth(serving=False, reason=str(error), supervision=status)
-        return EngineHealth(serving=True, reason=None, supervision=status)
+        reasons = []
+        for replica in self.placement.replicas:
+            try:
+                if replica.excluded is not None:
+                    raise EngineError(f"excluded: {replica.excluded}")
+                await replica.engine.counts()
+            except EngineError as error:
+                alone = len(self.placement.replicas) == 1
+                reasons.append(str(error) if alone else f"{replica.name}: {error}")
+                continue
+            return EngineHealth(serving=True, reason=None, supervision=status)
+        return EngineHealth(serving=False, reason="; ".join(reasons), supervision=status)
 
     def create_session(self, client: str) -> str:
         return self.sessions.create(client).session_id
@@ -218,16 +245,27 @@ class RagController:
     # ------------------------------------------------------------------ lifecycle
 
     async def reset_prefix_cache(self) -> None:
-        """Empty the engine's prefix cache and tell the tree at once (for cold-start experiments).
+        """Empty every engine's prefix cache and tell its tree at once (for cold-start experiments).
 
         vLLM publishes the AllBlocksCleared event only with its next step; the tree must not
         believe in cached blocks until then.
         """
-        await self.engine.reset_prefix_cache()
-        self.tree.engine_cache_cleared()
+        for replica in self.placement.replicas:
+            await replica.engine.reset_prefix_cache()
+            replica.tree.engine_cache_cleared()
 
     async def close(self) -> None:
         """Abort every request the live queries hold and any warm-up (service shutdown)."""
         for run in list(self._runs):
             await run.abort_all()
         await self._warmer.close()
+
+
+def new_tree(engine: Engine, system_token_ids: Sequence[int]) -> KnowledgeTree:
+    """An empty knowledge tree for an engine: its block size, and its capacity model until events come."""
+    capacity = engine.kv_capacity_tokens
+    return KnowledgeTree(
+        system_token_ids,
+        block_size=engine.block_size,
+        capacity_blocks=capacity // engine.block_size if capacity else None,
+    )

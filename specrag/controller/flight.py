@@ -1,4 +1,8 @@
-"""One engine request of a query, pumped into a queue so its prefill runs while the query searches."""
+"""One engine request of a query, pumped into a queue so its prefill runs while the query searches.
+
+The request runs on one replica, which counts it as pending until its first token (its queue is
+what the router estimates waits from) and may fail it at once when the replica is excluded.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,10 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from specrag.cache.layout import PromptLayout
 from specrag.controller.gate import Slot
-from specrag.errors import EngineTimeoutError
-from specrag.pipeline.engine import Engine, EngineOutput, Sampling, latest_cached_tokens, now
+from specrag.controller.placement import Placed
+from specrag.errors import EngineError, EngineTimeoutError
+from specrag.pipeline.engine import EngineOutput, Sampling, latest_cached_tokens, now
 
 
 class Flight:
@@ -19,17 +23,16 @@ class Flight:
     The slot in the prefill pool is released at the first token, or when the request ends.
     """
 
-    def __init__(
-        self, engine: Engine, layout: PromptLayout, sampling: Sampling, slot: Slot, speculative: bool
-    ):
+    def __init__(self, placed: Placed, sampling: Sampling, slot: Slot, speculative: bool):
         self.request_id = ("spec-" if speculative else "final-") + uuid.uuid4().hex
-        self.layout = layout
+        self.replica = replica = placed.replica
+        self.layout = layout = placed.layout
         # The knowledge tree's estimate of the engine's prefix hit at submission, set by the run
         # that launched it, to be checked against the engine's answer (``cached_tokens``).
         self.predicted_cached_tokens = 0
         # Whether another request was being prefilled when this one was submitted: if so the
         # engine's cache may grow before it schedules this one, and the prediction lag behind.
-        self.others_prefilling = engine.load().prefilling > 0
+        self.others_prefilling = replica.engine.load().prefilling > 0
         # Told at the first token, when the prompt's blocks are in the engine's cache; set by the
         # run right after construction (the pump starts at the run's next await).
         self.on_prefilled: Callable[[Flight], None] | None = None
@@ -38,18 +41,20 @@ class Flight:
         self.first_token_at: float | None = None
         self.scheduled_at: float | None = None  # when the engine began its prefill, if it says
         self.cached_tokens: int | None = None
-        self._engine = engine
         self._slot = slot
         self._outputs: asyncio.Queue[EngineOutput | BaseException | None] = asyncio.Queue()
+        replica.submitted(self.request_id, placed.predicted_cached, len(layout.token_ids), self._fail)
         self._task = asyncio.create_task(self._pump(sampling), name=self.request_id)
 
     async def _pump(self, sampling: Sampling) -> None:
         try:
-            async for output in self._engine.generate(self.request_id, self.layout.token_ids, sampling):
+            engine = self.replica.engine
+            async for output in engine.generate(self.request_id, self.layout.token_ids, sampling):
                 self.cached_tokens = latest_cached_tokens(output, self.cached_tokens)
                 if self.first_token_at is None:
                     self.first_token_at = output.received_at
                     self.scheduled_at = output.scheduled_at
+                    self.replica.first_token(self.request_id, output.received_at)
                     if self.on_prefilled is not None:  # before the slot wakes a queued request
                         self.on_prefilled(self)
                     self._slot.release()
@@ -60,7 +65,16 @@ class Flight:
         except BaseException as error:  # handed to the consumer, who raises it in its own context
             self._outputs.put_nowait(error)
         finally:
+            self.replica.finished(self.request_id)
             self._slot.release()
+
+    def _fail(self, error: EngineError) -> None:
+        """The replica was excluded before our first token: end the request with ``error`` now.
+
+        The pump stops; the consumer raises the error and may retry on another replica.
+        """
+        self._task.cancel()
+        self._outputs.put_nowait(error)
 
     async def outputs(self, first_token_timeout_s: float) -> AsyncIterator[EngineOutput]:
         """The request's outputs; the first must come within the timeout."""
@@ -89,6 +103,7 @@ class Flight:
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
-            await self._engine.abort(self.request_id)
+            await self.replica.engine.abort(self.request_id)
         finally:
+            self.replica.finished(self.request_id)
             self._slot.release()

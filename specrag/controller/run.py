@@ -26,25 +26,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from specrag.cache.hints import HintConfig, order_hint
-from specrag.cache.layout import PromptLayout
+from specrag.cache.layout import DocId, PromptLayout
 from specrag.cache.ordering import get_policy
-from specrag.cache.tree import KnowledgeTree
 from specrag.controller.config import ControllerConfig
 from specrag.controller.conversation import TurnPrompt, TurnPrompts
 from specrag.controller.flight import Flight
 from specrag.controller.gate import PrefillGate, Slot
+from specrag.controller.placement import Placed, Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest
 from specrag.controller.sessions import SessionStore
 from specrag.controller.timeline import Timeline
 from specrag.controller.warmup import SystemPromptWarmer
 from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError, OverloadedError
-from specrag.pipeline.engine import Engine, EngineOutput, check_prompt_fits, latest_cached_tokens, now
+from specrag.pipeline.engine import EngineOutput, check_prompt_fits, latest_cached_tokens, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 
@@ -56,10 +56,9 @@ class QueryShared:
     """What the queries of one controller share; a run reads it and never changes it."""
 
     config: ControllerConfig
-    engine: Engine
+    placement: Placement
     index: VectorIndex
     builder: PromptBuilder
-    tree: KnowledgeTree
     gate: PrefillGate
     sessions: SessionStore
     warmer: SystemPromptWarmer
@@ -122,31 +121,36 @@ class QueryRun:
         """
         if not self.checked.mode.speculation:
             return
-        layout, predicted = self._prompt(rows, final=False)
+        placed = self._prompt(rows, final=False)
         speculation = self._speculation
-        if speculation is not None and speculation.layout.token_ids == layout.token_ids:
+        if speculation is not None and speculation.layout.token_ids == placed.layout.token_ids:
             return
         if speculation is not None:
             await self._drop(speculation)
-        if len(layout.token_ids) + self.checked.sampling.max_tokens > self._shared.engine.max_model_len:
-            self.timeline.add("spec_skip", now(), stage=stage, prompt_tokens=len(layout.token_ids))
+        tokens = len(placed.layout.token_ids)
+        if tokens + self.checked.sampling.max_tokens > placed.replica.engine.max_model_len:
+            self.timeline.add("spec_skip", now(), stage=stage, prompt_tokens=tokens)
             return
         slot = self._shared.gate.try_speculate()
         if slot is not None:
-            self._speculation = self._launch(layout, slot, speculative=True, predicted=predicted)
+            self._speculation = self._launch(
+                placed, slot, speculative=True, predicted=placed.predicted_cached
+            )
             self.timeline.speculations += 1
             self.timeline.add(
                 "spec_submit",
                 self._speculation.submitted_at,
                 stage=stage,
                 request_id=self._speculation.request_id,
+                replica=placed.replica.name,
             )
 
     async def final_known(self, rows: list[int]) -> Flight:
         """Adopt the speculation if its prompt is the final one; otherwise submit the final prompt."""
         shared, timeline = self._shared, self.timeline
         timeline.documents = [shared.builder.store.passage(row).id for row in rows]
-        layout, predicted = self._prompt(rows, final=True)
+        placed = self._prompt(rows, final=True)
+        layout, predicted = placed.layout, placed.predicted_cached
         if self._turn is not None and self._turn.dropped:
             dropped = self._turn.dropped
             timeline.dropped_turns = len(dropped)
@@ -159,11 +163,11 @@ class QueryRun:
         speculation = self._speculation
         if speculation is not None and speculation.layout.token_ids == layout.token_ids:
             timeline.adopted = True
-            timeline.add("adopt", now(), request_id=speculation.request_id)
+            timeline.add("adopt", now(), request_id=speculation.request_id, replica=speculation.replica.name)
             return speculation
         if speculation is not None:
             await self._drop(speculation)
-        check_prompt_fits(len(layout.token_ids), self.checked.sampling, shared.engine.max_model_len)
+        check_prompt_fits(len(layout.token_ids), self.checked.sampling, placed.replica.engine.max_model_len)
         gate = shared.gate
         if gate.waiting >= shared.config.max_queue:
             # Bounded queueing: past the limit a caller is told to come back instead of waiting
@@ -178,7 +182,8 @@ class QueryRun:
         slot = await gate.admit(predicted, len(layout.token_ids) - predicted)
         timeline.queued_s = now() - queued_at
         # The cache may have changed while the request waited for its slot: predict again.
-        final = self._launch(layout, slot, speculative=False, predicted=self._predicted(layout, predicted))
+        final = self._launch(placed, slot, speculative=False, predicted=self._predicted(placed))
+        self._note_route(placed)
         timeline.add("final_submit", final.submitted_at, request_id=final.request_id)
         return final
 
@@ -247,8 +252,8 @@ class QueryRun:
                 rows.append(row)
         return rows
 
-    def _prompt(self, rows: list[int], final: bool) -> tuple[PromptLayout, int]:
-        """The prompt for these documents and the tree's estimate of its cached tokens.
+    def _prompt(self, rows: list[int], final: bool) -> Placed:
+        """The prompt for these documents, where it goes and that replica's estimate of its cached tokens.
 
         Its cost is the controller's own overhead per stage, so it is timed into the timeline.
         """
@@ -258,35 +263,44 @@ class QueryRun:
         finally:
             self.timeline.controller_s += now() - started
 
-    def _ordered_prompt(self, rows: list[int], final: bool) -> tuple[PromptLayout, int]:
+    def _ordered_prompt(self, rows: list[int], final: bool) -> Placed:
         shared, checked = self._shared, self.checked
         session, question, builder = checked.session, checked.question_token_ids, shared.builder
+        # The final prompt prefers the speculation's replica on a tie, so adoption stays possible.
+        prefer = self._speculation.replica if self._speculation is not None else None
         if session is not None and session.turns:
-            budget = shared.engine.max_model_len - checked.sampling.max_tokens
+            budget = shared.placement.replicas[0].engine.max_model_len - checked.sampling.max_tokens
             turn = shared.turn_prompts.build(session, rows, question, budget)
             if final:
                 self._turn = turn
-            return turn.layout, turn.predicted_cached_tokens(session, shared.engine.block_size)
+            placed = shared.placement.place_prompt(turn.layout, prefer=prefer)
+            # A session's prompt continues its history, which the engine still holds (the tree does
+            # not follow sessions): that is the prediction.
+            session_cached = turn.predicted_cached_tokens(session, placed.replica.engine.block_size)
+            return replace(placed, predicted_cached=session_cached)
         policy = get_policy(shared.config.ordering_policy if checked.mode.ordering else "retrieval")
-        ordering = policy.order(shared.tree, rows)
-        ordered = [int(d) for d in ordering.doc_ids]
-        hint = order_hint(rows, ordered, shared.hints) if checked.mode.ordering else None
-        return builder.build_with_question_tokens(ordered, question, hint), ordering.cached.tokens
 
-    def _predicted(self, layout: PromptLayout, session_prediction: int) -> int:
-        """The tree's estimate of the engine's hit for this prompt now (a session's is its history)."""
+        def build(doc_ids: Sequence[DocId]) -> PromptLayout:
+            ordered = [int(d) for d in doc_ids]
+            hint = order_hint(rows, ordered, shared.hints) if checked.mode.ordering else None
+            return builder.build_with_question_tokens(ordered, question, hint)
+
+        return shared.placement.place_documents(policy, rows, build, prefer=prefer)
+
+    def _predicted(self, placed: Placed) -> int:
+        """The replica's estimate of the engine's hit for this prompt now (a session's is its history)."""
         if self.checked.session is not None:
-            return session_prediction
-        return self._shared.tree.cached_prefix(layout.document_ids()).tokens
+            return placed.predicted_cached
+        return placed.replica.tree.cached_prefix(placed.layout.document_ids()).tokens
 
-    def _launch(self, layout: PromptLayout, slot: Slot, speculative: bool, predicted: int) -> Flight:
+    def _launch(self, placed: Placed, slot: Slot, speculative: bool, predicted: int) -> Flight:
         sampling = self.checked.sampling
         try:
-            check_prompt_fits(len(layout.token_ids), sampling, self._shared.engine.max_model_len)
+            check_prompt_fits(len(placed.layout.token_ids), sampling, placed.replica.engine.max_model_len)
         except InvalidInputError:
             slot.release()  # the slot was taken for a request that will never exist
             raise
-        flight = Flight(self._shared.engine, layout, sampling, slot, speculative)
+        flight = Flight(placed, sampling, slot, speculative)
         flight.predicted_cached_tokens = predicted
         if self.checked.session is None:  # a session's prompts are the session's, not the tree's
             flight.on_prefilled = self._prefilled
@@ -294,11 +308,22 @@ class QueryRun:
         return flight
 
     def _prefilled(self, flight: Flight) -> None:
-        """A prompt of ours reached its first token: the tree learns it was served and that its
-        blocks are cached (an aborted speculation's too: its prefill is done)."""
-        tree = self._shared.tree
+        """A prompt of ours reached its first token: its replica's tree learns it was served and
+        that its blocks are cached (an aborted speculation's too: its prefill is done)."""
+        tree = flight.replica.tree
         tree.record_served(flight.layout, flight.cached_tokens)
         tree.record_prefilled(flight.layout)
+
+    def _note_route(self, placed: Placed) -> None:
+        """The timeline (and so /metrics) says where the answer's prompt went, and why."""
+        self.timeline.add(
+            "route",
+            now(),
+            replica=placed.replica.name,
+            reason=placed.reason,
+            estimate_ms=round(placed.estimate_s * 1000, 3),
+            predicted_cached_tokens=placed.predicted_cached,
+        )
 
     def _forget(self, flight: Flight) -> None:
         """Drop an aborted flight from the run (the controller's close may have done it already)."""
@@ -316,16 +341,17 @@ class QueryRun:
         timeline.add("spec_abort", now(), request_id=flight.request_id)
 
     async def _outputs_with_retry(self, flight: Flight) -> AsyncIterator[EngineOutput]:
-        """The answer's outputs; a request that fails before its first token is retried once.
+        """The answer's outputs; a request that fails before its first token is retried.
 
         RAGCache §6: a failure before the first token loses nothing the caller has seen, so the
-        prompt is resubmitted (after a supervised engine has recovered, bounded in time). The
-        engine's supervisor, when it has one, hears of every failure: a missing first token is
-        one it cannot see by itself.
+        prompt is resubmitted: on another replica when there is one (the failed one is excluded),
+        else after a supervised engine has recovered, bounded in time. The placement hears of
+        every failure: a missing first token is one an engine's supervisor cannot see by itself.
         """
         shared = self._shared
+        placement = shared.placement
         timeout_s = shared.config.first_token_timeout_s
-        retried = False
+        retries_left = max(1, len(placement.replicas) - 1)
         while True:
             started = False
             try:
@@ -334,20 +360,19 @@ class QueryRun:
                     yield output
                 return
             except EngineError as error:
-                supervision = shared.engine.supervision
-                if supervision is not None:
-                    supervision.report_failure(str(error))
-                if started or retried:
+                placement.report_failure(flight.replica, str(error))
+                if started or not retries_left:
                     raise
-                retried = True
-                self.timeline.add("retry", now(), reason=str(error))
-                if supervision is not None and not await supervision.wait_ready(timeout_s):
+                retries_left -= 1
+                self.timeline.add("retry", now(), reason=str(error), replica=flight.replica.name)
+                if not await placement.wait_ready(timeout_s):
                     if isinstance(error, EngineUnavailableError):
                         raise
                     raise EngineUnavailableError(
                         f"no engine in service after: {error}; retry shortly"
                     ) from error
-                slot = await shared.gate.admit(0, len(flight.layout.token_ids))
-                layout = flight.layout
-                flight = self._launch(layout, slot, speculative=False, predicted=self._predicted(layout, 0))
+                placed = placement.place_prompt(flight.layout, avoid=(flight.replica,))
+                slot = await shared.gate.admit(placed.predicted_cached, len(flight.layout.token_ids))
+                flight = self._launch(placed, slot, speculative=False, predicted=self._predicted(placed))
+                self._note_route(placed)
                 self.timeline.answer_submit = flight.submitted_at

@@ -11,11 +11,11 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specrag.cache.tree import KnowledgeTree
 from specrag.controller.gate import PrefillGate, Slot
-from specrag.pipeline.engine import Engine
+from specrag.controller.replicas import Replica
 from specrag.pipeline.prompt import PromptBuilder
 
 logger = logging.getLogger(__name__)
@@ -32,32 +32,39 @@ class WarmupRecord:
 
 
 class SystemPromptWarmer:
-    """Prefills the system prompt when the tree says it is cold: one at a time, in a free slot."""
+    """Prefills the system prompt on each replica whose tree says it is cold: one at a time per
+    replica, each in a free slot of the prefill pool."""
 
-    def __init__(self, engine: Engine, builder: PromptBuilder, tree: KnowledgeTree, gate: PrefillGate):
+    def __init__(self, replicas: Sequence[Replica], builder: PromptBuilder, gate: PrefillGate):
         self.record = WarmupRecord()
-        self._engine = engine
+        self._replicas = tuple(replicas)
         self._builder = builder
-        self._tree = tree
         self._gate = gate
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def start_if_cold(self) -> bool:
-        """Start a warm-up if the system prompt is cold, none runs and the pool has room."""
-        if self._tree.system_prompt_resident() or self._task is not None:
-            return False
-        slot = self._gate.try_speculate()
-        if slot is None:
-            return False
-        self.record.started += 1
-        self._task = asyncio.create_task(self._warm(slot), name="system-prompt-warmup")
-        return True
+        """Start a warm-up on every available replica where the system prompt is cold, none runs
+        and the pool has room; True if any started."""
+        started = False
+        for replica in self._replicas:
+            if not replica.available or replica.tree.system_prompt_resident() or replica.name in self._tasks:
+                continue
+            slot = self._gate.try_speculate()
+            if slot is None:
+                break
+            self.record.started += 1
+            self._tasks[replica.name] = asyncio.create_task(
+                self._warm(replica, slot), name=f"system-prompt-warmup-{replica.name}"
+            )
+            started = True
+        return started
 
-    async def _warm(self, slot: Slot) -> None:
+    async def _warm(self, replica: Replica, slot: Slot) -> None:
         try:
-            result = await self._engine.warm(self._builder.system_layout_tokens(), "warm-" + uuid.uuid4().hex)
-            self._tree.record_served(self._builder.system_layout(), result.cached_tokens)
-            self._tree.record_prefilled(self._builder.system_layout())
+            prompt = self._builder.system_layout_tokens()
+            result = await replica.engine.warm(prompt, "warm-" + uuid.uuid4().hex)
+            replica.tree.record_served(self._builder.system_layout(), result.cached_tokens)
+            replica.tree.record_prefilled(self._builder.system_layout())
             self.record.succeeded += 1
             self.record.last_cached_tokens = result.cached_tokens
         except Exception as error:  # warm-up is an optimisation: a failure must not fail a query
@@ -65,11 +72,11 @@ class SystemPromptWarmer:
             logger.warning("system prompt warm-up failed: %s", error)
         finally:
             slot.release()
-            self._task = None
+            self._tasks.pop(replica.name, None)
 
     async def close(self) -> None:
-        """Stop a warm-up in progress (service shutdown)."""
-        if self._task is not None:
-            self._task.cancel()
+        """Stop the warm-ups in progress (service shutdown)."""
+        for task in list(self._tasks.values()):
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task

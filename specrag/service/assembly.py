@@ -9,19 +9,28 @@ exactly) or, with ``engine_url``, any OpenAI-compatible server (mirrored through
 publishes over TCP when ``engine_kv_events`` says where); either way it is supervised: a
 dead or hung engine is replaced, and on every replacement the tree forgets what it believed
 cached and the KV mirror resubscribes.
+
+With ``ray`` set, :func:`open_ray_service` runs several vLLM replicas as Ray actors instead
+(:mod:`specrag.pipeline.ray_engine`), each with its own tree fed by its own KV events, behind
+the router of :mod:`specrag.controller.placement`; Ray restarts a dead replica and the router's
+health checks bring it back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
-from specrag.controller.controller import ControllerConfig, RagController
-from specrag.errors import InvalidInputError
+from specrag.controller.controller import ControllerConfig, RagController, new_tree
+from specrag.controller.placement import Placement, health_checks
+from specrag.controller.replicas import Replica
+from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.config import EngineConfig, KVEventSource
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
@@ -46,6 +55,10 @@ class ServiceOptions:
     supervisor: SupervisorPolicy = field(default_factory=SupervisorPolicy)
     max_queries: int = DEFAULT_MAX_QUERIES
     max_queries_per_client: int = DEFAULT_MAX_QUERIES_PER_CLIENT
+    # Ray: None for no Ray, "" for a local instance (or $RAY_ADDRESS), else a cluster's address.
+    ray_address: str | None = None
+    replicas: int = 1
+    router: str = "specrag"
 
     def __post_init__(self) -> None:
         if self.engine_kv_events is not None:
@@ -65,6 +78,10 @@ class Service:
     engine: SupervisedEngine
     mirror: KVMirror | None
     kv_events: KVEventSource | None
+
+    def begin_shutdown(self) -> None:
+        """From now on new queries get 503 and engine failures are the shutdown's, not faults."""
+        self.engine.begin_shutdown()
 
 
 def _engine_starter(
@@ -179,3 +196,100 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
             metrics=metrics,
         )
         yield Service(app, controller, engine, mirror, kv_events)
+
+
+@dataclass
+class RayService:
+    """The parts of a service over Ray replicas, for callers that look inside."""
+
+    app: web.Application
+    controller: RagController
+    placement: Placement
+
+    def begin_shutdown(self) -> None:
+        """Nothing to tell: Ray replicas have no supervisor of ours that could mistake the
+        shutdown for a fault (the placement's health checks stop with it)."""
+
+
+@contextlib.asynccontextmanager
+async def open_ray_placement(
+    base: EngineConfig, options: ServiceOptions, system_token_ids: Sequence[int]
+) -> AsyncIterator[Placement]:
+    """``options.replicas`` vLLM replicas of ``base`` as Ray actors behind the router; all stopped on exit.
+
+    Connects to the cluster at ``options.ray_address`` (or starts a local instance, shut down
+    on exit). Each replica's KV events go to a port chosen free on this machine; each replica's
+    tree is fed by its own subscriber, resubscribed whenever the replica rejoins (Ray restarted it).
+    """
+    import ray
+
+    from specrag.pipeline.ray_engine import RayEngine, replica_config, subscriber_config
+
+    if options.replicas < 1:
+        raise InvalidInputError(f"--replicas must be at least 1, got {options.replicas}")
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=options.ray_address or None, include_dashboard=False, log_to_driver=False)
+    mirrors: list[KVMirror] = []
+    engines: list[RayEngine] = []
+    try:
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        configs = [replica_config(base, i, free_port_pair(), cpus) for i in range(options.replicas)]
+        starts = [RayEngine.start(config, f"r{i}") for i, config in enumerate(configs)]
+        outcomes = await asyncio.gather(*starts, return_exceptions=True)
+        engines += [started for started in outcomes if isinstance(started, RayEngine)]
+        failures = [str(error) for error in outcomes if isinstance(error, BaseException)]
+        if failures:
+            raise EngineError(f"{len(failures)} of {len(configs)} Ray replicas did not start: {failures[0]}")
+        replicas = []
+        for engine, config in zip(engines, configs, strict=True):
+            tree = new_tree(engine, system_token_ids)
+            mirror = KVMirror(tree, subscriber_config(config, engine.node_ip))
+            await mirror.start()
+            mirrors.append(mirror)
+            replica = Replica(engine.name, engine, tree)
+            replica.rejoin_hooks.append(mirror.restart)
+            replicas.append(replica)
+        placement = Placement(replicas, router=options.router)
+        async with health_checks(placement):
+            yield placement
+    finally:
+        for mirror in mirrors:
+            await mirror.stop()
+        for engine in engines:
+            await engine.close()
+        if started_ray:
+            ray.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def open_ray_service(assets: Assets, options: ServiceOptions) -> AsyncIterator[RayService]:
+    """The service over Ray replicas (see :func:`open_ray_placement`)."""
+    base = EngineConfig(model=str(assets.model_dir), enforce_eager=options.eager)
+    # Each tree predicts the system prompt as it starts every prompt: padded to the engine's blocks.
+    builder = PromptBuilder(assets.tokenizer, assets.store, block_size=base.block_size)
+    system_token_ids = builder.system_layout_tokens()
+    async with open_ray_placement(base, options, system_token_ids) as placement:
+        builder = prompt_builder(assets, placement.replicas[0].engine)
+        controller = RagController(placement, assets.index, builder, options.controller)
+        try:
+            app = create_app(
+                controller,
+                api_token=options.api_token,
+                max_queries=options.max_queries,
+                max_queries_per_client=options.max_queries_per_client,
+            )
+            yield RayService(app, controller, placement)
+        finally:
+            await controller.close()
+
+
+def free_port_pair() -> int:
+    """A port P with P and P+1 free on this machine (KV events and their replay socket)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("0.0.0.0", 0))
+            port = int(probe.getsockname()[1])
+        with socket.socket() as second, contextlib.suppress(OSError):
+            second.bind(("0.0.0.0", port + 1))
+            return port

@@ -12,15 +12,19 @@ import signal
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Protocol
+
+from aiohttp import web
 
 from specrag.client import AsyncClient
 from specrag.controller.config import DEFAULT_STAGE_SCHEDULE
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES
+from specrag.controller.placement import ROUTERS
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.retrieval.stages import SCHEDULES
-from specrag.service.assembly import Service, ServiceOptions, open_service
+from specrag.service.assembly import ServiceOptions, open_ray_service, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.server import (
@@ -52,19 +56,34 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+class RunningService(Protocol):
+    """What ``serve`` and ``demo`` need of a running service, one engine or Ray replicas."""
+
+    @property
+    def app(self) -> web.Application: ...
+
+    def begin_shutdown(self) -> None: ...
+
+
 @contextlib.asynccontextmanager
 async def _service(
     args: argparse.Namespace, assets: Assets, options: ServiceOptions
-) -> AsyncIterator[Service]:
+) -> AsyncIterator[RunningService]:
     """The supervised engine, the controller and the application over them (see assembly.py).
 
     The run directory (the in-process engine's KV-event sockets) is this process's alone: it goes
     when the service stops.
     """
-    if options.engine_url is not None:
+    if options.engine_url is not None and options.ray_address is None:
         print(f"connecting to the engine server at {options.engine_url}…", flush=True)
-    else:
+    elif options.ray_address is None:
         print(f"starting vLLM on {assets.model_dir} (about a minute on a small CPU machine)…", flush=True)
+    if options.ray_address is not None:
+        where = options.ray_address or "a local Ray instance"
+        print(f"starting {options.replicas} vLLM replicas on {where}…", flush=True)
+        async with open_ray_service(assets, options) as ray_service:
+            yield ray_service
+        return
     run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
     try:
         async with open_service(assets, options, run_dir) as service:
@@ -129,7 +148,16 @@ def _serve(args: argparse.Namespace) -> int:
         api_token=token,
         max_queries=args.max_queries,
         max_queries_per_client=args.max_queries_per_client,
+        ray_address=args.ray,
+        replicas=args.replicas,
+        router=args.router,
     )
+    if args.replicas < 1:
+        raise InvalidInputError(f"--replicas must be at least 1, got {args.replicas}")
+    if (args.replicas > 1 or args.router != "specrag") and args.ray is None:
+        raise InvalidInputError("--replicas and --router need --ray (replicas run as Ray actors)")
+    if args.ray is not None and args.engine_url is not None:
+        raise InvalidInputError("--ray and --engine-url exclude each other")
     assets = _assets(args)
 
     async def main() -> None:
@@ -139,7 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
             def shut_down() -> None:
                 # At once, in the handler: from now on new queries get 503 and engine failures
                 # are the shutdown's, not faults to repair.
-                service.engine.begin_shutdown()
+                service.begin_shutdown()
                 stop.set()
 
             loop = asyncio.get_running_loop()
@@ -219,6 +247,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="mirror the --engine-url server's prefix cache through the KV events it publishes there "
         "(replay on PORT+1, topic kv: what `specrag engine --kv-events-port PORT` starts)",
     )
+    scale = serve.add_argument_group("scale-out (pip install 'specrag[ray]')")
+    scale.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run the engines as Ray actors: on the cluster at ADDRESS, else a local Ray instance",
+    )
+    scale.add_argument("--replicas", type=int, default=1, help="engine replicas (with --ray)")
+    scale.add_argument("--router", choices=ROUTERS, default="specrag", help="how prompts are placed")
     limits = serve.add_argument_group("limits (beyond them: 429 with Retry-After, or 504)")
     limits.add_argument(
         "--max-queries",

@@ -73,6 +73,11 @@ class KVMirror:
         await subscriber.start()
         self._subscriber = subscriber
 
+    async def restart(self) -> None:
+        """Resubscribe from the engine's first batch: a restarted engine numbers them from zero."""
+        await self.stop()
+        await self.start()
+
     async def stop(self) -> None:
         self._earlier = self.faults()
         subscriber, self._subscriber = self._subscriber, None

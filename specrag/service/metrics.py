@@ -97,6 +97,11 @@ class ServiceMetrics:
         self.wasted_spec_prefill_tokens = counter(
             "specrag_wasted_spec_prefill_tokens", "Prompt tokens prefilled by aborted speculations"
         )
+        # Replica names and reasons come from the service's own configuration and router, never
+        # from a client: the label sets stay bounded.
+        self.routed = counter(
+            "specrag_routed", "Answers by the engine replica that served them and why", ("replica", "reason")
+        )
         self.prefill_pool = Gauge(
             "specrag_prefill_pool",
             "Requests admitted and not yet at their first token",
@@ -153,6 +158,11 @@ class ServiceMetrics:
         self.prompt_tokens.inc(timeline.prompt_tokens)
         self.cached_prompt_tokens.inc(timeline.cached_prompt_tokens)
         self.wasted_spec_prefill_tokens.inc(timeline.wasted_spec_prefill_tokens)
+        routes = [event for event in timeline.events if event.kind in ("route", "adopt")]
+        if routes:  # the last one served the answer (an earlier one may have failed)
+            last = routes[-1]
+            reason = "adopted speculation" if last.kind == "adopt" else str(last.detail["reason"])
+            self.routed.labels(replica=str(last.detail["replica"]), reason=reason).inc()
 
     def count_unfinished(self, mode: str, outcome: str) -> None:
         """Record a query that ended without an answer (its timeline stays inside the controller)."""

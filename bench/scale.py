@@ -1,0 +1,445 @@
+"""Scale-out: routing policies compared on the same traces, simulated and real replicas, and a kill.
+
+``python -m bench.scale [--quick]`` replays :mod:`bench.traces`' ``bursty`` and ``multiturn``
+traces (Poisson arrivals) through each router of :mod:`specrag.controller.placement`:
+
+- **simulated**: 8 simulated replicas (vLLM's prefix-cache semantics and the measured prefill
+  profile), each with a KV cache smaller than the working set, so where a prompt goes decides what
+  it reuses. TTFTs are in simulated milliseconds (wall time over the time scale).
+- **real**: 2 in-process vLLM replicas of the default model, each pinned to its own core, each
+  with its own KV events feeding its own tree; prompts of real passages.
+- **kill**: the real pair under the ``specrag`` router; one replica's engine core is killed
+  mid-run. ``failed`` counts queries that got no answer; ``max_gap_s`` is the longest time from
+  the kill to the first token of a query that was waiting on the killed replica.
+
+A query is one engine request placed by the router (documents ordered per replica where the
+router does that), retried on another replica when it fails before its first token; a later
+turn of a conversation continues the previous prompt and answer and adds only new documents.
+The last line printed is the JSON summary; the whole result goes to ``bench/out/scale.json`` and
+the plot to ``bench/out/scale.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.e2e.workload import arrivals
+from bench.faults import engine_cores
+from bench.traces import TraceRequest, bursty_trace, multiturn_trace
+from specrag.cache.layout import DocId, PromptLayout, build_layout
+from specrag.cache.ordering import get_policy
+from specrag.controller.flight import Flight
+from specrag.controller.gate import PrefillGate
+from specrag.controller.placement import ROUTERS, Placed, Placement, health_checks
+from specrag.controller.replicas import Replica
+from specrag.errors import EngineError
+from specrag.pipeline.engine import Sampling, now
+
+POLICY = get_policy("exact")
+BLOCK = 32
+SIM_REPLICAS = 8
+SIM_SYSTEM = tuple(range(3, 3 + 160))  # a 160-token system prompt (5 blocks)
+SIM_DOC_TOKENS = (180, 300)  # passage lengths, as the default corpus' (~240 tokens)
+SIM_CAPACITY_BLOCKS = 1536  # ~49k tokens per replica: ~18 prompts, less than a trace's working set
+SIM_MAX_MODEL_LEN = 32768  # long conversations: every turn carries the whole history
+REAL_CORES = ("0", "1")
+
+
+@dataclass
+class Sample:
+    """One query's outcome."""
+
+    ttft_s: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    replica: str
+    retried_from: str | None = None
+    first_token_at: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class Replay:
+    """What a replay needs besides the trace: the prompt pieces and the engines' clock."""
+
+    system: Sequence[int]
+    document: Callable[[DocId], Sequence[int]]
+    question: Callable[[int], Sequence[int]]
+    sampling: Sampling
+    time_scale: float = 1.0
+    first_token_timeout_s: float = 120.0
+    samples: list[Sample] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------- one query
+
+
+async def run_query(
+    placement: Placement, placed: Placed, replay: Replay, gate: PrefillGate
+) -> tuple[Sample, tuple[int, ...]]:
+    """Run one placed prompt to its end (the sample and the answer's tokens); a failure before the
+    first token is retried on another replica, as the controller does."""
+    arrival = now()
+    failed_on: str | None = None
+    retries_left = len(placement.replicas) - 1
+    while True:
+        slot = gate.try_speculate()
+        assert slot is not None  # the gate is unbounded: the engines queue by themselves
+        flight = Flight(placed, replay.sampling, slot, speculative=False)
+        answer: list[int] = []
+        try:
+            async for output in flight.outputs(replay.first_token_timeout_s):
+                answer.extend(output.token_ids)
+        except EngineError as error:
+            placement.report_failure(placed.replica, str(error))
+            if flight.first_token_at is not None:  # the caller has seen tokens: no retry
+                raise EngineError(f"{placed.replica.name} failed after the first token: {error}") from error
+            if not retries_left:
+                raise
+            retries_left -= 1
+            failed_on = failed_on or placed.replica.name
+            placed = placement.place_prompt(placed.layout, avoid=(placed.replica,))
+            continue
+        finally:
+            await flight.abort()
+        first = flight.first_token_at
+        ttft = None if first is None else (first - arrival) / replay.time_scale
+        sample = Sample(
+            ttft,
+            len(placed.layout.token_ids),
+            flight.cached_tokens or 0,
+            placed.replica.name,
+            failed_on,
+            first,
+        )
+        if placed.layout.segments[0].kind == "system" and first is not None:
+            placed.replica.tree.record_served(placed.layout, flight.cached_tokens)  # popularity, as run.py
+        return sample, tuple(answer)
+
+
+async def replay_trace(
+    placement: Placement, trace: Sequence[TraceRequest], times: Sequence[float], replay: Replay
+) -> list[Sample]:
+    """Every request at its arrival time; a conversation's turns one after the other."""
+    gate = PrefillGate(1 << 30, 0.0)
+    histories: dict[str, tuple[int, ...]] = {}
+    seen: dict[str, set[DocId]] = {}
+    locks: dict[str, asyncio.Lock] = {}
+
+    def build(doc_ids: Sequence[DocId], question: Sequence[int], prefix: Sequence[int]) -> PromptLayout:
+        documents = [(d, replay.document(d)) for d in doc_ids]
+        return build_layout(prefix, documents, question, block_size=BLOCK, pad_token_id=0)
+
+    async def one(request: TraceRequest, number: int) -> Sample:
+        question = replay.question(number)
+        conv = request.conv
+        async with locks.setdefault(conv or f"#{number}", asyncio.Lock()):
+            history = histories.get(conv) if conv is not None else None
+            if history is None:
+                placed = placement.place_documents(
+                    POLICY, request.docs, lambda docs: build(docs, question, replay.system)
+                )
+            else:
+                fresh = [d for d in request.docs if d not in seen[conv]]  # type: ignore[index]
+                placed = placement.place_prompt(build(fresh, question, history))
+            try:
+                sample, answer = await run_query(placement, placed, replay, gate)
+            except EngineError as error:  # counted as failed, not retried further
+                return Sample(None, len(placed.layout.token_ids), 0, placed.replica.name, error=str(error))
+            if conv is not None:
+                histories[conv] = (*placed.layout.token_ids, *answer)
+                seen.setdefault(conv, set()).update(request.docs)
+            return sample
+
+    started = time.perf_counter()
+    tasks = []
+    for number, (request, at) in enumerate(zip(trace, times, strict=True)):
+        delay = started + at * replay.time_scale - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(request, number)))
+    return list(await asyncio.gather(*tasks))
+
+
+def summary(samples: Sequence[Sample], with_p99: bool = True) -> dict[str, float]:
+    ttfts = np.array([s.ttft_s for s in samples if s.ttft_s is not None]) * 1000
+    prompt = sum(s.prompt_tokens for s in samples)
+    result = {
+        "cached_token_share": round(sum(s.cached_tokens for s in samples) / prompt, 4) if prompt else 0.0,
+        "ttft_mean_ms": round(float(ttfts.mean()), 1) if len(ttfts) else float("nan"),
+    }
+    if with_p99:
+        result["ttft_p99_ms"] = round(float(np.percentile(ttfts, 99)), 1) if len(ttfts) else float("nan")
+    return result
+
+
+def merge(parts: Sequence[Sequence[Sample]], with_p99: bool = True) -> dict[str, float]:
+    return summary([s for part in parts for s in part], with_p99)
+
+
+# ------------------------------------------------------------------------------------- simulated
+
+
+def synthetic_document(doc_id: DocId) -> tuple[int, ...]:
+    """A passage's tokens: a fixed function of its id (so every replica sees the same blocks)."""
+    rng = random.Random(f"doc-{doc_id}")
+    return tuple(rng.randrange(3, 1000) for _ in range(rng.randint(*SIM_DOC_TOKENS)))
+
+
+def synthetic_question(number: int) -> tuple[int, ...]:
+    rng = random.Random(f"question-{number}")
+    return tuple(rng.randrange(3, 1000) for _ in range(16))
+
+
+def traces(n: int, seed: int) -> dict[str, list[TraceRequest]]:
+    return {
+        "bursty": bursty_trace(n, topics=100, docs_per_topic=20, seed=seed),
+        "multiturn": multiturn_trace(n, corpus=2000, active=16, seed=seed),
+    }
+
+
+async def simulated(n: int, rate: float, time_scale: float, seed: int) -> dict[str, dict[str, Any]]:
+    """Every router on every trace, each run on fresh replicas (empty caches)."""
+    results: dict[str, dict[str, Any]] = {}
+    times = arrivals(n, rate, 1.0, np.random.default_rng(seed))
+    for name, trace in traces(n, seed).items():
+        for router in ROUTERS:
+            replicas = [
+                Replica.simulated(
+                    f"r{i}",
+                    SIM_SYSTEM,
+                    block_size=BLOCK,
+                    capacity_blocks=SIM_CAPACITY_BLOCKS,
+                    max_model_len=SIM_MAX_MODEL_LEN,
+                    time_scale=time_scale,
+                )
+                for i in range(SIM_REPLICAS)
+            ]
+            replay = Replay(
+                SIM_SYSTEM, synthetic_document, synthetic_question, Sampling(max_tokens=8), time_scale
+            )
+            samples = await replay_trace(Placement(replicas, router=router), trace, times.tolist(), replay)
+            for replica in replicas:
+                await replica.engine.close()
+            results.setdefault(router, {})[name] = samples
+            print(f"simulated {name:9s} {router:22s} {summary(samples)}", flush=True)
+    return results
+
+
+# ------------------------------------------------------------------------------------- real
+
+
+@contextlib.asynccontextmanager
+async def real_replicas(
+    data_dir: Path | None, eager: bool
+) -> AsyncIterator[tuple[list[Replica], Any, list[int]]]:
+    """Two vLLM replicas of the default model, one per core, each mirrored by its own tree.
+
+    Yields the replicas, the assets, and each replica's engine-core process id (for the kill).
+    """
+    from specrag.controller.controller import new_tree
+    from specrag.paths import DataLayout, resolve_data_dir
+    from specrag.pipeline.config import EngineConfig
+    from specrag.pipeline.vllm_engine import VllmEngine
+    from specrag.service.assembly import prompt_builder
+    from specrag.service.assets import ensure_assets
+    from specrag.service.kv_mirror import KVMirror
+
+    layout = DataLayout(resolve_data_dir(data_dir))
+    assets = ensure_assets(layout)
+    replicas: list[Replica] = []
+    mirrors: list[KVMirror] = []
+    cores: list[int] = []
+    try:
+        for number, core in enumerate(REAL_CORES):
+            run_dir = layout.root / "run" / f"scale-{number}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            config = EngineConfig(
+                model=str(assets.model_dir), enforce_eager=eager, omp_threads_bind=core
+            ).with_kv_events(run_dir, topic=f"kv-{number}")
+            known = {process.pid for process in engine_cores()}
+            engine = await VllmEngine.start(config)
+            cores += [p.pid for p in engine_cores() if p.pid not in known and p.pid is not None][:1]
+            tree = new_tree(engine, prompt_builder(assets, engine).system_layout_tokens())
+            replicas.append(Replica(f"r{number}", engine, tree))
+            source = config.kv_event_source()
+            assert source is not None  # the replica's config publishes its events
+            mirror = KVMirror(tree, source)
+            await mirror.start()
+            mirrors.append(mirror)
+        yield replicas, assets, cores
+    finally:
+        for mirror in mirrors:
+            await mirror.stop()
+        for replica in replicas:
+            await replica.engine.close()
+
+
+async def reset(replicas: Sequence[Replica]) -> None:
+    for replica in replicas:
+        if replica.available:
+            await replica.engine.reset_prefix_cache()
+            replica.tree.engine_cache_cleared()
+            replica.speed = 1.0
+
+
+async def real(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every router on the real pair, then the kill (under ``specrag``)."""
+    async with real_replicas(args.data_dir, args.eager) as (replicas, assets, cores):
+        from specrag.service.assembly import prompt_builder
+
+        builder = prompt_builder(assets, replicas[0].engine)
+        rows = np.random.default_rng(args.seed).permutation(len(assets.passages))
+        replay = Replay(
+            builder.system_token_ids,
+            lambda doc: assets.store.tokens(int(rows[int(doc) % len(rows)])),
+            lambda number: builder.question_tokens(f"question {number}: what does this passage explain?"),
+            Sampling(max_tokens=4),
+        )
+        n = args.real_queries
+        trace = bursty_trace(n, k=4, topics=10, docs_per_topic=8, burst=6, seed=args.seed)
+        times = arrivals(n, args.real_rate, 1.0, np.random.default_rng(args.seed)).tolist()
+        results: dict[str, Any] = {}
+        for router in ROUTERS:
+            await reset(replicas)
+            samples = await replay_trace(Placement(replicas, router=router), trace, times, replay)
+            results[router] = summary(samples, with_p99=False)
+            print(f"real {router:22s} {results[router]}", flush=True)
+        await reset(replicas)
+        kill = await kill_run(replicas, cores, trace, times, replay, args.kill_after_s)
+        print(f"kill {kill}", flush=True)
+        return results, kill
+
+
+async def kill_run(
+    replicas: list[Replica],
+    cores: list[int],
+    trace: Sequence[TraceRequest],
+    times: Sequence[float],
+    replay: Replay,
+    kill_after_s: float,
+) -> dict[str, Any]:
+    """Replay under ``specrag``; kill the second replica's engine core ``kill_after_s`` in."""
+    placement = Placement(replicas)
+    killed: dict[str, float] = {}
+
+    async def killer() -> None:
+        await asyncio.sleep(kill_after_s)
+        if len(cores) < len(replicas):
+            raise RuntimeError("the engine-core processes of the replicas were not identified")
+        os.kill(cores[1], signal.SIGKILL)
+        killed["at"] = time.perf_counter()
+
+    async with health_checks(placement):
+        kill_task = asyncio.create_task(killer())
+        try:
+            samples = await replay_trace(placement, trace, times, replay)
+        finally:
+            await kill_task
+    failed = sum(1 for s in samples if s.first_token_at is None)
+    gaps = [
+        s.first_token_at - killed["at"]
+        for s in samples
+        if s.retried_from == replicas[1].name and s.first_token_at is not None and "at" in killed
+    ]
+    return {
+        "queries": len(trace),
+        "failed": failed,
+        "errors": [s.error for s in samples if s.error is not None],
+        "retried": len(gaps),
+        "max_gap_s": round(max(gaps), 3) if gaps else 0.0,
+    }
+
+
+# ------------------------------------------------------------------------------------- report
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    simulated_result = result["simulated"]
+    x = np.arange(len(ROUTERS))
+    axes[0].bar(x, [simulated_result[r]["cached_token_share"] for r in ROUTERS], color="tab:blue")
+    axes[0].set_ylabel("cached prompt-token share")
+    axes[1].bar(x, [simulated_result[r]["ttft_mean_ms"] for r in ROUTERS], color="tab:orange", label="mean")
+    axes[1].scatter(x, [simulated_result[r]["ttft_p99_ms"] for r in ROUTERS], color="black", label="p99")
+    axes[1].set_ylabel("TTFT (simulated ms)")
+    axes[1].legend()
+    for axis in axes:
+        axis.set_xticks(x, ROUTERS, rotation=20)
+    figure.suptitle(f"{SIM_REPLICAS} simulated replicas, bursty + multi-turn traces")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer queries (CI-sized)")
+    parser.add_argument("--queries", type=int, default=None, help="simulated queries per trace")
+    parser.add_argument("--rate", type=float, default=5.0, help="simulated arrivals per simulated second")
+    parser.add_argument("--time-scale", type=float, default=0.2, help="wall seconds per simulated second")
+    parser.add_argument("--real-queries", type=int, default=None, help="queries per router on the real pair")
+    parser.add_argument("--real-rate", type=float, default=1.0, help="arrivals per second on the real pair")
+    parser.add_argument("--kill-after-s", type=float, default=5.0, help="when the kill comes")
+    parser.add_argument("--no-real", action="store_true", help="skip the real replicas and the kill")
+    parser.add_argument("--no-simulated", action="store_true", help="skip the simulated replicas")
+    parser.add_argument("--eager", action="store_true", help="no graph compilation in the engines")
+    parser.add_argument("--data-dir", type=Path, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.queries is None:
+        args.queries = 300 if args.quick else 1000
+    if args.real_queries is None:
+        args.real_queries = 24 if args.quick else 60
+    if args.queries < 1 or args.real_queries < 1 or args.rate <= 0 or args.time_scale <= 0:
+        parser.error("queries, rates and the time scale must be positive")
+    return args
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    if not args.no_simulated:
+        by_router = await simulated(args.queries, args.rate, args.time_scale, args.seed)
+        result["simulated"] = {router: merge(list(runs.values())) for router, runs in by_router.items()}
+        result["simulated_by_trace"] = {
+            router: {trace: summary(samples) for trace, samples in runs.items()}
+            for router, runs in by_router.items()
+        }
+    if not args.no_real:
+        result["real"], result["kill"] = await real(args)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    stop_cleanly_on_sigterm()
+    started = time.perf_counter()
+    result = asyncio.run(main_async(args))
+    result["elapsed_s"] = round(time.perf_counter() - started, 1)
+    result["settings"] = {key: str(value) for key, value in vars(args).items()}
+    result["machine"] = machine()
+    write_json("scale", result)
+    if "simulated" in result:
+        plot(result, plot_path("scale"))
+    print(json.dumps({key: result[key] for key in ("simulated", "real", "kill") if key in result}))
+
+
+if __name__ == "__main__":
+    main()

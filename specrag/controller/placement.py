@@ -1,0 +1,279 @@
+"""Where a prompt runs and in which document order: chosen together, per replica.
+
+A query asks its :class:`Placement` "where, and in which order?" instead of ordering against one
+tree. With one replica the answer is trivial (that replica, the ordering policy against its tree).
+With several, the router decides; :data:`ROUTERS` names the ones specrag offers:
+
+- ``specrag`` (the default, joint routing): for every candidate replica, order the documents
+  against *that replica's* exact tree, build the prompt, and estimate its TTFT there: the prefill
+  work already queued on the replica plus this prompt's prefill behind its predicted cached
+  tokens, both scaled by the replica's measured speed. The lowest estimate wins. Routers that
+  exist route a prompt whose order is fixed; knowing the documents before the prompt exists lets
+  specrag pick the replica *and* the order that together give the longest cached prefix.
+- ``exact_retrieval_order``: the same exact trees and estimate, documents in retrieval order:
+  what a precise KV-event router (llm-d, Dynamo) does with a prompt it is handed.
+- ``approx_prefix``: an approximate prompt-prefix tree of the requests routed to each replica
+  (no eviction knowledge), longest match wins unless that replica's queue exceeds the least
+  loaded one's by the imbalance bound (Ray Serve's and SGLang's routers).
+- ``least_loaded`` (fewest of our prefills pending) and ``round_robin``.
+
+Every router but round-robin respects the imbalance bound: a replica with more than
+``imbalance_bound`` pending prefills beyond the least loaded one is not a candidate, so prefix
+affinity cannot pile a hot prefix onto one replica. A prompt whose order is fixed (a session's
+later turn: history first) goes through the same routers with the order left alone, so a
+session's next turn prefers the replica holding its prefix. Speculation asks the same question
+at each stage (so the speculation runs where the final prompt would), and the final placement
+breaks ties towards the speculation's replica so that adoption stays possible.
+
+Faults: a replica whose request fails is excluded at once (:meth:`Replica.exclude`); a health
+check (:meth:`Placement.run_health_checks`) brings it back once its engine answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from specrag.cache.layout import DocId, PromptLayout
+from specrag.cache.ordering import OrderingPolicy, get_policy
+from specrag.cache.residency import chain_block_keys
+from specrag.controller.replicas import Replica
+from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError
+
+logger = logging.getLogger(__name__)
+
+ROUTERS = ("round_robin", "least_loaded", "approx_prefix", "exact_retrieval_order", "specrag")
+DEFAULT_IMBALANCE_BOUND = 2
+# Entries of the approximate prefix tree per replica (block keys), as a router's own memory cap.
+_APPROX_KEYS = 1 << 16
+# A one-token prompt: the cheapest request that proves an engine still steps.
+_PROBE_PROMPT = (1,)
+
+Build = Callable[[Sequence[DocId]], PromptLayout]
+"""Builds the prompt for documents in a given order (the caller knows the question and hints)."""
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a prompt goes, the prompt itself, and why.
+
+    ``predicted_cached`` is what that replica's tree expects the engine to reuse; ``estimate_s``
+    the router's TTFT estimate there (0 for routers that make none).
+    """
+
+    replica: Replica
+    layout: PromptLayout
+    predicted_cached: int
+    estimate_s: float
+    reason: str
+
+
+class _ApproxPrefixes:
+    """What an approximate router believes a replica holds: block keys of prompts it routed there."""
+
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, token_ids: Sequence[int]) -> int:
+        """Leading blocks of the prompt this replica was sent before (tokens)."""
+        count = 0
+        for key in chain_block_keys(token_ids, self._block_size):
+            if key not in self._keys:
+                break
+            self._keys.move_to_end(key)
+            count += 1
+        return count * self._block_size
+
+    def insert(self, token_ids: Sequence[int]) -> None:
+        for key in chain_block_keys(token_ids, self._block_size):
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > _APPROX_KEYS:
+            self._keys.popitem(last=False)
+
+
+class Placement:
+    """The replicas of one controller and the router that places prompts on them (module doc)."""
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        router: str = "specrag",
+        imbalance_bound: int = DEFAULT_IMBALANCE_BOUND,
+    ) -> None:
+        if not replicas:
+            raise InvalidInputError("a placement needs at least one replica")
+        if router not in ROUTERS:
+            raise InvalidInputError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
+        if imbalance_bound < 0:
+            raise InvalidInputError(f"imbalance_bound cannot be negative, got {imbalance_bound}")
+        names = [replica.name for replica in replicas]
+        if len(set(names)) != len(names):
+            raise InvalidInputError(f"replica names must be distinct, got {names}")
+        block_sizes = {replica.engine.block_size for replica in replicas}
+        if len(block_sizes) != 1:
+            raise InvalidInputError(f"replicas must share one KV block size, got {sorted(block_sizes)}")
+        self.replicas = tuple(replicas)
+        self.router = router
+        self.imbalance_bound = imbalance_bound
+        self._turn = itertools.count()
+        self._approx = {replica.name: _ApproxPrefixes(replica.engine.block_size) for replica in replicas}
+
+    # ------------------------------------------------------------------ placing prompts
+
+    def place_documents(
+        self,
+        policy: OrderingPolicy,
+        doc_ids: Sequence[DocId],
+        build: Build,
+        *,
+        prefer: Replica | None = None,
+        avoid: Collection[Replica] = (),
+    ) -> Placed:
+        """The replica and document order for a prompt over these documents (module doc)."""
+        candidates = self._candidates(avoid)
+        if len(self.replicas) == 1 or self.router == "specrag":
+            return self._joint(candidates, policy, doc_ids, build, prefer)
+        retrieval = get_policy("retrieval")
+        if self.router == "exact_retrieval_order":
+            return self._joint(candidates, retrieval, doc_ids, build, prefer)
+        return self.place_prompt(build(retrieval.order(candidates[0].tree, doc_ids).doc_ids), avoid=avoid)
+
+    def place_prompt(
+        self, layout: PromptLayout, *, prefer: Replica | None = None, avoid: Collection[Replica] = ()
+    ) -> Placed:
+        """The replica for a prompt whose order is fixed (a session's later turn)."""
+        candidates = self._candidates(avoid)
+        tokens = layout.token_ids
+        if len(self.replicas) == 1 or self.router in ("specrag", "exact_retrieval_order"):
+            options = [self._estimate(r, layout, r.tree.cached_tokens(tokens)) for r in candidates]
+            return self._best(options, prefer)
+        if self.router == "round_robin":
+            replica = candidates[next(self._turn) % len(candidates)]
+            return Placed(replica, layout, replica.tree.cached_tokens(tokens), 0.0, "round robin")
+        least = min(candidates, key=lambda r: (r.pending, r.wait_s()))
+        if self.router == "least_loaded":
+            return Placed(least, layout, least.tree.cached_tokens(tokens), 0.0, "least loaded")
+        matches = {r.name: self._approx[r.name].match(tokens) for r in candidates}
+        chosen, reason = least, "least loaded"
+        best = max(candidates, key=lambda r: matches[r.name])
+        if matches[best.name] > 0 and best.pending <= least.pending + self.imbalance_bound:
+            chosen, reason = best, "longest routed prefix"
+        self._approx[chosen.name].insert(tokens)
+        return Placed(chosen, layout, chosen.tree.cached_tokens(tokens), 0.0, reason)
+
+    def _candidates(self, avoid: Collection[Replica]) -> list[Replica]:
+        """Available replicas (those not to avoid, if any), within the imbalance bound of the least loaded."""
+        available = [r for r in self.replicas if r.available]
+        available = [r for r in available if r not in avoid] or available
+        if not available:
+            raise EngineUnavailableError(
+                "no engine replica is available ("
+                + "; ".join(f"{r.name}: {r.excluded or 'recovering'}" for r in self.replicas)
+                + "); retry shortly"
+            )
+        if self.router == "round_robin":
+            return available
+        floor = min(r.pending for r in available)
+        return [r for r in available if r.pending <= floor + self.imbalance_bound]
+
+    def _joint(
+        self,
+        candidates: Sequence[Replica],
+        policy: OrderingPolicy,
+        doc_ids: Sequence[DocId],
+        build: Build,
+        prefer: Replica | None,
+    ) -> Placed:
+        built: dict[tuple[DocId, ...], PromptLayout] = {}
+        options = []
+        for replica in candidates:
+            ordering = policy.order(replica.tree, doc_ids)
+            layout = built.get(ordering.doc_ids)
+            if layout is None:
+                layout = built[ordering.doc_ids] = build(ordering.doc_ids)
+            options.append(self._estimate(replica, layout, ordering.cached.tokens))
+        return self._best(options, prefer)
+
+    @staticmethod
+    def _estimate(replica: Replica, layout: PromptLayout, cached: int) -> Placed:
+        return Placed(replica, layout, cached, replica.ttft_s(cached, len(layout.token_ids)), "")
+
+    def _best(self, options: Sequence[Placed], prefer: Replica | None) -> Placed:
+        """Lowest estimate; ties go to the preferred replica (a speculation's), then the less loaded."""
+        best = min(options, key=lambda p: (p.estimate_s, p.replica is not prefer, p.replica.pending))
+        reason = "only replica" if len(self.replicas) == 1 else "lowest estimated TTFT"
+        if best.replica is prefer and len(options) > 1:
+            reason = "speculation's replica"
+        return Placed(best.replica, best.layout, best.predicted_cached, best.estimate_s, reason)
+
+    # ------------------------------------------------------------------ faults
+
+    def report_failure(self, replica: Replica, reason: str) -> None:
+        """A request on ``replica`` failed: its supervisor hears of it; with others left, it is excluded.
+
+        With one replica there is nowhere else to go: its supervisor (if any) recovers it and
+        the query waits for that, as with a single engine.
+        """
+        supervision = replica.engine.supervision
+        if supervision is not None:
+            supervision.report_failure(reason)
+        if len(self.replicas) > 1:
+            replica.exclude(reason)
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait (bounded) until a replica is available; with one replica, for its supervisor's recovery."""
+        if len(self.replicas) == 1:
+            supervision = self.replicas[0].engine.supervision
+            return supervision is None or await supervision.wait_ready(timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not any(r.available for r in self.replicas):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def run_health_checks(self, every_s: float = 0.5, probe_timeout_s: float = 5.0) -> None:
+        """Forever: bring back an excluded replica once its engine answers (run as a task)."""
+        while True:
+            await asyncio.sleep(every_s)
+            for replica in self.replicas:
+                if replica.excluded is not None and await _answers(replica, probe_timeout_s):
+                    await replica.rejoin()
+
+
+async def _answers(replica: Replica, timeout_s: float) -> bool:
+    """The replica computes a one-token request in time, and its supervisor (if any) is ready.
+
+    A request, not a status call: a stalled engine still reports its queues, it just never steps.
+    """
+    supervision = replica.engine.supervision
+    if supervision is not None and supervision.status().state != "ready":
+        return False
+    try:
+        async with asyncio.timeout(timeout_s):
+            await replica.engine.warm(_PROBE_PROMPT, f"probe-{replica.name}-{uuid.uuid4().hex}")
+    except (EngineError, TimeoutError):
+        return False
+    return True
+
+
+@contextlib.asynccontextmanager
+async def health_checks(placement: Placement, every_s: float = 0.5) -> AsyncIterator[Placement]:
+    """Run the placement's health checks while the block runs (nothing to check with one replica)."""
+    task = asyncio.create_task(placement.run_health_checks(every_s)) if len(placement.replicas) > 1 else None
+    try:
+        yield placement
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,151 @@
+"""One engine replica as the router sees it: its engine, its exact knowledge tree and its queue.
+
+Each replica's tree mirrors that replica's prefix cache (fed by its own KV events), so the router
+can ask every replica what it would reuse of a prompt. The replica also keeps what a TTFT
+estimate needs and the engine cannot say by itself: the prefills of ours it is working on (with
+their estimated cost) and a *measured* speed factor, the ratio of observed to predicted first-token
+times, so a replica on a slower machine or a busier core is seen as such.
+
+A replica that fails is excluded at once: its tree is cleared (whatever it held is gone or
+unknowable) and every request of ours still waiting for its first token there is failed, so the
+query retries elsewhere instead of waiting for a timeout. It rejoins when the pool's health check
+sees it answer again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specrag.cache.pgdsf import PrefillProfile
+from specrag.cache.tree import KnowledgeTree
+from specrag.errors import EngineError, InvalidInputError
+from specrag.pipeline.engine import Engine, now
+from specrag.pipeline.simulated_engine import SimulatedEngine
+
+logger = logging.getLogger(__name__)
+
+# How fast the speed factor follows new observations, and how far one observation may move it.
+_SPEED_SMOOTHING = 0.2
+_SPEED_RATIO_BOUNDS = (0.2, 5.0)
+
+
+@dataclass
+class _Pending:
+    """One request of ours waiting for its first token on this replica."""
+
+    submitted_at: float
+    predicted_s: float
+    estimate_s: float
+    fail: Callable[[EngineError], None]
+
+
+class Replica:
+    """An engine, the knowledge tree mirroring its cache, and its pending prefills (module doc)."""
+
+    def __init__(
+        self, name: str, engine: Engine, tree: KnowledgeTree, profile: PrefillProfile | None = None
+    ) -> None:
+        if not name:
+            raise InvalidInputError("a replica needs a name")
+        if tree.block_size != engine.block_size:
+            raise InvalidInputError(
+                f"replica {name}: tree block size {tree.block_size} differs from "
+                f"the engine's {engine.block_size}"
+            )
+        self.name = name
+        self.engine = engine
+        self.tree = tree
+        self.profile = profile or PrefillProfile()
+        self.speed = 1.0
+        self.excluded: str | None = None
+        self.exclusions = 0
+        self._pending: dict[str, _Pending] = {}
+        # Run on every rejoin, e.g. to resubscribe a KV-event mirror to a restarted engine.
+        self.rejoin_hooks: list[Callable[[], Awaitable[None]]] = []
+
+    @classmethod
+    def simulated(
+        cls, name: str, system_token_ids: Sequence[int], block_size: int = 32, **engine_options: Any
+    ) -> Replica:
+        """A simulated engine whose KV events feed a fresh tree: tests and large simulations."""
+        tree = KnowledgeTree(system_token_ids, block_size=block_size)
+        engine = SimulatedEngine(block_size=block_size, on_kv_events=tree.apply_events, **engine_options)
+        return cls(name, engine, tree)
+
+    def __repr__(self) -> str:
+        return f"Replica({self.name!r})"
+
+    @property
+    def available(self) -> bool:
+        """Not excluded, and its supervisor (if any) has an engine in service."""
+        if self.excluded is not None:
+            return False
+        supervision = self.engine.supervision
+        return supervision is None or supervision.status().state == "ready"
+
+    @property
+    def pending(self) -> int:
+        """Requests of ours waiting for their first token here."""
+        return len(self._pending)
+
+    def prefill_s(self, cached_tokens: int, prompt_tokens: int) -> float:
+        """Estimated prefill time of a prompt here: the profile's cost scaled by measured speed."""
+        return self.speed * self.profile.cost(cached_tokens, max(prompt_tokens - cached_tokens, 0))
+
+    def wait_s(self) -> float:
+        """Estimated prefill work ahead of a new request: what the pending ones have left."""
+        at = now()
+        return sum(max(p.estimate_s - (at - p.submitted_at), 0.0) for p in self._pending.values())
+
+    def ttft_s(self, cached_tokens: int, prompt_tokens: int) -> float:
+        """Estimated time to a new request's first token: the queue's work, then its own prefill."""
+        return self.wait_s() + self.prefill_s(cached_tokens, prompt_tokens)
+
+    # ------------------------------------------------------------------ bookkeeping of requests
+
+    def submitted(
+        self, request_id: str, cached_tokens: int, prompt_tokens: int, fail: Callable[[EngineError], None]
+    ) -> None:
+        """A request of ours went to this engine; ``fail`` ends it if the replica is excluded."""
+        estimate = self.prefill_s(cached_tokens, prompt_tokens)
+        self._pending[request_id] = _Pending(now(), self.wait_s() + estimate, estimate, fail)
+
+    def first_token(self, request_id: str, at: float) -> None:
+        """Its first token came: it leaves the queue, and the speed factor learns from it."""
+        pending = self._pending.pop(request_id, None)
+        if pending is None or pending.predicted_s <= 0:
+            return
+        low, high = _SPEED_RATIO_BOUNDS
+        ratio = min(max((at - pending.submitted_at) / pending.predicted_s, low), high)
+        self.speed *= 1.0 - _SPEED_SMOOTHING + _SPEED_SMOOTHING * ratio
+
+    def finished(self, request_id: str) -> None:
+        """It ended (aborted, failed or done) before or after its first token."""
+        self._pending.pop(request_id, None)
+
+    # ------------------------------------------------------------------ faults
+
+    def exclude(self, reason: str) -> None:
+        """Take the replica out of routing, forget its cache, fail what waits on it (module doc)."""
+        if self.excluded is not None:
+            return
+        logger.warning("replica %s excluded: %s", self.name, reason)
+        self.excluded = reason
+        self.exclusions += 1
+        self.tree.engine_cache_cleared()
+        pending, self._pending = self._pending, {}
+        for request in pending.values():
+            request.fail(EngineError(f"replica {self.name} was excluded: {reason}"))
+
+    async def rejoin(self) -> None:
+        """Back in routing, with an empty tree: a restarted engine's cache is empty."""
+        if self.excluded is None:
+            return
+        logger.info("replica %s rejoins", self.name)
+        self.tree.engine_cache_cleared()
+        for hook in self.rejoin_hooks:
+            await hook()
+        self.excluded = None

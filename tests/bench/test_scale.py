@@ -1,0 +1,48 @@
+"""bench.scale's replay: conversations continue their history, a dead replica costs no query."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bench.scale import SIM_SYSTEM, Replay, replay_trace, summary, synthetic_document, synthetic_question
+from bench.traces import TraceRequest
+from specrag.controller.placement import Placement
+from specrag.controller.replicas import Replica
+from specrag.pipeline.engine import Sampling
+from specrag.pipeline.simulated_engine import SimulatedEngine
+from tests.helpers import wait_until
+
+
+def pool(n: int) -> list[Replica]:
+    return [Replica.simulated(f"r{i}", SIM_SYSTEM, time_scale=0.01, max_model_len=32768) for i in range(n)]
+
+
+def replay() -> Replay:
+    return Replay(SIM_SYSTEM, synthetic_document, synthetic_question, Sampling(max_tokens=4), time_scale=0.01)
+
+
+async def test_a_later_turn_continues_its_history_on_the_replica_that_holds_it() -> None:
+    replicas = pool(3)
+    trace = [TraceRequest(0, (1, 2, 3), "c"), TraceRequest(1, (3, 4), "c")]
+    samples = await replay_trace(Placement(replicas), trace, [0.0, 0.0], replay())
+    first, second = samples
+    assert second.replica == first.replica
+    # The whole first prompt and its answer are a prefix of the second (document 3 is not repeated).
+    assert second.cached_tokens >= first.prompt_tokens // 32 * 32
+    assert summary(samples)["cached_token_share"] > 0
+    for replica in replicas:
+        await replica.engine.close()
+
+
+async def test_queries_waiting_on_a_dead_replica_are_retried_on_another() -> None:
+    replicas = pool(2)
+    trace = [TraceRequest(i, (10 * i, 10 * i + 1)) for i in range(6)]
+    running = asyncio.create_task(replay_trace(Placement(replicas), trace, [0.0] * 6, replay()))
+    await wait_until(lambda: replicas[0].pending > 0, within_s=5, every_s=0.001)
+    engine = replicas[0].engine
+    assert isinstance(engine, SimulatedEngine)
+    await engine.die()
+    samples = await asyncio.wait_for(running, 10)
+    assert all(sample.first_token_at is not None for sample in samples)
+    assert any(sample.retried_from == "r0" and sample.replica == "r1" for sample in samples)
+    await replicas[1].engine.close()

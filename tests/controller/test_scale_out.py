@@ -1,0 +1,121 @@
+"""Queries over several engine replicas: routing in the timeline, faults routed around.
+
+Simulated replicas (each with its own tree fed by its own KV events); the engine-marked Ray test
+(tests/service/test_ray_replicas.py) runs real vLLM replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from specrag.controller.controller import RagController, RagRequest
+from specrag.controller.placement import health_checks
+from specrag.controller.replicas import Replica
+from specrag.controller.timeline import Timeline, TimelineEvent
+from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.service.assets import Assets
+from specrag.service.metrics import ServiceMetrics
+from tests.helpers import metric, pool_controller, scripted_index, simulated_pool, wait_until
+
+QUESTION = "What does the assert statement do?"
+
+
+def routes(timeline: Timeline) -> list[str]:
+    """The replicas the answer's prompt was sent to (or adopted on), in order."""
+    return [event.detail["replica"] for event in timeline.events if event.kind in ("route", "adopt")]
+
+
+def kinds(timeline: Timeline, kind: str) -> list[TimelineEvent]:
+    return [event for event in timeline.events if event.kind == kind]
+
+
+async def ask(controller: RagController, max_tokens: int = 4, mode: str = "ordering") -> Timeline:
+    done = await controller.answer(RagRequest(QUESTION, k=3, mode=mode, max_tokens=max_tokens))
+    assert done.text
+    return done.timeline
+
+
+async def close(pool: list[Replica], controller: RagController) -> None:
+    await controller.close()
+    for replica in pool:
+        await replica.engine.close()
+
+
+async def test_a_repeated_query_returns_to_the_replica_that_holds_its_documents(tiny_assets: Assets) -> None:
+    pool = simulated_pool(tiny_assets, 3)
+    controller = pool_controller(pool, tiny_assets, scripted_index(tiny_assets, [[4, 5, 6]], 0.0))
+    first = await ask(controller)
+    (chosen,) = routes(first)
+    second = await ask(controller)
+    assert routes(second) == [chosen]
+    assert second.cached_prompt_tokens > first.cached_prompt_tokens
+    (route,) = kinds(second, "route")
+    assert route.detail["reason"] == "lowest estimated TTFT" and route.detail["predicted_cached_tokens"] > 0
+    await close(pool, controller)
+
+
+async def test_speculation_and_the_final_prompt_run_on_the_same_replica(tiny_assets: Assets) -> None:
+    pool = simulated_pool(tiny_assets, 2)
+    index = scripted_index(tiny_assets, [[7, 8, 9], [7, 8, 9], [7, 8, 9]], 0.05)
+    controller = pool_controller(pool, tiny_assets, index, num_stages=3)
+    timeline = await ask(controller, mode="all")
+    assert timeline.adopted
+    submits = [event.detail["replica"] for event in kinds(timeline, "spec_submit")]
+    assert submits and routes(timeline) == submits[-1:]
+    await close(pool, controller)
+
+
+async def test_a_dead_replica_is_routed_around_and_waiting_queries_retried(tiny_assets: Assets) -> None:
+    pool = simulated_pool(tiny_assets, 2)
+    controller = pool_controller(pool, tiny_assets, scripted_index(tiny_assets, [[1, 2, 3]], 0.0))
+    queries = [asyncio.create_task(ask(controller, max_tokens=50)) for _ in range(6)]
+    await wait_until(lambda: pool[0].pending > 0, within_s=5, every_s=0.001)
+    engine = pool[0].engine
+    assert isinstance(engine, SimulatedEngine)
+    await engine.die()
+    timelines = await asyncio.wait_for(asyncio.gather(*queries), timeout=10)  # none fails
+    retried = [timeline for timeline in timelines if kinds(timeline, "retry")]
+    assert retried and all(routes(timeline)[-1] == "r1" for timeline in retried)
+    assert pool[0].excluded is not None and not pool[0].tree.system_prompt_resident()
+    assert (await controller.health()).serving
+    assert routes(await ask(controller)) == ["r1"]
+    await close(pool, controller)
+
+
+async def test_a_stalled_replica_is_excluded_and_rejoins_when_it_steps_again(tiny_assets: Assets) -> None:
+    pool = simulated_pool(tiny_assets, 2)
+    index = scripted_index(tiny_assets, [[1, 2, 3]], 0.0)
+    controller = pool_controller(pool, tiny_assets, index, first_token_timeout_s=0.3)
+    engine = pool[0].engine
+    assert isinstance(engine, SimulatedEngine)
+    engine.stall()
+    async with health_checks(controller.placement, every_s=0.05):
+        timelines = await asyncio.gather(*(ask(controller) for _ in range(4)))
+        assert all(routes(timeline)[-1] == "r1" for timeline in timelines)
+        assert pool[0].excluded is not None
+        engine.resume()
+        await wait_until(lambda: pool[0].excluded is None, within_s=5)
+    await close(pool, controller)
+
+
+async def test_with_every_replica_down_the_health_check_says_so(tiny_assets: Assets) -> None:
+    pool = simulated_pool(tiny_assets, 2)
+    controller = pool_controller(pool, tiny_assets, scripted_index(tiny_assets, [[1, 2, 3]], 0.0))
+    await pool[0].engine.close()
+    assert (await controller.health()).serving
+    await pool[1].engine.close()
+    health = await controller.health()
+    assert not health.serving and "r0" in str(health.reason) and "r1" in str(health.reason)
+    await controller.close()
+
+
+async def test_metrics_count_answers_by_replica_and_reason(tiny_assets: Assets) -> None:
+    pool = simulated_pool(tiny_assets, 2)
+    controller = pool_controller(pool, tiny_assets, scripted_index(tiny_assets, [[1, 2, 3]], 0.0))
+    metrics = ServiceMetrics()
+    timeline = await ask(controller)
+    metrics.observe(timeline)
+    (replica,) = routes(timeline)
+    text = metrics.exposition().decode()
+    assert metric(text, "specrag_routed_total", reason="lowest estimated TTFT", replica=replica) == 1
+    await close(pool, controller)
