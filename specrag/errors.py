@@ -40,3 +40,7 @@ class OverloadedError(SpecragError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class EmbedderError(EngineError):
+    """An embedding server failed, timed out or answered malformed data (an upstream failure)."""
