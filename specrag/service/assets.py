@@ -88,14 +88,19 @@ def ensure_store(layout: DataLayout, passages: list[Passage], tokenizer: Tokeniz
 def ensure_index(
     layout: DataLayout, passages: list[Passage], config: IndexConfig | None = None
 ) -> VectorIndex:
-    """The vector index over ``passages``, built when missing, corrupt or built from another corpus."""
+    """The vector index over ``passages``, built when missing, corrupt, built from another corpus
+    or with another embedder or channels than ``config`` (default: the hybrid default)."""
+    config = config or IndexConfig()
     try:
         index = load_index(layout.index_dir)
         check_corpus(index, passages)
-        return index
+        mismatch = config.mismatch(index)
+        if mismatch is None:
+            return index
+        logger.info("rebuilding the vector index in %s (%s)", layout.index_dir, mismatch)
     except ArtifactError as reason:
         logger.info("building the vector index in %s (%s)", layout.index_dir, reason)
-    index = build_index(passages, config or IndexConfig(), progress=True)
+    index = build_index(passages, config, progress=True)
     save_index(index, layout.index_dir)
     return index
 

@@ -41,7 +41,12 @@ def test_index_build_writes_a_loadable_index(tmp_path: Path) -> None:
         ),
         encoding="utf-8",
     )
-    assert run(["--data-dir", str(tmp_path), "index", "build", "--corpus", str(corpus), "--dim", "8"]) == 0
+    build = ["--data-dir", str(tmp_path), "index", "build", "--corpus", str(corpus)]
+    assert run([*build, "--embedder", "tfidf-svd", "--dim", "8", "--no-lexical"]) == 0
     index = load_index(tmp_path / "index")
     assert index.passage_ids == [f"d{i}" for i in range(60)]
-    assert index.dim == 8
+    assert (index.dim, index.hybrid) == (8, False)
+    assert run(build) == 0
+    default = load_index(tmp_path / "index")
+    assert (default.dim, default.hybrid) == (256, True)
+    assert getattr(default.embedder, "kind", None) == "wordllama-idf"
