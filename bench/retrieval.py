@@ -11,8 +11,8 @@ channel alone is scored on the same index. The last line printed is one JSON obj
 "docs_per_s", "query_ms_p50"}``.
 
 ``--compare`` adds the README's table: the previous default (TF-IDF + SVD), WordLlama with the
-package's uniform pooling, BM25 alone, and, with ``--sentence-transformers DIR``, a
-sentence-transformers model directory, dense and hybrid. Results go to
+package's uniform pooling and, with ``--sentence-transformers DIR``, a sentence-transformers model
+directory, each dense and hybrid (one index per embedder, searched both ways), and BM25 alone. Results go to
 ``bench/out/retrieval.json`` and ``bench/out/retrieval.png``. Evaluation sets: ``bench.retrieval_sets``.
 """
 
@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from matplotlib import pyplot as plt
 from bench.common import machine, plot_path, write_json
 from specrag.retrieval.corpus import Passage, load_passages
 from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
-from specrag.retrieval.index_store import TFIDF_SVD, IndexConfig, build_index, save_index
+from specrag.retrieval.index_store import TFIDF_SVD, WORDLLAMA, IndexConfig, build_index, save_index
 from specrag.retrieval.stages import StagePlan
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder, token_vectors
@@ -53,12 +53,14 @@ class Query:
 
 @dataclass(frozen=True)
 class Method:
-    """One row of the comparison: how to build the index, and whether queries search hybrid."""
+    """One embedder of the comparison: fitted on the corpus (by kind) or built by ``make``."""
 
     name: str
-    config: IndexConfig
-    hybrid: bool
-    embedder: Callable[[], Embedder] | None = None
+    fitted: str = WORDLLAMA
+    make: Callable[[], Embedder] | None = None
+
+    def brought(self) -> Embedder | None:
+        return self.make() if self.make else None
 
 
 def load_queries(path: Path) -> list[Query]:
@@ -156,46 +158,35 @@ def scores(queries: list[Query], rankings: list[list[str]], latencies: list[floa
 def timed_build(passages: list[Passage], method: Method, directory: Path) -> tuple[VectorIndex, float]:
     """Build (embedder fitting, embedding, BM25, IVF training) and save; seconds it took."""
     started = time.perf_counter()
-    index = build_index(passages, method.config, embedder=method.embedder() if method.embedder else None)
+    index = build_index(passages, IndexConfig(embedder=method.fitted), embedder=method.brought())
     save_index(index, directory)
     return index, time.perf_counter() - started
 
 
 def methods(args: argparse.Namespace) -> list[Method]:
-    default = IndexConfig()
-    dense_config = replace(default, lexical=False)
-    rows = [
-        Method("hybrid: WordLlama-IDF + BM25 (default)", default, hybrid=True),
-    ]
+    """The default first; with ``--compare`` the other embedders, each dense and hybrid."""
+    rows = [Method("WordLlama-IDF (default)")]
     if not args.compare:
         return rows
     rows += [
+        Method("TF-IDF + SVD 384 (previous default)", fitted=TFIDF_SVD),
         Method(
-            "TF-IDF + SVD 384 (previous default)", replace(dense_config, embedder=TFIDF_SVD), hybrid=False
-        ),
-        Method(
-            "WordLlama, uniform pooling",
-            dense_config,
-            hybrid=False,
-            embedder=lambda: WordLlamaEmbedder(np.ones(token_vectors().table.shape[0])),
+            "WordLlama, uniform pooling (the package's own)",
+            make=lambda: WordLlamaEmbedder(np.ones(token_vectors().table.shape[0])),
         ),
     ]
     if args.sentence_transformers:
         model_dir = Path(args.sentence_transformers)
-        name = f"sentence-transformers {model_dir.name}"
-        rows += [
-            Method(name, dense_config, hybrid=False, embedder=lambda: SentenceTransformerEmbedder(model_dir)),
+        rows.append(
             Method(
-                f"hybrid: {name} + BM25",
-                default,
-                hybrid=True,
-                embedder=lambda: SentenceTransformerEmbedder(model_dir),
-            ),
-        ]
+                f"sentence-transformers {model_dir.name}", make=lambda: SentenceTransformerEmbedder(model_dir)
+            )
+        )
     return rows
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Each embedder's hybrid index, built once, searched hybrid and by its dense channel alone."""
     passages = load_passages(Path(args.corpus))
     queries = load_queries(Path(args.queries))
     table: list[dict[str, Any]] = []
@@ -203,21 +194,20 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for number, method in enumerate(methods(args)):
         index, build_s = timed_build(passages, method, work / f"index-{number}")
         cost = {"index_build_s": round(build_s, 2), "docs_per_s": round(len(passages) / build_s, 1)}
-        scores = evaluate(index, queries, method.hybrid)
-        table.append({"method": method.name, **scores, **cost})
-        print(f"{method.name}: {json.dumps({**scores, **cost})}", flush=True)
+        hybrid = evaluate(index, queries, hybrid=True)
+        dense = evaluate(index, queries, hybrid=False)
+        rows = [(f"hybrid: {method.name} + BM25", hybrid), (f"dense: {method.name}", dense)]
         if number == 0:
-            dense = evaluate(index, queries, hybrid=False)
-            lexical = lexical_only(index, queries)
-            table.append({"method": "dense channel of the default (WordLlama-IDF)", **dense, **cost})
-            table.append({"method": "BM25 alone (lexical channel of the default)", **lexical, **cost})
-            print(f"dense channel: {json.dumps(dense)}\nBM25 alone: {json.dumps(lexical)}", flush=True)
+            rows.append(("BM25 alone (the lexical channel)", lexical_only(index, queries)))
             headline = {
-                **{key: scores[key] for key in ("recall_at_1", "recall_at_5", "recall_at_10")},
+                **{key: hybrid[key] for key in ("recall_at_1", "recall_at_5", "recall_at_10")},
                 "dense_only": dense,
                 **cost,
-                "query_ms_p50": scores["query_ms_p50"],
+                "query_ms_p50": hybrid["query_ms_p50"],
             }
+        for name, result in rows:
+            table.append({"method": name, **result, **cost})
+            print(f"{name}: {json.dumps({**result, **cost})}", flush=True)
         del index
     return {"headline": headline, "table": table, "passages": len(passages), "queries": len(queries)}
 
