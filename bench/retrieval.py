@@ -12,7 +12,8 @@ channel alone is scored on the same index. The last line printed is one JSON obj
 
 ``--compare`` adds the README's table: the previous default (TF-IDF + SVD), WordLlama with the
 package's uniform pooling and, with ``--sentence-transformers DIR``, a sentence-transformers model
-directory, each dense and hybrid (one index per embedder, searched both ways), and BM25 alone. Results go to
+directory, each dense and hybrid (one index per embedder, searched both ways), BM25 alone, and
+the default index's recall under other fusion settings (``rrf_k`` × depth). Results go to
 ``bench/out/retrieval.json`` and ``bench/out/retrieval.png``. Evaluation sets: ``bench.retrieval_sets``.
 """
 
@@ -36,6 +37,7 @@ from matplotlib import pyplot as plt
 from bench.common import machine, plot_path, write_json
 from specrag.retrieval.corpus import Passage, load_passages
 from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
+from specrag.retrieval.fusion import FusionConfig
 from specrag.retrieval.index_store import TFIDF_SVD, WORDLLAMA, IndexConfig, build_index, save_index
 from specrag.retrieval.stages import StagePlan
 from specrag.retrieval.vector_index import VectorIndex
@@ -185,12 +187,35 @@ def methods(args: argparse.Namespace) -> list[Method]:
     return rows
 
 
+FUSION_SWEEP = [FusionConfig(rrf_k, depth) for rrf_k in (5, 10, 20, 60) for depth in (20, 100)]
+
+
+def fusion_sweep(index: VectorIndex, queries: list[Query]) -> list[dict[str, Any]]:
+    """Recall of other fusion settings on the same index (one-shot hybrid = the last stage)."""
+    chosen = index.fusion
+    vectors = [index.embed_query(query.text) for query in queries]
+    rows = []
+    with one_search_thread():
+        for fusion in FUSION_SWEEP:
+            index.fusion = fusion
+            rankings = [
+                distinct_passages(index, index.search_hybrid(vector, query.text, max(KS))[0])
+                for vector, query in zip(vectors, queries, strict=True)
+            ]
+            result = scores(queries, rankings, [0.0])
+            rows.append({"rrf_k": fusion.rrf_k, "depth": fusion.depth, **result})
+            print(f"fusion rrf_k={fusion.rrf_k} depth={fusion.depth}: {json.dumps(result)}", flush=True)
+    index.fusion = chosen
+    return rows
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Each embedder's hybrid index, built once, searched hybrid and by its dense channel alone."""
     passages = load_passages(Path(args.corpus))
     queries = load_queries(Path(args.queries))
     table: list[dict[str, Any]] = []
     headline: dict[str, Any] = {}
+    sweep: list[dict[str, Any]] = []
     for number, method in enumerate(methods(args)):
         index, build_s = timed_build(passages, method, work / f"index-{number}")
         cost = {"index_build_s": round(build_s, 2), "docs_per_s": round(len(passages) / build_s, 1)}
@@ -199,6 +224,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         rows = [(f"hybrid: {method.name} + BM25", hybrid), (f"dense: {method.name}", dense)]
         if number == 0:
             rows.append(("BM25 alone (the lexical channel)", lexical_only(index, queries)))
+            if args.compare:
+                sweep = fusion_sweep(index, queries)
             headline = {
                 **{key: hybrid[key] for key in ("recall_at_1", "recall_at_5", "recall_at_10")},
                 "dense_only": dense,
@@ -209,7 +236,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             table.append({"method": name, **result, **cost})
             print(f"{name}: {json.dumps({**result, **cost})}", flush=True)
         del index
-    return {"headline": headline, "table": table, "passages": len(passages), "queries": len(queries)}
+    return {
+        "headline": headline,
+        "table": table,
+        "fusion_sweep": sweep,
+        "passages": len(passages),
+        "queries": len(queries),
+    }
 
 
 def plot(result: dict[str, Any], name: str) -> Path:
