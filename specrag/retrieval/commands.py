@@ -47,6 +47,7 @@ def _brought_embedder(args: argparse.Namespace) -> Embedder | None:
 
 
 def _index_build(args: argparse.Namespace) -> int:
+    brought = _brought_embedder(args)  # first: a bad embedder choice fails before any work
     layout = DataLayout(resolve_data_dir(args.data_dir))
     corpus = Path(args.corpus) if args.corpus else layout.corpus_file
     if args.corpus is None and not corpus.is_file():
@@ -55,7 +56,6 @@ def _index_build(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else layout.index_dir
     if args.threads is not None:
         faiss.omp_set_num_threads(args.threads)
-    brought = _brought_embedder(args)
     config = IndexConfig(
         kind=args.kind,
         # A brought embedder is used as it is; the fitted kind then does not matter.
