@@ -94,13 +94,14 @@ class IndexConfig:
     def fusion(self) -> FusionConfig:
         return FusionConfig(self.rrf_k, self.fusion_depth)
 
-    def fit_embedder(self, texts: Sequence[str]) -> Embedder:
-        """The configured embedder, fitted on the corpus' texts."""
+    def fit_and_embed(self, texts: Sequence[str], progress: bool = False) -> tuple[Embedder, np.ndarray]:
+        """The configured embedder, fitted on the corpus' texts, and their vectors."""
         if self.embedder == TFIDF_SVD:
-            return TfidfSvdEmbedder.fit(texts, dim=self.embedding_dim, seed=self.seed)
+            embedder = TfidfSvdEmbedder.fit(texts, dim=self.embedding_dim, seed=self.seed)
+            return embedder, embed_in_batches(embedder, texts, show=progress)
         from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
 
-        return WordLlamaEmbedder.fit(texts)
+        return WordLlamaEmbedder.fit_embed(texts)
 
     def mismatch(self, index: VectorIndex) -> str | None:
         """Why ``index`` was not built with this configuration's embedder and channels, or None."""
@@ -160,8 +161,10 @@ def build_index(
     if not passages:
         raise InvalidInputError("cannot build an index from an empty corpus")
     texts = [f"{passage.title}\n{passage.text}" for passage in passages]
-    embedder = embedder or config.fit_embedder(texts)
-    vectors = embed_in_batches(embedder, texts, show=progress)
+    if embedder is None:
+        embedder, vectors = config.fit_and_embed(texts, progress)
+    else:
+        vectors = embed_in_batches(embedder, texts, show=progress)
     lexical = LexicalIndex.build(texts) if config.lexical else None
     sources = None
     if config.pad_to is not None and config.pad_to > len(vectors):

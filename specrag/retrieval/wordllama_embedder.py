@@ -81,9 +81,13 @@ def token_vectors() -> TokenVectors:
     return TokenVectors(np.ascontiguousarray(model.embedding, dtype=np.float32), tokenizer, weights_file)
 
 
+# Texts tokenized per call when fitting: bounded memory for the encodings, parallel within a call.
+_FIT_CHUNK = 4096
+
+
 def _token_ids(vectors: TokenVectors, texts: Sequence[str]) -> list[np.ndarray]:
     encodings = vectors.tokenizer.encode_batch(list(texts), add_special_tokens=False)
-    return [np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings]
+    return [np.asarray(encoding.ids, dtype=np.int32) for encoding in encodings]
 
 
 class WordLlamaEmbedder:
@@ -101,29 +105,41 @@ class WordLlamaEmbedder:
     @classmethod
     def fit(cls, texts: Sequence[str]) -> WordLlamaEmbedder:
         """Smoothed IDF of every vocabulary token over ``texts``, as scikit-learn computes it."""
+        return cls.fit_embed(texts)[0]
+
+    @classmethod
+    def fit_embed(cls, texts: Sequence[str]) -> tuple[WordLlamaEmbedder, np.ndarray]:
+        """Fit on ``texts`` and return their vectors too, tokenizing them once (most of the cost)."""
         if not texts:
             raise InvalidInputError("cannot fit an embedder on zero texts")
         vectors = token_vectors()
+        ids = [
+            row
+            for start in range(0, len(texts), _FIT_CHUNK)
+            for row in _token_ids(vectors, texts[start : start + _FIT_CHUNK])
+        ]
         document_frequency = np.zeros(vectors.table.shape[0], dtype=np.int64)
-        for start in range(0, len(texts), 4096):
-            for ids in _token_ids(vectors, texts[start : start + 4096]):
-                document_frequency[np.unique(ids)] += 1
-        idf = np.log((len(texts) + 1) / (document_frequency + 1)) + 1.0
-        return cls(idf, vectors)
+        for row in ids:
+            document_frequency[np.unique(row)] += 1
+        embedder = cls(np.log((len(texts) + 1) / (document_frequency + 1)) + 1.0, vectors)
+        pooled = [embedder._pool(ids[start : start + _FIT_CHUNK]) for start in range(0, len(ids), _FIT_CHUNK)]
+        return embedder, np.concatenate(pooled)
 
     @property
     def dim(self) -> int:
         return DIM
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return self._pool(_token_ids(self._vectors, texts))
+
+    def _pool(self, ids: list[np.ndarray]) -> np.ndarray:
         """IDF-weighted mean of each text's token vectors, normalised; an empty text gives zeros.
 
         The weights form a sparse (texts × vocabulary) matrix, so pooling is one sparse-dense
         product: no padded (texts × longest × 256) array as the package's ``embed`` builds.
         """
-        ids = _token_ids(self._vectors, texts)
         lengths = np.array([len(row) for row in ids], dtype=np.int64)
-        columns = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        columns = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
         weights = sparse.csr_matrix(
             (self.idf[columns], columns, np.concatenate([[0], np.cumsum(lengths)])),
             shape=(len(ids), self._vectors.table.shape[0]),

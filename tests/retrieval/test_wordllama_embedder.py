@@ -95,3 +95,10 @@ def test_other_weights_or_a_damaged_file_are_artifact_errors(tmp_path: Path) -> 
     np.save(tmp_path / entry["files"][0], np.ones(3), allow_pickle=False)
     with pytest.raises(ArtifactError, match=entry["files"][0]):
         load_embedder(tmp_path, entry)
+
+
+def test_fitting_and_embedding_in_one_pass_gives_the_same_vectors() -> None:
+    texts = [*TEXTS, *(f"passage {n} about sockets and threads" for n in range(5000))]
+    embedder, vectors = WordLlamaEmbedder.fit_embed(texts)  # more texts than one fitting chunk
+    np.testing.assert_array_equal(embedder.idf, WordLlamaEmbedder.fit(texts).idf)
+    np.testing.assert_allclose(vectors, embedder.embed(texts), atol=1e-6)
