@@ -46,6 +46,10 @@ class OverloadedError(SpecragError):
         self.retry_after_s = retry_after_s
 
 
+class EmbedderError(EngineError):
+    """An embedding server failed, timed out or answered malformed data (an upstream failure)."""
+
+
 ECHO_LIMIT = 80
 
 

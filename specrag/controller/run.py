@@ -100,7 +100,11 @@ class QueryRun:
         stages = shared.config.num_stages if checked.mode.speculation else 1
         final_rows: list[int] = []
         search = shared.index.search_staged(
-            vector, checked.k, num_stages=stages, schedule=shared.config.stage_schedule
+            vector,
+            checked.k,
+            num_stages=stages,
+            schedule=shared.config.stage_schedule,
+            query_text=checked.request.question,  # the lexical channel of a hybrid index
         )
         async with contextlib.aclosing(search) as staged:
             async for stage in staged:

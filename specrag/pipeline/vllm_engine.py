@@ -21,6 +21,9 @@ from specrag.pipeline.engine import EngineBase, EngineCounts, EngineOutput, Samp
 
 logger = logging.getLogger(__name__)
 
+# How long a shutdown waits for the engine core to finish its current step (see _wait_idle).
+SHUTDOWN_IDLE_WAIT_S = 5.0
+
 
 @dataclass
 class SchedulerSnapshot:
@@ -212,8 +215,23 @@ class VllmEngine(EngineBase):
     async def _reset_prefix_cache(self) -> bool:
         return bool(await self._llm.reset_prefix_cache())
 
+    async def _wait_idle(self, timeout_s: float) -> None:
+        """Give the engine core a moment to finish the step it is in (bounded).
+
+        Its callers have aborted their requests; an abort takes effect at the next step. Shutting
+        the core down mid-step makes its worker's pending reply fail, and vLLM logs that as an
+        engine failure with tracebacks: a clean stop waits for the step to end.
+        """
+        llm, snapshot = self._llm, self._snapshot
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while not _idle(llm, snapshot):  # vLLM offers no event for "idle": poll it
+                    await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # the step that reported the last request finished may still run
+
     async def _shut_down(self) -> None:
         self._stopping.set()  # requests still streaming fail now instead of waiting on a dead core
+        await self._wait_idle(SHUTDOWN_IDLE_WAIT_S)
         llm, self._llm = self._llm, None
         # Stop vLLM's output handler first: it would otherwise see the engine core go away and log
         # a spurious EngineDeadError traceback. Then shut down off the event loop (it terminates
@@ -226,6 +244,10 @@ class VllmEngine(EngineBase):
         # shutdown() again into half-torn-down modules and prints a spurious traceback. It is
         # already shut down: make that second call a no-op.
         llm.shutdown = lambda *args, **kwargs: None
+
+
+def _idle(llm: Any, snapshot: SchedulerSnapshot) -> bool:
+    return int(llm.get_num_unfinished_requests()) == 0 and snapshot.running == 0
 
 
 def scheduled_at(output: Any) -> float | None:

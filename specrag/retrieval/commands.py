@@ -8,6 +8,7 @@ from pathlib import Path
 
 import faiss
 
+from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.retrieval.corpus import (
     DEFAULT_PASSAGE_WORDS,
@@ -15,7 +16,11 @@ from specrag.retrieval.corpus import (
     load_passages,
     write_passages,
 )
-from specrag.retrieval.index_store import KINDS, IndexConfig, build_index, save_index
+from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
+from specrag.retrieval.index_store import FITTED_EMBEDDERS, KINDS, IndexConfig, build_index, save_index
+
+# Embedders a user brings: a model directory, or a server speaking OpenAI's /v1/embeddings.
+BROUGHT_EMBEDDERS = ("sentence-transformers", "openai")
 
 
 def _corpus_build(args: argparse.Namespace) -> int:
@@ -26,7 +31,23 @@ def _corpus_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _brought_embedder(args: argparse.Namespace) -> Embedder | None:
+    """The embedder ``--embedder`` names when it is not one fitted on the corpus."""
+    if args.embedder == "sentence-transformers":
+        if not args.embedder_model:
+            raise InvalidInputError("--embedder sentence-transformers needs --embedder-model DIR")
+        return SentenceTransformerEmbedder(Path(args.embedder_model))
+    if args.embedder == "openai":
+        if not args.embedder_url or not args.embedder_model:
+            raise InvalidInputError("--embedder openai needs --embedder-url URL and --embedder-model NAME")
+        from specrag.retrieval.http_embedder import OpenAIEmbedder
+
+        return OpenAIEmbedder(args.embedder_url, args.embedder_model, api_key_env=args.embedder_key_env)
+    return None
+
+
 def _index_build(args: argparse.Namespace) -> int:
+    brought = _brought_embedder(args)  # first: a bad embedder choice fails before any work
     layout = DataLayout(resolve_data_dir(args.data_dir))
     corpus = Path(args.corpus) if args.corpus else layout.corpus_file
     if args.corpus is None and not corpus.is_file():
@@ -37,6 +58,9 @@ def _index_build(args: argparse.Namespace) -> int:
         faiss.omp_set_num_threads(args.threads)
     config = IndexConfig(
         kind=args.kind,
+        # A brought embedder is used as it is; the fitted kind then does not matter.
+        embedder=args.embedder if brought is None else FITTED_EMBEDDERS[0],
+        lexical=args.lexical,
         nlist=args.nlist,
         nprobe=args.nprobe,
         ef_search=args.ef_search,
@@ -46,7 +70,7 @@ def _index_build(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     passages = load_passages(corpus)
-    index = build_index(passages, config, progress=True)
+    index = build_index(passages, config, embedder=brought, progress=True)
     save_index(index, output)
     print(
         f"indexed {len(passages)} passages ({index.searcher.ntotal} rows, {index.dim} dims, "
@@ -69,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     index = subparsers.add_parser("index", help="build the vector index over the corpus")
     index_sub = index.add_subparsers(dest="index_command", metavar="ACTION", required=True)
     index_build = index_sub.add_parser(
-        "build", help="embed the corpus (TF-IDF + SVD, no download) and write a checked index directory"
+        "build", help="embed the corpus (WordLlama, no download) + BM25 and write a checked index directory"
     )
     index_build.add_argument(
         "--corpus", help="JSONL corpus (default: DATA_DIR/corpus/passages.jsonl, built if missing)"
@@ -79,9 +103,29 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     index_build.add_argument(
         "--nlist", type=int, default=defaults.nlist, help="IVF lists (capped at rows/39)"
     )
-    index_build.add_argument("--nprobe", type=int, default=None, help="IVF lists searched (default: nlist/4)")
+    index_build.add_argument(
+        "--nprobe", type=int, default=None, help="IVF lists searched (default: nlist/4, at least 32)"
+    )
     index_build.add_argument("--ef-search", type=int, default=defaults.ef_search, help="HNSW efSearch")
-    index_build.add_argument("--dim", type=int, default=defaults.embedding_dim, help="embedding dimensions")
+    index_build.add_argument(
+        "--embedder",
+        choices=FITTED_EMBEDDERS + BROUGHT_EMBEDDERS,
+        default=defaults.embedder,
+        help="wordllama (default: shipped weights, IDF pooling), tfidf-svd (fitted on the corpus), "
+        "sentence-transformers (--embedder-model DIR) or openai (--embedder-url, --embedder-model)",
+    )
+    index_build.add_argument("--embedder-model", help="model directory, or the model name a server serves")
+    index_build.add_argument("--embedder-url", help="base URL of an OpenAI-compatible /v1/embeddings server")
+    index_build.add_argument("--embedder-key-env", help="environment variable holding the server's API key")
+    index_build.add_argument(
+        "--lexical",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.lexical,
+        help="also index BM25 and fuse it into every search stage (hybrid; default on)",
+    )
+    index_build.add_argument(
+        "--dim", type=int, default=defaults.embedding_dim, help="embedding dimensions (tfidf-svd only)"
+    )
     index_build.add_argument(
         "--pad-to",
         type=int,

@@ -135,17 +135,22 @@ def _docstrings(module_name: str, source: str) -> Iterator[tuple[str, str]]:
     yield from walk(tree, module_name)
 
 
+def stdlib_docstrings() -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """Per documented stdlib module: (module name, [(qualified name, docstring), ...]), sorted."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for module_name, path in _stdlib_source_files(stdlib):
+        try:
+            yield module_name, list(_docstrings(module_name, path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+
+
 def _documents_from_stdlib_docstrings(min_words: int) -> Iterator[tuple[str, str, str]]:
     """One document per stdlib module: its docstrings, each headed by its qualified name.
 
     Grouping by module keeps passages near the target length; single docstrings are often short.
     """
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for module_name, path in _stdlib_source_files(stdlib):
-        try:
-            entries = list(_docstrings(module_name, path.read_text(encoding="utf-8")))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
+    for module_name, entries in stdlib_docstrings():
         text = "\n\n".join(f"{name}: {doc}" for name, doc in entries if len(doc.split()) >= min_words)
         if len(text.split()) >= MIN_PASSAGE_WORDS:
             yield f"doc/{module_name}", f"Python standard library: {module_name}", text

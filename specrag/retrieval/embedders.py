@@ -1,10 +1,13 @@
 """Text embedders behind one small interface; every vector is unit length, metric inner product.
 
-The default, :class:`TfidfSvdEmbedder`, needs no download: TF-IDF over the corpus reduced by a
-truncated SVD (latent semantic analysis), fitted at index build time and saved with the index.
-It is saved as plain arrays and JSON, never pickled, so loading an index never executes code
-from a file; the vectors it gives after loading are bit-identical because the same arrays feed
-the same transform. :class:`SentenceTransformerEmbedder` serves users who have a model directory.
+The default is WordLlama with IDF pooling (:mod:`specrag.retrieval.wordllama_embedder`): real
+pretrained weights that ship inside a PyPI wheel, so nothing is downloaded. :class:`TfidfSvdEmbedder`
+(TF-IDF over the corpus reduced by a truncated SVD, the previous default) needs no package at all
+but loses the rare words that identify a passage (README, "Retrieval quality"). Fitted state is
+saved as plain arrays and JSON, never pickled, so loading an index never executes code from a
+file. Users bring their own model as a sentence-transformers directory
+(:class:`SentenceTransformerEmbedder`) or an OpenAI-compatible server
+(:mod:`specrag.retrieval.http_embedder`).
 """
 
 from __future__ import annotations
@@ -168,7 +171,9 @@ class SentenceTransformerEmbedder:
         self.model_dir = model_dir
         self.batch_size = batch_size
         self._model = sentence_transformers.SentenceTransformer(str(model_dir), device="cpu")
-        self._dim = int(self._model.get_sentence_embedding_dimension())
+        # sentence-transformers 6 renamed the method; 3-5 only have the old name.
+        dimension = getattr(self._model, "get_embedding_dimension", None)
+        self._dim = int((dimension or self._model.get_sentence_embedding_dimension)())
 
     @property
     def dim(self) -> int:
@@ -193,10 +198,27 @@ def load_array(path: Path) -> np.ndarray:
 
 
 def load_embedder(directory: Path, entry: Mapping[str, Any]) -> Embedder:
-    """Rebuild the embedder a manifest entry describes."""
+    """Rebuild the embedder a manifest entry describes.
+
+    The other embedders' modules are imported here, on demand: they import this one, and a
+    process that never uses WordLlama or an embedding server need not load their packages.
+    """
     kind = entry.get("kind")
     if kind == TfidfSvdEmbedder.kind:
         return TfidfSvdEmbedder.load(directory, entry)
+    if kind == "wordllama-idf":
+        from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
+
+        return WordLlamaEmbedder.load(directory, entry)
+    if kind == "openai":
+        from specrag.retrieval.http_embedder import OpenAIEmbedder
+
+        return OpenAIEmbedder(
+            str(entry.get("base_url")),
+            str(entry.get("model")),
+            dim=int(entry["dim"]),
+            api_key_env=entry.get("api_key_env"),
+        )
     if kind == SentenceTransformerEmbedder.kind:
         embedder = SentenceTransformerEmbedder(Path(str(entry.get("model_dir"))))
         if embedder.dim != entry.get("dim"):

@@ -1,8 +1,9 @@
 """Build, save and load a :class:`VectorIndex` as one checked directory.
 
 The directory holds the faiss index, the embedder (no pickles), the passage ids in row order,
-the synthetic-row mapping of a padded index, and ``manifest.json`` with the dimensions, metric,
-kind, counts and a sha256 of every file. It is written atomically (a crash leaves the previous
+the synthetic-row mapping of a padded index, the lexical (BM25) index of a hybrid one in
+``lexical/``, and ``manifest.json`` with the dimensions, metric, kind, counts, fusion settings
+and a sha256 of every file. It is written atomically (a crash leaves the previous
 index in place) and every load re-checks it, so a missing, truncated, swapped or mismatched file
 is an :class:`ArtifactError` that names it rather than wrong search results.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ from specrag.retrieval.embedders import (
     load_array,
     load_embedder,
 )
+from specrag.retrieval.fusion import DEFAULT_DEPTH, DEFAULT_RRF_K, FusionConfig
+from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.progress import embed_in_batches
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.staged_ivf import DEFAULT_NLIST, StagedIVF
@@ -38,7 +41,8 @@ from specrag.retrieval.synthetic import pad_with_synthetic
 from specrag.retrieval.vector_index import VectorIndex
 
 FORMAT = "specrag-index"
-VERSION = 1
+# 2: hybrid indexes (a lexical index and fusion settings in the manifest), WordLlama by default.
+VERSION = 2
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.faiss"
 PASSAGE_IDS_FILE = "passage_ids.json"
@@ -48,13 +52,25 @@ if TYPE_CHECKING:
 
 HNSW_KIND = "hnsw"
 KINDS = ("ivf", "ivf-pq", HNSW_KIND)
+WORDLLAMA = "wordllama"
+TFIDF_SVD = "tfidf-svd"
+# Embedders fitted on the corpus at build time; others (a model directory, a server) are passed in.
+FITTED_EMBEDDERS = (WORDLLAMA, TFIDF_SVD)
 
 
 @dataclass(frozen=True)
 class IndexConfig:
-    """How to build an index. ``pad_to`` adds synthetic rows (mapped to passages) up to that many."""
+    """How to build an index. ``pad_to`` adds synthetic rows (mapped to passages) up to that many.
+
+    The default is the hybrid configuration the README's evaluation chose: WordLlama vectors
+    (``embedding_dim`` applies to ``tfidf-svd`` only) in staged IVF, fused with BM25.
+    """
 
     kind: str = "ivf"
+    embedder: str = WORDLLAMA
+    lexical: bool = True
+    rrf_k: int = DEFAULT_RRF_K
+    fusion_depth: int = DEFAULT_DEPTH
     nlist: int = DEFAULT_NLIST
     nprobe: int | None = None
     pq_m: int = 16
@@ -68,6 +84,34 @@ class IndexConfig:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidInputError(f"unknown index kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.embedder not in FITTED_EMBEDDERS:
+            raise InvalidInputError(
+                f"unknown embedder {self.embedder!r}; choose one of {', '.join(FITTED_EMBEDDERS)}"
+            )
+        FusionConfig(self.rrf_k, self.fusion_depth)  # validates
+
+    @property
+    def fusion(self) -> FusionConfig:
+        return FusionConfig(self.rrf_k, self.fusion_depth)
+
+    def fit_and_embed(self, texts: Sequence[str], progress: bool = False) -> tuple[Embedder, np.ndarray]:
+        """The configured embedder, fitted on the corpus' texts, and their vectors."""
+        if self.embedder == TFIDF_SVD:
+            embedder = TfidfSvdEmbedder.fit(texts, dim=self.embedding_dim, seed=self.seed)
+            return embedder, embed_in_batches(embedder, texts, show=progress)
+        from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
+
+        return WordLlamaEmbedder.fit_embed(texts)
+
+    def mismatch(self, index: VectorIndex) -> str | None:
+        """Why ``index`` was not built with this configuration's embedder and channels, or None."""
+        expected = "wordllama-idf" if self.embedder == WORDLLAMA else TfidfSvdEmbedder.kind
+        actual = getattr(index.embedder, "kind", None)
+        if actual != expected:
+            return f"the index uses the {actual} embedder, the configuration {expected}"
+        if index.hybrid != self.lexical:
+            return "the index is " + ("hybrid" if index.hybrid else "dense only") + ", the configuration not"
+        return None
 
 
 def _staged_hnsw() -> type[StagedHNSW]:
@@ -110,19 +154,32 @@ def passage_ids_digest(passage_ids: Sequence[str]) -> str:
 def build_index(
     passages: Sequence[Passage], config: IndexConfig, embedder: Embedder | None = None, progress: bool = False
 ) -> VectorIndex:
-    """Embed ``passages`` (fitting the default embedder on them unless one is given) and index them."""
+    """Embed ``passages`` (fitting the configured embedder on them unless one is given) and index them.
+
+    With ``config.lexical`` the passages' text is also indexed by BM25 for hybrid search.
+    """
     if not passages:
         raise InvalidInputError("cannot build an index from an empty corpus")
     texts = [f"{passage.title}\n{passage.text}" for passage in passages]
-    embedder = embedder or TfidfSvdEmbedder.fit(texts, dim=config.embedding_dim, seed=config.seed)
-    vectors = embed_in_batches(embedder, texts, show=progress)
+    if embedder is None:
+        embedder, vectors = config.fit_and_embed(texts, progress)
+    else:
+        vectors = embed_in_batches(embedder, texts, show=progress)
+    lexical = LexicalIndex.build(texts) if config.lexical else None
     sources = None
     if config.pad_to is not None and config.pad_to > len(vectors):
         synthetic, sources = pad_with_synthetic(vectors, config.pad_to, seed=config.seed)
         vectors = np.concatenate([vectors, synthetic])
         del synthetic
     searcher = build_searcher(vectors, config, progress=progress)
-    return VectorIndex(searcher, [passage.id for passage in passages], sources, embedder)
+    return VectorIndex(
+        searcher,
+        [passage.id for passage in passages],
+        sources,
+        embedder,
+        lexical=lexical,
+        fusion=config.fusion,
+    )
 
 
 def save_index(index: VectorIndex, directory: Path) -> None:
@@ -136,7 +193,14 @@ def save_index(index: VectorIndex, directory: Path) -> None:
         )
         np.save(staging / SOURCES_FILE, index.synthetic_sources, allow_pickle=False)
         embedder_entry = index.embedder.save(staging)
-        files = [INDEX_FILE, PASSAGE_IDS_FILE, SOURCES_FILE, *embedder_entry["files"]]
+        lexical_entry = index.lexical.save(staging) if index.lexical is not None else None
+        files = [
+            INDEX_FILE,
+            PASSAGE_IDS_FILE,
+            SOURCES_FILE,
+            *embedder_entry["files"],
+            *(lexical_entry["files"] if lexical_entry else []),
+        ]
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -147,6 +211,8 @@ def save_index(index: VectorIndex, directory: Path) -> None:
             "passage_ids_sha256": passage_ids_digest(index.passage_ids),
             "searcher": index.searcher.settings,
             "embedder": embedder_entry,
+            "lexical": lexical_entry,
+            "fusion": asdict(index.fusion),
             "files": {name: sha256_file(staging / name) for name in files},
         }
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
@@ -169,6 +235,8 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
         "num_passages",
         "searcher",
         "embedder",
+        "lexical",
+        "fusion",
         "files",
     }
     if not isinstance(manifest, dict) or not required <= manifest.keys():
@@ -227,10 +295,17 @@ def load_index(directory: Path, runner: SearchRunner | None = None) -> VectorInd
         raise ArtifactError(
             f"{directory}: embedder gives {embedder.dim} dimensions, index has {searcher.dim}"
         )
+    lexical = LexicalIndex.load(directory, manifest["lexical"]) if manifest["lexical"] else None
     try:
-        return VectorIndex(searcher, passage_ids, load_array(directory / SOURCES_FILE), embedder, runner)
+        fusion = FusionConfig(**manifest["fusion"])
+    except (TypeError, InvalidInputError) as error:
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: bad fusion {manifest['fusion']}") from error
+    try:
+        return VectorIndex(
+            searcher, passage_ids, load_array(directory / SOURCES_FILE), embedder, runner, lexical, fusion
+        )
     except InvalidInputError as error:
-        raise ArtifactError(f"{directory / SOURCES_FILE}: {error}") from error
+        raise ArtifactError(f"{directory}: {error}") from error
 
 
 def check_corpus(index: VectorIndex, passages: Sequence[Passage]) -> None:

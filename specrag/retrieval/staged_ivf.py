@@ -28,6 +28,8 @@ DEFAULT_NLIST = 1024
 # Training on more than this many points per list buys little and costs build time.
 MAX_TRAIN_POINTS_PER_LIST = 256
 PQ_BITS = 8
+# Lists a default search probes at the least (see default_nprobe).
+MIN_DEFAULT_NPROBE = 32
 
 
 def choose_nlist(num_vectors: int, requested: int = DEFAULT_NLIST) -> int:
@@ -38,8 +40,14 @@ def choose_nlist(num_vectors: int, requested: int = DEFAULT_NLIST) -> int:
 
 
 def default_nprobe(nlist: int) -> int:
-    """A quarter of the lists: recall near 1 on embeddings, and enough lists to cut into stages."""
-    return max(1, nlist // 4)
+    """A quarter of the lists, at least :data:`MIN_DEFAULT_NPROBE` (all of a smaller index).
+
+    A quarter keeps recall near 1 on large indexes and leaves enough lists to cut into stages.
+    A small corpus has few lists (rows / 39), where a quarter of them misses true neighbours
+    (dense recall@5 0.62 against 0.66 exact on 1,364 passages in 34 lists) while scanning
+    them all costs next to nothing.
+    """
+    return max(1, min(nlist, max(nlist // 4, MIN_DEFAULT_NPROBE)))
 
 
 class StagedIVF(FaissBacked):

@@ -4,17 +4,28 @@ Row i of the index is passage i of the corpus it was built from. A padded index 
 :mod:`specrag.retrieval.synthetic`) has more rows than passages; each extra row maps to the real
 passage it was drawn around, and :meth:`VectorIndex.passage_index_of` applies that mapping so
 the caller never sees a row id that is not a passage (several rows may name one passage).
+
+An index built with a lexical channel (:mod:`specrag.retrieval.lexical`) searches hybrid when
+it is given the query's text: BM25 runs first, in the search thread, before the first dense stage
+(a millisecond against the dense search's tens), and every stage's running top-k is the
+reciprocal-rank fusion (:mod:`specrag.retrieval.fusion`) of that fixed lexical ranking with the
+dense running top-k. The running top-k that speculation prefills is therefore already the hybrid
+one, and the last stage equals :meth:`VectorIndex.search_hybrid`. Fused stages name passages:
+their ids are passage positions (real rows) and their ``distances`` are fused scores, higher first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 
 import numpy as np
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.embedders import Embedder
+from specrag.retrieval.fusion import FusionConfig, fuse
+from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries
 
@@ -33,6 +44,8 @@ class VectorIndex:
         synthetic_sources: np.ndarray | None = None,
         embedder: Embedder | None = None,
         runner: SearchRunner | None = None,
+        lexical: LexicalIndex | None = None,
+        fusion: FusionConfig | None = None,
     ) -> None:
         extra = searcher.ntotal - len(passage_ids)
         sources = (
@@ -43,7 +56,13 @@ class VectorIndex:
                 f"{searcher.ntotal} rows need {len(passage_ids)} passages plus {extra} synthetic rows "
                 f"mapped to them, got {len(sources)} mappings"
             )
+        if lexical is not None and lexical.num_passages != len(passage_ids):
+            raise InvalidInputError(
+                f"the lexical index has {lexical.num_passages} passages, the index {len(passage_ids)}"
+            )
         self.searcher = searcher
+        self.lexical = lexical
+        self.fusion = fusion or FusionConfig()
         self.passage_ids = list(passage_ids)
         self.synthetic_sources = sources
         self.embedder = embedder
@@ -54,6 +73,11 @@ class VectorIndex:
     @property
     def dim(self) -> int:
         return self.searcher.dim
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether searches given the query's text fuse a lexical channel with the dense one."""
+        return self.lexical is not None
 
     @property
     def runner(self) -> SearchRunner:
@@ -95,15 +119,77 @@ class VectorIndex:
             )
         return np.asarray(query)
 
-    def iter_stages_batch(
-        self, queries: np.ndarray, k: int, plan: StagePlan | None = None
-    ) -> Iterator[StageResult]:
-        """Stages of a batch search in the calling thread; results hold one row per query."""
-        return self.searcher.stages(queries, k, plan or StagePlan())
+    def search_hybrid(self, query: np.ndarray, query_text: str, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One-shot hybrid search of one query: (passages, fused scores), best first, 1-D.
 
-    def iter_stages(self, query: np.ndarray, k: int, plan: StagePlan | None = None) -> Iterator[StageResult]:
+        What the last stage of a staged search with ``query_text`` equals. Without a lexical
+        channel it is the dense search's passages, in rank order, repeats dropped.
+        """
+        matrix = prepare_queries(self._single(query), self.dim, self.searcher.ntotal, k)
+        lexical = self._lexical_rankings([query_text], 1) or [np.zeros(0, dtype=np.int64)]
+        _, rows = self.searcher.search(matrix, self.fusion.dense_depth(k))
+        return fuse(lexical[0], self.passage_index_of(rows[0]), k, self.fusion)
+
+    def _lexical_rankings(self, texts: Sequence[str] | None, num_queries: int) -> list[np.ndarray] | None:
+        """Each query's lexical ranking (passages), or None when the search is dense only."""
+        if texts is None or self.lexical is None:
+            return None
+        if isinstance(texts, str) or len(texts) != num_queries:
+            raise InvalidInputError(f"expected {num_queries} query texts, one per query vector")
+        if not all(isinstance(text, str) for text in texts):
+            raise InvalidInputError("query texts must be strings")
+        return [self.lexical.search(text, self.fusion.depth)[0] for text in texts]
+
+    def _stages(
+        self, matrix: np.ndarray, k: int, plan: StagePlan, texts: Sequence[str] | None
+    ) -> Iterator[StageResult]:
+        """Dense stages, or, given texts and a lexical channel, each one fused with BM25's ranking.
+
+        The lexical search runs before the first dense stage; its time is charged to that stage.
+        """
+        started = time.perf_counter()
+        lexical = self._lexical_rankings(texts, len(matrix))
+        if lexical is None:
+            yield from self.searcher.stages(matrix, k, plan)
+            return
+        lexical_s = time.perf_counter() - started
+        for stage in self.searcher.stages(matrix, self.fusion.dense_depth(k), plan):
+            passages = self.passage_index_of(stage.ids)
+            fused = [
+                fuse(ranking, row, k, self.fusion) for ranking, row in zip(lexical, passages, strict=True)
+            ]
+            yield StageResult(
+                stage.stage,
+                np.stack([ids for ids, _ in fused]),
+                np.stack([scores for _, scores in fused]),
+                stage.done,
+                stage.elapsed_s + (lexical_s if stage.stage == 1 else 0.0),
+            )
+
+    def iter_stages_batch(
+        self,
+        queries: np.ndarray,
+        k: int,
+        plan: StagePlan | None = None,
+        query_texts: Sequence[str] | None = None,
+    ) -> Iterator[StageResult]:
+        """Stages of a batch search in the calling thread; results hold one row per query.
+
+        With ``query_texts`` (one per query) and a lexical channel, every stage is hybrid.
+        """
+        matrix = prepare_queries(queries, self.dim, self.searcher.ntotal, k)
+        return self._stages(matrix, k, plan or StagePlan(), query_texts)
+
+    def iter_stages(
+        self,
+        query: np.ndarray,
+        k: int,
+        plan: StagePlan | None = None,
+        query_text: str | None = None,
+    ) -> Iterator[StageResult]:
         """Stages of one query in the calling thread (for scripts); results are 1-D."""
-        return (stage.for_query(0) for stage in self.iter_stages_batch(self._single(query), k, plan))
+        texts = None if query_text is None else [query_text]
+        return (stage.for_query(0) for stage in self.iter_stages_batch(self._single(query), k, plan, texts))
 
     async def search_staged_batch(
         self,
@@ -113,16 +199,19 @@ class VectorIndex:
         num_stages: int = 4,
         stage_budget_s: float | None = None,
         schedule: str = "equal",
+        query_texts: Sequence[str] | None = None,
     ) -> AsyncGenerator[StageResult, None]:
         """``async for`` over the stages of a batch search run on the search threads.
 
-        Leaving the loop (use ``contextlib.aclosing`` to make it immediate) or cancelling the
-        task stops the search after the stage in flight.
+        With ``query_texts`` (one per query) and a lexical channel, every stage is hybrid (see
+        the module's docstring); without either, the stages are the dense search's. Leaving the
+        loop (use ``contextlib.aclosing`` to make it immediate) or cancelling the task stops the
+        search after the stage in flight.
         """
         plan = StagePlan(num_stages, stage_budget_s, schedule)
         matrix = prepare_queries(queries, self.dim, self.searcher.ntotal, k)
         async with contextlib.aclosing(
-            self.runner.stream(lambda: self.searcher.stages(matrix, k, plan))
+            self.runner.stream(lambda: self._stages(matrix, k, plan, query_texts))
         ) as stages:
             async for stage in stages:
                 yield stage
@@ -135,14 +224,19 @@ class VectorIndex:
         num_stages: int = 4,
         stage_budget_s: float | None = None,
         schedule: str = "equal",
+        query_text: str | None = None,
     ) -> AsyncGenerator[StageResult, None]:
-        """``async for`` over the 1-D stages of one query (see :meth:`search_staged_batch`)."""
+        """``async for`` over the 1-D stages of one query (see :meth:`search_staged_batch`).
+
+        Pass the question as ``query_text`` to search hybrid when the index has a lexical channel.
+        """
         batch = self.search_staged_batch(
             self._single(query)[None, :],
             k,
             num_stages=num_stages,
             stage_budget_s=stage_budget_s,
             schedule=schedule,
+            query_texts=None if query_text is None else [query_text],
         )
         async with contextlib.aclosing(batch) as stages:
             async for stage in stages:

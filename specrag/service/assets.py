@@ -102,21 +102,26 @@ def ensure_index(
     config: IndexConfig | None = None,
     directory: Path | None = None,
 ) -> VectorIndex:
-    """The vector index over ``passages``, built when missing, corrupt or built from another corpus.
+    """The vector index over ``passages``, built when missing, corrupt, built from another corpus or
+    with another embedder or channels than ``config`` (default: the hybrid default).
 
     It lives in the data directory's index directory unless ``directory`` names another one (a
     benchmark's padded index, whose name must then say what ``config`` it was built with: only the
     corpus is checked against it).
     """
     directory = directory or layout.index_dir
+    config = config or IndexConfig()
     try:
         index = load_index(directory)
         check_corpus(index, passages)
-        _describe(index, f"loaded the vector index {directory}")
-        return index
+        mismatch = config.mismatch(index)
+        if mismatch is None:
+            _describe(index, f"loaded the vector index {directory}")
+            return index
+        logger.info("rebuilding the vector index in %s (%s)", directory, mismatch)
     except ArtifactError as reason:
         logger.info("building the vector index in %s (%s)", directory, reason)
-    index = build_index(passages, config or IndexConfig(), progress=True)
+    index = build_index(passages, config, progress=True)
     save_index(index, directory)
     _describe(index, f"built the vector index {directory}")
     return index

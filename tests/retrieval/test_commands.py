@@ -3,6 +3,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
+from specrag.errors import InvalidInputError
 from specrag.retrieval import commands
 from specrag.retrieval.index_store import load_index
 
@@ -41,7 +44,21 @@ def test_index_build_writes_a_loadable_index(tmp_path: Path) -> None:
         ),
         encoding="utf-8",
     )
-    assert run(["--data-dir", str(tmp_path), "index", "build", "--corpus", str(corpus), "--dim", "8"]) == 0
+    build = ["--data-dir", str(tmp_path), "index", "build", "--corpus", str(corpus)]
+    assert run([*build, "--embedder", "tfidf-svd", "--dim", "8", "--no-lexical"]) == 0
     index = load_index(tmp_path / "index")
     assert index.passage_ids == [f"d{i}" for i in range(60)]
-    assert index.dim == 8
+    assert (index.dim, index.hybrid) == (8, False)
+    assert run(build) == 0
+    default = load_index(tmp_path / "index")
+    assert (default.dim, default.hybrid) == (256, True)
+    assert getattr(default.embedder, "kind", None) == "wordllama-idf"
+
+
+def test_a_brought_embedder_needs_its_model_or_server(tmp_path: Path) -> None:
+    build = ["--data-dir", str(tmp_path), "index", "build"]
+    with pytest.raises(InvalidInputError, match="--embedder-url"):
+        run([*build, "--embedder", "openai", "--embedder-model", "m"])
+    with pytest.raises(InvalidInputError, match="--embedder-model DIR"):
+        run([*build, "--embedder", "sentence-transformers"])
+    assert not (tmp_path / "corpus").exists()  # rejected before any work

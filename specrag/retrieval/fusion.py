@@ -1,0 +1,84 @@
+"""Reciprocal-rank fusion of the lexical and the dense ranking, at the level of passages.
+
+RRF (Cormack et al., 2009) scores a passage ``sum(1 / (rrf_k + rank))`` over the rankings that
+hold it (rank from 1). It needs no calibration between BM25 scores, which grow with the corpus
+and the query's length, and cosine similarities, which do not; that is why it is the fusion
+hybrid search engines offer by default. A small ``rrf_k`` lets the top of each ranking count
+more than its tail: on both evaluation sets of the README ("Retrieval quality"), of different
+kinds, recall@5 fell steadily from ``rrf_k`` 5 to 10, 20 and 60 (the paper's value), by
+0.03-0.05 in all.
+
+Dense rows are mapped to passages first (a padded index has many synthetic rows per passage), so
+a passage counts once, at its best dense rank, and the fused result names k distinct passages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrag.errors import InvalidInputError
+
+DEFAULT_RRF_K = 5
+# How deep each ranking is read (the dense search keeps this many running candidates instead of
+# k); reading 20 instead changed recall@5 by at most 0.01 on the evaluation sets.
+DEFAULT_DEPTH = 100
+MISSING_SCORE = float(-np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """How the two channels are fused; recorded in the index manifest."""
+
+    rrf_k: int = DEFAULT_RRF_K
+    depth: int = DEFAULT_DEPTH
+    dense_weight: float = 1.0
+    lexical_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rrf_k < 0 or self.depth < 1 or self.dense_weight < 0 or self.lexical_weight < 0:
+            raise InvalidInputError(f"invalid fusion settings {self}")
+
+    def dense_depth(self, k: int) -> int:
+        """Dense candidates to keep for a fused top-k."""
+        return max(k, self.depth)
+
+
+def distinct_in_order(passages: np.ndarray) -> np.ndarray:
+    """``passages`` with ``-1`` and repeats dropped, first occurrence kept."""
+    valid = passages[passages >= 0]
+    _, first = np.unique(valid, return_index=True)
+    return valid[np.sort(first)]
+
+
+def fuse(
+    lexical: np.ndarray, dense: np.ndarray, k: int, config: FusionConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """The fused top-k (passages, scores), best first, padded with ``-1`` / :data:`MISSING_SCORE`.
+
+    ``lexical`` and ``dense`` are passage indices best first (``-1`` and repeats allowed in
+    ``dense``). Ties go to the better dense rank, then the better lexical rank, then the lower
+    passage index, so equal inputs always give equal outputs.
+    """
+    dense = distinct_in_order(dense)[: config.depth]
+    lexical = lexical[: config.depth]
+    candidates = np.union1d(lexical, dense)
+    scores = np.zeros(len(candidates), dtype=np.float64)
+    worst = len(candidates) + 1
+    ranks = {}
+    for name, ranking, weight in (
+        ("dense", dense, config.dense_weight),
+        ("lexical", lexical, config.lexical_weight),
+    ):
+        positions = np.searchsorted(candidates, ranking)
+        rank = np.full(len(candidates), worst, dtype=np.int64)
+        rank[positions] = np.arange(1, len(ranking) + 1)
+        scores[positions] += weight / (config.rrf_k + rank[positions])
+        ranks[name] = rank
+    order = np.lexsort((candidates, ranks["lexical"], ranks["dense"], -scores))[:k]
+    passages = np.full(k, -1, dtype=np.int64)
+    fused = np.full(k, MISSING_SCORE, dtype=np.float32)
+    passages[: len(order)] = candidates[order]
+    fused[: len(order)] = scores[order]
+    return passages, fused
