@@ -225,7 +225,8 @@ class VllmEngine(EngineBase):
         llm, snapshot = self._llm, self._snapshot
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
-                while not _idle(llm, snapshot):  # vLLM offers no event for "idle": poll it
+                # vLLM offers no event for "idle": poll it.
+                while not _idle(llm, snapshot):  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
         await asyncio.sleep(0.1)  # the step that reported the last request finished may still run
 
