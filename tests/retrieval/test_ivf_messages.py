@@ -29,9 +29,9 @@ def test_a_pq_index_says_its_codes_are_pq() -> None:
 
 def test_an_index_of_one_probed_list_warns_that_it_cannot_stage(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="specrag.retrieval.staged_ivf"):
-        StagedIVF.build(vectors(200))
+        StagedIVF.build(vectors(60))  # fewer than 2 x 39 vectors: one list
     assert "a search is a single stage" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="specrag.retrieval.staged_ivf"):
-        StagedIVF.build(vectors(400))  # 10 lists, 2 probed: stages
+        StagedIVF.build(vectors(400))  # 10 lists, all probed (at least 32 by default): stages
     assert "single stage" not in caplog.text
