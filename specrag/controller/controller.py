@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncGenerator
 
 from specrag.cache.hints import HintConfig
+from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, ControllerConfig
 from specrag.controller.conversation import TurnPrompts
@@ -88,6 +89,8 @@ class RagController:
                 capacity_blocks=capacity // engine.block_size if capacity else None,
             )
         self.tree = tree
+        # PGDSF costs follow the engine in use: fitted from served answers, the tree's until then.
+        self.prefill_estimator = PrefillEstimator(tree.profile)
         self.batched_token_budget = step_token_budget(self.config, engine)
         max_bs = self.config.max_prefill_bs or default_max_prefill_bs(
             self.batched_token_budget,
@@ -187,6 +190,7 @@ class RagController:
             self.index,
             self.builder,
             self.tree,
+            self.prefill_estimator,
             self.gate,
             self.sessions,
             self._warmer,

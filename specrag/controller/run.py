@@ -34,6 +34,7 @@ import numpy as np
 from specrag.cache.hints import HintConfig, order_hint
 from specrag.cache.layout import PromptLayout
 from specrag.cache.ordering import get_policy
+from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.config import ControllerConfig
 from specrag.controller.conversation import TurnPrompt, TurnPrompts
@@ -60,6 +61,7 @@ class QueryShared:
     index: VectorIndex
     builder: PromptBuilder
     tree: KnowledgeTree
+    prefill_estimator: PrefillEstimator
     gate: PrefillGate
     sessions: SessionStore
     warmer: SystemPromptWarmer
@@ -300,6 +302,15 @@ class QueryRun:
         tree.record_served(flight.layout, flight.cached_tokens)
         tree.record_prefilled(flight.layout)
 
+    def _measure_prefill(self, flight: Flight) -> None:
+        """An answer ended: its prefill time refits the engine's profile, which the tree then costs with."""
+        sample = flight.prefill_sample()
+        if sample is None:
+            return
+        profile = self._shared.prefill_estimator.record(*sample)
+        if profile is not None:
+            self._shared.tree.use_profile(profile)
+
     def _forget(self, flight: Flight) -> None:
         """Drop an aborted flight from the run (the controller's close may have done it already)."""
         if flight in self._flights:
@@ -332,6 +343,7 @@ class QueryRun:
                 async for output in flight.outputs(timeout_s):
                     started = True
                     yield output
+                self._measure_prefill(flight)
                 return
             except EngineError as error:
                 supervision = shared.engine.supervision
