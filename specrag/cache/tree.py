@@ -122,6 +122,15 @@ class KnowledgeTree:
         return self._size
 
     @property
+    def profile(self) -> PrefillProfile:
+        """The prefill profile PGDSF costs come from (``profile.measured``: fitted on the engine)."""
+        return self._profile
+
+    def use_profile(self, profile: PrefillProfile) -> None:
+        """Cost later misses with ``profile`` (a fit of the engine in use); past costs stay."""
+        self._profile = profile
+
+    @property
     def uses_capacity_model(self) -> bool:
         return self._lru is not None
 

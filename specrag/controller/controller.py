@@ -18,6 +18,7 @@ import logging
 from collections.abc import AsyncGenerator, Sequence
 
 from specrag.cache.hints import HintConfig
+from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, ControllerConfig
 from specrag.controller.conversation import TurnPrompts
@@ -96,6 +97,8 @@ class RagController:
         self.index = index
         self.builder = builder
         self.batched_token_budget = step_token_budget(self.config, self.engine)
+        # PGDSF costs follow the engine in use: fitted from served answers, the tree's until then.
+        self.prefill_estimator = PrefillEstimator(self.tree.profile)
         max_bs = self.config.max_prefill_bs or default_max_prefill_bs(
             self.batched_token_budget,
             len(builder.system_token_ids) + self.config.k_default * _EXPECTED_PASSAGE_TOKENS,
@@ -203,6 +206,7 @@ class RagController:
             self.placement,
             self.index,
             self.builder,
+            self.prefill_estimator,
             self.gate,
             self.sessions,
             self._warmer,

@@ -76,6 +76,18 @@ class Flight:
         self._task.cancel()
         self._outputs.put_nowait(error)
 
+    def prefill_sample(self) -> tuple[int, int, float] | None:
+        """(cached tokens, computed tokens, prefill seconds) once the engine told its hit, else None.
+
+        The prefill runs from when the engine scheduled the request (submission when it does not
+        say) to the first token, so time spent queued behind other requests is not counted.
+        """
+        if self.first_token_at is None or self.cached_tokens is None:
+            return None
+        started = self.scheduled_at if self.scheduled_at is not None else self.submitted_at
+        computed = len(self.layout.token_ids) - self.cached_tokens
+        return self.cached_tokens, computed, max(0.0, self.first_token_at - started)
+
     async def outputs(self, first_token_timeout_s: float) -> AsyncIterator[EngineOutput]:
         """The request's outputs; the first must come within the timeout."""
         timeout: float | None = first_token_timeout_s

@@ -34,6 +34,7 @@ import numpy as np
 from specrag.cache.hints import HintConfig, order_hint
 from specrag.cache.layout import DocId, PromptLayout
 from specrag.cache.ordering import get_policy
+from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.controller.config import ControllerConfig
 from specrag.controller.conversation import TurnPrompt, TurnPrompts
 from specrag.controller.flight import Flight
@@ -59,6 +60,7 @@ class QueryShared:
     placement: Placement
     index: VectorIndex
     builder: PromptBuilder
+    prefill_estimator: PrefillEstimator
     gate: PrefillGate
     sessions: SessionStore
     warmer: SystemPromptWarmer
@@ -329,6 +331,16 @@ class QueryRun:
             predicted_cached_tokens=placed.predicted_cached,
         )
 
+    def _measure_prefill(self, flight: Flight) -> None:
+        """An answer ended: its prefill time refits the engine's profile, which the tree then costs with."""
+        sample = flight.prefill_sample()
+        if sample is None:
+            return
+        profile = self._shared.prefill_estimator.record(*sample)
+        if profile is not None:  # every replica runs the same model on the same kind of engine
+            for replica in self._shared.placement.replicas:
+                replica.tree.use_profile(profile)
+
     def _forget(self, flight: Flight) -> None:
         """Drop an aborted flight from the run (the controller's close may have done it already)."""
         if flight in self._flights:
@@ -362,6 +374,7 @@ class QueryRun:
                 async for output in flight.outputs(timeout_s):
                     started = True
                     yield output
+                self._measure_prefill(flight)
                 return
             except EngineError as error:
                 placement.report_failure(flight.replica, str(error))

@@ -185,6 +185,7 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
         ) as (controller, mirror),
     ):
         metrics = ServiceMetrics()
+        metrics.watch_prefill_profile(lambda: controller.tree.profile.measured)
         if mirror is not None:
             faults = mirror.faults
             metrics.watch_kv_mirror(lambda: faults().lost_batches, lambda: faults().callback_errors)

@@ -139,6 +139,14 @@ class ServiceMetrics:
         ):
             Gauge(name, documentation + " (since start)", registry=self.registry).set_function(read)
 
+    def watch_prefill_profile(self, measured: Callable[[], bool]) -> None:
+        """Export whether PGDSF's costs are measured on the engine in use yet (1) or the default (0)."""
+        Gauge(
+            "specrag_prefill_profile_measured",
+            "1 when the knowledge tree's prefill profile is fitted on the engine in use, 0 for the default",
+            registry=self.registry,
+        ).set_function(lambda: float(measured()))
+
     def observe(self, timeline: Timeline) -> None:
         """Record a query that ran to the end of its answer."""
         self.requests.labels(mode=timeline.mode, outcome="ok").inc()

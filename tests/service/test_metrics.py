@@ -1,4 +1,5 @@
-"""What the KV mirror missed is exported in /metrics, read at scrape time."""
+"""What the KV mirror missed and whether the prefill profile is measured are exported in /metrics,
+read at scrape time."""
 
 from __future__ import annotations
 
@@ -13,3 +14,12 @@ def test_lost_kv_event_batches_and_callback_errors_are_exported() -> None:
     text = metrics.exposition().decode()
     assert "specrag_kv_event_batches_lost 3.0" in text
     assert "specrag_kv_event_callback_errors 2.0" in text
+
+
+def test_whether_the_prefill_profile_is_measured_is_exported() -> None:
+    metrics = ServiceMetrics()
+    state = {"measured": False}
+    metrics.watch_prefill_profile(lambda: state["measured"])
+    assert "specrag_prefill_profile_measured 0.0" in metrics.exposition().decode()
+    state["measured"] = True
+    assert "specrag_prefill_profile_measured 1.0" in metrics.exposition().decode()

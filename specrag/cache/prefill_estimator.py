@@ -1,0 +1,90 @@
+"""The engine's prefill profile, fitted online from the requests it served.
+
+PGDSF weighs a cached node by the prefill time it saves, so its costs must be those of the engine
+in use, not of a machine a table was once measured on. Each served answer gives one point (cached
+tokens, computed tokens, prefill seconds); once enough are in, a cold-prefill model
+``seconds(n) = a·n + b·n²`` (per-token work plus attention, which grows with the context) is fitted
+by least squares with ``a, b >= 0`` and an intercept for the per-request overhead (scheduling, the
+first decode step), which cancels in a cost. Until then the given fallback profile stands.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from specrag.cache.pgdsf import PrefillProfile
+from specrag.errors import InvalidInputError
+
+_PROFILE_POINTS = 33
+"""Points the fitted curve is sampled at over the observed prompt lengths (piecewise linear)."""
+
+
+class PrefillEstimator:
+    """Records (cached, computed, seconds) of served requests and refits the prefill profile.
+
+    ``window`` bounds the points kept (the newest), so the fit follows an engine that changes
+    (a restart on other hardware) and costs bounded time per request.
+    """
+
+    def __init__(self, fallback: PrefillProfile, min_samples: int = 16, window: int = 512) -> None:
+        if min_samples < 2 or window < min_samples:
+            raise InvalidInputError("min_samples must be >= 2 and window >= min_samples")
+        self.min_samples = min_samples
+        self._samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._profile = fallback
+
+    @property
+    def profile(self) -> PrefillProfile:
+        """The fitted profile once there is one, else the fallback."""
+        return self._profile
+
+    @property
+    def samples(self) -> int:
+        return len(self._samples)
+
+    def record(self, cached: int, computed: int, seconds: float) -> PrefillProfile | None:
+        """Add one served request; the refitted profile when there are enough points, else None.
+
+        A request with nothing computed says nothing about prefill cost and is skipped.
+        """
+        if cached < 0 or computed < 0 or not np.isfinite(seconds) or seconds < 0:
+            raise InvalidInputError(
+                "a prefill sample needs tokens >= 0 and finite seconds >= 0, "
+                f"got {cached}, {computed}, {seconds}"
+            )
+        if computed == 0:
+            return None
+        self._samples.append((cached, computed, seconds))
+        if len(self._samples) < self.min_samples:
+            return None
+        fitted = self._fit()
+        if fitted is not None:
+            self._profile = fitted
+        return fitted
+
+    def _fit(self) -> PrefillProfile | None:
+        """The non-negative (a, b) of least residual, as a profile; None if no cost is seen."""
+        data = np.array(self._samples, dtype=np.float64)
+        cached, computed, seconds = data[:, 0], data[:, 1], data[:, 2]
+        # cost(c, m) = seconds(c + m) - seconds(c) = a·m + b·((c + m)² - c²)
+        features = np.column_stack([computed, computed * (2 * cached + computed)])
+        best: tuple[float, float, float] | None = None  # (residual, a, b)
+        for used in ([0, 1], [0], [1]):  # the full model, else each term alone
+            design = np.column_stack([np.ones(len(seconds)), features[:, used]])
+            solution = np.linalg.lstsq(design, seconds, rcond=None)[0]
+            coefficients = dict(zip(used, solution[1:].tolist(), strict=True))
+            a, b = coefficients.get(0, 0.0), coefficients.get(1, 0.0)
+            if a < 0 or b < 0 or a + b == 0:
+                continue
+            residual = float(np.sum((design @ solution - seconds) ** 2))
+            if best is None or residual < best[0]:
+                best = (residual, a, b)
+        if best is None:
+            return None
+        _, a, b = best
+        span = int((cached + computed).max())
+        tokens = np.unique(np.linspace(0, span, _PROFILE_POINTS).astype(np.int64))
+        points = [(int(n), a * n + b * n * n) for n in tokens.tolist()]
+        return PrefillProfile(points, measured=True)
