@@ -109,7 +109,7 @@ def test_verbose_shows_specrag_s_own_steps(tiny_assets: Assets) -> None:
 
 
 @pytest.mark.engine
-def test_ctrl_c_with_a_query_in_flight_stops_quietly_and_cleans_up(
+def test_sigint_with_a_query_in_flight_stops_quietly_and_cleans_up(
     tiny_assets: Assets, tmp_path: Path
 ) -> None:
     data_dir = tiny_assets.store.path.parent.parent  # the data directory tiny_assets was built in
@@ -120,7 +120,7 @@ def test_ctrl_c_with_a_query_in_flight_stops_quietly_and_cleans_up(
     # serve's 8,192-token limit is beyond the tiny model's 4,096 positions; its prompts are short.
     env = {**os.environ, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
     with log_path.open("w") as log:
-        # Its own process group: the SIGINT below goes to every process in it, as a terminal's does.
+        # Its own process group, so that killing the group in `finally` reaches vLLM's processes too.
         process = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -136,7 +136,7 @@ def test_ctrl_c_with_a_query_in_flight_stops_quietly_and_cleans_up(
         request.add_header("Content-Type", "application/json")
         with urllib.request.urlopen(request, timeout=60) as response:
             response.readline()  # the answer is streaming: a query is in flight
-            os.killpg(process.pid, signal.SIGINT)
+            process.send_signal(signal.SIGINT)
             # It finishes, or its connection is closed once the shutdown grace is over.
             with contextlib.suppress(OSError, http.client.HTTPException):
                 response.read()

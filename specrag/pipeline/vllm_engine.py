@@ -108,9 +108,10 @@ class VllmEngine(EngineBase):
         loop = asyncio.get_running_loop()
 
         def build() -> Any:
-            # vLLM's processes inherit this thread's signal mask. With SIGINT blocked there, a
-            # Ctrl-C in the terminal reaches only us, and we shut them down in order: otherwise
-            # they stop on their own mid-request (tracebacks, a leaked shared-memory segment).
+            # The engine-core process inherits this thread's signal mask: with SIGINT blocked it
+            # ignores a terminal's Ctrl-C and is shut down in order by us. (The model worker that
+            # the core starts does not keep the mask: a Ctrl-C sent to the whole process group
+            # still stops it mid-step, and vLLM prints its traceback; README, "Stopping".)
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 return AsyncLLM.from_engine_args(
