@@ -15,13 +15,30 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import bm25s
 import numpy as np
 import Stemmer
 
 from specrag.errors import ArtifactError, InvalidInputError
+
+if TYPE_CHECKING:
+    import bm25s
+
+
+def _bm25s() -> ModuleType:
+    """``bm25s``, imported only when a lexical index is built, loaded or searched.
+
+    It imports numba, and a numba (llvmlite) object in ``sys.modules`` makes vLLM's CPU worker
+    fail at start-up (its Triton kernel rebinding calls ``vars()`` on every module attribute). A
+    script whose main module imports specrag must not load it by the way: vLLM's spawned
+    processes import that main module again.
+    """
+    import bm25s
+
+    return bm25s
+
 
 # How text becomes BM25 terms; recorded in the manifest, since an index only answers queries
 # tokenised the way its documents were.
@@ -54,6 +71,7 @@ class LexicalIndex:
         if not texts:
             raise InvalidInputError("cannot build a lexical index from zero texts")
         stemmer = Stemmer.Stemmer(ANALYZER["stemmer"])
+        bm25s = _bm25s()
         tokens = bm25s.tokenize(
             list(texts),
             lower=ANALYZER["lower"],
@@ -67,7 +85,7 @@ class LexicalIndex:
 
     def terms(self, text: str) -> list[str]:
         """The stemmed, stop-word-free terms BM25 scores ``text`` by."""
-        tokenized = bm25s.tokenize(
+        tokenized = _bm25s().tokenize(
             [text],
             lower=ANALYZER["lower"],
             stopwords=ANALYZER["stopwords"],
@@ -119,7 +137,7 @@ class LexicalIndex:
             )
         source = directory / SUBDIRECTORY
         try:
-            retriever = bm25s.BM25.load(str(source), show_progress=False)
+            retriever = _bm25s().BM25.load(str(source), show_progress=False)
             num_passages = int(retriever.scores["num_docs"])
         except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as error:
             raise ArtifactError(f"cannot read the lexical index in {source}: {error!r}") from error
