@@ -13,6 +13,9 @@ from specrag.retrieval.stages import check_schedule
 # one-shot search's cost); see the README's "Pipelining" section.
 DEFAULT_STAGE_SCHEDULE = "geometric"
 
+ADMISSIONS = ("ratio", "window")
+"""How final requests waiting for the prefill pool are admitted (see :mod:`specrag.controller.gate`)."""
+
 FALLBACK_BATCHED_TOKEN_BUDGET = 512
 """vLLM's CPU default ``max_num_batched_tokens``: assumed only for an engine that reports none."""
 
@@ -29,6 +32,9 @@ class ControllerConfig:
     :data:`FALLBACK_BATCHED_TOKEN_BUDGET` is assumed and logged.
     ``speculative_token_budget`` caps the uncomputed prompt tokens of speculations in flight
     (see :mod:`specrag.controller.gate`); None is one engine step per replica.
+    ``admission`` orders final requests waiting for the prefill pool: ``"ratio"`` (RAGCache's
+    cached/compute queue) or ``"window"`` (request and document order chosen together over the
+    oldest ``window_requests``; one engine only).
     """
 
     k_default: int = 10
@@ -46,6 +52,8 @@ class ControllerConfig:
     max_queue: int = 256
     batched_token_budget: int | None = None
     speculative_token_budget: int | None = None
+    admission: str = "ratio"
+    window_requests: int = 16
     max_sessions: int = 1000
     max_sessions_per_client: int = 64
     session_ttl_s: float = 3600.0
@@ -66,6 +74,11 @@ class ControllerConfig:
             raise InvalidInputError("batched_token_budget must be at least 1")
         if self.speculative_token_budget is not None and self.speculative_token_budget < 1:
             raise InvalidInputError("speculative_token_budget must be at least 1")
+        if self.admission not in ADMISSIONS:
+            names = ", ".join(ADMISSIONS)
+            raise InvalidInputError(f"admission must be one of {names}, got {self.admission!r}")
+        if self.window_requests < 1:
+            raise InvalidInputError("window_requests must be at least 1")
         if self.max_queue < 0:
             raise InvalidInputError("max_queue cannot be negative")
         if not self.first_token_timeout_s > 0:  # written so that NaN fails too

@@ -23,7 +23,7 @@ from specrag.cache.tree import KnowledgeTree
 from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, ControllerConfig
 from specrag.controller.conversation import TurnPrompts
 from specrag.controller.facade import CoreLoad, EngineHealth
-from specrag.controller.gate import PrefillGate, default_max_prefill_bs
+from specrag.controller.gate import PrefillGate, WindowAdmission, default_max_prefill_bs
 from specrag.controller.modes import get_mode
 from specrag.controller.placement import Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
@@ -104,10 +104,16 @@ class RagController:
             len(builder.system_token_ids) + self.config.k_default * _EXPECTED_PASSAGE_TOKENS,
         )
         replicas = len(self.placement.replicas)
+        window = None
+        if self.config.admission == "window":
+            if replicas > 1:
+                raise InvalidInputError("window admission orders against one engine's tree: use one replica")
+            window = WindowAdmission(self.tree, self.config.window_requests)
         self.gate = PrefillGate(
             max_bs * replicas,
             self.config.starvation_window_s,
             self.config.speculative_token_budget or self.batched_token_budget * replicas,
+            window,
         )
         self.sessions = SessionStore(
             self.config.max_sessions, self.config.session_ttl_s, self.config.max_sessions_per_client

@@ -4,7 +4,10 @@ The pool is the number of our requests, speculative and final, across all querie
 admitted to the engine and have not yet produced their first token. A slot is taken before a
 request is submitted and released at its first token (or when it is aborted or fails), so the
 count never lags the engine. A final request that finds the pool full waits in a queue ordered by
-cached/compute tokens with a starvation window (RAGCache §5.2).
+cached/compute tokens with a starvation window (RAGCache §5.2), or, with window admission
+(``ControllerConfig.admission = "window"``, one engine), by a :class:`WindowScheduler`, which
+chooses among the oldest waiting requests the next one *and* its document order against the tree
+at the moment a slot frees (the slot carries that order; the run rebuilds its prompt with it).
 
 Speculation uses only idle capacity, so that it can never make another query's answer wait
 longer than it would without speculation (the tail must be no worse than serial):
@@ -25,9 +28,13 @@ longer than it would without speculation (the tail must be no worse than serial)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from specrag.cache.admission import AdmissionQueue
+from specrag.cache.admission import AdmissionQueue, WindowScheduler
+from specrag.cache.layout import DocId
+from specrag.cache.ordering import Ordering
+from specrag.cache.tree import KnowledgeTree
 from specrag.errors import InvalidInputError
 
 
@@ -55,6 +62,8 @@ class Slot:
         self._gate: PrefillGate | None = gate
         self.speculative_tokens = speculative_tokens
         self._preempt = preempt
+        # The document order a window scheduler chose for this request when it admitted it.
+        self.ordering: Ordering | None = None
 
     @property
     def held(self) -> bool:
@@ -83,11 +92,24 @@ class Slot:
             preempt()
 
 
+@dataclass(frozen=True)
+class WindowAdmission:
+    """Window admission's settings: the tree (of the one engine) waiting requests are ordered
+    against, and how many of the oldest are compared."""
+
+    tree: KnowledgeTree
+    window_requests: int
+
+
 class PrefillGate:
     """Counts the prefill pool, budgets speculation and admits final requests by cache-aware priority."""
 
     def __init__(
-        self, max_prefill_bs: int, starvation_window_s: float, speculative_token_budget: int | None = None
+        self,
+        max_prefill_bs: int,
+        starvation_window_s: float,
+        speculative_token_budget: int | None = None,
+        window: WindowAdmission | None = None,
     ) -> None:
         if max_prefill_bs < 1:
             raise InvalidInputError(f"max_prefill_bs must be at least 1, got {max_prefill_bs}")
@@ -97,7 +119,13 @@ class PrefillGate:
             )
         self.max_prefill_bs = max_prefill_bs
         self.speculative_token_budget = speculative_token_budget
-        self._queue: AdmissionQueue[asyncio.Future[Slot]] = AdmissionQueue(starvation_window_s)
+        self._queue: AdmissionQueue[asyncio.Future[Slot]] | WindowScheduler[asyncio.Future[Slot]]
+        self._window_tree = window.tree if window is not None else None
+        if window is None:
+            self._queue = AdmissionQueue(starvation_window_s)
+        else:
+            self._queue = WindowScheduler(starvation_window_s, window_requests=window.window_requests)
+        self._documented: set[asyncio.Future[Slot]] = set()  # waiters that may be reordered
         self._pool = 0
         self._speculative: list[Slot] = []  # held speculative slots, oldest first
         self.peak_pool = 0
@@ -136,15 +164,21 @@ class PrefillGate:
         self._speculative.append(slot)
         return slot
 
-    async def admit(self, cached_tokens: int, compute_tokens: int) -> Slot:
+    async def admit(self, cached_tokens: int, compute_tokens: int, documents: Sequence[DocId] = ()) -> Slot:
         """A slot for a final request, waiting by priority (cached / compute) if the pool is full.
 
-        A full pool first gives up its newest preemptible speculation.
+        A full pool first gives up its newest preemptible speculation. ``documents`` (retrieval
+        rank) let window admission choose the request's document order: the slot's ``ordering``.
         """
         if not self._queue and self._pool < self.max_prefill_bs:
             return self._take()
         waiter: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
-        self._queue.push(waiter, cached_tokens, compute_tokens)
+        if isinstance(self._queue, WindowScheduler):
+            self._queue.push(waiter, documents, cached_tokens + compute_tokens)
+            if documents:
+                self._documented.add(waiter)
+        else:
+            self._queue.push(waiter, cached_tokens, compute_tokens)
         self._preempt_for_waiters()
         try:
             return await waiter
@@ -153,7 +187,11 @@ class PrefillGate:
                 waiter.result().release()  # granted just as we were cancelled: hand it on
             else:
                 waiter.cancel()
+                if isinstance(self._queue, WindowScheduler):
+                    self._queue.remove(waiter)  # its documents must not steer the others' order
             raise
+        finally:
+            self._documented.discard(waiter)
 
     def _preempt_for_waiters(self) -> None:
         """Preempt speculations, newest first, while final requests wait for a full pool."""
@@ -177,6 +215,14 @@ class PrefillGate:
         self._pool -= 1
         self._no_longer_speculative(slot)
         while self._queue and self._pool < self.max_prefill_bs:
-            waiter = self._queue.pop()
+            ordering: Ordering | None = None
+            if isinstance(self._queue, WindowScheduler):
+                assert self._window_tree is not None
+                waiter, ordering = self._queue.pop(self._window_tree)
+            else:
+                waiter = self._queue.pop()
             if not waiter.done():  # a cancelled waiter's future is already done
-                waiter.set_result(self._take())
+                granted = self._take()
+                if waiter in self._documented:
+                    granted.ordering = ordering
+                waiter.set_result(granted)

@@ -193,8 +193,12 @@ class QueryRun:
         queued_at = now()
         if gate.pool >= gate.max_prefill_bs or gate.waiting:
             timeline.add("queued", queued_at, pool=gate.pool, waiting=gate.waiting)
-        slot = await gate.admit(predicted, len(layout.token_ids) - predicted)
+        reorderable = self.checked.mode.ordering and self._turn is None  # a session's order is its history's
+        slot = await gate.admit(predicted, len(layout.token_ids) - predicted, rows if reorderable else ())
         timeline.queued_s = now() - queued_at
+        if slot.ordering is not None and slot.ordering.doc_ids != placed.layout.document_ids():
+            placed = self._reordered(placed, rows, slot.ordering.doc_ids)
+            timeline.add("reordered", now(), documents=len(rows))
         # The cache may have changed while the request waited for its slot: predict again.
         final = self._launch(placed, slot, speculative=False, predicted=self._predicted(placed))
         self._note_route(placed)
@@ -300,6 +304,15 @@ class QueryRun:
             return builder.build_with_question_tokens(ordered, question, hint)
 
         return shared.placement.place_documents(policy, rows, build, prefer=prefer)
+
+    def _reordered(self, placed: Placed, rows: list[int], order: Sequence[DocId]) -> Placed:
+        """The final prompt in the document order window admission chose when it admitted it."""
+        ordered = [int(doc_id) for doc_id in order]
+        shared = self._shared
+        hint = order_hint(rows, ordered, shared.hints)
+        layout = shared.builder.build_with_question_tokens(ordered, self.checked.question_token_ids, hint)
+        predicted = placed.replica.tree.cached_prefix(ordered).tokens
+        return replace(placed, layout=layout, predicted_cached=predicted)
 
     def _predicted(self, placed: Placed) -> int:
         """The replica's estimate of the engine's hit for this prompt now (a session's is its history)."""

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from specrag.controller.gate import PrefillGate
+from specrag.controller.gate import PrefillGate, WindowAdmission
 from specrag.errors import InvalidInputError
+from tests.helpers import served_tree
 
 
 def test_speculation_uses_only_an_idle_pool() -> None:
@@ -79,3 +80,32 @@ def test_bad_settings_are_refused() -> None:
         PrefillGate(0, 1.0)
     with pytest.raises(InvalidInputError, match="speculative_token_budget"):
         PrefillGate(1, 1.0, speculative_token_budget=0)
+
+
+async def test_window_admission_picks_the_request_and_its_document_order_when_a_slot_frees() -> None:
+    tree, _ = served_tree((1, 2, 3))
+    gate = PrefillGate(max_prefill_bs=1, starvation_window_s=10.0, window=WindowAdmission(tree, 4))
+    held = await gate.admit(cached_tokens=0, compute_tokens=100)
+    cold = asyncio.create_task(gate.admit(0, 200, documents=(7, 8)))
+    warm = asyncio.create_task(gate.admit(0, 200, documents=(3, 9, 1, 2)))
+    await asyncio.sleep(0)
+    held.release()
+    granted = await asyncio.wait_for(warm, 1.0)  # the later request, because the tree holds its prefix
+    assert not cold.done()
+    assert granted.ordering is not None and granted.ordering.doc_ids[:3] == (1, 2, 3)
+    granted.release()
+    assert (await asyncio.wait_for(cold, 1.0)).ordering is not None
+
+
+async def test_a_cancelled_waiter_leaves_the_window() -> None:
+    tree, _ = served_tree((1, 2, 3))
+    gate = PrefillGate(max_prefill_bs=1, starvation_window_s=10.0, window=WindowAdmission(tree, 4))
+    held = await gate.admit(cached_tokens=0, compute_tokens=100)
+    leaving = asyncio.create_task(gate.admit(0, 200, documents=(1, 2, 3)))
+    staying = asyncio.create_task(gate.admit(0, 200, documents=(7, 8)))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    await asyncio.sleep(0)
+    assert gate.waiting == 1
+    held.release()
+    assert (await asyncio.wait_for(staying, 1.0)).held and gate.pool == 1

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from specrag.controller.controller import AnswerDelta, AnswerDone, RagRequest
+from specrag.errors import InvalidInputError
 from specrag.pipeline.engine import EngineOutput, Sampling
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
@@ -24,7 +25,9 @@ from tests.helpers import (
     assert_engine_idle,
     count_question_tokenizations,
     make_controller,
+    pool_controller,
     scripted_index,
+    simulated_pool,
     wait_until,
 )
 
@@ -218,3 +221,21 @@ async def test_an_adopted_speculation_is_never_preempted(tiny_assets: Assets) ->
     (await asyncio.wait_for(waiting, 5.0)).release()
     await assert_engine_idle(engine, controller)
     await engine.close()
+
+
+async def test_window_admission_answers_every_query_from_its_own_documents(tiny_assets: Assets) -> None:
+    engine = SimulatedEngine(time_scale=0.05, max_model_len=4096)
+    index = scripted_index(tiny_assets, [B], 0.01)
+    controller = make_controller(engine, tiny_assets, index, max_prefill_bs=1, admission="window")
+    requests = [RagRequest(QUESTION, k=4, mode="all", max_tokens=2) for _ in range(5)]
+    results = await asyncio.gather(*(controller.answer(r) for r in requests))
+    assert all(sorted(r.prompt.document_ids()) == sorted(B) for r in results)
+    # The window had requests to choose from:
+    assert any(event.kind == "queued" for r in results for event in r.timeline.events)
+    await assert_engine_idle(engine, controller)
+    await engine.close()
+
+
+def test_window_admission_needs_a_single_engine(tiny_assets: Assets) -> None:
+    with pytest.raises(InvalidInputError, match="one replica"):
+        pool_controller(simulated_pool(tiny_assets, 2), tiny_assets, tiny_assets.index, admission="window")
