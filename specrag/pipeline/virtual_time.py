@@ -10,9 +10,11 @@ one. (What the router's computation costs is then measured separately, in real t
 How: an asyncio event loop whose :meth:`VirtualTimeLoop.time` is a counter. When the loop would
 block in its selector waiting for the next timer, it polls the selector without blocking instead
 and, if nothing is ready, advances the counter to that timer. Real I/O and thread wake-ups still
-work (they are polled), so only code that sleeps on the loop's clock is affected;
-:func:`specrag.pipeline.engine.now` reads the same counter while :func:`run` runs, so timelines,
-queues and first-token times agree with the engines' sleeps.
+work (they are polled), but the clock does not wait for them: work in a thread takes whatever
+virtual time the loop's timers skip meanwhile, so simulate only code whose timing lives on the
+loop (the simulated engine, the routers, the replay). :func:`specrag.pipeline.engine.now` reads
+the same counter while :func:`run` runs, so timelines, queues and first-token times agree with
+the engines' sleeps.
 """
 
 from __future__ import annotations
