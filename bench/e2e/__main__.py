@@ -70,7 +70,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("-k", type=int, default=6, help="passages per prompt")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per answer")
     parser.add_argument("--requests", type=int, help="queries per configuration (default 32, quick 12)")
-    parser.add_argument("--rate", type=float, default=1.5, help="arrivals per second")
+    parser.add_argument(
+        "--rate", type=float, help="arrivals per second (default: --utilization of the measured capacity)"
+    )
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        default=0.6,
+        help="without --rate: arrivals at this share of one engine's capacity for cold prompts, "
+        "1 / (search at --ratio + cold prefill of a typical prompt), both measured at the start",
+    )
     parser.add_argument(
         "--cv", type=float, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson)"
     )
@@ -87,6 +96,11 @@ def parse_args() -> argparse.Namespace:
         "the in-process engine; --model must then name its model directory (for the tokenizer)",
     )
     args = parser.parse_args()
+    args.rate_given = args.rate
+    if args.rate is not None and not args.rate > 0:
+        parser.error("--rate must be positive")
+    if not 0 < args.utilization < 1:
+        parser.error("--utilization must be between 0 and 1")
     args.index_size = args.index_size or (1_000_000 if args.quick else 2_000_000)
     args.requests = args.requests or (12 if args.quick else 32)
     args.seeds = args.seeds or (1 if args.quick else 2)
@@ -201,6 +215,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 {f"{r:.1%}": round(v, 1) for r, v in search_ms.items()},
             )
             print(f"cold prefill of a typical k={args.k} prompt: {cold_prefill_ms:.0f} ms", flush=True)
+            if args.rate is None:  # a fixed rate overloads a slower engine and idles a faster one
+                nearest = min(search_ms, key=lambda ratio: abs(ratio - args.ratio))
+                args.rate = args.utilization * 1000 / (search_ms[nearest] + cold_prefill_ms)
+                print(f"arrivals: {args.rate:.2f}/s ({args.utilization:.0%} of cold capacity)", flush=True)
             traces = load_or_generate_traces(args, assets.passages)
             base = ControllerConfig(k_max=max(args.k, 10), max_tokens_default=args.max_tokens)
             plan = run_order(configurations(args), len(traces))
@@ -246,6 +264,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "workload": args.workload if args.trace is None else str(args.trace),
         "rate_rps": args.rate,
+        "utilization_of_cold_capacity": args.utilization if args.rate_given is None else None,
         "cv": args.cv,
         "requests": args.requests,
         "seeds": len(traces),

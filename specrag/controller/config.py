@@ -27,6 +27,8 @@ class ControllerConfig:
     ``max_prefill_bs`` follows) is None to read it from the engine's own configuration; it needs
     setting only for an engine that does not report it (an HTTP server), else
     :data:`FALLBACK_BATCHED_TOKEN_BUDGET` is assumed and logged.
+    ``speculative_token_budget`` caps the uncomputed prompt tokens of speculations in flight
+    (see :mod:`specrag.controller.gate`); None is one engine step per replica.
     """
 
     k_default: int = 10
@@ -43,6 +45,7 @@ class ControllerConfig:
     first_token_timeout_s: float = 60.0
     max_queue: int = 256
     batched_token_budget: int | None = None
+    speculative_token_budget: int | None = None
     max_sessions: int = 1000
     max_sessions_per_client: int = 64
     session_ttl_s: float = 3600.0
@@ -61,6 +64,8 @@ class ControllerConfig:
             raise InvalidInputError("max_tokens_default must be between 1 and max_tokens_limit")
         if self.batched_token_budget is not None and self.batched_token_budget < 1:
             raise InvalidInputError("batched_token_budget must be at least 1")
+        if self.speculative_token_budget is not None and self.speculative_token_budget < 1:
+            raise InvalidInputError("speculative_token_budget must be at least 1")
         if self.max_queue < 0:
             raise InvalidInputError("max_queue cannot be negative")
         if not self.first_token_timeout_s > 0:  # written so that NaN fails too

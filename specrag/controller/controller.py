@@ -103,7 +103,12 @@ class RagController:
             self.batched_token_budget,
             len(builder.system_token_ids) + self.config.k_default * _EXPECTED_PASSAGE_TOKENS,
         )
-        self.gate = PrefillGate(max_bs * len(self.placement.replicas), self.config.starvation_window_s)
+        replicas = len(self.placement.replicas)
+        self.gate = PrefillGate(
+            max_bs * replicas,
+            self.config.starvation_window_s,
+            self.config.speculative_token_budget or self.batched_token_budget * replicas,
+        )
         self.sessions = SessionStore(
             self.config.max_sessions, self.config.session_ttl_s, self.config.max_sessions_per_client
         )

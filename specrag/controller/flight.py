@@ -68,6 +68,10 @@ class Flight:
             self.replica.finished(self.request_id)
             self._slot.release()
 
+    def adopt(self) -> None:
+        """This speculation is its query's answer: its slot is final work from now on."""
+        self._slot.adopt()
+
     def _fail(self, error: EngineError) -> None:
         """The replica was excluded before our first token: end the request with ``error`` now.
 

@@ -3,14 +3,29 @@
 The pool is the number of our requests, speculative and final, across all queries, that were
 admitted to the engine and have not yet produced their first token. A slot is taken before a
 request is submitted and released at its first token (or when it is aborted or fails), so the
-count never lags the engine. Speculation only starts when the pool is below ``max_prefill_bs`` and
-no final request is queued (RAGCache Algorithm 2); a final request that finds the pool full waits
-in a queue ordered by cached/compute tokens with a starvation window (RAGCache §5.2).
+count never lags the engine. A final request that finds the pool full waits in a queue ordered by
+cached/compute tokens with a starvation window (RAGCache §5.2).
+
+Speculation uses only idle capacity, so that it can never make another query's answer wait
+longer than it would without speculation (the tail must be no worse than serial):
+
+- it starts only when the pool has room, no final request of ours is queued (RAGCache
+  Algorithm 2) and the engine itself reports no waiting request (another client's, or a
+  warm-up);
+- the uncomputed prompt tokens of all speculations before their first token stay within a
+  budget (HedraRAG's global speculation budget), by default one engine step of each replica's
+  ``max_num_batched_tokens``: one speculation may always run, more only while their work fits
+  the steps the engine would otherwise leave empty;
+- a final request that finds the pool full *preempts* the newest speculation still prefilling:
+  its slot passes to the final request at once and the speculation is aborted (vLLM stops it
+  after its current step), so a final request waits at most one engine step behind speculative
+  work instead of a whole speculative prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from specrag.cache.admission import AdmissionQueue
 from specrag.errors import InvalidInputError
@@ -28,31 +43,65 @@ def default_max_prefill_bs(batched_token_budget: int, expected_prompt_tokens: in
 
 
 class Slot:
-    """One request's place in the prefill pool; :meth:`release` is idempotent."""
+    """One request's place in the prefill pool; :meth:`release` is idempotent.
 
-    def __init__(self, gate: PrefillGate) -> None:
+    A speculative slot carries the prompt tokens its request still has to compute (what it
+    charges to the speculation budget) and how to preempt it.
+    """
+
+    def __init__(
+        self, gate: PrefillGate, speculative_tokens: int = 0, preempt: Callable[[], None] | None = None
+    ) -> None:
         self._gate: PrefillGate | None = gate
+        self.speculative_tokens = speculative_tokens
+        self._preempt = preempt
 
     @property
     def held(self) -> bool:
         return self._gate is not None
 
+    @property
+    def preemptible(self) -> bool:
+        return self._gate is not None and self._preempt is not None
+
     def release(self) -> None:
         gate, self._gate = self._gate, None
         if gate is not None:
-            gate._give_back()
+            gate._give_back(self)
+
+    def adopt(self) -> None:
+        """The speculation became its query's answer: from now on it is final work, never preempted."""
+        self._preempt = None
+        if self._gate is not None:
+            self._gate._no_longer_speculative(self)
+
+    def preempt(self) -> None:
+        """Give the slot back now and tell the owner to abort its request (it must not block)."""
+        preempt, self._preempt = self._preempt, None
+        self.release()
+        if preempt is not None:
+            preempt()
 
 
 class PrefillGate:
-    """Counts the prefill pool and admits final requests by cache-aware priority."""
+    """Counts the prefill pool, budgets speculation and admits final requests by cache-aware priority."""
 
-    def __init__(self, max_prefill_bs: int, starvation_window_s: float) -> None:
+    def __init__(
+        self, max_prefill_bs: int, starvation_window_s: float, speculative_token_budget: int | None = None
+    ) -> None:
         if max_prefill_bs < 1:
             raise InvalidInputError(f"max_prefill_bs must be at least 1, got {max_prefill_bs}")
+        if speculative_token_budget is not None and speculative_token_budget < 1:
+            raise InvalidInputError(
+                f"speculative_token_budget must be at least 1, got {speculative_token_budget}"
+            )
         self.max_prefill_bs = max_prefill_bs
+        self.speculative_token_budget = speculative_token_budget
         self._queue: AdmissionQueue[asyncio.Future[Slot]] = AdmissionQueue(starvation_window_s)
         self._pool = 0
+        self._speculative: list[Slot] = []  # held speculative slots, oldest first
         self.peak_pool = 0
+        self.preemptions = 0
 
     @property
     def pool(self) -> int:
@@ -64,18 +113,39 @@ class PrefillGate:
         """Final requests queued for a slot."""
         return len(self._queue)
 
-    def try_speculate(self) -> Slot | None:
-        """A slot for a speculative request, or None: speculation never queues, never cuts in line."""
-        if self._pool >= self.max_prefill_bs or self._queue:
+    @property
+    def speculative_tokens(self) -> int:
+        """Prompt tokens the speculations before their first token still have to compute."""
+        return sum(slot.speculative_tokens for slot in self._speculative)
+
+    def try_speculate(
+        self, compute_tokens: int = 0, engine_waiting: int = 0, preempt: Callable[[], None] | None = None
+    ) -> Slot | None:
+        """A slot for a speculative request, or None: speculation never queues, never cuts in line.
+
+        ``compute_tokens`` is what the prompt would compute (charged to the budget),
+        ``engine_waiting`` the requests the engine itself reports waiting, and ``preempt`` how
+        a final request that needs the slot stops this speculation (None: it cannot be).
+        """
+        if self._pool >= self.max_prefill_bs or self._queue or engine_waiting > 0:
             return None
-        return self._take()
+        budget = self.speculative_token_budget
+        if budget is not None and self._speculative and self.speculative_tokens + compute_tokens > budget:
+            return None
+        slot = self._take(compute_tokens, preempt)
+        self._speculative.append(slot)
+        return slot
 
     async def admit(self, cached_tokens: int, compute_tokens: int) -> Slot:
-        """A slot for a final request, waiting by priority (cached / compute) if the pool is full."""
+        """A slot for a final request, waiting by priority (cached / compute) if the pool is full.
+
+        A full pool first gives up its newest preemptible speculation.
+        """
         if not self._queue and self._pool < self.max_prefill_bs:
             return self._take()
         waiter: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         self._queue.push(waiter, cached_tokens, compute_tokens)
+        self._preempt_for_waiters()
         try:
             return await waiter
         except asyncio.CancelledError:
@@ -85,13 +155,27 @@ class PrefillGate:
                 waiter.cancel()
             raise
 
-    def _take(self) -> Slot:
+    def _preempt_for_waiters(self) -> None:
+        """Preempt speculations, newest first, while final requests wait for a full pool."""
+        while len(self._queue) and self._pool >= self.max_prefill_bs:
+            victim = next((slot for slot in reversed(self._speculative) if slot.preemptible), None)
+            if victim is None:
+                return
+            self.preemptions += 1
+            victim.preempt()  # releases the slot, which wakes the best waiter
+
+    def _take(self, speculative_tokens: int = 0, preempt: Callable[[], None] | None = None) -> Slot:
         self._pool += 1
         self.peak_pool = max(self.peak_pool, self._pool)
-        return Slot(self)
+        return Slot(self, speculative_tokens, preempt)
 
-    def _give_back(self) -> None:
+    def _no_longer_speculative(self, slot: Slot) -> None:
+        if slot in self._speculative:
+            self._speculative.remove(slot)
+
+    def _give_back(self, slot: Slot) -> None:
         self._pool -= 1
+        self._no_longer_speculative(slot)
         while self._queue and self._pool < self.max_prefill_bs:
             waiter = self._queue.pop()
             if not waiter.done():  # a cancelled waiter's future is already done

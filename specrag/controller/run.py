@@ -78,6 +78,7 @@ class QueryRun:
         self._flights: list[Flight] = []
         self._speculation: Flight | None = None
         self._turn: TurnPrompt | None = None  # a later session turn's final prompt: what it kept
+        self._background: set[asyncio.Task[None]] = set()  # aborts of preempted speculations
 
     def request_ids(self) -> set[str]:
         """Engine requests this run has submitted and not yet aborted or seen end."""
@@ -137,11 +138,17 @@ class QueryRun:
         if tokens + self.checked.sampling.max_tokens > placed.replica.engine.max_model_len:
             self.timeline.add("spec_skip", now(), stage=stage, prompt_tokens=tokens)
             return
-        slot = self._shared.gate.try_speculate()
+        preempted: list[Flight] = []  # the flight, once launched: what a preemption aborts
+        slot = self._shared.gate.try_speculate(
+            compute_tokens=tokens - placed.predicted_cached,
+            engine_waiting=placed.replica.engine.load().engine_waiting,
+            preempt=lambda: self._preempted(preempted[0]),
+        )
         if slot is not None:
             self._speculation = self._launch(
                 placed, slot, speculative=True, predicted=placed.predicted_cached
             )
+            preempted.append(self._speculation)
             self.timeline.speculations += 1
             self.timeline.add(
                 "spec_submit",
@@ -169,6 +176,7 @@ class QueryRun:
         speculation = self._speculation
         if speculation is not None and speculation.layout.token_ids == layout.token_ids:
             timeline.adopted = True
+            speculation.adopt()
             timeline.add("adopt", now(), request_id=speculation.request_id, replica=speculation.replica.name)
             return speculation
         if speculation is not None:
@@ -346,15 +354,34 @@ class QueryRun:
         if flight in self._flights:
             self._flights.remove(flight)
 
-    async def _drop(self, flight: Flight) -> None:
-        """Abort a stale speculation and count the prefill it may have spent."""
+    async def _drop(self, flight: Flight, reason: str = "stale") -> None:
+        """Abort a speculation (its top-k went stale, or a final request preempted it) and count
+        the prefill it may have spent."""
+        if self._speculation is flight:
+            self._speculation = None
         await flight.abort()
         self._forget(flight)
-        self._speculation = None
         timeline = self.timeline
         timeline.aborted_speculations += 1
         timeline.wasted_spec_prefill_tokens += len(flight.layout.token_ids) - (flight.cached_tokens or 0)
-        timeline.add("spec_abort", now(), request_id=flight.request_id)
+        timeline.add("spec_abort", now(), request_id=flight.request_id, reason=reason)
+
+    def _preempted(self, flight: Flight) -> None:
+        """Another query's final request took this speculation's slot: abort it in the background
+        (the gate calls this synchronously; the abort awaits the engine)."""
+        if self._speculation is not flight:
+            return  # already dropped or adopted
+        self._speculation = None
+        self.timeline.preempted_speculations += 1
+        name = f"preempt-{flight.request_id}"
+        task = asyncio.create_task(self._drop(flight, reason="preempted"), name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("aborting a preempted speculation failed: %s", task.exception())
 
     async def _outputs_with_retry(self, flight: Flight) -> AsyncIterator[EngineOutput]:
         """The answer's outputs; a request that fails before its first token is retried.

@@ -46,6 +46,7 @@ class Timeline:
     predicted_beside_prefill: bool = False
     speculations: int = 0
     aborted_speculations: int = 0
+    preempted_speculations: int = 0  # of the aborted: those a final request of another query took the slot of
     wasted_spec_prefill_tokens: int = 0
     adopted: bool = False
     warmed: bool = False
@@ -135,6 +136,7 @@ class Timeline:
             "predicted_beside_prefill": self.predicted_beside_prefill,
             "speculations": self.speculations,
             "aborted_speculations": self.aborted_speculations,
+            "preempted_speculations": self.preempted_speculations,
             "wasted_spec_prefill_tokens": self.wasted_spec_prefill_tokens,
             "adopted": self.adopted,
             "warmed": self.warmed,

@@ -24,7 +24,7 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, runtime_checkable
 
 from specrag.errors import EngineError, InvalidInputError
@@ -107,10 +107,16 @@ class WarmResult:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """Requests of ours in the engine: waiting for their first token, or decoding."""
+    """Requests of ours in the engine: waiting for their first token, or decoding.
+
+    ``engine_waiting`` is the engine's own count of requests (anyone's) waiting to be scheduled,
+    as it last reported it without I/O (0 when it reports nothing that way): the prefill gate
+    holds speculation back while the engine has a backlog.
+    """
 
     prefilling: int
     decoding: int
+    engine_waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -288,7 +294,11 @@ class EngineBase(ABC):
         return self._closed_reason is not None
 
     def load(self) -> EngineLoad:
-        return self._tracker.load()
+        return replace(self._tracker.load(), engine_waiting=self._engine_waiting())
+
+    def _engine_waiting(self) -> int:
+        """The engine's own waiting count, when known without I/O (an adapter that knows it says)."""
+        return 0
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: Sampling

@@ -221,6 +221,9 @@ class SimulatedEngine(EngineBase):
         """Blocks whose KV is resident and reusable (in use or not yet evicted)."""
         return len(self._pool)
 
+    def _engine_waiting(self) -> int:
+        return len(self._waiting)
+
     async def _counts(self) -> EngineCounts:
         """Exact engine state: requests scheduled, queued, and not yet finished or aborted."""
         unfinished = sum(1 for request in self._requests.values() if not request.aborted)

@@ -160,6 +160,14 @@ class VllmEngine(EngineBase):
     def scheduler(self) -> SchedulerSnapshot:
         return self._snapshot
 
+    def _engine_waiting(self) -> int:
+        # The scheduler's figures are those of the engine's last step: an engine that has gone
+        # idle since (its last waiting request aborted) reports no step, so trust them only
+        # while it has unfinished requests.
+        if int(self._llm.get_num_unfinished_requests()) == 0:
+            return 0
+        return self._snapshot.waiting
+
     async def _counts(self) -> EngineCounts:
         return EngineCounts(
             running=self._snapshot.running,

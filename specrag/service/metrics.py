@@ -89,6 +89,9 @@ class ServiceMetrics:
         self.requests = counter("specrag_requests", "Queries by mode and outcome", ("mode", "outcome"))
         self.speculations = counter("specrag_speculations", "Speculative prefills submitted")
         self.aborted_speculations = counter("specrag_aborted_speculations", "Speculations aborted")
+        self.preempted_speculations = counter(
+            "specrag_preempted_speculations", "Speculations aborted because a final request needed their slot"
+        )
         self.adoptions = counter("specrag_adoptions", "Answers served by an adopted speculation")
         self.prompt_tokens = counter("specrag_prompt_tokens", "Prompt tokens of answered queries")
         self.cached_prompt_tokens = counter(
@@ -162,6 +165,7 @@ class ServiceMetrics:
                 histogram.observe(seconds)
         self.speculations.inc(timeline.speculations)
         self.aborted_speculations.inc(timeline.aborted_speculations)
+        self.preempted_speculations.inc(timeline.preempted_speculations)
         self.adoptions.inc(int(timeline.adopted))
         self.prompt_tokens.inc(timeline.prompt_tokens)
         self.cached_prompt_tokens.inc(timeline.cached_prompt_tokens)

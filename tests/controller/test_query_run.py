@@ -25,6 +25,7 @@ from tests.helpers import (
     count_question_tokenizations,
     make_controller,
     scripted_index,
+    wait_until,
 )
 
 
@@ -170,4 +171,50 @@ async def test_a_count_reported_only_at_the_end_reaches_the_timeline(
     assert engine.reported[-1] and repeated.timeline.cached_prompt_tokens == engine.reported[-1]
     assert f"'cached_prompt_tokens': {engine.reported[-1]}" in caplog.text
     await controller.close()
+    await engine.close()
+
+
+async def test_a_final_request_preempts_another_querys_speculation(tiny_assets: Assets) -> None:
+    engine = SimulatedEngine(time_scale=0.5, max_model_len=4096)  # prefills last long enough to be seen
+    controller = make_controller(
+        engine, tiny_assets, scripted_index(tiny_assets, [A, A, B, B]), max_prefill_bs=1
+    )
+    query = asyncio.create_task(
+        controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=3))
+    )
+    await wait_until(lambda: any(r.startswith("spec-") for r in controller.in_flight_request_ids()))
+    # Another query's final request needs the only slot: the speculation, still prefilling, gives it up.
+    slot = await asyncio.wait_for(controller.gate.admit(cached_tokens=0, compute_tokens=500), 5.0)
+    assert controller.gate.preemptions == 1
+    await wait_until(lambda: not any(r.startswith("spec-") for r in controller.in_flight_request_ids()))
+    slot.release()
+    result = await query
+    assert result.timeline.preempted_speculations == 1
+    assert result.prompt.document_ids() == tuple(B)
+    await assert_engine_idle(engine, controller)
+    await engine.close()
+
+
+async def test_an_adopted_speculation_is_never_preempted(tiny_assets: Assets) -> None:
+    engine = SimulatedEngine(time_scale=0.5, max_model_len=4096)
+    controller = make_controller(
+        engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.05), max_prefill_bs=1
+    )
+    query = asyncio.create_task(
+        controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=3))
+    )
+    # Adopted: its request is still prefilling in the pool, but no longer counted as speculation.
+    await wait_until(
+        lambda: (
+            any(r.startswith("spec-") for r in controller.in_flight_request_ids())
+            and controller.gate.pool == 1
+            and controller.gate.speculative_tokens == 0
+        )
+    )
+    waiting = asyncio.create_task(controller.gate.admit(cached_tokens=0, compute_tokens=500))
+    result = await query
+    assert result.timeline.adopted and result.timeline.preempted_speculations == 0
+    assert controller.gate.preemptions == 0
+    (await asyncio.wait_for(waiting, 5.0)).release()
+    await assert_engine_idle(engine, controller)
     await engine.close()

@@ -1,0 +1,81 @@
+"""The prefill gate: the pool, the speculation budget, the engine's backlog, preemption."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specrag.controller.gate import PrefillGate
+from specrag.errors import InvalidInputError
+
+
+def test_speculation_uses_only_an_idle_pool() -> None:
+    gate = PrefillGate(max_prefill_bs=2, starvation_window_s=1.0)
+    first = gate.try_speculate(compute_tokens=100)
+    second = gate.try_speculate(compute_tokens=100)
+    assert first is not None and second is not None
+    assert gate.try_speculate(compute_tokens=100) is None  # the pool is full
+    first.release()
+    first.release()  # idempotent
+    assert gate.pool == 1
+
+
+def test_speculation_waits_while_the_engine_has_a_backlog() -> None:
+    gate = PrefillGate(max_prefill_bs=4, starvation_window_s=1.0)
+    assert gate.try_speculate(compute_tokens=10, engine_waiting=1) is None
+    assert gate.pool == 0
+    assert gate.try_speculate(compute_tokens=10, engine_waiting=0) is not None
+
+
+def test_the_budget_caps_speculative_work_in_flight_but_always_allows_one() -> None:
+    gate = PrefillGate(max_prefill_bs=8, starvation_window_s=1.0, speculative_token_budget=500)
+    big = gate.try_speculate(compute_tokens=1200)  # over the budget alone: one may always run
+    assert big is not None
+    assert gate.try_speculate(compute_tokens=10) is None  # nothing more while it prefills
+    big.release()
+    small = [gate.try_speculate(compute_tokens=200) for _ in range(3)]
+    assert [slot is not None for slot in small] == [True, True, False]
+    assert gate.speculative_tokens == 400
+
+
+async def test_a_final_request_preempts_the_newest_speculation() -> None:
+    gate = PrefillGate(max_prefill_bs=2, starvation_window_s=1.0)
+    preempted: list[str] = []
+    old = gate.try_speculate(compute_tokens=100, preempt=lambda: preempted.append("old"))
+    new = gate.try_speculate(compute_tokens=100, preempt=lambda: preempted.append("new"))
+    assert old is not None and new is not None
+    final = await asyncio.wait_for(gate.admit(cached_tokens=0, compute_tokens=100), 1.0)
+    assert preempted == ["new"]
+    assert not new.held and old.held and final.held
+    assert gate.pool == 2 and gate.preemptions == 1
+    assert gate.speculative_tokens == 100
+
+
+async def test_final_requests_are_never_preempted_and_wait_their_turn() -> None:
+    gate = PrefillGate(max_prefill_bs=1, starvation_window_s=1.0)
+    first = await gate.admit(cached_tokens=0, compute_tokens=100)
+    second = asyncio.create_task(gate.admit(cached_tokens=0, compute_tokens=100))
+    await asyncio.sleep(0)
+    assert not second.done() and gate.waiting == 1 and gate.preemptions == 0
+    assert gate.try_speculate(compute_tokens=1) is None  # a final request waits: no speculation
+    first.release()
+    assert (await asyncio.wait_for(second, 1.0)).held
+
+
+async def test_a_speculation_without_a_preempt_callback_is_waited_for() -> None:
+    gate = PrefillGate(max_prefill_bs=1, starvation_window_s=1.0)
+    warm_up = gate.try_speculate()
+    assert warm_up is not None
+    final = asyncio.create_task(gate.admit(cached_tokens=0, compute_tokens=100))
+    await asyncio.sleep(0)
+    assert not final.done() and warm_up.held
+    warm_up.release()
+    assert (await asyncio.wait_for(final, 1.0)).held
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(InvalidInputError, match="max_prefill_bs"):
+        PrefillGate(0, 1.0)
+    with pytest.raises(InvalidInputError, match="speculative_token_budget"):
+        PrefillGate(1, 1.0, speculative_token_budget=0)
