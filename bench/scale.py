@@ -5,7 +5,10 @@ traces (Poisson arrivals) through each router of :mod:`specrag.controller.placem
 
 - **simulated**: 8 simulated replicas (vLLM's prefix-cache semantics and the measured prefill
   profile), each with a KV cache smaller than the working set, so where a prompt goes decides what
-  it reuses. TTFTs are in simulated milliseconds (wall time over the time scale).
+  it reuses. The simulation runs in virtual time (:mod:`specrag.pipeline.virtual_time`): TTFTs
+  are simulated milliseconds, and neither the machine's load nor the router's own CPU time enters
+  them or the queues the routers read; that CPU time is measured (in real time) and reported
+  beside them as ``router_cpu_ms``.
 - **real**: 2 in-process vLLM replicas of the default model, each pinned to its own core, each
   with its own KV events feeding its own tree; prompts of real passages.
 - **kill**: the real pair under the ``specrag`` router; one replica's engine core is killed
@@ -47,6 +50,7 @@ from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import ROUTERS, Placed, Placement, health_checks
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError
+from specrag.pipeline import virtual_time
 from specrag.pipeline.engine import Sampling, now
 
 POLICY = get_policy("exact")
@@ -70,6 +74,7 @@ class Sample:
     retried_from: str | None = None
     first_token_at: float | None = None
     error: str | None = None
+    route_cpu_s: float = 0.0
 
 
 @dataclass
@@ -80,7 +85,6 @@ class Replay:
     document: Callable[[DocId], Sequence[int]]
     question: Callable[[int], Sequence[int]]
     sampling: Sampling
-    time_scale: float = 1.0
     first_token_timeout_s: float = 120.0
     samples: list[Sample] = field(default_factory=list)
 
@@ -89,7 +93,11 @@ class Replay:
 
 
 async def run_query(
-    placement: Placement, placed: Placed, replay: Replay, gate: PrefillGate
+    placement: Placement,
+    placed: Placed,
+    replay: Replay,
+    gate: PrefillGate,
+    on_prefilled: Callable[[Flight], None] | None = None,
 ) -> tuple[Sample, tuple[int, ...]]:
     """Run one placed prompt to its end (the sample and the answer's tokens); a failure before the
     first token is retried on another replica, as the controller does."""
@@ -100,6 +108,7 @@ async def run_query(
         slot = gate.try_speculate()
         assert slot is not None  # the gate is unbounded: the engines queue by themselves
         flight = Flight(placed, replay.sampling, slot, speculative=False)
+        flight.on_prefilled = on_prefilled
         answer: list[int] = []
         try:
             async for output in flight.outputs(replay.first_token_timeout_s):
@@ -117,7 +126,7 @@ async def run_query(
         finally:
             await flight.abort()
         first = flight.first_token_at
-        ttft = None if first is None else (first - arrival) / replay.time_scale
+        ttft = None if first is None else first - arrival
         sample = Sample(
             ttft,
             len(placed.layout.token_ids),
@@ -126,9 +135,18 @@ async def run_query(
             failed_on,
             first,
         )
-        if placed.layout.segments[0].kind == "system" and first is not None:
-            placed.replica.tree.record_served(placed.layout, flight.cached_tokens)  # popularity, as run.py
         return sample, tuple(answer)
+
+
+def served(flight: Flight) -> None:
+    """At its first token, the replica's tree learns the prompt's document path, as run.py does.
+
+    Only for a prompt that starts with the system prompt and documents: a later turn of a
+    conversation starts with its history, whose documents sit at other positions (run.py keeps
+    a session's prompts out of the tree too), and recording it would give the documents after
+    the history spans that no first turn can reuse.
+    """
+    flight.replica.tree.record_served(flight.layout, flight.cached_tokens)
 
 
 async def replay_trace(
@@ -149,6 +167,7 @@ async def replay_trace(
         conv = request.conv
         async with locks.setdefault(conv or f"#{number}", asyncio.Lock()):
             history = histories.get(conv) if conv is not None else None
+            routing = time.perf_counter()  # real time even in a simulation: what routing costs
             if history is None:
                 placed = placement.place_documents(
                     POLICY, request.docs, lambda docs: build(docs, question, replay.system)
@@ -156,8 +175,12 @@ async def replay_trace(
             else:
                 fresh = [d for d in request.docs if d not in seen[conv]]  # type: ignore[index]
                 placed = placement.place_prompt(build(fresh, question, history))
+            routing = time.perf_counter() - routing
             try:
-                sample, answer = await run_query(placement, placed, replay, gate)
+                sample, answer = await run_query(
+                    placement, placed, replay, gate, served if history is None else None
+                )
+                sample.route_cpu_s = routing
             except EngineError as error:  # counted as failed, not retried further
                 return Sample(None, len(placed.layout.token_ids), 0, placed.replica.name, error=str(error))
             if conv is not None:
@@ -165,10 +188,10 @@ async def replay_trace(
                 seen.setdefault(conv, set()).update(request.docs)
             return sample
 
-    started = time.perf_counter()
+    started = now()
     tasks = []
     for number, (request, at) in enumerate(zip(trace, times, strict=True)):
-        delay = started + at * replay.time_scale - time.perf_counter()
+        delay = started + at - now()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(request, number)))
@@ -212,8 +235,8 @@ def traces(n: int, seed: int) -> dict[str, list[TraceRequest]]:
     }
 
 
-async def simulated(n: int, rate: float, time_scale: float, seed: int) -> dict[str, dict[str, Any]]:
-    """Every router on every trace, each run on fresh replicas (empty caches)."""
+async def simulated(n: int, rate: float, seed: int) -> dict[str, dict[str, Any]]:
+    """Every router on every trace, each run on fresh replicas (empty caches); run it in virtual time."""
     results: dict[str, dict[str, Any]] = {}
     times = arrivals(n, rate, 1.0, np.random.default_rng(seed))
     for name, trace in traces(n, seed).items():
@@ -225,13 +248,10 @@ async def simulated(n: int, rate: float, time_scale: float, seed: int) -> dict[s
                     block_size=BLOCK,
                     capacity_blocks=SIM_CAPACITY_BLOCKS,
                     max_model_len=SIM_MAX_MODEL_LEN,
-                    time_scale=time_scale,
                 )
                 for i in range(SIM_REPLICAS)
             ]
-            replay = Replay(
-                SIM_SYSTEM, synthetic_document, synthetic_question, Sampling(max_tokens=8), time_scale
-            )
+            replay = Replay(SIM_SYSTEM, synthetic_document, synthetic_question, Sampling(max_tokens=8))
             samples = await replay_trace(Placement(replicas, router=router), trace, times.tolist(), replay)
             for replica in replicas:
                 await replica.engine.close()
@@ -394,7 +414,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer queries (CI-sized)")
     parser.add_argument("--queries", type=int, default=None, help="simulated queries per trace")
     parser.add_argument("--rate", type=float, default=5.0, help="simulated arrivals per simulated second")
-    parser.add_argument("--time-scale", type=float, default=0.2, help="wall seconds per simulated second")
     parser.add_argument("--real-queries", type=int, default=None, help="queries per router on the real pair")
     parser.add_argument("--real-rate", type=float, default=1.0, help="arrivals per second on the real pair")
     parser.add_argument("--kill-after-s", type=float, default=5.0, help="when the kill comes")
@@ -408,30 +427,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.queries = 300 if args.quick else 1000
     if args.real_queries is None:
         args.real_queries = 24 if args.quick else 60
-    if args.queries < 1 or args.real_queries < 1 or args.rate <= 0 or args.time_scale <= 0:
-        parser.error("queries, rates and the time scale must be positive")
+    if args.queries < 1 or args.real_queries < 1 or args.rate <= 0:
+        parser.error("queries and rates must be positive")
     return args
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    if not args.no_simulated:
-        by_router = await simulated(args.queries, args.rate, args.time_scale, args.seed)
-        result["simulated"] = {router: merge(list(runs.values())) for router, runs in by_router.items()}
-        result["simulated_by_trace"] = {
+def router_cpu(samples: Sequence[Sample]) -> dict[str, float]:
+    """What placing a query cost the router, in real milliseconds (mean and p99)."""
+    spent = np.array([s.route_cpu_s for s in samples]) * 1000
+    return {"mean": round(float(spent.mean()), 3), "p99": round(float(np.percentile(spent, 99)), 3)}
+
+
+def simulated_results(args: argparse.Namespace) -> dict[str, Any]:
+    """The simulation's part of the result, run in virtual time."""
+    by_router = virtual_time.run(simulated(args.queries, args.rate, args.seed))
+    return {
+        "simulated": {router: merge(list(runs.values())) for router, runs in by_router.items()},
+        "simulated_by_trace": {
             router: {trace: summary(samples) for trace, samples in runs.items()}
             for router, runs in by_router.items()
-        }
-    if not args.no_real:
-        result["real"], result["kill"] = await real(args)
-    return result
+        },
+        "router_cpu_ms": {
+            router: router_cpu([s for part in runs.values() for s in part])
+            for router, runs in by_router.items()
+        },
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     stop_cleanly_on_sigterm()
     started = time.perf_counter()
-    result = asyncio.run(main_async(args))
+    result = {} if args.no_simulated else simulated_results(args)
+    if not args.no_real:
+        result["real"], result["kill"] = asyncio.run(real(args))
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
     result["settings"] = {key: str(value) for key, value in vars(args).items()}
     result["machine"] = machine()

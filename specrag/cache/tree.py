@@ -295,6 +295,14 @@ class KnowledgeTree:
         system = segments[0]
         if layout.token_ids[: len(self._system)] != self._system or system.end < len(self._system):
             raise InvalidInputError("the served prompt's system prompt differs from the tree's")
+        if system.end - len(self._system) >= self.block_size:
+            # More than padding: a conversation's history laid out as the prompt's prefix. Its
+            # documents sit at other positions than any first turn's, so recording them here
+            # would re-key the tree's nodes with spans and blocks no other prompt can reuse.
+            raise InvalidInputError(
+                f"the served prompt's leading segment ({system.end} tokens) is longer than the tree's "
+                f"system prompt ({len(self._system)}) plus padding: a session's history is not the tree's"
+            )
         documents: list[Segment] = []
         for seg in segments[1:]:
             if seg.kind != "document" or seg.doc_id is None:

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.scale import SIM_SYSTEM, Replay, replay_trace, summary, synthetic_document, synthetic_question
+from bench.scale import (
+    SIM_SYSTEM,
+    Replay,
+    parse_args,
+    replay_trace,
+    simulated_results,
+    summary,
+    synthetic_document,
+    synthetic_question,
+)
 from bench.traces import TraceRequest
-from specrag.controller.placement import Placement
+from specrag.controller.placement import ROUTERS, Placement
 from specrag.controller.replicas import Replica
 from specrag.pipeline.engine import Sampling
 from specrag.pipeline.simulated_engine import SimulatedEngine
@@ -18,7 +27,7 @@ def pool(n: int) -> list[Replica]:
 
 
 def replay() -> Replay:
-    return Replay(SIM_SYSTEM, synthetic_document, synthetic_question, Sampling(max_tokens=4), time_scale=0.01)
+    return Replay(SIM_SYSTEM, synthetic_document, synthetic_question, Sampling(max_tokens=4))
 
 
 async def test_a_later_turn_continues_its_history_on_the_replica_that_holds_it() -> None:
@@ -32,6 +41,27 @@ async def test_a_later_turn_continues_its_history_on_the_replica_that_holds_it()
     assert summary(samples)["cached_token_share"] > 0
     for replica in replicas:
         await replica.engine.close()
+
+
+async def test_a_later_turn_leaves_the_trees_first_turn_paths_alone() -> None:
+    """Document 4 first comes after a history; a first turn starting with it must not be told the
+    blocks it had there (they follow the history, so no other prompt can reuse them)."""
+    replicas = pool(1)
+    trace = [TraceRequest(0, (1, 2), "c"), TraceRequest(1, (2, 4), "c")]
+    samples = await replay_trace(Placement(replicas), trace, [0.0, 0.0], replay())
+    assert samples[1].cached_tokens > len(SIM_SYSTEM)  # the history was reused
+    assert replicas[0].tree.cached_prefix((4,)).tokens == len(SIM_SYSTEM)
+    await replicas[0].engine.close()
+
+
+def test_the_simulation_runs_in_virtual_time_and_repeats_itself() -> None:
+    """The same seed gives the same figures, and however long the routers compute, TTFTs are
+    simulated (a 1 s idle gap in the trace costs no wall time)."""
+    args = parse_args(["--queries", "12", "--no-real"])
+    first, second = simulated_results(args), simulated_results(args)
+    assert first["simulated"] == second["simulated"]
+    assert set(first["router_cpu_ms"]) == set(ROUTERS)
+    assert all(summary["ttft_mean_ms"] > 0 for summary in first["simulated"].values())
 
 
 async def test_queries_waiting_on_a_dead_replica_are_retried_on_another() -> None:

@@ -6,9 +6,10 @@ from hypothesis import strategies as st
 
 from specrag.cache import AllBlocksCleared, KnowledgeTree, PrefixMatch
 from specrag.cache import tree as tree_module
+from specrag.cache.layout import build_layout
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
-from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout, served_tree
+from tests.helpers import BLOCK, QUESTION_TOKENS, SYSTEM, FakeEngine, doc_tokens, layout, served_tree
 
 
 def test_cold_tree_knows_nothing_is_cached() -> None:
@@ -65,6 +66,23 @@ def test_a_different_system_prompt_is_rejected() -> None:
     tree = KnowledgeTree((7, 7, 7), block_size=BLOCK)
     with pytest.raises(InvalidInputError):
         tree.record_served(layout((1,)))
+
+
+def test_a_history_laid_out_as_the_prefix_is_not_recorded_as_the_trees_path() -> None:
+    """A session's later turn starts with its history: its documents are not at a first turn's positions."""
+    tree, engine = served_tree((1, 2))
+    first = layout((1, 2))
+    history = (*first.token_ids, 50, 51)  # the first turn, then its answer
+    later = build_layout(history, [(3, doc_tokens(3))], QUESTION_TOKENS)
+    with pytest.raises(InvalidInputError, match="history"):
+        tree.record_served(later)
+    with pytest.raises(InvalidInputError, match="history"):
+        tree.record_prefilled(later)
+    # Padding of the system prompt alone is still its system prompt.
+    padded = build_layout(SYSTEM, [(3, doc_tokens(3))], QUESTION_TOKENS, block_size=BLOCK, pad_token_id=0)
+    tree.apply_events(engine.serve(padded))
+    tree.record_served(padded)
+    assert tree.cached_prefix([3]).tokens > 0
 
 
 def test_mismatched_block_size_in_events_is_rejected() -> None:
