@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import psutil
 
 from specrag.pipeline.config import cpu_has_native_bf16
 
@@ -68,3 +69,23 @@ def stop_cleanly_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def pin_engine_processes(cpus: set[int], root: psutil.Process | None = None) -> list[str]:
+    """Pin every process this one started (vLLM's engine core and its model worker) to ``cpus``.
+
+    ``VLLM_CPU_OMP_THREADS_BIND`` pins only the model worker; vLLM's engine-core process floats,
+    and while the worker computes it busy-polls the worker's shared-memory queue (it spins with
+    ``sched_yield`` for a second after each read; see docs/vllm-cpu.md). Left on the search's
+    core it takes a share of the search's CPU exactly when search and prefill overlap. Returns
+    the names of the processes pinned, for the benchmark's output. ``root``: whose descendants
+    (this process by default).
+    """
+    pinned = []
+    for child in (root or psutil.Process()).children(recursive=True):
+        try:
+            child.cpu_affinity(sorted(cpus))
+            pinned.append(child.name())
+        except psutil.Error:  # gone meanwhile (a short-lived helper process)
+            continue
+    return pinned

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, pin_engine_processes, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.__main__ import cpus, scaled_index
 from bench.e2e.report import summarize
 from bench.e2e.runner import Configuration, RunResult, one_search_ms, replay, set_search_ratio, ttft_of
@@ -373,7 +373,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     runner = SearchRunner(threads=1, cpus=cpus(args.search_cpus))
     index.use_runner(runner)
     pinning = (
-        f"engine model worker on core(s) {args.engine_cpus}, vector search on core(s) {args.search_cpus}"
+        f"engine (engine-core process and model worker) on core(s) {args.engine_cpus}, "
+        f"vector search on core(s) {args.search_cpus}"
     )
     print(f"{pinning}; index {index.searcher.ntotal:,} vectors, nlist {args.nlist}", flush=True)
     rng = np.random.default_rng(args.seed + 99)
@@ -384,6 +385,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         async with open_engine(assets.model_dir, options, layout.root / "run" / "pipeline") as opened:
             engine, kv_events = opened
+            pinned = pin_engine_processes(cpus(args.engine_cpus))
+            print(f"pinned to core(s) {args.engine_cpus}: {', '.join(pinned)}", flush=True)
             builder = prompt_builder(assets, engine)
             await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
             base = ControllerConfig(

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, pin_engine_processes, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.report import paired_ratio_ci, plot_ratio_sweep, plot_timeline_strip, plot_ttft_cdf, summarize
 from bench.e2e.runner import (
     Configuration,
@@ -199,7 +199,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     index.use_runner(SearchRunner(threads=1, cpus=cpus(args.search_cpus)))
     run_dir = layout.root / "run" / "e2e"
     options = ServiceOptions(engine_url=args.engine_url, eager=args.eager, omp_threads_bind=args.engine_cpus)
-    engine_where = args.engine_url or f"in-process vLLM, model worker on core(s) {args.engine_cpus}"
+    engine_where = (
+        args.engine_url or f"in-process vLLM (engine core and model worker) on core(s) {args.engine_cpus}"
+    )
     print(
         f"engine: {engine_where}; vector search on core(s) {args.search_cpus}; tokenizer and store of "
         f"{assets.model_dir}; index {index.searcher.ntotal:,} vectors × {index.dim}, nlist {args.nlist}",
@@ -207,6 +209,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         async with open_engine(assets.model_dir, options, run_dir) as (engine, kv_events):
+            if args.engine_url is None:
+                pinned = pin_engine_processes(cpus(args.engine_cpus))
+                print(f"pinned to core(s) {args.engine_cpus}: {', '.join(pinned)}", flush=True)
             builder = prompt_builder(assets, engine)
             await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
             search_ms, cold_prefill_ms = await measure_regime(engine, index, builder, assets.passages, args.k)
