@@ -86,6 +86,14 @@ def test_the_longest_cached_prefix_comes_first_then_popular_documents() -> None:
     assert get_policy("exact-rank").order(tree, [1, 6, 5, 9]).doc_ids == (6, 1, 5, 9)
 
 
+@pytest.mark.parametrize("twice", [(1, 3), (3, 1)])
+def test_between_cached_paths_of_equal_reuse_exact_takes_the_one_served_more(twice: tuple[int, int]) -> None:
+    once = twice[::-1]
+    tree, _ = build([once, twice, twice], [])
+    assert tree.cached_prefix(once)[:2] == tree.cached_prefix(twice)[:2]  # same tokens and documents
+    assert get_policy("exact").order(tree, [1, 3]).doc_ids == twice
+
+
 def test_myopic_oracle_accepts_an_external_probe() -> None:
     tree, _ = build([(1, 2)], [])
     probed: list[tuple[int, ...]] = []
