@@ -219,8 +219,11 @@ def _best_resident_prefix(
             for doc_id, child in below:
                 if child is None or doc_id not in remaining:
                     continue
-                if child.missing:
-                    if (partial := partial_tokens(child)) > tokens:
+                if missing := child.missing:
+                    # at most its stored blocks lead: skip the count when even they cannot win
+                    # (in a small cache most evicted children have none left)
+                    stored_at_most = child.first_block + len(child.keys) - missing
+                    if stored_at_most * block > tokens and (partial := partial_tokens(child)) > tokens:
                         tokens, frontier = partial, child
                     continue
                 remaining.discard(doc_id)

@@ -141,3 +141,16 @@ def test_a_resident_prefix_is_never_given_up_for_the_remembered_path() -> None:
     exact = get_policy("exact").order(tree, [3, 5, 2, 1])
     assert exact.doc_ids[:3] == (1, 2, 3)
     assert exact.cached == tree.cached_prefix(exact.doc_ids)
+
+
+def test_a_document_with_only_its_first_block_left_still_beats_a_fully_cached_shorter_one() -> None:
+    # 0 (one token) is cached after 4 and served more; of 2 after 4 only the first block survives,
+    # which still reuses more than 0 does
+    tree, engine = build([(4, 0), (4, 0), (4, 2)], [])
+    prompt = layout((4, 2))
+    keys = chain_block_keys(prompt.token_ids, BLOCK)
+    doc2 = prompt.segments[2]
+    tree.apply_events(engine.evict(keys[doc2.start // BLOCK + 1 : doc2.end // BLOCK]))
+    exact = get_policy("exact").order(tree, [0, 2, 4])
+    assert exact.doc_ids[:2] == (4, 2)
+    assert exact.cached.tokens == engine.cached((4, 2))[0] > engine.cached((4, 0))[0]
