@@ -72,22 +72,24 @@ def build_layout(
     tokens = list(system_token_ids)
     if missing := -len(tokens) % block:
         tokens += pad * missing
-    segments = [Segment("system", None, 0, len(tokens))]
-    for doc_id, ids in documents:
-        start = len(tokens)
+    end = len(tokens)
+    segments = [Segment("system", None, 0, end)]
+    for doc_id, ids in documents:  # lengths kept in a local: this runs on every request
+        start = end
         tokens += ids
-        if missing := -len(tokens) % block:
+        end += len(ids)
+        if missing := -end % block:
             tokens += pad * missing
-        segments.append(Segment("document", doc_id, start, len(tokens)))
+            end += missing
+        segments.append(Segment("document", doc_id, start, end))
     if len(segments) != len({seg.doc_id for seg in segments}):  # the system's None is unique too
         order = [doc_id for doc_id, _ in documents]
         twice = next(d for i, d in enumerate(order) if d in order[:i])
         raise InvalidInputError(f"document {twice!r} appears twice in one prompt")
     if hint_token_ids:
-        start = len(tokens)
         tokens += hint_token_ids
-        segments.append(Segment("hint", None, start, len(tokens)))
-    start = len(tokens)
+        segments.append(Segment("hint", None, end, len(tokens)))
+        end = len(tokens)
     tokens += question_token_ids
-    segments.append(Segment("question", None, start, len(tokens)))
+    segments.append(Segment("question", None, end, len(tokens)))
     return PromptLayout(tuple(tokens), tuple(segments))

@@ -22,7 +22,7 @@ ranking whenever the order changed.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Protocol
@@ -173,14 +173,16 @@ def _follow_travelled_path(node: Node, candidates: set[DocId], path: list[DocId]
 
 def _by_affinity(tree: KnowledgeTree, request: Sequence[DocId], rest: list[DocId]) -> list[DocId]:
     """``rest`` by how often each was served with the request's documents (itself included:
-    its popularity), most first; retrieval rank breaks ties. ``map`` keeps the k² look-ups in C.
+    its popularity), most first; retrieval rank breaks ties (the sort is stable). ``map`` keeps
+    the k² look-ups in C.
     """
-    zeros = repeat(0)
-    rows = [tree.companions(d) for d in rest]
+    rows = tree.companion_rows(rest)
     if not any(rows):
         return rest  # nothing of it was ever served: retrieval rank
+    zeros = repeat(0)
     scores = [-sum(map(row.get, request, zeros)) if row else 0 for row in rows]
-    return [d for _, _, d in sorted(zip(scores, range(len(rest)), rest, strict=True))]
+    ranked = sorted(range(len(rest)), key=scores.__getitem__)
+    return [rest[i] for i in ranked]
 
 
 def _best_resident_prefix(
@@ -189,50 +191,67 @@ def _best_resident_prefix(
     """Depth-first search of resident paths made of ``candidates``; best = (tokens, docs, hits).
 
     Returns the best path and its last node; the path may end with a non-resident document
-    whose leading blocks survive (the frontier). A closure over locals, not an object: this runs
-    on every request's critical path, and local look-ups are the cheapest Python has.
+    whose leading blocks survive (the frontier). A closure over locals, not an object, and the
+    best score kept as three scalars, not a tuple: this runs on every request's critical path,
+    where local look-ups and no per-node allocation are what Python makes cheap.
     """
     block = tree.block_size
     partial_tokens = tree.partial_tokens
     remaining = set(candidates)
     path: list[DocId] = []
     ends: list[int] = []
-    best_score = (-1, -1, -1)
+    best_tokens = best_docs = best_hits = -1
     best_path: list[DocId] = []
     best_node = tree.root
 
     def visit(node: Node) -> None:
-        nonlocal best_score, best_path, best_node
-        children = node.children
-        if len(children) < len(remaining):
-            below = [c for d, c in children.items() if d in remaining]
-        else:
-            below = [c for d in doc_ids if d in remaining and (c := children.get(d)) is not None]
+        nonlocal best_tokens, best_docs, best_hits, best_path, best_node
         tokens = node.end // block * block
         frontier: Node | None = None
-        for child in below:
-            if child.missing:
-                if (partial := partial_tokens(child)) > tokens:
-                    tokens, frontier = partial, child
-                continue
-            doc_id: DocId = child.doc_id  # type: ignore[assignment]  # only the root has none
-            remaining.discard(doc_id)
-            path.append(doc_id)
-            ends.append(child.end)
-            visit(child)
-            ends.pop()
-            path.pop()
-            remaining.add(doc_id)
-        docs = bisect_right(ends, tokens)
-        if (tokens, docs) < best_score[:2]:
-            return
-        score = (tokens, docs, node.pgdsf.frequency)  # hits only break ties: read them last
-        if score > best_score:
-            best_score = score
-            if frontier is None:
-                best_path, best_node = path[:], node
+        children = node.children
+        if children:
+            # ``remaining`` is the same set at every step of this loop (a visit below restores
+            # it), so the candidates can be read lazily instead of copied into a list first
+            if len(children) < len(remaining):
+                below: Iterable[tuple[DocId, Node | None]] = children.items()
             else:
-                best_path, best_node = [*path, frontier.doc_id], frontier  # type: ignore[list-item]
+                below = zip(doc_ids, map(children.get, doc_ids), strict=True)
+            for doc_id, child in below:
+                if child is None or doc_id not in remaining:
+                    continue
+                if missing := child.missing:
+                    # at most its stored blocks lead: skip the count when even they cannot win
+                    # (in a small cache most evicted children have none left)
+                    stored_at_most = child.first_block + len(child.keys) - missing
+                    if stored_at_most * block > tokens and (partial := partial_tokens(child)) > tokens:
+                        tokens, frontier = partial, child
+                    continue
+                remaining.discard(doc_id)
+                path.append(doc_id)
+                ends.append(child.end)
+                visit(child)
+                ends.pop()
+                path.pop()
+                remaining.add(doc_id)
+        if tokens < best_tokens:
+            return
+        docs = bisect_right(ends, tokens)
+        if tokens == best_tokens:
+            if docs < best_docs:
+                return
+            if docs == best_docs:
+                hits = node.pgdsf.frequency  # hits only break ties: read them last
+                if hits <= best_hits:
+                    return
+                best_hits = hits
+            else:
+                best_docs, best_hits = docs, node.pgdsf.frequency
+        else:
+            best_tokens, best_docs, best_hits = tokens, docs, node.pgdsf.frequency
+        if frontier is None:
+            best_path, best_node = path[:], node
+        else:
+            best_path, best_node = [*path, frontier.doc_id], frontier  # type: ignore[list-item]
 
     visit(tree.root)
     return best_path, best_node

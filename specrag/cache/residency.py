@@ -204,6 +204,11 @@ class BlockResidency:
     def is_stored(self, key: int) -> bool:
         return key in self._refs
 
+    @property
+    def stored(self) -> Container[int]:
+        """The stored keys, live (for membership tests on a hot path without a call per key)."""
+        return self._refs.keys()
+
     def leading_stored(self, keys: Sequence[int]) -> int:
         """How many of ``keys``, from the first, are stored."""
         return count_leading(keys, self._refs)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from itertools import repeat
 from operator import itemgetter
+from typing import NamedTuple
 
 from specrag.cache.events import AllBlocksCleared, KVEvent
 from specrag.cache.layout import DocId, PromptLayout, Segment
@@ -67,11 +68,13 @@ class Node:
         return self.pgdsf.frequency
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
+class PrefixMatch(NamedTuple):
     """What the engine would reuse of a prompt: tokens (whole blocks) and the leading documents
     lying entirely inside them. ``unbroken``: every block completing inside the documents is
     cached, so a longer document list could reuse more.
+
+    A named tuple rather than a dataclass: one is made for every ordered request, and a tuple is
+    built three times faster than a frozen dataclass instance.
     """
 
     docs: int
@@ -105,6 +108,7 @@ class KnowledgeTree:
         self._system = tuple(system_token_ids)
         self._owners: dict[int, list[Node]] = {}
         self._residency = BlockResidency(block_size, self._on_block_change)
+        self._stored = self._residency.stored
         self._lru = BlockPool(capacity_blocks) if capacity_blocks is not None else None
         self._size = 0
         self._tick = 0
@@ -155,6 +159,10 @@ class KnowledgeTree:
         """How many served prompts held each other document together with ``doc_id``."""
         return self._companions.get(doc_id, _NO_COMPANIONS)
 
+    def companion_rows(self, doc_ids: Iterable[DocId]) -> list[Mapping[DocId, int]]:
+        """:meth:`companions` of each document, in one call (ordering reads k rows per request)."""
+        return list(map(self._companions.get, doc_ids, repeat(_NO_COMPANIONS)))
+
     def last_used(self, doc_id: DocId) -> int:
         """Logical time the document was last served, -1 if never (or forgotten)."""
         return self._doc_last.get(doc_id, -1)
@@ -169,7 +177,13 @@ class KnowledgeTree:
 
     def partial_tokens(self, node: Node) -> int:
         """Tokens reused up to a non-resident ``node``: the leading stored blocks of its span."""
-        return (node.first_block + self._residency.leading_stored(node.keys)) * self.block_size
+        stored = self._stored  # count_leading inlined: ordering calls this per candidate
+        leading = 0
+        for key in node.keys:
+            if key not in stored:
+                break
+            leading += 1
+        return (node.first_block + leading) * self.block_size
 
     def cached_prefix(self, doc_ids: Sequence[DocId]) -> PrefixMatch:
         """What the engine would reuse of a prompt with these documents in this order."""

@@ -1,4 +1,8 @@
+import itertools
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specrag.cache import build_layout
 from specrag.errors import InvalidInputError
@@ -50,3 +54,22 @@ def test_two_prompts_sharing_a_first_document_diverge_on_a_block_boundary() -> N
 def test_invalid_layouts_are_rejected(kwargs: dict[str, int], docs: list[tuple[str, list[int]]]) -> None:
     with pytest.raises(InvalidInputError):
         build_layout([1], docs, [2], **kwargs)  # type: ignore[arg-type]
+
+
+@given(
+    st.lists(st.integers(1, 9), max_size=9),
+    st.lists(st.lists(st.integers(10, 99), max_size=9), max_size=6),
+    st.lists(st.integers(1, 9), max_size=3),
+    st.integers(1, 5),
+)
+def test_padded_segments_tile_the_prompt_on_block_boundaries(
+    system: list[int], documents: list[list[int]], hint: list[int], block: int
+) -> None:
+    layout = build_layout(system, list(enumerate(documents)), [7], hint, block_size=block, pad_token_id=0)
+    segments = layout.segments
+    assert segments[0].start == 0 and segments[-1].end == len(layout.token_ids)
+    assert all(a.end == b.start for a, b in itertools.pairwise(segments))  # contiguous
+    for seg, tokens in zip(segments, [system, *documents], strict=False):
+        assert seg.end % block == 0  # system and documents end on a block boundary
+        padded = layout.token_ids[seg.start : seg.end]
+        assert padded == (*tokens, *[0] * (len(padded) - len(tokens))) and len(padded) - len(tokens) < block

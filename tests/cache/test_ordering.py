@@ -86,6 +86,14 @@ def test_the_longest_cached_prefix_comes_first_then_popular_documents() -> None:
     assert get_policy("exact-rank").order(tree, [1, 6, 5, 9]).doc_ids == (6, 1, 5, 9)
 
 
+@pytest.mark.parametrize("twice", [(1, 3), (3, 1)])
+def test_between_cached_paths_of_equal_reuse_exact_takes_the_one_served_more(twice: tuple[int, int]) -> None:
+    once = twice[::-1]
+    tree, _ = build([once, twice, twice], [])
+    assert tree.cached_prefix(once)[:2] == tree.cached_prefix(twice)[:2]  # same tokens and documents
+    assert get_policy("exact").order(tree, [1, 3]).doc_ids == twice
+
+
 def test_myopic_oracle_accepts_an_external_probe() -> None:
     tree, _ = build([(1, 2)], [])
     probed: list[tuple[int, ...]] = []
@@ -133,3 +141,16 @@ def test_a_resident_prefix_is_never_given_up_for_the_remembered_path() -> None:
     exact = get_policy("exact").order(tree, [3, 5, 2, 1])
     assert exact.doc_ids[:3] == (1, 2, 3)
     assert exact.cached == tree.cached_prefix(exact.doc_ids)
+
+
+def test_a_document_with_only_its_first_block_left_still_beats_a_fully_cached_shorter_one() -> None:
+    # 0 (one token) is cached after 4 and served more; of 2 after 4 only the first block survives,
+    # which still reuses more than 0 does
+    tree, engine = build([(4, 0), (4, 0), (4, 2)], [])
+    prompt = layout((4, 2))
+    keys = chain_block_keys(prompt.token_ids, BLOCK)
+    doc2 = prompt.segments[2]
+    tree.apply_events(engine.evict(keys[doc2.start // BLOCK + 1 : doc2.end // BLOCK]))
+    exact = get_policy("exact").order(tree, [0, 2, 4])
+    assert exact.doc_ids[:2] == (4, 2)
+    assert exact.cached.tokens == engine.cached((4, 2))[0] > engine.cached((4, 0))[0]

@@ -1,6 +1,6 @@
 import pytest
 
-from specrag.cache.residency import BlockPool, chain_block_keys
+from specrag.cache.residency import BlockPool, BlockResidency, chain_block_keys
 from specrag.errors import InvalidInputError
 
 
@@ -104,3 +104,17 @@ def test_an_unlimited_pool_never_evicts() -> None:
 def test_capacity_must_be_positive(capacity: int) -> None:
     with pytest.raises(InvalidInputError, match="capacity_blocks"):
         BlockPool(capacity)
+
+
+def test_the_stored_view_follows_stores_and_removals() -> None:
+    residency = BlockResidency(4, lambda key, stored: None)
+    stored = residency.stored  # taken once, read later: it must stay live
+    residency.store(7)
+    residency.store(7)  # a second reference
+    residency.remove(7)
+    assert 7 in stored
+    residency.remove(7)
+    assert 7 not in stored
+    residency.store(8)
+    residency.clear()
+    assert 8 not in stored

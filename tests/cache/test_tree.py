@@ -158,6 +158,7 @@ def test_companions_count_the_prompts_two_documents_shared(requests: list[list[i
         for b in range(13):
             together = sum(1 for order in requests if a in order and b in order)
             assert tree.companions(a).get(b, 0) == together
+    assert tree.companion_rows(range(13)) == [tree.companions(a) for a in range(13)]
 
 
 def test_companions_stay_bounded_and_keep_the_most_frequent(monkeypatch: pytest.MonkeyPatch) -> None:
