@@ -415,6 +415,8 @@ async def open_remote_engines(options: ServiceOptions) -> AsyncIterator[list[Poo
 def _supervised(
     start: Callable[[], Awaitable[Engine]], options: ServiceOptions
 ) -> Callable[[], Awaitable[SupervisedEngine]]:
+    """Starts ``start``'s engine under a supervisor, which starts it again whenever it is replaced."""
+
     async def supervised() -> SupervisedEngine:
         return await SupervisedEngine(start, options.supervisor).start()
 
