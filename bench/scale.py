@@ -45,7 +45,7 @@ from bench.faults import engine_cores
 from bench.traces import TraceRequest, bursty_trace, multiturn_trace
 from specrag.cache.layout import DocId, PromptLayout, build_layout
 from specrag.cache.ordering import get_policy
-from specrag.controller.flight import Flight
+from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import ROUTERS, Placed, Placement, health_checks
 from specrag.controller.replicas import Replica
@@ -100,42 +100,46 @@ async def run_query(
     on_prefilled: Callable[[Flight], None] | None = None,
 ) -> tuple[Sample, tuple[int, ...]]:
     """Run one placed prompt to its end (the sample and the answer's tokens); a failure before the
-    first token is retried on another replica, as the controller does."""
+    first token is retried on another replica, as the controller does (:class:`RetriedFlight`)."""
     arrival = now()
-    failed_on: str | None = None
-    retries_left = len(placement.replicas) - 1
-    while True:
+    failed_on: list[str] = []
+
+    def launch(placed: Placed) -> Flight:
         slot = gate.try_speculate()
         assert slot is not None  # the gate is unbounded: the engines queue by themselves
         flight = Flight(placed, replay.sampling, slot, speculative=False)
         flight.on_prefilled = on_prefilled
-        answer: list[int] = []
-        try:
-            async for output in flight.outputs(replay.first_token_timeout_s):
-                answer.extend(output.token_ids)
-        except EngineError as error:
-            placement.report_failure(placed.replica, str(error))
-            if flight.first_token_at is not None:  # the caller has seen tokens: no retry
-                raise EngineError(f"{placed.replica.name} failed after the first token: {error}") from error
-            if not retries_left:
-                raise
-            retries_left -= 1
-            failed_on = failed_on or placed.replica.name
-            placed = placement.place_prompt(placed.layout, avoid=(placed.replica,))
-            continue
-        finally:
-            await flight.abort()
-        first = flight.first_token_at
-        ttft = None if first is None else first - arrival
-        sample = Sample(
-            ttft,
-            len(placed.layout.token_ids),
-            flight.cached_tokens or 0,
-            placed.replica.name,
-            failed_on,
-            first,
-        )
-        return sample, tuple(answer)
+        return flight
+
+    async def resubmit(placed: Placed, failed: Flight, error: EngineError) -> Flight:
+        failed_on.append(failed.replica.name)
+        await failed.abort()
+        return launch(placed)
+
+    query = RetriedFlight(launch(placed), placement, replay.first_token_timeout_s, resubmit)
+    answer: list[int] = []
+    try:
+        async for output in query.outputs():
+            answer.extend(output.token_ids)
+    except EngineError as error:
+        if query.flight.first_token_at is not None:  # the caller has seen tokens: no retry
+            name = query.flight.replica.name
+            raise EngineError(f"{name} failed after the first token: {error}") from error
+        raise
+    finally:
+        await query.flight.abort()
+    flight = query.flight
+    first = flight.first_token_at
+    ttft = None if first is None else first - arrival
+    sample = Sample(
+        ttft,
+        len(flight.layout.token_ids),
+        flight.cached_tokens or 0,
+        flight.replica.name,
+        failed_on[0] if failed_on else None,
+        first,
+    )
+    return sample, tuple(answer)
 
 
 def served(flight: Flight) -> None:

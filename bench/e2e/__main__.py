@@ -198,7 +198,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     index = scaled_index(layout, assets, args.index_size, args.nlist)
     index.use_runner(SearchRunner(threads=1, cpus=cpus(args.search_cpus)))
     run_dir = layout.root / "run" / "e2e"
-    options = ServiceOptions(engine_url=args.engine_url, eager=args.eager, omp_threads_bind=args.engine_cpus)
+    options = ServiceOptions(
+        engine_urls=(args.engine_url,) if args.engine_url else (),
+        eager=args.eager,
+        omp_threads_bind=args.engine_cpus,
+    )
     engine_where = (
         args.engine_url or f"in-process vLLM (engine core and model worker) on core(s) {args.engine_cpus}"
     )

@@ -2,6 +2,8 @@
 
 The request runs on one replica, which counts it as pending until its first token (its queue is
 what the router estimates waits from) and may fail it at once when the replica is excluded.
+:class:`RetriedFlight` streams a request's outputs and resubmits it elsewhere when it fails
+before its first token: the controller's answers and ``bench.scale``'s replays both use it.
 """
 
 from __future__ import annotations
@@ -9,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from specrag.controller.gate import Slot
-from specrag.controller.placement import Placed
-from specrag.errors import EngineError, EngineTimeoutError
+from specrag.controller.placement import Placed, Placement
+from specrag.errors import EngineError, EngineTimeoutError, EngineUnavailableError
 from specrag.pipeline.engine import EngineOutput, Sampling, latest_cached_tokens, now
 
 
@@ -123,3 +125,53 @@ class Flight:
         finally:
             self.replica.finished(self.request_id)
             self._slot.release()
+
+
+Resubmit = Callable[[Placed, "Flight", EngineError], Awaitable["Flight"]]
+"""Submits the placed prompt again after the given flight failed with the error; returns the new flight."""
+
+
+class RetriedFlight:
+    """A request's outputs; when it fails before its first token, it is resubmitted.
+
+    RAGCache §6: a failure before the first token loses nothing the caller has seen, so the
+    prompt is placed again, avoiding the replica that failed (which the placement excludes when
+    there are others), or, with one replica, after its supervisor has recovered it, bounded in
+    time. At most one retry per other replica (one with a single replica). The placement hears
+    of every failure: a missing first token is one an engine's supervisor cannot see by itself.
+    ``resubmit`` launches the new request (through the caller's gate and bookkeeping);
+    :attr:`flight` is always the latest request, the one that answered once the stream ends.
+    """
+
+    def __init__(
+        self, flight: Flight, placement: Placement, first_token_timeout_s: float, resubmit: Resubmit
+    ) -> None:
+        self.flight = flight
+        self._placement = placement
+        self._timeout_s = first_token_timeout_s
+        self._resubmit = resubmit
+
+    async def outputs(self) -> AsyncIterator[EngineOutput]:
+        placement, timeout_s = self._placement, self._timeout_s
+        retries_left = max(1, len(placement.replicas) - 1)
+        while True:
+            flight = self.flight
+            started = False
+            try:
+                async for output in flight.outputs(timeout_s):
+                    started = True
+                    yield output
+                return
+            except EngineError as error:
+                placement.report_failure(flight.replica, str(error))
+                if started or not retries_left:
+                    raise
+                retries_left -= 1
+                if not await placement.wait_ready(timeout_s):
+                    if isinstance(error, EngineUnavailableError):
+                        raise
+                    raise EngineUnavailableError(
+                        f"no engine in service after: {error}; retry shortly"
+                    ) from error
+                placed = placement.place_prompt(flight.layout, avoid=(flight.replica,))
+                self.flight = await self._resubmit(placed, flight, error)

@@ -37,14 +37,14 @@ from specrag.cache.ordering import get_policy
 from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.controller.config import ControllerConfig
 from specrag.controller.conversation import TurnPrompt, TurnPrompts
-from specrag.controller.flight import Flight
+from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import PrefillGate, Slot
 from specrag.controller.placement import Placed, Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest
 from specrag.controller.sessions import SessionStore
 from specrag.controller.timeline import Timeline
 from specrag.controller.warmup import SystemPromptWarmer
-from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError, OverloadedError
+from specrag.errors import EngineError, InvalidInputError, OverloadedError
 from specrag.pipeline.engine import EngineOutput, check_prompt_fits, latest_cached_tokens, now
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
@@ -397,39 +397,20 @@ class QueryRun:
             logger.warning("aborting a preempted speculation failed: %s", task.exception())
 
     async def _outputs_with_retry(self, flight: Flight) -> AsyncIterator[EngineOutput]:
-        """The answer's outputs; a request that fails before its first token is retried.
-
-        RAGCache §6: a failure before the first token loses nothing the caller has seen, so the
-        prompt is resubmitted: on another replica when there is one (the failed one is excluded),
-        else after a supervised engine has recovered, bounded in time. The placement hears of
-        every failure: a missing first token is one an engine's supervisor cannot see by itself.
-        """
+        """The answer's outputs, resubmitted elsewhere on a failure before the first token
+        (:class:`~specrag.controller.flight.RetriedFlight`); the answering request's prefill
+        refits the profile."""
         shared = self._shared
-        placement = shared.placement
-        timeout_s = shared.config.first_token_timeout_s
-        retries_left = max(1, len(placement.replicas) - 1)
-        while True:
-            started = False
-            try:
-                async for output in flight.outputs(timeout_s):
-                    started = True
-                    yield output
-                self._measure_prefill(flight)
-                return
-            except EngineError as error:
-                placement.report_failure(flight.replica, str(error))
-                if started or not retries_left:
-                    raise
-                retries_left -= 1
-                self.timeline.add("retry", now(), reason=str(error), replica=flight.replica.name)
-                if not await placement.wait_ready(timeout_s):
-                    if isinstance(error, EngineUnavailableError):
-                        raise
-                    raise EngineUnavailableError(
-                        f"no engine in service after: {error}; retry shortly"
-                    ) from error
-                placed = placement.place_prompt(flight.layout, avoid=(flight.replica,))
-                slot = await shared.gate.admit(placed.predicted_cached, len(flight.layout.token_ids))
-                flight = self._launch(placed, slot, speculative=False, predicted=self._predicted(placed))
-                self._note_route(placed)
-                self.timeline.answer_submit = flight.submitted_at
+        answer = RetriedFlight(flight, shared.placement, shared.config.first_token_timeout_s, self._resubmit)
+        async for output in answer.outputs():
+            yield output
+        self._measure_prefill(answer.flight)
+
+    async def _resubmit(self, placed: Placed, failed: Flight, error: EngineError) -> Flight:
+        """The answer's prompt again, as placed after ``failed`` failed, through the prefill gate."""
+        self.timeline.add("retry", now(), reason=str(error), replica=failed.replica.name)
+        slot = await self._shared.gate.admit(placed.predicted_cached, len(placed.layout.token_ids))
+        flight = self._launch(placed, slot, speculative=False, predicted=self._predicted(placed))
+        self._note_route(placed)
+        self.timeline.answer_submit = flight.submitted_at
+        return flight

@@ -38,10 +38,13 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def engine_server_config(model: str, eager: bool, kv_events_port: int | None) -> EngineConfig:
+def engine_server_config(
+    model: str, eager: bool, kv_events_port: int | None, host: str = "127.0.0.1"
+) -> EngineConfig:
     """The engine config of a separate vLLM server; KV events over TCP when a port is given.
 
-    The publisher binds ``tcp://*:PORT`` (events) and ``PORT+1`` (replay); specrag subscribes with
+    The publisher binds ``tcp://HOST:PORT`` (events) and ``PORT+1`` (replay) on the server's own
+    ``host``, so a server on loopback does not publish to the network; specrag subscribes with
     ``serve --engine-kv-events tcp://HOST:PORT``.
     """
     config = EngineConfig(model=model, enforce_eager=eager)
@@ -49,10 +52,7 @@ def engine_server_config(model: str, eager: bool, kv_events_port: int | None) ->
         return config.validate()
     if not 1 <= kv_events_port <= 65534:
         raise InvalidInputError(f"--kv-events-port must be between 1 and 65534, got {kv_events_port}")
-    return config.with_overrides(
-        kv_events_endpoint=f"tcp://*:{kv_events_port}",
-        kv_events_replay_endpoint=f"tcp://*:{kv_events_port + 1}",
-    )
+    return config.with_tcp_kv_events(host, kv_events_port)
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -61,7 +61,7 @@ def _engine(args: argparse.Namespace) -> int:
     model = args.model or str(DataLayout(resolve_data_dir(args.data_dir)).model_dir)
     if args.model is None and not os.path.isdir(model):
         raise InvalidInputError(f"no model in {model}: run `specrag prepare` first, or give --model DIR")
-    config = engine_server_config(model, args.eager, args.kv_events_port)
+    config = engine_server_config(model, args.eager, args.kv_events_port, args.host)
     from vllm.platforms import current_platform  # only here: importing vLLM takes seconds
 
     command, environment = config.server_command(args.host, args.port, on_cpu=current_platform.is_cpu())
@@ -100,7 +100,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     engine.add_argument(
         "--kv-events-port",
         type=int,
-        help="publish KV-cache events on tcp://*:PORT (replay on PORT+1) so specrag mirrors the cache",
+        help="publish KV-cache events on tcp://HOST:PORT (the --host; replay on PORT+1) so specrag "
+        "mirrors the cache",
     )
     engine.add_argument("--eager", action="store_true", help="skip graph compilation (faster start)")
     engine.add_argument("--print", action="store_true", help="print the command instead of running it")

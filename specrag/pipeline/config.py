@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -119,6 +120,30 @@ class EngineConfig:
             kv_events_topic=topic,
         )
 
+    def with_tcp_kv_events(self, host: str, port: int, topic: str = "kv") -> EngineConfig:
+        """A copy that publishes KV-cache events on ``host``'s PORT (replays on PORT+1).
+
+        The publisher binds ``host`` only: an engine serving on loopback keeps its events there
+        too (``*`` or ``0.0.0.0`` binds every interface, for subscribers on other machines).
+        Subscribers connect to ``tcp://HOST:PORT`` either way (:meth:`KVEventSource.remote`).
+        """
+        if not 1 <= port <= 65534:
+            raise InvalidInputError(f"engine config: KV events port must be between 1 and 65534, got {port}")
+        address = _publisher_address(host)
+        return self.with_overrides(
+            kv_events_endpoint=f"tcp://{address}:{port}",
+            kv_events_replay_endpoint=f"tcp://{address}:{port + 1}",
+            kv_events_topic=topic,
+        )
+
+    def pinned_to(self, core: int) -> EngineConfig:
+        """A copy whose model worker runs on ``core``, unless a binding was chosen already.
+
+        Several engines on one CPU machine must each get their own core: unpinned, vLLM binds
+        every engine's worker to the same one.
+        """
+        return self.with_overrides(omp_threads_bind=self.omp_threads_bind or str(core))
+
     def kv_event_source(self) -> KVEventSource | None:
         """Where this engine publishes its KV-cache events; None when it publishes none."""
         if self.kv_events_endpoint is None:
@@ -185,6 +210,25 @@ class EngineConfig:
         if self.max_model_len > 8192:
             env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
         return env
+
+
+def _publisher_address(host: str) -> str:
+    """How vLLM's KV-event publisher is told to bind ``host``.
+
+    vLLM (0.32) binds its PUB socket only when the endpoint contains ``*`` or ``::`` (else it
+    *connects* to it, and events go nowhere): so every interface is ``*``, and one IPv4 address
+    is written IPv4-mapped, ``[::ffff:127.0.0.1]``, which ZMQ binds as the IPv4 address itself.
+    A host name is resolved to its first IPv4 address.
+    """
+    if host in ("", "*", "0.0.0.0", "::"):
+        return "*"
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+    except OSError as error:
+        raise InvalidInputError(
+            f"engine config: KV events need an IPv4 host to bind, or 0.0.0.0; {host!r}: {error}"
+        ) from None
+    return f"[::ffff:{address}]"
 
 
 def apply_environment(config: EngineConfig) -> None:

@@ -213,12 +213,7 @@ def replica_config(base: EngineConfig, number: int, kv_port: int, cpus: int) -> 
 
     The engine binds ``tcp://*:PORT`` (and PORT+1 for replays) inside the actor.
     """
-    return base.with_overrides(
-        omp_threads_bind=base.omp_threads_bind or str(number % max(cpus, 1)),
-        kv_events_endpoint=f"tcp://*:{kv_port}",
-        kv_events_replay_endpoint=f"tcp://*:{kv_port + 1}",
-        kv_events_topic=f"kv-{number}",
-    )
+    return base.pinned_to(number % max(cpus, 1)).with_tcp_kv_events("*", kv_port, topic=f"kv-{number}")
 
 
 def subscriber_config(config: EngineConfig, node_ip: str) -> KVEventSource:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from specrag.pipeline.config import EngineConfig, apply_environment
 from specrag.pipeline.engine import EngineBase, EngineCounts, EngineOutput, Sampling, now
 
 logger = logging.getLogger(__name__)
+# Held while an engine starts (see VllmEngine.start): the environment is the process's.
+_STARTING = threading.Lock()
 
 # How long a shutdown waits for the engine core to finish its current step (see _wait_idle).
 SHUTDOWN_IDLE_WAIT_S = 5.0
@@ -101,24 +104,29 @@ class VllmEngine(EngineBase):
     async def start(cls, config: EngineConfig) -> VllmEngine:
         """Start vLLM with ``config``; raises :class:`EngineError` if it fails or times out."""
         config.validate()
-        apply_environment(config)
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         snapshot = SchedulerSnapshot()
         loop = asyncio.get_running_loop()
 
         def build() -> Any:
-            # The engine-core process inherits this thread's signal mask: with SIGINT blocked it
-            # ignores a terminal's Ctrl-C and is shut down in order by us. (The model worker that
-            # the core starts does not keep the mask: a Ctrl-C sent to the whole process group
-            # still stops it mid-step, and vLLM prints its traceback; README, "Stopping".)
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:
-                return AsyncLLM.from_engine_args(
-                    _engine_args(config), stat_loggers=[_stat_logger_factory(snapshot)]
-                )
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            # The engine-core process reads its settings (its core binding, its KV space) from
+            # the environment it is spawned with: one start at a time in this process, or two
+            # engines of a pool would both get the last one's binding.
+            with _STARTING:
+                apply_environment(config)
+                from vllm.v1.engine.async_llm import AsyncLLM
+
+                # The engine-core process inherits this thread's signal mask: with SIGINT blocked
+                # it ignores a terminal's Ctrl-C and is shut down in order by us. (The model
+                # worker that the core starts does not keep the mask: a Ctrl-C sent to the whole
+                # process group still stops it mid-step, and vLLM prints its traceback; README,
+                # "Stopping".)
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+                try:
+                    return AsyncLLM.from_engine_args(
+                        _engine_args(config), stat_loggers=[_stat_logger_factory(snapshot)]
+                    )
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
         try:
             # Building spawns the engine core and blocks until it is ready; keep the loop free.

@@ -1,32 +1,37 @@
-"""Assemble the running service: supervised engine, KV mirror, controller, HTTP application.
+"""Assemble the running service: supervised engine(s), KV mirrors, controller, HTTP application.
 
 One place builds the whole stack so ``specrag serve``, ``specrag demo``, the benchmarks and the
 tests run the same thing: :func:`open_service` for the service, or its parts (:func:`open_engine`,
 :func:`prompt_builder`, :func:`open_controller`) for a caller that needs no HTTP application, its
 own index, or a fresh controller per configuration over one engine (``bench.e2e``). The engine is
 the in-process vLLM engine (KV-cache events on, so the knowledge tree mirrors the prefix cache
-exactly) or, with ``engine_url``, any OpenAI-compatible server (mirrored through the KV events it
+exactly) or, with ``engine_urls``, any OpenAI-compatible server (mirrored through the KV events it
 publishes over TCP when ``engine_kv_events`` says where); either way it is supervised: a
 dead or hung engine is replaced, and on every replacement the tree forgets what it believed
 cached and the KV mirror resubscribes.
 
-With ``ray`` set, :func:`open_ray_service` runs several vLLM replicas as Ray actors instead
-(:mod:`specrag.pipeline.ray_engine`), each with its own tree fed by its own KV events, behind
-the router of :mod:`specrag.controller.placement`; Ray restarts a dead replica and the router's
-health checks bring it back.
+Several engines make a pool (:func:`open_pool_service`): N in-process vLLM engines (each pinned to
+its own core, each publishing its own KV events), N separate engine servers (one URL each), or N
+vLLM replicas as Ray actors (:mod:`specrag.pipeline.ray_engine`). Whatever their kind, one
+function (:func:`open_pool`) gives each engine its own tree fed by its own KV events and puts
+them behind the router of :mod:`specrag.controller.placement`, whose health checks bring an
+excluded engine back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from aiohttp import web
 
+from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import ControllerConfig, RagController, new_tree
 from specrag.controller.placement import Placement, health_checks
 from specrag.controller.replicas import Replica
@@ -47,8 +52,10 @@ class ServiceOptions:
     """Everything that shapes a service besides the assets."""
 
     controller: ControllerConfig = field(default_factory=ControllerConfig)
-    engine_url: str | None = None
-    engine_kv_events: str | None = None
+    # Separate engine servers (one makes the service's engine, several a pool), and where each
+    # publishes its KV events (none, or one per URL in the same order).
+    engine_urls: tuple[str, ...] = ()
+    engine_kv_events: tuple[str, ...] = ()
     eager: bool = False
     omp_threads_bind: str | None = None
     api_token: str | None = None
@@ -57,16 +64,57 @@ class ServiceOptions:
     max_queries_per_client: int = DEFAULT_MAX_QUERIES_PER_CLIENT
     # Ray: None for no Ray, "" for a local instance (or $RAY_ADDRESS), else a cluster's address.
     ray_address: str | None = None
+    # In-process engines (or Ray replicas with ``ray_address``).
     replicas: int = 1
     router: str = "specrag"
 
     def __post_init__(self) -> None:
-        if self.engine_kv_events is not None:
-            if self.engine_url is None:
+        """Bad combinations fail here, before any engine starts (flag names: ``specrag serve``'s)."""
+        if self.replicas < 1:
+            raise InvalidInputError(f"--replicas must be at least 1, got {self.replicas}")
+        if self.engine_urls and self.ray_address is not None:
+            raise InvalidInputError("--ray and --engine-url exclude each other (Ray starts its own engines)")
+        if self.engine_urls and self.replicas > 1:
+            raise InvalidInputError(
+                "--replicas starts in-process engines; to pool engine servers, repeat --engine-url"
+            )
+        _check_distinct("--engine-url", self.engine_urls)
+        if self.engine_kv_events:
+            if not self.engine_urls:
                 raise InvalidInputError(
                     "--engine-kv-events needs --engine-url (the in-process engine's events are always on)"
                 )
-            KVEventSource.remote(self.engine_kv_events)  # a malformed endpoint fails before any start
+            if len(self.engine_kv_events) != len(self.engine_urls):
+                raise InvalidInputError(
+                    f"give one --engine-kv-events per --engine-url, in the same order: got "
+                    f"{len(self.engine_kv_events)} for {len(self.engine_urls)} engines"
+                )
+            for endpoint in self.engine_kv_events:  # a malformed endpoint fails before any start
+                KVEventSource.remote(endpoint)
+            _check_distinct("--engine-kv-events", self.engine_kv_events)
+        if self.router != "specrag" and not self.pooled:
+            raise InvalidInputError(
+                "--router needs several engines: --replicas N, a repeated --engine-url, or --ray"
+            )
+
+    @property
+    def pooled(self) -> bool:
+        """Whether the engines make a pool behind a router (several engines, or Ray's replicas)."""
+        return self.ray_address is not None or self.replicas > 1 or len(self.engine_urls) > 1
+
+
+def _check_distinct(flag: str, values: Sequence[str]) -> None:
+    """Two replicas on one server would each believe they own its cache: refuse repeats."""
+    repeated = sorted({value for value in values if values.count(value) > 1})
+    if repeated:
+        raise InvalidInputError(f"{flag} given twice for the same engine: {', '.join(repeated)}")
+
+
+def _base_config(model_dir: Path, options: ServiceOptions) -> EngineConfig:
+    """The in-process engines' settings (each replica of a pool derives its own from them)."""
+    return EngineConfig(
+        model=str(model_dir), enforce_eager=options.eager, omp_threads_bind=options.omp_threads_bind
+    )
 
 
 @dataclass
@@ -87,27 +135,32 @@ class Service:
 def _engine_starter(
     model_dir: Path, options: ServiceOptions, run_dir: Path
 ) -> tuple[Callable[[], Awaitable[Engine]], KVEventSource | None]:
-    if options.engine_url is not None:
-        from specrag.pipeline.http_engine import HttpEngine
+    if options.engine_urls:
+        (url,) = options.engine_urls  # several make a pool: open_pool_service
+        remote_events = options.engine_kv_events[0] if options.engine_kv_events else None
+        return _connector(url), KVEventSource.remote(remote_events) if remote_events is not None else None
+    config = _base_config(model_dir, options).with_kv_events(run_dir)
+    return _starter(config), config.kv_event_source()
 
-        url = options.engine_url
-        remote_events = options.engine_kv_events
-        source = KVEventSource.remote(remote_events) if remote_events is not None else None
 
-        async def connect() -> Engine:
-            return await HttpEngine.connect(url)
+def _connector(url: str) -> Callable[[], Awaitable[Engine]]:
+    """Connects to the engine server at ``url`` (again on every supervisor restart)."""
+    from specrag.pipeline.http_engine import HttpEngine
 
-        return connect, source
+    async def connect() -> Engine:
+        return await HttpEngine.connect(url)
+
+    return connect
+
+
+def _starter(config: EngineConfig) -> Callable[[], Awaitable[Engine]]:
+    """Starts an in-process vLLM engine with ``config`` (again on every supervisor restart)."""
     from specrag.pipeline.vllm_engine import VllmEngine
-
-    config = EngineConfig(
-        model=str(model_dir), enforce_eager=options.eager, omp_threads_bind=options.omp_threads_bind
-    ).with_kv_events(run_dir)
 
     async def start() -> Engine:
         return await VllmEngine.start(config)
 
-    return start, config.kv_event_source()
+    return start
 
 
 @contextlib.asynccontextmanager
@@ -132,6 +185,25 @@ def prompt_builder(assets: Assets, engine: Engine) -> PromptBuilder:
     return PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
 
 
+def follow_restarts(
+    engine: Engine, tree: KnowledgeTree, mirror: KVMirror | None
+) -> Callable[[], None] | None:
+    """When a supervised engine is replaced, its tree forgets the cache and its mirror resubscribes
+    (the new engine's cache is empty, and it numbers its event batches from zero again).
+
+    Returns the function that stops following; None for an engine that is never replaced.
+    """
+    if not isinstance(engine, SupervisedEngine):
+        return None
+
+    async def after_restart() -> None:
+        tree.engine_cache_cleared()
+        if mirror is not None:
+            await mirror.restart()
+
+    return engine.on_restart(after_restart)
+
+
 @contextlib.asynccontextmanager
 async def open_controller(
     engine: Engine,
@@ -152,15 +224,7 @@ async def open_controller(
     """
     controller = RagController(engine, index, builder, config)
     mirror = KVMirror(controller.tree, kv_events) if kv_events is not None else None
-
-    async def after_restart() -> None:
-        controller.tree.engine_cache_cleared()
-        if mirror is not None:  # the new engine numbers its event batches from zero again
-            await mirror.stop()
-            await mirror.start()
-
-    # An engine that is not supervised is never replaced: there is no restart to follow.
-    forget_restarts = engine.on_restart(after_restart) if isinstance(engine, SupervisedEngine) else None
+    forget_restarts = follow_restarts(engine, controller.tree, mirror)
     try:
         if empty_cache:
             await controller.reset_prefix_cache()
@@ -184,105 +248,240 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
             engine, kv_events, assets.index, prompt_builder(assets, engine), options.controller
         ) as (controller, mirror),
     ):
-        metrics = ServiceMetrics()
-        metrics.watch_prefill_profile(lambda: controller.tree.profile.measured)
-        if mirror is not None:
-            faults = mirror.faults
-            metrics.watch_kv_mirror(lambda: faults().lost_batches, lambda: faults().callback_errors)
-        app = create_app(
-            controller,
-            api_token=options.api_token,
-            max_queries=options.max_queries,
-            max_queries_per_client=options.max_queries_per_client,
-            metrics=metrics,
-        )
+        app = _application(controller, options, [mirror] if mirror is not None else [])
         yield Service(app, controller, engine, mirror, kv_events)
 
 
+def _application(
+    controller: RagController, options: ServiceOptions, mirrors: Sequence[KVMirror]
+) -> web.Application:
+    """The HTTP application over ``controller``, its metrics watching the profile and the mirrors."""
+    metrics = ServiceMetrics()
+    metrics.watch_prefill_profile(lambda: controller.tree.profile.measured)
+    if mirrors:
+        metrics.watch_kv_mirror(
+            lambda: sum(mirror.faults().lost_batches for mirror in mirrors),
+            lambda: sum(mirror.faults().callback_errors for mirror in mirrors),
+        )
+    return create_app(
+        controller,
+        api_token=options.api_token,
+        max_queries=options.max_queries,
+        max_queries_per_client=options.max_queries_per_client,
+        metrics=metrics,
+    )
+
+
+@dataclass(frozen=True)
+class PoolEngine:
+    """One engine of a pool: its name, the engine, and where it publishes its KV events (None:
+    nowhere known; its tree then keeps its capacity model)."""
+
+    name: str
+    engine: Engine
+    kv_events: KVEventSource | None
+
+
 @dataclass
-class RayService:
-    """The parts of a service over Ray replicas, for callers that look inside."""
+class Pool:
+    """The placement over a pool's engines and the KV mirror feeding each one's tree."""
+
+    placement: Placement
+    mirrors: list[KVMirror]
+
+
+@dataclass
+class PoolService:
+    """The parts of a service over a pool of engines, for callers that look inside."""
 
     app: web.Application
     controller: RagController
     placement: Placement
 
     def begin_shutdown(self) -> None:
-        """Nothing to tell: Ray replicas have no supervisor of ours that could mistake the
-        shutdown for a fault (the placement's health checks stop with it)."""
+        """From now on engine failures are the shutdown's, not faults for a supervisor to repair
+        (Ray replicas have none; the placement's health checks stop with the service)."""
+        for replica in self.placement.replicas:
+            if isinstance(replica.engine, SupervisedEngine):
+                replica.engine.begin_shutdown()
 
 
 @contextlib.asynccontextmanager
-async def open_ray_placement(
-    base: EngineConfig, options: ServiceOptions, system_token_ids: Sequence[int]
-) -> AsyncIterator[Placement]:
-    """``options.replicas`` vLLM replicas of ``base`` as Ray actors behind the router; all stopped on exit.
+async def open_pool(
+    engines: Sequence[PoolEngine], system_token_ids: Sequence[int], router: str = "specrag"
+) -> AsyncIterator[Pool]:
+    """The placement over ``engines``, whatever their kind: each gets its own tree, fed by its own
+    KV events; health checks run while the block does. The mirrors stop on exit, the engines not.
+
+    A mirror resubscribes whenever its engine comes back: when the placement lets an excluded
+    engine rejoin, and when a supervisor replaces it.
+    """
+    mirrors: list[KVMirror] = []
+    forget: list[Callable[[], None]] = []
+    try:
+        replicas = []
+        for member in engines:
+            tree = new_tree(member.engine, system_token_ids)
+            replica = Replica(member.name, member.engine, tree)
+            mirror = KVMirror(tree, member.kv_events) if member.kv_events is not None else None
+            if mirror is not None:
+                mirrors.append(mirror)
+                await mirror.start()
+                replica.rejoin_hooks.append(mirror.restart)
+            stop_following = follow_restarts(member.engine, tree, mirror)
+            if stop_following is not None:
+                forget.append(stop_following)
+            replicas.append(replica)
+        placement = Placement(replicas, router=router)
+        async with health_checks(placement):
+            yield Pool(placement, mirrors)
+    finally:
+        for stop_following in forget:
+            stop_following()
+        for mirror in mirrors:
+            await mirror.stop()
+
+
+EngineT = TypeVar("EngineT", bound=Engine)
+
+
+@contextlib.asynccontextmanager
+async def _started(
+    starts: Sequence[Callable[[], Awaitable[EngineT]]], *, together: bool
+) -> AsyncIterator[list[EngineT]]:
+    """Every engine started (all at once, or one after the other); all closed on exit, and
+    those that did start are closed when another does not."""
+    engines: list[EngineT] = []
+    try:
+        if together:
+            outcomes = await asyncio.gather(*(start() for start in starts), return_exceptions=True)
+            engines += [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
+            failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+            if failures:
+                raise EngineError(
+                    f"{len(failures)} of {len(starts)} engines did not start: {failures[0]}"
+                ) from failures[0]
+        else:
+            for start in starts:
+                engines.append(await start())
+        yield engines
+    finally:
+        for engine in engines:
+            await engine.close()
+
+
+@contextlib.asynccontextmanager
+async def open_local_engines(
+    base: EngineConfig, options: ServiceOptions, run_dir: Path
+) -> AsyncIterator[list[PoolEngine]]:
+    """``options.replicas`` supervised in-process vLLM engines of ``base``; stopped on exit.
+
+    Each engine's model worker is pinned to its own core (round robin over the cores this process
+    may use), and each publishes its KV events on its own sockets in ``run_dir``. They start one
+    after the other: each is about a minute of both cores' work on a small machine, and a start
+    counts against its own timeout.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    configs = [
+        base.pinned_to(cores[number % len(cores)]).with_kv_events(
+            run_dir / f"r{number}", topic=f"kv-{number}"
+        )
+        for number in range(options.replicas)
+    ]
+    starts = [_supervised(_starter(config), options) for config in configs]
+    async with _started(starts, together=False) as engines:
+        yield [
+            PoolEngine(f"r{number}", engine, config.kv_event_source())
+            for number, (engine, config) in enumerate(zip(engines, configs, strict=True))
+        ]
+
+
+@contextlib.asynccontextmanager
+async def open_remote_engines(options: ServiceOptions) -> AsyncIterator[list[PoolEngine]]:
+    """A supervised engine per ``options.engine_urls`` server, each mirrored through the KV events
+    its ``engine_kv_events`` endpoint publishes (when given); disconnected on exit."""
+    sources: list[KVEventSource | None] = [
+        KVEventSource.remote(endpoint) for endpoint in options.engine_kv_events
+    ]
+    sources = sources or [None] * len(options.engine_urls)
+    starts = [_supervised(_connector(url), options) for url in options.engine_urls]
+    async with _started(starts, together=True) as engines:
+        yield [
+            PoolEngine(f"r{number}", engine, source)
+            for number, (engine, source) in enumerate(zip(engines, sources, strict=True))
+        ]
+
+
+def _supervised(
+    start: Callable[[], Awaitable[Engine]], options: ServiceOptions
+) -> Callable[[], Awaitable[SupervisedEngine]]:
+    """Starts ``start``'s engine under a supervisor, which starts it again whenever it is replaced."""
+
+    async def supervised() -> SupervisedEngine:
+        return await SupervisedEngine(start, options.supervisor).start()
+
+    return supervised
+
+
+@contextlib.asynccontextmanager
+async def open_ray_engines(base: EngineConfig, options: ServiceOptions) -> AsyncIterator[list[PoolEngine]]:
+    """``options.replicas`` vLLM replicas of ``base`` as Ray actors; all stopped on exit.
 
     Connects to the cluster at ``options.ray_address`` (or starts a local instance, shut down
-    on exit). Each replica's KV events go to a port chosen free on this machine; each replica's
-    tree is fed by its own subscriber, resubscribed whenever the replica rejoins (Ray restarted it).
+    on exit). Each replica publishes its KV events on a port chosen free on this machine, bound
+    on every interface of its node: the subscriber connects to the actor's node.
     """
     import ray
 
     from specrag.pipeline.ray_engine import RayEngine, replica_config, subscriber_config
 
-    if options.replicas < 1:
-        raise InvalidInputError(f"--replicas must be at least 1, got {options.replicas}")
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=options.ray_address or None, include_dashboard=False, log_to_driver=False)
-    mirrors: list[KVMirror] = []
-    engines: list[RayEngine] = []
     try:
         cpus = int(ray.cluster_resources().get("CPU", 1))
         configs = [replica_config(base, i, free_port_pair(), cpus) for i in range(options.replicas)]
-        starts = [RayEngine.start(config, f"r{i}") for i, config in enumerate(configs)]
-        outcomes = await asyncio.gather(*starts, return_exceptions=True)
-        engines += [started for started in outcomes if isinstance(started, RayEngine)]
-        failures = [str(error) for error in outcomes if isinstance(error, BaseException)]
-        if failures:
-            raise EngineError(f"{len(failures)} of {len(configs)} Ray replicas did not start: {failures[0]}")
-        replicas = []
-        for engine, config in zip(engines, configs, strict=True):
-            tree = new_tree(engine, system_token_ids)
-            mirror = KVMirror(tree, subscriber_config(config, engine.node_ip))
-            await mirror.start()
-            mirrors.append(mirror)
-            replica = Replica(engine.name, engine, tree)
-            replica.rejoin_hooks.append(mirror.restart)
-            replicas.append(replica)
-        placement = Placement(replicas, router=options.router)
-        async with health_checks(placement):
-            yield placement
+
+        def start(number: int) -> Callable[[], Awaitable[RayEngine]]:
+            return lambda: RayEngine.start(configs[number], f"r{number}")
+
+        async with _started([start(i) for i in range(len(configs))], together=True) as engines:
+            yield [
+                PoolEngine(engine.name, engine, subscriber_config(config, engine.node_ip))
+                for engine, config in zip(engines, configs, strict=True)
+            ]
     finally:
-        for mirror in mirrors:
-            await mirror.stop()
-        for engine in engines:
-            await engine.close()
         if started_ray:
             ray.shutdown()
 
 
+def _pool_engines(
+    assets: Assets, options: ServiceOptions, run_dir: Path
+) -> contextlib.AbstractAsyncContextManager[list[PoolEngine]]:
+    """The pool's engines, of the kind the options ask for (see :class:`ServiceOptions`)."""
+    if options.ray_address is not None:
+        return open_ray_engines(_base_config(assets.model_dir, options), options)
+    if options.engine_urls:
+        return open_remote_engines(options)
+    return open_local_engines(_base_config(assets.model_dir, options), options, run_dir)
+
+
 @contextlib.asynccontextmanager
-async def open_ray_service(assets: Assets, options: ServiceOptions) -> AsyncIterator[RayService]:
-    """The service over Ray replicas (see :func:`open_ray_placement`)."""
-    base = EngineConfig(model=str(assets.model_dir), enforce_eager=options.eager)
-    # Each tree predicts the system prompt as it starts every prompt: padded to the engine's blocks.
-    builder = PromptBuilder(assets.tokenizer, assets.store, block_size=base.block_size)
-    system_token_ids = builder.system_layout_tokens()
-    async with open_ray_placement(base, options, system_token_ids) as placement:
-        builder = prompt_builder(assets, placement.replicas[0].engine)
-        controller = RagController(placement, assets.index, builder, options.controller)
-        try:
-            app = create_app(
-                controller,
-                api_token=options.api_token,
-                max_queries=options.max_queries,
-                max_queries_per_client=options.max_queries_per_client,
-            )
-            yield RayService(app, controller, placement)
-        finally:
-            await controller.close()
+async def open_pool_service(
+    assets: Assets, options: ServiceOptions, run_dir: Path
+) -> AsyncIterator[PoolService]:
+    """The service over a pool of engines (:func:`open_pool`); ``run_dir`` holds in-process
+    engines' KV-event sockets."""
+    async with _pool_engines(assets, options, run_dir) as engines:
+        # Each tree predicts the system prompt as it starts every prompt: padded to the engines' blocks.
+        builder = prompt_builder(assets, engines[0].engine)
+        async with open_pool(engines, builder.system_layout_tokens(), options.router) as pool:
+            controller = RagController(pool.placement, assets.index, builder, options.controller)
+            try:
+                app = _application(controller, options, pool.mirrors)
+                yield PoolService(app, controller, pool.placement)
+            finally:
+                await controller.close()
 
 
 def free_port_pair() -> int:

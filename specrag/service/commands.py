@@ -24,7 +24,7 @@ from specrag.controller.placement import ROUTERS
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.retrieval.stages import SCHEDULES
-from specrag.service.assembly import ServiceOptions, open_ray_service, open_service
+from specrag.service.assembly import ServiceOptions, open_pool_service, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.server import (
@@ -57,7 +57,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 class RunningService(Protocol):
-    """What ``serve`` and ``demo`` need of a running service, one engine or Ray replicas."""
+    """What ``serve`` and ``demo`` need of a running service, one engine or a pool."""
 
     @property
     def app(self) -> web.Application: ...
@@ -69,27 +69,30 @@ class RunningService(Protocol):
 async def _service(
     args: argparse.Namespace, assets: Assets, options: ServiceOptions
 ) -> AsyncIterator[RunningService]:
-    """The supervised engine, the controller and the application over them (see assembly.py).
+    """The supervised engine(s), the controller and the application over them (see assembly.py).
 
-    The run directory (the in-process engine's KV-event sockets) is this process's alone: it goes
+    The run directory (the in-process engines' KV-event sockets) is this process's alone: it goes
     when the service stops.
     """
-    if options.engine_url is not None and options.ray_address is None:
-        print(f"connecting to the engine server at {options.engine_url}…", flush=True)
-    elif options.ray_address is None:
-        print(f"starting vLLM on {assets.model_dir} (about a minute on a small CPU machine)…", flush=True)
-    if options.ray_address is not None:
-        where = options.ray_address or "a local Ray instance"
-        print(f"starting {options.replicas} vLLM replicas on {where}…", flush=True)
-        async with open_ray_service(assets, options) as ray_service:
-            yield ray_service
-        return
+    print(_starting(assets, options), flush=True)
     run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
     try:
-        async with open_service(assets, options, run_dir) as service:
+        opened = open_pool_service if options.pooled else open_service
+        async with opened(assets, options, run_dir) as service:
             yield service
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _starting(assets: Assets, options: ServiceOptions) -> str:
+    """What the service is about to start or connect to, said before the minute it may take."""
+    if options.ray_address is not None:
+        where = options.ray_address or "a local Ray instance"
+        return f"starting {options.replicas} vLLM replicas on {where}…"
+    if options.engine_urls:
+        return f"connecting to the engine server(s) at {', '.join(options.engine_urls)}…"
+    engines = f"{options.replicas} vLLM engines, one per core," if options.pooled else "vLLM"
+    return f"starting {engines} on {assets.model_dir} (about a minute each on a small CPU machine)…"
 
 
 def _api_token(variable: str | None) -> str | None:
@@ -142,8 +145,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = _controller_config(args)
     options = ServiceOptions(
         controller=config,
-        engine_url=args.engine_url,
-        engine_kv_events=args.engine_kv_events,
+        engine_urls=tuple(args.engine_url or ()),
+        engine_kv_events=tuple(args.engine_kv_events or ()),
         eager=args.eager,
         api_token=token,
         max_queries=args.max_queries,
@@ -152,12 +155,6 @@ def _serve(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         router=args.router,
     )
-    if args.replicas < 1:
-        raise InvalidInputError(f"--replicas must be at least 1, got {args.replicas}")
-    if (args.replicas > 1 or args.router != "specrag") and args.ray is None:
-        raise InvalidInputError("--replicas and --router need --ray (replicas run as Ray actors)")
-    if args.ray is not None and args.engine_url is not None:
-        raise InvalidInputError("--ray and --engine-url exclude each other")
     assets = _assets(args)
 
     async def main() -> None:
@@ -239,15 +236,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "for 4 stages: the first speculation starts early) (default: %(default)s)",
     )
     serve.add_argument(
-        "--engine-url", help="an OpenAI-compatible engine server to use instead of the in-process vLLM"
+        "--engine-url",
+        action="append",
+        metavar="URL",
+        help="an OpenAI-compatible engine server to use instead of the in-process vLLM; "
+        "repeat it to pool several servers behind the router",
     )
     serve.add_argument(
         "--engine-kv-events",
+        action="append",
         metavar="tcp://HOST:PORT",
         help="mirror the --engine-url server's prefix cache through the KV events it publishes there "
-        "(replay on PORT+1, topic kv: what `specrag engine --kv-events-port PORT` starts)",
+        "(replay on PORT+1, topic kv: what `specrag engine --kv-events-port PORT` starts); "
+        "with several servers, one per --engine-url, in the same order",
     )
-    scale = serve.add_argument_group("scale-out (pip install 'specrag[ray]')")
+    scale = serve.add_argument_group("scale-out (Ray: pip install 'specrag[ray]')")
     scale.add_argument(
         "--ray",
         nargs="?",
@@ -255,8 +258,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="ADDRESS",
         help="run the engines as Ray actors: on the cluster at ADDRESS, else a local Ray instance",
     )
-    scale.add_argument("--replicas", type=int, default=1, help="engine replicas (with --ray)")
-    scale.add_argument("--router", choices=ROUTERS, default="specrag", help="how prompts are placed")
+    scale.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine replicas: in-process vLLM engines, one per core (Ray actors with --ray)",
+    )
+    scale.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="specrag",
+        help="how prompts are placed on several engines (default: %(default)s)",
+    )
     limits = serve.add_argument_group("limits (beyond them: 429 with Retry-After, or 504)")
     limits.add_argument(
         "--max-queries",

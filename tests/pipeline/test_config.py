@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from specrag.errors import InvalidInputError
 from specrag.pipeline.commands import engine_server_config
 from specrag.pipeline.config import EngineConfig, cpu_has_native_bf16, resolve_dtype
+from specrag.service.assembly import free_port_pair
 
 
 def test_defaults_validate_for_an_existing_model_dir(tmp_path: Path) -> None:
@@ -86,7 +88,9 @@ def test_the_server_command_carries_every_engine_argument(tmp_path: Path) -> Non
     ):
         assert expected in flags
     events = json.loads(command[command.index("--kv-events-config") + 1])
-    assert events["endpoint"] == "tcp://*:5557" and events["replay_endpoint"] == "tcp://*:5558"
+    # Bound on the server's host (loopback by default), not on every interface.
+    assert events["endpoint"] == "tcp://[::ffff:127.0.0.1]:5557"
+    assert events["replay_endpoint"] == "tcp://[::ffff:127.0.0.1]:5558"
     assert environment["VLLM_CPU_KVCACHE_SPACE"] == "2"
     # Every engine argument the in-process engine gets is on the server's command line too.
     for name in config.engine_arguments(on_cpu=True):
@@ -98,3 +102,47 @@ def test_a_compiled_engine_is_asked_for_explicitly(tmp_path: Path) -> None:
         "127.0.0.1", 8000, on_cpu=True
     )
     assert "--no-enforce-eager" in command and "--kv-events-config" not in command
+
+
+@pytest.mark.parametrize(
+    ("host", "bound"),
+    [("127.0.0.1", "tcp://127.0.0.1:"), ("localhost", "tcp://127.0.0.1:"), ("0.0.0.0", "tcp://0.0.0.0:")],
+)
+def test_the_kv_events_publisher_binds_the_server_s_host(tmp_path: Path, host: str, bound: str) -> None:
+    """As vLLM's publisher treats the endpoint: bound (not connected to), on that host only."""
+    import zmq
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    port = free_port_pair()
+    config = engine_server_config(str(tmp_path), eager=True, kv_events_port=port, host=host)
+    assert config.kv_events_endpoint is not None and config.kv_events_replay_endpoint is not None
+    for endpoint, expected_port in (
+        (config.kv_events_endpoint, port),
+        (config.kv_events_replay_endpoint, port + 1),
+    ):
+        assert ZmqEventPublisher._is_bind_endpoint(endpoint), endpoint
+        context = zmq.Context()
+        socket = context.socket(zmq.PUB)
+        try:
+            socket.bind(endpoint.replace("*", "0.0.0.0"))
+            assert socket.getsockopt_string(zmq.LAST_ENDPOINT) == f"{bound}{expected_port}"
+        finally:
+            socket.close(linger=0)
+            context.term()
+
+
+def test_a_kv_events_host_without_an_ipv4_address_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match="KV events need an IPv4 host"):
+        engine_server_config(str(tmp_path), eager=True, kv_events_port=6000, host="no-such-host.invalid")
+
+
+@pytest.mark.parametrize("port", [0, 65535])
+def test_a_kv_events_port_without_room_for_its_replay_port_is_refused(tmp_path: Path, port: int) -> None:
+    with pytest.raises(InvalidInputError, match="--kv-events-port must be between 1 and 65534"):
+        engine_server_config(str(tmp_path), eager=True, kv_events_port=port)
+
+
+def test_a_replica_keeps_an_explicit_core_binding_and_otherwise_gets_its_own(tmp_path: Path) -> None:
+    base = EngineConfig(model=str(tmp_path))
+    assert base.pinned_to(1).omp_threads_bind == "1"
+    assert replace(base, omp_threads_bind="0-1").pinned_to(1).omp_threads_bind == "0-1"

@@ -1,7 +1,9 @@
-"""The service's assembly in parts: a controller over the supervised engine, as benchmarks open it.
+"""The service's assembly in parts: a controller over the supervised engine, as benchmarks open it,
+and a pool of supervised engines.
 
 On the simulated engine under the supervisor (fast): a controller follows the engine's restarts
-while it is open and no longer once it is closed, and ``empty_cache`` empties the prefix cache.
+while it is open and no longer once it is closed, and ``empty_cache`` empties the prefix cache; a
+pool's engine is followed through its supervisor's replacements and the placement's exclusions.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ from dataclasses import dataclass
 
 import pytest_asyncio
 
-from specrag.controller.controller import ControllerConfig, RagRequest
+from specrag.controller.controller import ControllerConfig, RagController, RagRequest
 from specrag.pipeline.simulated_engine import SimulatedEngine
-from specrag.service.assembly import open_controller, prompt_builder
+from specrag.service.assembly import PoolEngine, open_controller, open_pool, prompt_builder
 from specrag.service.assets import Assets
 from specrag.service.supervisor import SupervisedEngine
-from tests.helpers import QUESTION, random_prompt, run_prompt, supervised
+from tests.helpers import QUESTION, random_prompt, run_prompt, supervised, wait_until
 
 
 @dataclass
@@ -82,3 +84,35 @@ async def test_empty_cache_starts_the_controller_on_an_empty_prefix_cache(
         engine, None, tiny_assets.index, builder, ControllerConfig(), empty_cache=True
     ):
         assert (await run_prompt(engine, prompt))[0].cached_tokens == 0
+
+
+async def test_a_pool_s_supervised_engine_is_excluded_replaced_and_rejoins_with_an_empty_tree(
+    tiny_assets: Assets,
+) -> None:
+    started: list[list[SimulatedEngine]] = [[], []]
+    engines = [await supervised(started[i]) for i in range(2)]
+    members = [PoolEngine(f"r{i}", engine, None) for i, engine in enumerate(engines)]
+    builder = prompt_builder(tiny_assets, engines[0])
+    request = RagRequest(QUESTION, k=3, mode="ordering", max_tokens=2)
+    async with open_pool(members, builder.system_layout_tokens(), "round_robin") as pool:
+        controller = RagController(pool.placement, tiny_assets.index, builder)
+        for _ in range(2):  # round robin: one answer on each engine
+            await controller.answer(request)
+        first, second = pool.placement.replicas
+        assert first.tree.system_prompt_resident() and second.tree.system_prompt_resident()
+
+        # A replacement the supervisor decided alone: the tree forgets the old engine's cache.
+        await started[1][-1].die()
+        engines[1].report_failure("killed by the test")
+        assert await engines[1].wait_ready(5)
+        assert not second.tree.system_prompt_resident() and second.excluded is None
+
+        # A failure the placement hears of: excluded at once, back once its replacement answers.
+        await started[0][-1].die()
+        pool.placement.report_failure(first, "killed by the test")
+        assert first.excluded is not None
+        await wait_until(lambda: first.excluded is None, within_s=10)
+        assert engines[0].restarts == engines[1].restarts == 1
+        await controller.close()
+    for engine in engines:
+        await engine.close()

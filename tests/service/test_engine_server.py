@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import time
 from pathlib import Path
 
@@ -16,24 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specrag.controller.controller import RagRequest
 from specrag.pipeline.http_engine import HttpTimeouts
-from specrag.service.assembly import ServiceOptions, open_service
+from specrag.service.assembly import ServiceOptions, free_port_pair, open_service
 from specrag.service.assets import Assets
 from specrag.service.server import serving
-from tests.helpers import QUESTION, A, EngineServer, free_port, scripted_index, wait_until
+from tests.helpers import QUESTION, A, EngineServer, scripted_index, wait_until
 
 pytestmark = pytest.mark.engine
-
-
-def kv_events_ports() -> int:
-    """A port that is free along with the next one (the replay socket's)."""
-    while True:
-        port = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
 
 
 def serial(question: str) -> RagRequest:
@@ -63,12 +50,12 @@ async def rag_status(http: aiohttp.ClientSession, url: str) -> int:
 async def test_cached_tokens_mirror_and_recovery_against_a_separate_server(
     tiny_assets: Assets, tmp_path: Path
 ) -> None:
-    kv_port = kv_events_ports()
+    kv_port = free_port_pair()
     server = EngineServer(tiny_assets.model_dir, tmp_path / "server.log", kv_events_port=kv_port)
     await asyncio.to_thread(server.start)
     # Scripted documents: two questions over the same documents share the system and document blocks.
     assets = dataclasses.replace(tiny_assets, index=scripted_index(tiny_assets, [A], 0.01))
-    options = ServiceOptions(engine_url=server.url, engine_kv_events=f"tcp://127.0.0.1:{kv_port}")
+    options = ServiceOptions(engine_urls=(server.url,), engine_kv_events=(f"tcp://127.0.0.1:{kv_port}",))
     try:
         async with (
             open_service(assets, options, tmp_path / "run") as service,

@@ -13,7 +13,7 @@ import pytest
 from specrag.controller.controller import RagController, RagRequest
 from specrag.errors import EngineError
 from specrag.pipeline.config import EngineConfig
-from specrag.service.assembly import ServiceOptions, open_ray_placement
+from specrag.service.assembly import ServiceOptions, open_pool, open_ray_engines
 from specrag.service.assets import Assets
 from tests.helpers import random_prompt, run_prompt, scripted_index, wait_until
 
@@ -32,7 +32,11 @@ async def test_two_ray_replicas_answer_queries_and_a_killed_one_is_routed_around
     try:
         options = ServiceOptions(ray_address="", replicas=2, router="round_robin", eager=True)
         system = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store).system_token_ids
-        async with open_ray_placement(tiny_engine_config, options, system) as placement:
+        async with (
+            open_ray_engines(tiny_engine_config, options) as engines,
+            open_pool(engines, system, options.router) as pool,
+        ):
+            placement = pool.placement
             builder = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store, block_size=32)
             index = scripted_index(tiny_assets, [[1, 2, 3]], 0.0)
             controller = RagController(placement, index, builder)

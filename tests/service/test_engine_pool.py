@@ -1,0 +1,88 @@
+"""Pools without Ray, as ``specrag serve`` assembles them: two in-process vLLM engines
+(``--replicas 2``), and two separate vLLM servers (``--engine-url`` twice, each with its KV
+events). Queries are answered through both engines of each pool, and each engine's own KV
+events reach its own tree.
+
+Marked ``engine``: each test starts vLLM twice (tiny model, eager).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from specrag.client import AsyncClient
+from specrag.controller.controller import RagController, RagRequest
+from specrag.controller.placement import Placement
+from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.service.assembly import PoolService, ServiceOptions, free_port_pair, open_pool_service
+from specrag.service.assets import Assets
+from specrag.service.server import serving
+from specrag.service.supervisor import SupervisedEngine
+from tests.helpers import QUESTION, EngineServer, scripted_index, wait_until
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+
+def scripted(assets: Assets) -> Assets:
+    """The assets with a search whose documents are fixed (and instant)."""
+    return dataclasses.replace(assets, index=scripted_index(assets, [[1, 2, 3]], 0.0))
+
+
+async def answer_through_both(service: PoolService) -> None:
+    """Four queries under round robin reach both engines, over HTTP too; both trees follow their
+    engine's own KV events."""
+    controller: RagController = service.controller
+    request = RagRequest(QUESTION, k=3, mode="ordering", max_tokens=4)
+    answers = await asyncio.wait_for(asyncio.gather(*(controller.answer(request) for _ in range(4))), 120)
+    served = {e.detail["replica"] for a in answers for e in a.timeline.events if e.kind == "route"}
+    assert served == {"r0", "r1"} and all(a.text for a in answers)
+    placement: Placement = service.placement
+    for replica in placement.replicas:
+        await wait_until(lambda r=replica: not r.tree.uses_capacity_model, within_s=30)  # type: ignore[misc]
+        assert replica.tree.system_prompt_resident()
+    async with serving(service.app, access_log=False) as url, AsyncClient(url) as client:
+        result = await client.rag(QUESTION, k=3, mode="ordering", max_tokens=4)
+    assert result.answer
+
+
+async def test_two_in_process_engines_each_on_its_own_core_answer_queries(
+    tiny_assets: Assets, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # serve's 8,192-token limit is beyond the tiny model's 4,096 positions; its prompts are short.
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    options = ServiceOptions(replicas=2, router="round_robin", eager=True)
+    async with open_pool_service(scripted(tiny_assets), options, tmp_path / "run") as service:
+        configs = []
+        for replica in service.placement.replicas:  # supervised in-process engines
+            supervised = replica.engine
+            assert isinstance(supervised, SupervisedEngine) and isinstance(supervised.engine, VllmEngine)
+            configs.append(supervised.engine.config)
+        cores = sorted(os.sched_getaffinity(0))
+        assert [c.omp_threads_bind for c in configs] == [str(cores[i % len(cores)]) for i in range(2)]
+        assert len({c.kv_events_endpoint for c in configs}) == 2
+        await answer_through_both(service)
+
+
+async def test_two_engine_servers_given_by_url_answer_queries(tiny_assets: Assets, tmp_path: Path) -> None:
+    ports = [free_port_pair(), free_port_pair()]
+    servers = [
+        EngineServer(tiny_assets.model_dir, tmp_path / f"server-{i}.log", kv_events_port=port)
+        for i, port in enumerate(ports)
+    ]
+    try:
+        await asyncio.gather(*(asyncio.to_thread(server.start) for server in servers))
+        options = ServiceOptions(
+            engine_urls=tuple(server.url for server in servers),
+            engine_kv_events=tuple(f"tcp://127.0.0.1:{port}" for port in ports),
+            router="round_robin",
+        )
+        async with open_pool_service(scripted(tiny_assets), options, tmp_path / "run") as service:
+            await answer_through_both(service)
+    finally:
+        for server in servers:
+            server.stop()
