@@ -59,6 +59,11 @@ Build = Callable[[Sequence[DocId]], PromptLayout]
 """Builds the prompt for documents in a given order (the caller knows the question and hints)."""
 
 
+STALL_TIMEOUT_S = 10.0
+"""A replica whose pending requests got no first token for this long past their expected time is
+excluded; a first-token timeout (60 s by default) would leave its queries waiting far longer."""
+
+
 @dataclass(frozen=True)
 class Placed:
     """Where a prompt goes, the prompt itself, and why.
@@ -241,12 +246,18 @@ class Placement:
             await asyncio.sleep(0.05)
         return True
 
-    async def run_health_checks(self, every_s: float = 0.5, probe_timeout_s: float = 5.0) -> None:
-        """Forever: bring back an excluded replica once its engine answers (run as a task)."""
+    async def run_health_checks(
+        self, every_s: float = 0.5, probe_timeout_s: float = 5.0, stall_timeout_s: float = STALL_TIMEOUT_S
+    ) -> None:
+        """Forever (run as a task): exclude a replica that stalled, so what waits on it is retried
+        elsewhere, and bring back an excluded replica once its engine answers."""
         while True:
             await asyncio.sleep(every_s)
             for replica in self.replicas:
-                if replica.excluded is not None and await _answers(replica, probe_timeout_s):
+                if replica.excluded is None:
+                    if (over := replica.stalled_for(stall_timeout_s)) is not None:
+                        replica.exclude(f"stalled: no first token for {stall_timeout_s + over:.1f} s")
+                elif await _answers(replica, probe_timeout_s):
                     await replica.rejoin()
 
 
@@ -267,9 +278,14 @@ async def _answers(replica: Replica, timeout_s: float) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def health_checks(placement: Placement, every_s: float = 0.5) -> AsyncIterator[Placement]:
+async def health_checks(
+    placement: Placement, every_s: float = 0.5, stall_timeout_s: float = STALL_TIMEOUT_S
+) -> AsyncIterator[Placement]:
     """Run the placement's health checks while the block runs (nothing to check with one replica)."""
-    task = asyncio.create_task(placement.run_health_checks(every_s)) if len(placement.replicas) > 1 else None
+    task = None
+    if len(placement.replicas) > 1:
+        checks = placement.run_health_checks(every_s, stall_timeout_s=stall_timeout_s)
+        task = asyncio.create_task(checks)
     try:
         yield placement
     finally:

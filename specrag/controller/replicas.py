@@ -9,7 +9,10 @@ times, so a replica on a slower machine or a busier core is seen as such.
 A replica that fails is excluded at once: its tree is cleared (whatever it held is gone or
 unknowable) and every request of ours still waiting for its first token there is failed, so the
 query retries elsewhere instead of waiting for a timeout. It rejoins when the pool's health check
-sees it answer again.
+sees it answer again. A replica that *stalls* (an engine that accepts requests and never steps)
+fails nothing by itself: the health check excludes it once none of its pending requests has had
+its first token for the stall timeout beyond what the oldest was expected to take
+(:meth:`Replica.stalled_for`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Replica:
         self.excluded: str | None = None
         self.exclusions = 0
         self._pending: dict[str, _Pending] = {}
+        self._last_first_token = now()  # progress, as the stall check sees it
         # Run on every rejoin, e.g. to resubscribe a KV-event mirror to a restarted engine.
         self.rejoin_hooks: list[Callable[[], Awaitable[None]]] = []
 
@@ -115,6 +119,7 @@ class Replica:
 
     def first_token(self, request_id: str, at: float) -> None:
         """Its first token came: it leaves the queue, and the speed factor learns from it."""
+        self._last_first_token = max(self._last_first_token, at)
         pending = self._pending.pop(request_id, None)
         if pending is None or pending.predicted_s <= 0:
             return
@@ -127,6 +132,22 @@ class Replica:
         self._pending.pop(request_id, None)
 
     # ------------------------------------------------------------------ faults
+
+    def stalled_for(self, timeout_s: float) -> float | None:
+        """Seconds the replica has been stalled past ``timeout_s``, or None if it is not.
+
+        Stalled: requests of ours wait for their first token here, and neither has any first
+        token come for ``timeout_s`` nor has the oldest got one within its own expected time
+        plus ``timeout_s`` (so a long queue the estimate foresaw is not a stall).
+        """
+        if not self._pending:
+            return None
+        at = now()
+        oldest = min(self._pending.values(), key=lambda pending: pending.submitted_at)
+        quiet = at - max(self._last_first_token, oldest.submitted_at)
+        late = at - oldest.submitted_at - oldest.predicted_s
+        over = min(quiet, late) - timeout_s
+        return over if over > 0 else None
 
     def exclude(self, reason: str) -> None:
         """Take the replica out of routing, forget its cache, fail what waits on it (module doc)."""

@@ -196,6 +196,8 @@ class QueryRun:
         reorderable = self.checked.mode.ordering and self._turn is None  # a session's order is its history's
         slot = await gate.admit(predicted, len(layout.token_ids) - predicted, rows if reorderable else ())
         timeline.queued_s = now() - queued_at
+        if not placed.replica.available:  # excluded while the request waited for its slot
+            placed = self._prompt(rows, final=True)
         if slot.ordering is not None and slot.ordering.doc_ids != placed.layout.document_ids():
             placed = self._reordered(placed, rows, slot.ordering.doc_ids)
             timeline.add("reordered", now(), documents=len(rows))

@@ -119,3 +119,21 @@ async def test_metrics_count_answers_by_replica_and_reason(tiny_assets: Assets) 
     text = metrics.exposition().decode()
     assert metric(text, "specrag_routed_total", reason="lowest estimated TTFT", replica=replica) == 1
     await close(pool, controller)
+
+
+async def test_the_watchdog_excludes_a_stalled_replica_long_before_the_first_token_timeout(
+    tiny_assets: Assets,
+) -> None:
+    pool = simulated_pool(tiny_assets, 2)
+    index = scripted_index(tiny_assets, [[1, 2, 3]], 0.0)
+    controller = pool_controller(pool, tiny_assets, index, first_token_timeout_s=600)
+    engine = pool[0].engine
+    assert isinstance(engine, SimulatedEngine)
+    engine.stall()
+    async with health_checks(controller.placement, every_s=0.05, stall_timeout_s=0.5):
+        timelines = await asyncio.wait_for(asyncio.gather(*(ask(controller) for _ in range(4))), 30)
+        assert all(routes(timeline)[-1] == "r1" for timeline in timelines)
+        assert pool[0].excluded is not None and "stalled" in pool[0].excluded
+        engine.resume()
+        await wait_until(lambda: pool[0].excluded is None, within_s=5)
+    await close(pool, controller)
