@@ -329,7 +329,7 @@ async def real(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
         builder = prompt_builder(assets, replicas[0].engine)
         rows = np.random.default_rng(args.seed).permutation(len(assets.passages))
         replay = Replay(
-            builder.system_token_ids,
+            builder.system_layout_tokens(),  # padded with the tokenizer's pad token, as the trees hold it
             lambda doc: assets.store.tokens(int(rows[int(doc) % len(rows)])),
             lambda number: builder.question_tokens(f"question {number}: what does this passage explain?"),
             Sampling(max_tokens=4),
