@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,6 +52,10 @@ from specrag.controller.replicas import Replica
 from specrag.errors import EngineError
 from specrag.pipeline import virtual_time
 from specrag.pipeline.engine import Sampling, now
+
+if TYPE_CHECKING:  # annotations only: the real pair imports the service side when it runs
+    from specrag.pipeline.prompt import PromptBuilder
+    from specrag.service.assets import Assets
 
 POLICY = get_policy("exact")
 BLOCK = 32
@@ -321,19 +325,23 @@ async def reset(replicas: Sequence[Replica]) -> None:
             replica.speed = 1.0
 
 
+def real_replay(builder: PromptBuilder, assets: Assets, seed: int) -> Replay:
+    """The real pair's prompt pieces: the corpus' passages in a seeded order as the trace's documents."""
+    rows = np.random.default_rng(seed).permutation(len(assets.passages))
+    return Replay(
+        builder.system_layout_tokens(),  # padded with the tokenizer's pad token, as the trees hold it
+        lambda doc: assets.store.tokens(int(rows[int(doc) % len(rows)])),
+        lambda number: builder.question_tokens(f"question {number}: what does this passage explain?"),
+        Sampling(max_tokens=4),
+    )
+
+
 async def real(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every router on the real pair, then the kill (under ``specrag``)."""
     async with real_replicas(args.data_dir, args.eager) as (replicas, assets, cores):
         from specrag.service.assembly import prompt_builder
 
-        builder = prompt_builder(assets, replicas[0].engine)
-        rows = np.random.default_rng(args.seed).permutation(len(assets.passages))
-        replay = Replay(
-            builder.system_layout_tokens(),  # padded with the tokenizer's pad token, as the trees hold it
-            lambda doc: assets.store.tokens(int(rows[int(doc) % len(rows)])),
-            lambda number: builder.question_tokens(f"question {number}: what does this passage explain?"),
-            Sampling(max_tokens=4),
-        )
+        replay = real_replay(prompt_builder(assets, replicas[0].engine), assets, args.seed)
         n = args.real_queries
         trace = bursty_trace(n, k=4, topics=10, docs_per_topic=8, burst=6, seed=args.seed)
         times = arrivals(n, args.real_rate, 1.0, np.random.default_rng(args.seed)).tolist()

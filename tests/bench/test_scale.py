@@ -8,6 +8,7 @@ from bench.scale import (
     SIM_SYSTEM,
     Replay,
     parse_args,
+    real_replay,
     replay_trace,
     simulated_results,
     summary,
@@ -18,7 +19,9 @@ from bench.traces import TraceRequest
 from specrag.controller.placement import ROUTERS, Placement
 from specrag.controller.replicas import Replica
 from specrag.pipeline.engine import Sampling
+from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.service.assets import Assets
 from tests.helpers import wait_until
 
 
@@ -76,3 +79,12 @@ async def test_queries_waiting_on_a_dead_replica_are_retried_on_another() -> Non
     assert all(sample.first_token_at is not None for sample in samples)
     assert any(sample.retried_from == "r0" and sample.replica == "r1" for sample in samples)
     await replicas[1].engine.close()
+
+
+def test_the_real_replay_starts_with_the_system_prompt_as_the_trees_hold_it(tiny_assets: Assets) -> None:
+    builder = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store, block_size=32)
+    replay = real_replay(builder, tiny_assets, seed=0)
+    # Already padded (with the tokenizer's pad token), so the replay's own layout adds no padding
+    # of another token: a tree built from the builder's system layout accepts its prompts.
+    assert tuple(replay.system) == builder.system_layout_tokens()
+    assert len(replay.system) % 32 == 0
