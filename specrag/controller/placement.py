@@ -249,13 +249,16 @@ class Placement:
     async def run_health_checks(
         self, every_s: float = 0.5, probe_timeout_s: float = 5.0, stall_timeout_s: float = STALL_TIMEOUT_S
     ) -> None:
-        """Forever (run as a task): exclude a replica that stalled, so what waits on it is retried
-        elsewhere, and bring back an excluded replica once its engine answers."""
+        """Forever (run as a task): exclude a replica whose engine knows it failed or that stalled,
+        so what waits on it is retried elsewhere, and bring back an excluded replica once its
+        engine answers."""
         while True:
             await asyncio.sleep(every_s)
             for replica in self.replicas:
                 if replica.excluded is None:
-                    if (over := replica.stalled_for(stall_timeout_s)) is not None:
+                    if (failure := replica.engine.known_failure()) is not None:
+                        replica.exclude(failure)
+                    elif (over := replica.stalled_for(stall_timeout_s)) is not None:
                         replica.exclude(f"stalled: no first token for {stall_timeout_s + over:.1f} s")
                 elif await _answers(replica, probe_timeout_s):
                     await replica.rejoin()

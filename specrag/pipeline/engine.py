@@ -213,6 +213,14 @@ class Engine(Protocol):
         """Prompt tokens the engine computes in one step (vLLM's ``max_num_batched_tokens``), when known."""
         ...
 
+    def known_failure(self) -> str | None:
+        """Why the engine has failed, when it knows without a request failing (else None).
+
+        The pool's health check excludes a replica on it at once, instead of waiting for the
+        engine's requests to fail (vLLM fails them only after shutting a dead engine down).
+        """
+        ...
+
     async def reset_prefix_cache(self) -> None:
         """Drop everything in the prefix cache (for cold-start experiments).
 
@@ -292,6 +300,9 @@ class EngineBase(ABC):
     @property
     def closed(self) -> bool:
         return self._closed_reason is not None
+
+    def known_failure(self) -> str | None:
+        return None  # an adapter whose engine can tell it is dead says so
 
     def load(self) -> EngineLoad:
         return replace(self._tracker.load(), engine_waiting=self._engine_waiting())

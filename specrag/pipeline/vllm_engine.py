@@ -168,6 +168,20 @@ class VllmEngine(EngineBase):
     def scheduler(self) -> SchedulerSnapshot:
         return self._snapshot
 
+    def known_failure(self) -> str | None:
+        """An engine-core process that has exited, read from vLLM's process manager.
+
+        vLLM's monitor sees such an exit within a second, but fails the requests only once it
+        has shut the dead engine's worker down (a 5 s grace, then a kill), so checking the
+        processes lets a pool exclude this replica seconds sooner.
+        """
+        client = getattr(self._llm, "engine_core", None)
+        manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+        for process in getattr(manager, "processes", ()):
+            if process.exitcode is not None:
+                return f"vLLM's {process.name} process exited with code {process.exitcode}"
+        return None
+
     def _engine_waiting(self) -> int:
         # The scheduler's figures are those of the engine's last step: an engine that has gone
         # idle since (its last waiting request aborted) reports no step, so trust them only

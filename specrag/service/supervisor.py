@@ -124,6 +124,9 @@ class SupervisedEngine:
     def supervision(self) -> Supervision:
         return self
 
+    def known_failure(self) -> str | None:
+        return self._engine.known_failure() if self._engine is not None and self.state == "ready" else None
+
     def _any_engine(self) -> Engine:
         """Static facts (block size, lengths) survive a restart: read them even while recovering."""
         if self._engine is None:

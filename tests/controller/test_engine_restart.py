@@ -108,6 +108,10 @@ async def killed_and_replaced(engine: SupervisedEngine, controller: RagControlle
     await asyncio.sleep(0.5)
     killed_at = time.perf_counter()
     os.kill(ours, signal.SIGKILL)
+    # The engine knows it died before vLLM fails its requests (after shutting the worker down):
+    # what lets a pool exclude the replica at once.
+    failure = await asyncio.wait_for(first_known_failure(engine), ERROR_BOUND_S)
+    assert failure is not None and "exited" in failure, failure
     results = await asyncio.wait_for(asyncio.gather(*queries, return_exceptions=True), ERROR_BOUND_S)
     # Each query failed with a clear engine error or was retried on the new engine; none hung.
     for result in results:
@@ -134,3 +138,12 @@ async def killed_and_replaced(engine: SupervisedEngine, controller: RagControlle
     counts = await engine.counts()
     assert (counts.running, counts.waiting, counts.unfinished) == (0, 0, 0)
     return ours
+
+
+async def first_known_failure(engine: SupervisedEngine) -> str | None:
+    """The engine's own report of its failure, polled until it says or the supervisor took over."""
+    while engine.state == "ready":
+        if (failure := engine.known_failure()) is not None:
+            return failure
+        await asyncio.sleep(0.02)
+    return None

@@ -7,11 +7,14 @@ Simulated replicas (each with its own tree fed by its own KV events); the engine
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import RagController, RagRequest
 from specrag.controller.placement import health_checks
 from specrag.controller.replicas import Replica
 from specrag.controller.timeline import Timeline, TimelineEvent
+from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
 from specrag.service.metrics import ServiceMetrics
@@ -136,4 +139,34 @@ async def test_the_watchdog_excludes_a_stalled_replica_long_before_the_first_tok
         assert pool[0].excluded is not None and "stalled" in pool[0].excluded
         engine.resume()
         await wait_until(lambda: pool[0].excluded is None, within_s=5)
+    await close(pool, controller)
+
+
+class KnownDeadEngine(SimulatedEngine):
+    """A simulated engine that stops stepping and says it died, as a killed vLLM engine core does."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.dead = False
+
+    def known_failure(self) -> str | None:
+        return "engine core exited" if self.dead else None
+
+
+async def test_a_replica_whose_engine_knows_it_died_is_excluded_at_once(tiny_assets: Assets) -> None:
+    pool = simulated_pool(tiny_assets, 2)
+    system = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store, block_size=32).system_layout_tokens()
+    tree = KnowledgeTree(system, block_size=32)
+    options: dict[str, Any] = {"time_scale": 0.01, "max_model_len": 4096}
+    dying = KnownDeadEngine(block_size=32, on_kv_events=tree.apply_events, **options)
+    pool[0] = Replica("r0", dying, tree)
+    index = scripted_index(tiny_assets, [[1, 2, 3]], 0.0)
+    controller = pool_controller(pool, tiny_assets, index, first_token_timeout_s=600)
+    dying.stall()
+    dying.dead = True
+    async with health_checks(controller.placement, every_s=0.05, stall_timeout_s=600):
+        timelines = await asyncio.wait_for(asyncio.gather(*(ask(controller) for _ in range(4))), 30)
+        assert all(routes(timeline)[-1] == "r1" for timeline in timelines)
+        assert pool[0].excluded == "engine core exited"
+    dying.resume()
     await close(pool, controller)
