@@ -20,6 +20,7 @@ ENTRY_POINTS = (
     "bench.pipeline",
     "bench.scale",
     "bench.prefill",
+    "bench.contention",
 )
 
 
