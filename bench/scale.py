@@ -357,6 +357,9 @@ async def real(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
         return results, kill
 
 
+KILL_WAIT_S = 30.0  # how long the kill waits for a query to be waiting somewhere
+
+
 async def kill_run(
     replicas: list[Replica],
     cores: list[int],
@@ -365,15 +368,24 @@ async def kill_run(
     replay: Replay,
     kill_after_s: float,
 ) -> dict[str, Any]:
-    """Replay under ``specrag``; kill the second replica's engine core ``kill_after_s`` in."""
+    """Replay under ``specrag``; ``kill_after_s`` in, kill the engine core of the replica with the
+    most queries waiting for their first token (the first moment one has any), so the kill tests
+    the retry of waiting queries rather than hitting an idle replica."""
     placement = Placement(replicas)
-    killed: dict[str, float] = {}
+    killed: dict[str, Any] = {}
 
     async def killer() -> None:
         await asyncio.sleep(kill_after_s)
         if len(cores) < len(replicas):
             raise RuntimeError("the engine-core processes of the replicas were not identified")
-        os.kill(cores[1], signal.SIGKILL)
+        for _ in range(round(KILL_WAIT_S / 0.01)):  # bounded: a replay with nothing waiting still ends
+            if any(replica.pending for replica in replicas):
+                break
+            await asyncio.sleep(0.01)
+        victim = max(range(len(replicas)), key=lambda i: replicas[i].pending)
+        killed["replica"] = replicas[victim].name
+        killed["waiting"] = replicas[victim].pending
+        os.kill(cores[victim], signal.SIGKILL)
         killed["at"] = time.perf_counter()
 
     async with health_checks(placement):
@@ -386,9 +398,11 @@ async def kill_run(
     gaps = [
         s.first_token_at - killed["at"]
         for s in samples
-        if s.retried_from == replicas[1].name and s.first_token_at is not None and "at" in killed
+        if s.retried_from == killed.get("replica") and s.first_token_at is not None and "at" in killed
     ]
     return {
+        "killed": killed.get("replica"),
+        "waiting_at_kill": killed.get("waiting"),
         "queries": len(trace),
         "failed": failed,
         "errors": [s.error for s in samples if s.error is not None],
