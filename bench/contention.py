@@ -35,11 +35,10 @@ import numpy as np
 
 from bench.common import machine, pin_engine_processes, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.__main__ import cpus, scaled_index
-from bench.e2e.runner import set_search_ratio
+from bench.e2e.runner import search_times_ms, set_search_ratio
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.engine import Engine, Sampling, now
+from specrag.pipeline.engine import Engine, Sampling
 from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_engine
 from specrag.service.assets import ensure_assets
 
@@ -67,17 +66,6 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.searches = 30 if args.quick else 100
     return args
-
-
-async def search_times(index: VectorIndex, vectors: np.ndarray, k: int = 10) -> list[float]:
-    """One-shot searches on the index's pinned runner, in ms."""
-    timings = []
-    for vector in vectors:
-        started = now()
-        async for _ in index.search_staged(vector, k, num_stages=1):
-            pass
-        timings.append((now() - started) * 1000)
-    return timings
 
 
 @contextlib.contextmanager
@@ -142,7 +130,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     conditions: dict[str, list[float]] = {}
 
     async def measure() -> list[float]:
-        return await search_times(index, vectors)
+        return await search_times_ms(index, vectors, k=10)
 
     try:
         await measure()  # warm the index's pages and the runner

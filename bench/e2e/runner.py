@@ -125,15 +125,20 @@ async def reset_confirmed(engine: Engine, served_prefix: Sequence[int]) -> bool:
     return probe.cached_tokens == 0
 
 
-async def one_search_ms(index: VectorIndex, vectors: np.ndarray, k: int) -> float:
-    """The median time of one-shot searches on the index's search runner (its pinned core)."""
+async def search_times_ms(index: VectorIndex, vectors: np.ndarray, k: int) -> list[float]:
+    """Each one-shot search's time on the index's search runner (its pinned core), in ms."""
     timings = []
     for vector in vectors:
         started = now()
         async for _ in index.search_staged(vector, k, num_stages=1):
             pass
         timings.append((now() - started) * 1000)
-    return statistics.median(timings)
+    return timings
+
+
+async def one_search_ms(index: VectorIndex, vectors: np.ndarray, k: int) -> float:
+    """The median time of one-shot searches on the index's search runner."""
+    return statistics.median(await search_times_ms(index, vectors, k))
 
 
 async def ttft_of(engine: Engine, prompt: Sequence[int]) -> float:

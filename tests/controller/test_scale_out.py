@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import RagController, RagRequest
 from specrag.controller.placement import health_checks
@@ -85,17 +87,26 @@ async def test_a_dead_replica_is_routed_around_and_waiting_queries_retried(tiny_
     await close(pool, controller)
 
 
-async def test_a_stalled_replica_is_excluded_and_rejoins_when_it_steps_again(tiny_assets: Assets) -> None:
+@pytest.mark.parametrize(
+    ("first_token_timeout_s", "stall_timeout_s", "reason"),
+    [
+        (0.3, 600.0, "no first token"),  # a query's first-token timeout notices it
+        (600.0, 0.5, "stalled"),  # the health check's watchdog notices it long before that timeout
+    ],
+)
+async def test_a_stalled_replica_is_excluded_and_rejoins_when_it_steps_again(
+    tiny_assets: Assets, first_token_timeout_s: float, stall_timeout_s: float, reason: str
+) -> None:
     pool = simulated_pool(tiny_assets, 2)
     index = scripted_index(tiny_assets, [[1, 2, 3]], 0.0)
-    controller = pool_controller(pool, tiny_assets, index, first_token_timeout_s=0.3)
+    controller = pool_controller(pool, tiny_assets, index, first_token_timeout_s=first_token_timeout_s)
     engine = pool[0].engine
     assert isinstance(engine, SimulatedEngine)
     engine.stall()
-    async with health_checks(controller.placement, every_s=0.05):
-        timelines = await asyncio.gather(*(ask(controller) for _ in range(4)))
+    async with health_checks(controller.placement, every_s=0.05, stall_timeout_s=stall_timeout_s):
+        timelines = await asyncio.wait_for(asyncio.gather(*(ask(controller) for _ in range(4))), 30)
         assert all(routes(timeline)[-1] == "r1" for timeline in timelines)
-        assert pool[0].excluded is not None
+        assert pool[0].excluded is not None and reason in pool[0].excluded
         engine.resume()
         await wait_until(lambda: pool[0].excluded is None, within_s=5)
     await close(pool, controller)
@@ -121,24 +132,6 @@ async def test_metrics_count_answers_by_replica_and_reason(tiny_assets: Assets) 
     (replica,) = routes(timeline)
     text = metrics.exposition().decode()
     assert metric(text, "specrag_routed_total", reason="lowest estimated TTFT", replica=replica) == 1
-    await close(pool, controller)
-
-
-async def test_the_watchdog_excludes_a_stalled_replica_long_before_the_first_token_timeout(
-    tiny_assets: Assets,
-) -> None:
-    pool = simulated_pool(tiny_assets, 2)
-    index = scripted_index(tiny_assets, [[1, 2, 3]], 0.0)
-    controller = pool_controller(pool, tiny_assets, index, first_token_timeout_s=600)
-    engine = pool[0].engine
-    assert isinstance(engine, SimulatedEngine)
-    engine.stall()
-    async with health_checks(controller.placement, every_s=0.05, stall_timeout_s=0.5):
-        timelines = await asyncio.wait_for(asyncio.gather(*(ask(controller) for _ in range(4))), 30)
-        assert all(routes(timeline)[-1] == "r1" for timeline in timelines)
-        assert pool[0].excluded is not None and "stalled" in pool[0].excluded
-        engine.resume()
-        await wait_until(lambda: pool[0].excluded is None, within_s=5)
     await close(pool, controller)
 
 
