@@ -125,7 +125,6 @@ class PrefillGate:
             self._queue = AdmissionQueue(starvation_window_s)
         else:
             self._queue = WindowScheduler(starvation_window_s, window_requests=window.window_requests)
-        self._documented: set[asyncio.Future[Slot]] = set()  # waiters that may be reordered
         self._pool = 0
         self._speculative: list[Slot] = []  # held speculative slots, oldest first
         self.peak_pool = 0
@@ -175,8 +174,6 @@ class PrefillGate:
         waiter: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         if isinstance(self._queue, WindowScheduler):
             self._queue.push(waiter, documents, cached_tokens + compute_tokens)
-            if documents:
-                self._documented.add(waiter)
         else:
             self._queue.push(waiter, cached_tokens, compute_tokens)
         self._preempt_for_waiters()
@@ -190,8 +187,6 @@ class PrefillGate:
                 if isinstance(self._queue, WindowScheduler):
                     self._queue.remove(waiter)  # its documents must not steer the others' order
             raise
-        finally:
-            self._documented.discard(waiter)
 
     def _preempt_for_waiters(self) -> None:
         """Preempt speculations, newest first, while final requests wait for a full pool."""
@@ -223,6 +218,6 @@ class PrefillGate:
                 waiter = self._queue.pop()
             if not waiter.done():  # a cancelled waiter's future is already done
                 granted = self._take()
-                if waiter in self._documented:
+                if ordering is not None and ordering.doc_ids:  # none without documents (a session's turn)
                     granted.ordering = ordering
                 waiter.set_result(granted)

@@ -138,17 +138,15 @@ class QueryRun:
         if tokens + self.checked.sampling.max_tokens > placed.replica.engine.max_model_len:
             self.timeline.add("spec_skip", now(), stage=stage, prompt_tokens=tokens)
             return
-        preempted: list[Flight] = []  # the flight, once launched: what a preemption aborts
         slot = self._shared.gate.try_speculate(
             compute_tokens=tokens - placed.predicted_cached,
             engine_waiting=placed.replica.engine.load().engine_waiting,
-            preempt=lambda: self._preempted(preempted[0]),
+            preempt=self._preempted,
         )
         if slot is not None:
             self._speculation = self._launch(
                 placed, slot, speculative=True, predicted=placed.predicted_cached
             )
-            preempted.append(self._speculation)
             self.timeline.speculations += 1
             self.timeline.add(
                 "spec_submit",
@@ -285,7 +283,7 @@ class QueryRun:
 
     def _ordered_prompt(self, rows: list[int], final: bool) -> Placed:
         shared, checked = self._shared, self.checked
-        session, question, builder = checked.session, checked.question_token_ids, shared.builder
+        session, question = checked.session, checked.question_token_ids
         # The final prompt prefers the speculation's replica on a tie, so adoption stays possible.
         prefer = self._speculation.replica if self._speculation is not None else None
         if session is not None and session.turns:
@@ -299,22 +297,20 @@ class QueryRun:
             session_cached = turn.predicted_cached_tokens(session, placed.replica.engine.block_size)
             return replace(placed, predicted_cached=session_cached)
         policy = get_policy(shared.config.ordering_policy if checked.mode.ordering else "retrieval")
+        return shared.placement.place_documents(
+            policy, rows, lambda order: self._layout(rows, order), prefer=prefer
+        )
 
-        def build(doc_ids: Sequence[DocId]) -> PromptLayout:
-            ordered = [int(d) for d in doc_ids]
-            hint = order_hint(rows, ordered, shared.hints) if checked.mode.ordering else None
-            return builder.build_with_question_tokens(ordered, question, hint)
-
-        return shared.placement.place_documents(policy, rows, build, prefer=prefer)
+    def _layout(self, rows: list[int], order: Sequence[DocId]) -> PromptLayout:
+        """The prompt with the documents in ``order``; with ordering on, a hint gives ``rows``' rank."""
+        ordered = [int(doc_id) for doc_id in order]
+        hint = order_hint(rows, ordered, self._shared.hints) if self.checked.mode.ordering else None
+        return self._shared.builder.build_with_question_tokens(ordered, self.checked.question_token_ids, hint)
 
     def _reordered(self, placed: Placed, rows: list[int], order: Sequence[DocId]) -> Placed:
         """The final prompt in the document order window admission chose when it admitted it."""
-        ordered = [int(doc_id) for doc_id in order]
-        shared = self._shared
-        hint = order_hint(rows, ordered, shared.hints)
-        layout = shared.builder.build_with_question_tokens(ordered, self.checked.question_token_ids, hint)
-        predicted = placed.replica.tree.cached_prefix(ordered).tokens
-        return replace(placed, layout=layout, predicted_cached=predicted)
+        predicted = placed.replica.tree.cached_prefix(order).tokens
+        return replace(placed, layout=self._layout(rows, order), predicted_cached=predicted)
 
     def _predicted(self, placed: Placed) -> int:
         """The replica's estimate of the engine's hit for this prompt now (a session's is its history)."""
@@ -381,11 +377,16 @@ class QueryRun:
         timeline.wasted_spec_prefill_tokens += len(flight.layout.token_ids) - (flight.cached_tokens or 0)
         timeline.add("spec_abort", now(), request_id=flight.request_id, reason=reason)
 
-    def _preempted(self, flight: Flight) -> None:
-        """Another query's final request took this speculation's slot: abort it in the background
-        (the gate calls this synchronously; the abort awaits the engine)."""
-        if self._speculation is not flight:
-            return  # already dropped or adopted
+    def _preempted(self) -> None:
+        """Another query's final request took the live speculation's slot: abort it in the
+        background (the gate calls this synchronously; the abort awaits the engine).
+
+        Only the live speculation's slot can be preempted: a dropped one is being given back, an
+        adopted one is final work (:meth:`Slot.adopt`).
+        """
+        flight = self._speculation
+        if flight is None:
+            return  # dropped meanwhile: its slot is on its way back anyway
         self._speculation = None
         self.timeline.preempted_speculations += 1
         name = f"preempt-{flight.request_id}"

@@ -24,7 +24,7 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from specrag.errors import EngineError, InvalidInputError
@@ -259,8 +259,8 @@ class RequestTracker:
         self._prefilling.discard(request_id)
         self._decoding.discard(request_id)
 
-    def load(self) -> EngineLoad:
-        return EngineLoad(prefilling=len(self._prefilling), decoding=len(self._decoding))
+    def load(self, engine_waiting: int = 0) -> EngineLoad:
+        return EngineLoad(len(self._prefilling), len(self._decoding), engine_waiting)
 
 
 class EngineBase(ABC):
@@ -305,7 +305,7 @@ class EngineBase(ABC):
         return None  # an adapter whose engine can tell it is dead says so
 
     def load(self) -> EngineLoad:
-        return replace(self._tracker.load(), engine_waiting=self._engine_waiting())
+        return self._tracker.load(self._engine_waiting())
 
     def _engine_waiting(self) -> int:
         """The engine's own waiting count, when known without I/O (an adapter that knows it says)."""
