@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 
+import faiss
 import numpy as np
 import pytest
 
@@ -114,3 +116,32 @@ async def test_worker_failures_are_raised_in_the_consumer() -> None:
 def test_runner_rejects_unknown_cores() -> None:
     with pytest.raises(InvalidInputError, match="cpu set"):
         SearchRunner(cpus=[10_000])
+
+
+async def search_thread_settings(runner: SearchRunner) -> tuple[int, set[int]]:
+    """faiss's thread count and the cores as seen from inside the runner's search thread."""
+    seen: list[tuple[int, set[int]]] = []
+
+    def probe() -> Iterator[StageResult]:
+        seen.append((faiss.omp_get_max_threads(), os.sched_getaffinity(0)))
+        yield StageResult(1, np.zeros(1), np.zeros(1), True, 0.0)
+
+    async for _ in runner.stream(probe):
+        pass
+    runner.shutdown()
+    return seen[0]
+
+
+@pytest.mark.parametrize(
+    ("threads", "cpus", "expected_threads"),
+    [(1, None, 1), (None, None, 1), (None, [0], 1), (2, [0], 2)],
+)
+async def test_the_thread_count_applies_inside_the_search_thread(
+    threads: int | None, cpus: list[int] | None, expected_threads: int
+) -> None:
+    # OpenMP keeps the count per thread: set only where the runner is made, a pinned search
+    # thread ran one OpenMP thread per machine core on its one core, 2-3x slower.
+    faiss.omp_set_num_threads(os.cpu_count() or 1)
+    count, cores = await search_thread_settings(SearchRunner(threads=threads, cpus=cpus))
+    assert count == expected_threads
+    assert cores == (set(cpus) if cpus else os.sched_getaffinity(0))
