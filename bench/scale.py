@@ -11,6 +11,9 @@ traces (Poisson arrivals) through each router of :mod:`specrag.controller.placem
   beside them as ``router_cpu_ms``.
 - **real**: 2 in-process vLLM replicas of the default model, each pinned to its own core, each
   with its own KV events feeding its own tree; prompts of real passages.
+- **reuse bound** (:func:`reuse_bound`): per simulated trace, what no router reuses more than
+  with specrag's ordering (one replica of unbounded cache and compute), with every earlier prompt
+  finished (``sequential``) or with only the blocks computed before each arrival (``in_time``).
 - **kill**: the real pair under the ``specrag`` router; one replica's engine core is killed
   mid-run. ``failed`` counts queries that got no answer; ``max_gap_s`` is the longest time from
   the kill to the first token of a query that was waiting on the killed replica.
@@ -27,7 +30,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import heapq
 import json
+import math
 import os
 import random
 import signal
@@ -43,8 +48,12 @@ from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.workload import arrivals
 from bench.faults import engine_cores
 from bench.traces import TraceRequest, bursty_trace, multiturn_trace
+from specrag.cache.events import BlockStored
 from specrag.cache.layout import DocId, PromptLayout, build_layout
 from specrag.cache.ordering import get_policy
+from specrag.cache.pgdsf import PrefillProfile
+from specrag.cache.residency import chain_block_keys
+from specrag.cache.tree import KnowledgeTree
 from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import ROUTERS, Placed, Placement, health_checks
@@ -112,7 +121,9 @@ async def run_query(
         slot = gate.try_speculate()
         assert slot is not None  # the gate is unbounded: the engines queue by themselves
         flight = Flight(placed, replay.sampling, slot, speculative=False)
-        flight.on_prefilled = on_prefilled
+        if on_prefilled is not None:  # a prompt its tree records (as run.py does)
+            placed.replica.tree.record_pending(placed.layout)
+            flight.on_prefilled = on_prefilled
         return flight
 
     async def resubmit(placed: Placed, failed: Flight, error: EngineError) -> Flight:
@@ -147,7 +158,9 @@ async def run_query(
 
 
 def served(flight: Flight) -> None:
-    """At its first token, the replica's tree learns the prompt's document path, as run.py does.
+    """At its first token, the replica's tree counts the prompt as served, as run.py does (its
+    document path was recorded as pending at submission, so that prompts placed before this first
+    token see its blocks as their KV events arrive, and can follow its order).
 
     Only for a prompt that starts with the system prompt and documents: a later turn of a
     conversation starts with its history, whose documents sit at other positions (run.py keeps
@@ -222,6 +235,76 @@ def merge(parts: Sequence[Sequence[Sample]], with_p99: bool = True) -> dict[str,
     return summary([s for part in parts for s in part], with_p99)
 
 
+# ------------------------------------------------------------------------------------- bounds
+
+
+def reuse_bound(
+    trace: Sequence[TraceRequest], replay: Replay, times: Sequence[float] | None = None
+) -> tuple[int, int]:
+    """Cached and prompt tokens of the best reuse of this trace with specrag's ordering.
+
+    One replica with an unbounded cache and unbounded compute, its system prompt cached from the
+    start; every first turn ordered by :data:`POLICY` against every earlier one (the best prefix
+    the tree holds, then the travelled path); a later turn reuses its whole history (the previous
+    prompt and a ``max_tokens`` answer). With ``times`` a prompt reuses only blocks computed before
+    it arrived, each earlier prefill running alone at full speed from its arrival (an engine fixes
+    a request's hit when it schedules it, so only waiting could do better); without, every earlier
+    prompt is complete when the next arrives (each waited for the one before). The prompts have
+    the replay's lengths, so the share is over the same tokens as the routers'. Not a theorem
+    over all orders: the ordering is :data:`POLICY`'s, given everything that came before.
+    """
+    tree = KnowledgeTree(replay.system, block_size=BLOCK)
+    profile = PrefillProfile()
+    computed: list[tuple[float, int, BlockStored]] = []  # (when, sequence, the block's event)
+    histories: dict[str, int] = {}
+    seen: dict[str, set[DocId]] = {}
+    cached_total = prompt_total = 0
+
+    def compute(token_ids: Sequence[int], cached: int, at: float) -> None:
+        keys = chain_block_keys(token_ids, BLOCK)
+        for index in range(cached // BLOCK, len(keys)):
+            end = (index + 1) * BLOCK
+            parent = keys[index - 1] if index else None
+            event = BlockStored((keys[index],), parent, tuple(token_ids[end - BLOCK : end]), BLOCK)
+            heapq.heappush(computed, (at + profile.cost(cached, end - cached), len(computed), event))
+
+    compute(replay.system, 0, -math.inf)
+    for number, request in enumerate(trace):
+        arrival = math.inf if times is None else times[number]
+        while computed and computed[0][0] <= arrival:
+            tree.apply_events([heapq.heappop(computed)[2]])
+        question, conv = replay.question(number), request.conv
+        if conv is None or conv not in histories:
+            ordered = POLICY.order(tree, request.docs).doc_ids
+            documents = [(d, replay.document(d)) for d in ordered]
+            layout = build_layout(replay.system, documents, question, block_size=BLOCK, pad_token_id=0)
+            cached = tree.cached_tokens(layout.token_ids)
+            tree.record_served(layout, cached)
+            compute(layout.token_ids, cached, arrival if times is not None else -math.inf)
+        else:
+            history = histories[conv]
+            fresh = [(d, replay.document(d)) for d in request.docs if d not in seen[conv]]
+            layout = build_layout((0,) * history, fresh, question, block_size=BLOCK, pad_token_id=0)
+            cached = min(history, len(layout.token_ids) - 1) // BLOCK * BLOCK
+        if conv is not None:
+            histories[conv] = len(layout.token_ids) + replay.sampling.max_tokens
+            seen.setdefault(conv, set()).update(request.docs)
+        cached_total += cached
+        prompt_total += len(layout.token_ids)
+    return cached_total, prompt_total
+
+
+def reuse_bounds(n: int, rate: float, seed: int) -> dict[str, dict[str, float]]:
+    """:func:`reuse_bound`'s share on each simulated trace and on both, sequential and in time."""
+    replay, times = simulated_replay(), simulated_times(n, rate, seed)
+    result = {}
+    for variant, at in (("sequential", None), ("in_time", times)):
+        counts = {name: reuse_bound(trace, replay, at) for name, trace in traces(n, seed).items()}
+        counts["both"] = (sum(c for c, _ in counts.values()), sum(p for _, p in counts.values()))
+        result[variant] = {name: round(cached / prompt, 4) for name, (cached, prompt) in counts.items()}
+    return result
+
+
 # ------------------------------------------------------------------------------------- simulated
 
 
@@ -243,10 +326,19 @@ def traces(n: int, seed: int) -> dict[str, list[TraceRequest]]:
     }
 
 
+def simulated_replay() -> Replay:
+    return Replay(SIM_SYSTEM, synthetic_document, synthetic_question, Sampling(max_tokens=8))
+
+
+def simulated_times(n: int, rate: float, seed: int) -> list[float]:
+    """The traces' Poisson arrival times (seconds from the start)."""
+    return [float(at) for at in arrivals(n, rate, 1.0, np.random.default_rng(seed))]
+
+
 async def simulated(n: int, rate: float, seed: int) -> dict[str, dict[str, Any]]:
     """Every router on every trace, each run on fresh replicas (empty caches); run it in virtual time."""
     results: dict[str, dict[str, Any]] = {}
-    times = arrivals(n, rate, 1.0, np.random.default_rng(seed))
+    times = simulated_times(n, rate, seed)
     for name, trace in traces(n, seed).items():
         for router in ROUTERS:
             replicas = [
@@ -259,8 +351,7 @@ async def simulated(n: int, rate: float, seed: int) -> dict[str, dict[str, Any]]
                 )
                 for i in range(SIM_REPLICAS)
             ]
-            replay = Replay(SIM_SYSTEM, synthetic_document, synthetic_question, Sampling(max_tokens=8))
-            samples = await replay_trace(Placement(replicas, router=router), trace, times.tolist(), replay)
+            samples = await replay_trace(Placement(replicas, router=router), trace, times, simulated_replay())
             for replica in replicas:
                 await replica.engine.close()
             results.setdefault(router, {})[name] = samples
@@ -467,7 +558,11 @@ def router_cpu(samples: Sequence[Sample]) -> dict[str, float]:
 def simulated_results(args: argparse.Namespace) -> dict[str, Any]:
     """The simulation's part of the result, run in virtual time."""
     by_router = virtual_time.run(simulated(args.queries, args.rate, args.seed))
+    bounds = reuse_bounds(args.queries, args.rate, args.seed)
+    for variant, shares in bounds.items():
+        print(f"reuse bound, {variant}: {shares}", flush=True)
     return {
+        "reuse_bound": bounds,
         "simulated": {router: merge(list(runs.values())) for router, runs in by_router.items()},
         "simulated_by_trace": {
             router: {trace: summary(samples) for trace, samples in runs.items()}
@@ -493,7 +588,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     write_json("scale", result)
     if "simulated" in result:
         plot(result, plot_path("scale"))
-    print(json.dumps({key: result[key] for key in ("simulated", "real", "kill") if key in result}))
+    last = ("simulated", "reuse_bound", "real", "kill")
+    print(json.dumps({key: result[key] for key in last if key in result}))
 
 
 if __name__ == "__main__":

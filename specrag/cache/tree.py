@@ -233,17 +233,8 @@ class KnowledgeTree:
         computed = len(layout.token_ids) - cached_tokens
         cost = self._profile.cost(cached_tokens, computed) / computed if computed > 0 else None
         self._tick += 1
-        node = self.root
-        self._visit(node, system, keys, cached_tokens, cost)
-        for seg in documents:
-            assert seg.doc_id is not None  # _split keeps only documents with ids
-            child = node.children.get(seg.doc_id)
-            if child is None:
-                child = Node(seg.doc_id, node, seg.start, seg.end)
-                node.children[seg.doc_id] = child
-                self._size += 1
-            self._visit(child, seg, keys, cached_tokens, cost)
-            node = child
+        for node in self._path(system, documents, keys):
+            self._visit(node, cached_tokens, cost)
         for doc_id in doc_ids:
             self._doc_hits[doc_id] = self._doc_hits.get(doc_id, 0) + 1
             self._doc_last[doc_id] = self._tick
@@ -263,6 +254,21 @@ class KnowledgeTree:
             self._prune()
         if len(self._doc_hits) > self._max_docs:
             self._forget_rare_docs()
+
+    def record_pending(self, layout: PromptLayout) -> None:
+        """The engine was just handed this prompt: its document path exists from now on.
+
+        Its blocks then count for the prompts placed before its first token as soon as their KV
+        events arrive (a chunked prefill stores the leading ones first), and those prompts' ordering
+        can follow its path instead of starting an order of their own. Its use is counted only at
+        :meth:`record_served`, when it was served.
+        """
+        system, documents = self._split(layout)
+        prefix_end = documents[-1].end if documents else system.end
+        keys = chain_block_keys(layout.token_ids[:prefix_end], self.block_size)
+        self._path(system, documents, keys)
+        if self._size > self.max_nodes:
+            self._prune()
 
     def record_prefilled(self, layout: PromptLayout) -> None:
         """The engine just prefilled this prompt: its system and document blocks are cached now.
@@ -324,12 +330,33 @@ class KnowledgeTree:
             documents.append(seg)
         return system, documents
 
-    def _visit(self, node: Node, seg: Segment, keys: list[int], cached: int, cost: float | None) -> None:
-        """Re-key the node if its span or content changed, then count this use."""
+    def _path(self, system: Segment, documents: Sequence[Segment], keys: list[int]) -> list[Node]:
+        """The root and the prompt's document nodes, each made where missing and re-keyed where its
+        span or content changed."""
+        node = self.root
+        self._locate(node, system, keys)
+        path = [node]
+        for seg in documents:
+            assert seg.doc_id is not None  # _split keeps only documents with ids
+            child = node.children.get(seg.doc_id)
+            if child is None:
+                child = Node(seg.doc_id, node, seg.start, seg.end)
+                node.children[seg.doc_id] = child
+                self._size += 1
+            self._locate(child, seg, keys)
+            path.append(child)
+            node = child
+        return path
+
+    def _locate(self, node: Node, seg: Segment, keys: list[int]) -> None:
+        """Re-key the node if its span or content changed."""
         owned = tuple(keys[seg.start // self.block_size : seg.end // self.block_size])
         if (node.start, node.end) != (seg.start, seg.end) or node.keys != owned:
             node.start, node.end = seg.start, seg.end
             self._assign_keys(node, owned)
+
+    def _visit(self, node: Node, cached: int, cost: float | None) -> None:
+        """Count this use of a located node."""
         node.last_use = self._tick
         node.pgdsf.record(self._clock, cost if node.end > cached else None)
 

@@ -328,6 +328,7 @@ class QueryRun:
         flight = Flight(placed, sampling, slot, speculative)
         flight.predicted_cached_tokens = predicted
         if self.checked.session is None:  # a session's prompts are the session's, not the tree's
+            placed.replica.tree.record_pending(placed.layout)
             flight.on_prefilled = self._prefilled
         self._flights.append(flight)
         return flight

@@ -7,17 +7,23 @@ import asyncio
 from bench.scale import (
     SIM_SYSTEM,
     Replay,
+    Sample,
     parse_args,
     real_replay,
     replay_trace,
+    reuse_bound,
+    simulated,
+    simulated_replay,
     simulated_results,
     summary,
     synthetic_document,
     synthetic_question,
+    traces,
 )
 from bench.traces import TraceRequest
 from specrag.controller.placement import ROUTERS, Placement
 from specrag.controller.replicas import Replica
+from specrag.pipeline import virtual_time
 from specrag.pipeline.engine import Sampling
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.simulated_engine import SimulatedEngine
@@ -55,6 +61,55 @@ async def test_a_later_turn_leaves_the_trees_first_turn_paths_alone() -> None:
     assert samples[1].cached_tokens > len(SIM_SYSTEM)  # the history was reused
     assert replicas[0].tree.cached_prefix((4,)).tokens == len(SIM_SYSTEM)
     await replicas[0].engine.close()
+
+
+def test_a_request_placed_while_an_earlier_one_prefills_takes_its_order_and_its_computed_blocks() -> None:
+    """The earlier prompt's path is pending on its replica from its submission: the later one,
+    over the same documents in another retrieval order, follows it and reuses the blocks its
+    prefill has stored so far (the engine fixes a request's hit when it schedules it)."""
+
+    async def run() -> tuple[list[Sample], Replica]:
+        replica = Replica.simulated("r0", SIM_SYSTEM, max_model_len=32768)
+        trace = [TraceRequest(0, (1, 2, 3)), TraceRequest(1, (3, 2, 1))]
+        samples = await replay_trace(Placement([replica]), trace, [0.0, 0.15], replay())
+        await replica.engine.close()
+        return samples, replica
+
+    (first, second), replica = virtual_time.run(run())
+    assert first.ttft_s is not None and first.ttft_s > 0.15  # the second came before its first token
+    assert list(replica.tree.root.children) == [1]  # one order for both
+    assert second.cached_tokens > len(SIM_SYSTEM)  # document 1's blocks, not only the system prompt
+
+
+def padded(doc_id: int) -> int:
+    return -(-len(synthetic_document(doc_id)) // 32) * 32
+
+
+def test_the_reuse_bound_counts_what_earlier_prompts_computed_before_a_later_one_arrived() -> None:
+    trace = [TraceRequest(0, (1, 2)), TraceRequest(1, (2, 1))]
+    documents_end = len(SIM_SYSTEM) + padded(1) + padded(2)  # the system prompt is 5 whole blocks
+    cached, prompt = reuse_bound(trace, replay())
+    assert prompt == 2 * (documents_end + len(synthetic_question(0)))
+    # Each waited for the one before: the second takes the first's order and reuses its documents.
+    assert cached == len(SIM_SYSTEM) + documents_end
+    assert reuse_bound(trace, replay(), [0.0, 10.0]) == (cached, prompt)  # long done when it came
+    assert reuse_bound(trace, replay(), [0.0, 0.0]) == (2 * len(SIM_SYSTEM), prompt)  # nothing yet
+
+
+def test_the_reuse_bound_lets_a_later_turn_reuse_its_whole_history() -> None:
+    trace = [TraceRequest(0, (1, 2), "c"), TraceRequest(1, (2, 3), "c")]
+    first = len(SIM_SYSTEM) + padded(1) + padded(2) + len(synthetic_question(0))
+    history = first + replay().sampling.max_tokens
+    cached, prompt = reuse_bound(trace, replay())
+    assert cached == len(SIM_SYSTEM) + history // 32 * 32
+    assert prompt == first + -(-history // 32) * 32 + padded(3) + len(synthetic_question(1))
+
+
+def test_the_reuse_bound_is_over_the_prompts_the_routers_were_sent() -> None:
+    by_router = virtual_time.run(simulated(12, 5.0, 0))
+    for name, trace in traces(12, 0).items():
+        sent = {sum(s.prompt_tokens for s in runs[name]) for runs in by_router.values()}
+        assert sent == {reuse_bound(trace, simulated_replay())[1]}
 
 
 def test_the_simulation_runs_in_virtual_time_and_repeats_itself() -> None:

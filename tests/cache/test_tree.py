@@ -78,6 +78,8 @@ def test_a_history_laid_out_as_the_prefix_is_not_recorded_as_the_trees_path() ->
         tree.record_served(later)
     with pytest.raises(InvalidInputError, match="history"):
         tree.record_prefilled(later)
+    with pytest.raises(InvalidInputError, match="history"):
+        tree.record_pending(later)
     # Padding of the system prompt alone is still its system prompt.
     padded = build_layout(SYSTEM, [(3, doc_tokens(3))], QUESTION_TOKENS, block_size=BLOCK, pad_token_id=0)
     tree.apply_events(engine.serve(padded))
@@ -186,6 +188,22 @@ def test_a_prefilled_prompt_counts_as_cached_before_its_events_and_they_do_not_d
     evicted = keys[prompt.segments[1].end // BLOCK - 1]  # the last full block of document 6
     tree.apply_events(engine.evict([evicted]))
     assert tree.cached_prefix([6, 8]).docs == engine.cached((6, 8))[1] == 0
+
+
+def test_a_pending_prompts_blocks_count_as_their_events_arrive_and_its_use_at_its_first_token() -> None:
+    """Submitted, not yet served: a chunked prefill stores its leading blocks first, and a prompt
+    placed meanwhile over the same documents in the same order reuses them."""
+    tree, engine = served_tree((2, 4))  # a tree that follows events
+    prompt = layout((6, 8))
+    tree.record_pending(prompt)
+    assert tree.cached_prefix([6, 8]).tokens == BLOCK  # the system prompt's one full block
+    events = engine.serve(prompt)  # one event per new block, in prompt order
+    tree.apply_events(events[:2])  # the first chunk: the next two blocks
+    assert tree.cached_prefix([6, 8]).tokens == 3 * BLOCK
+    assert tree.cached_prefix([8, 6]).tokens == BLOCK  # another order has no such path
+    assert tree.popularity(6) == 0 and not tree.companions(6)  # its use is not counted yet
+    tree.record_served(prompt)  # its first token
+    assert tree.popularity(6) == 1 and tree.companions(6)[8] == 1
 
 
 def test_prefill_expectations_are_dropped_with_the_engines_cache() -> None:

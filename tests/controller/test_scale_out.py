@@ -112,6 +112,25 @@ async def test_a_stalled_replica_is_excluded_and_rejoins_when_it_steps_again(
     await close(pool, controller)
 
 
+async def test_a_submitted_prompts_path_is_in_its_replicas_tree_before_its_first_token(
+    tiny_assets: Assets,
+) -> None:
+    """So that a prompt placed meanwhile can follow its order and see its blocks as they are stored."""
+    pool = simulated_pool(tiny_assets, 1)
+    controller = pool_controller(pool, tiny_assets, scripted_index(tiny_assets, [[4, 5, 6]], 0.0))
+    engine, tree = pool[0].engine, pool[0].tree
+    assert isinstance(engine, SimulatedEngine)
+    engine.stall()
+    answering = asyncio.create_task(ask(controller))
+    await wait_until(lambda: pool[0].pending > 0, within_s=5)
+    assert len(tree) == 3  # the path of its three documents
+    assert tree.popularity(4) == 0  # pending, not served
+    engine.resume()
+    await asyncio.wait_for(answering, 10)
+    assert tree.popularity(4) == 1
+    await close(pool, controller)
+
+
 async def test_with_every_replica_down_the_health_check_says_so(tiny_assets: Assets) -> None:
     pool = simulated_pool(tiny_assets, 2)
     controller = pool_controller(pool, tiny_assets, scripted_index(tiny_assets, [[1, 2, 3]], 0.0))
