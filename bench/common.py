@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -72,20 +73,43 @@ def stop_cleanly_on_sigterm() -> None:
 
 
 def pin_engine_processes(cpus: set[int], root: psutil.Process | None = None) -> list[str]:
-    """Pin every process this one started (vLLM's engine core and its model worker) to ``cpus``.
+    """Pin every thread of every process this one started (vLLM's engine core, its model worker).
 
-    ``VLLM_CPU_OMP_THREADS_BIND`` pins only the model worker; vLLM's engine-core process floats,
-    and while the worker computes it busy-polls the worker's shared-memory queue (it spins with
-    ``sched_yield`` for a second after each read; see docs/vllm-cpu.md). Left on the search's
-    core it takes a share of the search's CPU exactly when search and prefill overlap. Returns
-    the names of the processes pinned, for the benchmark's output. ``root``: whose descendants
-    (this process by default).
+    ``VLLM_CPU_OMP_THREADS_BIND`` pins only the model worker's compute threads; vLLM's
+    engine-core process floats, and while the worker computes it busy-polls the worker's
+    shared-memory queue (it spins with ``sched_yield`` for a second after each read; see
+    docs/vllm-cpu.md). Every thread is pinned, not only each process's main thread (which is
+    all an affinity set on a process id reaches): the engine's I/O and event threads left
+    floating run on the search's core exactly when search and prefill overlap. Returns the names
+    of the processes pinned, for the benchmark's output. ``root``: whose descendants (this
+    process by default).
     """
     pinned = []
     for child in (root or psutil.Process()).children(recursive=True):
         try:
-            child.cpu_affinity(sorted(cpus))
+            pin_threads(child, cpus)
             pinned.append(child.name())
         except psutil.Error:  # gone meanwhile (a short-lived helper process)
             continue
     return pinned
+
+
+def pin_threads(process: psutil.Process, cpus: set[int]) -> None:
+    """Pin every thread ``process`` has now to ``cpus`` (threads it starts later inherit it)."""
+    for thread in process.threads():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(thread.id, cpus)
+
+
+def pin_apart(engine_cpus: set[int], service_cpus: set[int]) -> list[str]:
+    """The engine's processes on ``engine_cpus``, this process on ``service_cpus``.
+
+    This process is the service's other half (the event loop, vLLM's client threads, the
+    search threads). Pinned apart, the two never share a core: left floating, the event loop
+    may run beside the engine's spinning worker, and a thread descheduled there while it holds
+    the GIL holds up the search thread, which takes the GIL between stages. On the search's
+    cores the loop costs the search only its own CPU time (a few percent of the search's in
+    ``bench.pipeline``). Returns the names of the engine processes pinned.
+    """
+    pin_threads(psutil.Process(), service_cpus)
+    return pin_engine_processes(engine_cpus)

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import machine, pin_engine_processes, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, pin_apart, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.__main__ import cpus, scaled_index
 from bench.e2e.runner import search_times_ms, set_search_ratio
 from specrag.paths import DataLayout, resolve_data_dir
@@ -140,7 +140,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             conditions["beside_matmul"] = await measure()
         options = ServiceOptions(omp_threads_bind=args.engine_cpus)
         async with open_engine(assets.model_dir, options, layout.root / "run" / "contention") as (engine, _):
-            pinned = pin_engine_processes(engine_cores)
+            pinned = pin_apart(engine_cores, cpus(args.search_cpus))
             print(f"pinned to core(s) {args.engine_cpus}: {', '.join(pinned)}", flush=True)
             async with prefills_on(engine, args.prompt_tokens) as prefills:
                 conditions["beside_prefill"] = await measure()

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import machine, pin_engine_processes, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, pin_apart, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.report import paired_ratio_ci, plot_ratio_sweep, plot_timeline_strip, plot_ttft_cdf, summarize
 from bench.e2e.runner import (
     Configuration,
@@ -207,14 +207,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         args.engine_url or f"in-process vLLM (engine core and model worker) on core(s) {args.engine_cpus}"
     )
     print(
-        f"engine: {engine_where}; vector search on core(s) {args.search_cpus}; tokenizer and store of "
-        f"{assets.model_dir}; index {index.searcher.ntotal:,} vectors × {index.dim}, nlist {args.nlist}",
+        f"engine: {engine_where}; the service (event loop, vector search) on core(s) {args.search_cpus}; "
+        f"tokenizer and store of {assets.model_dir}; "
+        f"index {index.searcher.ntotal:,} vectors × {index.dim}, nlist {args.nlist}",
         flush=True,
     )
     try:
         async with open_engine(assets.model_dir, options, run_dir) as (engine, kv_events):
             if args.engine_url is None:
-                pinned = pin_engine_processes(cpus(args.engine_cpus))
+                pinned = pin_apart(cpus(args.engine_cpus), cpus(args.search_cpus))
                 print(f"pinned to core(s) {args.engine_cpus}: {', '.join(pinned)}", flush=True)
             builder = prompt_builder(assets, engine)
             await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
@@ -353,7 +354,7 @@ def print_table(result: dict[str, Any]) -> None:
         )
     facts = result["facts"]
     print(
-        f"\nengine on core(s) {facts['engine_cpus']}, search on core(s) {facts['search_cpus']}; "
+        f"\nengine on core(s) {facts['engine_cpus']}, service and search on core(s) {facts['search_cpus']}; "
         f"search ms by ratio {facts['search_ms_by_ratio']}; cold prefill {facts['cold_prefill_ms']:.0f} ms"
     )
 
