@@ -2,7 +2,9 @@
 RAGCache++ §3.6).
 
 1. Embed the question; start the staged search; if the knowledge tree says the system prompt is
-   not resident, have the controller warm it (shared work: recorded by the controller, not here).
+   not resident, have the controller warm it (shared work: recorded by the controller, not here)
+   — with speculation on, only at a stage that could not speculate, since a speculation
+   prefills the system prompt itself.
 2. A stage arrived: order its running top-k with the knowledge tree and build the prompt. If it
    differs from the live speculation's prompt, abort that one and, only if the prompt fits the
    model and the prefill pool has room (:class:`~specrag.controller.gate.PrefillGate`), submit
@@ -97,10 +99,9 @@ class QueryRun:
         timeline.embed_start = now()
         vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
         timeline.search_start = now()
-        if checked.mode.warmup and shared.warmer.start_if_cold():
-            timeline.add("warmup_start", now())
-            timeline.warmed = True
         stages = shared.config.num_stages if checked.mode.speculation else 1
+        if stages == 1:
+            self._warm_up()
         final_rows: list[int] = []
         search = shared.index.search_staged(
             vector,
@@ -137,13 +138,16 @@ class QueryRun:
         tokens = len(placed.layout.token_ids)
         if tokens + self.checked.sampling.max_tokens > placed.replica.engine.max_model_len:
             self.timeline.add("spec_skip", now(), stage=stage, prompt_tokens=tokens)
+            self._warm_up()
             return
         slot = self._shared.gate.try_speculate(
             compute_tokens=tokens - placed.predicted_cached,
             engine_waiting=placed.replica.engine.load().engine_waiting,
             preempt=self._preempted,
         )
-        if slot is not None:
+        if slot is None:
+            self._warm_up()
+        else:
             self._speculation = self._launch(
                 placed, slot, speculative=True, predicted=placed.predicted_cached
             )
@@ -261,6 +265,18 @@ class QueryRun:
             ) from failures[0]
 
     # ------------------------------------------------------------------ helpers
+
+    def _warm_up(self) -> None:
+        """Prefill the system prompt where it is cold, if this query's mode warms up.
+
+        A speculation prefills the system prompt with its documents, so with speculation on this
+        runs only at a stage that could not speculate: a warm-up started beside the search would
+        hold the prefill slot the first stage's speculation needs (after a cache reset it kept
+        every stage of the query's search from speculating).
+        """
+        if self.checked.mode.warmup and self._shared.warmer.start_if_cold():
+            self.timeline.add("warmup_start", now())
+            self.timeline.warmed = True
 
     def _rows(self, ids: np.ndarray) -> list[int]:
         """Corpus rows of a stage's ids in rank order; padding and repeats (synthetic rows) dropped."""

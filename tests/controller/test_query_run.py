@@ -239,3 +239,38 @@ async def test_window_admission_answers_every_query_from_its_own_documents(tiny_
 def test_window_admission_needs_a_single_engine(tiny_assets: Assets) -> None:
     with pytest.raises(InvalidInputError, match="one replica"):
         pool_controller(simulated_pool(tiny_assets, 2), tiny_assets, tiny_assets.index, admission="window")
+
+
+async def test_with_speculation_on_the_first_stage_speculates_instead_of_warming_up(
+    tiny_assets: Assets,
+) -> None:
+    """A speculation prefills the system prompt with its documents; a warm-up started beside the
+    search would hold the one prefill slot the first stage's speculation needs."""
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01))
+    assert not controller.tree.system_prompt_resident()
+    done = await controller.answer(RagRequest(QUESTION, k=4, mode="all", max_tokens=2))
+    kinds = [e.kind for e in done.timeline.events]
+    assert "spec_submit" in kinds and "warmup_start" not in kinds and done.timeline.adopted
+    assert controller.warmups.started == 0 and controller.tree.system_prompt_resident()
+    await engine.close()
+
+
+async def test_a_stage_that_cannot_speculate_warms_the_system_prompt(tiny_assets: Assets) -> None:
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096, max_num_seqs=1)
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01))
+
+    async def other_client(request_id: str) -> None:
+        async for _ in engine.generate(request_id, list(range(3, 40)), Sampling(max_tokens=300)):
+            pass
+
+    others = [asyncio.create_task(other_client(f"other-{i}")) for i in range(2)]
+    await wait_until(lambda: engine.load().engine_waiting == 1, within_s=5)  # one runs, one waits
+    done = await controller.answer(RagRequest(QUESTION, k=4, mode="all", max_tokens=2))
+    kinds = [e.kind for e in done.timeline.events]
+    assert "spec_submit" not in kinds  # the engine had a waiting request: no speculation
+    assert kinds.index("warmup_start") > kinds.index("stage")  # at the stage, not before
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
+    await engine.close()
