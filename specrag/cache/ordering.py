@@ -253,7 +253,8 @@ def _best_resident_prefix(tree: KnowledgeTree, doc_ids: Sequence[DocId], candida
                     if stored_at_most * block > tokens and (partial := partial_tokens(child)) > tokens:
                         tokens, frontier = partial, child
                     continue
-                visit(child, depth + 1)
+                if child.children or child.end // block * block >= best_tokens:  # else a leaf that
+                    visit(child, depth + 1)  # reuses less than the best: it cannot win, skip the call
         if tokens < best_tokens:
             return
         docs = depth  # the documents on the path lying whole inside the reused tokens
