@@ -239,7 +239,7 @@ def _best_resident_prefix(tree: KnowledgeTree, doc_ids: Sequence[DocId], candida
         frontier: Node | None = None
         children = node.children
         if children:
-            if len(children) < k - depth:  # iterate the smaller side, as the order ties follow
+            if len(children) < k - depth:  # the smaller side (its order is the one ties follow)
                 below: Iterable[tuple[DocId, Node | None]] = children.items()
             else:
                 below = zip(doc_ids, map(children.get, doc_ids), strict=True)
