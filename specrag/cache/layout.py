@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Literal, NamedTuple
 
 from specrag.errors import InvalidInputError
@@ -33,6 +34,10 @@ class Segment(NamedTuple):
     doc_id: DocId | None
     start: int
     end: int
+
+
+_new_segment = tuple.__new__
+_doc_id = itemgetter(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,36 +65,42 @@ def build_layout(
 
     With ``block_size`` set, the system prompt and each document are padded with ``pad_token_id``
     to a multiple of the block size (the hint and the question are not: nothing is shared after
-    them). ``documents`` are ``(doc_id, token_ids)`` pairs already in the chosen order.
+    them). ``documents`` are ``(doc_id, token_ids)`` pairs already in the chosen order; token
+    sequences already a block multiple (a store can keep them padded) are copied once, as they are.
+
+    This runs on every request's critical path: the tokens are gathered into one list and copied
+    once into the tuple, and segments are made by ``tuple.__new__`` (a named tuple's own
+    constructor is a Python function, the slowest part of a prompt once its tokens are copied).
     """
     if block_size is not None:
         if block_size <= 0:
             raise InvalidInputError(f"block_size must be positive, got {block_size}")
         if pad_token_id is None:
             raise InvalidInputError("padding to block_size needs a pad_token_id")
-    block = block_size or 1  # every length is a multiple of 1: no padding
-    pad = (0 if pad_token_id is None else pad_token_id,)
-    tokens = list(system_token_ids)
-    if missing := -len(tokens) % block:
-        tokens += pad * missing
-    end = len(tokens)
-    segments = [Segment("system", None, 0, end)]
-    for doc_id, ids in documents:  # lengths kept in a local: this runs on every request
-        start = end
-        tokens += ids
-        end += len(ids)
-        if missing := -end % block:
-            tokens += pad * missing
-            end += missing
-        segments.append(Segment("document", doc_id, start, end))
-    if len(segments) != len({seg.doc_id for seg in segments}):  # the system's None is unique too
+    if len(set(map(_doc_id, documents))) != len(documents):
         order = [doc_id for doc_id, _ in documents]
         twice = next(d for i, d in enumerate(order) if d in order[:i])
         raise InvalidInputError(f"document {twice!r} appears twice in one prompt")
+    block = block_size or 1  # every length is a multiple of 1: no padding
+    pad = (0 if pad_token_id is None else pad_token_id,)
+    tokens = [*system_token_ids]
+    if missing := -len(tokens) % block:
+        tokens += pad * missing
+    end = len(tokens)
+    segments = [_new_segment(Segment, ("system", None, 0, end))]
+    add = segments.append
+    for doc_id, ids in documents:
+        start = end
+        tokens += ids
+        end = len(tokens)
+        if missing := -end % block:
+            tokens += pad * missing
+            end += missing
+        add(_new_segment(Segment, ("document", doc_id, start, end)))
     if hint_token_ids:
         tokens += hint_token_ids
-        segments.append(Segment("hint", None, end, len(tokens)))
+        add(_new_segment(Segment, ("hint", None, end, len(tokens))))
         end = len(tokens)
     tokens += question_token_ids
-    segments.append(Segment("question", None, end, len(tokens)))
+    add(_new_segment(Segment, ("question", None, end, len(tokens))))
     return PromptLayout(tuple(tokens), tuple(segments))

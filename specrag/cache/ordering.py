@@ -21,11 +21,10 @@ ranking whenever the order changed.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from specrag.cache.layout import DocId
 from specrag.cache.tree import KnowledgeTree, Node, PrefixMatch
@@ -142,16 +141,36 @@ class ExactOrder:
         candidates = set(doc_ids)
         if len(candidates) != len(doc_ids):
             raise InvalidInputError("a request lists the same document twice")
-        prefix: list[DocId] = []
-        if not tree.root.missing:
-            prefix, end = _best_resident_prefix(tree, doc_ids, candidates)
+        if tree.root.missing:  # not even the system prompt is cached: no prefix to find
+            found, prefix = None, []
+        else:
+            found = _best_resident_prefix(tree, doc_ids, candidates)
+            prefix = [*found.path]
             candidates.difference_update(prefix)
-            _follow_travelled_path(end, candidates, prefix)
+            _follow_travelled_path(found.node, candidates, prefix)
         rest = [d for d in doc_ids if d in candidates]
         if len(rest) > 1 and not self._rank_tail:
             rest = _by_affinity(tree, doc_ids, rest)
         ordered = (*prefix, *rest)
-        return Ordering(ordered, tree.cached_prefix(ordered))
+        if found is None:
+            return Ordering(ordered, tree.cached_prefix(ordered))
+        return Ordering(ordered, _cached_after_search(tree, found, ordered))
+
+
+def _cached_after_search(tree: KnowledgeTree, found: _Prefix, ordered: tuple[DocId, ...]) -> PrefixMatch:
+    """``tree.cached_prefix(ordered)`` without walking again the prefix the search measured.
+
+    Past a frontier the engine reuses nothing, and below the prefix's last node the next
+    document is most often absent or evicted; only where it is resident, or leaves more than the
+    prefix reuses, does the walk run.
+    """
+    reused = len(found.path)
+    if found.frontier or reused == len(ordered):
+        return PrefixMatch(found.docs, found.tokens, not found.frontier)
+    child = found.node.children.get(ordered[reused])
+    if child is None or (child.missing and tree.partial_tokens(child) == found.tokens):
+        return PrefixMatch(found.docs, found.tokens)
+    return tree.cached_prefix(ordered)
 
 
 def _follow_travelled_path(node: Node, candidates: set[DocId], path: list[DocId]) -> None:
@@ -185,39 +204,47 @@ def _by_affinity(tree: KnowledgeTree, request: Sequence[DocId], rest: list[DocId
     return [rest[i] for i in ranked]
 
 
-def _best_resident_prefix(
-    tree: KnowledgeTree, doc_ids: Sequence[DocId], candidates: set[DocId]
-) -> tuple[list[DocId], Node]:
+class _Prefix(NamedTuple):
+    """The search's best prefix: its documents, last node, reused tokens and whole documents;
+    ``frontier``: it ends with a non-resident document whose leading blocks are reused."""
+
+    path: list[DocId]
+    node: Node
+    tokens: int
+    docs: int
+    frontier: bool
+
+
+def _best_resident_prefix(tree: KnowledgeTree, doc_ids: Sequence[DocId], candidates: set[DocId]) -> _Prefix:
     """Depth-first search of resident paths made of ``candidates``; best = (tokens, docs, hits).
 
-    Returns the best path and its last node; the path may end with a non-resident document
-    whose leading blocks survive (the frontier). A closure over locals, not an object, and the
-    best score kept as three scalars, not a tuple: this runs on every request's critical path,
-    where local look-ups and no per-node allocation are what Python makes cheap.
+    The path may end with a non-resident document whose leading blocks survive (the frontier).
+    No path of the tree holds a document twice (the tree rejects such prompts), so a child is
+    never on the path above it: the search keeps no set of documents left, no path and no list
+    of document ends, only the depth, and the best path is read off its last node's parents at
+    the end. A closure over locals, not an object, and the best score kept as three scalars: this
+    runs on every request's critical path, where local look-ups and no per-node allocation are
+    what Python makes cheap.
     """
     block = tree.block_size
     partial_tokens = tree.partial_tokens
-    remaining = set(candidates)
-    path: list[DocId] = []
-    ends: list[int] = []
+    k = len(candidates)
     best_tokens = best_docs = best_hits = -1
-    best_path: list[DocId] = []
     best_node = tree.root
+    best_frontier = False
 
-    def visit(node: Node) -> None:
-        nonlocal best_tokens, best_docs, best_hits, best_path, best_node
+    def visit(node: Node, depth: int) -> None:
+        nonlocal best_tokens, best_docs, best_hits, best_node, best_frontier
         tokens = node.end // block * block
         frontier: Node | None = None
         children = node.children
         if children:
-            # ``remaining`` is the same set at every step of this loop (a visit below restores
-            # it), so the candidates can be read lazily instead of copied into a list first
-            if len(children) < len(remaining):
+            if len(children) < k - depth:  # the smaller side (its order is the one ties follow)
                 below: Iterable[tuple[DocId, Node | None]] = children.items()
             else:
                 below = zip(doc_ids, map(children.get, doc_ids), strict=True)
             for doc_id, child in below:
-                if child is None or doc_id not in remaining:
+                if child is None or doc_id not in candidates:
                     continue
                 if missing := child.missing:
                     # at most its stored blocks lead: skip the count when even they cannot win
@@ -226,16 +253,15 @@ def _best_resident_prefix(
                     if stored_at_most * block > tokens and (partial := partial_tokens(child)) > tokens:
                         tokens, frontier = partial, child
                     continue
-                remaining.discard(doc_id)
-                path.append(doc_id)
-                ends.append(child.end)
-                visit(child)
-                ends.pop()
-                path.pop()
-                remaining.add(doc_id)
+                if child.children or child.end // block * block >= best_tokens:  # else a leaf that
+                    visit(child, depth + 1)  # reuses less than the best: it cannot win, skip the call
         if tokens < best_tokens:
             return
-        docs = bisect_right(ends, tokens)
+        docs = depth  # the documents on the path lying whole inside the reused tokens
+        last = node
+        while docs and last.end > tokens:  # only a document ending mid-block can stick out
+            docs -= 1
+            last = last.parent  # type: ignore[assignment]  # a node at depth > 0 has one
         if tokens == best_tokens:
             if docs < best_docs:
                 return
@@ -249,12 +275,18 @@ def _best_resident_prefix(
         else:
             best_tokens, best_docs, best_hits = tokens, docs, node.pgdsf.frequency
         if frontier is None:
-            best_path, best_node = path[:], node
+            best_node, best_frontier = node, False
         else:
-            best_path, best_node = [*path, frontier.doc_id], frontier  # type: ignore[list-item]
+            best_node, best_frontier = frontier, True
 
-    visit(tree.root)
-    return best_path, best_node
+    visit(tree.root, 0)
+    path: list[DocId] = []
+    node: Node | None = best_node
+    while node is not None and node.doc_id is not None:
+        path.append(node.doc_id)
+        node = node.parent
+    path.reverse()
+    return _Prefix(path, best_node, best_tokens, best_docs, best_frontier)
 
 
 class MyopicOracleOrder:

@@ -328,6 +328,9 @@ class KnowledgeTree:
             if seg.kind != "document" or seg.doc_id is None:
                 break
             documents.append(seg)
+        if len({seg.doc_id for seg in documents}) != len(documents):
+            # ordering relies on it: no path of the tree holds a document twice
+            raise InvalidInputError("a served prompt lists a document twice")
         return system, documents
 
     def _path(self, system: Segment, documents: Sequence[Segment], keys: list[int]) -> list[Node]:

@@ -116,6 +116,31 @@ def test_distance_without_the_positional_term_counts_shared_documents_only() -> 
     assert context_distances(x, positions, alpha=0.5)[0] > 0.0  # same documents, other order
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 40), max_size=8, unique=True), min_size=2, max_size=40),
+    st.booleans(),
+)
+def test_distance_without_the_positional_term_is_exact_whether_most_pairs_share_or_few(
+    contexts: list[list[int]], one_popular_document: bool
+) -> None:
+    """The dense row blocks (most pairs share a document) and the pair lists (few do) give the
+    same bits as the formula, empty contexts included."""
+    if one_popular_document:
+        contexts = [[99, *ctx] for ctx in contexts]
+    vocab: dict[int, int] = {}
+    rows = [r for r, ctx in enumerate(contexts) for _ in ctx]
+    cols = [vocab.setdefault(d, len(vocab)) for ctx in contexts for d in ctx]
+    shape = (len(contexts), max(len(vocab), 1))
+    x = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=shape)
+    expected = [
+        1.0 - len(set(a) & set(b)) / max(len(a), len(b)) if set(a) & set(b) else 1.0
+        for i, a in enumerate(contexts)
+        for b in contexts[i + 1 :]
+    ]
+    np.testing.assert_array_equal(context_distances(x, x, alpha=0.0), expected)
+
+
 def test_bad_parameters_are_rejected() -> None:
     with pytest.raises(InvalidInputError):
         plan_batch([[1, 2]], alpha=-1.0)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specrag.cache import build_layout
+from specrag.cache import Segment, build_layout
 from specrag.errors import InvalidInputError
 
 
@@ -73,3 +73,41 @@ def test_padded_segments_tile_the_prompt_on_block_boundaries(
         assert seg.end % block == 0  # system and documents end on a block boundary
         padded = layout.token_ids[seg.start : seg.end]
         assert padded == (*tokens, *[0] * (len(padded) - len(tokens))) and len(padded) - len(tokens) < block
+
+
+def reference_layout(
+    system: list[int], documents: list[list[int]], question: list[int], hint: list[int], block: int | None
+) -> tuple[tuple[int, ...], list[tuple[str, int | None, int, int]]]:
+    """The layout built the plain way, one segment at a time, padding each to the block."""
+    tokens: list[int] = []
+    segments: list[tuple[str, int | None, int, int]] = []
+    for kind, doc_id, ids, padded in [
+        ("system", None, system, True),
+        *[("document", i, ids, True) for i, ids in enumerate(documents)],
+        *([("hint", None, hint, False)] if hint else []),
+        ("question", None, question, False),
+    ]:
+        start = len(tokens)
+        tokens.extend(ids)
+        while padded and block and len(tokens) % block:
+            tokens.append(0)
+        segments.append((kind, doc_id, start, len(tokens)))
+    return tuple(tokens), segments
+
+
+@given(
+    st.lists(st.integers(1, 9), max_size=9),
+    st.lists(st.lists(st.integers(10, 99), max_size=9), max_size=6),
+    st.lists(st.integers(1, 9), max_size=3),
+    st.lists(st.integers(1, 9), max_size=3),
+    st.one_of(st.none(), st.integers(1, 5)),
+)
+def test_layout_equals_the_plain_construction(
+    system: list[int], documents: list[list[int]], question: list[int], hint: list[int], block: int | None
+) -> None:
+    pad = {} if block is None else {"block_size": block, "pad_token_id": 0}
+    layout = build_layout(system, list(enumerate(documents)), question, hint, **pad)
+    tokens, segments = reference_layout(system, documents, question, hint, block)
+    assert layout.token_ids == tokens
+    assert [(s.kind, s.doc_id, s.start, s.end) for s in layout.segments] == segments
+    assert all(isinstance(s, Segment) for s in layout.segments)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from specrag.cache import AllBlocksCleared, KnowledgeTree, PrefixMatch
 from specrag.cache import tree as tree_module
-from specrag.cache.layout import build_layout
+from specrag.cache.layout import PromptLayout, build_layout
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
 from tests.helpers import BLOCK, QUESTION_TOKENS, SYSTEM, FakeEngine, doc_tokens, layout, served_tree
@@ -85,6 +85,17 @@ def test_a_history_laid_out_as_the_prefix_is_not_recorded_as_the_trees_path() ->
     tree.apply_events(engine.serve(padded))
     tree.record_served(padded)
     assert tree.cached_prefix([3]).tokens > 0
+
+
+def test_a_prompt_listing_a_document_twice_is_not_recorded() -> None:
+    """Ordering relies on no path of the tree holding a document twice."""
+    tree = KnowledgeTree(SYSTEM, block_size=BLOCK)
+    once = layout((1, 2))
+    system, first, second, *rest = once.segments
+    twice = PromptLayout(once.token_ids, (system, first, second._replace(doc_id=1), *rest))
+    with pytest.raises(InvalidInputError, match="twice"):
+        tree.record_served(twice)
+    assert len(tree) == 0
 
 
 def test_mismatched_block_size_in_events_is_rejected() -> None:
