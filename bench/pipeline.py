@@ -105,6 +105,12 @@ def parse_args() -> argparse.Namespace:
         "--utilization", type=float, default=0.7, help="loaded arrival rate / saturation rate"
     )
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per answer")
+    parser.add_argument(
+        "--stages",
+        type=int,
+        default=ControllerConfig.num_stages,
+        help="stages per search in the speculating configurations (default: the controller's)",
+    )
     parser.add_argument("--engine-cpus", default="0", help="core(s) of the engine's model worker")
     parser.add_argument("--search-cpus", default="1", help="core(s) of the vector search thread")
     parser.add_argument("--eager", action="store_true", help="no graph compilation in the engine")
@@ -398,7 +404,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             builder = prompt_builder(assets, engine)
             await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
             base = ControllerConfig(
-                k_default=PREFERRED_K, k_max=max(PROMPT_SIZES), max_tokens_default=args.max_tokens
+                k_default=PREFERRED_K,
+                k_max=max(PROMPT_SIZES),
+                max_tokens_default=args.max_tokens,
+                num_stages=args.stages,
             )
             stack = Stack(engine, kv_events, builder, base, args.max_tokens)
             search_ms, prefill_ms = await calibrate(stack, index, queries, vectors)
@@ -435,6 +444,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "loaded_queries": args.loaded_queries,
         "max_tokens": args.max_tokens,
         "default_schedule": DEFAULT_STAGE_SCHEDULE,
+        "stages": args.stages,
         "search_ms_by_probe_share": {str(s): v for s, v in search_ms.items()},
         "prefill_ms_by_k": {str(k): v for k, v in prefill_ms.items()},
     }
@@ -582,6 +592,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
             "overlap_fraction": round(hnsw_all["overlap_fraction"], 3),
         },
         "schedule": DEFAULT_STAGE_SCHEDULE,
+        "stages": result["facts"]["stages"],
         "pinning": result["facts"]["pinning"],
     }
 

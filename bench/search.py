@@ -8,8 +8,9 @@ For IVF (faiss) and HNSW (faiss graph, resumable numba search) at a few sizes of
 * whether the last stage equals the one-shot search, on every query;
 * stability: after each stage, the fraction of queries whose running top-k already equals the
   final top-k as a set and as a list (what a speculative prefill would have got right);
-* stage schedules at S = 4: equal slices, geometric ones (1/8, 1/4, 1/2, 1 of the work) and a
-  time budget of a quarter of the one-shot search per stage: for each, how often the first
+* stage schedules: equal slices at S = 4, geometric ones (1/8, 1/4, 1/2, 1 of the work) at
+  S = 4 and (1/16 first) at S = 5 (``geometric/5``), and a time budget of a quarter of the
+  one-shot search per stage: for each, how often the first
   stage's top-k is already final, when (as a share of the search's time) the running top-k first
   equals the final one, and the cost against the one-shot search and against the same index's
   single-stage staged search (the schedule's own cost: the HNSW kernel alone is slower than
@@ -49,7 +50,7 @@ from specrag.retrieval.synthetic import GaussianMixture, queries_near
 
 STAGE_COUNTS = (1, 2, 4, 8)
 SCHEDULE_STAGES = 4
-SCHEDULE_NAMES = ("equal", "geometric", "budget")
+SCHEDULE_NAMES = ("equal", "geometric", "geometric/5", "budget")
 MAX_SCHEDULE_OVERHEAD = 1.10
 DIM = 384
 # StagedHNSW.build's default, given to hnswlib too so both graphs are built alike.
@@ -131,6 +132,7 @@ def plans(oneshot_s: float) -> dict[str, StagePlan]:
     """
     variants = {str(s): StagePlan(s) for s in STAGE_COUNTS}
     variants["geometric"] = StagePlan(SCHEDULE_STAGES, schedule="geometric")
+    variants["geometric/5"] = StagePlan(SCHEDULE_STAGES + 1, schedule="geometric")
     variants["budget"] = StagePlan(stage_budget_s=oneshot_s / SCHEDULE_STAGES)
     return variants
 

@@ -9,9 +9,11 @@ from specrag.controller.modes import get_mode
 from specrag.errors import InvalidInputError
 from specrag.retrieval.stages import check_schedule
 
-# The stage schedule that measured best (bench/search.py: first-stage stability at <= 1.10x the
-# one-shot search's cost); see the README's "Pipelining" section.
+# The stage schedule and count that measured best (bench/search.py: the running top-k final
+# earliest at <= 1.10x a single-stage search's cost): geometric stages, five of them, so the
+# first speculation starts after 1/16 of the probe list; see the README's "Pipelining" section.
 DEFAULT_STAGE_SCHEDULE = "geometric"
+DEFAULT_NUM_STAGES = 5
 
 ADMISSIONS = ("ratio", "window")
 """How final requests waiting for the prefill pool are admitted (see :mod:`specrag.controller.gate`)."""
@@ -39,7 +41,7 @@ class ControllerConfig:
 
     k_default: int = 10
     k_max: int = 50
-    num_stages: int = 4
+    num_stages: int = DEFAULT_NUM_STAGES
     stage_schedule: str = DEFAULT_STAGE_SCHEDULE
     max_prefill_bs: int | None = None
     starvation_window_s: float = 2.0

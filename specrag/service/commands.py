@@ -17,7 +17,7 @@ from typing import Protocol
 from aiohttp import web
 
 from specrag.client import AsyncClient
-from specrag.controller.config import DEFAULT_STAGE_SCHEDULE
+from specrag.controller.config import DEFAULT_NUM_STAGES, DEFAULT_STAGE_SCHEDULE
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES
 from specrag.controller.placement import ROUTERS
@@ -227,13 +227,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--max-prefill-bs", type=int, help="prefill pool size (default: from the token budget)"
     )
-    serve.add_argument("--stages", type=int, default=4, help="search stages (speculation points)")
+    serve.add_argument(
+        "--stages",
+        type=int,
+        default=DEFAULT_NUM_STAGES,
+        help="search stages (speculation points) (default: %(default)s)",
+    )
     serve.add_argument(
         "--stage-schedule",
         choices=SCHEDULES,
         default=DEFAULT_STAGE_SCHEDULE,
-        help="how the stages cut the search: equal slices, or geometric (1/8, 1/4, 1/2, 1 of it "
-        "for 4 stages: the first speculation starts early) (default: %(default)s)",
+        help="how the stages cut the search: equal slices, or geometric (1/16, 1/8, 1/4, 1/2, 1 of "
+        "it for 5 stages: the first speculation starts early) (default: %(default)s)",
     )
     serve.add_argument(
         "--engine-url",

@@ -36,7 +36,7 @@ def test_schedules_are_measured_and_the_best_is_the_earliest_within_the_cost_lim
         assert 0.0 < row["final_at_time_fraction"] <= 1.0
 
     def entry(**final_at: float) -> dict[str, Any]:
-        overheads = {"equal": 1.02, "geometric": 1.05, "budget": 1.5}
+        overheads = {"equal": 1.02, "geometric": 1.05, "geometric/5": 1.12, "budget": 1.5}
         return {
             "per_schedule": {
                 name: {"staging_overhead": overheads[name], "final_at_time_fraction": final_at[name]}
@@ -44,6 +44,6 @@ def test_schedules_are_measured_and_the_best_is_the_earliest_within_the_cost_lim
             }
         }
 
-    # The budget schedule is earliest but too costly; geometric wins over equal.
-    assert best_schedule([entry(equal=0.5, geometric=0.3, budget=0.1)]) == "geometric"
-    assert best_schedule([entry(equal=0.2, geometric=0.3, budget=0.1)]) == "equal"
+    # The budget and 5-stage schedules are earliest but too costly; geometric wins over equal.
+    assert best_schedule([entry(equal=0.5, geometric=0.3, budget=0.1, **{"geometric/5": 0.2})]) == "geometric"
+    assert best_schedule([entry(equal=0.2, geometric=0.3, budget=0.1, **{"geometric/5": 0.2})]) == "equal"
