@@ -3,11 +3,11 @@
 ``python -m bench.retrieval --corpus CORPUS.jsonl --queries QUERIES.jsonl [--data-dir DIR]``
 builds the default index (``IndexConfig()``: WordLlama + BM25, staged IVF) over the corpus
 (``{"id", "title", "text"}`` a line), runs every query (``{"query", "answer_id"}`` a line) through
-embedding and the staged search as the service does (4 stages, the query's text given, so hybrid),
-and scores recall@1/5/10: a query counts as found at k when one of the first k passages belongs to
-the document ``answer_id`` (its id is ``answer_id`` or starts with ``answer_id#``). The dense
-channel alone is scored on the same index. The last line printed is one JSON object:
-``{"recall_at_1", "recall_at_5", "recall_at_10", "dense_only": {...}, "index_build_s",
+embedding and the staged search as the service does (its default stages, the query's text
+given, so hybrid), and scores recall@1/5/10: a query counts as found at k when one of the first
+k passages belongs to the document ``answer_id`` (its id is ``answer_id`` or starts with
+``answer_id#``). The dense channel alone is scored on the same index. The last line printed is
+one JSON object: ``{"recall_at_1", "recall_at_5", "recall_at_10", "dense_only": {...}, "index_build_s",
 "docs_per_s", "query_ms_p50"}``.
 
 ``--compare`` adds the README's table: the previous default (TF-IDF + SVD), WordLlama with the
@@ -35,6 +35,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 from bench.common import machine, plot_path, write_json
+from specrag.controller.config import DEFAULT_NUM_STAGES, DEFAULT_STAGE_SCHEDULE
 from specrag.retrieval.corpus import Passage, load_passages
 from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.fusion import FusionConfig
@@ -44,7 +45,6 @@ from specrag.retrieval.vector_index import VectorIndex
 from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder, token_vectors
 
 KS = (1, 5, 10)
-NUM_STAGES = 4
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def evaluate(index: VectorIndex, queries: list[Query], hybrid: bool) -> dict[str
 
 def _evaluate(index: VectorIndex, queries: list[Query], hybrid: bool) -> dict[str, Any]:
     rankings, latencies = [], []
-    plan = StagePlan(NUM_STAGES)
+    plan = StagePlan(DEFAULT_NUM_STAGES, schedule=DEFAULT_STAGE_SCHEDULE)
     for query in queries:
         started = time.perf_counter()
         vector = index.embed_query(query.text)
