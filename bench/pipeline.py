@@ -251,8 +251,7 @@ async def run_all(
     """
     results = {}
     nprobe = set_search_ratio(index, point.knob) if point.kind == "ivf" else 0
-    for query in trace:
-        index.search(index.embed_query(query.query)[None, :], point.k)
+    await search_times_ms(index, np.stack([index.embed_query(query.query) for query in trace]), point.k)
     for configuration in configurations(point.knob if point.kind == "ivf" else math.nan):
         config = replace(stack.base, mode=configuration.mode, **configuration.overrides)
         opened = open_controller(
