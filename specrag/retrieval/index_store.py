@@ -51,7 +51,9 @@ if TYPE_CHECKING:
     from specrag.retrieval.staged_hnsw import StagedHNSW
 
 HNSW_KIND = "hnsw"
-KINDS = ("ivf", "ivf-pq", HNSW_KIND)
+# The IVF kinds name their list codes (see staged_ivf.IVF_CODES): "ivf" is flat.
+IVF_KINDS = {"ivf": "flat", "ivf-pq": "pq", "ivf-sq8": "sq8"}
+KINDS = (*IVF_KINDS, HNSW_KIND)
 WORDLLAMA = "wordllama"
 TFIDF_SVD = "tfidf-svd"
 # Embedders fitted on the corpus at build time; others (a model directory, a server) are passed in.
@@ -140,7 +142,8 @@ def build_searcher(vectors: np.ndarray, config: IndexConfig, progress: bool = Fa
         vectors,
         nlist=config.nlist,
         nprobe=config.nprobe,
-        pq_m=config.pq_m if config.kind == "ivf-pq" else None,
+        codes=IVF_KINDS[config.kind],
+        pq_m=config.pq_m,
         seed=config.seed,
         progress=progress,
     )
@@ -168,9 +171,7 @@ def build_index(
     lexical = LexicalIndex.build(texts) if config.lexical else None
     sources = None
     if config.pad_to is not None and config.pad_to > len(vectors):
-        synthetic, sources = pad_with_synthetic(vectors, config.pad_to, seed=config.seed)
-        vectors = np.concatenate([vectors, synthetic])
-        del synthetic
+        vectors, sources = pad_with_synthetic(vectors, config.pad_to, seed=config.seed)
     searcher = build_searcher(vectors, config, progress=progress)
     return VectorIndex(
         searcher,

@@ -30,6 +30,12 @@ MAX_TRAIN_POINTS_PER_LIST = 256
 PQ_BITS = 8
 # Lists a default search probes at the least (see default_nprobe).
 MIN_DEFAULT_NPROBE = 32
+# How an IVF index stores its vectors in the lists: exact float32 ("flat"), product-quantized
+# ("pq": pq_m bytes a vector), or one byte a dimension ("sq8": a quarter of flat's memory). A
+# scan reads its lists once, so the codes set how much memory bandwidth a search takes from an
+# engine on the same machine (docs/vllm-cpu.md: on the 2-core VM a flat scan slowed a prefill on
+# the other core by 17 %, an SQ8 scan by 2 %).
+IVF_CODES = ("flat", "pq", "sq8")
 
 
 def choose_nlist(num_vectors: int, requested: int = DEFAULT_NLIST) -> int:
@@ -51,7 +57,7 @@ def default_nprobe(nlist: int) -> int:
 
 
 class StagedIVF(FaissBacked):
-    """A faiss IVF index (flat or PQ codes) searchable in one shot or in stages."""
+    """A faiss IVF index (flat, PQ or SQ8 codes) searchable in one shot or in stages."""
 
     kind = "ivf"
 
@@ -81,19 +87,29 @@ class StagedIVF(FaissBacked):
         metric: int = faiss.METRIC_INNER_PRODUCT,
         nlist: int = DEFAULT_NLIST,
         nprobe: int | None = None,
-        pq_m: int | None = None,
+        codes: str = "flat",
+        pq_m: int = 16,
         seed: int = 0,
         progress: bool = False,
     ) -> StagedIVF:
-        """Train on a sample of ``vectors`` and add them all; row i of the index is ``vectors[i]``."""
+        """Train on a sample of ``vectors`` and add them all; row i of the index is ``vectors[i]``.
+
+        ``codes`` is one of :data:`IVF_CODES`; ``pq_m`` (bytes per vector) applies to ``pq`` only.
+        """
         num, dim = vectors.shape
         if num == 0:
             raise InvalidInputError("cannot build an index from zero vectors")
+        if codes not in IVF_CODES:
+            raise InvalidInputError(f"unknown IVF codes {codes!r}; choose one of {', '.join(IVF_CODES)}")
         lists = choose_nlist(num, nlist)
         quantizer = faiss.IndexFlat(dim, metric)
         index: Any
-        if pq_m is None:
+        if codes == "flat":
             index = faiss.IndexIVFFlat(quantizer, dim, lists, metric)
+        elif codes == "sq8":
+            index = faiss.IndexIVFScalarQuantizer(
+                quantizer, dim, lists, faiss.ScalarQuantizer.QT_8bit, metric
+            )
         else:
             needed = MIN_POINTS_PER_LIST * (1 << PQ_BITS)  # to train 256 centroids per sub-vector
             if num < needed:
@@ -114,9 +130,18 @@ class StagedIVF(FaissBacked):
     @property
     def settings(self) -> dict[str, Any]:
         """What a manifest records to rebuild this searcher around the saved faiss index."""
+        return {"kind": self.kind, "codes": self.codes, "nlist": int(self.index.nlist), "nprobe": self.nprobe}
+
+    @property
+    def codes(self) -> str:
+        """How the lists store vectors: one of :data:`IVF_CODES`."""
         # extract_index_ivf returns the IndexIVF base class: downcast to see the codes.
-        codes = "pq" if isinstance(faiss.downcast_index(self.index), faiss.IndexIVFPQ) else "flat"
-        return {"kind": self.kind, "codes": codes, "nlist": int(self.index.nlist), "nprobe": self.nprobe}
+        concrete = faiss.downcast_index(self.index)
+        if isinstance(concrete, faiss.IndexIVFPQ):
+            return "pq"
+        if isinstance(concrete, faiss.IndexIVFScalarQuantizer):
+            return "sq8"
+        return "flat"
 
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
         params = faiss.SearchParametersIVF()

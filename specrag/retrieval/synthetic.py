@@ -83,7 +83,9 @@ def queries_near(
 def pad_with_synthetic(
     real: np.ndarray, total: int, noise: float = 0.5, seed: int = 0, neighbourhood: int = PAD_NEIGHBOURHOOD
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Vectors for rows ``len(real)..total-1`` and the real row (passage) each stands for.
+    """``real`` padded to ``total`` rows (real rows first), and the real row each synthetic one stands for.
+
+    One array holds both, so padding to n rows takes n rows of memory, not twice that.
 
     Each synthetic vector is a random real embedding (its anchor) plus Gaussian noise scaled by
     the real embeddings' per-dimension spread, so the padded index keeps the real data's geometry
@@ -104,7 +106,9 @@ def pad_with_synthetic(
     neighbours = nearest_rows(real, min(neighbourhood, num_real))
     scale = (noise * real.std(axis=0)).astype(np.float32)
     count = total - num_real
-    vectors = np.empty((count, dim), dtype=np.float32)
+    padded = np.empty((total, dim), dtype=np.float32)
+    padded[:num_real] = real
+    vectors = padded[num_real:]
     sources = np.empty(count, dtype=np.int64)
     for chunk, start in enumerate(range(0, count, CHUNK_ROWS)):
         rows = min(CHUNK_ROWS, count - start)
@@ -114,7 +118,7 @@ def pad_with_synthetic(
         block += real[anchors]
         vectors[start : start + rows] = unit_rows(block)
         sources[start : start + rows] = neighbours[anchors, rng.integers(0, neighbours.shape[1], size=rows)]
-    return vectors, sources
+    return padded, sources
 
 
 def nearest_rows(vectors: np.ndarray, m: int) -> np.ndarray:

@@ -22,11 +22,11 @@ from specrag.retrieval.index_store import (
 from specrag.retrieval.stages import StagePlan
 
 
-@pytest.fixture(scope="module", params=["ivf", "hnsw", "ivf-tfidf"])
+@pytest.fixture(scope="module", params=["ivf", "ivf-sq8", "hnsw", "ivf-tfidf"])
 def saved(
     request: pytest.FixtureRequest, passages: list[Passage], tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
-    """The default hybrid index (IVF or HNSW), and a dense TF-IDF one, saved."""
+    """The default hybrid index (IVF flat or SQ8, or HNSW), and a dense TF-IDF one, saved."""
     directory = tmp_path_factory.mktemp("index") / "index"
     config = IndexConfig(kind=request.param.removesuffix("-tfidf"), embedding_dim=16, ef_search=16)
     if request.param.endswith("-tfidf"):
@@ -51,6 +51,7 @@ def test_round_trip_gives_the_same_results(saved: Path, passages: list[Passage])
     first = list(index.iter_stages(query, 5, StagePlan(3)))[-1]
     second = list(again.iter_stages(query, 5, StagePlan(3)))[-1]
     np.testing.assert_array_equal(first.ids, second.ids)
+    assert again.searcher.settings == index.searcher.settings  # the kind and codes survive
     assert index.passage_ids == [p.id for p in passages]
     assert "asyncio" in passages[int(index.passage_index_of(first.ids)[0])].title
     check_corpus(index, passages)

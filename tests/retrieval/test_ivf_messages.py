@@ -19,12 +19,18 @@ def test_too_few_vectors_for_pq_names_the_cause_and_the_remedy() -> None:
     with pytest.raises(
         InvalidInputError, match=r"at least 9984 vectors .* has 500: use --kind ivf, or --pad-to"
     ):
-        StagedIVF.build(vectors(500), pq_m=8)
+        StagedIVF.build(vectors(500), codes="pq", pq_m=8)
 
 
-def test_a_pq_index_says_its_codes_are_pq() -> None:
-    assert StagedIVF.build(vectors(10_000), nlist=16, pq_m=8).settings["codes"] == "pq"
+def test_an_index_says_its_codes() -> None:
+    assert StagedIVF.build(vectors(10_000), nlist=16, codes="pq", pq_m=8).settings["codes"] == "pq"
+    assert StagedIVF.build(vectors(1_000), nlist=16, codes="sq8").settings["codes"] == "sq8"
     assert StagedIVF.build(vectors(1_000), nlist=16).settings["codes"] == "flat"
+
+
+def test_unknown_codes_name_the_known_ones() -> None:
+    with pytest.raises(InvalidInputError, match="unknown IVF codes 'sq4'; choose one of flat, pq, sq8"):
+        StagedIVF.build(vectors(1_000), codes="sq4")
 
 
 def test_an_index_of_one_probed_list_warns_that_it_cannot_stage(caplog: pytest.LogCaptureFixture) -> None:

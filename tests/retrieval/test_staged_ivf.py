@@ -91,10 +91,13 @@ def test_invalid_plans_and_k_are_rejected(ivf: StagedIVF, queries: np.ndarray) -
         ivf.stages(queries, 0, StagePlan())
 
 
-def test_ivf_pq_final_stage_equals_one_shot(vectors: np.ndarray, queries: np.ndarray) -> None:
-    pq = StagedIVF.build(np.tile(vectors, (2, 1)), nlist=16, nprobe=8, pq_m=8)
+@pytest.mark.parametrize("codes", ["pq", "sq8"])
+def test_quantized_ivf_final_stage_equals_one_shot(
+    vectors: np.ndarray, queries: np.ndarray, codes: str
+) -> None:
+    quantized = StagedIVF.build(np.tile(vectors, (2, 1)), nlist=16, nprobe=8, codes=codes, pq_m=8)
     np.testing.assert_array_equal(
-        list(pq.stages(queries, 10, StagePlan(3)))[-1].ids, pq.search(queries, 10)[1]
+        list(quantized.stages(queries, 10, StagePlan(3)))[-1].ids, quantized.search(queries, 10)[1]
     )
 
 

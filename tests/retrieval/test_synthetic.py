@@ -31,8 +31,10 @@ def test_queries_are_near_data_points() -> None:
 
 def test_padding_maps_rows_to_distinct_passages_near_their_anchor() -> None:
     real = GaussianMixture(16, num_clusters=4).sample(50)
-    vectors, sources = pad_with_synthetic(real, 3000, seed=2, neighbourhood=8)
-    assert vectors.shape == (2950, 16) and sources.shape == (2950,)
+    padded, sources = pad_with_synthetic(real, 3000, seed=2, neighbourhood=8)
+    assert padded.shape == (3000, 16) and sources.shape == (2950,)
+    np.testing.assert_array_equal(padded[:50], real)  # the real rows first, unchanged
+    vectors = padded[50:]
     assert sources.min() >= 0 and sources.max() < 50
     # A row stands for a passage near the one it was drawn around, so it is near its passage too.
     similarity_to_source = np.einsum("ij,ij->i", vectors, real[sources])
@@ -42,7 +44,7 @@ def test_padding_maps_rows_to_distinct_passages_near_their_anchor() -> None:
     nearest = np.argsort(-(vectors @ real[0]))[:10]
     assert len(set(sources[nearest].tolist())) >= 4
     again, again_sources = pad_with_synthetic(real, 3000, seed=2, neighbourhood=8)
-    np.testing.assert_array_equal(vectors, again)
+    np.testing.assert_array_equal(padded, again)
     np.testing.assert_array_equal(sources, again_sources)
     with pytest.raises(InvalidInputError):
         pad_with_synthetic(real, 10)
