@@ -1,8 +1,10 @@
-"""How much a vector search slows down while the other core computes: the limit of overlap here.
+"""How much search and prefill slow each other on two cores: the limit of overlap here.
 
 Speculative pipelining overlaps the search (on its own core) with the engine's prefill (on the
-other). That gains only if the search runs as fast beside a prefill as alone. This measures the
-same one-shot IVF searches, pinned to ``--search-cpus``, in three conditions, one after the other:
+other). That gains fully only if each runs as fast beside the other as alone. Both directions:
+
+**Search.** The same one-shot IVF searches, pinned to ``--search-cpus``, in three conditions, one
+after the other:
 
 - ``alone``: nothing else runs on purpose;
 - ``beside_matmul``: a single-threaded numpy matrix multiplication loops in a process pinned to
@@ -10,8 +12,15 @@ same one-shot IVF searches, pinned to ``--search-cpus``, in three conditions, on
 - ``beside_prefill``: vLLM (engine core and model worker pinned to ``--engine-cpus``) prefills
   prompts of random tokens back to back, so nothing is served from its prefix cache.
 
-Each reports the median and p99 search time and its ratio to ``alone``. Rerun:
-``.venv/bin/python -m bench.contention [--quick]`` (about 3 minutes; it reuses the padded index
+**Prefill.** The same prompts' time to first token (prefills of ``--prefill-tokens`` random
+tokens, each from an emptied prefix cache), ``prefill_alone`` and then ``prefill_beside_<kind>``
+for each index of ``--scan-indexes`` while its searches (the same probe share) loop back to back
+on the search core. A scan streams its lists from memory, and on a machine whose cores share memory bandwidth
+and last-level cache that slows the other core too: flat lists stream four times the bytes of
+SQ8 ones.
+
+Each condition reports its median, p99 and ratio to its ``alone``. Rerun:
+``.venv/bin/python -m bench.contention [--quick]`` (about 4 minutes; it reuses the padded indexes
 ``bench.pipeline --quick`` builds). Writes bench/out/contention.json and contention.png; the last
 line printed is a JSON summary.
 """
@@ -35,10 +44,12 @@ import numpy as np
 
 from bench.common import machine, pin_apart, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.__main__ import cpus, scaled_index
-from bench.e2e.runner import search_times_ms, set_search_ratio
+from bench.e2e.runner import search_times_ms, set_search_ratio, ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.engine import Engine, Sampling
+from specrag.retrieval.index_store import IVF_KINDS
 from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_engine
 from specrag.service.assets import ensure_assets
 
@@ -57,14 +68,34 @@ MATMUL_LOOP = (
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.contention", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer searches")
-    parser.add_argument("--index-size", type=int, default=1_000_000, help="vectors in the padded index")
+    parser.add_argument(
+        "--index-size", type=int, default=1_000_000, help="vectors in the padded index of the search part"
+    )
     parser.add_argument("--nlist", type=int, default=1024, help="IVF lists of the padded index")
     parser.add_argument("--ratio", type=float, default=0.5, help="share of the IVF lists probed")
-    parser.add_argument("--prompt-tokens", type=int, default=1536, help="tokens of each prefill")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=1536, help="tokens of each prefill beside the searches"
+    )
+    parser.add_argument("--prefill-tokens", type=int, default=450, help="tokens of each timed prefill")
+    parser.add_argument(
+        "--scan-indexes",
+        default="ivf:4000000,ivf-sq8:8000000",
+        help="KIND:VECTORS,... padded IVF indexes whose searches loop beside the timed prefills",
+    )
     parser.add_argument("--engine-cpus", default="0", help="core(s) of the engine / the matmul")
     parser.add_argument("--search-cpus", default="1", help="core(s) of the vector search thread")
     args = parser.parse_args()
     args.searches = 30 if args.quick else 100
+    args.prefills = 10 if args.quick else 30
+    try:
+        args.scan_indexes = [
+            (kind, int(size)) for kind, size in (p.split(":") for p in args.scan_indexes.split(","))
+        ]
+    except ValueError:
+        parser.error("--scan-indexes takes KIND:VECTORS pairs separated by commas, e.g. ivf:4000000")
+    for kind, _ in args.scan_indexes:
+        if kind not in IVF_KINDS:
+            parser.error(f"--scan-indexes: {kind} is not an IVF kind ({', '.join(IVF_KINDS)})")
     return args
 
 
@@ -104,11 +135,46 @@ async def prefills_on(engine: Engine, prompt_tokens: int) -> AsyncIterator[list[
             await task
 
 
+@contextlib.asynccontextmanager
+async def searches_on(index: VectorIndex, vectors: np.ndarray) -> AsyncIterator[list[int]]:
+    """One-shot searches back to back on the index's (pinned) search runner; yields their count."""
+    done: list[int] = []
+
+    async def loop() -> None:
+        while True:
+            for row in range(len(vectors)):
+                await search_times_ms(index, vectors[row : row + 1], k=10)
+                done.append(1)
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0.3)  # the first searches are under way
+    try:
+        yield done
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def random_prompts(count: int, tokens: int) -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(3, RANDOM_TOKEN_IDS) for _ in range(tokens)] for _ in range(count)]
+
+
+async def ttfts_ms(engine: Engine, prompts: list[list[int]]) -> list[float]:
+    """Each prompt's time to first token, one at a time, from an emptied prefix cache."""
+    timings = []
+    for prompt in prompts:
+        await engine.reset_prefix_cache()
+        timings.append(await ttft_of(engine, prompt) * 1000)
+    return timings
+
+
 def describe(timings: list[float], alone: list[float] | None) -> dict[str, Any]:
     ordered = sorted(timings)
     median = statistics.median(ordered)
     result: dict[str, Any] = {
-        "searches": len(ordered),
+        "count": len(ordered),
         "median_ms": round(median, 2),
         "p99_ms": round(ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))], 2),
     }
@@ -121,8 +187,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = DataLayout(resolve_data_dir())
     assets = ensure_assets(layout, None)
     index = scaled_index(layout, assets, args.index_size, args.nlist)
-    index.use_runner(SearchRunner(threads=1, cpus=cpus(args.search_cpus)))
-    nprobe = set_search_ratio(index, args.ratio)
+    runner = SearchRunner(threads=1, cpus=cpus(args.search_cpus))
+    scan_indexes = {
+        kind: scaled_index(layout, assets, size, args.nlist, kind) for kind, size in args.scan_indexes
+    }
+    for searched in (index, *scan_indexes.values()):
+        searched.use_runner(runner)
+        nprobe = set_search_ratio(searched, args.ratio)
     rng = np.random.default_rng(7)
     picks = rng.integers(0, len(assets.passages), args.searches)
     vectors = np.stack([index.embed_query(assets.passages[int(i)].text[:120]) for i in picks])
@@ -134,6 +205,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         await measure()  # warm the index's pages and the runner
+        for scanned in scan_indexes.values():
+            await search_times_ms(scanned, vectors, k=10)  # bring its probed lists in
         conditions["alone"] = await measure()
         with matmul_on(engine_cores):
             await asyncio.sleep(0.5)
@@ -145,30 +218,58 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with prefills_on(engine, args.prompt_tokens) as prefills:
                 conditions["beside_prefill"] = await measure()
             print(f"{len(prefills)} prefills of {args.prompt_tokens} random tokens ran meanwhile", flush=True)
+            prefill_conditions = await prefill_part(engine, scan_indexes, vectors, args)
     finally:
-        index.runner.shutdown()
-    alone = conditions["alone"]
-    summary = {name: describe(t, None if name == "alone" else alone) for name, t in conditions.items()}
+        runner.shutdown()
+    summary = {
+        "search": summarize(conditions, "alone"),
+        "prefill": summarize(prefill_conditions, "prefill_alone"),
+    }
     facts = {
         **machine(),
         "index": {"vectors": args.index_size, "nlist": args.nlist, "nprobe": nprobe, "dim": index.dim},
+        "scan_indexes": {kind: size for kind, size in args.scan_indexes},
         "search_cpus": args.search_cpus,
         "engine_cpus": args.engine_cpus,
         "prompt_tokens": args.prompt_tokens,
+        "prefill_tokens": args.prefill_tokens,
     }
-    write_json("contention", {"facts": facts, "summary": summary, "timings_ms": conditions})
-    plot(conditions, plot_path("contention"))
+    timings = {"search": conditions, "prefill": prefill_conditions}
+    write_json("contention", {"facts": facts, "summary": summary, "timings_ms": timings})
+    plot(timings, plot_path("contention"))
     return summary
 
 
-def plot(conditions: dict[str, list[float]], path: Path) -> None:
+def summarize(conditions: dict[str, list[float]], alone: str) -> dict[str, dict[str, Any]]:
+    return {name: describe(t, None if name == alone else conditions[alone]) for name, t in conditions.items()}
+
+
+async def prefill_part(
+    engine: Engine, scan_indexes: dict[str, VectorIndex], vectors: np.ndarray, args: argparse.Namespace
+) -> dict[str, list[float]]:
+    """The same prompts' TTFT alone and beside each index's searches looping on the search core."""
+    prompts = random_prompts(args.prefills, args.prefill_tokens)
+    await ttfts_ms(engine, prompts[:2])  # warm-up, not measured
+    conditions = {"prefill_alone": await ttfts_ms(engine, prompts)}
+    for kind, scanned in scan_indexes.items():
+        async with searches_on(scanned, vectors) as searches:
+            conditions[f"prefill_beside_{kind}"] = await ttfts_ms(engine, prompts)
+        print(f"{sum(searches)} searches of the {kind} index ran meanwhile", flush=True)
+    return conditions
+
+
+def plot(timings: dict[str, dict[str, list[float]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4))
-    axis.boxplot(list(conditions.values()), showfliers=True)
-    axis.set_xticks(range(1, len(conditions) + 1), list(conditions))
-    axis.set_ylabel("one IVF search (ms), search core pinned")
-    axis.set_title("The same searches alone and beside compute on the other core")
+    figure, (searches, prefills) = plt.subplots(1, 2, figsize=(13, 4.5))
+    labels = {
+        "search": ("one IVF search (ms), search core pinned", "The same searches beside the other core"),
+        "prefill": ("time to first token (ms), engine core pinned", "The same prefills beside searches"),
+    }
+    for axis, (part, conditions) in zip((searches, prefills), timings.items(), strict=True):
+        axis.boxplot(list(conditions.values()), showfliers=True)
+        axis.set_xticks(range(1, len(conditions) + 1), list(conditions), rotation=15, fontsize=8)
+        axis.set(ylabel=labels[part][0], title=labels[part][1])
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -178,8 +279,9 @@ def main() -> None:
     stop_cleanly_on_sigterm()
     args = parse_args()
     summary = asyncio.run(run(args))
-    for name, figures in summary.items():
-        print(f"{name:16s} {figures}")
+    for part, conditions in summary.items():
+        for name, figures in conditions.items():
+            print(f"{part:8s} {name:24s} {figures}")
     print(f"pinning: search on core(s) {args.search_cpus}, matmul / engine on core(s) {args.engine_cpus}")
     print("rerun: .venv/bin/python -m bench.contention [--quick]")
     print(json.dumps(summary))

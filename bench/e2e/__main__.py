@@ -111,11 +111,17 @@ def cpus(spec: str) -> set[int]:
     return {int(part) for part in spec.split(",")}
 
 
-def scaled_index(layout: DataLayout, assets: Assets, size: int, nlist: int) -> VectorIndex:
-    """The real passages' vectors padded with synthetic ones (each mapped to a passage) to ``size``."""
-    directory = layout.root / f"index-scaled-{size}-{nlist}-p{PADDING_VERSION}"
-    print(f"padded index ({size:,} vectors) in {directory}: built if missing or stale (minutes for millions)")
-    return ensure_index(layout, assets.passages, IndexConfig(nlist=nlist, pad_to=size), directory)
+def scaled_index(layout: DataLayout, assets: Assets, size: int, nlist: int, kind: str = "ivf") -> VectorIndex:
+    """The real passages' vectors padded with synthetic ones (each mapped to a passage) to ``size``.
+
+    ``kind`` is an IVF kind of index_store.KINDS; its directory is named after it (flat IVF's keeps
+    the name it has always had, so indexes built before remain in use).
+    """
+    codes = "" if kind == "ivf" else f"-{kind}"
+    directory = layout.root / f"index-scaled{codes}-{size}-{nlist}-p{PADDING_VERSION}"
+    print(f"padded {kind} index ({size:,} vectors) in {directory}: built if missing or stale (minutes)")
+    config = IndexConfig(kind=kind, nlist=nlist, pad_to=size)
+    return ensure_index(layout, assets.passages, config, directory)
 
 
 def configurations(args: argparse.Namespace) -> list[Configuration]:
