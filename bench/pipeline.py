@@ -12,8 +12,14 @@ from a calibration of one search per probe share and one prefill per k; r is the
 the serial run's timelines. At each point, one query at a time (idle), it runs ``serial``,
 ``speculation`` with equal stages, ``speculation`` with the default schedule and ``all`` (default
 schedule); at the point nearest r = 1 the same four also run loaded (Poisson arrivals at
-``--utilization`` of the saturation rate measured from the idle serial run); and an HNSW index at
-r near 1 (efSearch sets its search time) adds one more idle point.
+``--utilization`` of the saturation rate measured from the idle serial run). Two more idle points
+near r = 1: an HNSW index (efSearch sets its search time), and a flat IVF index.
+
+The sweep's index has SQ8 lists (``--kind``, one byte a dimension) by default. Search and prefill
+share the machine's memory: a flat scan streams four times the bytes and slows the prefill on
+the other core by about 14 % on the 2-core VM, an SQ8 scan by about 4 % (``bench.contention``'s
+``prefill_beside_search``), so on flat lists overlap falls short of the bound for a reason no
+schedule can remove. The flat point shows by how much, in the same run.
 
 Fair set-up as in bench.e2e: every thread of the engine's processes is pinned to
 ``--engine-cpus``, the benchmark's own process (event loop and search thread) to
@@ -22,10 +28,10 @@ fresh controller and an emptied prefix cache for every configuration (the first 
 prompt tokens are recorded to confirm it).
 
 Rerun: ``.venv/bin/python -m bench.pipeline --quick`` (under 12 minutes on two cores once the
-padded indexes exist) or without ``--quick`` (more queries, an 8M-vector index). The index
-sizes are what puts search beside prefill: on the 2-core machine one thread scans the 4M-vector
-index's lists in about as long as the default model prefills one passage (r near 1), and the
-8M one reaches r near 2. Writes
+padded indexes exist; building them the first time takes minutes more) or without ``--quick``
+(more queries, a 12M-vector index). The index sizes are what puts search beside prefill: on the
+2-core machine one thread scans the 8M-vector SQ8 index's lists in about as long as the default
+model prefills one passage (r near 1), and the 12M one reaches r near 2. Writes
 bench/out/pipeline.json (every per-request timeline) and pipeline.png; the last line printed is
 a JSON summary.
 """
@@ -72,6 +78,8 @@ from specrag.service.assembly import ServiceOptions, open_controller, open_engin
 from specrag.service.assets import Assets, ensure_assets, ensure_index
 
 TARGET_RATIOS = (0.25, 0.5, 1.0, 2.0)
+# IVF kinds (index_store.KINDS) the sweep can run on.
+SWEEP_KINDS = ("ivf-sq8", "ivf", "ivf-pq")
 # Shares of the probe list the calibration times; 3/4 fills the gap where r crosses 1 for one passage.
 PROBE_SHARES = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1.0)
 PROMPT_SIZES = (1, 2, 4, 8)
@@ -97,12 +105,21 @@ class Point:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer queries, a 4M-vector index")
+    parser.add_argument("--quick", action="store_true", help="fewer queries, an 8M-vector index")
     parser.add_argument("--model", help="any Hugging Face model directory (default: the embedded model)")
     parser.add_argument(
-        "--index-size", type=int, help="vectors in the padded IVF index (default 8M, quick 4M)"
+        "--kind", choices=SWEEP_KINDS, default="ivf-sq8", help="IVF kind of the sweep's index (lists' codes)"
     )
-    parser.add_argument("--nlist", type=int, default=1024, help="IVF lists of the padded index")
+    parser.add_argument(
+        "--index-size", type=int, help="vectors in the sweep's padded IVF index (default 12M, quick 8M)"
+    )
+    parser.add_argument("--nlist", type=int, default=1024, help="IVF lists of the padded indexes")
+    parser.add_argument(
+        "--flat-size",
+        type=int,
+        default=4_000_000,
+        help="vectors in the padded flat IVF index of the extra point at r near 1 (0: none)",
+    )
     parser.add_argument("--hnsw-size", type=int, default=200_000, help="vectors in the padded HNSW index")
     parser.add_argument(
         "--idle-queries", type=int, help="queries per idle configuration (default 32, quick 16)"
@@ -125,7 +142,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eager", action="store_true", help="no graph compilation in the engine")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    args.index_size = args.index_size or (4_000_000 if args.quick else 8_000_000)
+    args.index_size = args.index_size or (8_000_000 if args.quick else 12_000_000)
     args.idle_queries = args.idle_queries or (16 if args.quick else 32)
     args.loaded_queries = args.loaded_queries or (20 if args.quick else 48)
     if not 0 < args.utilization < 1:
@@ -332,10 +349,8 @@ async def hnsw_point(
     return tuned[point.knob], point
 
 
-async def calibrate(
-    stack: Stack, index: VectorIndex, queries: Sequence[str], vectors: np.ndarray
-) -> tuple[dict[float, float], dict[int, float]]:
-    """One search per probe share and one prefill per prompt size, to choose the sweep's points.
+async def search_ms_by_share(index: VectorIndex, vectors: np.ndarray) -> dict[float, float]:
+    """One search's median time per probe share of ``index``'s lists.
 
     A search of every list first, untimed, brings the whole index in for the timed ones.
     """
@@ -345,8 +360,20 @@ async def calibrate(
     for share in PROBE_SHARES:
         set_search_ratio(index, share)
         search_ms[share] = await one_search_ms(index, vectors, PREFERRED_K)
+    codes = index.searcher.settings["codes"]
+    print(
+        f"one search (ms) by probe share, {codes} lists:",
+        {f"{s:.3g}": round(v, 1) for s, v in search_ms.items()},
+    )
+    return search_ms
+
+
+async def calibrate(
+    stack: Stack, index: VectorIndex, queries: Sequence[str], vectors: np.ndarray
+) -> tuple[dict[float, float], dict[int, float]]:
+    """One search per probe share and one prefill per prompt size, to choose the sweep's points."""
+    search_ms = await search_ms_by_share(index, vectors)
     prefill_ms = await prefill_ms_by_k(stack.engine, index, stack.builder, queries, vectors)
-    print("one search (ms) by probe share:", {f"{s:.3g}": round(v, 1) for s, v in search_ms.items()})
     print("prefill (ms) by k, system prompt cached:", {k: round(v, 1) for k, v in prefill_ms.items()})
     return search_ms, prefill_ms
 
@@ -400,17 +427,43 @@ async def loaded_run(
     return summary, results
 
 
+async def flat_point(
+    stack: Stack,
+    flat: VectorIndex | None,
+    passages: Sequence[Passage],
+    vectors: np.ndarray,
+    prefill_ms: dict[int, float],
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any] | None, dict[str, RunResult]]:
+    """The idle point nearest r = 1 on the flat IVF index, to show what its memory traffic costs.
+
+    A flat scan reads four times the memory of an SQ8 one; beside a prefill on the other core
+    it slows both (bench.contention), which a sweep on SQ8 lists does not show.
+    """
+    if flat is None:
+        return None, {}
+    point = nearest_point("ivf", await search_ms_by_share(flat, vectors), prefill_ms, 1.0)
+    trace = idle_trace(passages, point, args.idle_queries, args.max_tokens, args.seed + 80)
+    runs = await run_all(stack, flat, point, trace)
+    summary = point_summary(point, runs)
+    print_point(summary, "idle, flat IVF")
+    return summary, runs
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = DataLayout(resolve_data_dir())
     assets = ensure_assets(layout, Path(args.model) if args.model else None)
-    index = scaled_index(layout, assets, args.index_size, args.nlist)
+    index = scaled_index(layout, assets, args.index_size, args.nlist, args.kind)
+    flat = scaled_index(layout, assets, args.flat_size, args.nlist) if args.flat_size else None
     runner = SearchRunner(threads=1, cpus=cpus(args.search_cpus))
-    index.use_runner(runner)
+    for searched in (index, flat):
+        if searched is not None:
+            searched.use_runner(runner)
     pinning = (
         f"engine (all threads of its engine-core and model-worker processes) on core(s) {args.engine_cpus}, "
         f"the service (event loop, vector search) on core(s) {args.search_cpus}"
     )
-    print(f"{pinning}; index {index.searcher.ntotal:,} vectors, nlist {args.nlist}", flush=True)
+    print(f"{pinning}; {args.kind} index {index.searcher.ntotal:,} vectors, nlist {args.nlist}", flush=True)
     rng = np.random.default_rng(args.seed + 99)
     picks = rng.integers(0, len(assets.passages), CALIBRATION_QUERIES)
     queries = [assets.passages[int(i)].text[:120] for i in picks]
@@ -450,6 +503,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             hnsw_runs = await run_all(stack, hnsw, hnsw_at, trace)
             hnsw_summary = point_summary(hnsw_at, hnsw_runs)
             print_point(hnsw_summary, "idle")
+            flat_summary, flat_runs = await flat_point(
+                stack, flat, assets.passages, vectors, prefill_ms, args
+            )
     finally:
         runner.shutdown()
     facts = {
@@ -458,7 +514,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "engine_cpus": args.engine_cpus,
         "search_cpus": args.search_cpus,
         "model": str(assets.model_dir),
-        "index": {"vectors": args.index_size, "nlist": args.nlist, "kind": "ivf-flat"},
+        "index": {"vectors": args.index_size, "nlist": args.nlist, "kind": args.kind},
+        "flat_vectors": args.flat_size,
         "hnsw_vectors": args.hnsw_size,
         "idle_queries": args.idle_queries,
         "loaded_queries": args.loaded_queries,
@@ -472,13 +529,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         **{f"idle-{i}": runs for i, runs in enumerate(idle_runs)},
         "loaded": loaded_runs,
         "hnsw": hnsw_runs,
+        **({"ivf_flat": flat_runs} if flat_runs else {}),
     }
     raw = {key: {name: run.records for name, run in runs.items()} for key, runs in records.items()}
-    write_json(
-        "pipeline", {"facts": facts, "idle": idle, "loaded": loaded, "hnsw": hnsw_summary, "records": raw}
-    )
-    plot(idle, hnsw_summary)
-    return {"facts": facts, "idle": idle, "loaded": loaded, "hnsw": hnsw_summary}
+    result = {"facts": facts, "idle": idle, "loaded": loaded, "hnsw": hnsw_summary, "ivf_flat": flat_summary}
+    write_json("pipeline", {**result, "records": raw})
+    plot(idle, hnsw_summary, flat_summary, args.kind)
+    return result
 
 
 def loaded_summary(
@@ -533,7 +590,9 @@ def print_loaded(summary: dict[str, Any]) -> None:
     print(flush=True)
 
 
-def plot(points: Sequence[dict[str, Any]], hnsw: dict[str, Any]) -> Path:
+def plot(
+    points: Sequence[dict[str, Any]], hnsw: dict[str, Any], flat: dict[str, Any] | None, kind: str
+) -> Path:
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -557,15 +616,13 @@ def plot(points: Sequence[dict[str, Any]], hnsw: dict[str, Any]) -> Path:
         color="black",
         label="overlap bound",
     )
-    hnsw_all = hnsw["configurations"]["all"]
-    right.scatter(
-        [hnsw_all["ratio"]],
-        [hnsw_all["overlap_fraction"]],
-        marker="*",
-        s=150,
-        color="black",
-        label="all, HNSW",
-    )
+    extras = {"all, HNSW": (hnsw, "*"), "all, flat IVF": (flat, "X")}
+    for label, (summary, marker) in extras.items():
+        if summary is not None:
+            row = summary["configurations"]["all"]
+            right.scatter(
+                [row["ratio"]], [row["overlap_fraction"]], marker=marker, s=150, color="black", label=label
+            )
     left.set(
         xscale="log", xlabel="measured search / prefill ratio r", ylabel="mean TTFT (ms), one query at a time"
     )
@@ -576,12 +633,22 @@ def plot(points: Sequence[dict[str, Any]], hnsw: dict[str, Any]) -> Path:
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    figure.suptitle("Speculative pipelining against the search-to-prefill ratio (IVF, idle)")
+    figure.suptitle(f"Speculative pipelining against the search-to-prefill ratio ({kind}, idle)")
     figure.tight_layout()
     path = plot_path("pipeline")
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def extra_point(summary: dict[str, Any]) -> dict[str, float]:
+    """``all``'s figures at one extra idle point."""
+    row = summary["configurations"]["all"]
+    return {
+        "ratio": round(row["ratio"], 3),
+        "overlap_fraction": round(row["overlap_fraction"], 3),
+        "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
+    }
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
@@ -611,6 +678,8 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
             "ratio": round(hnsw_all["ratio"], 3),
             "overlap_fraction": round(hnsw_all["overlap_fraction"], 3),
         },
+        **({"ivf_flat": extra_point(result["ivf_flat"])} if result["ivf_flat"] else {}),
+        "index": result["facts"]["index"],
         "schedule": DEFAULT_STAGE_SCHEDULE,
         "stages": result["facts"]["stages"],
         "pinning": result["facts"]["pinning"],

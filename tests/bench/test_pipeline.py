@@ -6,7 +6,15 @@ from typing import Any
 
 import pytest
 
-from bench.pipeline import nearest_point, overlap, saturation_rps, search_ms, sweep_points, wasted_share
+from bench.pipeline import (
+    headline,
+    nearest_point,
+    overlap,
+    saturation_rps,
+    search_ms,
+    sweep_points,
+    wasted_share,
+)
 
 
 def record(
@@ -72,3 +80,40 @@ def test_saturation_is_set_by_the_busier_of_engine_and_search() -> None:
     assert saturation_rps(engine_bound) == pytest.approx(2.5)
     search_bound = [record(0, 700, 600, 20, 600, e2e_ms=720)]  # engine 100 ms, search 600 ms
     assert saturation_rps(search_bound) == pytest.approx(1 / 0.6)
+
+
+def point(ratio: float, overlap_fraction: float) -> dict[str, Any]:
+    """A point summary as point_summary writes it, with only ``all``'s row filled in."""
+    row = {
+        "ratio": ratio,
+        "serial_ttft_ms": 300.0,
+        "config_ttft_ms": 250.0,
+        "bound_ttft_ms": 200.0,
+        "overlap_fraction": overlap_fraction,
+        "non_overlapped_over_search": 0.1,
+    }
+    return {"configurations": {"all": row}}
+
+
+def test_the_headline_sorts_points_by_ratio_and_adds_the_extra_points() -> None:
+    loaded = {
+        **point(1.0, 0.9),
+        "utilization": 0.7,
+        "ttft_mean_over_serial": {"all": 0.8},
+        "ttft_p99_over_serial": {"all": 0.9},
+        "wasted_spec_prefill_share": {"all": 0.01},
+    }
+    facts = {"stages": 5, "pinning": "apart", "index": {"kind": "ivf-sq8"}}
+    result = {
+        "facts": facts,
+        "idle": [point(2.0, 0.7), point(0.5, 0.95)],
+        "loaded": loaded,
+        "hnsw": point(1.1, 0.97),
+        "ivf_flat": point(0.9, 0.6),
+    }
+    line = headline(result)
+    assert [row["ratio"] for row in line["idle"]] == [0.5, 2.0]
+    assert line["ivf_flat"] == {"ratio": 0.9, "overlap_fraction": 0.6, "non_overlapped_over_search": 0.1}
+    assert line["hnsw"]["overlap_fraction"] == 0.97 and line["index"]["kind"] == "ivf-sq8"
+    assert line["loaded"]["ttft_p99_all_over_serial"] == 0.9
+    assert "ivf_flat" not in headline({**result, "ivf_flat": None})
