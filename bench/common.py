@@ -1,8 +1,11 @@
-"""Helpers every benchmark shares: where results go, and how they are written."""
+"""Helpers every benchmark shares: where results go, and how they are written.
+
+The benchmarks pin the engine and the search apart with the service's own
+``specrag.service.pinning``.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -11,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
-import psutil
 
 from specrag.pipeline.config import cpu_has_native_bf16
 
@@ -70,46 +72,3 @@ def stop_cleanly_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
-
-
-def pin_engine_processes(cpus: set[int], root: psutil.Process | None = None) -> list[str]:
-    """Pin every thread of every process this one started (vLLM's engine core, its model worker).
-
-    ``VLLM_CPU_OMP_THREADS_BIND`` pins only the model worker's compute threads; vLLM's
-    engine-core process floats, and while the worker computes it busy-polls the worker's
-    shared-memory queue (it spins with ``sched_yield`` for a second after each read; see
-    docs/vllm-cpu.md). Every thread is pinned, not only each process's main thread (which is
-    all an affinity set on a process id reaches): the engine's I/O and event threads left
-    floating run on the search's core exactly when search and prefill overlap. Returns the names
-    of the processes pinned, for the benchmark's output. ``root``: whose descendants (this
-    process by default).
-    """
-    pinned = []
-    for child in (root or psutil.Process()).children(recursive=True):
-        try:
-            pin_threads(child, cpus)
-            pinned.append(child.name())
-        except psutil.Error:  # gone meanwhile (a short-lived helper process)
-            continue
-    return pinned
-
-
-def pin_threads(process: psutil.Process, cpus: set[int]) -> None:
-    """Pin every thread ``process`` has now to ``cpus`` (threads it starts later inherit it)."""
-    for thread in process.threads():
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(thread.id, cpus)
-
-
-def pin_apart(engine_cpus: set[int], service_cpus: set[int]) -> list[str]:
-    """The engine's processes on ``engine_cpus``, this process on ``service_cpus``.
-
-    This process is the service's other half (the event loop, vLLM's client threads, the
-    search threads). Pinned apart, the two never share a core: left floating, the event loop
-    may run beside the engine's spinning worker, and a thread descheduled there while it holds
-    the GIL holds up the search thread, which takes the GIL between stages. On the search's
-    cores the loop costs the search only its own CPU time (a few percent of the search's in
-    ``bench.pipeline``). Returns the names of the engine processes pinned.
-    """
-    pin_threads(psutil.Process(), service_cpus)
-    return pin_engine_processes(engine_cpus)

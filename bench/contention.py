@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import machine, pin_apart, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.__main__ import cpus, scaled_index
 from bench.e2e.runner import search_times_ms, set_search_ratio, ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
@@ -52,6 +52,7 @@ from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_engine
 from specrag.service.assets import ensure_assets
+from specrag.service.pinning import pin_apart
 
 # Prefill prompts draw their tokens from these IDs (any model's vocabulary is larger).
 RANDOM_TOKEN_IDS = 1000
@@ -211,7 +212,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         with matmul_on(engine_cores):
             await asyncio.sleep(0.5)
             conditions["beside_matmul"] = await measure()
-        options = ServiceOptions(omp_threads_bind=args.engine_cpus)
+        options = ServiceOptions(engine_cpus=args.engine_cpus)
         async with open_engine(assets.model_dir, options, layout.root / "run" / "contention") as (engine, _):
             pinned = pin_apart(engine_cores, cpus(args.search_cpus))
             print(f"pinned to core(s) {args.engine_cpus}: {', '.join(pinned)}", flush=True)

@@ -57,6 +57,40 @@ class KVEventSource:
         return cls(endpoint, f"tcp://{host}:{int(port_text) + 1}", topic)
 
 
+def parse_cpus(spec: str, flag: str) -> frozenset[int]:
+    """The cores of a list such as ``0``, ``0,2`` or ``0-3`` (the form of vLLM's OMP_THREADS_BIND).
+
+    ``flag`` names the option in the error a bad list raises.
+    """
+    count = os.cpu_count() or 1
+    cores: set[int] = set()
+    try:
+        for part in spec.split(","):
+            first, _, last = part.strip().partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise InvalidInputError(f"{flag} takes cores such as 0, 0,2 or 0-3, got {spec!r}") from None
+    if not cores or not all(0 <= core < count for core in cores):
+        raise InvalidInputError(f"{flag} {spec!r} is not within this machine's cores 0..{count - 1}")
+    return frozenset(cores)
+
+
+# Where Hugging Face configs keep a model's context length, by architecture family.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def model_context_length(model_dir: Path) -> int | None:
+    """The longest context a Hugging Face model directory declares (config.json), or None."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    lengths = [config[key] for key in _CONTEXT_KEYS if isinstance(config.get(key), int) and config[key] > 0]
+    return min(lengths) if lengths else None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to start the in-process engine; any Hugging Face model directory works."""

@@ -24,11 +24,12 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import psutil
 from aiohttp import web
 
 from specrag.cache.tree import KnowledgeTree
@@ -36,13 +37,15 @@ from specrag.controller.controller import ControllerConfig, RagController, new_t
 from specrag.controller.placement import Placement, health_checks
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.config import EngineConfig, KVEventSource
+from specrag.pipeline.config import EngineConfig, KVEventSource, model_context_length, parse_cpus
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
+from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
 from specrag.service.kv_mirror import KVMirror
 from specrag.service.metrics import ServiceMetrics
+from specrag.service.pinning import descendant_pids, pin_engine_processes, pin_threads
 from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT, create_app
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 
@@ -57,7 +60,10 @@ class ServiceOptions:
     engine_urls: tuple[str, ...] = ()
     engine_kv_events: tuple[str, ...] = ()
     eager: bool = False
-    omp_threads_bind: str | None = None
+    # Cores of the in-process engine (vLLM's OMP_THREADS_BIND form, "0" or "0-1"), and of this
+    # process with its vector search: see specrag.service.pinning. None leaves them where they are.
+    engine_cpus: str | None = None
+    search_cpus: str | None = None
     api_token: str | None = None
     supervisor: SupervisorPolicy = field(default_factory=SupervisorPolicy)
     max_queries: int = DEFAULT_MAX_QUERIES
@@ -96,6 +102,35 @@ class ServiceOptions:
             raise InvalidInputError(
                 "--router needs several engines: --replicas N, a repeated --engine-url, or --ray"
             )
+        self._check_cpus()
+
+    def _check_cpus(self) -> None:
+        """Pinning applies to one in-process engine and to this process; pools place themselves."""
+        in_process = not self.engine_urls and self.ray_address is None
+        engine: frozenset[int] = frozenset()
+        if self.engine_cpus is not None:
+            if not in_process or self.replicas > 1:
+                raise InvalidInputError(
+                    "--engine-cpus pins the one in-process engine; a pool of --replicas puts replica i "
+                    "on core i itself, and an --engine-url server or a Ray replica is placed by its host"
+                )
+            engine = parse_cpus(self.engine_cpus, "--engine-cpus")
+        if self.search_cpus is not None:
+            search = parse_cpus(self.search_cpus, "--search-cpus")
+            if in_process and self.replicas > 1:
+                raise InvalidInputError(
+                    "--search-cpus: a pool of --replicas already takes one core per replica"
+                )
+            if in_process and self.engine_cpus is None:
+                raise InvalidInputError(
+                    "--search-cpus pins this process, where the in-process engine is started and restarted: "
+                    "give --engine-cpus too, on other cores"
+                )
+            if engine & search:
+                raise InvalidInputError(
+                    f"--engine-cpus and --search-cpus share cores {sorted(engine & search)}: "
+                    "overlap needs them apart"
+                )
 
     @property
     def pooled(self) -> bool:
@@ -110,10 +145,17 @@ def _check_distinct(flag: str, values: Sequence[str]) -> None:
         raise InvalidInputError(f"{flag} given twice for the same engine: {', '.join(repeated)}")
 
 
-def _base_config(model_dir: Path, options: ServiceOptions) -> EngineConfig:
-    """The in-process engines' settings (each replica of a pool derives its own from them)."""
+def base_engine_config(model_dir: Path, options: ServiceOptions) -> EngineConfig:
+    """The in-process engines' settings (each replica of a pool derives its own from them).
+
+    The context is the default's, or the model's own when it is shorter (vLLM refuses more).
+    """
+    default = EngineConfig.max_model_len
     return EngineConfig(
-        model=str(model_dir), enforce_eager=options.eager, omp_threads_bind=options.omp_threads_bind
+        model=str(model_dir),
+        max_model_len=min(default, model_context_length(model_dir) or default),
+        enforce_eager=options.eager,
+        omp_threads_bind=options.engine_cpus,
     )
 
 
@@ -139,8 +181,9 @@ def _engine_starter(
         (url,) = options.engine_urls  # several make a pool: open_pool_service
         remote_events = options.engine_kv_events[0] if options.engine_kv_events else None
         return _connector(url), KVEventSource.remote(remote_events) if remote_events is not None else None
-    config = _base_config(model_dir, options).with_kv_events(run_dir)
-    return _starter(config), config.kv_event_source()
+    config = base_engine_config(model_dir, options).with_kv_events(run_dir)
+    pin_to = None if options.engine_cpus is None else parse_cpus(options.engine_cpus, "--engine-cpus")
+    return _starter(config, pin_to), config.kv_event_source()
 
 
 def _connector(url: str) -> Callable[[], Awaitable[Engine]]:
@@ -153,12 +196,20 @@ def _connector(url: str) -> Callable[[], Awaitable[Engine]]:
     return connect
 
 
-def _starter(config: EngineConfig) -> Callable[[], Awaitable[Engine]]:
-    """Starts an in-process vLLM engine with ``config`` (again on every supervisor restart)."""
+def _starter(config: EngineConfig, pin_to: frozenset[int] | None = None) -> Callable[[], Awaitable[Engine]]:
+    """Starts an in-process vLLM engine with ``config`` (again on every supervisor restart).
+
+    With ``pin_to``, every thread of the engine's processes is pinned there once it runs (see
+    specrag.service.pinning: vLLM's own binding reaches only the model worker's compute threads).
+    """
     from specrag.pipeline.vllm_engine import VllmEngine
 
     async def start() -> Engine:
-        return await VllmEngine.start(config)
+        others = descendant_pids()  # another engine of this process (a test's, a benchmark's) stays put
+        engine = await VllmEngine.start(config)
+        if pin_to is not None:
+            pin_engine_processes(pin_to, besides=others)
+        return engine
 
     return start
 
@@ -169,8 +220,8 @@ async def open_engine(
 ) -> AsyncIterator[tuple[SupervisedEngine, KVEventSource | None]]:
     """The supervised engine and where its KV events are published (None: nowhere known).
 
-    ``model_dir`` is the in-process engine's model; ``options.omp_threads_bind`` pins its model
-    worker (benchmarks keep it off the vector search's core). Stopped on exit.
+    ``model_dir`` is the in-process engine's model; ``options.engine_cpus`` pins every thread of
+    its processes (benchmarks keep it off the vector search's core). Stopped on exit.
     """
     start, kv_events = _engine_starter(model_dir, options, run_dir)
     engine = await SupervisedEngine(start, options.supervisor).start()
@@ -239,17 +290,42 @@ async def open_controller(
             await mirror.stop()
 
 
+@contextlib.contextmanager
+def searching_on(index: VectorIndex, search_cpus: str | None) -> Iterator[None]:
+    """This process and ``index``'s searches on ``search_cpus`` while the block runs (None: as is).
+
+    Entered after the in-process engine started, so that its processes were not spawned here.
+    On exit the index searches on its previous runner again.
+    """
+    if search_cpus is None:
+        yield
+        return
+    cores = parse_cpus(search_cpus, "--search-cpus")
+    process, allowed = psutil.Process(), os.sched_getaffinity(0)
+    previous = index.runner
+    runner = SearchRunner(cpus=cores)
+    index.use_runner(runner)
+    pin_threads(process, cores)
+    try:
+        yield
+    finally:
+        index.use_runner(previous)
+        runner.shutdown()
+        pin_threads(process, allowed)
+
+
 @contextlib.asynccontextmanager
 async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -> AsyncIterator[Service]:
     """Start the stack, yield it, and on exit abort queries in flight and stop the engine."""
-    async with (
-        open_engine(assets.model_dir, options, run_dir) as (engine, kv_events),
-        open_controller(
-            engine, kv_events, assets.index, prompt_builder(assets, engine), options.controller
-        ) as (controller, mirror),
-    ):
-        app = _application(controller, options, [mirror] if mirror is not None else [])
-        yield Service(app, controller, engine, mirror, kv_events)
+    async with open_engine(assets.model_dir, options, run_dir) as (engine, kv_events):
+        with searching_on(assets.index, options.search_cpus):
+            builder = prompt_builder(assets, engine)
+            async with open_controller(engine, kv_events, assets.index, builder, options.controller) as (
+                controller,
+                mirror,
+            ):
+                app = _application(controller, options, [mirror] if mirror is not None else [])
+                yield Service(app, controller, engine, mirror, kv_events)
 
 
 def _application(
@@ -460,10 +536,10 @@ def _pool_engines(
 ) -> contextlib.AbstractAsyncContextManager[list[PoolEngine]]:
     """The pool's engines, of the kind the options ask for (see :class:`ServiceOptions`)."""
     if options.ray_address is not None:
-        return open_ray_engines(_base_config(assets.model_dir, options), options)
+        return open_ray_engines(base_engine_config(assets.model_dir, options), options)
     if options.engine_urls:
         return open_remote_engines(options)
-    return open_local_engines(_base_config(assets.model_dir, options), options, run_dir)
+    return open_local_engines(base_engine_config(assets.model_dir, options), options, run_dir)
 
 
 @contextlib.asynccontextmanager
@@ -475,7 +551,11 @@ async def open_pool_service(
     async with _pool_engines(assets, options, run_dir) as engines:
         # Each tree predicts the system prompt as it starts every prompt: padded to the engines' blocks.
         builder = prompt_builder(assets, engines[0].engine)
-        async with open_pool(engines, builder.system_layout_tokens(), options.router) as pool:
+        async with (
+            open_pool(engines, builder.system_layout_tokens(), options.router) as pool,
+            contextlib.AsyncExitStack() as stack,
+        ):
+            stack.enter_context(searching_on(assets.index, options.search_cpus))
             controller = RagController(pool.placement, assets.index, builder, options.controller)
             try:
                 app = _application(controller, options, pool.mirrors)

@@ -154,6 +154,8 @@ def _serve(args: argparse.Namespace) -> int:
         ray_address=args.ray,
         replicas=args.replicas,
         router=args.router,
+        engine_cpus=args.engine_cpus,
+        search_cpus=args.search_cpus,
     )
     assets = _assets(args)
 
@@ -274,6 +276,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=ROUTERS,
         default="specrag",
         help="how prompts are placed on several engines (default: %(default)s)",
+    )
+    cores = serve.add_argument_group(
+        "cores (speculative prefill overlaps the search only if each has its own; see README, Pipelining)"
+    )
+    cores.add_argument(
+        "--engine-cpus",
+        metavar="CORES",
+        help="every thread of the in-process engine on these cores, e.g. 0 or 0-1 (default: vLLM's choice)",
+    )
+    cores.add_argument(
+        "--search-cpus",
+        metavar="CORES",
+        help="this process (event loop, vector search) on these cores, apart from --engine-cpus",
     )
     limits = serve.add_argument_group("limits (beyond them: 429 with Retry-After, or 504)")
     limits.add_argument(

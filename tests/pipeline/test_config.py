@@ -10,8 +10,8 @@ import pytest
 
 from specrag.errors import InvalidInputError
 from specrag.pipeline.commands import engine_server_config
-from specrag.pipeline.config import EngineConfig, cpu_has_native_bf16, resolve_dtype
-from specrag.service.assembly import free_port_pair
+from specrag.pipeline.config import EngineConfig, cpu_has_native_bf16, model_context_length, resolve_dtype
+from specrag.service.assembly import ServiceOptions, base_engine_config, free_port_pair
 
 
 def test_defaults_validate_for_an_existing_model_dir(tmp_path: Path) -> None:
@@ -146,3 +146,33 @@ def test_a_replica_keeps_an_explicit_core_binding_and_otherwise_gets_its_own(tmp
     base = EngineConfig(model=str(tmp_path))
     assert base.pinned_to(1).omp_threads_bind == "1"
     assert replace(base, omp_threads_bind="0-1").pinned_to(1).omp_threads_bind == "0-1"
+
+
+@pytest.mark.parametrize(
+    ("config", "length"),
+    [
+        ({"max_position_embeddings": 2048}, 2048),  # Llama, Mistral, Qwen
+        ({"n_positions": 1024, "n_embd": 768}, 1024),  # GPT-2
+        ({"max_position_embeddings": 4096, "seq_length": 2048}, 2048),  # the shorter of two
+        ({"hidden_size": 64}, None),
+        ([1, 2], None),
+    ],
+)
+def test_a_model_s_context_length_is_read_from_its_config(
+    tmp_path: Path, config: object, length: int | None
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    assert model_context_length(tmp_path) == length
+
+
+def test_an_unreadable_model_config_has_no_context_length(tmp_path: Path) -> None:
+    assert model_context_length(tmp_path) is None
+    (tmp_path / "config.json").write_text("{not json", encoding="utf-8")
+    assert model_context_length(tmp_path) is None
+
+
+def test_the_service_s_engine_never_asks_for_more_context_than_the_model_has(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}), encoding="utf-8")
+    assert base_engine_config(tmp_path, ServiceOptions()).max_model_len == 2048
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}), encoding="utf-8")
+    assert base_engine_config(tmp_path, ServiceOptions()).max_model_len == EngineConfig.max_model_len

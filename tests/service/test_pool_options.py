@@ -1,5 +1,6 @@
-"""Which engines a service runs: bad combinations of pool options fail before any engine starts,
-with a message naming the flags; the good ones say whether the engines make a pool."""
+"""Which engines a service runs, and on which cores: bad combinations of pool or core options
+fail before any engine starts, with a message naming the flags; the good ones say whether the
+engines make a pool."""
 
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ EVENTS_A, EVENTS_B = "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5567"
         ),
         ({"router": "least_loaded"}, "--router needs several engines"),
         ({"router": "least_loaded", "engine_urls": (URL_A,)}, "--router needs several engines"),
+        ({"engine_cpus": "0", "replicas": 2}, "--engine-cpus pins the one in-process engine"),
+        ({"engine_cpus": "0", "engine_urls": (URL_A,)}, "--engine-cpus pins the one in-process engine"),
+        ({"engine_cpus": "0", "ray_address": ""}, "--engine-cpus pins the one in-process engine"),
+        ({"search_cpus": "1"}, "give --engine-cpus too, on other cores"),
+        ({"search_cpus": "1", "replicas": 2}, "a pool of --replicas already takes one core per replica"),
+        ({"engine_cpus": "0", "search_cpus": "0"}, "--engine-cpus and --search-cpus share cores [0]"),
+        ({"engine_cpus": "zero"}, "--engine-cpus takes cores such as 0, 0,2 or 0-3, got 'zero'"),
+        ({"engine_cpus": "1-0"}, "--engine-cpus '1-0' is not within this machine's cores"),
+        ({"engine_urls": (URL_A,), "search_cpus": "4096"}, "--search-cpus '4096' is not within"),
     ],
 )
 def test_a_bad_combination_is_refused_with_the_flags_named(options: dict[str, object], message: str) -> None:
@@ -55,6 +65,8 @@ def test_a_bad_combination_is_refused_with_the_flags_named(options: dict[str, ob
         ({"engine_urls": (URL_A, URL_B), "engine_kv_events": (EVENTS_A, EVENTS_B)}, True),
         ({"engine_urls": (URL_A, URL_B)}, True),
         ({"ray_address": "", "router": "approx_prefix"}, True),
+        ({"engine_cpus": "0", "search_cpus": "1"}, False),
+        ({"engine_urls": (URL_A,), "search_cpus": "0"}, False),
     ],
 )
 def test_several_engines_or_ray_make_a_pool(options: dict[str, object], pooled: bool) -> None:
@@ -70,6 +82,7 @@ def test_several_engines_or_ray_make_a_pool(options: dict[str, object], pooled: 
             ["--engine-url", URL_A, "--engine-url", URL_B, "--engine-kv-events", EVENTS_A],
             "got 1 for 2 engines",
         ),
+        (["--search-cpus", "1"], "give --engine-cpus too"),
     ],
 )
 def test_serve_exits_2_before_starting_anything(
