@@ -6,7 +6,9 @@ from typing import Any
 
 import pytest
 
+from bench.e2e.workload import TraceQuery
 from bench.pipeline import (
+    halves,
     headline,
     nearest_point,
     overlap,
@@ -117,3 +119,12 @@ def test_the_headline_sorts_points_by_ratio_and_adds_the_extra_points() -> None:
     assert line["hnsw"]["overlap_fraction"] == 0.97 and line["index"]["kind"] == "ivf-sq8"
     assert line["loaded"]["ttft_p99_all_over_serial"] == 0.9
     assert "ivf_flat" not in headline({**result, "ivf_flat": None})
+
+
+def test_a_trace_splits_into_two_halves_numbered_as_in_the_whole_and_arriving_from_zero() -> None:
+    trace = [TraceQuery(t=2.0 * i + 1.0, query=f"q{i}") for i in range(5)]
+    (first, head), (second, tail) = halves(trace)
+    assert (first, second) == (0, 2)
+    assert [q.query for q in head + tail] == [q.query for q in trace]
+    assert [q.t for q in head] == [0.0, 2.0] and [q.t for q in tail] == [0.0, 2.0, 4.0]
+    assert halves(trace[:1]) == [(0, [TraceQuery(t=0.0, query="q0")])]
