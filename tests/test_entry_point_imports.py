@@ -21,6 +21,7 @@ ENTRY_POINTS = (
     "bench.scale",
     "bench.prefill",
     "bench.contention",
+    "bench.abort",
 )
 
 
