@@ -36,7 +36,7 @@ import random
 import statistics
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,20 +114,18 @@ def matmul_on(cores: set[int]) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def prefills_on(engine: Engine, prompt_tokens: int) -> AsyncIterator[list[int]]:
-    """Cold prefills of random prompts back to back while the block runs; yields their count."""
+async def looping(step: Callable[[int], Awaitable[None]], settle_s: float) -> AsyncIterator[list[int]]:
+    """``step(n)`` back to back in a task while the block runs, from ``settle_s`` after it starts
+    (the first step is under way); yields the list that counts the steps done."""
     done: list[int] = []
-    rng = random.Random(0)
 
     async def loop() -> None:
         while True:
-            prompt = [rng.randrange(3, RANDOM_TOKEN_IDS) for _ in range(prompt_tokens)]
-            async for _ in engine.generate(f"hog-{len(done)}", prompt, Sampling(max_tokens=1)):
-                pass
+            await step(len(done))
             done.append(1)
 
     task = asyncio.create_task(loop())
-    await asyncio.sleep(0.5)  # the first prefill is under way
+    await asyncio.sleep(settle_s)
     try:
         yield done
     finally:
@@ -136,30 +134,34 @@ async def prefills_on(engine: Engine, prompt_tokens: int) -> AsyncIterator[list[
             await task
 
 
-@contextlib.asynccontextmanager
-async def searches_on(index: VectorIndex, vectors: np.ndarray) -> AsyncIterator[list[int]]:
+def prefills_on(engine: Engine, prompt_tokens: int) -> contextlib.AbstractAsyncContextManager[list[int]]:
+    """Cold prefills of random prompts back to back while the block runs; yields their count."""
+    rng = random.Random(0)
+
+    async def prefill(n: int) -> None:
+        async for _ in engine.generate(f"hog-{n}", random_prompt(rng, prompt_tokens), Sampling(max_tokens=1)):
+            pass
+
+    return looping(prefill, settle_s=0.5)
+
+
+def searches_on(index: VectorIndex, vectors: np.ndarray) -> contextlib.AbstractAsyncContextManager[list[int]]:
     """One-shot searches back to back on the index's (pinned) search runner; yields their count."""
-    done: list[int] = []
 
-    async def loop() -> None:
-        while True:
-            for row in range(len(vectors)):
-                await search_times_ms(index, vectors[row : row + 1], k=10)
-                done.append(1)
+    async def search(n: int) -> None:
+        row = n % len(vectors)
+        await search_times_ms(index, vectors[row : row + 1], k=10)
 
-    task = asyncio.create_task(loop())
-    await asyncio.sleep(0.3)  # the first searches are under way
-    try:
-        yield done
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    return looping(search, settle_s=0.3)
+
+
+def random_prompt(rng: random.Random, tokens: int) -> list[int]:
+    return [rng.randrange(3, RANDOM_TOKEN_IDS) for _ in range(tokens)]
 
 
 def random_prompts(count: int, tokens: int) -> list[list[int]]:
     rng = random.Random(1)
-    return [[rng.randrange(3, RANDOM_TOKEN_IDS) for _ in range(tokens)] for _ in range(count)]
+    return [random_prompt(rng, tokens) for _ in range(count)]
 
 
 async def ttfts_ms(engine: Engine, prompts: list[list[int]]) -> list[float]:
