@@ -34,7 +34,7 @@ MIN_DEFAULT_NPROBE = 32
 # ("pq": pq_m bytes a vector), or one byte a dimension ("sq8": a quarter of flat's memory). A
 # scan reads its lists once, so the codes set how much memory bandwidth a search takes from an
 # engine on the same machine (docs/vllm-cpu.md: on the 2-core VM a flat scan slowed a prefill on
-# the other core by 17 %, an SQ8 scan by 2 %).
+# the other core by 17-41 %, an SQ8 scan by 2 %, over two runs).
 IVF_CODES = ("flat", "pq", "sq8")
 
 
