@@ -16,10 +16,10 @@ schedule); at the point nearest r = 1 the same four also run loaded (Poisson arr
 near r = 1: an HNSW index (efSearch sets its search time), and a flat IVF index.
 
 The sweep's index has SQ8 lists (``--kind``, one byte a dimension) by default. Search and prefill
-share the machine's memory: a flat scan streams four times the bytes and slows the prefill on
-the other core by about 14 % on the 2-core VM, an SQ8 scan by about 4 % (``bench.contention``'s
-``prefill_beside_search``), so on flat lists overlap falls short of the bound for a reason no
-schedule can remove. The flat point shows by how much, in the same run.
+share the machine's memory: a flat scan streams four times the bytes and slowed the prefill on
+the other core by 17-41 % on the 2-core VM, an SQ8 scan by 2 % (``bench.contention``'s
+``prefill_beside_ivf`` and ``prefill_beside_ivf-sq8``, two runs), so on flat lists overlap falls
+short of the bound for a reason no schedule can remove. The flat point shows it in the same run.
 
 Fair set-up as in bench.e2e: every thread of the engine's processes is pinned to
 ``--engine-cpus``, the benchmark's own process (event loop and search thread) to
