@@ -32,10 +32,9 @@ import time
 from typing import Any
 
 from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
-from bench.e2e.__main__ import cpus
 from bench.e2e.runner import ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.config import EngineConfig, parse_cpus
 from specrag.pipeline.engine import Engine, Sampling
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import ensure_assets
@@ -114,7 +113,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         engine = await VllmEngine.start(config)
         try:
-            pin_apart(cpus(args.engine_cpus), cpus(args.search_cpus))
+            pin_apart(
+                parse_cpus(args.engine_cpus, "--engine-cpus"), parse_cpus(args.search_cpus, "--search-cpus")
+            )
             timings = await measure(engine, args)
         finally:
             await engine.close()

@@ -15,9 +15,9 @@ after the other:
 **Prefill.** The same prompts' time to first token (prefills of ``--prefill-tokens`` random
 tokens, each from an emptied prefix cache), ``prefill_alone`` and then ``prefill_beside_<kind>``
 for each index of ``--scan-indexes`` while its searches (the same probe share) loop back to back
-on the search core. A scan streams its lists from memory, and on a machine whose cores share memory bandwidth
-and last-level cache that slows the other core too: flat lists stream four times the bytes of
-SQ8 ones.
+on the search core. A scan streams its lists from memory, and on a machine whose cores share
+memory bandwidth and last-level cache that slows the other core too: flat lists stream four times
+the bytes of SQ8 ones.
 
 Each condition reports its median, p99 and ratio to its ``alone``. Rerun:
 ``.venv/bin/python -m bench.contention [--quick]`` (about 4 minutes; it reuses the padded indexes
@@ -43,9 +43,10 @@ from typing import Any
 import numpy as np
 
 from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
-from bench.e2e.__main__ import cpus, scaled_index
+from bench.e2e.__main__ import scaled_index
 from bench.e2e.runner import search_times_ms, set_search_ratio, ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.pipeline.config import parse_cpus
 from specrag.pipeline.engine import Engine, Sampling
 from specrag.retrieval.index_store import IVF_KINDS
 from specrag.retrieval.search_runner import SearchRunner
@@ -101,7 +102,7 @@ def parse_args() -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def matmul_on(cores: set[int]) -> Any:
+def matmul_on(cores: frozenset[int]) -> Any:
     """The matmul loop in its own single-threaded process, pinned to ``cores``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     process = subprocess.Popen([sys.executable, "-c", MATMUL_LOOP], env=env)
@@ -190,17 +191,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = DataLayout(resolve_data_dir())
     assets = ensure_assets(layout, None)
     index = scaled_index(layout, assets, args.index_size, args.nlist)
-    runner = SearchRunner(threads=1, cpus=cpus(args.search_cpus))
+    runner = SearchRunner(threads=1, cpus=parse_cpus(args.search_cpus, "--search-cpus"))
     scan_indexes = {
         kind: scaled_index(layout, assets, size, args.nlist, kind) for kind, size in args.scan_indexes
     }
-    for searched in (index, *scan_indexes.values()):
-        searched.use_runner(runner)
-        nprobe = set_search_ratio(searched, args.ratio)
+    nprobe = set_search_ratio(index, args.ratio)
+    index.use_runner(runner)
+    for scanned in scan_indexes.values():  # as many lists as the index: the same nprobe
+        set_search_ratio(scanned, args.ratio)
+        scanned.use_runner(runner)
     rng = np.random.default_rng(7)
     picks = rng.integers(0, len(assets.passages), args.searches)
     vectors = np.stack([index.embed_query(assets.passages[int(i)].text[:120]) for i in picks])
-    engine_cores = cpus(args.engine_cpus)
+    engine_cores = parse_cpus(args.engine_cpus, "--engine-cpus")
     conditions: dict[str, list[float]] = {}
 
     async def measure() -> list[float]:
@@ -216,7 +219,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             conditions["beside_matmul"] = await measure()
         options = ServiceOptions(engine_cpus=args.engine_cpus)
         async with open_engine(assets.model_dir, options, layout.root / "run" / "contention") as (engine, _):
-            pinned = pin_apart(engine_cores, cpus(args.search_cpus))
+            pinned = pin_apart(engine_cores, parse_cpus(args.search_cpus, "--search-cpus"))
             print(f"pinned to core(s) {args.engine_cpus}: {', '.join(pinned)}", flush=True)
             async with prefills_on(engine, args.prompt_tokens) as prefills:
                 conditions["beside_prefill"] = await measure()

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
-from bench.e2e.__main__ import cpus, scaled_index
+from bench.e2e.__main__ import scaled_index
 from bench.e2e.report import summarize
 from bench.e2e.runner import (
     Configuration,
@@ -66,7 +66,7 @@ from bench.e2e.runner import (
 from bench.e2e.workload import TraceQuery, generate
 from specrag.controller.config import DEFAULT_STAGE_SCHEDULE, ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import KVEventSource
+from specrag.pipeline.config import KVEventSource, parse_cpus
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
@@ -476,7 +476,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     assets = ensure_assets(layout, Path(args.model) if args.model else None)
     index = scaled_index(layout, assets, args.index_size, args.nlist, args.kind)
     flat = scaled_index(layout, assets, args.flat_size, args.nlist) if args.flat_size else None
-    runner = SearchRunner(threads=1, cpus=cpus(args.search_cpus))
+    runner = SearchRunner(threads=1, cpus=parse_cpus(args.search_cpus, "--search-cpus"))
     for searched in (index, flat):
         if searched is not None:
             searched.use_runner(runner)
@@ -493,7 +493,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         async with open_engine(assets.model_dir, options, layout.root / "run" / "pipeline") as opened:
             engine, kv_events = opened
-            pinned = pin_apart(cpus(args.engine_cpus), cpus(args.search_cpus))
+            pinned = pin_apart(
+                parse_cpus(args.engine_cpus, "--engine-cpus"), parse_cpus(args.search_cpus, "--search-cpus")
+            )
             print(f"pinned to core(s) {args.engine_cpus}: {', '.join(pinned)}", flush=True)
             builder = prompt_builder(assets, engine)
             await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured

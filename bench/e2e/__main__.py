@@ -45,6 +45,7 @@ from bench.traces import WORKLOADS
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.pipeline.config import parse_cpus
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
@@ -106,10 +107,6 @@ def parse_args() -> argparse.Namespace:
     args.requests = args.requests or (12 if args.quick else 32)
     args.seeds = args.seeds or (1 if args.quick else 2)
     return args
-
-
-def cpus(spec: str) -> set[int]:
-    return {int(part) for part in spec.split(",")}
 
 
 def scaled_index(layout: DataLayout, assets: Assets, size: int, nlist: int, kind: str = "ivf") -> VectorIndex:
@@ -203,7 +200,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = DataLayout(resolve_data_dir())
     assets = ensure_assets(layout, Path(args.model) if args.model else None)
     index = scaled_index(layout, assets, args.index_size, args.nlist)
-    index.use_runner(SearchRunner(threads=1, cpus=cpus(args.search_cpus)))
+    index.use_runner(SearchRunner(threads=1, cpus=parse_cpus(args.search_cpus, "--search-cpus")))
     run_dir = layout.root / "run" / "e2e"
     options = ServiceOptions(
         engine_urls=(args.engine_url,) if args.engine_url else (),
@@ -222,7 +219,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         async with open_engine(assets.model_dir, options, run_dir) as (engine, kv_events):
             if args.engine_url is None:
-                pinned = pin_apart(cpus(args.engine_cpus), cpus(args.search_cpus))
+                pinned = pin_apart(
+                    parse_cpus(args.engine_cpus, "--engine-cpus"),
+                    parse_cpus(args.search_cpus, "--search-cpus"),
+                )
                 print(f"pinned to core(s) {args.engine_cpus}: {', '.join(pinned)}", flush=True)
             builder = prompt_builder(assets, engine)
             await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured

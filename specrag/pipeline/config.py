@@ -80,7 +80,8 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 
 
 def model_context_length(model_dir: Path) -> int | None:
-    """The longest context a Hugging Face model directory declares (config.json), or None."""
+    """The context length a Hugging Face model directory's config.json declares (the shortest, if
+    it names several), or None."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):

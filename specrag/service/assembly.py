@@ -205,10 +205,11 @@ def _starter(config: EngineConfig, pin_to: frozenset[int] | None = None) -> Call
     from specrag.pipeline.vllm_engine import VllmEngine
 
     async def start() -> Engine:
+        if pin_to is None:
+            return await VllmEngine.start(config)
         others = descendant_pids()  # another engine of this process (a test's, a benchmark's) stays put
         engine = await VllmEngine.start(config)
-        if pin_to is not None:
-            pin_engine_processes(pin_to, besides=others)
+        pin_engine_processes(pin_to, besides=others)
         return engine
 
     return start
