@@ -72,6 +72,7 @@ from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.stages import DEFAULT_STAGES
 from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
@@ -135,8 +136,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--stages",
         type=int,
-        default=ControllerConfig.num_stages,
-        help="stages per search in the speculating configurations (default: the controller's)",
+        help="stages per search in the speculating configurations (default: the index kind's, "
+        + ", ".join(f"{stages} for {kind.upper()}" for kind, stages in DEFAULT_STAGES.items())
+        + ")",
     )
     parser.add_argument("--engine-cpus", default="0", help="core(s) of the engine's model worker")
     parser.add_argument("--search-cpus", default="1", help="core(s) of the vector search thread")
@@ -544,7 +546,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "loaded_queries": args.loaded_queries,
         "max_tokens": args.max_tokens,
         "default_schedule": DEFAULT_STAGE_SCHEDULE,
-        "stages": args.stages,
+        "stages": {kind: args.stages or default for kind, default in DEFAULT_STAGES.items()},
         "search_ms_by_probe_share": {str(s): v for s, v in search_ms.items()},
         "prefill_ms_by_k": {str(k): v for k, v in prefill_ms.items()},
     }

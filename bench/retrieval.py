@@ -35,7 +35,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 from bench.common import machine, plot_path, write_json
-from specrag.controller.config import DEFAULT_NUM_STAGES, DEFAULT_STAGE_SCHEDULE
+from specrag.controller.config import DEFAULT_STAGE_SCHEDULE
 from specrag.retrieval.corpus import Passage, load_passages
 from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.fusion import FusionConfig
@@ -118,7 +118,7 @@ def evaluate(index: VectorIndex, queries: list[Query], hybrid: bool) -> dict[str
 
 def _evaluate(index: VectorIndex, queries: list[Query], hybrid: bool) -> dict[str, Any]:
     rankings, latencies = [], []
-    plan = StagePlan(DEFAULT_NUM_STAGES, schedule=DEFAULT_STAGE_SCHEDULE)
+    plan = StagePlan(index.default_stages, schedule=DEFAULT_STAGE_SCHEDULE)
     for query in queries:
         started = time.perf_counter()
         vector = index.embed_query(query.text)

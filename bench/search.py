@@ -9,13 +9,13 @@ For IVF (faiss) and HNSW (faiss graph, resumable numba search) at a few sizes of
 * stability: after each stage, the fraction of queries whose running top-k already equals the
   final top-k as a set and as a list (what a speculative prefill would have got right);
 * stage schedules: equal slices at S = 4, geometric ones (1/8, 1/4, 1/2, 1 of the work) at
-  S = 4 and (1/16 first) at S = 5 (``geometric/5``), and a time budget of a quarter of the
-  one-shot search per stage: for each, how often the first
+  S = 4, (1/16 first) at S = 5 (``geometric/5``) and (1/32 first) at S = 6 (``geometric/6``),
+  and a time budget of a quarter of the one-shot search per stage: for each, how often the first
   stage's top-k is already final, when (as a share of the search's time) the running top-k first
   equals the final one, and the cost against the one-shot search and against the same index's
   single-stage staged search (the schedule's own cost: the HNSW kernel alone is slower than
-  faiss's search, whatever the schedule). The best schedule is the one whose top-k is final
-  earliest on average while its own cost stays within ``MAX_SCHEDULE_OVERHEAD``;
+  faiss's search, whatever the schedule). The best schedule of each index kind is the one whose
+  top-k is final earliest on average while its own cost stays within ``MAX_SCHEDULE_OVERHEAD``;
 * for comparison, a second HNSW implementation on the same vectors and queries: hnswlib, built
   with the same M, efConstruction and efSearch, searched one-shot (recall@k against the same
   exact search, latency on the same core). Only up to ``HNSWLIB_MAX_SIZE`` vectors: its build
@@ -50,7 +50,7 @@ from specrag.retrieval.synthetic import GaussianMixture, queries_near
 
 STAGE_COUNTS = (1, 2, 4, 8)
 SCHEDULE_STAGES = 4
-SCHEDULE_NAMES = ("equal", "geometric", "geometric/5", "budget")
+SCHEDULE_NAMES = ("equal", "geometric", "geometric/5", "geometric/6", "budget")
 MAX_SCHEDULE_OVERHEAD = 1.10
 DIM = 384
 # StagedHNSW.build's default, given to hnswlib too so both graphs are built alike.
@@ -133,6 +133,7 @@ def plans(oneshot_s: float) -> dict[str, StagePlan]:
     variants = {str(s): StagePlan(s) for s in STAGE_COUNTS}
     variants["geometric"] = StagePlan(SCHEDULE_STAGES, schedule="geometric")
     variants["geometric/5"] = StagePlan(SCHEDULE_STAGES + 1, schedule="geometric")
+    variants["geometric/6"] = StagePlan(SCHEDULE_STAGES + 2, schedule="geometric")
     variants["budget"] = StagePlan(stage_budget_s=oneshot_s / SCHEDULE_STAGES)
     return variants
 
@@ -196,18 +197,26 @@ def measure(searcher: StagedSearcher, queries: np.ndarray, k: int) -> dict[str, 
     return result
 
 
-def best_schedule(results: list[dict[str, Any]]) -> str:
-    """The schedule whose top-k is final earliest (mean over settings) within the cost limit
-    (its time over a single-stage staged search on the same index).
+def best_schedule(results: list[dict[str, Any]]) -> dict[str, str]:
+    """Per index kind, the schedule whose top-k is final earliest (mean over that kind's
+    settings) within the cost limit (its time over a single-stage staged search on the same
+    index).
 
-    Equal slices are today's behaviour and the fallback when no other schedule qualifies.
+    Per kind, because how early a search holds its final top-k is a property of the index kind
+    (an IVF scan visits the nearest lists first, a graph search has to walk to the
+    neighbourhood), and the service's stage count follows the kind (``DEFAULT_STAGES``). Equal
+    slices are the fallback when no other schedule qualifies.
     """
-    qualified = {
-        name: float(np.mean([r["per_schedule"][name]["final_at_time_fraction"] for r in results]))
-        for name in SCHEDULE_NAMES
-        if all(r["per_schedule"][name]["staging_overhead"] <= MAX_SCHEDULE_OVERHEAD for r in results)
-    }
-    return min(qualified, key=lambda name: qualified[name]) if qualified else "equal"
+    best = {}
+    for kind in dict.fromkeys(r["kind"] for r in results):
+        of_kind = [r for r in results if r["kind"] == kind]
+        qualified = {
+            name: float(np.mean([r["per_schedule"][name]["final_at_time_fraction"] for r in of_kind]))
+            for name in SCHEDULE_NAMES
+            if all(r["per_schedule"][name]["staging_overhead"] <= MAX_SCHEDULE_OVERHEAD for r in of_kind)
+        }
+        best[kind] = min(qualified, key=lambda name: qualified[name]) if qualified else "equal"
+    return best
 
 
 def stability(per_query: list[list[np.ndarray]], fractions: list[list[float]], stages: int) -> dict[str, Any]:

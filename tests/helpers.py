@@ -177,6 +177,7 @@ class ScriptedSearcher:
 
     def __init__(self, stages: Sequence[Sequence[int]], ntotal: int, dim: int, stage_delay_s: float) -> None:
         self._stages = [list(ids) for ids in stages]
+        self.default_stages = len(self._stages)  # it ignores the plan: its stages are the script's
         self._ntotal = ntotal
         self._dim = dim
         self._delay = stage_delay_s

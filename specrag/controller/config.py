@@ -9,11 +9,11 @@ from specrag.controller.modes import get_mode
 from specrag.errors import InvalidInputError
 from specrag.retrieval.stages import check_schedule
 
-# The stage schedule and count that measured best (bench/search.py: the running top-k final
-# earliest at <= 1.10x a single-stage search's cost): geometric stages, five of them, so the
-# first speculation starts after 1/16 of the probe list; see the README's "Pipelining" section.
+# The stage schedule that measured best (bench/search.py: the running top-k final earliest at
+# <= 1.10x a single-stage search's cost): geometric stages, so that the first speculation starts
+# after a small share of the search. How many (how small the first) depends on the index kind:
+# specrag.retrieval.stages.DEFAULT_STAGES; see the README's "Stage schedules".
 DEFAULT_STAGE_SCHEDULE = "geometric"
-DEFAULT_NUM_STAGES = 5
 
 ADMISSIONS = ("ratio", "window")
 """How final requests waiting for the prefill pool are admitted (see :mod:`specrag.controller.gate`)."""
@@ -41,7 +41,7 @@ class ControllerConfig:
 
     k_default: int = 10
     k_max: int = 50
-    num_stages: int = DEFAULT_NUM_STAGES
+    num_stages: int | None = None  # None: the index kind's default
     stage_schedule: str = DEFAULT_STAGE_SCHEDULE
     max_prefill_bs: int | None = None
     starvation_window_s: float = 2.0
@@ -65,7 +65,7 @@ class ControllerConfig:
         get_policy(self.ordering_policy)
         if not 1 <= self.k_default <= self.k_max:
             raise InvalidInputError("k_default must be between 1 and k_max")
-        if self.num_stages < 1:
+        if self.num_stages is not None and self.num_stages < 1:
             raise InvalidInputError("num_stages must be at least 1")
         check_schedule(self.stage_schedule)
         if self.max_prefill_bs is not None and self.max_prefill_bs < 1:

@@ -99,7 +99,7 @@ class QueryRun:
         timeline.embed_start = now()
         vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
         timeline.search_start = now()
-        stages = shared.config.num_stages if checked.mode.speculation else 1
+        stages = (shared.config.num_stages or shared.index.default_stages) if checked.mode.speculation else 1
         if stages == 1:
             self._warm_up()
         final_rows: list[int] = []

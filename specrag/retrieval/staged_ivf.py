@@ -18,7 +18,14 @@ import numpy as np
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.progress import add_in_chunks
-from specrag.retrieval.stages import FaissBacked, StagePlan, StageResult, prepare_queries, run_stages
+from specrag.retrieval.stages import (
+    DEFAULT_STAGES,
+    FaissBacked,
+    StagePlan,
+    StageResult,
+    prepare_queries,
+    run_stages,
+)
 from specrag.retrieval.topk import RunningTopK
 
 logger = logging.getLogger(__name__)
@@ -60,6 +67,7 @@ class StagedIVF(FaissBacked):
     """A faiss IVF index (flat, PQ or SQ8 codes) searchable in one shot or in stages."""
 
     kind = "ivf"
+    default_stages = DEFAULT_STAGES["ivf"]
 
     def __init__(self, index: faiss.Index, nprobe: int | None = None) -> None:
         # The downcast proxy does not own the C++ object: keep the owner alive alongside it.

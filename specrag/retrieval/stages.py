@@ -27,6 +27,17 @@ UNBOUNDED = 1 << 62
 # speculative prefill start after a fraction of the search, since the nearest probe lists (the
 # closest graph nodes) already hold most of the final top-k, at the same total work.
 SCHEDULES = ("equal", "geometric")
+# How many stages a search of each index kind is cut into unless told otherwise (each searcher's
+# ``default_stages``). Geometric stages
+# start with 1/2^(S-1) of the work, so S sets how early the first speculation starts:
+# - IVF, 6 (first stage 1/32 of the probe list): its nearest lists hold the final top-k about as
+#   often after 1/32 as after 1/16 (bench.search: 89 % against 90 % of top-10 sets; the sweep's
+#   own queries on the padded 8M-vector index: 125-128 of 128 hybrid top-1/2/4 results against
+#   126-128), and the speculation starts after 4 % of the search instead of 7 %;
+# - HNSW, 5 (1/16 of the expected node expansions): a graph search reaches the query's
+#   neighbourhood later, so a smaller first stage is final less often (bench.search's 50k graph:
+#   25 % at 1/16, 3 % at 1/32), and a stale speculation costs the engine the step it is in.
+DEFAULT_STAGES = {"ivf": 6, "hnsw": 5}
 
 
 @dataclass(frozen=True)
@@ -170,6 +181,7 @@ class StagedSearcher(Protocol):
     """What every staged index offers; rows are positional ids (row i = the i-th vector added)."""
 
     kind: str
+    default_stages: int  # stages a search is cut into unless told (DEFAULT_STAGES for ours)
     owner: Any  # the faiss index object to save (it owns the memory the searcher reads)
 
     @property

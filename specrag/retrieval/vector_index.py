@@ -75,6 +75,11 @@ class VectorIndex:
         return self.searcher.dim
 
     @property
+    def default_stages(self) -> int:
+        """Stages a staged search of this index is cut into unless told (its searcher's choice)."""
+        return self.searcher.default_stages
+
+    @property
     def hybrid(self) -> bool:
         """Whether searches given the query's text fuse a lexical channel with the dense one."""
         return self.lexical is not None
@@ -196,7 +201,7 @@ class VectorIndex:
         queries: np.ndarray,
         k: int,
         *,
-        num_stages: int = 4,
+        num_stages: int | None = None,
         stage_budget_s: float | None = None,
         schedule: str = "equal",
         query_texts: Sequence[str] | None = None,
@@ -206,9 +211,11 @@ class VectorIndex:
         With ``query_texts`` (one per query) and a lexical channel, every stage is hybrid (see
         the module's docstring); without either, the stages are the dense search's. Leaving the
         loop (use ``contextlib.aclosing`` to make it immediate) or cancelling the task stops the
-        search after the stage in flight.
+        search after the stage in flight. ``num_stages`` None cuts it into
+        :attr:`default_stages`.
         """
-        plan = StagePlan(num_stages, stage_budget_s, schedule)
+        count = self.default_stages if num_stages is None else num_stages
+        plan = StagePlan(count, stage_budget_s, schedule)
         matrix = prepare_queries(queries, self.dim, self.searcher.ntotal, k)
         async with contextlib.aclosing(
             self.runner.stream(lambda: self._stages(matrix, k, plan, query_texts))
@@ -221,7 +228,7 @@ class VectorIndex:
         query: np.ndarray,
         k: int,
         *,
-        num_stages: int = 4,
+        num_stages: int | None = None,
         stage_budget_s: float | None = None,
         schedule: str = "equal",
         query_text: str | None = None,

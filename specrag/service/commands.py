@@ -17,13 +17,13 @@ from typing import Protocol
 from aiohttp import web
 
 from specrag.client import AsyncClient
-from specrag.controller.config import DEFAULT_NUM_STAGES, DEFAULT_STAGE_SCHEDULE
+from specrag.controller.config import DEFAULT_STAGE_SCHEDULE
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES
 from specrag.controller.placement import ROUTERS
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.retrieval.stages import SCHEDULES
+from specrag.retrieval.stages import DEFAULT_STAGES, SCHEDULES
 from specrag.service.assembly import ServiceOptions, open_pool_service, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
@@ -232,15 +232,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--stages",
         type=int,
-        default=DEFAULT_NUM_STAGES,
-        help="search stages (speculation points) (default: %(default)s)",
+        help="search stages (speculation points) (default: by index kind, "
+        + ", ".join(f"{stages} for {kind.upper()}" for kind, stages in DEFAULT_STAGES.items())
+        + ")",
     )
     serve.add_argument(
         "--stage-schedule",
         choices=SCHEDULES,
         default=DEFAULT_STAGE_SCHEDULE,
-        help="how the stages cut the search: equal slices, or geometric (1/16, 1/8, 1/4, 1/2, 1 of "
-        "it for 5 stages: the first speculation starts early) (default: %(default)s)",
+        help="how the stages cut the search: equal slices, or geometric (1/32, 1/16, 1/8, 1/4, 1/2, "
+        "1 of it for 6 stages: the first speculation starts early) (default: %(default)s)",
     )
     serve.add_argument(
         "--engine-url",

@@ -105,7 +105,7 @@ def test_the_headline_sorts_points_by_ratio_and_adds_the_extra_points() -> None:
         "ttft_p99_over_serial": {"all": 0.9},
         "wasted_spec_prefill_share": {"all": 0.01},
     }
-    facts = {"stages": 5, "pinning": "apart", "index": {"kind": "ivf-sq8"}}
+    facts = {"stages": {"ivf": 6, "hnsw": 5}, "pinning": "apart", "index": {"kind": "ivf-sq8"}}
     result = {
         "facts": facts,
         "idle": [point(2.0, 0.7), point(0.5, 0.95)],

@@ -35,15 +35,22 @@ def test_schedules_are_measured_and_the_best_is_the_earliest_within_the_cost_lim
     for row in measured["per_schedule"].values():
         assert 0.0 < row["final_at_time_fraction"] <= 1.0
 
-    def entry(**final_at: float) -> dict[str, Any]:
-        overheads = {"equal": 1.02, "geometric": 1.05, "geometric/5": 1.12, "budget": 1.5}
+    def entry(kind: str, **final_at: float) -> dict[str, Any]:
+        overheads = {"equal": 1.02, "geometric": 1.05, "geometric/5": 1.12, "geometric/6": 1.0, "budget": 1.5}
         return {
+            "kind": kind,
             "per_schedule": {
                 name: {"staging_overhead": overheads[name], "final_at_time_fraction": final_at[name]}
                 for name in SCHEDULE_NAMES
-            }
+            },
         }
 
-    # The budget and 5-stage schedules are earliest but too costly; geometric wins over equal.
-    assert best_schedule([entry(equal=0.5, geometric=0.3, budget=0.1, **{"geometric/5": 0.2})]) == "geometric"
-    assert best_schedule([entry(equal=0.2, geometric=0.3, budget=0.1, **{"geometric/5": 0.2})]) == "equal"
+    # The budget and 5-stage schedules are earliest but too costly; the rest compete per kind,
+    # over the mean of that kind's settings only.
+    ivf = entry("ivf", equal=0.5, geometric=0.3, budget=0.1, **{"geometric/5": 0.05, "geometric/6": 0.2})
+    hnsw = entry("hnsw", equal=0.2, geometric=0.3, budget=0.1, **{"geometric/5": 0.05, "geometric/6": 0.6})
+    assert best_schedule([ivf, hnsw]) == {"ivf": "geometric/6", "hnsw": "equal"}
+    slow_hnsw = entry(
+        "hnsw", equal=0.3, geometric=0.1, budget=0.1, **{"geometric/5": 0.1, "geometric/6": 0.1}
+    )
+    assert best_schedule([ivf, hnsw, slow_hnsw]) == {"ivf": "geometric/6", "hnsw": "geometric"}

@@ -14,6 +14,7 @@ from specrag.controller.controller import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engine import EngineOutput, Sampling
 from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.retrieval.stages import DEFAULT_STAGES
 from specrag.service.assets import Assets
 from tests.helpers import (
     QUESTION,
@@ -271,4 +272,18 @@ async def test_a_stage_that_cannot_speculate_warms_the_system_prompt(tiny_assets
     assert "spec_submit" not in kinds  # the engine had a waiting request: no speculation
     assert kinds.index("warmup_start") > kinds.index("stage")  # at the stage, not before
     assert controller.warmups.started == 1
+    await engine.close()
+
+
+@pytest.mark.parametrize(("configured", "mode"), [(None, "all"), (3, "speculation"), (None, "serial")])
+async def test_a_query_searches_in_the_configured_stages_or_its_index_kinds(
+    tiny_assets: Assets, configured: int | None, mode: str
+) -> None:
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, num_stages=configured)
+    done = await controller.answer(RagRequest(QUESTION, k=4, mode=mode, max_tokens=2))
+    stages = [e for e in done.timeline.events if e.kind == "stage"]
+    expected = 1 if mode == "serial" else configured or tiny_assets.index.default_stages
+    assert tiny_assets.index.default_stages == DEFAULT_STAGES["ivf"]
+    assert len(stages) == expected and stages[-1].detail["done"]
     await engine.close()

@@ -13,7 +13,7 @@ import pytest
 from specrag.errors import InvalidInputError
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.staged_ivf import StagedIVF
-from specrag.retrieval.stages import StagePlan, StageResult
+from specrag.retrieval.stages import DEFAULT_STAGES, StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
 
 
@@ -27,6 +27,7 @@ class GatedSearcher:
     def __init__(self, inner: StagedIVF) -> None:
         self.inner = inner
         self.kind, self.dim, self.ntotal, self.settings = inner.kind, inner.dim, inner.ntotal, inner.settings
+        self.default_stages = inner.default_stages
         self.computed: list[int] = []
         self.gate = threading.Event()
 
@@ -145,3 +146,18 @@ async def test_the_thread_count_applies_inside_the_search_thread(
     count, cores = await search_thread_settings(SearchRunner(threads=threads, cpus=cpus))
     assert count == expected_threads
     assert cores == (set(cpus) if cpus else os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+async def test_a_search_without_a_stage_count_takes_its_kinds_default(
+    kind: str, request: pytest.FixtureRequest, queries: np.ndarray
+) -> None:
+    searcher = request.getfixturevalue(kind)
+    index = VectorIndex(searcher, [f"p{i}" for i in range(searcher.ntotal)])
+    assert index.default_stages == DEFAULT_STAGES[kind]
+    received = [stage async for stage in index.search_staged(queries[0], 10, schedule="geometric")]
+    # A geometric IVF search has work for every stage; a graph search may converge before its last.
+    if kind == "ivf":
+        assert len(received) == DEFAULT_STAGES[kind]
+    assert 1 <= len(received) <= DEFAULT_STAGES[kind] and received[-1].done
+    np.testing.assert_array_equal(received[-1].ids, searcher.search(queries[0], 10)[1][0])
