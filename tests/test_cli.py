@@ -83,7 +83,15 @@ def test_an_option_before_the_subcommand_is_not_reset_by_the_subcommand_default(
 @pytest.mark.parametrize(
     ("argv", "shown"),
     [
-        (["serve", "--help"], ["(default: 8080)", "(default: all)", "(default: 5)", "(default: geometric)"]),
+        (
+            ["serve", "--help"],
+            [
+                "(default: 8080)",
+                "(default: all)",
+                "(default: by index kind, 6 for IVF, 5 for HNSW)",
+                "(default: geometric)",
+            ],
+        ),
         (["index", "build", "--help"], ["(default: ivf)", "(default: 1024)", "--data-dir"]),
         (["demo", "--help"], ["(default: 10)", "(default: 32)", "--verbose"]),
     ],
