@@ -28,8 +28,8 @@ UNBOUNDED = 1 << 62
 # closest graph nodes) already hold most of the final top-k, at the same total work.
 SCHEDULES = ("equal", "geometric")
 # How many stages a search of each index kind is cut into unless told otherwise (each searcher's
-# ``default_stages``). Geometric stages
-# start with 1/2^(S-1) of the work, so S sets how early the first speculation starts:
+# ``default_stages``). Geometric stages start with 1/2^(S-1) of the work, so S sets how early
+# the first speculation starts:
 # - IVF, 6 (first stage 1/32 of the probe list): its nearest lists hold the final top-k about as
 #   often after 1/32 as after 1/16 (bench.search --quick: 89 % against 90 % of top-10 sets), and
 #   the speculation starts after 4 % of the search instead of 7 %;
