@@ -31,7 +31,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, plot_path, random_prompt, stop_cleanly_on_sigterm, write_json
 from bench.e2e.runner import ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig, parse_cpus
@@ -40,8 +40,6 @@ from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import ensure_assets
 from specrag.service.pinning import pin_apart
 
-# Random prompt tokens are drawn below this id (any model's vocabulary is larger).
-RANDOM_TOKEN_IDS = 1000
 DEFAULT_THRESHOLD = 256
 
 
@@ -74,7 +72,7 @@ async def measure(engine: Engine, args: argparse.Namespace) -> dict[str, list[fl
     rng = random.Random(0)
 
     def prompt() -> list[int]:
-        return [rng.randrange(3, RANDOM_TOKEN_IDS) for _ in range(args.prompt_tokens)]
+        return random_prompt(rng, args.prompt_tokens)
 
     await ttft_of(engine, prompt())  # warm-up, not measured
     cold = []

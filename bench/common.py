@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import signal
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,14 @@ from specrag.pipeline.config import cpu_has_native_bf16
 matplotlib.use("Agg")
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
+# Random prompts draw their tokens from ids 3..999: every model's vocabulary is larger, and the
+# lowest ids are special tokens.
+RANDOM_TOKEN_IDS = 1000
+
+
+def random_prompt(rng: random.Random, tokens: int) -> list[int]:
+    """``tokens`` random token ids: a prompt no prefix cache holds."""
+    return [rng.randrange(3, RANDOM_TOKEN_IDS) for _ in range(tokens)]
 
 
 def cpu_model() -> str:

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, plot_path, random_prompt, stop_cleanly_on_sigterm, write_json
 from bench.e2e.__main__ import scaled_index
 from bench.e2e.runner import search_times_ms, set_search_ratio, ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
@@ -54,9 +54,6 @@ from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_engine
 from specrag.service.assets import ensure_assets
 from specrag.service.pinning import pin_apart
-
-# Prefill prompts draw their tokens from these IDs (any model's vocabulary is larger).
-RANDOM_TOKEN_IDS = 1000
 
 # A single-threaded matrix multiplication, forever: compute on one core and nothing else.
 MATMUL_LOOP = (
@@ -154,10 +151,6 @@ def searches_on(index: VectorIndex, vectors: np.ndarray) -> contextlib.AbstractA
         await search_times_ms(index, vectors[row : row + 1], k=10)
 
     return looping(search, settle_s=0.3)
-
-
-def random_prompt(rng: random.Random, tokens: int) -> list[int]:
-    return [rng.randrange(3, RANDOM_TOKEN_IDS) for _ in range(tokens)]
 
 
 def random_prompts(count: int, tokens: int) -> list[list[int]]:

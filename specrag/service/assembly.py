@@ -552,17 +552,14 @@ async def open_pool_service(
     async with _pool_engines(assets, options, run_dir) as engines:
         # Each tree predicts the system prompt as it starts every prompt: padded to the engines' blocks.
         builder = prompt_builder(assets, engines[0].engine)
-        async with (
-            open_pool(engines, builder.system_layout_tokens(), options.router) as pool,
-            contextlib.AsyncExitStack() as stack,
-        ):
-            stack.enter_context(searching_on(assets.index, options.search_cpus))
-            controller = RagController(pool.placement, assets.index, builder, options.controller)
-            try:
-                app = _application(controller, options, pool.mirrors)
-                yield PoolService(app, controller, pool.placement)
-            finally:
-                await controller.close()
+        async with open_pool(engines, builder.system_layout_tokens(), options.router) as pool:
+            with searching_on(assets.index, options.search_cpus):
+                controller = RagController(pool.placement, assets.index, builder, options.controller)
+                try:
+                    app = _application(controller, options, pool.mirrors)
+                    yield PoolService(app, controller, pool.placement)
+                finally:
+                    await controller.close()
 
 
 def free_port_pair() -> int:
