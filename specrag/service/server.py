@@ -367,6 +367,7 @@ def _rag_body(done: AnswerDone) -> dict[str, Any]:
         "answer": done.text,
         "finish_reason": done.finish_reason,
         "documents": list(done.timeline.documents),
+        "sources": [source._asdict() for source in done.sources],
         "specrag": done.timeline.to_dict(),
     }
 
