@@ -332,6 +332,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     demo.add_argument(
         "-q", "--question", action="append", help="a question (repeatable; default: three built in)"
     )
-    demo.add_argument("-k", type=int, default=10, help=f"passages per prompt (1..{MAX_K})")
-    demo.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per answer")
+    demo.add_argument(
+        "-k", type=int, default=5, help=f"passages per prompt (1..{MAX_K}) (default %(default)s)"
+    )
+    demo.add_argument(
+        "--max-tokens", type=int, default=48, help="tokens to generate per answer (default %(default)s)"
+    )
     demo.set_defaults(handler=_demo)
