@@ -1,4 +1,4 @@
-"""Cold vs cached prefill of the engine, by prompt length: the figures the README quotes.
+"""Cold vs cached prefill of the engine, by prompt length: the figures docs/architecture.md quotes.
 
 Rerun: ``.venv/bin/python -m bench.prefill`` (``--quick`` for fewer lengths and repeats,
 ``--model DIR`` for any Hugging Face model directory). Writes bench/out/prefill.json and .png.

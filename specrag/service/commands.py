@@ -287,7 +287,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="how prompts are placed on several engines (default: %(default)s)",
     )
     cores = serve.add_argument_group(
-        "cores (speculative prefill overlaps the search only if each has its own; see README, Pipelining)"
+        "cores (speculative prefill overlaps the search only if each has its own; see docs/pipelining.md)"
     )
     cores.add_argument(
         "--engine-cpus",
