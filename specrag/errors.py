@@ -14,6 +14,10 @@ class InvalidInputError(SpecragError, ValueError):
     """The caller asked for something malformed or out of range; retrying the same call fails again."""
 
 
+class TooLargeError(InvalidInputError):
+    """Well formed, but more than the service takes at once (HTTP 413); smaller parts succeed."""
+
+
 class ArtifactError(SpecragError):
     """A file or directory specrag generated is missing, truncated, corrupt or from another build."""
 

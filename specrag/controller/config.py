@@ -37,6 +37,7 @@ class ControllerConfig:
     ``admission`` orders final requests waiting for the prefill pool: ``"ratio"`` (RAGCache's
     cached/compute queue) or ``"window"`` (request and document order chosen together over the
     oldest ``window_requests``; one engine only).
+    ``max_batch_queries`` bounds the questions of one batch (:mod:`specrag.controller.batch`).
     """
 
     k_default: int = 10
@@ -59,6 +60,7 @@ class ControllerConfig:
     max_sessions: int = 1000
     max_sessions_per_client: int = 64
     session_ttl_s: float = 3600.0
+    max_batch_queries: int = 32
 
     def validate(self) -> ControllerConfig:
         get_mode(self.mode)
@@ -79,6 +81,8 @@ class ControllerConfig:
         if self.admission not in ADMISSIONS:
             names = ", ".join(ADMISSIONS)
             raise InvalidInputError(f"admission must be one of {names}, got {self.admission!r}")
+        if self.max_batch_queries < 1:
+            raise InvalidInputError("max_batch_queries must be at least 1")
         if self.window_requests < 1:
             raise InvalidInputError("window_requests must be at least 1")
         if self.max_queue < 0:

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Sequence
 from specrag.cache.hints import HintConfig
 from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.cache.tree import KnowledgeTree
+from specrag.controller.batch import BatchAnswers, run_batch
 from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, ControllerConfig
 from specrag.controller.conversation import TurnPrompts
 from specrag.controller.facade import CoreLoad, EngineHealth
@@ -32,7 +33,7 @@ from specrag.controller.run import QueryRun, QueryShared
 from specrag.controller.sampling import check_sampling
 from specrag.controller.sessions import SessionStore
 from specrag.controller.warmup import SystemPromptWarmer, WarmupRecord
-from specrag.errors import EngineError, InvalidInputError, echo
+from specrag.errors import EngineError, InvalidInputError, TooLargeError, echo
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
@@ -185,6 +186,40 @@ class RagController:
                 if isinstance(event, AnswerDone):
                     return event
         raise EngineError("the answer stream ended without a result")
+
+    def check_batch(self, requests: Sequence[object]) -> list[CheckedRequest]:
+        """A batch's requests checked (see :meth:`check`), each error naming its question.
+
+        At most ``max_batch_queries`` (more: :class:`TooLargeError`); a batch query cannot belong
+        to a session (a conversation's turns run one after the other).
+        """
+        limit = self.config.max_batch_queries
+        if not requests:
+            raise InvalidInputError("a batch needs at least one question")
+        if len(requests) > limit:
+            raise TooLargeError(f"a batch takes at most {limit} questions, got {len(requests)}")
+        checked = []
+        for number, request in enumerate(requests):
+            try:
+                if not isinstance(request, RagRequest):
+                    raise InvalidInputError(f"expected a RagRequest, got {type(request).__name__}")
+                if request.session_id is not None:
+                    raise InvalidInputError("a batch query cannot continue a session")
+                checked.append(self.check(request))
+            except InvalidInputError as error:
+                raise InvalidInputError(f"queries[{number}]: {error}") from None
+        return checked
+
+    async def answer_batch(self, requests: Sequence[RagRequest] | Sequence[CheckedRequest]) -> BatchAnswers:
+        """Answer questions known together in the order that shares the most prompt prefix
+        (:mod:`specrag.controller.batch`); the answers come back in the order asked.
+
+        Plain requests are checked here (:meth:`check_batch`); checked ones are used as they are.
+        """
+        checked = [r for r in requests if isinstance(r, CheckedRequest)]
+        if not checked or len(checked) != len(requests):
+            checked = self.check_batch(requests)
+        return await run_batch(self.index, checked, self.stream)
 
     async def stream(
         self, request: RagRequest | CheckedRequest

@@ -95,6 +95,12 @@ class QueryRun:
     async def retrieve(self) -> Flight:
         """The staged search with speculation; returns the flight the answer comes from."""
         shared, checked, timeline = self._shared, self.checked, self.timeline
+        if checked.planned is not None:  # a batch query: its batch searched and ordered it
+            timeline.add(
+                "planned", now(), position=checked.planned.position, documents=len(checked.planned.rows)
+            )
+            self._warm_up()
+            return await self.final_known(list(checked.planned.rows))
         loop = asyncio.get_running_loop()
         timeline.embed_start = now()
         vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
@@ -195,7 +201,8 @@ class QueryRun:
         queued_at = now()
         if gate.pool >= gate.max_prefill_bs or gate.waiting:
             timeline.add("queued", queued_at, pool=gate.pool, waiting=gate.waiting)
-        reorderable = self.checked.mode.ordering and self._turn is None  # a session's order is its history's
+        # A session's order is its history's, a batch query's its plan's.
+        reorderable = self.checked.mode.ordering and self._turn is None and self.checked.planned is None
         slot = await gate.admit(predicted, len(layout.token_ids) - predicted, rows if reorderable else ())
         timeline.queued_s = now() - queued_at
         if not placed.replica.available:  # excluded while the request waited for its slot
@@ -280,11 +287,7 @@ class QueryRun:
 
     def _rows(self, ids: np.ndarray) -> list[int]:
         """Corpus rows of a stage's ids in rank order; padding and repeats (synthetic rows) dropped."""
-        rows: list[int] = []
-        for row in self._shared.index.passage_index_of(ids).tolist():
-            if row >= 0 and row not in rows:
-                rows.append(row)
-        return rows
+        return list(self._shared.index.ranked_rows(ids))
 
     def _prompt(self, rows: list[int], final: bool) -> Placed:
         """The prompt for these documents, where it goes and that replica's estimate of its cached tokens.
@@ -312,9 +315,12 @@ class QueryRun:
             # not follow sessions): that is the prediction.
             session_cached = turn.predicted_cached_tokens(session, placed.replica.engine.block_size)
             return replace(placed, predicted_cached=session_cached)
-        policy = get_policy(shared.config.ordering_policy if checked.mode.ordering else "retrieval")
+        planned = checked.planned  # a batch plan's order is kept as it is
+        policy = get_policy(
+            shared.config.ordering_policy if checked.mode.ordering and not planned else "retrieval"
+        )
         return shared.placement.place_documents(
-            policy, rows, lambda order: self._layout(rows, order), prefer=prefer
+            policy, planned.order if planned else rows, lambda order: self._layout(rows, order), prefer=prefer
         )
 
     def _layout(self, rows: list[int], order: Sequence[DocId]) -> PromptLayout:

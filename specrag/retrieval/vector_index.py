@@ -102,6 +102,10 @@ class VectorIndex:
             raise InvalidInputError(f"row ids outside [-1, {self.searcher.ntotal})")
         return self._row_to_passage[rows]
 
+    def ranked_rows(self, row_ids: np.ndarray) -> tuple[int, ...]:
+        """Corpus positions of a 1-D result in rank order, padding and repeats (synthetic rows) dropped."""
+        return tuple(dict.fromkeys(row for row in self.passage_index_of(row_ids).tolist() if row >= 0))
+
     def passage_ids_of(self, row_ids: np.ndarray) -> list[str]:
         """Passage ids of a 1-D result, padding dropped, in rank order."""
         return [self.passage_ids[i] for i in self.passage_index_of(row_ids).tolist() if i >= 0]

@@ -176,11 +176,11 @@ class ServiceMetrics:
             reason = "adopted speculation" if last.kind == "adopt" else str(last.detail["reason"])
             self.routed.labels(replica=str(last.detail["replica"]), reason=reason).inc()
 
-    def count_unfinished(self, mode: str, outcome: str) -> None:
-        """Record a query that ended without an answer (its timeline stays inside the controller)."""
+    def count_unfinished(self, mode: str, outcome: str, queries: int = 1) -> None:
+        """Record queries that ended without an answer (their timelines stay inside the controller)."""
         if outcome not in OUTCOMES or outcome == "ok":
             raise ValueError(f"not an unfinished outcome: {outcome!r}")
-        self.requests.labels(mode=mode, outcome=outcome).inc()
+        self.requests.labels(mode=mode, outcome=outcome).inc(queries)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
