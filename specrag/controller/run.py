@@ -234,8 +234,12 @@ class QueryRun:
                 timeline.first_token = now()
                 timeline.answer_scheduled = flight.scheduled_at
                 timeline.add("first_token", timeline.first_token, cached_tokens=output.cached_tokens)
-            # An OpenAI server reports the count only with its last output: keep the latest.
-            timeline.cached_prompt_tokens = latest_cached_tokens(output, timeline.cached_prompt_tokens) or 0
+            # An OpenAI server reports the count only with its last output: keep the latest (of the
+            # answer's prompt: a migration's prompt is longer).
+            if not timeline.migrations:
+                timeline.cached_prompt_tokens = (
+                    latest_cached_tokens(output, timeline.cached_prompt_tokens) or 0
+                )
             texts.append(output.text)
             tokens.extend(output.token_ids)
             finish_reason = output.finish_reason or finish_reason
@@ -340,16 +344,19 @@ class QueryRun:
             return placed.predicted_cached
         return placed.replica.tree.cached_prefix(placed.layout.document_ids()).tokens
 
-    def _launch(self, placed: Placed, slot: Slot, speculative: bool, predicted: int) -> Flight:
+    def _launch(
+        self, placed: Placed, slot: Slot, speculative: bool, predicted: int, sent: tuple[int, ...] = ()
+    ) -> Flight:
         sampling = self.checked.sampling
         try:
             check_prompt_fits(len(placed.layout.token_ids), sampling, placed.replica.engine.max_model_len)
         except InvalidInputError:
             slot.release()  # the slot was taken for a request that will never exist
             raise
-        flight = Flight(placed, sampling, slot, speculative)
+        flight = Flight(placed, sampling, slot, speculative, sent)
         flight.predicted_cached_tokens = predicted
-        if self.checked.session is None:  # a session's prompts are the session's, not the tree's
+        # A session's prompts are the session's, not the tree's; a migration's ends in an answer.
+        if self.checked.session is None and not sent:
             placed.replica.tree.record_pending(placed.layout)
             flight.on_prefilled = self._prefilled
         self._flights.append(flight)
@@ -432,11 +439,27 @@ class QueryRun:
             yield output
         self._measure_prefill(answer.flight)
 
-    async def _resubmit(self, placed: Placed, failed: Flight, error: EngineError) -> Flight:
-        """The answer's prompt again, as placed after ``failed`` failed, through the prefill gate."""
-        self.timeline.add("retry", now(), reason=str(error), replica=failed.replica.name)
+    async def _resubmit(
+        self, placed: Placed, failed: Flight, error: EngineError, sent: tuple[int, ...]
+    ) -> Flight:
+        """The answer's prompt again, as placed after ``failed`` failed, through the prefill gate;
+        after the first token, with the tokens already ``sent`` (a migration)."""
+        timeline = self.timeline
+        if sent:
+            timeline.migrations += 1
+            timeline.add(
+                "migrate",
+                now(),
+                reason=str(error),
+                replica=failed.replica.name,
+                to=placed.replica.name,
+                tokens_sent=len(sent),
+            )
+        else:
+            timeline.add("retry", now(), reason=str(error), replica=failed.replica.name)
         slot = await self._shared.gate.admit(placed.predicted_cached, len(placed.layout.token_ids))
-        flight = self._launch(placed, slot, speculative=False, predicted=self._predicted(placed))
+        flight = self._launch(placed, slot, speculative=False, predicted=self._predicted(placed), sent=sent)
         self._note_route(placed)
-        self.timeline.answer_submit = flight.submitted_at
+        if not sent:  # a migration's prompt is not the answer's: its figures stay the first request's
+            timeline.answer_submit = flight.submitted_at
         return flight

@@ -93,6 +93,10 @@ class ServiceMetrics:
             "specrag_preempted_speculations", "Speculations aborted because a final request needed their slot"
         )
         self.adoptions = counter("specrag_adoptions", "Answers served by an adopted speculation")
+        self.migrations = counter(
+            "specrag_migrations",
+            "Moves of an answer to another replica after its first token (its replica failed mid-answer)",
+        )
         self.prompt_tokens = counter("specrag_prompt_tokens", "Prompt tokens of answered queries")
         self.cached_prompt_tokens = counter(
             "specrag_cached_prompt_tokens", "Prompt tokens the engine's prefix cache served"
@@ -167,6 +171,7 @@ class ServiceMetrics:
         self.aborted_speculations.inc(timeline.aborted_speculations)
         self.preempted_speculations.inc(timeline.preempted_speculations)
         self.adoptions.inc(int(timeline.adopted))
+        self.migrations.inc(timeline.migrations)
         self.prompt_tokens.inc(timeline.prompt_tokens)
         self.cached_prompt_tokens.inc(timeline.cached_prompt_tokens)
         self.wasted_spec_prefill_tokens.inc(timeline.wasted_spec_prefill_tokens)
