@@ -313,11 +313,14 @@ def idle_trace(
     return generate(passages, "zipf", n, 1 / gap_s, cv=0.05, seed=seed)
 
 
-def point_summary(point: Point, results: dict[str, RunResult]) -> dict[str, Any]:
+def point_summary(point: Point, results: dict[str, RunResult], index: VectorIndex) -> dict[str, Any]:
+    """The point's figures; ``search`` says whether its index searched hybrid (dense and BM25
+    fused, as the service does) or dense only, so that points are compared like for like."""
     serial = results["serial"].records
     rows = {name: overlap(serial, run.records) for name, run in results.items() if name != "serial"}
     return {
         "kind": point.kind,
+        "search": "hybrid" if index.hybrid else "dense",
         "knob": point.knob,
         "k": point.k,
         "predicted_ratio": point.predicted_ratio,
@@ -349,10 +352,19 @@ async def hnsw_index(layout: DataLayout, assets: Assets, size: int, runner: Sear
 
 
 def with_ef_search(index: VectorIndex, ef_search: int) -> VectorIndex:
-    """The same graph searched at ``ef_search`` (its stage sizes recalibrated)."""
+    """The same graph searched at ``ef_search`` (its stage sizes recalibrated), hybrid when the
+    index is, like the IVF points: only the dense channel's search changes."""
     searcher: Any = index.searcher
     retuned = type(searcher)(searcher.owner, ef_search)
-    return VectorIndex(retuned, index.passage_ids, index.synthetic_sources, index.embedder, index.runner)
+    return VectorIndex(
+        retuned,
+        index.passage_ids,
+        index.synthetic_sources,
+        index.embedder,
+        index.runner,
+        index.lexical,
+        index.fusion,
+    )
 
 
 async def hnsw_point(
@@ -421,7 +433,7 @@ async def idle_sweep(
     for number, point in enumerate(points):
         trace = idle_trace(passages, point, args.idle_queries, args.max_tokens, args.seed + number)
         results = await run_all(stack, index, point, trace)
-        summaries.append(point_summary(point, results))
+        summaries.append(point_summary(point, results, index))
         runs.append(results)
         print_point(summaries[-1], "idle")
     return summaries, runs
@@ -445,7 +457,7 @@ async def loaded_run(
     trace = [replace(query, t=query.t * stretch) for query in drawn]
     offered_rps = (len(trace) - 1) / trace[-1].t
     results = await run_all(stack, index, point, trace)
-    summary = loaded_summary(point, results, offered_rps / saturation, saturation)
+    summary = loaded_summary(point, results, index, offered_rps / saturation, saturation)
     print_loaded(summary)
     return summary, results
 
@@ -468,7 +480,7 @@ async def flat_point(
     point = nearest_point("ivf", await search_ms_by_share(flat, vectors), prefill_ms, 1.0)
     trace = idle_trace(passages, point, args.idle_queries, args.max_tokens, args.seed + 80)
     runs = await run_all(stack, flat, point, trace)
-    summary = point_summary(point, runs)
+    summary = point_summary(point, runs, flat)
     print_point(summary, "idle, flat IVF")
     return summary, runs
 
@@ -526,7 +538,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             hnsw, hnsw_at = await hnsw_point(graph, vectors, prefill_ms)
             trace = idle_trace(assets.passages, hnsw_at, args.idle_queries, args.max_tokens, args.seed + 70)
             hnsw_runs = await run_all(stack, hnsw, hnsw_at, trace)
-            hnsw_summary = point_summary(hnsw_at, hnsw_runs)
+            hnsw_summary = point_summary(hnsw_at, hnsw_runs, hnsw)
             print_point(hnsw_summary, "idle")
             flat_summary, flat_runs = await flat_point(
                 stack, flat, assets.passages, vectors, prefill_ms, args
@@ -564,9 +576,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def loaded_summary(
-    point: Point, results: dict[str, RunResult], utilization: float, saturation: float
+    point: Point, results: dict[str, RunResult], index: VectorIndex, utilization: float, saturation: float
 ) -> dict[str, Any]:
-    summary = point_summary(point, results)
+    summary = point_summary(point, results, index)
     serial = summary["summaries"]["serial"]
     summary.update(
         utilization=utilization,
@@ -586,7 +598,7 @@ def print_point(summary: dict[str, Any], label: str) -> None:
     rows = summary["configurations"]
     first = next(iter(rows.values()))
     print(
-        f"{label} {summary['kind']} knob {summary['knob']:.3g} k={summary['k']}:"
+        f"{label} {summary['kind']} ({summary['search']} search) knob {summary['knob']:.3g} k={summary['k']}:"
         f" measured r = {first['ratio']:.2f} (predicted {summary['predicted_ratio']:.2f});"
         f" serial {first['serial_ttft_ms']:.0f} ms, bound {first['bound_ttft_ms']:.0f} ms;"
         f" first query's cached tokens {summary['first_query_cached_tokens']}"
