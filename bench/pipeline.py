@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, pin_apart, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.__main__ import scaled_index
 from bench.e2e.report import summarize
 from bench.e2e.runner import (
@@ -77,7 +77,6 @@ from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
 from specrag.service.assets import Assets, ensure_assets, ensure_index
-from specrag.service.pinning import pin_apart
 
 TARGET_RATIOS = (0.25, 0.5, 1.0, 2.0)
 # IVF kinds (index_store.KINDS) the sweep can run on.

@@ -61,6 +61,7 @@ from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import ROUTERS, Placed, Placement, health_checks
 from specrag.controller.replicas import Replica
+from specrag.controller.simulated_replicas import simulated_replica
 from specrag.errors import EngineError
 from specrag.pipeline import virtual_time
 from specrag.pipeline.engine import Sampling, now
@@ -348,7 +349,7 @@ async def simulated(n: int, rate: float, seed: int) -> dict[str, dict[str, Any]]
     for name, trace in traces(n, seed).items():
         for router in ROUTERS:
             replicas = [
-                Replica.simulated(
+                simulated_replica(
                     f"r{i}",
                     SIM_SYSTEM,
                     block_size=BLOCK,

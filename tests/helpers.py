@@ -30,6 +30,7 @@ from specrag.cache.residency import chain_block_keys
 from specrag.controller.controller import AnswerDone, ControllerConfig, RagController, RagRequest
 from specrag.controller.placement import Placement
 from specrag.controller.replicas import Replica
+from specrag.controller.simulated_replicas import simulated_replica
 from specrag.pipeline.commands import engine_server_config
 from specrag.pipeline.default_model import DefaultModelSpec
 from specrag.pipeline.engine import (
@@ -225,7 +226,7 @@ def simulated_pool(assets: Assets, n: int, **engine_options: Any) -> list[Replic
     """``n`` simulated replicas, each with its own tree fed by its own KV events."""
     builder = PromptBuilder(assets.tokenizer, assets.store, block_size=32)
     options = {"time_scale": 0.01, "max_model_len": 4096, **engine_options}
-    return [Replica.simulated(f"r{i}", builder.system_layout_tokens(), **options) for i in range(n)]
+    return [simulated_replica(f"r{i}", builder.system_layout_tokens(), **options) for i in range(n)]
 
 
 def pool_controller(

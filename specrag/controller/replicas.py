@@ -20,15 +20,13 @@ its first token for the stall timeout beyond what the oldest was expected to tak
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from specrag.cache.pgdsf import PrefillProfile
 from specrag.cache.tree import KnowledgeTree
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.engine import Engine, now
-from specrag.pipeline.simulated_engine import SimulatedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +70,6 @@ class Replica:
         self._last_first_token = now()  # progress, as the stall check sees it
         # Run on every rejoin, e.g. to resubscribe a KV-event mirror to a restarted engine.
         self.rejoin_hooks: list[Callable[[], Awaitable[None]]] = []
-
-    @classmethod
-    def simulated(
-        cls, name: str, system_token_ids: Sequence[int], block_size: int = 32, **engine_options: Any
-    ) -> Replica:
-        """A simulated engine whose KV events feed a fresh tree: tests and large simulations."""
-        tree = KnowledgeTree(system_token_ids, block_size=block_size)
-        engine = SimulatedEngine(block_size=block_size, on_kv_events=tree.apply_events, **engine_options)
-        return cls(name, engine, tree)
 
     def __repr__(self) -> str:
         return f"Replica({self.name!r})"

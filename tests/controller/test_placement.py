@@ -13,6 +13,7 @@ from specrag.cache.ordering import get_policy
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.placement import ROUTERS, Placement, health_checks
 from specrag.controller.replicas import Replica
+from specrag.controller.simulated_replicas import simulated_replica
 from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from tests.helpers import BLOCK, SYSTEM, layout, run_prompt, wait_until
@@ -21,7 +22,7 @@ EXACT = get_policy("exact")
 
 
 def replicas(n: int) -> list[Replica]:
-    return [Replica.simulated(f"r{i}", SYSTEM, block_size=BLOCK, time_scale=0.0) for i in range(n)]
+    return [simulated_replica(f"r{i}", SYSTEM, block_size=BLOCK, time_scale=0.0) for i in range(n)]
 
 
 async def serve(replica: Replica, order: list[int]) -> None:

@@ -18,6 +18,7 @@ from specrag.controller.flight import Flight, RetriedFlight, _spanning_stop
 from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import Placed, Placement
 from specrag.controller.replicas import Replica
+from specrag.controller.simulated_replicas import simulated_replica
 from specrag.errors import EngineError, EngineUnavailableError
 from specrag.pipeline.engine import EngineOutput, Sampling
 from specrag.pipeline.simulated_engine import SimulatedEngine
@@ -73,7 +74,7 @@ async def close(replicas: list[Replica]) -> None:
 
 
 def pool(n: int) -> list[Replica]:
-    return [Replica.simulated(f"r{i}", SYSTEM, time_scale=0.01, max_model_len=4096) for i in range(n)]
+    return [simulated_replica(f"r{i}", SYSTEM, time_scale=0.01, max_model_len=4096) for i in range(n)]
 
 
 async def test_a_failure_before_the_first_token_is_resubmitted_on_another_replica() -> None:
