@@ -64,7 +64,7 @@ from bench.e2e.runner import (
     ttft_of,
 )
 from bench.e2e.workload import TraceQuery, generate
-from specrag.controller.config import DEFAULT_STAGE_SCHEDULE, ControllerConfig
+from specrag.controller.config import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import KVEventSource, parse_cpus
 from specrag.pipeline.engine import Engine
@@ -72,7 +72,7 @@ from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.stages import DEFAULT_STAGES
+from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES
 from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
@@ -158,13 +158,13 @@ def configurations(search_share: float) -> list[Configuration]:
         Configuration("serial", "serial", "pipeline", search_share),
         Configuration("spec-equal", "speculation", "pipeline", search_share, {"stage_schedule": "equal"}),
         Configuration(
-            f"spec-{DEFAULT_STAGE_SCHEDULE}",
+            f"spec-{DEFAULT_SCHEDULE}",
             "speculation",
             "pipeline",
             search_share,
-            {"stage_schedule": DEFAULT_STAGE_SCHEDULE},
+            {"stage_schedule": DEFAULT_SCHEDULE},
         ),
-        Configuration("all", "all", "pipeline", search_share, {"stage_schedule": DEFAULT_STAGE_SCHEDULE}),
+        Configuration("all", "all", "pipeline", search_share, {"stage_schedule": DEFAULT_SCHEDULE}),
     ]
 
 
@@ -556,7 +556,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "idle_queries": args.idle_queries,
         "loaded_queries": args.loaded_queries,
         "max_tokens": args.max_tokens,
-        "default_schedule": DEFAULT_STAGE_SCHEDULE,
+        "default_schedule": DEFAULT_SCHEDULE,
         "stages": {kind: args.stages or default for kind, default in DEFAULT_STAGES.items()},
         "search_ms_by_probe_share": {str(s): v for s, v in search_ms.items()},
         "prefill_ms_by_k": {str(k): v for k, v in prefill_ms.items()},
@@ -716,7 +716,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         },
         **({"ivf_flat": extra_point(result["ivf_flat"])} if result["ivf_flat"] else {}),
         "index": result["facts"]["index"],
-        "schedule": DEFAULT_STAGE_SCHEDULE,
+        "schedule": DEFAULT_SCHEDULE,
         "stages": result["facts"]["stages"],
         "pinning": result["facts"]["pinning"],
     }

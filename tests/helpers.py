@@ -28,7 +28,7 @@ import numpy as np
 from specrag.cache import BlockRemoved, BlockStored, DocId, KnowledgeTree, KVEvent, PromptLayout, build_layout
 from specrag.cache.residency import chain_block_keys
 from specrag.controller.controller import AnswerDone, ControllerConfig, RagController, RagRequest
-from specrag.controller.placement import Placement
+from specrag.controller.placement import Placement, Router
 from specrag.controller.replicas import Replica
 from specrag.controller.simulated_replicas import simulated_replica
 from specrag.pipeline.commands import engine_server_config
@@ -178,7 +178,6 @@ class ScriptedSearcher:
 
     def __init__(self, stages: Sequence[Sequence[int]], ntotal: int, dim: int, stage_delay_s: float) -> None:
         self._stages = [list(ids) for ids in stages]
-        self.default_stages = len(self._stages)  # it ignores the plan: its stages are the script's
         self._ntotal = ntotal
         self._dim = dim
         self._delay = stage_delay_s
@@ -212,7 +211,10 @@ def scripted_index(
     assets: Assets, stages: Sequence[Sequence[int]], stage_delay_s: float = 0.3
 ) -> VectorIndex:
     searcher = ScriptedSearcher(stages, len(assets.passages), assets.index.dim, stage_delay_s)
-    return VectorIndex(searcher, assets.index.passage_ids, None, assets.index.embedder)
+    # Its stages are the script's, whatever the plan: so is its stage count.
+    return VectorIndex(
+        searcher, assets.index.passage_ids, None, assets.index.embedder, default_stages=len(stages)
+    )
 
 
 def make_controller(
@@ -230,7 +232,7 @@ def simulated_pool(assets: Assets, n: int, **engine_options: Any) -> list[Replic
 
 
 def pool_controller(
-    pool: Sequence[Replica], assets: Assets, index: VectorIndex, router: str = "specrag", **config: Any
+    pool: Sequence[Replica], assets: Assets, index: VectorIndex, router: Router = "specrag", **config: Any
 ) -> RagController:
     """A controller over several replicas behind a router."""
     builder = PromptBuilder(assets.tokenizer, assets.store, block_size=pool[0].engine.block_size)

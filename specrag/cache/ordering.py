@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, get_args
 
 from specrag.cache.layout import DocId
 from specrag.cache.tree import KnowledgeTree, Node, PrefixMatch
-from specrag.errors import InvalidInputError
+from specrag.errors import InvalidInputError, check_choice
 
 Probe = Callable[[Sequence[DocId]], PrefixMatch]
 
@@ -289,7 +289,9 @@ def _best_resident_prefix(tree: KnowledgeTree, doc_ids: Sequence[DocId], candida
     return _Prefix(path, best_node, best_tokens, best_docs, best_frontier)
 
 
-_FACTORIES: dict[str, Callable[[], OrderingPolicy]] = {
+PolicyName = Literal["retrieval", "sorted", "recency", "greedy", "exact", "exact-rank"]
+POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
+_FACTORIES: dict[PolicyName, Callable[[], OrderingPolicy]] = {
     "retrieval": RetrievalOrder,
     "sorted": SortedOrder,
     "recency": RecencyOrder,
@@ -297,14 +299,8 @@ _FACTORIES: dict[str, Callable[[], OrderingPolicy]] = {
     "exact": ExactOrder,
     "exact-rank": lambda: ExactOrder("exact-rank", rank_tail=True),
 }
-POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 
 
 def get_policy(name: str) -> OrderingPolicy:
     """A fresh policy by name; unknown names raise InvalidInputError listing the known ones."""
-    try:
-        return _FACTORIES[name]()
-    except KeyError:
-        raise InvalidInputError(
-            f"unknown ordering policy {name!r}; known: {', '.join(POLICY_NAMES)}"
-        ) from None
+    return _FACTORIES[check_choice("ordering policy", name, POLICY_NAMES)]()

@@ -84,7 +84,7 @@ class RagController:
         config: ControllerConfig | None = None,
         tree: KnowledgeTree | None = None,
     ) -> None:
-        self.config = (config or ControllerConfig()).validate()
+        self.config = config or ControllerConfig()  # checked when it was made
         if isinstance(engine, Placement):
             if tree is not None:
                 raise InvalidInputError("replicas bring their own trees: pass no tree with a placement")

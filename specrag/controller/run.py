@@ -105,15 +105,18 @@ class QueryRun:
         timeline.embed_start = now()
         vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
         timeline.search_start = now()
-        stages = (shared.config.num_stages or shared.index.default_stages) if checked.mode.speculation else 1
-        if stages == 1:
+        config = shared.config
+        plan = shared.index.stage_plan(
+            config.num_stages if checked.mode.speculation else 1, config.stage_schedule
+        )
+        if plan.num_stages == 1:
             self._warm_up()
         final_rows: list[int] = []
         search = shared.index.search_staged(
             vector,
             checked.k,
-            num_stages=stages,
-            schedule=shared.config.stage_schedule,
+            num_stages=plan.num_stages,
+            schedule=plan.schedule,
             query_text=checked.request.question,  # the lexical channel of a hybrid index
         )
         async with contextlib.aclosing(search) as staged:

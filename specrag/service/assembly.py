@@ -34,7 +34,7 @@ from aiohttp import web
 
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import ControllerConfig, RagController, new_tree
-from specrag.controller.placement import Placement, health_checks
+from specrag.controller.placement import Placement, Router, health_checks
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.config import EngineConfig, KVEventSource, model_context_length, parse_cpus
@@ -72,7 +72,7 @@ class ServiceOptions:
     ray_address: str | None = None
     # In-process engines (or Ray replicas with ``ray_address``).
     replicas: int = 1
-    router: str = "specrag"
+    router: Router = "specrag"
 
     def __post_init__(self) -> None:
         """Bad combinations fail here, before any engine starts (flag names: ``specrag serve``'s)."""
@@ -385,7 +385,7 @@ class PoolService:
 
 @contextlib.asynccontextmanager
 async def open_pool(
-    engines: Sequence[PoolEngine], system_token_ids: Sequence[int], router: str = "specrag"
+    engines: Sequence[PoolEngine], system_token_ids: Sequence[int], router: Router = "specrag"
 ) -> AsyncIterator[Pool]:
     """The placement over ``engines``, whatever their kind: each gets its own tree, fed by its own
     KV events; health checks run while the block does. The mirrors stop on exit, the engines not.

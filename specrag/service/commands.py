@@ -19,13 +19,12 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from specrag.client import AsyncClient
-from specrag.controller.config import DEFAULT_STAGE_SCHEDULE
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES
 from specrag.controller.placement import ROUTERS
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.retrieval.stages import DEFAULT_STAGES, SCHEDULES
+from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, SCHEDULES
 from specrag.service.assembly import ServiceOptions, open_pool_service, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
@@ -127,7 +126,7 @@ def _controller_config(args: argparse.Namespace) -> ControllerConfig:
             max_prefill_bs=args.max_prefill_bs,
             max_queue=args.max_queue,
             first_token_timeout_s=args.first_token_timeout,
-        ).validate()
+        )
     except InvalidInputError as error:
         message = str(error)
         for setting, flag in _FLAG_OF_SETTING.items():
@@ -300,7 +299,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--stage-schedule",
         choices=SCHEDULES,
-        default=DEFAULT_STAGE_SCHEDULE,
+        default=DEFAULT_SCHEDULE,
         help="how the stages cut the search: equal slices, or geometric (1/32, 1/16, 1/8, 1/4, 1/2, "
         "1 of it for 6 stages: the first speculation starts early) (default: %(default)s)",
     )
