@@ -377,7 +377,6 @@ async def real_replicas(
 
     Yields the replicas, the assets, and each replica's engine-core process id (for the kill).
     """
-    from specrag.controller.controller import new_tree
     from specrag.paths import DataLayout, resolve_data_dir
     from specrag.pipeline.config import EngineConfig
     from specrag.pipeline.vllm_engine import VllmEngine
@@ -400,8 +399,11 @@ async def real_replicas(
             known = {process.pid for process in engine_cores()}
             engine = await VllmEngine.start(config)
             cores += [p.pid for p in engine_cores() if p.pid not in known and p.pid is not None][:1]
-            tree = new_tree(engine, prompt_builder(assets, engine).system_layout_tokens())
-            replicas.append(Replica(f"r{number}", engine, tree))
+            replica = Replica.for_engine(
+                f"r{number}", engine, prompt_builder(assets, engine).system_layout_tokens()
+            )
+            tree = replica.tree
+            replicas.append(replica)
             source = config.kv_event_source()
             assert source is not None  # the replica's config publishes its events
             mirror = KVMirror(tree, source)

@@ -221,7 +221,8 @@ def make_controller(
     engine: Engine, assets: Assets, index: VectorIndex | None = None, **config: Any
 ) -> RagController:
     builder = PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
-    return RagController(engine, index or assets.index, builder, ControllerConfig(**config))
+    placement = Placement.of_one(engine, builder.system_layout_tokens())
+    return RagController(placement, index or assets.index, builder, ControllerConfig(**config))
 
 
 def simulated_pool(assets: Assets, n: int, **engine_options: Any) -> list[Replica]:

@@ -46,6 +46,7 @@ from specrag.cache.ordering import OrderingPolicy, get_policy
 from specrag.cache.residency import chain_block_keys
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError, check_choice
+from specrag.pipeline.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,11 @@ class Placement:
         self.imbalance_bound = imbalance_bound
         self._turn = itertools.count()
         self._approx = {replica.name: _ApproxPrefixes(replica.engine.block_size) for replica in replicas}
+
+    @classmethod
+    def of_one(cls, engine: Engine, system_token_ids: Sequence[int]) -> Placement:
+        """One engine as a pool of one (its replica is named "0")."""
+        return cls([Replica.for_engine("0", engine, system_token_ids)])
 
     # ------------------------------------------------------------------ placing prompts
 

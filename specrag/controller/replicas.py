@@ -20,7 +20,7 @@ its first token for the stall timeout beyond what the oldest was expected to tak
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from specrag.cache.pgdsf import PrefillProfile
@@ -70,6 +70,19 @@ class Replica:
         self._last_first_token = now()  # progress, as the stall check sees it
         # Run on every rejoin, e.g. to resubscribe a KV-event mirror to a restarted engine.
         self.rejoin_hooks: list[Callable[[], Awaitable[None]]] = []
+
+    @classmethod
+    def for_engine(cls, name: str, engine: Engine, system_token_ids: Sequence[int]) -> Replica:
+        """The replica of ``engine`` with an empty tree of its block size, and its capacity model
+        until KV events come; ``system_token_ids`` as the system prompt starts every prompt
+        (padded to whole blocks: the engine caches, and the tree must predict, its padding too)."""
+        capacity = engine.kv_capacity_tokens
+        tree = KnowledgeTree(
+            system_token_ids,
+            block_size=engine.block_size,
+            capacity_blocks=capacity // engine.block_size if capacity else None,
+        )
+        return cls(name, engine, tree)
 
     def __repr__(self) -> str:
         return f"Replica({self.name!r})"

@@ -14,9 +14,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
-
-from aiohttp import web
+from typing import Any
 
 from specrag.client import AsyncClient
 from specrag.controller.controller import ControllerConfig
@@ -25,7 +23,7 @@ from specrag.controller.placement import ROUTERS
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, SCHEDULES
-from specrag.service.assembly import ServiceOptions, open_pool_service, open_service
+from specrag.service.assembly import Service, ServiceOptions, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.server import (
@@ -58,19 +56,10 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-class RunningService(Protocol):
-    """What ``serve`` and ``demo`` need of a running service, one engine or a pool."""
-
-    @property
-    def app(self) -> web.Application: ...
-
-    def begin_shutdown(self) -> None: ...
-
-
 @contextlib.asynccontextmanager
 async def _service(
     args: argparse.Namespace, assets: Assets, options: ServiceOptions, quiet: bool = False
-) -> AsyncIterator[RunningService]:
+) -> AsyncIterator[Service]:
     """The supervised engine(s), the controller and the application over them (see assembly.py).
 
     The run directory (the in-process engines' KV-event sockets) is this process's alone: it goes
@@ -79,8 +68,7 @@ async def _service(
     print(_starting(assets, options), file=sys.stderr if quiet else sys.stdout, flush=True)
     run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
     try:
-        opened = open_pool_service if options.pooled else open_service
-        async with opened(assets, options, run_dir) as service:
+        async with open_service(assets, options, run_dir) as service:
             yield service
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -21,7 +21,7 @@ from specrag.client import AsyncClient
 from specrag.controller.replicas import Replica
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assembly import ServiceOptions, open_pool_service
+from specrag.service.assembly import ServiceOptions, open_service
 from specrag.service.assets import Assets
 from specrag.service.server import serving
 from specrag.service.supervisor import SupervisedEngine
@@ -78,7 +78,7 @@ async def test_a_killed_vllm_replica_mid_answer_leaves_the_stream_whole(
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # serve's limit is beyond the tiny model's
     assets = dataclasses.replace(tiny_assets, index=scripted_index(tiny_assets, [[1, 2, 3]], 0.0))
     options = ServiceOptions(replicas=2, eager=True)
-    async with open_pool_service(assets, options, tmp_path / "run") as service:
+    async with open_service(assets, options, tmp_path / "run") as service:
         replicas: tuple[Replica, ...] = service.placement.replicas
         async with serving(service.app, access_log=False) as url, AsyncClient(url) as client:
             messages = [{"role": "user", "content": QUESTION}]
