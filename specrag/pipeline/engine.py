@@ -85,6 +85,16 @@ class EngineOutput:
 
 
 @dataclass(frozen=True)
+class EngineShape:
+    """What an engine says about itself once, when started or connected (the contract's
+    :attr:`Engine.block_size`, :attr:`Engine.max_model_len` and :attr:`Engine.kv_capacity_tokens`)."""
+
+    block_size: int
+    max_model_len: int
+    kv_capacity_tokens: int | None
+
+
+@dataclass(frozen=True)
 class WarmResult:
     """Outcome of warming a prefix: how much of it the engine already held."""
 
@@ -452,3 +462,22 @@ def clock(source: Callable[[], float]) -> Iterator[None]:
         yield
     finally:
         _clock = previous
+
+
+class DescribedEngine(EngineBase):
+    """An adapter whose engine described itself once (a server when connected, a Ray replica when
+    started): the shape properties read that description, ``_info``."""
+
+    _info: EngineShape
+
+    @property
+    def block_size(self) -> int:
+        return self._info.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._info.max_model_len
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        return self._info.kv_capacity_tokens

@@ -92,13 +92,18 @@ async def test_a_failure_before_the_first_token_is_resubmitted_on_another_replic
     await close(replicas)
 
 
-async def test_a_failure_after_the_first_token_migrates_the_answer_and_the_stream_goes_on() -> None:
+def two_replicas_answering(max_tokens: int) -> tuple[list[Replica], Placed, Launcher, Flight, RetriedFlight]:
+    """Two replicas, a prompt placed on one, and its answer (the first flight) under RetriedFlight."""
     replicas = pool(2)
     placement = Placement(replicas)
-    launcher = Launcher(max_tokens=400)
+    launcher = Launcher(max_tokens=max_tokens)
     placed = placement.place_prompt(prompt())
     first = launcher.launch(placed)
-    answer = RetriedFlight(first, placement, 5.0, launcher.resubmit)
+    return replicas, placed, launcher, first, RetriedFlight(first, placement, 5.0, launcher.resubmit)
+
+
+async def test_a_failure_after_the_first_token_migrates_the_answer_and_the_stream_goes_on() -> None:
+    replicas, placed, launcher, first, answer = two_replicas_answering(max_tokens=400)
     outputs = []
     async for output in answer.outputs():
         outputs.append(output)
@@ -121,12 +126,7 @@ async def test_a_failure_after_the_first_token_migrates_the_answer_and_the_strea
 
 
 async def test_an_answer_lost_with_only_its_end_missing_ends_without_a_new_request() -> None:
-    replicas = pool(2)
-    placement = Placement(replicas)
-    launcher = Launcher(max_tokens=2)
-    placed = placement.place_prompt(prompt())
-    flight = launcher.launch(placed)
-    answer = RetriedFlight(flight, placement, 5.0, launcher.resubmit)
+    replicas, _, launcher, flight, answer = two_replicas_answering(max_tokens=2)
     tokens: list[int] = []
     reasons = []
     with pytest.MonkeyPatch.context() as patch:  # the engine dies right after the last token
