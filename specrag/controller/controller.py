@@ -22,7 +22,7 @@ from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.controller.batch import BatchAnswers, run_batch
 from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, ControllerConfig
 from specrag.controller.conversation import TurnPrompts
-from specrag.controller.facade import CoreLoad, EngineHealth
+from specrag.controller.facade import CoreLoad, EngineHealth, ReplicaFacts
 from specrag.controller.gate import PrefillGate, WindowAdmission, default_max_prefill_bs
 from specrag.controller.modes import get_mode
 from specrag.controller.placement import Placement
@@ -246,13 +246,20 @@ class RagController:
         return CoreLoad(prefill_pool=self.gate.pool, queued=self.gate.waiting)
 
     async def health(self) -> EngineHealth:
-        """Whether an engine answers (its own counts), with the first's supervisor status if it has one.
+        """Whether an engine answers (its own counts), with the first's supervisor status if it has
+        one, and every replica's facts.
 
         With several replicas the service serves while any replica does: one replica down (or
         restarting) is routed around, not a reason to turn callers away.
         """
         supervision = self.placement.replicas[0].engine.supervision
         status = supervision.status() if supervision is not None else None
+        facts = tuple(
+            ReplicaFacts(
+                r.name, r.available, r.excluded, r.pending, round(r.speed, 3), r.tree.profile.measured
+            )
+            for r in self.placement.replicas
+        )
         reasons = []
         for replica in self.placement.replicas:
             try:
@@ -263,8 +270,8 @@ class RagController:
                 alone = len(self.placement.replicas) == 1
                 reasons.append(str(error) if alone else f"{replica.name}: {error}")
                 continue
-            return EngineHealth(serving=True, reason=None, supervision=status)
-        return EngineHealth(serving=False, reason="; ".join(reasons), supervision=status)
+            return EngineHealth(serving=True, reason=None, supervision=status, replicas=facts)
+        return EngineHealth(serving=False, reason="; ".join(reasons), supervision=status, replicas=facts)
 
     def create_session(self, client: str) -> str:
         return self.sessions.create(client).session_id

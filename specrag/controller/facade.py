@@ -27,12 +27,27 @@ class CoreLoad:
 
 
 @dataclass(frozen=True)
+class ReplicaFacts:
+    """One engine replica as /health reports it: in routing or excluded (why), our requests waiting
+    for their first token there, its speed factor and whether its PGDSF profile is measured."""
+
+    name: str
+    available: bool
+    excluded: str | None
+    pending: int
+    speed: float
+    profile_measured: bool
+
+
+@dataclass(frozen=True)
 class EngineHealth:
-    """Whether the engine serves (and why not), with its supervisor's status when it has one."""
+    """Whether the engine serves (and why not), with its supervisor's status when it has one, and
+    the facts of every replica (one for a single engine)."""
 
     serving: bool
     reason: str | None
     supervision: SupervisionStatus | None
+    replicas: tuple[ReplicaFacts, ...] = ()
 
 
 class QueryCore(Protocol):

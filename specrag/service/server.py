@@ -20,6 +20,7 @@ Design points, each for a reason:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -378,9 +379,10 @@ async def _health(request: web.Request) -> web.Response:
         if status is not None
         else {}
     )
+    replicas = {"replicas": [dataclasses.asdict(facts) for facts in health.replicas]}
     if not health.serving:
         return web.json_response(
-            {"status": "unavailable", "reason": health.reason, **supervision}, status=503
+            {"status": "unavailable", "reason": health.reason, **supervision, **replicas}, status=503
         )
     load = state.core.load()
     return web.json_response(
@@ -391,6 +393,7 @@ async def _health(request: web.Request) -> web.Response:
             "prefill_pool": load.prefill_pool,
             "queued": load.queued,
             **supervision,
+            **replicas,
         }
     )
 
