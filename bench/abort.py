@@ -31,7 +31,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.common import machine, plot_path, random_prompt, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, pin_apart, plot_path, random_prompt, stop_cleanly_on_sigterm, write_json
 from bench.e2e.runner import ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig, parse_cpus
@@ -39,7 +39,6 @@ from specrag.pipeline.engine import Engine, Sampling
 from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import ensure_assets
-from specrag.service.pinning import pin_apart
 
 DEFAULT_THRESHOLD = 256
 

@@ -12,13 +12,16 @@ import os
 import platform
 import random
 import signal
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+import psutil
 
 from specrag.pipeline.config import cpu_has_native_bf16
 from specrag.pipeline.model_catalog import MODEL_NAMES
+from specrag.service.pinning import pin_engine_processes, pin_threads
 
 matplotlib.use("Agg")
 
@@ -93,3 +96,12 @@ def stop_cleanly_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def pin_apart(engine_cpus: Collection[int], service_cpus: Collection[int]) -> list[str]:
+    """The engine's processes on ``engine_cpus``, this process on ``service_cpus``.
+
+    Returns the names of the engine processes pinned.
+    """
+    pin_threads(psutil.Process(), service_cpus)
+    return pin_engine_processes(engine_cpus)

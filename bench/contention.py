@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import machine, plot_path, random_prompt, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, pin_apart, plot_path, random_prompt, stop_cleanly_on_sigterm, write_json
 from bench.e2e.__main__ import scaled_index
 from bench.e2e.runner import search_times_ms, set_search_ratio, ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
@@ -54,7 +54,6 @@ from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_engine
 from specrag.service.assets import ensure_assets
-from specrag.service.pinning import pin_apart
 
 # A single-threaded matrix multiplication, forever: compute on one core and nothing else.
 MATMUL_LOOP = (

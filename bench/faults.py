@@ -218,7 +218,7 @@ async def fault_scenario(
     traffic = asyncio.create_task(load(client, run, name, stop, clients))
     try:
         await asyncio.sleep(3.0)
-        restarts = service.engine.restarts
+        restarts = service.supervised_engine().restarts
         pid = only_engine_core()
         fault_at = run.now()
         inject(pid)
@@ -339,7 +339,7 @@ async def settle(service: Service, run: Run, within_s: float = 30.0) -> None:
     """Wait (bounded) for the engine's own queues and the controller to drain; record what is left."""
     deadline = time.perf_counter() + within_s
     while True:
-        counts = await service.engine.counts()
+        counts = await service.supervised_engine().counts()
         in_flight = service.controller.in_flight_request_ids()
         # Every state a request can be left in; one request may count twice (running and
         # unfinished), which is fine: only zero means "nothing left".

@@ -45,9 +45,11 @@ from typing import Any, Literal
 import numpy as np
 
 from bench.common import machine, plot_path, write_json
+from bench.ordering_oracle import MyopicOracleOrder
 from bench.ordering_replay import Admission, Window, arrival_times, replay, saturating_rate
 from bench.ordering_score import score
 from bench.ordering_traces import topic_cluster_trace
+from bench.session_dedup import SessionDeduplicator
 from bench.traces import TraceRequest, bursty_trace, multiturn_trace, read_trace, zipf_trace
 from specrag.atomic import atomic_write_text
 from specrag.cache import (
@@ -60,12 +62,10 @@ from specrag.cache import (
     PrefillProfile,
     PrefixMatch,
     PromptLayout,
-    SessionDeduplicator,
     build_layout,
     get_policy,
     plan_batch,
 )
-from specrag.cache.ordering import MyopicOracleOrder
 from specrag.cache.residency import ROOT_KEY, BlockPool, chain_block_keys
 from specrag.errors import InvalidInputError
 
@@ -85,7 +85,7 @@ REPLAY_POLICIES: dict[str, Admission] = {"window": "window", "ratio-queue": "rat
 # prompts: with reuse the slot is busy ~90 % of the time, so queues form and drain, which is when
 # the order of waiting requests matters.
 REPLAY_LOAD = 1.2
-BENCH_POLICIES = (*POLICY_NAMES, *BATCH_POLICIES, *REPLAY_POLICIES)
+BENCH_POLICIES = (*POLICY_NAMES, "myopic-oracle", *BATCH_POLICIES, *REPLAY_POLICIES)
 Cache = Literal["unlimited", "lru10"]
 CACHES: tuple[Cache, ...] = ("unlimited", "lru10")
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import add_model_option, machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import add_model_option, machine, pin_apart, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.__main__ import scaled_index
 from bench.e2e.report import summarize
 from bench.e2e.runner import (
@@ -64,7 +64,7 @@ from bench.e2e.runner import (
     ttft_of,
 )
 from bench.e2e.workload import TraceQuery, generate
-from specrag.controller.config import DEFAULT_STAGE_SCHEDULE, ControllerConfig
+from specrag.controller.config import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import KVEventSource, parse_cpus
 from specrag.pipeline.engine import Engine
@@ -73,12 +73,11 @@ from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.stages import DEFAULT_STAGES
+from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES
 from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
 from specrag.service.assets import Assets, ensure_assets, ensure_index
-from specrag.service.pinning import pin_apart
 
 TARGET_RATIOS = (0.25, 0.5, 1.0, 2.0)
 # IVF kinds (index_store.KINDS) the sweep can run on.
@@ -162,13 +161,13 @@ def configurations(search_share: float) -> list[Configuration]:
         Configuration("serial", "serial", "pipeline", search_share),
         Configuration("spec-equal", "speculation", "pipeline", search_share, {"stage_schedule": "equal"}),
         Configuration(
-            f"spec-{DEFAULT_STAGE_SCHEDULE}",
+            f"spec-{DEFAULT_SCHEDULE}",
             "speculation",
             "pipeline",
             search_share,
-            {"stage_schedule": DEFAULT_STAGE_SCHEDULE},
+            {"stage_schedule": DEFAULT_SCHEDULE},
         ),
-        Configuration("all", "all", "pipeline", search_share, {"stage_schedule": DEFAULT_STAGE_SCHEDULE}),
+        Configuration("all", "all", "pipeline", search_share, {"stage_schedule": DEFAULT_SCHEDULE}),
     ]
 
 
@@ -316,11 +315,14 @@ def idle_trace(
     return generate(passages, "zipf", n, 1 / gap_s, cv=0.05, seed=seed)
 
 
-def point_summary(point: Point, results: dict[str, RunResult]) -> dict[str, Any]:
+def point_summary(point: Point, results: dict[str, RunResult], index: VectorIndex) -> dict[str, Any]:
+    """The point's figures; ``search`` says whether its index searched hybrid (dense and BM25
+    fused, as the service does) or dense only, so that points are compared like for like."""
     serial = results["serial"].records
     rows = {name: overlap(serial, run.records) for name, run in results.items() if name != "serial"}
     return {
         "kind": point.kind,
+        "search": "hybrid" if index.hybrid else "dense",
         "knob": point.knob,
         "k": point.k,
         "predicted_ratio": point.predicted_ratio,
@@ -352,10 +354,19 @@ async def hnsw_index(layout: DataLayout, assets: Assets, size: int, runner: Sear
 
 
 def with_ef_search(index: VectorIndex, ef_search: int) -> VectorIndex:
-    """The same graph searched at ``ef_search`` (its stage sizes recalibrated)."""
+    """The same graph searched at ``ef_search`` (its stage sizes recalibrated), hybrid when the
+    index is, like the IVF points: only the dense channel's search changes."""
     searcher: Any = index.searcher
     retuned = type(searcher)(searcher.owner, ef_search)
-    return VectorIndex(retuned, index.passage_ids, index.synthetic_sources, index.embedder, index.runner)
+    return VectorIndex(
+        retuned,
+        index.passage_ids,
+        index.synthetic_sources,
+        index.embedder,
+        index.runner,
+        index.lexical,
+        index.fusion,
+    )
 
 
 async def hnsw_point(
@@ -424,7 +435,7 @@ async def idle_sweep(
     for number, point in enumerate(points):
         trace = idle_trace(passages, point, args.idle_queries, args.max_tokens, args.seed + number)
         results = await run_all(stack, index, point, trace)
-        summaries.append(point_summary(point, results))
+        summaries.append(point_summary(point, results, index))
         runs.append(results)
         print_point(summaries[-1], "idle")
     return summaries, runs
@@ -448,7 +459,7 @@ async def loaded_run(
     trace = [replace(query, t=query.t * stretch) for query in drawn]
     offered_rps = (len(trace) - 1) / trace[-1].t
     results = await run_all(stack, index, point, trace)
-    summary = loaded_summary(point, results, offered_rps / saturation, saturation)
+    summary = loaded_summary(point, results, index, offered_rps / saturation, saturation)
     print_loaded(summary)
     return summary, results
 
@@ -471,7 +482,7 @@ async def flat_point(
     point = nearest_point("ivf", await search_ms_by_share(flat, vectors), prefill_ms, 1.0)
     trace = idle_trace(passages, point, args.idle_queries, args.max_tokens, args.seed + 80)
     runs = await run_all(stack, flat, point, trace)
-    summary = point_summary(point, runs)
+    summary = point_summary(point, runs, flat)
     print_point(summary, "idle, flat IVF")
     return summary, runs
 
@@ -529,7 +540,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             hnsw, hnsw_at = await hnsw_point(graph, vectors, prefill_ms)
             trace = idle_trace(assets.passages, hnsw_at, args.idle_queries, args.max_tokens, args.seed + 70)
             hnsw_runs = await run_all(stack, hnsw, hnsw_at, trace)
-            hnsw_summary = point_summary(hnsw_at, hnsw_runs)
+            hnsw_summary = point_summary(hnsw_at, hnsw_runs, hnsw)
             print_point(hnsw_summary, "idle")
             flat_summary, flat_runs = await flat_point(
                 stack, flat, assets.passages, vectors, prefill_ms, args
@@ -548,7 +559,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "idle_queries": args.idle_queries,
         "loaded_queries": args.loaded_queries,
         "max_tokens": args.max_tokens,
-        "default_schedule": DEFAULT_STAGE_SCHEDULE,
+        "default_schedule": DEFAULT_SCHEDULE,
         "stages": {kind: args.stages or default for kind, default in DEFAULT_STAGES.items()},
         "search_ms_by_probe_share": {str(s): v for s, v in search_ms.items()},
         "prefill_ms_by_k": {str(k): v for k, v in prefill_ms.items()},
@@ -567,9 +578,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def loaded_summary(
-    point: Point, results: dict[str, RunResult], utilization: float, saturation: float
+    point: Point, results: dict[str, RunResult], index: VectorIndex, utilization: float, saturation: float
 ) -> dict[str, Any]:
-    summary = point_summary(point, results)
+    summary = point_summary(point, results, index)
     serial = summary["summaries"]["serial"]
     summary.update(
         utilization=utilization,
@@ -589,7 +600,7 @@ def print_point(summary: dict[str, Any], label: str) -> None:
     rows = summary["configurations"]
     first = next(iter(rows.values()))
     print(
-        f"{label} {summary['kind']} knob {summary['knob']:.3g} k={summary['k']}:"
+        f"{label} {summary['kind']} ({summary['search']} search) knob {summary['knob']:.3g} k={summary['k']}:"
         f" measured r = {first['ratio']:.2f} (predicted {summary['predicted_ratio']:.2f});"
         f" serial {first['serial_ttft_ms']:.0f} ms, bound {first['bound_ttft_ms']:.0f} ms;"
         f" first query's cached tokens {summary['first_query_cached_tokens']}"
@@ -708,7 +719,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         },
         **({"ivf_flat": extra_point(result["ivf_flat"])} if result["ivf_flat"] else {}),
         "index": result["facts"]["index"],
-        "schedule": DEFAULT_STAGE_SCHEDULE,
+        "schedule": DEFAULT_SCHEDULE,
         "stages": result["facts"]["stages"],
         "pinning": result["facts"]["pinning"],
     }

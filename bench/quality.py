@@ -38,6 +38,7 @@ import numpy as np
 from bench.common import add_model_option, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.quality_set import Conversation, QualityQuestion, build_conversations, build_questions, score
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
+from specrag.controller.modes import ModeName
 from specrag.controller.query import AnswerDelta, AnswerDone
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import KVEventSource
@@ -51,7 +52,7 @@ from specrag.service.assets import Assets, ensure_assets
 BOOTSTRAP_SAMPLES = 2000
 METRICS = ("accuracy", "exact_match", "f1")
 # (name, mode, controller overrides): the single-turn configurations run through the controller.
-CONTROLLER_CONFIGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+CONTROLLER_CONFIGS: tuple[tuple[str, ModeName, dict[str, Any]], ...] = (
     ("serial", "serial", {}),
     ("ordering", "ordering", {"order_hint": True}),
     ("ordering_no_hint", "ordering", {"order_hint": False}),

@@ -21,7 +21,6 @@ import argparse
 import json
 import random
 import re
-import string
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -107,8 +106,7 @@ def build_conversations(
 
 def words(text: str) -> list[str]:
     """Lower-case words of an answer, dotted names split, punctuation and backticks gone."""
-    cleaned = text.lower().translate(str.maketrans({c: " " for c in string.punctuation if c != "_"}))
-    return cleaned.split()
+    return re.sub(r"[^\w\s]", " ", text.lower()).split()
 
 
 def score(answer: str, gold: str) -> dict[str, float]:

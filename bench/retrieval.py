@@ -35,12 +35,10 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 from bench.common import machine, plot_path, write_json
-from specrag.controller.config import DEFAULT_STAGE_SCHEDULE
 from specrag.retrieval.corpus import Passage, load_passages
 from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.fusion import FusionConfig
 from specrag.retrieval.index_store import TFIDF_SVD, WORDLLAMA, IndexConfig, build_index, save_index
-from specrag.retrieval.stages import StagePlan
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder, token_vectors
 
@@ -118,7 +116,7 @@ def evaluate(index: VectorIndex, queries: list[Query], hybrid: bool) -> dict[str
 
 def _evaluate(index: VectorIndex, queries: list[Query], hybrid: bool) -> dict[str, Any]:
     rankings, latencies = [], []
-    plan = StagePlan(index.default_stages, schedule=DEFAULT_STAGE_SCHEDULE)
+    plan = index.stage_plan()
     for query in queries:
         started = time.perf_counter()
         vector = index.embed_query(query.text)

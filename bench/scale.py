@@ -15,11 +15,14 @@ traces (Poisson arrivals) through each router of :mod:`specrag.controller.placem
   with specrag's ordering (one replica of unbounded cache and compute), with every earlier prompt
   finished (``sequential``) or with only the blocks computed before each arrival (``in_time``).
 - **kill**: the real pair under the ``specrag`` router; one replica's engine core is killed
-  mid-run. ``failed`` counts queries that got no answer; ``max_gap_s`` is the longest time from
-  the kill to the first token of a query that was waiting on the killed replica.
+  mid-run, while an answer streams from it. ``failed`` counts queries that got no whole answer;
+  ``retried`` those that were waiting for their first token there (resubmitted elsewhere),
+  ``migrated`` those that were streaming (continued elsewhere from the prompt plus the tokens
+  already sent); ``max_gap_s`` is the longest time from the kill to the next token of any of them.
 
 A query is one engine request placed by the router (documents ordered per replica where the
-router does that), retried on another replica when it fails before its first token; a later
+router does that), retried on another replica when it fails before its first token and migrated
+there when it fails after it; a later
 turn of a conversation continues the previous prompt and answer and adds only new documents.
 The last line printed is the JSON summary; the whole result goes to ``bench/out/scale.json`` and
 the plot to ``bench/out/scale.png``.
@@ -58,6 +61,7 @@ from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import ROUTERS, Placed, Placement, health_checks
 from specrag.controller.replicas import Replica
+from specrag.controller.simulated_replicas import simulated_replica
 from specrag.errors import EngineError
 from specrag.pipeline import virtual_time
 from specrag.pipeline.engine import Sampling, now
@@ -88,6 +92,8 @@ class Sample:
     first_token_at: float | None = None
     error: str | None = None
     route_cpu_s: float = 0.0
+    migrated_from: str | None = None  # the replica that failed after the first token
+    resumed_at: float | None = None  # the first token after the migration
 
 
 @dataclass
@@ -113,37 +119,36 @@ async def run_query(
     on_prefilled: Callable[[Flight], None] | None = None,
 ) -> tuple[Sample, tuple[int, ...]]:
     """Run one placed prompt to its end (the sample and the answer's tokens); a failure before the
-    first token is retried on another replica, as the controller does (:class:`RetriedFlight`)."""
+    first token is retried on another replica, one after it migrates the answer there, as the
+    controller does (:class:`RetriedFlight`)."""
     arrival = now()
-    failed_on: list[str] = []
+    retried_from: list[str] = []
+    migrated_from: list[str] = []
 
-    def launch(placed: Placed) -> Flight:
+    def launch(placed: Placed, sent: tuple[int, ...] = ()) -> Flight:
         slot = gate.try_speculate()
         assert slot is not None  # the gate is unbounded: the engines queue by themselves
-        flight = Flight(placed, replay.sampling, slot, speculative=False)
-        if on_prefilled is not None:  # a prompt its tree records (as run.py does)
+        flight = Flight(placed, replay.sampling, slot, speculative=False, sent=sent)
+        if on_prefilled is not None and not sent:  # a prompt its tree records (as run.py does)
             placed.replica.tree.record_pending(placed.layout)
             flight.on_prefilled = on_prefilled
         return flight
 
-    async def resubmit(placed: Placed, failed: Flight, error: EngineError) -> Flight:
-        failed_on.append(failed.replica.name)
+    async def resubmit(placed: Placed, failed: Flight, error: EngineError, sent: tuple[int, ...]) -> Flight:
+        (migrated_from if sent else retried_from).append(failed.replica.name)
         await failed.abort()
-        return launch(placed)
+        return launch(placed, sent)
 
     query = RetriedFlight(launch(placed), placement, replay.first_token_timeout_s, resubmit)
     answer: list[int] = []
+    answered_by: Flight | None = None  # the request that gave the first token
     try:
         async for output in query.outputs():
+            answered_by = answered_by or query.flight
             answer.extend(output.token_ids)
-    except EngineError as error:
-        if query.flight.first_token_at is not None:  # the caller has seen tokens: no retry
-            name = query.flight.replica.name
-            raise EngineError(f"{name} failed after the first token: {error}") from error
-        raise
     finally:
         await query.flight.abort()
-    flight = query.flight
+    flight = answered_by or query.flight
     first = flight.first_token_at
     ttft = None if first is None else first - arrival
     sample = Sample(
@@ -151,8 +156,10 @@ async def run_query(
         len(flight.layout.token_ids),
         flight.cached_tokens or 0,
         flight.replica.name,
-        failed_on[0] if failed_on else None,
+        retried_from[0] if retried_from else None,
         first,
+        migrated_from=migrated_from[0] if migrated_from else None,
+        resumed_at=query.flight.first_token_at if migrated_from else None,
     )
     return sample, tuple(answer)
 
@@ -342,7 +349,7 @@ async def simulated(n: int, rate: float, seed: int) -> dict[str, dict[str, Any]]
     for name, trace in traces(n, seed).items():
         for router in ROUTERS:
             replicas = [
-                Replica.simulated(
+                simulated_replica(
                     f"r{i}",
                     SIM_SYSTEM,
                     block_size=BLOCK,
@@ -370,7 +377,6 @@ async def real_replicas(
 
     Yields the replicas, the assets, and each replica's engine-core process id (for the kill).
     """
-    from specrag.controller.controller import new_tree
     from specrag.paths import DataLayout, resolve_data_dir
     from specrag.pipeline.config import EngineConfig
     from specrag.pipeline.random_model import RANDOM_MODEL_NAME
@@ -394,8 +400,11 @@ async def real_replicas(
             known = {process.pid for process in engine_cores()}
             engine = await VllmEngine.start(config)
             cores += [p.pid for p in engine_cores() if p.pid not in known and p.pid is not None][:1]
-            tree = new_tree(engine, prompt_builder(assets, engine).system_layout_tokens())
-            replicas.append(Replica(f"r{number}", engine, tree))
+            replica = Replica.for_engine(
+                f"r{number}", engine, prompt_builder(assets, engine).system_layout_tokens()
+            )
+            tree = replica.tree
+            replicas.append(replica)
             source = config.kv_event_source()
             assert source is not None  # the replica's config publishes its events
             mirror = KVMirror(tree, source)
@@ -460,9 +469,11 @@ async def kill_run(
     replay: Replay,
     kill_after_s: float,
 ) -> dict[str, Any]:
-    """Replay under ``specrag``; ``kill_after_s`` in, kill the engine core of the replica with the
-    most queries waiting for their first token (the first moment one has any), so the kill tests
-    the retry of waiting queries rather than hitting an idle replica."""
+    """Replay under ``specrag``; ``kill_after_s`` in, kill the engine core of a replica at the first
+    moment one has an answer streaming (the one with the most, then with the most queries waiting
+    for their first token), so the kill tests the migration of a streaming answer and the retry of
+    waiting queries rather than hitting an idle replica; if none streams within
+    :data:`KILL_WAIT_S`, the replica with the most queries waiting."""
     placement = Placement(replicas)
     killed: dict[str, Any] = {}
 
@@ -470,13 +481,17 @@ async def kill_run(
         await asyncio.sleep(kill_after_s)
         if len(cores) < len(replicas):
             raise RuntimeError("the engine-core processes of the replicas were not identified")
-        for _ in range(round(KILL_WAIT_S / 0.01)):  # bounded: a replay with nothing waiting still ends
-            if any(replica.pending for replica in replicas):
+
+        def load(i: int) -> tuple[int, int]:
+            return replicas[i].engine.load().decoding, replicas[i].pending
+
+        for _ in range(round(KILL_WAIT_S / 0.01)):  # bounded: a replay with nothing streaming still ends
+            if any(load(i)[0] for i in range(len(replicas))):
                 break
             await asyncio.sleep(0.01)
-        victim = max(range(len(replicas)), key=lambda i: replicas[i].pending)
+        victim = max(range(len(replicas)), key=load)
         killed["replica"] = replicas[victim].name
-        killed["waiting"] = replicas[victim].pending
+        killed["streaming"], killed["waiting"] = load(victim)
         os.kill(cores[victim], signal.SIGKILL)
         killed["at"] = time.perf_counter()
 
@@ -486,19 +501,20 @@ async def kill_run(
             samples = await replay_trace(placement, trace, times, replay)
         finally:
             await kill_task
-    failed = sum(1 for s in samples if s.first_token_at is None)
-    gaps = [
-        s.first_token_at - killed["at"]
-        for s in samples
-        if s.retried_from == killed.get("replica") and s.first_token_at is not None and "at" in killed
-    ]
+    failed = sum(1 for s in samples if s.first_token_at is None or s.error is not None)
+    victim, at = killed.get("replica"), killed.get("at")
+    retried = [s.first_token_at for s in samples if s.retried_from == victim]
+    migrated = [s.resumed_at for s in samples if s.migrated_from == victim]
+    gaps = [token_at - at for token_at in (*retried, *migrated) if token_at is not None and at is not None]
     return {
-        "killed": killed.get("replica"),
+        "killed": victim,
         "waiting_at_kill": killed.get("waiting"),
+        "streaming_at_kill": killed.get("streaming"),
         "queries": len(trace),
         "failed": failed,
         "errors": [s.error for s in samples if s.error is not None],
-        "retried": len(gaps),
+        "retried": len(retried),
+        "migrated": len(migrated),
         "max_gap_s": round(max(gaps), 3) if gaps else 0.0,
     }
 

@@ -130,11 +130,11 @@ def plans(oneshot_s: float) -> dict[str, StagePlan]:
     The time budget is a quarter of the warm one-shot search per stage, so that it too cuts a
     search into about ``SCHEDULE_STAGES`` stages.
     """
-    variants = {str(s): StagePlan(s) for s in STAGE_COUNTS}
+    variants = {str(s): StagePlan(s, "equal") for s in STAGE_COUNTS}
     variants["geometric"] = StagePlan(SCHEDULE_STAGES, schedule="geometric")
     variants["geometric/5"] = StagePlan(SCHEDULE_STAGES + 1, schedule="geometric")
     variants["geometric/6"] = StagePlan(SCHEDULE_STAGES + 2, schedule="geometric")
-    variants["budget"] = StagePlan(stage_budget_s=oneshot_s / SCHEDULE_STAGES)
+    variants["budget"] = StagePlan.budget(oneshot_s / SCHEDULE_STAGES)
     return variants
 
 
@@ -147,7 +147,7 @@ def measure(searcher: StagedSearcher, queries: np.ndarray, k: int) -> dict[str, 
     """Time one-shot and staged searches query by query, rotating their order against drift."""
     warm_times = []
     for warm in queries[:5]:  # page in, JIT and cache warm-up, not timed
-        list(searcher.stages(warm, k, StagePlan(4)))
+        list(searcher.stages(warm, k, StagePlan(4, "equal")))
         start = time.perf_counter()
         searcher.search(warm, k)
         warm_times.append(time.perf_counter() - start)

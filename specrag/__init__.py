@@ -20,6 +20,7 @@ _CLIENT_NAMES = frozenset(
         "AsyncClient",
         "ChatStream",
         "RagAnswer",
+        "RagBatch",
         "RagStream",
         "SpecragConnectionError",
         "SpecragHTTPError",

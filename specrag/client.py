@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, Literal, Self, TypeVar, overload
@@ -70,6 +70,22 @@ class RagAnswer:
             body["specrag"],
             list(body.get("sources", ())),
         )
+
+
+@dataclass(frozen=True)
+class RagBatch:
+    """A batch's answers in the order asked, each with its timeline, and the plan they ran by
+    (``order``: the questions' indices in the order they ran; ``documents``: each one's passage
+    ids in prompt order)."""
+
+    queries: list[str]
+    answers: list[RagAnswer]
+    plan: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> RagBatch:
+        answers = body["answers"]
+        return cls([a["query"] for a in answers], [RagAnswer.from_json(a) for a in answers], body["plan"])
 
 
 def _http_error(status: int, body: Any, fallback: str) -> SpecragHTTPError:
@@ -282,6 +298,15 @@ class AsyncClient(_AsyncClosing):
     async def rag(self, query: str, **options: Any) -> RagAnswer:
         """Ask a question; options are ``k``, ``mode``, ``max_tokens``, ``session_id``."""
         return RagAnswer.from_json(await self._read("POST", "/v1/rag", {"query": query, **options}))
+
+    async def batch(self, queries: Sequence[str], **options: Any) -> RagBatch:
+        """Ask questions known together; options are ``k``, ``mode``, ``max_tokens``. The service
+        runs them in the order that shares the most prompt prefix and answers in the order asked."""
+        if isinstance(queries, str):
+            raise TypeError("queries must be a sequence of strings, not one string")
+        return RagBatch.from_json(
+            await self._read("POST", "/v1/rag/batch", {"queries": list(queries), **options})
+        )
 
     def stream_rag(self, query: str, **options: Any) -> RagStream:
         """Ask a question; iterate over the answer's text as it is generated (opens on first use)."""

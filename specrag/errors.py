@@ -5,6 +5,11 @@ Top-level leaf module: every package raises these, none of them imports anything
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar
+
+Choice = TypeVar("Choice")
+
 
 class SpecragError(Exception):
     """Base class of the errors specrag raises on purpose, as opposed to bugs."""
@@ -12,6 +17,10 @@ class SpecragError(Exception):
 
 class InvalidInputError(SpecragError, ValueError):
     """The caller asked for something malformed or out of range; retrying the same call fails again."""
+
+
+class TooLargeError(InvalidInputError):
+    """Well formed, but more than the service takes at once (HTTP 413); smaller parts succeed."""
 
 
 class ArtifactError(SpecragError):
@@ -66,3 +75,16 @@ def echo(value: object, limit: int = ECHO_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}… ({len(text):,} characters)"
+
+
+def check_choice(what: str, value: object, choices: Sequence[Choice]) -> Choice:
+    """``value`` if it is one of ``choices``, else :class:`InvalidInputError` naming them.
+
+    The one check of every named setting (modes, ordering policies, routers, admissions, stage
+    schedules): each is a ``Literal`` type whose values (``typing.get_args``) are the choices, so
+    a static checker and this run-time check read the same list.
+    """
+    for choice in choices:
+        if value == choice and type(value) is type(choice):
+            return choice
+    raise InvalidInputError(f"unknown {what} {echo(value)}; choose one of {', '.join(map(str, choices))}")

@@ -28,8 +28,9 @@ import numpy as np
 from specrag.cache import BlockRemoved, BlockStored, DocId, KnowledgeTree, KVEvent, PromptLayout, build_layout
 from specrag.cache.residency import chain_block_keys
 from specrag.controller.controller import AnswerDone, ControllerConfig, RagController, RagRequest
-from specrag.controller.placement import Placement
+from specrag.controller.placement import Placement, Router
 from specrag.controller.replicas import Replica
+from specrag.controller.simulated_replicas import simulated_replica
 from specrag.pipeline.commands import engine_server_config
 from specrag.pipeline.engine import (
     Engine,
@@ -177,7 +178,6 @@ class ScriptedSearcher:
 
     def __init__(self, stages: Sequence[Sequence[int]], ntotal: int, dim: int, stage_delay_s: float) -> None:
         self._stages = [list(ids) for ids in stages]
-        self.default_stages = len(self._stages)  # it ignores the plan: its stages are the script's
         self._ntotal = ntotal
         self._dim = dim
         self._delay = stage_delay_s
@@ -211,25 +211,29 @@ def scripted_index(
     assets: Assets, stages: Sequence[Sequence[int]], stage_delay_s: float = 0.3
 ) -> VectorIndex:
     searcher = ScriptedSearcher(stages, len(assets.passages), assets.index.dim, stage_delay_s)
-    return VectorIndex(searcher, assets.index.passage_ids, None, assets.index.embedder)
+    # Its stages are the script's, whatever the plan: so is its stage count.
+    return VectorIndex(
+        searcher, assets.index.passage_ids, None, assets.index.embedder, default_stages=len(stages)
+    )
 
 
 def make_controller(
     engine: Engine, assets: Assets, index: VectorIndex | None = None, **config: Any
 ) -> RagController:
     builder = PromptBuilder(assets.tokenizer, assets.store, block_size=engine.block_size)
-    return RagController(engine, index or assets.index, builder, ControllerConfig(**config))
+    placement = Placement.of_one(engine, builder.system_layout_tokens())
+    return RagController(placement, index or assets.index, builder, ControllerConfig(**config))
 
 
 def simulated_pool(assets: Assets, n: int, **engine_options: Any) -> list[Replica]:
     """``n`` simulated replicas, each with its own tree fed by its own KV events."""
     builder = PromptBuilder(assets.tokenizer, assets.store, block_size=32)
     options = {"time_scale": 0.01, "max_model_len": 4096, **engine_options}
-    return [Replica.simulated(f"r{i}", builder.system_layout_tokens(), **options) for i in range(n)]
+    return [simulated_replica(f"r{i}", builder.system_layout_tokens(), **options) for i in range(n)]
 
 
 def pool_controller(
-    pool: Sequence[Replica], assets: Assets, index: VectorIndex, router: str = "specrag", **config: Any
+    pool: Sequence[Replica], assets: Assets, index: VectorIndex, router: Router = "specrag", **config: Any
 ) -> RagController:
     """A controller over several replicas behind a router."""
     builder = PromptBuilder(assets.tokenizer, assets.store, block_size=pool[0].engine.block_size)

@@ -280,7 +280,7 @@ BAD_CALLS = (
     ),
     BadCall(
         "unknown stage schedule",
-        lambda ctx: ControllerConfig(stage_schedule="front").validate(),
+        lambda ctx: ControllerConfig(stage_schedule="front").validate(),  # type: ignore[arg-type]
         InvalidInputError,
         "unknown stage schedule 'front'; choose one of equal, geometric",
     ),

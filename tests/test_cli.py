@@ -93,7 +93,7 @@ def test_an_option_before_the_subcommand_is_not_reset_by_the_subcommand_default(
             ],
         ),
         (["index", "build", "--help"], ["(default: ivf)", "(default: 1024)", "--data-dir"]),
-        (["demo", "--help"], ["(default: 10)", "(default: 32)", "--verbose"]),
+        (["demo", "--help"], ["(default: 5)", "(default: 48)", "--verbose"]),
     ],
 )
 def test_help_shows_defaults_and_the_global_options(

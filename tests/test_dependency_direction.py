@@ -45,3 +45,44 @@ def test_a_package_imports_only_what_lies_below_it(package: str) -> None:
 
 def test_the_client_imports_only_errors() -> None:
     assert imported_parts(PACKAGE / "client.py") == {"errors"}
+
+
+def module_name(source: Path) -> str:
+    parts = source.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: Path, known: set[str]) -> set[str]:
+    """The specrag modules this file imports, function-level imports included (``from a import b``
+    counts ``a.b`` when that is a module)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text(), str(source))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found & known
+
+
+def test_no_module_of_specrag_imports_itself_back() -> None:
+    """No import circle, however long, wherever the imports sit (a lazy import closes one too)."""
+    sources = {module_name(source): source for source in PACKAGE.rglob("*.py")}
+    known = set(sources)
+    graph = {name: imported_modules(source, known) - {name} for name, source in sources.items()}
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for child in sorted(graph[name]):
+            if state.get(child) == 1:
+                cycles.append(" -> ".join([*path[path.index(child) :], child]))
+            elif child not in state:
+                visit(child, [*path, child])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import add_model_option, machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import add_model_option, machine, pin_apart, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.report import paired_ratio_ci, plot_ratio_sweep, plot_timeline_strip, plot_ttft_cdf, summarize
 from bench.e2e.runner import (
     Configuration,
@@ -56,7 +56,6 @@ from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_engine, prompt_builder
 from specrag.service.assets import Assets, ensure_assets, ensure_index
-from specrag.service.pinning import pin_apart
 
 RATIOS = (0.125, 0.25, 0.5, 1.0)
 

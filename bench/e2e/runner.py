@@ -22,6 +22,7 @@ import numpy as np
 
 from bench.e2e.workload import TraceQuery
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
+from specrag.controller.modes import ModeName
 from specrag.pipeline.config import KVEventSource
 from specrag.pipeline.engine import Engine, Sampling, now
 from specrag.pipeline.prompt import PromptBuilder
@@ -35,7 +36,7 @@ class Configuration:
     """One row of the comparison: a mode plus controller overrides and the searched fraction."""
 
     name: str
-    mode: str
+    mode: ModeName
     group: str
     search_ratio: float
     overrides: dict[str, Any] = field(default_factory=dict)

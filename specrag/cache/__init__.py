@@ -12,7 +12,7 @@ benchmark's offline plan).
 from specrag.cache.admission import AdmissionQueue, WindowScheduler
 from specrag.cache.batch import BatchPlan, plan_batch
 from specrag.cache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
-from specrag.cache.hints import Dedup, HintConfig, SessionDeduplicator, order_hint
+from specrag.cache.hints import Dedup, HintConfig, order_hint
 from specrag.cache.layout import DocId, PromptLayout, Segment, build_layout
 from specrag.cache.ordering import POLICY_NAMES, Ordering, OrderingPolicy, get_policy
 from specrag.cache.pgdsf import PrefillProfile
@@ -39,7 +39,6 @@ __all__ = [
     "PrefixMatch",
     "PromptLayout",
     "Segment",
-    "SessionDeduplicator",
     "WindowScheduler",
     "build_layout",
     "get_policy",

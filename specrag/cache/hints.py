@@ -10,7 +10,6 @@ documents by id, not position, so the document segments can carry the same label
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -76,36 +75,3 @@ def split_repeated(first_given: Mapping[DocId, int], doc_ids: Sequence[DocId], c
             repeated.append(doc_id)
             hints.append(config.location_template.format(label=config.label(doc_id), turn=turn))
     return Dedup(tuple(kept), tuple(repeated), tuple(hints))
-
-
-class SessionDeduplicator:
-    """Per-conversation record of documents already sent, bounded to ``max_sessions`` (LRU).
-
-    For traces where every turn counts as sent the moment it is split (the ordering benchmark); a
-    live conversation records its documents only when a turn ends (see the controller's sessions).
-    """
-
-    def __init__(self, config: HintConfig | None = None, max_sessions: int = 10_000) -> None:
-        if max_sessions <= 0:
-            raise InvalidInputError("max_sessions must be positive")
-        self.config = config or HintConfig()
-        self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, tuple[int, dict[DocId, int]]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def dedup(self, conversation: str, doc_ids: Sequence[DocId]) -> Dedup:
-        """Split this turn's documents and register the new ones for the turns that follow."""
-        turns, seen = self._sessions.pop(conversation, (0, {}))
-        turn = turns + 1
-        result = split_repeated(seen, doc_ids, self.config)
-        seen.update(dict.fromkeys(result.kept, turn))
-        self._sessions[conversation] = (turn, seen)
-        if len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
-        return result
-
-    def end(self, conversation: str) -> None:
-        """Forget a finished conversation."""
-        self._sessions.pop(conversation, None)

@@ -15,8 +15,8 @@ ranking whenever the order changed.
   to the request's documents; "best" is most cached tokens (what APC saves), ties to more whole
   documents, then more hits; the rest along the most travelled remembered path, then by affinity
   (``exact``), or in retrieval rank (``exact-rank``).
-- ``myopic-oracle``: every order of the documents, scored by a probe (the tree by default, the
-  real cache in benchmarks), then ``exact``'s tail: the best for the request at hand only.
+
+``bench.ordering_oracle`` adds the benchmarks' myopic oracle (every order, scored by a probe).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, get_args
 
 from specrag.cache.layout import DocId
 from specrag.cache.tree import KnowledgeTree, Node, PrefixMatch
-from specrag.errors import InvalidInputError
+from specrag.errors import InvalidInputError, check_choice
 
 Probe = Callable[[Sequence[DocId]], PrefixMatch]
 
@@ -47,7 +47,7 @@ class OrderingPolicy(Protocol):
     def order(self, tree: KnowledgeTree, doc_ids: Sequence[DocId]) -> Ordering: ...
 
 
-def _check_distinct(doc_ids: Sequence[DocId]) -> None:
+def check_distinct(doc_ids: Sequence[DocId]) -> None:
     if len(set(doc_ids)) != len(doc_ids):
         raise InvalidInputError("a request lists the same document twice")
 
@@ -63,7 +63,7 @@ class _Reorder:
     name = ""
 
     def order(self, tree: KnowledgeTree, doc_ids: Sequence[DocId]) -> Ordering:
-        _check_distinct(doc_ids)
+        check_distinct(doc_ids)
         ordered = tuple(self._permute(tree, doc_ids))
         return Ordering(ordered, tree.cached_prefix(ordered))
 
@@ -150,7 +150,7 @@ class ExactOrder:
             _follow_travelled_path(found.node, candidates, prefix)
         rest = [d for d in doc_ids if d in candidates]
         if len(rest) > 1 and not self._rank_tail:
-            rest = _by_affinity(tree, doc_ids, rest)
+            rest = by_affinity(tree, doc_ids, rest)
         ordered = (*prefix, *rest)
         if found is None:
             return Ordering(ordered, tree.cached_prefix(ordered))
@@ -190,7 +190,7 @@ def _follow_travelled_path(node: Node, candidates: set[DocId], path: list[DocId]
         node = best
 
 
-def _by_affinity(tree: KnowledgeTree, request: Sequence[DocId], rest: list[DocId]) -> list[DocId]:
+def by_affinity(tree: KnowledgeTree, request: Sequence[DocId], rest: list[DocId]) -> list[DocId]:
     """``rest`` by how often each was served with the request's documents (itself included:
     its popularity), most first; retrieval rank breaks ties (the sort is stable). ``map`` keeps
     the k² look-ups in C.
@@ -289,61 +289,18 @@ def _best_resident_prefix(tree: KnowledgeTree, doc_ids: Sequence[DocId], candida
     return _Prefix(path, best_node, best_tokens, best_docs, best_frontier)
 
 
-class MyopicOracleOrder:
-    """The best prefix for *this* request over all orders, scored by ``probe`` (default: the tree).
-
-    Exhaustive over the request's orders, skipping only extensions of a prefix whose last
-    document is not fully cached (the engine's chained blocks stop there, so no extension reuses
-    more). It is myopic, not an upper bound: it maximises what the current request reuses and then
-    shares ``exact``'s tail, so it knows nothing that helps later requests; an order that gives up
-    a little now for more sharing later (``batch``, a window over waiting requests) can beat it
-    over a trace. Exponential in the worst case; meant for tests and benchmarks, not for serving.
-    """
-
-    name = "myopic-oracle"
-
-    def __init__(self, probe: Probe | None = None) -> None:
-        self._probe = probe
-
-    def order(self, tree: KnowledgeTree, doc_ids: Sequence[DocId]) -> Ordering:
-        _check_distinct(doc_ids)
-        probe = self._probe or tree.cached_prefix
-        best: list[tuple[PrefixMatch, tuple[DocId, ...]]] = [(probe(()), ())]  # by (tokens, docs)
-
-        def visit(prefix: tuple[DocId, ...], remaining: list[DocId]) -> None:
-            for i, doc_id in enumerate(remaining):
-                extended = (*prefix, doc_id)
-                match = probe(extended)
-                if (match.tokens, match.docs) > (best[0][0].tokens, best[0][0].docs):
-                    best[0] = (match, extended)
-                if match.unbroken:
-                    visit(extended, remaining[:i] + remaining[i + 1 :])
-
-        visit((), list(doc_ids))
-        prefix = best[0][1]
-        chosen = set(prefix)
-        rest = [d for d in doc_ids if d not in chosen]
-        ordered = (*prefix, *_by_affinity(tree, doc_ids, rest))
-        return Ordering(ordered, probe(ordered))
-
-
-_FACTORIES: dict[str, Callable[[], OrderingPolicy]] = {
+PolicyName = Literal["retrieval", "sorted", "recency", "greedy", "exact", "exact-rank"]
+POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
+_FACTORIES: dict[PolicyName, Callable[[], OrderingPolicy]] = {
     "retrieval": RetrievalOrder,
     "sorted": SortedOrder,
     "recency": RecencyOrder,
     "greedy": GreedyOrder,
     "exact": ExactOrder,
     "exact-rank": lambda: ExactOrder("exact-rank", rank_tail=True),
-    "myopic-oracle": MyopicOracleOrder,
 }
-POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 
 
 def get_policy(name: str) -> OrderingPolicy:
     """A fresh policy by name; unknown names raise InvalidInputError listing the known ones."""
-    try:
-        return _FACTORIES[name]()
-    except KeyError:
-        raise InvalidInputError(
-            f"unknown ordering policy {name!r}; known: {', '.join(POLICY_NAMES)}"
-        ) from None
+    return _FACTORIES[check_choice("ordering policy", name, POLICY_NAMES)]()

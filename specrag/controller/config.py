@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from specrag.cache.ordering import get_policy
-from specrag.controller.modes import get_mode
-from specrag.errors import InvalidInputError
-from specrag.retrieval.stages import check_schedule
+from specrag.cache.ordering import PolicyName, get_policy
+from specrag.controller.modes import ModeName, get_mode
+from specrag.errors import InvalidInputError, check_choice
+from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule, check_schedule
 
-# The stage schedule that measured best (bench/search.py: the running top-k final earliest at
-# <= 1.10x a single-stage search's cost): geometric stages, so that the first speculation starts
-# after a small share of the search. How many (how small the first) depends on the index kind:
-# specrag.retrieval.stages.DEFAULT_STAGES; see docs/retrieval.md, "Stage schedules".
-DEFAULT_STAGE_SCHEDULE = "geometric"
-
-ADMISSIONS = ("ratio", "window")
+Admission = Literal["ratio", "window"]
+ADMISSIONS: tuple[Admission, ...] = get_args(Admission)
 """How final requests waiting for the prefill pool are admitted (see :mod:`specrag.controller.gate`)."""
 
 FALLBACK_BATCHED_TOKEN_BUDGET = 512
@@ -37,30 +33,37 @@ class ControllerConfig:
     ``admission`` orders final requests waiting for the prefill pool: ``"ratio"`` (RAGCache's
     cached/compute queue) or ``"window"`` (request and document order chosen together over the
     oldest ``window_requests``; one engine only).
+    ``max_batch_queries`` bounds the questions of one batch (:mod:`specrag.controller.batch`).
     """
 
     k_default: int = 10
     k_max: int = 50
     num_stages: int | None = None  # None: the index kind's default
-    stage_schedule: str = DEFAULT_STAGE_SCHEDULE
+    stage_schedule: Schedule = DEFAULT_SCHEDULE  # and num_stages None: the index kind's (retrieval/stages.py)
     max_prefill_bs: int | None = None
     starvation_window_s: float = 2.0
-    ordering_policy: str = "exact"
+    ordering_policy: PolicyName = "exact"
     order_hint: bool = True
-    mode: str = "all"
+    mode: ModeName = "all"
     max_tokens_default: int = 64
     max_tokens_limit: int = 1024
     first_token_timeout_s: float = 60.0
     max_queue: int = 256
     batched_token_budget: int | None = None
     speculative_token_budget: int | None = None
-    admission: str = "ratio"
+    admission: Admission = "ratio"
     window_requests: int = 16
     max_sessions: int = 1000
     max_sessions_per_client: int = 64
     session_ttl_s: float = 3600.0
+    max_batch_queries: int = 32
+
+    def __post_init__(self) -> None:
+        """Checked once, when made: a config that exists is valid (flag names: see serve)."""
+        self.validate()
 
     def validate(self) -> ControllerConfig:
+        """Raise :class:`InvalidInputError` for a bad setting; the config itself otherwise."""
         get_mode(self.mode)
         get_policy(self.ordering_policy)
         if not 1 <= self.k_default <= self.k_max:
@@ -76,9 +79,9 @@ class ControllerConfig:
             raise InvalidInputError("batched_token_budget must be at least 1")
         if self.speculative_token_budget is not None and self.speculative_token_budget < 1:
             raise InvalidInputError("speculative_token_budget must be at least 1")
-        if self.admission not in ADMISSIONS:
-            names = ", ".join(ADMISSIONS)
-            raise InvalidInputError(f"admission must be one of {names}, got {self.admission!r}")
+        check_choice("admission", self.admission, ADMISSIONS)
+        if self.max_batch_queries < 1:
+            raise InvalidInputError("max_batch_queries must be at least 1")
         if self.window_requests < 1:
             raise InvalidInputError("window_requests must be at least 1")
         if self.max_queue < 0:

@@ -19,20 +19,19 @@ from collections.abc import AsyncGenerator, Sequence
 
 from specrag.cache.hints import HintConfig
 from specrag.cache.prefill_estimator import PrefillEstimator
-from specrag.cache.tree import KnowledgeTree
+from specrag.controller.batch import BatchAnswers, run_batch
 from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, ControllerConfig
 from specrag.controller.conversation import TurnPrompts
-from specrag.controller.facade import CoreLoad, EngineHealth
+from specrag.controller.facade import CoreLoad, EngineHealth, ReplicaFacts
 from specrag.controller.gate import PrefillGate, WindowAdmission, default_max_prefill_bs
 from specrag.controller.modes import get_mode
 from specrag.controller.placement import Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
-from specrag.controller.replicas import Replica
 from specrag.controller.run import QueryRun, QueryShared
 from specrag.controller.sampling import check_sampling
 from specrag.controller.sessions import SessionStore
 from specrag.controller.warmup import SystemPromptWarmer, WarmupRecord
-from specrag.errors import EngineError, InvalidInputError, echo
+from specrag.errors import EngineError, InvalidInputError, TooLargeError, echo
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
@@ -70,35 +69,27 @@ def step_token_budget(config: ControllerConfig, engine: Engine) -> int:
 class RagController:
     """Answers questions with staged retrieval, speculative prefill and cache-aware ordering.
 
-    ``engine`` is one engine (its tree is ``tree``, or a new one) or a :class:`Placement` over
-    several replicas, each with its own tree. The prefill gate grows with the replicas: each
-    engine's steps hold ``max_prefill_bs`` prompts.
+    ``placement`` holds the engine replicas, each with its own tree: one engine is a pool of one
+    (:meth:`Placement.of_one`). The prefill gate grows with the replicas: each engine's steps hold
+    ``max_prefill_bs`` prompts.
     """
 
     def __init__(
         self,
-        engine: Engine | Placement,
+        placement: Placement,
         index: VectorIndex,
         builder: PromptBuilder,
         config: ControllerConfig | None = None,
-        tree: KnowledgeTree | None = None,
     ) -> None:
-        self.config = (config or ControllerConfig()).validate()
-        if isinstance(engine, Placement):
-            if tree is not None:
-                raise InvalidInputError("replicas bring their own trees: pass no tree with a placement")
-            self.placement = engine
-        else:
-            # ``is None``, not ``or``: an empty tree has length 0 and is falsy.
-            # The system prompt as it starts every prompt, padded to whole blocks: the engine caches
-            # (and the tree must predict) its padding block too.
-            tree = tree if tree is not None else new_tree(engine, builder.system_layout_tokens())
-            self.placement = Placement([Replica("0", engine, tree)])
+        self.config = config or ControllerConfig()  # checked when it was made
+        self.placement = placement
+        # Every replica runs the same model on the same kind of engine: the first speaks for all.
+        first = placement.replicas[0]
         self.index = index
         self.builder = builder
-        self.batched_token_budget = step_token_budget(self.config, self.engine)
+        self.batched_token_budget = step_token_budget(self.config, first.engine)
         # PGDSF costs follow the engine in use: fitted from served answers, the tree's until then.
-        self.prefill_estimator = PrefillEstimator(self.tree.profile)
+        self.prefill_estimator = PrefillEstimator(first.tree.profile)
         max_bs = self.config.max_prefill_bs or default_max_prefill_bs(
             self.batched_token_budget,
             len(builder.system_token_ids) + self.config.k_default * _EXPECTED_PASSAGE_TOKENS,
@@ -108,7 +99,7 @@ class RagController:
         if self.config.admission == "window":
             if replicas > 1:
                 raise InvalidInputError("window admission orders against one engine's tree: use one replica")
-            window = WindowAdmission(self.tree, self.config.window_requests)
+            window = WindowAdmission(first.tree, self.config.window_requests)
         self.gate = PrefillGate(
             max_bs * replicas,
             self.config.starvation_window_s,
@@ -122,16 +113,6 @@ class RagController:
         self._turn_prompts = TurnPrompts(builder, self._hints)
         self._warmer = SystemPromptWarmer(self.placement.replicas, builder, self.gate)
         self._runs: set[QueryRun] = set()
-
-    @property
-    def engine(self) -> Engine:
-        """The first replica's engine: the only one without scale-out."""
-        return self.placement.replicas[0].engine
-
-    @property
-    def tree(self) -> KnowledgeTree:
-        """The first replica's knowledge tree: the only one without scale-out."""
-        return self.placement.replicas[0].tree
 
     # ------------------------------------------------------------------ queries
 
@@ -186,6 +167,40 @@ class RagController:
                     return event
         raise EngineError("the answer stream ended without a result")
 
+    def check_batch(self, requests: Sequence[object]) -> list[CheckedRequest]:
+        """A batch's requests checked (see :meth:`check`), each error naming its question.
+
+        At most ``max_batch_queries`` (more: :class:`TooLargeError`); a batch query cannot belong
+        to a session (a conversation's turns run one after the other).
+        """
+        limit = self.config.max_batch_queries
+        if not requests:
+            raise InvalidInputError("a batch needs at least one question")
+        if len(requests) > limit:
+            raise TooLargeError(f"a batch takes at most {limit} questions, got {len(requests)}")
+        checked = []
+        for number, request in enumerate(requests):
+            try:
+                if not isinstance(request, RagRequest):
+                    raise InvalidInputError(f"expected a RagRequest, got {type(request).__name__}")
+                if request.session_id is not None:
+                    raise InvalidInputError("a batch query cannot continue a session")
+                checked.append(self.check(request))
+            except InvalidInputError as error:
+                raise InvalidInputError(f"queries[{number}]: {error}") from None
+        return checked
+
+    async def answer_batch(self, requests: Sequence[RagRequest] | Sequence[CheckedRequest]) -> BatchAnswers:
+        """Answer questions known together in the order that shares the most prompt prefix
+        (:mod:`specrag.controller.batch`); the answers come back in the order asked.
+
+        Plain requests are checked here (:meth:`check_batch`); checked ones are used as they are.
+        """
+        checked = [r for r in requests if isinstance(r, CheckedRequest)]
+        if not checked or len(checked) != len(requests):
+            checked = self.check_batch(requests)
+        return await run_batch(self.index, checked, self.stream)
+
     async def stream(
         self, request: RagRequest | CheckedRequest
     ) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
@@ -231,13 +246,20 @@ class RagController:
         return CoreLoad(prefill_pool=self.gate.pool, queued=self.gate.waiting)
 
     async def health(self) -> EngineHealth:
-        """Whether an engine answers (its own counts), with the first's supervisor status if it has one.
+        """Whether an engine answers (its own counts), with the first's supervisor status if it has
+        one, and every replica's facts.
 
         With several replicas the service serves while any replica does: one replica down (or
         restarting) is routed around, not a reason to turn callers away.
         """
-        supervision = self.engine.supervision
+        supervision = self.placement.replicas[0].engine.supervision
         status = supervision.status() if supervision is not None else None
+        facts = tuple(
+            ReplicaFacts(
+                r.name, r.available, r.excluded, r.pending, round(r.speed, 3), r.tree.profile.measured
+            )
+            for r in self.placement.replicas
+        )
         reasons = []
         for replica in self.placement.replicas:
             try:
@@ -248,8 +270,8 @@ class RagController:
                 alone = len(self.placement.replicas) == 1
                 reasons.append(str(error) if alone else f"{replica.name}: {error}")
                 continue
-            return EngineHealth(serving=True, reason=None, supervision=status)
-        return EngineHealth(serving=False, reason="; ".join(reasons), supervision=status)
+            return EngineHealth(serving=True, reason=None, supervision=status, replicas=facts)
+        return EngineHealth(serving=False, reason="; ".join(reasons), supervision=status, replicas=facts)
 
     def create_session(self, client: str) -> str:
         return self.sessions.create(client).session_id
@@ -274,13 +296,3 @@ class RagController:
         for run in list(self._runs):
             await run.abort_all()
         await self._warmer.close()
-
-
-def new_tree(engine: Engine, system_token_ids: Sequence[int]) -> KnowledgeTree:
-    """An empty knowledge tree for an engine: its block size, and its capacity model until events come."""
-    capacity = engine.kv_capacity_tokens
-    return KnowledgeTree(
-        system_token_ids,
-        block_size=engine.block_size,
-        capacity_blocks=capacity // engine.block_size if capacity else None,
-    )

@@ -8,10 +8,11 @@ noticing. :class:`~specrag.controller.controller.RagController` is the implement
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from specrag.controller.batch import BatchAnswers
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
 from specrag.controller.warmup import WarmupRecord
 from specrag.pipeline.engine import SupervisionStatus
@@ -26,12 +27,27 @@ class CoreLoad:
 
 
 @dataclass(frozen=True)
+class ReplicaFacts:
+    """One engine replica as /health reports it: in routing or excluded (why), our requests waiting
+    for their first token there, its speed factor and whether its PGDSF profile is measured."""
+
+    name: str
+    available: bool
+    excluded: str | None
+    pending: int
+    speed: float
+    profile_measured: bool
+
+
+@dataclass(frozen=True)
 class EngineHealth:
-    """Whether the engine serves (and why not), with its supervisor's status when it has one."""
+    """Whether the engine serves (and why not), with its supervisor's status when it has one, and
+    the facts of every replica (one for a single engine)."""
 
     serving: bool
     reason: str | None
     supervision: SupervisionStatus | None
+    replicas: tuple[ReplicaFacts, ...] = ()
 
 
 class QueryCore(Protocol):
@@ -48,6 +64,14 @@ class QueryCore(Protocol):
 
     def stream(self, request: RagRequest | CheckedRequest) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
         """Answer deltas, then the done event; closing the generator early aborts the query."""
+        ...
+
+    def check_batch(self, requests: Sequence[RagRequest]) -> list[CheckedRequest]:
+        """A batch's requests checked (cheap, before admission), or a 4xx-worthy error."""
+        ...
+
+    async def answer_batch(self, requests: Sequence[CheckedRequest]) -> BatchAnswers:
+        """Answers to a checked batch, in the order asked."""
         ...
 
     def load(self) -> CoreLoad: ...

@@ -2,8 +2,10 @@
 
 The request runs on one replica, which counts it as pending until its first token (its queue is
 what the router estimates waits from) and may fail it at once when the replica is excluded.
-:class:`RetriedFlight` streams a request's outputs and resubmits it elsewhere when it fails
-before its first token: the controller's answers and ``bench.scale``'s replays both use it.
+:class:`RetriedFlight` streams a request's outputs and, when it fails, resubmits it elsewhere:
+from its prompt before the first token, or, once tokens were sent, from its prompt plus those
+tokens (a migration), so the caller's stream goes on. The controller's answers and
+``bench.scale``'s replays both use it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 
 from specrag.controller.gate import Slot
 from specrag.controller.placement import Placed, Placement
@@ -25,10 +28,15 @@ class Flight:
     The slot in the prefill pool is released at the first token, or when the request ends.
     """
 
-    def __init__(self, placed: Placed, sampling: Sampling, slot: Slot, speculative: bool):
+    def __init__(
+        self, placed: Placed, sampling: Sampling, slot: Slot, speculative: bool, sent: Sequence[int] = ()
+    ):
         self.request_id = ("spec-" if speculative else "final-") + uuid.uuid4().hex
         self.replica = replica = placed.replica
         self.layout = layout = placed.layout
+        # A migrated answer continues from the tokens another request already sent: the engine
+        # sees them as the end of the prompt, and generates only what is left of max_tokens.
+        self.prompt_token_ids = (*layout.token_ids, *sent) if sent else layout.token_ids
         # The knowledge tree's estimate of the engine's prefix hit at submission, set by the run
         # that launched it, to be checked against the engine's answer (``cached_tokens``).
         self.predicted_cached_tokens = 0
@@ -45,13 +53,14 @@ class Flight:
         self.cached_tokens: int | None = None
         self._slot = slot
         self._outputs: asyncio.Queue[EngineOutput | BaseException | None] = asyncio.Queue()
-        replica.submitted(self.request_id, placed.predicted_cached, len(layout.token_ids), self._fail)
-        self._task = asyncio.create_task(self._pump(sampling), name=self.request_id)
+        replica.submitted(self.request_id, placed.predicted_cached, len(self.prompt_token_ids), self._fail)
+        left = replace(sampling, max_tokens=sampling.max_tokens - len(sent)) if sent else sampling
+        self._task = asyncio.create_task(self._pump(left), name=self.request_id)
 
     async def _pump(self, sampling: Sampling) -> None:
         try:
             engine = self.replica.engine
-            async for output in engine.generate(self.request_id, self.layout.token_ids, sampling):
+            async for output in engine.generate(self.request_id, self.prompt_token_ids, sampling):
                 self.cached_tokens = latest_cached_tokens(output, self.cached_tokens)
                 if self.first_token_at is None:
                     self.first_token_at = output.received_at
@@ -75,9 +84,10 @@ class Flight:
         self._slot.adopt()
 
     def _fail(self, error: EngineError) -> None:
-        """The replica was excluded before our first token: end the request with ``error`` now.
+        """The replica was excluded: end the request with ``error`` now.
 
-        The pump stops; the consumer raises the error and may retry on another replica.
+        The pump stops; the consumer raises the error (after the outputs already queued) and
+        may retry on another replica, or migrate the answer there.
         """
         self._task.cancel()
         self._outputs.put_nowait(error)
@@ -91,7 +101,7 @@ class Flight:
         if self.first_token_at is None or self.cached_tokens is None:
             return None
         started = self.scheduled_at if self.scheduled_at is not None else self.submitted_at
-        computed = len(self.layout.token_ids) - self.cached_tokens
+        computed = len(self.prompt_token_ids) - self.cached_tokens
         return self.cached_tokens, computed, max(0.0, self.first_token_at - started)
 
     async def outputs(self, first_token_timeout_s: float) -> AsyncIterator[EngineOutput]:
@@ -127,18 +137,23 @@ class Flight:
             self._slot.release()
 
 
-Resubmit = Callable[[Placed, "Flight", EngineError], Awaitable["Flight"]]
-"""Submits the placed prompt again after the given flight failed with the error; returns the new flight."""
+Resubmit = Callable[[Placed, "Flight", EngineError, tuple[int, ...]], Awaitable["Flight"]]
+"""Submits the placed prompt again after the given flight failed with the error, continuing from
+the tokens already sent (none before the first token); returns the new flight."""
 
 
 class RetriedFlight:
-    """A request's outputs; when it fails before its first token, it is resubmitted.
+    """A request's outputs as one stream, however many replicas it takes to produce them.
 
     RAGCache §6: a failure before the first token loses nothing the caller has seen, so the
     prompt is placed again, avoiding the replica that failed (which the placement excludes when
     there are others), or, with one replica, after its supervisor has recovered it, bounded in
-    time. At most one retry per other replica (one with a single replica). The placement hears
-    of every failure: a missing first token is one an engine's supervisor cannot see by itself.
+    time. A failure after it *migrates* the answer (as NVIDIA Dynamo does): the prompt plus the
+    tokens already sent go to another replica, which generates what is left of ``max_tokens``;
+    the caller sees one uninterrupted stream. A stop string is the new request's too, and one
+    that spans the move (begun in the text already sent) is found here. At most one retry or
+    migration per other replica (one with a single replica). The placement hears of every
+    failure: a missing first token is one an engine's supervisor cannot see by itself.
     ``resubmit`` launches the new request (through the caller's gate and bookkeeping);
     :attr:`flight` is always the latest request, the one that answered once the stream ends.
     """
@@ -153,20 +168,34 @@ class RetriedFlight:
 
     async def outputs(self) -> AsyncIterator[EngineOutput]:
         placement, timeout_s = self._placement, self._timeout_s
+        max_tokens, stops = self.flight.sampling.max_tokens, self.flight.sampling.stop
         retries_left = max(1, len(placement.replicas) - 1)
+        sent: list[int] = []
+        text = ""  # the answer's text so far: where a stop string may begin before a move
+        moved_at = 0  # its length at the last move
         while True:
             flight = self.flight
-            started = False
             try:
                 async for output in flight.outputs(timeout_s):
-                    started = True
+                    if (
+                        moved_at
+                        and stops
+                        and (cut := _spanning_stop(text, moved_at, output.text, stops)) is not None
+                    ):
+                        yield _finished(output, output.text[:cut], "stop")
+                        return
+                    sent.extend(output.token_ids)
+                    text += output.text
                     yield output
                 return
             except EngineError as error:
                 placement.report_failure(flight.replica, str(error))
-                if started or not retries_left:
+                if not retries_left:
                     raise
                 retries_left -= 1
+                if len(sent) >= max_tokens:  # every token was sent, only the end was lost
+                    yield _finished(None, "", "length", flight)
+                    return
                 if not await placement.wait_ready(timeout_s):
                     if isinstance(error, EngineUnavailableError):
                         raise
@@ -174,4 +203,33 @@ class RetriedFlight:
                         f"no engine in service after: {error}; retry shortly"
                     ) from error
                 placed = placement.place_prompt(flight.layout, avoid=(flight.replica,))
-                self.flight = await self._resubmit(placed, flight, error)
+                moved_at = len(text) if sent else 0
+                self.flight = await self._resubmit(placed, flight, error, tuple(sent))
+
+
+def _spanning_stop(text: str, moved_at: int, new: str, stops: Sequence[str]) -> int | None:
+    """Where ``new`` must be cut (0 when the stop string's start was sent already) for a stop string
+    that began in the text sent before the last move and ends in ``new``, or None. One that lies
+    after the move is the new request's own, which its engine stops at."""
+    start = max(moved_at - max(map(len, stops)) + 1, 0)
+    tail = text[start:]
+    joined = tail + new
+    cuts = []
+    for stop in stops:
+        index = joined.find(stop)
+        if index != -1 and start + index < moved_at and index + len(stop) > len(tail):
+            cuts.append(max(index - len(tail), 0))
+    return min(cuts) if cuts else None
+
+
+def _finished(
+    output: EngineOutput | None, text: str, reason: str, flight: Flight | None = None
+) -> EngineOutput:
+    """The last output of a migrated answer that the engine could not give: ``output`` cut to
+    ``text``, or an empty one of ``flight``'s."""
+    if output is not None:
+        return replace(output, token_ids=(), text=text, finished=True, finish_reason=reason)
+    assert flight is not None
+    return EngineOutput(
+        flight.request_id, (), "", len(flight.prompt_token_ids), flight.cached_tokens, True, reason, now()
+    )

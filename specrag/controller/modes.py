@@ -7,21 +7,24 @@ in retrieval order). Each other mode adds one optimisation to it; ``all`` combin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from specrag.errors import InvalidInputError, echo
+from specrag.errors import check_choice
 
 
 @dataclass(frozen=True)
 class Mode:
     """A set of optimisation switches with the name experiments report it under."""
 
-    name: str
+    name: ModeName
     warmup: bool
     ordering: bool
     speculation: bool
 
 
-MODES: dict[str, Mode] = {
+ModeName = Literal["serial", "warmup", "ordering", "speculation", "all"]
+MODE_NAMES: tuple[ModeName, ...] = get_args(ModeName)
+MODES: dict[ModeName, Mode] = {
     mode.name: mode
     for mode in (
         Mode("serial", warmup=False, ordering=False, speculation=False),
@@ -31,12 +34,8 @@ MODES: dict[str, Mode] = {
         Mode("all", warmup=True, ordering=True, speculation=True),
     )
 }
-MODE_NAMES: tuple[str, ...] = tuple(MODES)
 
 
 def get_mode(name: str) -> Mode:
     """The mode called ``name``; an unknown name raises :class:`InvalidInputError` listing the known ones."""
-    try:
-        return MODES[name]
-    except KeyError:
-        raise InvalidInputError(f"unknown mode {echo(name)}; known: {', '.join(MODE_NAMES)}") from None
+    return MODES[check_choice("mode", name, MODE_NAMES)]

@@ -39,16 +39,19 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from specrag.cache.layout import DocId, PromptLayout
 from specrag.cache.ordering import OrderingPolicy, get_policy
 from specrag.cache.residency import chain_block_keys
 from specrag.controller.replicas import Replica
-from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError
+from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError, check_choice
+from specrag.pipeline.engine import Engine
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = ("round_robin", "least_loaded", "approx_prefix", "exact_retrieval_order", "specrag")
+Router = Literal["round_robin", "least_loaded", "approx_prefix", "exact_retrieval_order", "specrag"]
+ROUTERS: tuple[Router, ...] = get_args(Router)
 DEFAULT_IMBALANCE_BOUND = 2
 # Entries of the approximate prefix tree per replica (block keys), as a router's own memory cap.
 _APPROX_KEYS = 1 << 16
@@ -110,13 +113,11 @@ class Placement:
     def __init__(
         self,
         replicas: Sequence[Replica],
-        router: str = "specrag",
+        router: Router = "specrag",
         imbalance_bound: int = DEFAULT_IMBALANCE_BOUND,
     ) -> None:
         if not replicas:
             raise InvalidInputError("a placement needs at least one replica")
-        if router not in ROUTERS:
-            raise InvalidInputError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
         if imbalance_bound < 0:
             raise InvalidInputError(f"imbalance_bound cannot be negative, got {imbalance_bound}")
         names = [replica.name for replica in replicas]
@@ -126,10 +127,15 @@ class Placement:
         if len(block_sizes) != 1:
             raise InvalidInputError(f"replicas must share one KV block size, got {sorted(block_sizes)}")
         self.replicas = tuple(replicas)
-        self.router = router
+        self.router = check_choice("router", router, ROUTERS)
         self.imbalance_bound = imbalance_bound
         self._turn = itertools.count()
         self._approx = {replica.name: _ApproxPrefixes(replica.engine.block_size) for replica in replicas}
+
+    @classmethod
+    def of_one(cls, engine: Engine, system_token_ids: Sequence[int]) -> Placement:
+        """One engine as a pool of one (its replica is named "0")."""
+        return cls([Replica.for_engine("0", engine, system_token_ids)])
 
     # ------------------------------------------------------------------ placing prompts
 

@@ -37,6 +37,16 @@ class RagRequest:
 
 
 @dataclass(frozen=True)
+class Planned:
+    """A batch query's documents, retrieved before it runs and ordered by the batch plan
+    (:mod:`specrag.controller.batch`): its run searches nothing and keeps this order."""
+
+    rows: tuple[int, ...]  # corpus rows in retrieval rank (what the order hint tells the model)
+    order: tuple[int, ...]  # the same rows in the plan's prompt order
+    position: int  # where the query runs in the batch's schedule
+
+
+@dataclass(frozen=True)
 class CheckedRequest:
     """A request the controller has checked: everything a query run needs, resolved."""
 
@@ -46,6 +56,7 @@ class CheckedRequest:
     sampling: Sampling
     session: Session | None
     question_token_ids: tuple[int, ...]
+    planned: Planned | None = None
 
 
 @dataclass(frozen=True)

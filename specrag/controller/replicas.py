@@ -7,8 +7,10 @@ their estimated cost) and a *measured* speed factor, the ratio of observed to pr
 times, so a replica on a slower machine or a busier core is seen as such.
 
 A replica that fails is excluded at once: its tree is cleared (whatever it held is gone or
-unknowable) and every request of ours still waiting for its first token there is failed, so the
-query retries elsewhere instead of waiting for a timeout. It rejoins when the pool's health check
+unknowable) and every request of ours there is failed, so a query waiting for its first token
+retries elsewhere instead of waiting for a timeout, and an answer streaming from it migrates
+(:class:`~specrag.controller.flight.RetriedFlight`) instead of waiting for the engine to notice
+its own death. It rejoins when the pool's health check
 sees it answer again. A replica that *stalls* (an engine that accepts requests and never steps)
 fails nothing by itself: the health check excludes it once none of its pending requests has had
 its first token for the stall timeout beyond what the oldest was expected to take
@@ -20,13 +22,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from specrag.cache.pgdsf import PrefillProfile
 from specrag.cache.tree import KnowledgeTree
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.engine import Engine, now
-from specrag.pipeline.simulated_engine import SimulatedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +66,22 @@ class Replica:
         self.excluded: str | None = None
         self.exclusions = 0
         self._pending: dict[str, _Pending] = {}
+        self._streaming: dict[str, Callable[[EngineError], None]] = {}  # past their first token
         self._last_first_token = now()  # progress, as the stall check sees it
         # Run on every rejoin, e.g. to resubscribe a KV-event mirror to a restarted engine.
         self.rejoin_hooks: list[Callable[[], Awaitable[None]]] = []
 
     @classmethod
-    def simulated(
-        cls, name: str, system_token_ids: Sequence[int], block_size: int = 32, **engine_options: Any
-    ) -> Replica:
-        """A simulated engine whose KV events feed a fresh tree: tests and large simulations."""
-        tree = KnowledgeTree(system_token_ids, block_size=block_size)
-        engine = SimulatedEngine(block_size=block_size, on_kv_events=tree.apply_events, **engine_options)
+    def for_engine(cls, name: str, engine: Engine, system_token_ids: Sequence[int]) -> Replica:
+        """The replica of ``engine`` with an empty tree of its block size, and its capacity model
+        until KV events come; ``system_token_ids`` as the system prompt starts every prompt
+        (padded to whole blocks: the engine caches, and the tree must predict, its padding too)."""
+        capacity = engine.kv_capacity_tokens
+        tree = KnowledgeTree(
+            system_token_ids,
+            block_size=engine.block_size,
+            capacity_blocks=capacity // engine.block_size if capacity else None,
+        )
         return cls(name, engine, tree)
 
     def __repr__(self) -> str:
@@ -121,6 +126,8 @@ class Replica:
         """Its first token came: it leaves the queue, and the speed factor learns from it."""
         self._last_first_token = max(self._last_first_token, at)
         pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self._streaming[request_id] = pending.fail
         if pending is None or pending.predicted_s <= 0:
             return
         low, high = _SPEED_RATIO_BOUNDS
@@ -130,6 +137,7 @@ class Replica:
     def finished(self, request_id: str) -> None:
         """It ended (aborted, failed or done) before or after its first token."""
         self._pending.pop(request_id, None)
+        self._streaming.pop(request_id, None)
 
     # ------------------------------------------------------------------ faults
 
@@ -158,8 +166,9 @@ class Replica:
         self.exclusions += 1
         self.tree.engine_cache_cleared()
         pending, self._pending = self._pending, {}
-        for request in pending.values():
-            request.fail(EngineError(f"replica {self.name} was excluded: {reason}"))
+        streaming, self._streaming = self._streaming, {}
+        for fail in [*(request.fail for request in pending.values()), *streaming.values()]:
+            fail(EngineError(f"replica {self.name} was excluded: {reason}"))
 
     async def rejoin(self) -> None:
         """Back in routing, with an empty tree: a restarted engine's cache is empty."""

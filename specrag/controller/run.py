@@ -96,19 +96,28 @@ class QueryRun:
     async def retrieve(self) -> Flight:
         """The staged search with speculation; returns the flight the answer comes from."""
         shared, checked, timeline = self._shared, self.checked, self.timeline
+        if checked.planned is not None:  # a batch query: its batch searched and ordered it
+            timeline.add(
+                "planned", now(), position=checked.planned.position, documents=len(checked.planned.rows)
+            )
+            self._warm_up()
+            return await self.final_known(list(checked.planned.rows))
         loop = asyncio.get_running_loop()
         timeline.embed_start = now()
         vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
         timeline.search_start = now()
-        stages = (shared.config.num_stages or shared.index.default_stages) if checked.mode.speculation else 1
-        if stages == 1:
+        config = shared.config
+        plan = shared.index.stage_plan(
+            config.num_stages if checked.mode.speculation else 1, config.stage_schedule
+        )
+        if plan.num_stages == 1:
             self._warm_up()
         final_rows: list[int] = []
         search = shared.index.search_staged(
             vector,
             checked.k,
-            num_stages=stages,
-            schedule=shared.config.stage_schedule,
+            num_stages=plan.num_stages,
+            schedule=plan.schedule,
             query_text=checked.request.question,  # the lexical channel of a hybrid index
         )
         async with contextlib.aclosing(search) as staged:
@@ -198,7 +207,8 @@ class QueryRun:
         queued_at = now()
         if gate.pool >= gate.max_prefill_bs or gate.waiting:
             timeline.add("queued", queued_at, pool=gate.pool, waiting=gate.waiting)
-        reorderable = self.checked.mode.ordering and self._turn is None  # a session's order is its history's
+        # A session's order is its history's, a batch query's its plan's.
+        reorderable = self.checked.mode.ordering and self._turn is None and self.checked.planned is None
         slot = await gate.admit(predicted, len(layout.token_ids) - predicted, rows if reorderable else ())
         timeline.queued_s = now() - queued_at
         if not placed.replica.available:  # excluded while the request waited for its slot
@@ -230,8 +240,12 @@ class QueryRun:
                 timeline.first_token = now()
                 timeline.answer_scheduled = flight.scheduled_at
                 timeline.add("first_token", timeline.first_token, cached_tokens=output.cached_tokens)
-            # An OpenAI server reports the count only with its last output: keep the latest.
-            timeline.cached_prompt_tokens = latest_cached_tokens(output, timeline.cached_prompt_tokens) or 0
+            # An OpenAI server reports the count only with its last output: keep the latest (of the
+            # answer's prompt: a migration's prompt is longer).
+            if not timeline.migrations:
+                timeline.cached_prompt_tokens = (
+                    latest_cached_tokens(output, timeline.cached_prompt_tokens) or 0
+                )
             texts.append(output.text)
             tokens.extend(output.token_ids)
             finish_reason = output.finish_reason or finish_reason
@@ -283,11 +297,7 @@ class QueryRun:
 
     def _rows(self, ids: np.ndarray) -> list[int]:
         """Corpus rows of a stage's ids in rank order; padding and repeats (synthetic rows) dropped."""
-        rows: list[int] = []
-        for row in self._shared.index.passage_index_of(ids).tolist():
-            if row >= 0 and row not in rows:
-                rows.append(row)
-        return rows
+        return list(self._shared.index.ranked_rows(ids))
 
     def _prompt(self, rows: list[int], final: bool) -> Placed:
         """The prompt for these documents, where it goes and that replica's estimate of its cached tokens.
@@ -315,9 +325,12 @@ class QueryRun:
             # not follow sessions): that is the prediction.
             session_cached = turn.predicted_cached_tokens(session, placed.replica.engine.block_size)
             return replace(placed, predicted_cached=session_cached)
-        policy = get_policy(shared.config.ordering_policy if checked.mode.ordering else "retrieval")
+        planned = checked.planned  # a batch plan's order is kept as it is
+        policy = get_policy(
+            shared.config.ordering_policy if checked.mode.ordering and not planned else "retrieval"
+        )
         return shared.placement.place_documents(
-            policy, rows, lambda order: self._layout(rows, order), prefer=prefer
+            policy, planned.order if planned else rows, lambda order: self._layout(rows, order), prefer=prefer
         )
 
     def _layout(self, rows: list[int], order: Sequence[DocId]) -> PromptLayout:
@@ -337,16 +350,19 @@ class QueryRun:
             return placed.predicted_cached
         return placed.replica.tree.cached_prefix(placed.layout.document_ids()).tokens
 
-    def _launch(self, placed: Placed, slot: Slot, speculative: bool, predicted: int) -> Flight:
+    def _launch(
+        self, placed: Placed, slot: Slot, speculative: bool, predicted: int, sent: tuple[int, ...] = ()
+    ) -> Flight:
         sampling = self.checked.sampling
         try:
             check_prompt_fits(len(placed.layout.token_ids), sampling, placed.replica.engine.max_model_len)
         except InvalidInputError:
             slot.release()  # the slot was taken for a request that will never exist
             raise
-        flight = Flight(placed, sampling, slot, speculative)
+        flight = Flight(placed, sampling, slot, speculative, sent)
         flight.predicted_cached_tokens = predicted
-        if self.checked.session is None:  # a session's prompts are the session's, not the tree's
+        # A session's prompts are the session's, not the tree's; a migration's ends in an answer.
+        if self.checked.session is None and not sent:
             placed.replica.tree.record_pending(placed.layout)
             flight.on_prefilled = self._prefilled
         self._flights.append(flight)
@@ -429,11 +445,27 @@ class QueryRun:
             yield output
         self._measure_prefill(answer.flight)
 
-    async def _resubmit(self, placed: Placed, failed: Flight, error: EngineError) -> Flight:
-        """The answer's prompt again, as placed after ``failed`` failed, through the prefill gate."""
-        self.timeline.add("retry", now(), reason=str(error), replica=failed.replica.name)
+    async def _resubmit(
+        self, placed: Placed, failed: Flight, error: EngineError, sent: tuple[int, ...]
+    ) -> Flight:
+        """The answer's prompt again, as placed after ``failed`` failed, through the prefill gate;
+        after the first token, with the tokens already ``sent`` (a migration)."""
+        timeline = self.timeline
+        if sent:
+            timeline.migrations += 1
+            timeline.add(
+                "migrate",
+                now(),
+                reason=str(error),
+                replica=failed.replica.name,
+                to=placed.replica.name,
+                tokens_sent=len(sent),
+            )
+        else:
+            timeline.add("retry", now(), reason=str(error), replica=failed.replica.name)
         slot = await self._shared.gate.admit(placed.predicted_cached, len(placed.layout.token_ids))
-        flight = self._launch(placed, slot, speculative=False, predicted=self._predicted(placed))
+        flight = self._launch(placed, slot, speculative=False, predicted=self._predicted(placed), sent=sent)
         self._note_route(placed)
-        self.timeline.answer_submit = flight.submitted_at
+        if not sent:  # a migration's prompt is not the answer's: its figures stay the first request's
+            timeline.answer_submit = flight.submitted_at
         return flight

@@ -7,20 +7,54 @@ query's arrival so a timeline can be plotted or compared across processes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+EventKind = Literal[
+    "planned",
+    "stage",
+    "warmup_start",
+    "spec_submit",
+    "spec_abort",
+    "spec_skip",
+    "history_dropped",
+    "adopt",
+    "queued",
+    "reordered",
+    "final_submit",
+    "route",
+    "retry",
+    "migrate",
+    "first_token",
+    "done",
+]
+"""Every kind of event a timeline records (:class:`TimelineEvent` says what each means)."""
 
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One step: ``kind`` is stage, warmup_start, spec_submit, spec_abort, spec_skip (a running
-    top-k's prompt too long for the model), history_dropped (a conversation's oldest turns left
-    the context), adopt, queued, final_submit, retry, first_token or done.
+    """One step of a query, ``kind`` one of :data:`EventKind`:
+
+    - ``planned``: a batch query starts with the documents its batch retrieved and ordered
+      (``position`` in the batch's schedule; no search of its own);
+    - ``stage``: a search stage's running top-k arrived (``done`` for the final one);
+    - ``warmup_start``: the query started warming the system prompt;
+    - ``spec_submit``, ``spec_abort`` (``reason`` stale or preempted), ``spec_skip`` (a running
+      top-k's prompt too long for the model): speculations;
+    - ``history_dropped``: a conversation's oldest turns left the context;
+    - ``adopt``: the final prompt was the speculation's, whose stream becomes the answer;
+    - ``queued``: the final prompt waits for a prefill slot; ``reordered``: window admission
+      chose another document order when it admitted it;
+    - ``final_submit``, ``route`` (which replica, and why);
+    - ``retry``: the answer's request failed before its first token and was submitted again;
+      ``migrate``: it failed after it, and the prompt plus the ``tokens_sent`` went ``to``
+      another replica, the stream going on;
+    - ``first_token``, ``done``.
 
     A warm-up the query triggered is shared work that may outlive it: the query notes only its
     start; how it ended is in the controller's :class:`~specrag.controller.warmup.WarmupRecord`.
     """
 
-    kind: str
+    kind: EventKind
     at: float
     detail: dict[str, Any] = field(default_factory=dict)
 
@@ -51,11 +85,12 @@ class Timeline:
     adopted: bool = False
     warmed: bool = False
     dropped_turns: int = 0
+    migrations: int = 0  # moves of the answer to another replica after its first token
     queued_s: float = 0.0
     controller_s: float = 0.0
     documents: list[str] = field(default_factory=list)
 
-    def add(self, kind: str, at: float, **detail: Any) -> None:
+    def add(self, kind: EventKind, at: float, **detail: Any) -> None:
         self.events.append(TimelineEvent(kind, at, detail))
 
     @property
@@ -141,6 +176,7 @@ class Timeline:
             "adopted": self.adopted,
             "warmed": self.warmed,
             "dropped_turns": self.dropped_turns,
+            "migrations": self.migrations,
             "documents": list(self.documents),
             "events": [
                 {"kind": event.kind, "t_ms": round((event.at - self.arrival) * 1000, 3), **event.detail}

@@ -25,7 +25,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol
 
 from specrag.errors import EngineError, InvalidInputError
 
@@ -82,6 +82,16 @@ class EngineOutput:
     finish_reason: str | None
     received_at: float
     scheduled_at: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What an engine says about itself once, when started or connected (the contract's
+    :attr:`Engine.block_size`, :attr:`Engine.max_model_len` and :attr:`Engine.kv_capacity_tokens`)."""
+
+    block_size: int
+    max_model_len: int
+    kv_capacity_tokens: int | None
 
 
 @dataclass(frozen=True)
@@ -162,57 +172,69 @@ class Supervision(Protocol):
         ...
 
 
-@runtime_checkable
-class Engine(Protocol):
-    """An inference engine with automatic prefix caching, driven by token IDs."""
+class Engine(ABC):
+    """An inference engine with automatic prefix caching, driven by token IDs: the one contract
+    every engine fulfils (the adapters through :class:`EngineBase`, the service's supervisor by
+    wrapping one)."""
 
     @property
+    @abstractmethod
     def block_size(self) -> int:
         """KV-cache block size in tokens: the granularity of prefix-cache hits."""
         ...
 
     @property
+    @abstractmethod
     def max_model_len(self) -> int:
         """Longest prompt + completion the engine accepts, in tokens."""
         ...
 
     @property
+    @abstractmethod
     def kv_capacity_tokens(self) -> int | None:
         """Tokens the KV cache holds, when the engine reports it."""
         ...
 
     @property
+    @abstractmethod
     def supervision(self) -> Supervision | None:
         """The supervisor that keeps this engine alive, or None for an engine nobody restarts."""
         ...
 
+    @abstractmethod
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: Sampling
     ) -> AsyncIterator[EngineOutput]:
         """Submit a prompt and stream its output. Leaving the iteration early aborts the request."""
         ...
 
+    @abstractmethod
     async def abort(self, request_id: str) -> None:
         """Abort a request; it stops after the engine's current step. Unknown ids are ignored."""
         ...
 
+    @abstractmethod
     async def warm(self, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:
         """Prefill a prefix (one output token) so later prompts starting with it hit the cache."""
         ...
 
+    @abstractmethod
     def load(self) -> EngineLoad:
         """Our requests in the engine, split by whether their first token has arrived."""
         ...
 
+    @abstractmethod
     async def counts(self) -> EngineCounts:
         """The engine's own running/waiting counts."""
         ...
 
     @property
+    @abstractmethod
     def batched_token_budget(self) -> int | None:
         """Prompt tokens the engine computes in one step (vLLM's ``max_num_batched_tokens``), when known."""
         ...
 
+    @abstractmethod
     def known_failure(self) -> str | None:
         """Why the engine has failed, when it knows without a request failing (else None).
 
@@ -221,6 +243,7 @@ class Engine(Protocol):
         """
         ...
 
+    @abstractmethod
     async def reset_prefix_cache(self) -> None:
         """Drop everything in the prefix cache (for cold-start experiments).
 
@@ -229,6 +252,7 @@ class Engine(Protocol):
         """
         ...
 
+    @abstractmethod
     async def close(self) -> None:
         """Stop the engine and release its resources. Idempotent."""
         ...
@@ -263,7 +287,7 @@ class RequestTracker:
         return EngineLoad(len(self._prefilling), len(self._decoding), engine_waiting)
 
 
-class EngineBase(ABC):
+class EngineBase(Engine):
     """What every adapter does the same way: validation, request tracking, warm-up, closing.
 
     :meth:`generate` checks the prompt, tracks the request from submission through its first
@@ -276,18 +300,6 @@ class EngineBase(ABC):
     def __init__(self) -> None:
         self._tracker = RequestTracker()
         self._closed_reason: str | None = None
-
-    @property
-    @abstractmethod
-    def block_size(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def max_model_len(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def kv_capacity_tokens(self) -> int | None: ...
 
     @property
     def supervision(self) -> Supervision | None:
@@ -450,3 +462,22 @@ def clock(source: Callable[[], float]) -> Iterator[None]:
         yield
     finally:
         _clock = previous
+
+
+class DescribedEngine(EngineBase):
+    """An adapter whose engine described itself once (a server when connected, a Ray replica when
+    started): the shape properties read that description, ``_info``."""
+
+    _info: EngineShape
+
+    @property
+    def block_size(self) -> int:
+        return self._info.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._info.max_model_len
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        return self._info.kv_capacity_tokens

@@ -46,7 +46,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import EngineBase, EngineCounts, EngineOutput, Sampling, now
+from specrag.pipeline.engine import DescribedEngine, EngineCounts, EngineOutput, EngineShape, Sampling, now
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +81,11 @@ class HttpTimeouts:
 
 
 @dataclass(frozen=True)
-class _ServerInfo:
+class _ServerInfo(EngineShape):
     model: str
-    max_model_len: int
-    block_size: int
-    kv_capacity_tokens: int | None
 
 
-_UNDISCOVERED = _ServerInfo(model="", max_model_len=1, block_size=1, kv_capacity_tokens=None)
+_UNDISCOVERED = _ServerInfo(block_size=1, max_model_len=1, kv_capacity_tokens=None, model="")
 """Placeholder until :meth:`HttpEngine.connect` has asked the server."""
 
 
@@ -96,11 +93,13 @@ class _Aborted(Exception):
     """The request's connection was closed by :meth:`HttpEngine.abort`."""
 
 
-class HttpEngine(EngineBase):
+class HttpEngine(DescribedEngine):
     """:class:`specrag.pipeline.engine.Engine` over an OpenAI-compatible server (see the module doc).
 
     Build it with :meth:`connect`, which asks the server for its model, length limit and block size.
     """
+
+    _info: _ServerInfo
 
     def __init__(
         self, session: aiohttp.ClientSession, base_url: str, info: _ServerInfo, timeouts: HttpTimeouts
@@ -156,18 +155,6 @@ class HttpEngine(EngineBase):
     @property
     def model(self) -> str:
         return self._info.model
-
-    @property
-    def block_size(self) -> int:
-        return self._info.block_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self._info.max_model_len
-
-    @property
-    def kv_capacity_tokens(self) -> int | None:
-        return self._info.kv_capacity_tokens
 
     async def _counts(self) -> EngineCounts:
         families = await self._metrics()
@@ -253,7 +240,7 @@ class HttpEngine(EngineBase):
         server_block = int(cache_info.get("block_size") or 0)
         block_size = block_size or server_block or DEFAULT_BLOCK_SIZE
         blocks = int(cache_info.get("num_gpu_blocks") or 0)
-        return _ServerInfo(model, max_model_len, block_size, blocks * block_size or None)
+        return _ServerInfo(block_size, max_model_len, blocks * block_size or None, model)
 
     async def _cache_config(self) -> dict[str, str]:
         """vLLM's cache settings from its ``cache_config_info`` metric labels; {} when absent."""

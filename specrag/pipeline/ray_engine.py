@@ -37,7 +37,7 @@ from ray.exceptions import RayError, RayTaskError
 
 from specrag.errors import EngineError
 from specrag.pipeline.config import EngineConfig, KVEventSource
-from specrag.pipeline.engine import EngineBase, EngineCounts, EngineOutput, Sampling, now
+from specrag.pipeline.engine import DescribedEngine, EngineCounts, EngineOutput, EngineShape, Sampling, now
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +47,9 @@ _PROBE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
-class ReplicaInfo:
-    """What a started replica reports about itself: static facts and where its events are."""
+class ReplicaInfo(EngineShape):
+    """What a started replica reports about itself: its shape, and where its events are."""
 
-    block_size: int
-    max_model_len: int
-    kv_capacity_tokens: int | None
     node_ip: str
 
 
@@ -118,8 +115,10 @@ class EngineActor:
             os._exit(1)  # a failure, not exit_actor(): Ray restarts the actor (max_restarts)
 
 
-class RayEngine(EngineBase):
+class RayEngine(DescribedEngine):
     """:class:`~specrag.pipeline.engine.Engine` over one replica actor (module doc)."""
+
+    _info: ReplicaInfo
 
     def __init__(self, actor: Any, info: ReplicaInfo, name: str) -> None:
         super().__init__()
@@ -142,18 +141,6 @@ class RayEngine(EngineBase):
             ray.kill(actor, no_restart=True)
             raise EngineError(f"replica {name} did not start: {_cause(error)}") from error
         return cls(actor, info, name)
-
-    @property
-    def block_size(self) -> int:
-        return self._info.block_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self._info.max_model_len
-
-    @property
-    def kv_capacity_tokens(self) -> int | None:
-        return self._info.kv_capacity_tokens
 
     @property
     def node_ip(self) -> str:

@@ -24,6 +24,7 @@ from sklearn.feature_extraction.text import CountVectorizer, TfidfVectorizer
 from sklearn.preprocessing import normalize
 
 from specrag.errors import ArtifactError, InvalidInputError
+from specrag.retrieval.arrays import load_array, unit_rows
 
 METRIC = "inner_product"
 DEFAULT_DIM = 384
@@ -54,11 +55,6 @@ class Embedder(Protocol):
     def save(self, directory: Path) -> dict[str, Any]:
         """Write the files the embedder needs into ``directory``; return its manifest entry."""
         ...
-
-
-def unit_rows(vectors: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit length (all-zero rows stay zero) as C-contiguous float32."""
-    return np.ascontiguousarray(normalize(np.asarray(vectors, dtype=np.float32)), dtype=np.float32)
 
 
 def _count_vectorizer(
@@ -186,15 +182,6 @@ class SentenceTransformerEmbedder:
     def save(self, directory: Path) -> dict[str, Any]:
         """The model stays where it is; the manifest records its directory, not a copy."""
         return {"kind": self.kind, "dim": self.dim, "model_dir": str(self.model_dir.resolve()), "files": []}
-
-
-def load_array(path: Path) -> np.ndarray:
-    """``np.load`` without pickles, turning a missing or damaged file into an ArtifactError."""
-    try:
-        array: np.ndarray = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as error:
-        raise ArtifactError(f"cannot read array file {path}: {error}") from error
-    return array
 
 
 def load_embedder(directory: Path, entry: Mapping[str, Any]) -> Embedder:

@@ -27,7 +27,7 @@ import aiohttp
 import numpy as np
 
 from specrag.errors import EmbedderError, InvalidInputError
-from specrag.retrieval.embedders import unit_rows
+from specrag.retrieval.arrays import unit_rows
 
 ENDPOINT = "/v1/embeddings"
 DEFAULT_BATCH_SIZE = 64

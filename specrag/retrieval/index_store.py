@@ -22,13 +22,13 @@ import numpy as np
 
 from specrag.atomic import atomic_directory, sha256_file
 from specrag.errors import ArtifactError, InvalidInputError
+from specrag.retrieval.arrays import load_array
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.embedders import (
     DEFAULT_DIM,
     METRIC,
     Embedder,
     TfidfSvdEmbedder,
-    load_array,
     load_embedder,
 )
 from specrag.retrieval.fusion import DEFAULT_DEPTH, DEFAULT_RRF_K, FusionConfig

@@ -21,7 +21,6 @@ from specrag.errors import InvalidInputError
 from specrag.retrieval import hnsw_kernels
 from specrag.retrieval.progress import add_in_chunks
 from specrag.retrieval.stages import (
-    DEFAULT_STAGES,
     UNBOUNDED,
     FaissBacked,
     StagePlan,
@@ -103,7 +102,6 @@ class StagedHNSW(FaissBacked):
     """A faiss ``IndexHNSWFlat`` searchable in one shot (faiss) or in stages (numba kernel)."""
 
     kind = "hnsw"
-    default_stages = DEFAULT_STAGES["hnsw"]
 
     def __init__(self, index: faiss.IndexHNSWFlat, ef_search: int = 128) -> None:
         if ef_search < 1:

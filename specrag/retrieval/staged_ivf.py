@@ -19,7 +19,6 @@ import numpy as np
 from specrag.errors import InvalidInputError
 from specrag.retrieval.progress import add_in_chunks
 from specrag.retrieval.stages import (
-    DEFAULT_STAGES,
     FaissBacked,
     StagePlan,
     StageResult,
@@ -67,7 +66,6 @@ class StagedIVF(FaissBacked):
     """A faiss IVF index (flat, PQ or SQ8 codes) searchable in one shot or in stages."""
 
     kind = "ivf"
-    default_stages = DEFAULT_STAGES["ivf"]
 
     def __init__(self, index: faiss.Index, nprobe: int | None = None) -> None:
         # The downcast proxy does not own the C++ object: keep the owner alive alongside it.

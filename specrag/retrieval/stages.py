@@ -14,11 +14,11 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import numpy as np
 
-from specrag.errors import InvalidInputError
+from specrag.errors import InvalidInputError, check_choice
 
 # Work beyond this is "everything that is left": a unit count no search reaches.
 UNBOUNDED = 1 << 62
@@ -26,10 +26,15 @@ UNBOUNDED = 1 << 62
 # "geometric" ones that double (1/2^(S-1), ..., 1/4, 1/2, 1): a small first stage lets a
 # speculative prefill start after a fraction of the search, since the nearest probe lists (the
 # closest graph nodes) already hold most of the final top-k, at the same total work.
-SCHEDULES = ("equal", "geometric")
-# How many stages a search of each index kind is cut into unless told otherwise (each searcher's
-# ``default_stages``). Geometric stages start with 1/2^(S-1) of the work, so S sets how early
-# the first speculation starts:
+Schedule = Literal["equal", "geometric"]
+SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
+# The schedule that measured best (bench/search.py: the running top-k final earliest at <= 1.10x a
+# single-stage search's cost): geometric stages, so that the first speculation starts after a
+# small share of the search. How many (how small the first) depends on the index kind, below.
+DEFAULT_SCHEDULE: Schedule = "geometric"
+# How many stages a search of each index kind is cut into unless told otherwise (stage_plan).
+# Geometric stages start with 1/2^(S-1) of the work, so S sets how early the first speculation
+# starts:
 # - IVF, 6 (first stage 1/32 of the probe list): its nearest lists hold the final top-k about as
 #   often after 1/32 as after 1/16 (bench.search --quick: 89 % against 90 % of top-10 sets), and
 #   the speculation starts after 4 % of the search instead of 7 %;
@@ -65,17 +70,24 @@ class StageResult:
 @dataclass(frozen=True)
 class StagePlan:
     """How to cut a search into stages: ``num_stages`` slices cut by ``schedule``, or
-    ``stage_budget_s`` each.
+    ``stage_budget_s`` each (:meth:`budget`).
 
     With a time budget the number of stages is whatever the search needs (the schedule is not
     used). With a count, a search with fewer work units than stages (an IVF ``nprobe`` below the
     count, an HNSW search that converges early) ends in fewer stages; the last stage always
-    finishes the search, so every schedule ends on the one-shot result.
+    finishes the search, so every schedule ends on the one-shot result. No field has a default:
+    a plan for an index comes from :func:`stage_plan` (through ``VectorIndex.stage_plan``), the
+    one place the defaults of each index kind are applied.
     """
 
-    num_stages: int = 4
+    num_stages: int
+    schedule: Schedule
     stage_budget_s: float | None = None
-    schedule: str = "equal"
+
+    @classmethod
+    def budget(cls, stage_budget_s: float) -> StagePlan:
+        """Stages of ``stage_budget_s`` each, as many as the search needs."""
+        return cls(1, "equal", stage_budget_s)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -93,11 +105,24 @@ class StagePlan:
         return stage / self.num_stages
 
 
-def check_schedule(schedule: str) -> str:
+def stage_plan(
+    kind: str, num_stages: int | None = None, schedule: str | None = None, default_stages: int | None = None
+) -> StagePlan:
+    """The plan of a search of an index of ``kind``: ``num_stages`` (else ``default_stages``, else
+    the kind's :data:`DEFAULT_STAGES`) cut by ``schedule`` (else :data:`DEFAULT_SCHEDULE`).
+
+    The one place a search's stage settings are resolved: the service, the benchmarks and a
+    script that searches a ``VectorIndex`` directly all get the schedule that measured best.
+    """
+    count = num_stages if num_stages is not None else default_stages or DEFAULT_STAGES.get(kind)
+    if count is None:
+        raise InvalidInputError(f"no default stage count for index kind {kind!r}: give num_stages")
+    return StagePlan(count, check_schedule(schedule if schedule is not None else DEFAULT_SCHEDULE))
+
+
+def check_schedule(schedule: str) -> Schedule:
     """``schedule`` if it names one of :data:`SCHEDULES`, else a clear error."""
-    if schedule not in SCHEDULES:
-        raise InvalidInputError(f"unknown stage schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    return schedule
+    return check_choice("stage schedule", schedule, SCHEDULES)
 
 
 def prepare_queries(queries: np.ndarray, dim: int, ntotal: int, k: int) -> np.ndarray:
@@ -181,7 +206,6 @@ class StagedSearcher(Protocol):
     """What every staged index offers; rows are positional ids (row i = the i-th vector added)."""
 
     kind: str
-    default_stages: int  # stages a search is cut into unless told (DEFAULT_STAGES for ours)
     owner: Any  # the faiss index object to save (it owns the memory the searcher reads)
 
     @property

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.embedders import unit_rows
+from specrag.retrieval.arrays import unit_rows
 
 # Fixed so that the output for a seed does not depend on anything but (n, dim, parameters).
 CHUNK_ROWS = 65_536

@@ -27,7 +27,7 @@ from specrag.retrieval.embedders import Embedder
 from specrag.retrieval.fusion import FusionConfig, fuse
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries
+from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries, stage_plan
 
 
 class VectorIndex:
@@ -46,6 +46,7 @@ class VectorIndex:
         runner: SearchRunner | None = None,
         lexical: LexicalIndex | None = None,
         fusion: FusionConfig | None = None,
+        default_stages: int | None = None,
     ) -> None:
         extra = searcher.ntotal - len(passage_ids)
         sources = (
@@ -61,6 +62,7 @@ class VectorIndex:
                 f"the lexical index has {lexical.num_passages} passages, the index {len(passage_ids)}"
             )
         self.searcher = searcher
+        self._default_stages = default_stages  # for a searcher of a kind with no default (a test's)
         self.lexical = lexical
         self.fusion = fusion or FusionConfig()
         self.passage_ids = list(passage_ids)
@@ -74,10 +76,20 @@ class VectorIndex:
     def dim(self) -> int:
         return self.searcher.dim
 
+    def stage_plan(
+        self, num_stages: int | None = None, schedule: str | None = None, stage_budget_s: float | None = None
+    ) -> StagePlan:
+        """How a staged search of this index is cut: the given settings, the index kind's defaults
+        for the rest (:func:`~specrag.retrieval.stages.stage_plan`); ``stage_budget_s`` instead
+        cuts stages by time."""
+        if stage_budget_s is not None:
+            return StagePlan.budget(stage_budget_s)
+        return stage_plan(self.searcher.kind, num_stages, schedule, self._default_stages)
+
     @property
     def default_stages(self) -> int:
-        """Stages a staged search of this index is cut into unless told (its searcher's choice)."""
-        return self.searcher.default_stages
+        """Stages a staged search of this index is cut into unless told (its kind's default)."""
+        return self.stage_plan().num_stages
 
     @property
     def hybrid(self) -> bool:
@@ -101,6 +113,10 @@ class VectorIndex:
         if rows.size and (rows.min() < -1 or rows.max() >= self.searcher.ntotal):
             raise InvalidInputError(f"row ids outside [-1, {self.searcher.ntotal})")
         return self._row_to_passage[rows]
+
+    def ranked_rows(self, row_ids: np.ndarray) -> tuple[int, ...]:
+        """Corpus positions of a 1-D result in rank order, padding and repeats (synthetic rows) dropped."""
+        return tuple(dict.fromkeys(row for row in self.passage_index_of(row_ids).tolist() if row >= 0))
 
     def passage_ids_of(self, row_ids: np.ndarray) -> list[str]:
         """Passage ids of a 1-D result, padding dropped, in rank order."""
@@ -183,7 +199,7 @@ class VectorIndex:
         With ``query_texts`` (one per query) and a lexical channel, every stage is hybrid.
         """
         matrix = prepare_queries(queries, self.dim, self.searcher.ntotal, k)
-        return self._stages(matrix, k, plan or StagePlan(), query_texts)
+        return self._stages(matrix, k, plan or self.stage_plan(), query_texts)
 
     def iter_stages(
         self,
@@ -203,7 +219,7 @@ class VectorIndex:
         *,
         num_stages: int | None = None,
         stage_budget_s: float | None = None,
-        schedule: str = "equal",
+        schedule: str | None = None,
         query_texts: Sequence[str] | None = None,
     ) -> AsyncGenerator[StageResult, None]:
         """``async for`` over the stages of a batch search run on the search threads.
@@ -211,11 +227,10 @@ class VectorIndex:
         With ``query_texts`` (one per query) and a lexical channel, every stage is hybrid (see
         the module's docstring); without either, the stages are the dense search's. Leaving the
         loop (use ``contextlib.aclosing`` to make it immediate) or cancelling the task stops the
-        search after the stage in flight. ``num_stages`` None cuts it into
-        :attr:`default_stages`.
+        search after the stage in flight. Settings left None are the index kind's
+        (:meth:`stage_plan`).
         """
-        count = self.default_stages if num_stages is None else num_stages
-        plan = StagePlan(count, stage_budget_s, schedule)
+        plan = self.stage_plan(num_stages, schedule, stage_budget_s)
         matrix = prepare_queries(queries, self.dim, self.searcher.ntotal, k)
         async with contextlib.aclosing(
             self.runner.stream(lambda: self._stages(matrix, k, plan, query_texts))
@@ -230,7 +245,7 @@ class VectorIndex:
         *,
         num_stages: int | None = None,
         stage_budget_s: float | None = None,
-        schedule: str = "equal",
+        schedule: str | None = None,
         query_text: str | None = None,
     ) -> AsyncGenerator[StageResult, None]:
         """``async for`` over the 1-D stages of one query (see :meth:`search_staged_batch`).

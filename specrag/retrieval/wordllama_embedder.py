@@ -34,7 +34,7 @@ from scipy import sparse
 
 from specrag.atomic import sha256_file
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.retrieval.embedders import load_array, unit_rows
+from specrag.retrieval.arrays import load_array, unit_rows
 
 CONFIG = "l2_supercat"
 DIM = 256

@@ -10,12 +10,13 @@ publishes over TCP when ``engine_kv_events`` says where); either way it is super
 dead or hung engine is replaced, and on every replacement the tree forgets what it believed
 cached and the KV mirror resubscribes.
 
-Several engines make a pool (:func:`open_pool_service`): N in-process vLLM engines (each pinned to
-its own core, each publishing its own KV events), N separate engine servers (one URL each), or N
-vLLM replicas as Ray actors (:mod:`specrag.pipeline.ray_engine`). Whatever their kind, one
-function (:func:`open_pool`) gives each engine its own tree fed by its own KV events and puts
-them behind the router of :mod:`specrag.controller.placement`, whose health checks bring an
-excluded engine back.
+Several engines make a pool: N in-process vLLM engines (each pinned to its own core, each
+publishing its own KV events), N separate engine servers (one URL each), or N vLLM replicas as Ray
+actors (:mod:`specrag.pipeline.ray_engine`). One engine is a pool of one: whatever their kind and
+number, one function (:func:`open_pool`) gives each engine its replica (its own tree fed by its
+own KV events, its restart hook) and puts them behind the router of
+:mod:`specrag.controller.placement`, whose health checks bring an excluded engine back; one
+:class:`Service` holds the result.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import psutil
 from aiohttp import web
 
 from specrag.cache.tree import KnowledgeTree
-from specrag.controller.controller import ControllerConfig, RagController, new_tree
-from specrag.controller.placement import Placement, health_checks
+from specrag.controller.controller import ControllerConfig, RagController
+from specrag.controller.placement import Placement, Router, health_checks
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.config import EngineConfig, KVEventSource, model_context_length, parse_cpus
@@ -73,7 +74,7 @@ class ServiceOptions:
     ray_address: str | None = None
     # In-process engines (or Ray replicas with ``ray_address``).
     replicas: int = 1
-    router: str = "specrag"
+    router: Router = "specrag"
 
     def __post_init__(self) -> None:
         """Bad combinations fail here, before any engine starts (flag names: ``specrag serve``'s)."""
@@ -162,24 +163,34 @@ def base_engine_config(model_dir: Path, options: ServiceOptions) -> EngineConfig
 
 @dataclass
 class Service:
-    """The parts of a running service, for callers (tests, benchmarks) that look inside."""
+    """The parts of a running service, one engine or several (a pool of one is a pool), for
+    callers (tests, benchmarks) that look inside."""
 
     app: web.Application
     controller: RagController
-    engine: SupervisedEngine
-    mirror: KVMirror | None
-    kv_events: KVEventSource | None
+    placement: Placement
+    mirrors: list[KVMirror]
+
+    def supervised_engine(self, number: int = 0) -> SupervisedEngine:
+        """Replica ``number``'s engine, which a supervisor keeps alive (every engine but Ray's)."""
+        engine = self.placement.replicas[number].engine
+        if not isinstance(engine, SupervisedEngine):
+            raise InvalidInputError(f"replica {number}'s engine has no supervisor")
+        return engine
 
     def begin_shutdown(self) -> None:
-        """From now on new queries get 503 and engine failures are the shutdown's, not faults."""
-        self.engine.begin_shutdown()
+        """From now on new queries get 503 and engine failures are the shutdown's, not faults for
+        a supervisor to repair (Ray replicas have none; the health checks stop with the service)."""
+        for replica in self.placement.replicas:
+            if isinstance(replica.engine, SupervisedEngine):
+                replica.engine.begin_shutdown()
 
 
 def _engine_starter(
     model_dir: Path, options: ServiceOptions, run_dir: Path
 ) -> tuple[Callable[[], Awaitable[Engine]], KVEventSource | None]:
     if options.engine_urls:
-        (url,) = options.engine_urls  # several make a pool: open_pool_service
+        (url,) = options.engine_urls  # several make a pool: _engines
         remote_events = options.engine_kv_events[0] if options.engine_kv_events else None
         return _connector(url), KVEventSource.remote(remote_events) if remote_events is not None else None
     config = base_engine_config(model_dir, options).with_kv_events(run_dir)
@@ -267,29 +278,19 @@ async def open_controller(
     *,
     empty_cache: bool = False,
 ) -> AsyncIterator[tuple[RagController, KVMirror | None]]:
-    """A controller whose knowledge tree mirrors the engine's prefix cache, and that mirror.
-
-    The mirror follows the engine's KV events when ``kv_events`` says where they are (else the tree
-    keeps its capacity model). A supervised engine's replacement empties the cache: the tree
-    forgets it and the mirror resubscribes. ``empty_cache`` starts from an empty prefix cache, as
-    every configuration of an experiment does; the mirror then skips the engine's event history.
-    On exit the controller's queries are aborted and the mirror stops.
+    """A controller over one engine (a pool of one, :func:`open_pool`) and its KV mirror (None
+    when ``kv_events`` says nowhere), for a caller that wants a fresh controller per configuration
+    over one engine (``bench.e2e``). ``empty_cache`` starts from an empty prefix cache, as every
+    configuration of an experiment does. On exit the controller's queries are aborted and the
+    mirror stops.
     """
-    controller = RagController(engine, index, builder, config)
-    mirror = KVMirror(controller.tree, kv_events) if kv_events is not None else None
-    forget_restarts = follow_restarts(engine, controller.tree, mirror)
-    try:
-        if empty_cache:
-            await controller.reset_prefix_cache()
-        if mirror is not None:
-            await mirror.start(catch_up=not empty_cache)
-        yield controller, mirror
-    finally:
-        if forget_restarts is not None:
-            forget_restarts()
-        await controller.close()
-        if mirror is not None:
-            await mirror.stop()
+    members = [PoolEngine("0", engine, kv_events)]
+    async with open_pool(members, builder.system_layout_tokens(), empty_cache=empty_cache) as pool:
+        controller = RagController(pool.placement, index, builder, config)
+        try:
+            yield controller, pool.mirrors[0] if pool.mirrors else None
+        finally:
+            await controller.close()
 
 
 @contextlib.contextmanager
@@ -318,17 +319,24 @@ def searching_on(index: VectorIndex, search_cpus: str | None) -> Iterator[None]:
 
 @contextlib.asynccontextmanager
 async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -> AsyncIterator[Service]:
-    """Start the stack, yield it, and on exit abort queries in flight and stop the engine."""
-    async with open_engine(assets.model_dir, options, run_dir) as (engine, kv_events):
+    """Start the stack, yield it, and on exit abort queries in flight and stop the engines.
+
+    One path for every service: the engines (one supervised engine, or a pool's, see
+    :class:`ServiceOptions`) -> their replicas, each with its tree, KV mirror and restart hook
+    (:func:`open_pool`) -> the placement -> the controller -> the application. ``run_dir`` holds
+    in-process engines' KV-event sockets.
+    """
+    async with _engines(assets, options, run_dir) as engines:
         with searching_on(assets.index, options.search_cpus):
-            builder = prompt_builder(assets, engine)
-            async with open_controller(engine, kv_events, assets.index, builder, options.controller) as (
-                controller,
-                mirror,
-            ):
-                mirrors = [mirror] if mirror is not None else []
-                app = _application(controller, options, mirrors, served_model_name(assets.model_dir))
-                yield Service(app, controller, engine, mirror, kv_events)
+            # Each tree predicts the system prompt as it starts every prompt: padded to the engines' blocks.
+            builder = prompt_builder(assets, engines[0].engine)
+            async with open_pool(engines, builder.system_layout_tokens(), options.router) as pool:
+                controller = RagController(pool.placement, assets.index, builder, options.controller)
+                try:
+                    app = _application(controller, options, pool.mirrors, served_model_name(assets.model_dir))
+                    yield Service(app, controller, pool.placement, pool.mirrors)
+                finally:
+                    await controller.close()
 
 
 def _application(
@@ -337,7 +345,8 @@ def _application(
     """The HTTP application over ``controller``, its metrics watching the profile and the mirrors;
     ``model_name`` is the model it answers with, as ``/v1/models`` and every response name it."""
     metrics = ServiceMetrics()
-    metrics.watch_prefill_profile(lambda: controller.tree.profile.measured)
+    replicas = controller.placement.replicas
+    metrics.watch_prefill_profile(lambda: all(replica.tree.profile.measured for replica in replicas))
     if mirrors:
         metrics.watch_kv_mirror(
             lambda: sum(mirror.faults().lost_batches for mirror in mirrors),
@@ -371,45 +380,37 @@ class Pool:
     mirrors: list[KVMirror]
 
 
-@dataclass
-class PoolService:
-    """The parts of a service over a pool of engines, for callers that look inside."""
-
-    app: web.Application
-    controller: RagController
-    placement: Placement
-
-    def begin_shutdown(self) -> None:
-        """From now on engine failures are the shutdown's, not faults for a supervisor to repair
-        (Ray replicas have none; the placement's health checks stop with the service)."""
-        for replica in self.placement.replicas:
-            if isinstance(replica.engine, SupervisedEngine):
-                replica.engine.begin_shutdown()
-
-
 @contextlib.asynccontextmanager
 async def open_pool(
-    engines: Sequence[PoolEngine], system_token_ids: Sequence[int], router: str = "specrag"
+    engines: Sequence[PoolEngine],
+    system_token_ids: Sequence[int],
+    router: Router = "specrag",
+    *,
+    empty_cache: bool = False,
 ) -> AsyncIterator[Pool]:
-    """The placement over ``engines``, whatever their kind: each gets its own tree, fed by its own
-    KV events; health checks run while the block does. The mirrors stop on exit, the engines not.
+    """The placement over ``engines``, whatever their kind and number: each gets its own tree, fed
+    by its own KV events; health checks run while the block does (with several). The mirrors stop
+    on exit, the engines not. ``empty_cache`` empties each engine's prefix cache first (its mirror
+    then skips the engine's event history).
 
     A mirror resubscribes whenever its engine comes back: when the placement lets an excluded
-    engine rejoin, and when a supervisor replaces it.
+    engine rejoin, and when a supervisor replaces it (whose tree then forgets the cache).
     """
     mirrors: list[KVMirror] = []
     forget: list[Callable[[], None]] = []
     try:
         replicas = []
         for member in engines:
-            tree = new_tree(member.engine, system_token_ids)
-            replica = Replica(member.name, member.engine, tree)
-            mirror = KVMirror(tree, member.kv_events) if member.kv_events is not None else None
+            replica = Replica.for_engine(member.name, member.engine, system_token_ids)
+            if empty_cache:
+                await member.engine.reset_prefix_cache()
+                replica.tree.engine_cache_cleared()
+            mirror = KVMirror(replica.tree, member.kv_events) if member.kv_events is not None else None
             if mirror is not None:
                 mirrors.append(mirror)
-                await mirror.start()
+                await mirror.start(catch_up=not empty_cache)
                 replica.rejoin_hooks.append(mirror.restart)
-            stop_following = follow_restarts(member.engine, tree, mirror)
+            stop_following = follow_restarts(member.engine, replica.tree, mirror)
             if stop_following is not None:
                 forget.append(stop_following)
             replicas.append(replica)
@@ -536,10 +537,12 @@ async def open_ray_engines(base: EngineConfig, options: ServiceOptions) -> Async
             ray.shutdown()
 
 
-def _pool_engines(
+def _engines(
     assets: Assets, options: ServiceOptions, run_dir: Path
 ) -> contextlib.AbstractAsyncContextManager[list[PoolEngine]]:
-    """The pool's engines, of the kind the options ask for (see :class:`ServiceOptions`)."""
+    """The service's engines, of the kind and number the options ask for (:class:`ServiceOptions`)."""
+    if not options.pooled:
+        return _one_engine(assets, options, run_dir)
     if options.ray_address is not None:
         return open_ray_engines(base_engine_config(assets.model_dir, options), options)
     if options.engine_urls:
@@ -548,22 +551,12 @@ def _pool_engines(
 
 
 @contextlib.asynccontextmanager
-async def open_pool_service(
+async def _one_engine(
     assets: Assets, options: ServiceOptions, run_dir: Path
-) -> AsyncIterator[PoolService]:
-    """The service over a pool of engines (:func:`open_pool`); ``run_dir`` holds in-process
-    engines' KV-event sockets."""
-    async with _pool_engines(assets, options, run_dir) as engines:
-        # Each tree predicts the system prompt as it starts every prompt: padded to the engines' blocks.
-        builder = prompt_builder(assets, engines[0].engine)
-        async with open_pool(engines, builder.system_layout_tokens(), options.router) as pool:
-            with searching_on(assets.index, options.search_cpus):
-                controller = RagController(pool.placement, assets.index, builder, options.controller)
-                try:
-                    app = _application(controller, options, pool.mirrors, served_model_name(assets.model_dir))
-                    yield PoolService(app, controller, pool.placement)
-                finally:
-                    await controller.close()
+) -> AsyncIterator[list[PoolEngine]]:
+    """The one supervised engine of a service that is not pooled, as a pool of one (replica "0")."""
+    async with open_engine(assets.model_dir, options, run_dir) as (engine, kv_events):
+        yield [PoolEngine("0", engine, kv_events)]
 
 
 def free_port_pair() -> int:

@@ -1,23 +1,22 @@
-"""``specrag prepare``, ``serve`` and ``demo``: build the embedded default, serve it, query it."""
+"""``specrag prepare``, ``serve``, ``demo`` and ``batch``: build the embedded default, serve it, query it."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
 import signal
 import socket
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Protocol
-
-from aiohttp import web
+from typing import Any
 
 from specrag.client import AsyncClient
-from specrag.controller.config import DEFAULT_STAGE_SCHEDULE
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES
 from specrag.controller.placement import ROUTERS
@@ -25,8 +24,8 @@ from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
 from specrag.pipeline.random_model import RANDOM_MODEL_NAME
-from specrag.retrieval.stages import DEFAULT_STAGES, SCHEDULES
-from specrag.service.assembly import ServiceOptions, open_pool_service, open_service
+from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, SCHEDULES
+from specrag.service.assembly import Service, ServiceOptions, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.server import (
@@ -37,6 +36,7 @@ from specrag.service.server import (
 )
 
 MAX_K = ControllerConfig().k_max
+MAX_BATCH = ControllerConfig().max_batch_queries
 
 
 def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | None]:
@@ -58,29 +58,19 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-class RunningService(Protocol):
-    """What ``serve`` and ``demo`` need of a running service, one engine or a pool."""
-
-    @property
-    def app(self) -> web.Application: ...
-
-    def begin_shutdown(self) -> None: ...
-
-
 @contextlib.asynccontextmanager
 async def _service(
-    args: argparse.Namespace, assets: Assets, options: ServiceOptions
-) -> AsyncIterator[RunningService]:
+    args: argparse.Namespace, assets: Assets, options: ServiceOptions, quiet: bool = False
+) -> AsyncIterator[Service]:
     """The supervised engine(s), the controller and the application over them (see assembly.py).
 
     The run directory (the in-process engines' KV-event sockets) is this process's alone: it goes
-    when the service stops.
+    when the service stops. ``quiet`` says what starts on standard error (standard output is data).
     """
-    print(_starting(assets, options), flush=True)
+    print(_starting(assets, options), file=sys.stderr if quiet else sys.stdout, flush=True)
     run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
     try:
-        opened = open_pool_service if options.pooled else open_service
-        async with opened(assets, options, run_dir) as service:
+        async with open_service(assets, options, run_dir) as service:
             yield service
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -126,7 +116,7 @@ def _controller_config(args: argparse.Namespace) -> ControllerConfig:
             max_prefill_bs=args.max_prefill_bs,
             max_queue=args.max_queue,
             first_token_timeout_s=args.first_token_timeout,
-        ).validate()
+        )
     except InvalidInputError as error:
         message = str(error)
         for setting, flag in _FLAG_OF_SETTING.items():
@@ -208,6 +198,64 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _questions(path: str) -> list[str]:
+    """The file's questions, one per non-blank line (``-``: standard input)."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise InvalidInputError(f"cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"{path} is not UTF-8 text") from None
+    questions = [line.strip() for line in text.splitlines() if line.strip()]
+    if not questions:
+        raise InvalidInputError(f"{path} holds no question (one per line)")
+    return questions
+
+
+async def answer_file(client: AsyncClient, questions: Sequence[str], batch_size: int, **options: Any) -> None:
+    """Answer the questions in batches of ``batch_size``: one JSON line per answer, in file order,
+    with its batch, the position it ran at in that batch's plan, and its timeline."""
+    for number, start in enumerate(range(0, len(questions), batch_size)):
+        result = await client.batch(questions[start : start + batch_size], **options)
+        ran_at = {question: position for position, question in enumerate(result.plan["order"])}
+        for index, (query, answer) in enumerate(zip(result.queries, result.answers, strict=True)):
+            line = {
+                "query": query,
+                "answer": answer.answer,
+                "finish_reason": answer.finish_reason,
+                "documents": answer.documents,
+                "batch": number,
+                "ran_at": ran_at[index],
+                "specrag": answer.timeline,
+            }
+            print(json.dumps(line), flush=True)
+
+
+def _batch(args: argparse.Namespace) -> int:
+    if not 1 <= args.batch_size <= MAX_BATCH:
+        raise InvalidInputError(f"--batch-size must be between 1 and {MAX_BATCH}, got {args.batch_size}")
+    questions = _questions(args.file)
+    options: dict[str, Any] = {"max_tokens": args.max_tokens}
+    options.update({name: value for name, value in (("k", args.k), ("mode", args.mode)) if value is not None})
+    token = _api_token(args.api_token_env)
+
+    async def main() -> None:
+        if args.url is not None:
+            async with AsyncClient(args.url, api_token=token) as client:
+                await answer_file(client, questions, args.batch_size, **options)
+            return
+        assets = _assets(args)
+        async with (
+            _service(args, assets, ServiceOptions(eager=args.eager), quiet=True) as service,
+            serving(service.app, access_log=False) as url,
+            AsyncClient(url) as client,
+        ):
+            await answer_file(client, questions, args.batch_size, **options)
+
+    asyncio.run(main())
+    return 0
+
+
 def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> None:
     parser.add_argument(
         "--model",
@@ -247,7 +295,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--stage-schedule",
         choices=SCHEDULES,
-        default=DEFAULT_STAGE_SCHEDULE,
+        default=DEFAULT_SCHEDULE,
         help="how the stages cut the search: equal slices, or geometric (1/32, 1/16, 1/8, 1/4, 1/2, "
         "1 of it for 6 stages: the first speculation starts early) (default: %(default)s)",
     )
@@ -333,9 +381,29 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "-q", "--question", action="append", help="a question (repeatable; default: three built in)"
     )
     demo.add_argument(
-        "-k", type=int, default=5, help=f"passages per prompt (1..{MAX_K}) (default %(default)s)"
+        "-k", type=int, default=5, help=f"passages per prompt (1..{MAX_K}) (default: %(default)s)"
     )
     demo.add_argument(
-        "--max-tokens", type=int, default=48, help="tokens to generate per answer (default %(default)s)"
+        "--max-tokens", type=int, default=48, help="tokens to generate per answer (default: %(default)s)"
     )
     demo.set_defaults(handler=_demo)
+
+    batch = subparsers.add_parser(
+        "batch",
+        help="answer a file of questions, one per line, as batches planned for prefix reuse",
+        description="Answers every question of FILE (one per line; - for standard input) through "
+        "POST /v1/rag/batch: each batch is retrieved, ordered so that its prompts share the longest "
+        "prefixes, and answered; prints one JSON line per answer, in file order. Starts the embedded "
+        "service unless --url names a running one.",
+    )
+    _add_asset_options(batch)
+    batch.add_argument("file", metavar="FILE", help="questions, one per line (- reads standard input)")
+    batch.add_argument("--url", help="a running specrag service (default: start the embedded one)")
+    batch.add_argument("--api-token-env", metavar="VAR", help="the service's bearer token is in $VAR")
+    batch.add_argument(
+        "--batch-size", type=int, default=MAX_BATCH, help=f"questions per batch (1..{MAX_BATCH})"
+    )
+    batch.add_argument("-k", type=int, help=f"passages per prompt (1..{MAX_K}; default: the service's)")
+    batch.add_argument("--mode", choices=MODE_NAMES, help="optimisation mode (default: the service's)")
+    batch.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per answer")
+    batch.set_defaults(handler=_batch)

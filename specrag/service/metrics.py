@@ -93,6 +93,10 @@ class ServiceMetrics:
             "specrag_preempted_speculations", "Speculations aborted because a final request needed their slot"
         )
         self.adoptions = counter("specrag_adoptions", "Answers served by an adopted speculation")
+        self.migrations = counter(
+            "specrag_migrations",
+            "Moves of an answer to another replica after its first token (its replica failed mid-answer)",
+        )
         self.prompt_tokens = counter("specrag_prompt_tokens", "Prompt tokens of answered queries")
         self.cached_prompt_tokens = counter(
             "specrag_cached_prompt_tokens", "Prompt tokens the engine's prefix cache served"
@@ -167,6 +171,7 @@ class ServiceMetrics:
         self.aborted_speculations.inc(timeline.aborted_speculations)
         self.preempted_speculations.inc(timeline.preempted_speculations)
         self.adoptions.inc(int(timeline.adopted))
+        self.migrations.inc(timeline.migrations)
         self.prompt_tokens.inc(timeline.prompt_tokens)
         self.cached_prompt_tokens.inc(timeline.cached_prompt_tokens)
         self.wasted_spec_prefill_tokens.inc(timeline.wasted_spec_prefill_tokens)
@@ -176,11 +181,11 @@ class ServiceMetrics:
             reason = "adopted speculation" if last.kind == "adopt" else str(last.detail["reason"])
             self.routed.labels(replica=str(last.detail["replica"]), reason=reason).inc()
 
-    def count_unfinished(self, mode: str, outcome: str) -> None:
-        """Record a query that ended without an answer (its timeline stays inside the controller)."""
+    def count_unfinished(self, mode: str, outcome: str, queries: int = 1) -> None:
+        """Record queries that ended without an answer (their timelines stay inside the controller)."""
         if outcome not in OUTCOMES or outcome == "ok":
             raise ValueError(f"not an unfinished outcome: {outcome!r}")
-        self.requests.labels(mode=mode, outcome=outcome).inc()
+        self.requests.labels(mode=mode, outcome=outcome).inc(queries)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""

@@ -54,12 +54,3 @@ def pin_engine_processes(
         except psutil.Error:  # gone meanwhile (a short-lived helper process)
             continue
     return pinned
-
-
-def pin_apart(engine_cpus: Collection[int], service_cpus: Collection[int]) -> list[str]:
-    """The engine's processes on ``engine_cpus``, this process on ``service_cpus``.
-
-    Returns the names of the engine processes pinned.
-    """
-    pin_threads(psutil.Process(), service_cpus)
-    return pin_engine_processes(engine_cpus)

@@ -20,13 +20,14 @@ Design points, each for a reason:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from aiohttp import web
 from aiohttp.log import access_logger
@@ -43,8 +44,10 @@ from specrag.errors import (
     InvalidInputError,
     NotFoundError,
     OverloadedError,
+    TooLargeError,
     echo,
 )
+from specrag.service.framing import ChatFraming, Framing, RagFraming, rag_body, usage
 from specrag.service.metrics import ServiceMetrics, mode_label
 from specrag.service.wire import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -67,6 +70,7 @@ SHUTDOWN_GRACE_S = 5.0
 ENGINE_RETRY_AFTER_S = 5.0
 OPEN_PATHS = frozenset({"/health"})
 RAG_FIELDS = frozenset({"query", "k", "mode", "max_tokens", "session_id", "stream"})
+BATCH_FIELDS = frozenset({"queries", "k", "mode", "max_tokens"})
 # The OpenAI chat fields honoured (docs/service.md: "Sampling fields"), and those accepted at their neutral
 # value only; any other field is refused rather than silently ignored.
 CHAT_FIELDS = frozenset(
@@ -110,6 +114,8 @@ STATE = web.AppKey("specrag_state", ServiceState)
 
 def describe_error(error: BaseException) -> ErrorInfo:
     """The status, message and type an exception is reported with; unexpected ones are logged."""
+    if isinstance(error, TooLargeError):
+        return ErrorInfo(413, str(error), "invalid_request_error", "too_large")
     if isinstance(error, InvalidInputError):
         return ErrorInfo(400, str(error), "invalid_request_error", "invalid_input")
     if isinstance(error, NotFoundError):
@@ -268,6 +274,28 @@ def _client_key(request: web.Request) -> str:
     return request.remote or "unknown"
 
 
+def _admit(state: ServiceState, client: str, mode: str, count: int = 1) -> None:
+    """Take ``count`` places among the queries in flight, or :class:`OverloadedError` (counted)."""
+    if state.queries + count > state.max_queries:
+        state.metrics.count_unfinished(mode, "overloaded", count)
+        raise OverloadedError(f"{state.queries} queries in flight, the limit is {state.max_queries}")
+    if state.per_client.get(client, 0) + count > state.max_queries_per_client:
+        state.metrics.count_unfinished(mode, "overloaded", count)
+        raise OverloadedError(
+            f"client {client} has {state.per_client.get(client, 0)} queries in flight "
+            f"(the limit is {state.max_queries_per_client})"
+        )
+    state.queries += count
+    state.per_client[client] = state.per_client.get(client, 0) + count
+
+
+def _release(state: ServiceState, client: str, count: int = 1) -> None:
+    state.queries -= count
+    state.per_client[client] -= count
+    if not state.per_client[client]:
+        del state.per_client[client]  # bounded: only clients with queries in flight
+
+
 async def _answer_events(
     state: ServiceState, request: RagRequest, client: str
 ) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
@@ -278,17 +306,8 @@ async def _answer_events(
         state.metrics.count_unfinished(mode_label(request.mode, state.core.default_mode), "rejected")
         raise
     mode = checked.mode.name
-    if state.queries >= state.max_queries:
-        state.metrics.count_unfinished(mode, "overloaded")
-        raise OverloadedError(f"{state.queries} queries in flight, the limit is {state.max_queries}")
-    if state.per_client.get(client, 0) >= state.max_queries_per_client:
-        state.metrics.count_unfinished(mode, "overloaded")
-        raise OverloadedError(
-            f"client {client} has {state.max_queries_per_client} queries in flight (the limit)"
-        )
+    _admit(state, client, mode)
     outcome = "disconnected"  # what it is when the consumer stops before the end
-    state.queries += 1
-    state.per_client[client] = state.per_client.get(client, 0) + 1
     try:
         async with contextlib.aclosing(state.core.stream(checked)) as events:
             async for event in events:
@@ -303,10 +322,7 @@ async def _answer_events(
         outcome = "error"
         raise
     finally:
-        state.queries -= 1
-        state.per_client[client] -= 1
-        if not state.per_client[client]:
-            del state.per_client[client]  # bounded: only clients with queries in flight
+        _release(state, client)
         if outcome != "ok":
             state.metrics.count_unfinished(mode, outcome)
 
@@ -322,18 +338,8 @@ async def _collect(state: ServiceState, request: RagRequest, client: str) -> tup
     raise EngineError("the answer stream ended without a result")
 
 
-class _Framing(Protocol):
-    """How one API writes a streamed answer as server-sent events."""
-
-    def delta(self, delta: AnswerDelta) -> bytes: ...
-
-    def done(self, done: AnswerDone, completion_tokens: int) -> bytes: ...
-
-    def error(self, info: ErrorInfo) -> bytes: ...
-
-
 async def _stream(
-    request: web.Request, state: ServiceState, rag: RagRequest, framing: _Framing
+    request: web.Request, state: ServiceState, rag: RagRequest, framing: Framing
 ) -> web.StreamResponse:
     async with contextlib.aclosing(_answer_events(state, rag, _client_key(request))) as events:
         event = await anext(events)  # before the headers: an early error keeps its HTTP status
@@ -356,78 +362,6 @@ async def _stream(
     return response
 
 
-def _sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n".encode()
-
-
-def _rag_body(done: AnswerDone) -> dict[str, Any]:
-    return {
-        "answer": done.text,
-        "finish_reason": done.finish_reason,
-        "documents": list(done.timeline.documents),
-        "sources": [source._asdict() for source in done.sources],
-        "specrag": done.timeline.to_dict(),
-    }
-
-
-class _RagFraming:
-    def delta(self, delta: AnswerDelta) -> bytes:
-        return _sse({"text": delta.text}, "delta")
-
-    def done(self, done: AnswerDone, completion_tokens: int) -> bytes:
-        return _sse(_rag_body(done), "done")
-
-    def error(self, info: ErrorInfo) -> bytes:
-        return _sse({**info.body(), "status": info.status}, "error")
-
-
-def _usage(done: AnswerDone, completion_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": done.timeline.prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": done.timeline.prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.timeline.cached_prompt_tokens},
-    }
-
-
-class _ChatFraming:
-    """OpenAI ``chat.completion.chunk`` lines; the last chunk carries usage and the timeline."""
-
-    def __init__(self, completion_id: str, model: str) -> None:
-        self._head = {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": model,
-        }
-        self._role_sent = False
-
-    def _chunk(self, delta: dict[str, str], finish_reason: str | None = None, **extra: Any) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return _sse({**self._head, "choices": [choice], **extra})
-
-    def delta(self, delta: AnswerDelta) -> bytes:
-        content = {"content": delta.text}
-        if not self._role_sent:
-            self._role_sent = True
-            content = {"role": "assistant", **content}
-        return self._chunk(content)
-
-    def done(self, done: AnswerDone, completion_tokens: int) -> bytes:
-        last = self._chunk(
-            {},
-            done.finish_reason or "stop",
-            usage=_usage(done, completion_tokens),
-            specrag=done.timeline.to_dict(),
-        )
-        return last + _sse("[DONE]")
-
-    def error(self, info: ErrorInfo) -> bytes:
-        return _sse(info.body()) + _sse("[DONE]")
-
-
 # ---------------------------------------------------------------------------------------- handlers
 
 
@@ -445,9 +379,10 @@ async def _health(request: web.Request) -> web.Response:
         if status is not None
         else {}
     )
+    replicas = {"replicas": [dataclasses.asdict(facts) for facts in health.replicas]}
     if not health.serving:
         return web.json_response(
-            {"status": "unavailable", "reason": health.reason, **supervision}, status=503
+            {"status": "unavailable", "reason": health.reason, **supervision, **replicas}, status=503
         )
     load = state.core.load()
     return web.json_response(
@@ -458,6 +393,7 @@ async def _health(request: web.Request) -> web.Response:
             "prefill_pool": load.prefill_pool,
             "queued": load.queued,
             **supervision,
+            **replicas,
         }
     )
 
@@ -468,9 +404,47 @@ async def _rag(request: web.Request) -> web.StreamResponse:
     _check_fields(body, RAG_FIELDS, "unknown fields")
     rag = _rag_request(body, _required(body, "query", str), _optional(body, "max_tokens", int))
     if _optional(body, "stream", bool):
-        return await _stream(request, state, rag, _RagFraming())
+        return await _stream(request, state, rag, RagFraming())
     done, _ = await _collect(state, rag, _client_key(request))
-    return web.json_response(_rag_body(done))
+    return web.json_response(rag_body(done))
+
+
+async def _rag_batch(request: web.Request) -> web.Response:
+    """Questions known together, answered in the order that shares the most prompt prefix
+    (:mod:`specrag.controller.batch`); the answers come back in the order asked, with the plan."""
+    state, client = request.app[STATE], _client_key(request)
+    body = await _json_object(request)
+    _check_fields(body, BATCH_FIELDS, "unknown fields")
+    queries = _required(body, "queries", list)
+    if not all(isinstance(query, str) for query in queries):
+        raise InvalidInputError("'queries' must be a list of strings")
+    if len(queries) > state.max_queries_per_client:
+        raise TooLargeError(f"a batch takes at most {state.max_queries_per_client} questions here")
+    rags = [_rag_request(body, query, _optional(body, "max_tokens", int)) for query in queries]
+    mode = mode_label(rags[0].mode if rags else None, state.core.default_mode)
+    try:
+        checked = state.core.check_batch(rags)
+    except InvalidInputError:
+        state.metrics.count_unfinished(mode, "rejected", max(len(rags), 1))
+        raise
+    _admit(state, client, mode, len(checked))
+    outcome = "disconnected"
+    try:
+        result = await state.core.answer_batch(checked)
+        outcome = "ok"
+    except Exception:
+        outcome = "error"
+        raise
+    finally:
+        _release(state, client, len(checked))
+        if outcome != "ok":
+            state.metrics.count_unfinished(mode, outcome, len(checked))
+    for done in result.answers:
+        state.metrics.observe(done.timeline)
+    answers = [
+        {"query": query, **rag_body(done)} for query, done in zip(queries, result.answers, strict=True)
+    ]
+    return web.json_response({"answers": answers, "plan": result.plan.to_dict()})
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
@@ -480,7 +454,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     rag = _chat_request(body, _last_user_message(_required(body, "messages", list)))
     completion_id = f"chatcmpl-{rag.request_id}"
     if _optional(body, "stream", bool):
-        return await _stream(request, state, rag, _ChatFraming(completion_id, state.model_name))
+        return await _stream(request, state, rag, ChatFraming(completion_id, state.model_name))
     done, completion_tokens = await _collect(state, rag, _client_key(request))
     choice = {
         "index": 0,
@@ -495,7 +469,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
             "created": int(time.time()),
             "model": state.model_name,
             "choices": [choice],
-            "usage": _usage(done, completion_tokens),
+            "usage": usage(done, completion_tokens),
             "specrag": done.timeline.to_dict(),
         }
     )
@@ -582,6 +556,7 @@ def create_app(
     app[STATE] = state
     app.router.add_get("/health", _health)
     app.router.add_post("/v1/rag", _rag)
+    app.router.add_post("/v1/rag/batch", _rag_batch)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/sessions", _create_session)
     app.router.add_delete("/v1/sessions/{session_id}", _close_session)

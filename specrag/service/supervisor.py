@@ -60,7 +60,7 @@ class SupervisorPolicy:
     max_backoff_s: float = 5.0
 
 
-class SupervisedEngine:
+class SupervisedEngine(Engine):
     """An engine that replaces itself when it dies or hangs (see the module docstring)."""
 
     def __init__(

@@ -128,3 +128,21 @@ def test_a_trace_splits_into_two_halves_numbered_as_in_the_whole_and_arriving_fr
     assert [q.query for q in head + tail] == [q.query for q in trace]
     assert [q.t for q in head] == [0.0, 2.0] and [q.t for q in tail] == [0.0, 2.0, 4.0]
     assert halves(trace[:1]) == [(0, [TraceQuery(t=0.0, query="q0")])]
+
+
+def test_an_hnsw_point_searches_hybrid_like_the_ivf_points() -> None:
+    """with_ef_search retunes the graph's search and keeps the BM25 channel: HNSW and IVF points
+    are searched the same way, and their summaries say which."""
+    from bench.pipeline import with_ef_search
+    from specrag.retrieval.corpus import Passage
+    from specrag.retrieval.index_store import IndexConfig, build_index
+
+    passages = [Passage(f"p{n}", "t", f"passage {n} about topic {n % 7} and word{n}") for n in range(80)]
+    index = build_index(passages, IndexConfig(kind="hnsw", ef_search=32))
+    assert index.hybrid
+    retuned = with_ef_search(index, 64)
+    assert retuned.hybrid and retuned.lexical is index.lexical and retuned.fusion == index.fusion
+    vector = index.embed_query("word5")
+    assert list(retuned.search_hybrid(vector, "word5", 3)[0]) == list(
+        index.search_hybrid(vector, "word5", 3)[0]
+    )

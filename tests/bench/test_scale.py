@@ -23,6 +23,7 @@ from bench.scale import (
 from bench.traces import TraceRequest
 from specrag.controller.placement import ROUTERS, Placement
 from specrag.controller.replicas import Replica
+from specrag.controller.simulated_replicas import simulated_replica
 from specrag.pipeline import virtual_time
 from specrag.pipeline.engine import Sampling
 from specrag.pipeline.prompt import PromptBuilder
@@ -32,7 +33,7 @@ from tests.helpers import wait_until
 
 
 def pool(n: int) -> list[Replica]:
-    return [Replica.simulated(f"r{i}", SIM_SYSTEM, time_scale=0.01, max_model_len=32768) for i in range(n)]
+    return [simulated_replica(f"r{i}", SIM_SYSTEM, time_scale=0.01, max_model_len=32768) for i in range(n)]
 
 
 def replay() -> Replay:
@@ -69,7 +70,7 @@ def test_a_request_placed_while_an_earlier_one_prefills_takes_its_order_and_its_
     prefill has stored so far (the engine fixes a request's hit when it schedules it)."""
 
     async def run() -> tuple[list[Sample], Replica]:
-        replica = Replica.simulated("r0", SIM_SYSTEM, max_model_len=32768)
+        replica = simulated_replica("r0", SIM_SYSTEM, max_model_len=32768)
         trace = [TraceRequest(0, (1, 2, 3)), TraceRequest(1, (3, 2, 1))]
         samples = await replay_trace(Placement([replica]), trace, [0.0, 0.15], replay())
         await replica.engine.close()

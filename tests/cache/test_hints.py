@@ -2,7 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specrag.cache import HintConfig, SessionDeduplicator, order_hint
+from bench.session_dedup import SessionDeduplicator
+from specrag.cache import HintConfig, order_hint
 from specrag.errors import InvalidInputError
 
 

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.ordering_oracle import MyopicOracleOrder
 from specrag.cache import POLICY_NAMES, KnowledgeTree, get_policy
-from specrag.cache.ordering import MyopicOracleOrder
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
 from tests.helpers import BLOCK, FakeEngine, layout, served_tree
@@ -43,7 +43,7 @@ def test_exact_reuses_the_most_any_order_can_for_the_request_and_never_loses_to_
     assert engine.cached(exact.doc_ids) == best  # on the engine's ground truth, not the tree's
     assert (exact.cached.tokens, exact.cached.docs) == best  # and the tree predicted it
     assert engine.cached(exact.doc_ids) >= engine.cached(greedy.doc_ids)
-    oracle = get_policy("myopic-oracle").order(tree, request)
+    oracle = MyopicOracleOrder().order(tree, request)
     assert engine.cached(oracle.doc_ids) == best
 
 

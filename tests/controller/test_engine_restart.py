@@ -97,8 +97,10 @@ async def killed_and_replaced(engine: SupervisedEngine, controller: RagControlle
     """
     # Registered after open_controller's follower: it reads the tree once that one cleared it.
     resident_at_restart: list[bool] = []
-    forget = engine.on_restart(lambda: resident_at_restart.append(controller.tree.system_prompt_resident()))
-    tree = controller.tree
+    forget = engine.on_restart(
+        lambda: resident_at_restart.append(controller.placement.replicas[0].tree.system_prompt_resident())
+    )
+    tree = controller.placement.replicas[0].tree
     (ours,) = core_pids() - shared
     await controller.answer(RagRequest(QUESTION, k=4, max_tokens=2))
     await wait_until(lambda: not tree.uses_capacity_model and tree.system_prompt_resident(), within_s=20)

@@ -53,13 +53,15 @@ async def test_an_engine_that_dies_mid_load_is_replaced_and_the_tree_cleared(tin
     trees: list[KnowledgeTree] = []  # the tree follows the engines' own KV events
     engine = await supervised(started, on_kv_events=lambda events: trees[0].apply_events(events))
     controller = controller_on(engine, tiny_assets)
-    trees.append(controller.tree)
-    engine.on_restart(controller.tree.engine_cache_cleared)
+    trees.append(controller.placement.replicas[0].tree)
+    engine.on_restart(controller.placement.replicas[0].tree.engine_cache_cleared)
     resident_at_restart: list[bool] = []  # read right after the tree heard of the restart
-    engine.on_restart(lambda: resident_at_restart.append(controller.tree.system_prompt_resident()))
+    engine.on_restart(
+        lambda: resident_at_restart.append(controller.placement.replicas[0].tree.system_prompt_resident())
+    )
     await controller.answer(RagRequest(QUESTION, k=3, mode="all", max_tokens=4))
-    assert not controller.tree.uses_capacity_model
-    assert controller.tree.system_prompt_resident()
+    assert not controller.placement.replicas[0].tree.uses_capacity_model
+    assert controller.placement.replicas[0].tree.system_prompt_resident()
 
     queries = [
         asyncio.create_task(controller.answer(RagRequest(QUESTION, k=3, mode="all", max_tokens=200)))
@@ -75,7 +77,9 @@ async def test_an_engine_that_dies_mid_load_is_replaced_and_the_tree_cleared(tin
     assert resident_at_restart == [False]
     after = await controller.answer(RagRequest(QUESTION, k=3, mode="all", max_tokens=4))
     assert after.text
-    assert controller.tree.system_prompt_resident()  # the new engine's events put it back
+    assert controller.placement.replicas[
+        0
+    ].tree.system_prompt_resident()  # the new engine's events put it back
     await assert_engine_idle(started[1], controller)
     await engine.close()
 

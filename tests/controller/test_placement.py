@@ -13,6 +13,7 @@ from specrag.cache.ordering import get_policy
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.placement import ROUTERS, Placement, health_checks
 from specrag.controller.replicas import Replica
+from specrag.controller.simulated_replicas import simulated_replica
 from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from tests.helpers import BLOCK, SYSTEM, layout, run_prompt, wait_until
@@ -21,7 +22,7 @@ EXACT = get_policy("exact")
 
 
 def replicas(n: int) -> list[Replica]:
-    return [Replica.simulated(f"r{i}", SYSTEM, block_size=BLOCK, time_scale=0.0) for i in range(n)]
+    return [simulated_replica(f"r{i}", SYSTEM, block_size=BLOCK, time_scale=0.0) for i in range(n)]
 
 
 async def serve(replica: Replica, order: list[int]) -> None:
@@ -155,7 +156,7 @@ def test_the_speed_factor_follows_observed_first_tokens() -> None:
 def test_bad_placements_are_refused() -> None:
     pool = replicas(2)
     with pytest.raises(InvalidInputError, match="unknown router"):
-        Placement(pool, router="random")
+        Placement(pool, router="random")  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="at least one replica"):
         Placement([])
     with pytest.raises(InvalidInputError, match="distinct"):

@@ -13,18 +13,20 @@ async def test_served_answers_replace_the_default_profile_in_the_tree(tiny_asset
     engine = SimulatedEngine(time_scale=0.2, max_model_len=4096)
     controller = make_controller(engine, tiny_assets)
     estimator = controller.prefill_estimator
-    default = controller.tree.profile
+    default = controller.placement.replicas[0].tree.profile
     assert not default.measured and estimator.profile is default
 
     asked = questions(tiny_assets, estimator.min_samples + 4)
     for question in asked[: estimator.min_samples - 1]:
         await controller.answer(RagRequest(question, k=4, max_tokens=1))
-    assert controller.tree.profile is default  # too few answers yet: the default, labelled so
+    assert (
+        controller.placement.replicas[0].tree.profile is default
+    )  # too few answers yet: the default, labelled so
 
     for question in asked[estimator.min_samples - 1 :]:
         await controller.answer(RagRequest(question, k=4, max_tokens=1))
     assert estimator.samples == len(asked)  # every answer was measured
-    measured = controller.tree.profile
+    measured = controller.placement.replicas[0].tree.profile
     assert measured.measured and measured is estimator.profile
     assert measured.cost(0, 512) > 0
     await engine.close()

@@ -116,7 +116,7 @@ async def test_a_warm_up_that_outlives_its_query_is_recorded_by_the_controller(t
     await asyncio.wait_for(engine.warm_returned.wait(), 5)
     assert controller.warmups.succeeded == 1 and controller.warmups.last_cached_tokens is not None
     assert done.timeline.events == events and events[-1].kind == "done"
-    assert controller.tree.system_prompt_resident()
+    assert controller.placement.replicas[0].tree.system_prompt_resident()
     await assert_engine_idle(engine, controller)
     await engine.close()
 
@@ -249,11 +249,11 @@ async def test_with_speculation_on_the_first_stage_speculates_instead_of_warming
     search would hold the one prefill slot the first stage's speculation needs."""
     engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
     controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01))
-    assert not controller.tree.system_prompt_resident()
+    assert not controller.placement.replicas[0].tree.system_prompt_resident()
     done = await controller.answer(RagRequest(QUESTION, k=4, mode="all", max_tokens=2))
     kinds = [e.kind for e in done.timeline.events]
     assert "spec_submit" in kinds and "warmup_start" not in kinds and done.timeline.adopted
-    assert controller.warmups.started == 0 and controller.tree.system_prompt_resident()
+    assert controller.warmups.started == 0 and controller.placement.replicas[0].tree.system_prompt_resident()
     await engine.close()
 
 

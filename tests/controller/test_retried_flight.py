@@ -1,19 +1,24 @@
 """RetriedFlight, the one retry policy of the controller's answers and bench.scale's replays.
 
 On simulated replicas: a failure before the first token is resubmitted on another replica (the
-failed one excluded), a failure after it is not, the retries are bounded, and with no engine in
+failed one excluded), a failure after it migrates the answer there (the prompt plus the tokens
+already sent, max_tokens and stop strings kept), the retries are bounded, and with no engine in
 service the caller gets a 503-type error instead of waiting.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
 import pytest
 
 from specrag.cache.layout import PromptLayout, build_layout
-from specrag.controller.flight import Flight, RetriedFlight
+from specrag.controller.flight import Flight, RetriedFlight, _spanning_stop
 from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import Placed, Placement
 from specrag.controller.replicas import Replica
+from specrag.controller.simulated_replicas import simulated_replica
 from specrag.errors import EngineError, EngineUnavailableError
 from specrag.pipeline.engine import EngineOutput, Sampling
 from specrag.pipeline.simulated_engine import SimulatedEngine
@@ -40,16 +45,20 @@ class Launcher:
         self.gate = PrefillGate(1 << 20, 0.0)
         self.sampling = Sampling(max_tokens=max_tokens)
         self.resubmitted: list[tuple[str, str]] = []  # (failed replica, new replica)
+        self.sent: list[tuple[int, ...]] = []  # the tokens each resubmission continued from
 
-    def launch(self, placed: Placed) -> Flight:
+    def launch(self, placed: Placed, sent: tuple[int, ...] = ()) -> Flight:
         slot = self.gate.try_speculate()
         assert slot is not None
-        return Flight(placed, self.sampling, slot, speculative=False)
+        return Flight(placed, self.sampling, slot, speculative=False, sent=sent)
 
-    async def resubmit(self, placed: Placed, failed: Flight, error: EngineError) -> Flight:
+    async def resubmit(
+        self, placed: Placed, failed: Flight, error: EngineError, sent: tuple[int, ...]
+    ) -> Flight:
         self.resubmitted.append((failed.replica.name, placed.replica.name))
+        self.sent.append(sent)
         await failed.abort()
-        return self.launch(placed)
+        return self.launch(placed, sent)
 
 
 async def collect(answer: RetriedFlight) -> list[EngineOutput]:
@@ -65,7 +74,7 @@ async def close(replicas: list[Replica]) -> None:
 
 
 def pool(n: int) -> list[Replica]:
-    return [Replica.simulated(f"r{i}", SYSTEM, time_scale=0.01, max_model_len=4096) for i in range(n)]
+    return [simulated_replica(f"r{i}", SYSTEM, time_scale=0.01, max_model_len=4096) for i in range(n)]
 
 
 async def test_a_failure_before_the_first_token_is_resubmitted_on_another_replica() -> None:
@@ -83,21 +92,73 @@ async def test_a_failure_before_the_first_token_is_resubmitted_on_another_replic
     await close(replicas)
 
 
-async def test_a_failure_after_the_first_token_is_raised_not_retried() -> None:
+def two_replicas_answering(max_tokens: int) -> tuple[list[Replica], Placed, Launcher, Flight, RetriedFlight]:
+    """Two replicas, a prompt placed on one, and its answer (the first flight) under RetriedFlight."""
     replicas = pool(2)
     placement = Placement(replicas)
-    launcher = Launcher(max_tokens=400)
+    launcher = Launcher(max_tokens=max_tokens)
     placed = placement.place_prompt(prompt())
-    answer = RetriedFlight(launcher.launch(placed), placement, 5.0, launcher.resubmit)
-    seen = 0
-    with pytest.raises(EngineError):
-        async for _ in answer.outputs():
-            seen += 1
-            if seen == 1:
-                await simulated(placed.replica).die()
+    first = launcher.launch(placed)
+    return replicas, placed, launcher, first, RetriedFlight(first, placement, 5.0, launcher.resubmit)
+
+
+async def test_a_failure_after_the_first_token_migrates_the_answer_and_the_stream_goes_on() -> None:
+    replicas, placed, launcher, first, answer = two_replicas_answering(max_tokens=400)
+    outputs = []
+    async for output in answer.outputs():
+        outputs.append(output)
+        if len(outputs) == 2:
+            await simulated(placed.replica).die()
     await answer.flight.abort()
-    assert seen >= 1 and launcher.resubmitted == [] and answer.flight.replica is placed.replica
+    (other,) = [r for r in replicas if r is not placed.replica]
+    assert launcher.resubmitted == [(placed.replica.name, other.name)]
+    (sent,) = launcher.sent
+    before = [
+        token for output in outputs if output.request_id == first.request_id for token in output.token_ids
+    ]
+    assert list(sent) == before and sent  # it continued from exactly what the caller had
+    assert answer.flight.prompt_token_ids == (*placed.layout.token_ids, *sent)
+    # One whole stream: every token up to max_tokens, then the end.
+    assert sum(len(output.token_ids) for output in outputs) == 400
+    assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+    assert placed.replica.excluded is not None
     await close(replicas)
+
+
+async def test_an_answer_lost_with_only_its_end_missing_ends_without_a_new_request() -> None:
+    replicas, _, launcher, flight, answer = two_replicas_answering(max_tokens=2)
+    tokens: list[int] = []
+    reasons = []
+    with pytest.MonkeyPatch.context() as patch:  # the engine dies right after the last token
+        original = flight.outputs
+
+        async def cut(timeout_s: float) -> AsyncIterator[EngineOutput]:
+            async for output in original(timeout_s):
+                yield replace(output, finished=False, finish_reason=None)
+                if len(tokens) >= 2:  # the consumer has every token
+                    raise EngineError("died after the last token")
+
+        patch.setattr(flight, "outputs", cut)
+        async for output in answer.outputs():
+            tokens.extend(output.token_ids)
+            reasons.append(output.finish_reason)
+    await answer.flight.abort()
+    assert len(tokens) == 2 and reasons[-1] == "length" and launcher.resubmitted == []
+    await close(replicas)
+
+
+@pytest.mark.parametrize(
+    ("text", "moved_at", "new", "cut"),
+    [
+        (" t1 t2 en", 9, "d t3", 0),  # "end" began before the move: nothing more is said
+        (" t1 t2 e", 8, "nd t3", 0),
+        (" t1 t2", 6, " t3 end", None),  # entirely after the move: the new engine's own stop
+        (" t1 t2", 6, " t3", None),
+        (" t1 st", 6, "o", None),  # "stop" not complete yet
+    ],
+)
+def test_a_stop_string_across_the_move_is_found(text: str, moved_at: int, new: str, cut: int | None) -> None:
+    assert _spanning_stop(text, moved_at, new, ("end", "stop")) == cut
 
 
 async def test_retries_are_bounded_by_the_other_replicas() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from specrag.cache.tree import KnowledgeTree
+from specrag.client import AsyncClient
 from specrag.controller.controller import RagController, RagRequest
 from specrag.controller.placement import health_checks
 from specrag.controller.replicas import Replica
@@ -20,7 +21,7 @@ from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
 from specrag.service.metrics import ServiceMetrics
-from tests.helpers import metric, pool_controller, scripted_index, simulated_pool, wait_until
+from tests.helpers import metric, pool_controller, running, scripted_index, simulated_pool, wait_until
 
 QUESTION = "What does the assert statement do?"
 
@@ -182,3 +183,22 @@ async def test_a_replica_whose_engine_knows_it_died_is_excluded_at_once(tiny_ass
         assert pool[0].excluded == "engine core exited"
     dying.resume()
     await close(pool, controller)
+
+
+async def test_health_reports_every_replicas_facts_over_http(tiny_assets: Assets) -> None:
+    """/health says, per replica, whether it routes, what waits there, its speed and profile."""
+    pool = simulated_pool(tiny_assets, 2)
+    controller = pool_controller(pool, tiny_assets, scripted_index(tiny_assets, [[1, 2, 3]], 0.0))
+    pool[1].exclude("down for the test")
+    async with running(controller) as url, AsyncClient(url) as client:
+        body = await client.health()
+    assert body["status"] == "ok"
+    assert [(r["name"], r["available"], r["excluded"]) for r in body["replicas"]] == [
+        ("r0", True, None),
+        ("r1", False, "down for the test"),
+    ]
+    assert all(
+        r["pending"] == 0 and r["speed"] == 1.0 and r["profile_measured"] is False for r in body["replicas"]
+    )
+    for replica in pool:
+        await replica.engine.close()

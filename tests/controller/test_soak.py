@@ -26,6 +26,8 @@ import pytest
 from bench.fault_inputs import BAD_REQUESTS, send
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import ControllerConfig, RagController
+from specrag.controller.placement import Placement
+from specrag.controller.replicas import Replica
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.pipeline.vllm_engine import VllmEngine
@@ -194,7 +196,8 @@ async def test_thousands_of_requests_leave_nothing_behind(tiny_assets: Assets) -
         builder.system_token_ids, block_size=engine.block_size, capacity_blocks=2048, max_nodes=400
     )
     config = ControllerConfig(max_prefill_bs=4, max_queue=12, first_token_timeout_s=10.0, max_sessions=16)
-    controller = RagController(engine, tiny_assets.index, builder, config, tree=tree)
+    placement = Placement([Replica("0", engine, tree)])
+    controller = RagController(placement, tiny_assets.index, builder, config)
     app = create_app(
         controller,
         api_token=TOKEN,
@@ -225,7 +228,7 @@ async def test_thousands_of_requests_leave_nothing_behind(tiny_assets: Assets) -
         assert soak.statuses[429] > 0, "the soak never reached the admission limits"
         assert sum(soak.kinds.values()) == 2000
         assert engine.restarts == 0 and len(started) == 1  # one-off failures need no restart
-        assert 0 < len(controller.tree) <= tree.max_nodes
+        assert 0 < len(controller.placement.replicas[0].tree) <= tree.max_nodes
         assert len(controller.sessions) <= config.max_sessions
         assert controller.gate.pool == 0 and controller.gate.waiting == 0
     finally:

@@ -27,7 +27,6 @@ class GatedSearcher:
     def __init__(self, inner: StagedIVF) -> None:
         self.inner = inner
         self.kind, self.dim, self.ntotal, self.settings = inner.kind, inner.dim, inner.ntotal, inner.settings
-        self.default_stages = inner.default_stages
         self.computed: list[int] = []
         self.gate = threading.Event()
 
@@ -43,8 +42,8 @@ class GatedSearcher:
 
 async def test_async_stages_equal_sync_stages(ivf: StagedIVF, queries: np.ndarray) -> None:
     index = make_index(ivf)
-    received = [stage async for stage in index.search_staged(queries[0], 10, num_stages=4)]
-    expected = list(index.iter_stages(queries[0], 10, StagePlan(4)))
+    received = [stage async for stage in index.search_staged(queries[0], 10, num_stages=4, schedule="equal")]
+    expected = list(index.iter_stages(queries[0], 10, StagePlan(4, "equal")))
     assert [s.stage for s in received] == [1, 2, 3, 4]
     for got, want in zip(received, expected, strict=True):
         np.testing.assert_array_equal(got.ids, want.ids)
@@ -155,7 +154,9 @@ async def test_a_search_without_a_stage_count_takes_its_kinds_default(
     searcher = request.getfixturevalue(kind)
     index = VectorIndex(searcher, [f"p{i}" for i in range(searcher.ntotal)])
     assert index.default_stages == DEFAULT_STAGES[kind]
-    received = [stage async for stage in index.search_staged(queries[0], 10, schedule="geometric")]
+    # A direct caller gets the kind's count and the schedule that measured best, as the service.
+    assert index.stage_plan() == StagePlan(DEFAULT_STAGES[kind], "geometric")
+    received = [stage async for stage in index.search_staged(queries[0], 10)]
     # A geometric IVF search has work for every stage; a graph search may converge before its last.
     if kind == "ivf":
         assert len(received) == DEFAULT_STAGES[kind]

@@ -44,12 +44,12 @@ def index(request: pytest.FixtureRequest, corpus: list[Passage]) -> VectorIndex:
 
 def stages_of(index: VectorIndex, text: str, k: int, stages: int = 4, hybrid: bool = True) -> list:
     vector = index.embed_query(text)
-    return list(index.iter_stages(vector, k, StagePlan(stages), query_text=text if hybrid else None))
+    return list(index.iter_stages(vector, k, StagePlan(stages, "equal"), query_text=text if hybrid else None))
 
 
 @pytest.mark.parametrize("query", QUERIES)
 def test_every_stage_fuses_bm25_with_the_running_dense_top_k(index: VectorIndex, query: str) -> None:
-    k, plan = 8, StagePlan(4)
+    k, plan = 8, StagePlan(4, "equal")
     vector = index.embed_query(query)
     assert index.lexical is not None
     lexical, _ = index.lexical.search(query, index.fusion.depth)
@@ -88,7 +88,7 @@ def test_without_text_or_lexical_channel_the_search_is_dense(
 ) -> None:
     query = QUERIES[0]
     vector = index.embed_query(query)
-    plain = list(index.searcher.stages(vector[None, :], 6, StagePlan(3)))
+    plain = list(index.searcher.stages(vector[None, :], 6, StagePlan(3, "equal")))
     for mine, theirs in zip(stages_of(index, query, 6, 3, hybrid=False), plain, strict=True):
         np.testing.assert_array_equal(mine.ids, theirs.ids[0])
     dense_index = build_index(corpus, IndexConfig(nlist=8, lexical=False))
@@ -102,7 +102,9 @@ def test_without_text_or_lexical_channel_the_search_is_dense(
 async def test_async_hybrid_stages_match_the_sync_ones(index: VectorIndex) -> None:
     query = QUERIES[1]
     vector = index.embed_query(query)
-    received = [s async for s in index.search_staged(vector, 7, num_stages=3, query_text=query)]
+    received = [
+        s async for s in index.search_staged(vector, 7, num_stages=3, schedule="equal", query_text=query)
+    ]
     expected = stages_of(index, query, 7, 3)
     assert [s.done for s in received] == [False] * (len(received) - 1) + [True]
     for got, want in zip(received, expected, strict=True):

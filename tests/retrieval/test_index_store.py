@@ -48,8 +48,8 @@ def test_round_trip_gives_the_same_results(saved: Path, passages: list[Passage])
     again = load_index(original_dir)
     query = index.embed_query("asyncio event loop")
     np.testing.assert_array_equal(query, again.embed_query("asyncio event loop"))
-    first = list(index.iter_stages(query, 5, StagePlan(3)))[-1]
-    second = list(again.iter_stages(query, 5, StagePlan(3)))[-1]
+    first = list(index.iter_stages(query, 5, StagePlan(3, "equal")))[-1]
+    second = list(again.iter_stages(query, 5, StagePlan(3, "equal")))[-1]
     np.testing.assert_array_equal(first.ids, second.ids)
     assert again.searcher.settings == index.searcher.settings  # the kind and codes survive
     assert index.passage_ids == [p.id for p in passages]

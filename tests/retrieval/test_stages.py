@@ -25,7 +25,7 @@ def cumulative_units(plan: StagePlan, expected_units: int) -> list[int]:
 @pytest.mark.parametrize(
     ("plan", "expected"),
     [
-        (StagePlan(4), [64, 128, 192, 256]),
+        (StagePlan(4, "equal"), [64, 128, 192, 256]),
         (StagePlan(4, schedule="geometric"), [32, 64, 128, 256]),
         (StagePlan(2, schedule="geometric"), [128, 256]),
         (StagePlan(1, schedule="geometric"), [256]),
@@ -38,3 +38,20 @@ def test_schedules_cut_the_work_as_documented(plan: StagePlan, expected: list[in
 def test_geometric_stages_with_little_work_still_advance_and_finish() -> None:
     # 1/128 of 3 units floors to 0: every stage must still do at least one unit, and the last all.
     assert cumulative_units(StagePlan(8, schedule="geometric"), 3) == [1, 2, 3]
+
+
+def test_a_plan_is_resolved_in_one_place_with_each_kinds_defaults() -> None:
+    """Unset settings take the index kind's count and the schedule that measured best; set ones
+    win; a kind with no default needs a count."""
+    from specrag.errors import InvalidInputError
+    from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, stage_plan
+
+    assert DEFAULT_SCHEDULE == "geometric"
+    assert stage_plan("ivf") == StagePlan(DEFAULT_STAGES["ivf"], "geometric")
+    assert stage_plan("hnsw") == StagePlan(DEFAULT_STAGES["hnsw"], "geometric")
+    assert stage_plan("ivf", 3, "equal") == StagePlan(3, "equal")
+    assert stage_plan("other", default_stages=2) == StagePlan(2, "geometric")
+    with pytest.raises(InvalidInputError, match="no default stage count"):
+        stage_plan("other")
+    with pytest.raises(InvalidInputError, match="unknown stage schedule"):
+        stage_plan("ivf", schedule="front")

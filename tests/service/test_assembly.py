@@ -63,13 +63,13 @@ async def test_an_open_controller_forgets_the_cache_on_a_restart_a_closed_one_no
     ):
         assert mirror is None  # no KV events: the tree keeps its capacity model
         await controller.answer(request)
-        assert controller.tree.system_prompt_resident()
+        assert controller.placement.replicas[0].tree.system_prompt_resident()
         await recovering.kill_and_recover()
-        assert not controller.tree.system_prompt_resident()
+        assert not controller.placement.replicas[0].tree.system_prompt_resident()
         await controller.answer(request)
-    assert controller.tree.system_prompt_resident()
+    assert controller.placement.replicas[0].tree.system_prompt_resident()
     await recovering.kill_and_recover()
-    assert controller.tree.system_prompt_resident()  # closed: its hook is gone
+    assert controller.placement.replicas[0].tree.system_prompt_resident()  # closed: its hook is gone
 
 
 async def test_empty_cache_starts_the_controller_on_an_empty_prefix_cache(

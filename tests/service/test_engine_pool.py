@@ -19,7 +19,7 @@ from specrag.client import AsyncClient
 from specrag.controller.controller import RagController, RagRequest
 from specrag.controller.placement import Placement
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assembly import PoolService, ServiceOptions, free_port_pair, open_pool_service
+from specrag.service.assembly import Service, ServiceOptions, free_port_pair, open_service
 from specrag.service.assets import Assets
 from specrag.service.server import serving
 from specrag.service.supervisor import SupervisedEngine
@@ -33,7 +33,7 @@ def scripted(assets: Assets) -> Assets:
     return dataclasses.replace(assets, index=scripted_index(assets, [[1, 2, 3]], 0.0))
 
 
-async def answer_through_both(service: PoolService) -> None:
+async def answer_through_both(service: Service) -> None:
     """Four queries under round robin reach both engines, over HTTP too; both trees follow their
     engine's own KV events."""
     controller: RagController = service.controller
@@ -56,7 +56,7 @@ async def test_two_in_process_engines_each_on_its_own_core_answer_queries(
     # serve's 8,192-token limit is beyond the tiny model's 4,096 positions; its prompts are short.
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     options = ServiceOptions(replicas=2, router="round_robin", eager=True)
-    async with open_pool_service(scripted(tiny_assets), options, tmp_path / "run") as service:
+    async with open_service(scripted(tiny_assets), options, tmp_path / "run") as service:
         configs = []
         for replica in service.placement.replicas:  # supervised in-process engines
             supervised = replica.engine
@@ -81,7 +81,7 @@ async def test_two_engine_servers_given_by_url_answer_queries(tiny_assets: Asset
             engine_kv_events=tuple(f"tcp://127.0.0.1:{port}" for port in ports),
             router="round_robin",
         )
-        async with open_pool_service(scripted(tiny_assets), options, tmp_path / "run") as service:
+        async with open_service(scripted(tiny_assets), options, tmp_path / "run") as service:
             await answer_through_both(service)
     finally:
         for server in servers:

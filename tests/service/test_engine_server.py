@@ -64,14 +64,17 @@ async def test_cached_tokens_mirror_and_recovery_against_a_separate_server(
             serving(service.app, access_log=False) as url,
         ):
             controller = service.controller
-            assert service.mirror is not None and service.mirror.active
+            assert service.mirrors and service.mirrors[0].active
             async with aiohttp.ClientSession() as http, http.get(url + "/v1/models") as response:
                 models = await response.json()
             assert [model["id"] for model in models["data"]] == [served_model_name(assets.model_dir)]
             assert served_model_name(assets.model_dir) == RANDOM_MODEL_NAME  # from its manifest
             first = await controller.answer(serial(QUESTION))
             order = list(first.prompt.document_ids())
-            await wait_until(lambda: controller.tree.cached_prefix(order).docs == len(order), within_s=20)
+            await wait_until(
+                lambda: controller.placement.replicas[0].tree.cached_prefix(order).docs == len(order),
+                within_s=20,
+            )
 
             hits_before = await prefix_cache_hits(server.url)
             repeated = await controller.answer(serial(QUESTION))
@@ -93,6 +96,6 @@ async def test_cached_tokens_mirror_and_recovery_against_a_separate_server(
                 while await rag_status(http, url) != 200:
                     assert time.perf_counter() - ready < 10
                     await asyncio.sleep(0.25)
-            assert service.engine.restarts == 1
+            assert service.supervised_engine().restarts == 1
     finally:
         server.stop()

@@ -21,7 +21,7 @@ async def test_served_documents_become_resident_and_a_reset_clears_them(
     controller = make_controller(vllm_engine, tiny_assets, scripted_index(tiny_assets, [[20, 21, 22]], 0.01))
     source = tiny_engine_config.kv_event_source()
     assert source is not None
-    mirror = KVMirror(controller.tree, source)
+    mirror = KVMirror(controller.placement.replicas[0].tree, source)
     await mirror.start()
     try:
         assert mirror.active
@@ -29,13 +29,13 @@ async def test_served_documents_become_resident_and_a_reset_clears_them(
         order = list(done.prompt.document_ids())
         # The first event retires the capacity model; a late subscriber first replays the
         # engine's backlog, which may take a moment after other tests.
-        await wait_until(lambda: not controller.tree.uses_capacity_model, within_s=20)
-        await wait_until(lambda: controller.tree.cached_prefix(order).docs == 3)
-        assert controller.tree.system_prompt_resident()
+        await wait_until(lambda: not controller.placement.replicas[0].tree.uses_capacity_model, within_s=20)
+        await wait_until(lambda: controller.placement.replicas[0].tree.cached_prefix(order).docs == 3)
+        assert controller.placement.replicas[0].tree.system_prompt_resident()
 
         await controller.reset_prefix_cache()
-        assert not controller.tree.system_prompt_resident()
-        assert controller.tree.cached_prefix(order).tokens == 0
+        assert not controller.placement.replicas[0].tree.system_prompt_resident()
+        assert controller.placement.replicas[0].tree.cached_prefix(order).tokens == 0
         # The engine's own answer: the question again finds nothing cached ("ordering" runs no
         # warm-up or speculation before it), and the tree predicted exactly that.
         question = RagRequest("What is a frozenset?", k=3, mode="ordering", max_tokens=2)
@@ -44,7 +44,7 @@ async def test_served_documents_become_resident_and_a_reset_clears_them(
         assert again.timeline.predicted_cached_tokens == 0
         # Once the mirror has heard of that request's blocks, the tree holds them again.
         again_order = list(again.prompt.document_ids())
-        await wait_until(lambda: controller.tree.cached_prefix(again_order).docs == 3)
+        await wait_until(lambda: controller.placement.replicas[0].tree.cached_prefix(again_order).docs == 3)
     finally:
         await mirror.stop()
         await controller.close()

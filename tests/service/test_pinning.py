@@ -69,8 +69,10 @@ async def test_the_service_pins_the_engine_and_itself_apart_and_again_after_a_re
 
         for process in engine:
             process.kill()  # the engine dies; the supervisor starts the next from this pinned process
-        service.engine.report_failure("killed by the test")
-        assert await service.engine.wait_ready(300) and service.engine.state == "ready"
+        service.supervised_engine().report_failure("killed by the test")
+        assert (
+            await service.supervised_engine().wait_ready(300) and service.supervised_engine().state == "ready"
+        )
         replaced = started_since(others)
         assert replaced and set().union(*map(affinities, replaced)) == {frozenset({0})}
         assert (await service.controller.answer(request)).timeline.ttft_s is not None
