@@ -45,6 +45,10 @@ class Sampling:
     stop: tuple[str, ...] = ()
     """Strings that end the answer; the text stops before the first one (finish reason "stop")."""
     ignore_eos: bool = False
+    document_kv: tuple[tuple[int, int], ...] = ()
+    """Prompt spans ``[start, end)`` (documents, in order) whose KV the engine may load from its
+    document KV store instead of prefilling them (TurboRAG); empty: a full prefill. Only an engine
+    started with a document KV store accepts it (:attr:`EngineConfig.document_kv_dir`)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -55,6 +59,13 @@ class Sampling:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
         if not all(self.stop):
             raise InvalidInputError("a stop string cannot be empty")
+        end = 0
+        for start, stop in self.document_kv:
+            if not end <= start < stop:
+                raise InvalidInputError(
+                    f"document_kv spans must be ordered and non-empty, got {self.document_kv}"
+                )
+            end = stop
 
 
 @dataclass(frozen=True)
@@ -290,6 +301,11 @@ class EngineBase(ABC):
     def kv_capacity_tokens(self) -> int | None: ...
 
     @property
+    def supports_document_kv(self) -> bool:
+        """Whether requests may load documents' KV from a store (:attr:`Sampling.document_kv`)."""
+        return False
+
+    @property
     def supervision(self) -> Supervision | None:
         return None  # nothing restarts a bare adapter by itself
 
@@ -317,6 +333,7 @@ class EngineBase(ABC):
         self._ensure_open()
         prompt = [int(token) for token in prompt_token_ids]
         check_prompt_fits(len(prompt), sampling, self.max_model_len)
+        check_document_kv(len(prompt), sampling, self.supports_document_kv)
         self._tracker.submitted(request_id)
         finished = False
         try:
@@ -405,6 +422,19 @@ def check_prompt_fits(prompt_tokens: int, sampling: Sampling, max_model_len: int
         raise InvalidInputError(
             f"prompt of {prompt_tokens} tokens + max_tokens {sampling.max_tokens} exceeds the model's "
             f"limit of {max_model_len} tokens"
+        )
+
+
+def check_document_kv(prompt_tokens: int, sampling: Sampling, supported: bool) -> None:
+    """Reject document spans an engine cannot load or that leave no prompt token to compute."""
+    if not sampling.document_kv:
+        return
+    if not supported:
+        raise InvalidInputError("this engine has no document KV store (start it with --document-kv turbo)")
+    if sampling.document_kv[-1][1] >= prompt_tokens:
+        raise InvalidInputError(
+            f"document_kv spans end at {sampling.document_kv[-1][1]}: they must leave at least the last "
+            f"of the prompt's {prompt_tokens} tokens to compute"
         )
 
 
