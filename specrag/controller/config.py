@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specrag.cache.ordering import get_policy
-from specrag.controller.modes import get_mode
+from specrag.controller.modes import check_document_kv, get_mode
 from specrag.errors import InvalidInputError
 from specrag.retrieval.stages import check_schedule
 
@@ -48,6 +48,7 @@ class ControllerConfig:
     ordering_policy: str = "exact"
     order_hint: bool = True
     mode: str = "all"
+    document_kv: str = "full"  # the default of requests that do not say (see modes.DOCUMENT_KV_CHOICES)
     max_tokens_default: int = 64
     max_tokens_limit: int = 1024
     first_token_timeout_s: float = 60.0
@@ -62,6 +63,7 @@ class ControllerConfig:
 
     def validate(self) -> ControllerConfig:
         get_mode(self.mode)
+        check_document_kv(self.document_kv)
         get_policy(self.ordering_policy)
         if not 1 <= self.k_default <= self.k_max:
             raise InvalidInputError("k_default must be between 1 and k_max")

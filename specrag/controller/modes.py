@@ -34,6 +34,18 @@ MODES: dict[str, Mode] = {
 MODE_NAMES: tuple[str, ...] = tuple(MODES)
 
 
+# How a request's documents get their KV: prefilled with the prompt (``full``), or loaded from the
+# engine's document KV store, each computed alone (``turbo``, TurboRAG; docs/turbo.md).
+DOCUMENT_KV_CHOICES: tuple[str, ...] = ("full", "turbo")
+
+
+def check_document_kv(name: str) -> str:
+    """``name`` if it is a document-KV choice; :class:`InvalidInputError` listing them otherwise."""
+    if name not in DOCUMENT_KV_CHOICES:
+        raise InvalidInputError(f"unknown document_kv {echo(name)}; known: {', '.join(DOCUMENT_KV_CHOICES)}")
+    return name
+
+
 def get_mode(name: str) -> Mode:
     """The mode called ``name``; an unknown name raises :class:`InvalidInputError` listing the known ones."""
     try:

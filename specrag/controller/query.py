@@ -26,6 +26,7 @@ class RagRequest:
     question: str
     k: int | None = None
     mode: str | None = None
+    document_kv: str | None = None
     max_tokens: int | None = None
     session_id: str | None = None
     temperature: float | None = None
@@ -45,6 +46,8 @@ class CheckedRequest:
     sampling: Sampling
     session: Session | None
     question_token_ids: tuple[int, ...]
+    # Load the system prompt's and documents' KV from the engine's store (TurboRAG).
+    document_kv: bool = False
 
 
 @dataclass(frozen=True)

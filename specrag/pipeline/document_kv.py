@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".kv"
 # The key of our part of a request's ``kv_transfer_params`` (read by the connector).
 PARAMS_KEY = "specrag_turbo"
+# The key under which the connector reports a finished request's tokens loaded from the store.
+LOADED_KEY = "specrag_document_kv_tokens"
 # The prefix-cache salt of turbo requests: their approximate blocks never serve a full prefill.
 TURBO_CACHE_SALT = "specrag-turbo"
 # Bytes of a model's weights file read for its fingerprint (the end: weights, not only the header).

@@ -81,7 +81,9 @@ class EngineOutput:
     ``time.perf_counter()`` at which the adapter received the increment. ``scheduled_at`` is when
     the engine's scheduler first gave the request a step (its prefill began), on the same clock,
     when the engine reports it (vLLM's per-request statistics do); None when it does not, and a
-    figure built on it must then say it used the submission time instead.
+    figure built on it must then say it used the submission time instead. ``document_kv_tokens``:
+    of the cached tokens, those loaded from the document KV store (TurboRAG), reported with the
+    finishing output by an engine that has a store; None otherwise.
     """
 
     request_id: str
@@ -93,6 +95,7 @@ class EngineOutput:
     finish_reason: str | None
     received_at: float
     scheduled_at: float | None = None
+    document_kv_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,12 @@ class PromptBuilder:
             pad_token_id=self._pad_token_id,
         )
 
+    def stored_segments(self, doc_rows: Sequence[int]) -> list[tuple[int, ...]]:
+        """The system prompt and each document as prompts lay them out (padded): what a document
+        KV store holds for them (``specrag prepare --document-kv``)."""
+        layout = self.build_with_question_tokens(doc_rows, [])
+        return layout.span_tokens(layout.stored_spans())
+
     def system_layout(self) -> PromptLayout:
         """The system prompt alone, laid out as it starts every prompt (for warm-up)."""
         return build_layout(

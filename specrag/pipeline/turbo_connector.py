@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from specrag.errors import ArtifactError
-from specrag.pipeline.document_kv import PARAMS_KEY, DocumentKVStore, segment_key, store_namespace
+from specrag.pipeline.document_kv import LOADED_KEY, PARAMS_KEY, DocumentKVStore, segment_key, store_namespace
 from specrag.pipeline.rope import RopeSpec
 
 if TYPE_CHECKING:
@@ -182,6 +182,7 @@ class TurboConnector(KVConnectorBase_V1):
         # Scheduler side.
         self._loads: dict[str, tuple[Request, list[tuple[str, int, int]], int]] = {}
         self._saves: dict[str, tuple[Request, str]] = {}
+        self._loaded: dict[str, int] = {}  # tokens claimed per request, told when it finishes
         # Worker side.
         self._caches: dict[str, torch.Tensor] = {}
         self._layout: BlockLayout | None = None
@@ -220,6 +221,7 @@ class TurboConnector(KVConnectorBase_V1):
         plan = self._plan(request, start)
         if plan is not None:
             self._loads[request.request_id] = (request, plan, start)
+            self._loaded[request.request_id] = num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = TurboMetadata()
@@ -251,7 +253,9 @@ class TurboConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._loads.pop(request.request_id, None)
         self._saves.pop(request.request_id, None)
-        return False, None
+        if PARAMS_KEY not in (request.kv_transfer_params or {}):
+            return False, None
+        return False, {LOADED_KEY: self._loaded.pop(request.request_id, 0)}
 
     # -------------------------------------------------------------------------------- worker side
 

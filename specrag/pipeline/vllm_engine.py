@@ -21,6 +21,7 @@ from typing import Any
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.config import EngineConfig, apply_environment
 from specrag.pipeline.document_kv import (
+    LOADED_KEY,
     PARAMS_KEY,
     TURBO_CACHE_SALT,
     DocumentKVStore,
@@ -114,6 +115,8 @@ class VllmEngine(EngineBase):
         self._stopping = asyncio.Event()
         self._document_kv = _document_kv_store(llm.vllm_config)
         self._fills: set[str] = set()
+        self._filling: set[str] = set()  # keys of segments being filled on first use
+        self._fill_tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def start(cls, config: EngineConfig) -> VllmEngine:
@@ -222,6 +225,35 @@ class VllmEngine(EngineBase):
             self._fills.discard(request_id)
         return segment_key(prompt, document_kv)
 
+    def _fill_later(self, prompt: Sequence[int], spans: tuple[tuple[int, int], ...]) -> None:
+        """Fill on first use: compute a turbo prompt's missing segments in the background.
+
+        This request is served as the connector can (it claims nothing while a span is missing:
+        a full prefill); the next prompt with these documents finds them stored.
+        """
+        store = self._require_document_kv()
+        missing = {}
+        for start, end in spans:
+            tokens = tuple(prompt[start:end])
+            key = segment_key(tokens)
+            if key not in self._filling and not store.contains(key):
+                missing[key] = tokens
+        if not missing:
+            return
+        self._filling.update(missing)
+
+        async def fill() -> None:
+            try:
+                await self.fill_document_kv(list(missing.values()))
+            except EngineError as error:
+                logger.warning("filling the document KV store failed: %s", error)
+            finally:
+                self._filling.difference_update(missing)
+
+        task = asyncio.create_task(fill(), name="document-kv-fill")
+        self._fill_tasks.add(task)
+        task.add_done_callback(self._fill_tasks.discard)
+
     def _require_document_kv(self) -> DocumentKVStore:
         if self._document_kv is None:
             raise InvalidInputError(
@@ -293,6 +325,7 @@ class VllmEngine(EngineBase):
             inputs: dict[str, Any] = {"prompt_token_ids": prompt}
             if sampling.document_kv:
                 inputs["cache_salt"] = TURBO_CACHE_SALT
+                self._fill_later(prompt, sampling.document_kv)
             stream = self._llm.generate(inputs, self._sampling_params(sampling, request_id), request_id)
             async with contextlib.aclosing(until_set(stream, self._stopping)) as outputs:
                 async for output in outputs:
@@ -307,6 +340,7 @@ class VllmEngine(EngineBase):
                         finish_reason=completion.finish_reason if completion else None,
                         received_at=now(),
                         scheduled_at=scheduled_at(output),
+                        document_kv_tokens=document_kv_tokens(output),
                     )
         except Exception as error:  # cancellation and GeneratorExit are BaseExceptions: not wrapped
             raise EngineError(f"engine request {request_id} failed: {error}") from error
@@ -339,6 +373,8 @@ class VllmEngine(EngineBase):
 
     async def _shut_down(self) -> None:
         self._stopping.set()  # requests still streaming fail now instead of waiting on a dead core
+        for task in list(self._fill_tasks):
+            task.cancel()
         await self._wait_idle(SHUTDOWN_IDLE_WAIT_S)
         llm, self._llm = self._llm, None
         # Stop vLLM's output handler first: it would otherwise see the engine core go away and log
@@ -352,6 +388,12 @@ class VllmEngine(EngineBase):
         # shutdown() again into half-torn-down modules and prints a spurious traceback. It is
         # already shut down: make that second call a no-op.
         llm.shutdown = lambda *args, **kwargs: None
+
+
+def document_kv_tokens(output: Any) -> int | None:
+    """Tokens the connector loaded from the document KV store, told with a finished request."""
+    loaded = (getattr(output, "kv_transfer_params", None) or {}).get(LOADED_KEY)
+    return int(loaded) if loaded is not None else None
 
 
 def _document_kv_store(vllm_config: Any) -> DocumentKVStore | None:
