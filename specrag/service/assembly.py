@@ -75,6 +75,7 @@ class ServiceOptions:
     router: str = "specrag"
     # TurboRAG: the document KV store's directory; None keeps it off (see docs/turbo.md).
     document_kv_dir: str | None = None
+    document_kv_max_gib: float = EngineConfig.document_kv_max_gib
 
     def __post_init__(self) -> None:
         """Bad combinations fail here, before any engine starts (flag names: ``specrag serve``'s)."""
@@ -87,6 +88,8 @@ class ServiceOptions:
                 "--replicas starts in-process engines; to pool engine servers, repeat --engine-url"
             )
         _check_distinct("--engine-url", self.engine_urls)
+        if self.document_kv_max_gib <= 0:
+            raise InvalidInputError(f"--document-kv-max-gib must be positive, got {self.document_kv_max_gib}")
         if self.document_kv_dir is not None and (self.engine_urls or self.ray_address is not None):
             raise InvalidInputError(
                 "--document-kv turbo needs the in-process engine (no --engine-url, no --ray)"
@@ -163,6 +166,7 @@ def base_engine_config(model_dir: Path, options: ServiceOptions) -> EngineConfig
         enforce_eager=options.eager,
         omp_threads_bind=options.engine_cpus,
         document_kv_dir=options.document_kv_dir,
+        document_kv_max_gib=options.document_kv_max_gib,
     )
 
 

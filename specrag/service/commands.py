@@ -23,6 +23,7 @@ from specrag.controller.modes import MODE_NAMES
 from specrag.controller.placement import ROUTERS
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.pipeline.config import EngineConfig
 from specrag.retrieval.stages import DEFAULT_STAGES, SCHEDULES
 from specrag.service.assembly import (
     ServiceOptions,
@@ -62,16 +63,17 @@ def _prepare(args: argparse.Namespace) -> int:
     if args.document_kv:
         kv_dir = _paths(args)[0].document_kv_dir
         print(f"computing every passage's KV into {kv_dir} (TurboRAG; minutes)…", flush=True)
-        filled = asyncio.run(_fill_document_kv(assets, kv_dir))
+        filled = asyncio.run(_fill_document_kv(assets, kv_dir, args.document_kv_max_gib))
         print(f"document KV ready: {filled} segments computed, the others were stored already")
     return 0
 
 
-async def _fill_document_kv(assets: Assets, kv_dir: Path) -> int:
+async def _fill_document_kv(assets: Assets, kv_dir: Path, max_gib: float) -> int:
     """Start the in-process engine with the store and fill it with the system prompt and every passage."""
     from specrag.pipeline.vllm_engine import VllmEngine
 
-    config = base_engine_config(assets.model_dir, ServiceOptions(document_kv_dir=str(kv_dir)))
+    options = ServiceOptions(document_kv_dir=str(kv_dir), document_kv_max_gib=max_gib)
+    config = base_engine_config(assets.model_dir, options).validate()
     engine = await VllmEngine.start(config)
     try:
         segments = prompt_builder(assets, engine).stored_segments(range(len(assets.store)))
@@ -183,6 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine_cpus=args.engine_cpus,
         search_cpus=args.search_cpus,
         document_kv_dir=str(_paths(args)[0].document_kv_dir) if document_kv else None,
+        document_kv_max_gib=args.document_kv_max_gib,
     )
     assets = _assets(args)
 
@@ -242,6 +245,16 @@ def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> 
         )
 
 
+def _add_document_kv_bound(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--document-kv-max-gib",
+        type=float,
+        default=EngineConfig.document_kv_max_gib,
+        metavar="GIB",
+        help="the document KV store's size bound; least recently used entries go (default %(default)s)",
+    )
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prepare = subparsers.add_parser("prepare", help="build whatever is missing: corpus, model, store, index")
     _add_asset_options(prepare, engine=False)
@@ -250,6 +263,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="also compute every passage's KV into the document KV store (for serve --document-kv turbo)",
     )
+    _add_document_kv_bound(prepare)
     prepare.set_defaults(handler=_prepare)
 
     serve = subparsers.add_parser("serve", help="serve the RAG and OpenAI-compatible HTTP API")
@@ -265,6 +279,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "without a fine-tuned model, see docs/turbo.md); requests choose with document_kv "
         "(default: %(default)s)",
     )
+    _add_document_kv_bound(serve)
     serve.add_argument("--api-token-env", metavar="VAR", help="require the bearer token held in $VAR")
     serve.add_argument(
         "--max-prefill-bs", type=int, help="prefill pool size (default: from the token budget)"

@@ -20,7 +20,7 @@ from specrag.pipeline.document_kv import segment_key
 from specrag.pipeline.engine import Sampling
 from specrag.pipeline.rope import RopeSpec
 from specrag.pipeline.vllm_engine import VllmEngine
-from tests.helpers import random_prompt, run_prompt
+from tests.helpers import random_prompt, run_prompt, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -77,6 +77,7 @@ async def test_single_document_loaded_equals_full_prefill(turbo_engine: VllmEngi
     assert torch.equal(full, turbo)
     outputs = await run_prompt(turbo_engine, prompt, Sampling(max_tokens=1, document_kv=((0, len(DOC)),)))
     assert outputs[-1].cached_tokens == len(DOC)  # vLLM counts the loaded tokens as cached
+    assert outputs[-1].document_kv_tokens == len(DOC)  # and the connector says they were loaded
 
 
 async def test_document_loaded_at_an_offset_is_rotated(turbo_engine: VllmEngine) -> None:
@@ -108,3 +109,17 @@ async def test_missing_document_is_not_claimed(turbo_engine: VllmEngine) -> None
 async def test_spans_must_leave_the_question(turbo_engine: VllmEngine) -> None:
     with pytest.raises(InvalidInputError, match="last"):
         await run_prompt(turbo_engine, DOC, Sampling(max_tokens=1, document_kv=((0, len(DOC)),)))
+
+
+async def test_first_use_fills_the_store_in_the_background(turbo_engine: VllmEngine) -> None:
+    doc = random_prompt(105, 64)
+    sampling = Sampling(max_tokens=1, document_kv=((0, len(doc)),))
+    await turbo_engine.reset_prefix_cache()
+    first = await run_prompt(turbo_engine, doc + QUESTION, sampling)
+    assert first[-1].document_kv_tokens == 0  # not stored yet: prefilled
+    store = turbo_engine.document_kv
+    assert store is not None
+    await wait_until(lambda: store.contains(segment_key(doc)), within_s=60)
+    await turbo_engine.reset_prefix_cache()
+    again = await run_prompt(turbo_engine, doc + QUESTION, sampling)
+    assert again[-1].document_kv_tokens == len(doc)
