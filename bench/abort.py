@@ -36,6 +36,7 @@ from bench.e2e.runner import ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig, parse_cpus
 from specrag.pipeline.engine import Engine, Sampling
+from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import ensure_assets
 from specrag.service.pinning import pin_apart
@@ -100,7 +101,7 @@ def describe(timings: list[float]) -> dict[str, float]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = DataLayout(resolve_data_dir())
-    assets = ensure_assets(layout, None)
+    assets = ensure_assets(layout, RANDOM_MODEL_NAME)
     results = {}
     for budget in args.budgets:
         config = EngineConfig(

@@ -6,6 +6,7 @@ The benchmarks pin the engine and the search apart with the service's own
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -17,6 +18,7 @@ from typing import Any
 import matplotlib
 
 from specrag.pipeline.config import cpu_has_native_bf16
+from specrag.pipeline.model_catalog import MODEL_NAMES
 
 matplotlib.use("Agg")
 
@@ -24,6 +26,16 @@ OUT_DIR = Path(__file__).resolve().parent / "out"
 # Random prompts draw their tokens from ids 3..999: every model's vocabulary is larger, and the
 # lowest ids are special tokens.
 RANDOM_TOKEN_IDS = 1000
+
+
+def add_model_option(parser: argparse.ArgumentParser, default: str, why: str) -> None:
+    """``--model``: a model name (made offline in the data directory) or a model directory."""
+    parser.add_argument(
+        "--model",
+        default=default,
+        help=f"a model name ({', '.join(MODEL_NAMES)}) or any Hugging Face model directory "
+        f"(default: %(default)s: {why})",
+    )
 
 
 def random_prompt(rng: random.Random, tokens: int) -> list[int]:

@@ -48,6 +48,7 @@ from bench.e2e.runner import search_times_ms, set_search_ratio, ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import parse_cpus
 from specrag.pipeline.engine import Engine, Sampling
+from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.index_store import IVF_KINDS
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
@@ -182,7 +183,7 @@ def describe(timings: list[float], alone: list[float] | None) -> dict[str, Any]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = DataLayout(resolve_data_dir())
-    assets = ensure_assets(layout, None)
+    assets = ensure_assets(layout, RANDOM_MODEL_NAME)
     index = scaled_index(layout, assets, args.index_size, args.nlist)
     runner = SearchRunner(threads=1, cpus=parse_cpus(args.search_cpus, "--search-cpus"))
     scan_indexes = {

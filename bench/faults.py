@@ -57,6 +57,7 @@ from specrag.client import (
 )
 from specrag.controller.controller import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.service.assembly import Service, ServiceOptions, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.server import create_app, serving
@@ -368,7 +369,7 @@ async def real_service(assets: Assets, run_dir: Path) -> AsyncIterator[tuple[Ser
 
 
 async def run_all(args: argparse.Namespace, run: Run, stopped: set[int]) -> dict[str, Any]:
-    assets = ensure_assets(DataLayout(resolve_data_dir()))
+    assets = ensure_assets(DataLayout(resolve_data_dir()), RANDOM_MODEL_NAME)
     with tempfile.TemporaryDirectory(prefix="specrag-faults-") as run_dir:
         started = time.perf_counter()
         async with real_service(assets, Path(run_dir)) as (service, url):

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import add_model_option, machine, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.__main__ import scaled_index
 from bench.e2e.report import summarize
 from bench.e2e.runner import (
@@ -69,6 +69,7 @@ from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import KVEventSource, parse_cpus
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.search_runner import SearchRunner
@@ -108,7 +109,9 @@ class Point:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer queries, an 8M-vector index")
-    parser.add_argument("--model", help="any Hugging Face model directory (default: the embedded model)")
+    add_model_option(
+        parser, RANDOM_MODEL_NAME, "its size is set per machine so that search and prefill can cost the same"
+    )
     parser.add_argument(
         "--kind", choices=SWEEP_KINDS, default="ivf-sq8", help="IVF kind of the sweep's index (lists' codes)"
     )
@@ -475,7 +478,7 @@ async def flat_point(
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = DataLayout(resolve_data_dir())
-    assets = ensure_assets(layout, Path(args.model) if args.model else None)
+    assets = ensure_assets(layout, args.model)
     index = scaled_index(layout, assets, args.index_size, args.nlist, args.kind)
     flat = scaled_index(layout, assets, args.flat_size, args.nlist) if args.flat_size else None
     runner = SearchRunner(threads=1, cpus=parse_cpus(args.search_cpus, "--search-cpus"))

@@ -1,4 +1,4 @@
-"""Cold vs cached prefill of the engine, by prompt length: the figures the README quotes.
+"""Cold vs cached prefill of the engine, by prompt length: the figures docs/architecture.md quotes.
 
 Rerun: ``.venv/bin/python -m bench.prefill`` (``--quick`` for fewer lengths and repeats,
 ``--model DIR`` for any Hugging Face model directory). Writes bench/out/prefill.json and .png.
@@ -20,10 +20,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import add_model_option, machine, plot_path, stop_cleanly_on_sigterm, write_json
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Sampling, now
+from specrag.pipeline.model_catalog import resolve_model
+from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.pipeline.vllm_engine import VllmEngine
 
 FULL_LENGTHS = (512, 1024, 2048, 4096, 8000)
@@ -96,7 +98,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"lengths {QUICK_LENGTHS}, 2 repeats")
-    parser.add_argument("--model", help="model directory (default: DATA_DIR/model, see `specrag prepare`)")
+    add_model_option(parser, RANDOM_MODEL_NAME, "the random model's size is chosen from these figures")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per length (default 3, quick 2)")
     parser.add_argument(
         "--engine-cpus", default="0", help="cores for the engine's model worker (vLLM bind syntax)"
@@ -104,7 +106,7 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no graph compilation")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    model = args.model or str(DataLayout(resolve_data_dir()).model_dir)
+    model = str(resolve_model(DataLayout(resolve_data_dir()), args.model, ()))
     lengths = QUICK_LENGTHS if args.quick else FULL_LENGTHS
     repeats = args.repeats or (2 if args.quick else 3)
     config = EngineConfig(model=model, enforce_eager=args.eager, omp_threads_bind=args.engine_cpus).validate()

@@ -10,7 +10,7 @@ k passages belongs to the document ``answer_id`` (its id is ``answer_id`` or sta
 one JSON object: ``{"recall_at_1", "recall_at_5", "recall_at_10", "dense_only": {...}, "index_build_s",
 "docs_per_s", "query_ms_p50"}``.
 
-``--compare`` adds the README's table: the previous default (TF-IDF + SVD), WordLlama with the
+``--compare`` adds the table of docs/retrieval.md: the previous default (TF-IDF + SVD), WordLlama with the
 package's uniform pooling and, with ``--sentence-transformers DIR``, a sentence-transformers model
 directory, each dense and hybrid (one index per embedder, searched both ways), BM25 alone, and
 the default index's recall under other fusion settings (``rrf_k`` × depth). Results go to
@@ -279,7 +279,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--queries", required=True, help="JSONL queries: {query, answer_id} a line")
     parser.add_argument("--data-dir", help="where to build the indexes (default: a temporary directory)")
     parser.add_argument(
-        "--compare", action="store_true", help="also evaluate the other methods (README table)"
+        "--compare", action="store_true", help="also evaluate the other methods (docs/retrieval.md's table)"
     )
     parser.add_argument(
         "--sentence-transformers", metavar="DIR", help="with --compare: a model directory to add"

@@ -373,13 +373,14 @@ async def real_replicas(
     from specrag.controller.controller import new_tree
     from specrag.paths import DataLayout, resolve_data_dir
     from specrag.pipeline.config import EngineConfig
+    from specrag.pipeline.random_model import RANDOM_MODEL_NAME
     from specrag.pipeline.vllm_engine import VllmEngine
     from specrag.service.assembly import prompt_builder
     from specrag.service.assets import ensure_assets
     from specrag.service.kv_mirror import KVMirror
 
     layout = DataLayout(resolve_data_dir(data_dir))
-    assets = ensure_assets(layout)
+    assets = ensure_assets(layout, RANDOM_MODEL_NAME)
     replicas: list[Replica] = []
     mirrors: list[KVMirror] = []
     cores: list[int] = []

@@ -1,8 +1,8 @@
 """TurboRAG on the in-process vLLM engine: cold TTFT of full prefill against document KV loaded
 from the store, the store's load time, and whether the loaded KV is right.
 
-Rerun: ``.venv/bin/python -m bench.turbo`` (``--quick``: fewer prompts and repeats; ``--model DIR``
-for any Hugging Face model directory). Writes bench/out/turbo.json and .png; the last line printed
+Rerun: ``.venv/bin/python -m bench.turbo`` (``--quick``: fewer TTFT prompts and repeats; ``--model``
+a model name or any Hugging Face model directory). Writes bench/out/turbo.json and .png; the last line printed
 is JSON with ``cold_full_ttft_ms``, ``turbo_ttft_ms``, ``ttft_turbo_over_full``, ``kv_rel_err_max``,
 ``single_doc_first_token_equal`` and ``accuracy``.
 
@@ -20,9 +20,10 @@ is JSON with ``cold_full_ttft_ms``, ``turbo_ttft_ms``, ``ttft_turbo_over_full``,
   0) is the floor that vLLM's kernels and dtype alone cause; the difference is the rotation's.
 - Single document: the prompt ``document · question``, nothing before the document, served both
   ways; its first token must be the same (there the stored KV is what a full prefill computes).
-- Accuracy: :func:`answer_accuracy` scores full against turbo answers on (question, gold answer)
-  pairs; without a question set (``--questions FILE``, JSON lines with ``question`` and
-  ``answer``) it is not measured and the summary says so.
+- Accuracy: :func:`answer_accuracy` answers ``bench.quality``'s questions (``--questions N``,
+  default 104; 0 skips it) through the controller as ``serial`` requests both ways, k = 4 and 24
+  tokens as ``bench.quality`` does, and scores them with its metrics (``accuracy``: the gold name
+  is among the answer's words).
 """
 
 from __future__ import annotations
@@ -41,17 +42,21 @@ from typing import Any
 
 import torch
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import add_model_option, machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.quality_set import build_questions, score
 from specrag.cache.layout import PromptLayout, build_layout
+from specrag.controller.controller import ControllerConfig, RagRequest
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.document_kv import DocumentKVStore, segment_key
 from specrag.pipeline.engine import Sampling, now
+from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.rope import RopeSpec
-from specrag.pipeline.tokenizer import Tokenizer
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assets import ensure_corpus, ensure_index, ensure_store
+from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.assembly import open_controller, prompt_builder
+from specrag.service.assets import ensure_assets
 
 K = 6
 QUESTIONS = (
@@ -183,53 +188,55 @@ async def single_document(
     return {"row": row, **tokens, "equal": tokens["full"]["first_token"] == tokens["turbo"]["first_token"]}
 
 
-def answer_matches(answer: str, gold: str) -> bool:
-    """Lenient match: the gold answer's text appears in the answer, case and spacing ignored."""
-    return " ".join(gold.lower().split()) in " ".join(answer.lower().split())
-
-
 async def answer_accuracy(
     engine: VllmEngine,
     builder: PromptBuilder,
+    index: VectorIndex,
     pairs: Sequence[tuple[str, str]],
-    retrieve: Any,
-    k: int = K,
-    max_tokens: int = 48,
+    k: int,
+    max_tokens: int,
 ) -> dict[str, Any]:
-    """The accuracy hook: answers to ``pairs`` of (question, gold answer), full against turbo.
+    """The accuracy hook: (question, gold answer) pairs answered through the controller, full
+    against turbo, scored by ``bench.quality``'s metrics.
 
-    ``retrieve(question, k)`` gives the passage rows a question's prompt carries (the bench uses
-    the project's vector index). Both ways see the same prompt; greedy decoding.
+    Both ways run as ``serial`` requests (search, then one prompt, documents in retrieval order:
+    the same prompt both ways) with greedy decoding. Before the turbo request, its segments are
+    filled into the store, so it loads every document instead of falling back to a full prefill
+    on first use (``loaded_tokens`` says what it loaded).
     """
-    correct = {"full": 0, "turbo": 0}
-    agree = 0
-    for question, gold in pairs:
-        layout = builder.build(list(retrieve(question, k)), question)
-        spans = layout.stored_spans()
-        await engine.fill_document_kv(layout.span_tokens(spans))
-        texts = {}
-        for way, document_kv in (("full", ()), ("turbo", spans)):
-            sampling = Sampling(max_tokens=max_tokens, document_kv=document_kv)
-            outputs = [o async for o in engine.generate(uuid.uuid4().hex, layout.token_ids, sampling)]
-            texts[way] = "".join(o.text for o in outputs)
-            correct[way] += answer_matches(texts[way], gold)
-        agree += texts["full"] == texts["turbo"]
+    sums = {way: {"accuracy": 0.0, "f1": 0.0} for way in ("full", "turbo")}
+    identical = loaded = 0
+    records = []
+    config = ControllerConfig(mode="serial")
+    async with open_controller(engine, None, index, builder, config) as (controller, _):
+        for question, gold in pairs:
+            full = await controller.answer(
+                RagRequest(question, k=k, max_tokens=max_tokens, document_kv="full")
+            )
+            spans = full.prompt.stored_spans()
+            await engine.fill_document_kv(full.prompt.span_tokens(spans))
+            turbo = await controller.answer(
+                RagRequest(question, k=k, max_tokens=max_tokens, document_kv="turbo")
+            )
+            loaded += turbo.timeline.document_kv_tokens
+            identical += full.text == turbo.text
+            record: dict[str, Any] = {"question": question, "gold": gold}
+            for way, done in (("full", full), ("turbo", turbo)):
+                scores = score(done.text, gold)
+                for metric in sums[way]:
+                    sums[way][metric] += scores[metric]
+                record[way] = {"answer": done.text, **scores}
+            records.append(record)
     n = len(pairs)
     return {
         "questions": n,
-        "full": correct["full"] / n if n else None,
-        "turbo": correct["turbo"] / n if n else None,
-        "identical_answers": agree / n if n else None,
+        "full": sums["full"]["accuracy"] / n if n else None,
+        "turbo": sums["turbo"]["accuracy"] / n if n else None,
+        "f1": {way: sums[way]["f1"] / n for way in sums} if n else None,
+        "identical_answers": identical / n if n else None,
+        "turbo_loaded_tokens_mean": loaded / n if n else None,
+        "records": records,
     }
-
-
-def read_questions(path: Path) -> list[tuple[str, str]]:
-    pairs = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            item = json.loads(line)
-            pairs.append((str(item["question"]), str(item["answer"])))
-    return pairs
 
 
 def plot(result: dict[str, Any], path: Path, title: str) -> None:
@@ -248,21 +255,22 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 prompts, 2 repeats (default 8 x 3)")
-    parser.add_argument("--model", help="model directory (default: DATA_DIR/model, see `specrag prepare`)")
-    parser.add_argument("--data-dir", help="data directory (corpus, document store; default ./data)")
-    parser.add_argument("--questions", help="JSON lines of {question, answer} for the accuracy part")
+    parser.add_argument("--quick", action="store_true", help="4 TTFT prompts, 2 repeats (default 8 x 3)")
+    add_model_option(parser, DEFAULT_MODEL_NAME, "accuracy needs a real model")
+    parser.add_argument("--questions", type=int, default=104, help="bench.quality questions (0: none)")
+    parser.add_argument(
+        "-k", type=int, default=4, help="passages per question for accuracy (as bench.quality)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=24, help="answer length cap (as bench.quality)")
     parser.add_argument("--engine-cpus", default="0", help="cores for the engine's model worker")
     parser.add_argument("--eager", action="store_true", help="no graph compilation")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    layout_dir = DataLayout(resolve_data_dir(args.data_dir))
-    model = Path(args.model or layout_dir.model_dir)
     prompts, repeats = (4, 2) if args.quick else (8, 3)
-    passages = ensure_corpus(layout_dir)
-    tokenizer = Tokenizer(model)
-    doc_store = ensure_store(layout_dir, passages, tokenizer)
-    pairs = read_questions(Path(args.questions)) if args.questions else []
+    assets = ensure_assets(DataLayout(resolve_data_dir()), args.model)
+    model = assets.model_dir
+    questions = build_questions(assets.passages, args.questions, args.seed) if args.questions else []
+    pairs = [(q.question, q.answer) for q in questions]
 
     async def run(kv_dir: str) -> dict[str, Any]:
         config = EngineConfig(
@@ -273,17 +281,16 @@ def main() -> None:
         )
         engine = await VllmEngine.start(config.validate())
         try:
-            builder = PromptBuilder(tokenizer, doc_store, block_size=engine.block_size)
+            builder = prompt_builder(assets, engine)
             rng = random.Random(args.seed)
             layouts = [
-                builder.build(rng.sample(range(len(doc_store)), K), QUESTIONS[i % len(QUESTIONS)])
+                builder.build(rng.sample(range(len(assets.store)), K), QUESTIONS[i % len(QUESTIONS)])
                 for i in range(prompts)
             ]
             await first_output(engine, [11] * 64, Sampling(max_tokens=1))  # one-off set-up: not measured
             fill_started = time.perf_counter()
-            filled = await engine.fill_document_kv(
-                [t for layout in layouts for t in layout.span_tokens(layout.stored_spans())]
-            )
+            segments = [t for layout in layouts for t in layout.span_tokens(layout.stored_spans())]
+            filled = await engine.fill_document_kv(segments)
             fill_s = time.perf_counter() - fill_started
             ttft = await measure_ttft(engine, layouts, repeats)
             store = engine.document_kv
@@ -291,16 +298,9 @@ def main() -> None:
             rope = RopeSpec.from_config(json.loads((model / "config.json").read_text()))
             load_s = [store_load_seconds(store, rope, layout) for layout in layouts]
             errors = await kv_errors(engine, layouts[0], model)
-            single = await single_document(engine, builder, layouts[0].document_ids()[0], QUESTIONS[0])  # type: ignore[arg-type]
-            accuracy: dict[str, Any] = {"questions": 0, "full": None, "turbo": None}
-            if pairs:
-                index = ensure_index(layout_dir, passages)
-
-                def retrieve(question: str, k: int) -> list[int]:
-                    rows = index.search(index.embed_query(question)[None, :], k)[1][0]
-                    return [int(row) for row in index.passage_index_of(rows)]
-
-                accuracy = await answer_accuracy(engine, builder, pairs, retrieve)
+            first_doc = int(layouts[0].document_ids()[0])
+            single = await single_document(engine, builder, first_doc, QUESTIONS[0])
+            accuracy = await answer_accuracy(engine, builder, assets.index, pairs, args.k, args.max_tokens)
             return {
                 "fill": {"segments": filled, "seconds": fill_s, "store_bytes": store.total_bytes()},
                 "ttft": ttft,
@@ -325,6 +325,12 @@ def main() -> None:
     load_ms = statistics.median(result["store_load_s"]) * 1000
     floor = result["kv_error"]["floor_max"]
     print(f"store load (read + rotate, a prompt): {load_ms:.1f} ms; KV error floor (p = 0): {floor:.4f}")
+    accuracy = result["accuracy"]
+    if accuracy["questions"]:
+        print(
+            f"accuracy on {accuracy['questions']} questions (k = {args.k}): full {accuracy['full']:.3f}, "
+            f"turbo {accuracy['turbo']:.3f}; identical answers {accuracy['identical_answers']:.3f}"
+        )
     summary = {
         "cold_full_ttft_ms": round(full_ms, 2),
         "turbo_ttft_ms": round(turbo_ms, 2),
@@ -332,7 +338,7 @@ def main() -> None:
         "store_load_ms": round(load_ms, 2),
         "kv_rel_err_max": round(result["kv_error"]["max"], 5),
         "single_doc_first_token_equal": result["single_document"]["equal"],
-        "accuracy": {key: result["accuracy"][key] for key in ("questions", "full", "turbo")},
+        "accuracy": {key: accuracy[key] for key in ("questions", "full", "turbo")},
     }
     print(json.dumps(summary))
 

@@ -1,6 +1,6 @@
 """specrag: faster RAG answers by overlapping staged vector search with prefix-cache-aware prefill.
 
-Packages, one concern each; imports point only down this list (README, "Layout"):
+Packages, one concern each; imports point only down this list (docs/architecture.md, "Packages"):
 
 - ``specrag.retrieval``: corpus, embedders, staged IVF/HNSW search.
 - ``specrag.cache``: the knowledge tree that mirrors the engine's prefix cache, ordering, scheduling.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, Literal, Self, TypeVar, overload
 from urllib.parse import quote
@@ -49,16 +49,27 @@ class SpecragConnectionError(SpecragError, ConnectionError):
 
 @dataclass(frozen=True)
 class RagAnswer:
-    """A whole answer: the text, the passage IDs it was generated from, and the service's timeline."""
+    """A whole answer: the text, the passage IDs it was generated from, and the service's timeline.
+
+    ``sources`` are those passages' ``{"id", "title"}`` in retrieval rank order, for a reader to
+    check the answer against.
+    """
 
     answer: str
     finish_reason: str | None
     documents: list[str]
     timeline: dict[str, Any]
+    sources: list[dict[str, str]] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> RagAnswer:
-        return cls(body["answer"], body["finish_reason"], list(body["documents"]), body["specrag"])
+        return cls(
+            body["answer"],
+            body["finish_reason"],
+            list(body["documents"]),
+            body["specrag"],
+            list(body.get("sources", ())),
+        )
 
 
 def _http_error(status: int, body: Any, fallback: str) -> SpecragHTTPError:
@@ -179,6 +190,7 @@ class RagStream(_EventStream[str]):
     answer: str | None = None
     finish_reason: str | None = None
     documents: list[str] | None = None
+    sources: list[dict[str, str]] | None = None
 
     async def _next_item(self) -> str | None:
         name, data = await self._event()
@@ -191,6 +203,7 @@ class RagStream(_EventStream[str]):
             raise SpecragConnectionError(f"unexpected event {name!r} in the answer stream")
         done = RagAnswer.from_json(body)
         self.answer, self.finish_reason, self.documents = done.answer, done.finish_reason, done.documents
+        self.sources = done.sources
         self.timeline = done.timeline
         self._finished = True
         return None

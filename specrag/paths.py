@@ -31,9 +31,9 @@ class DataLayout:
 
     root: Path
 
-    @property
-    def model_dir(self) -> Path:
-        return self.root / "model"
+    def named_model_dir(self, name: str) -> Path:
+        """Where a model specrag makes by name (the real default, the random one) lives."""
+        return self.root / "models" / name
 
     @property
     def corpus_file(self) -> Path:

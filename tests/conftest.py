@@ -10,11 +10,12 @@ import pytest_asyncio
 
 from specrag.paths import DataLayout
 from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.default_model import make_default_model
+from specrag.pipeline.gguf_model import convert_gguf
+from specrag.pipeline.random_model import make_random_model
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import Passage, build_default_corpus
 from specrag.service.assets import Assets, ensure_assets
-from tests.helpers import TINY_MODEL_SPEC
+from tests.helpers import TINY_MODEL_SPEC, write_llama_gguf
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +27,22 @@ def default_corpus() -> list[Passage]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_corpus: list[Passage]) -> Path:
     model_dir = tmp_path_factory.mktemp("models") / "tiny"
     texts = [passage.text for passage in default_corpus[:400]]
-    return make_default_model(model_dir, texts, TINY_MODEL_SPEC)
+    return make_random_model(model_dir, texts, TINY_MODEL_SPEC)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_file(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The tiny model as a GGUF file with a chat template (a stand-in for the default model's wheel)."""
+    gguf_file = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_llama_gguf(tiny_model_dir, gguf_file)
+    return gguf_file
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_gguf_file: Path) -> Path:
+    """The tiny GGUF converted as the default model is: the tiny model's weights with a chat template."""
+    output = tmp_path_factory.mktemp("models") / "tiny-chat"
+    return convert_gguf(tiny_gguf_file, output, name="tiny-chat", source={"wheel": "test", "version": "0"})
 
 
 @pytest.fixture(scope="session")
@@ -54,4 +70,4 @@ async def vllm_engine(tiny_engine_config: EngineConfig) -> AsyncIterator[VllmEng
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Assets:
     """Default corpus, store and index, with the tiny model's tokenizer (built once per session)."""
-    return ensure_assets(DataLayout(tmp_path_factory.mktemp("data")), model_dir=tiny_model_dir)
+    return ensure_assets(DataLayout(tmp_path_factory.mktemp("data")), model=tiny_model_dir)

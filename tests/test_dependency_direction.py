@@ -1,4 +1,4 @@
-"""The README's dependency direction, read from the source: service -> controller -> pipeline ->
+"""The dependency direction (docs/architecture.md), read from the source: service -> controller -> pipeline ->
 cache, retrieval; the leaf modules (atomic, errors, paths) serve everyone; the client needs only
 errors. Function-level imports count too: an import that runs back up is one, wherever it sits."""
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import add_model_option, machine, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.report import paired_ratio_ci, plot_ratio_sweep, plot_timeline_strip, plot_ttft_cdf, summarize
 from bench.e2e.runner import (
     Configuration,
@@ -47,6 +47,7 @@ from specrag.controller.modes import MODE_NAMES
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import parse_cpus
 from specrag.pipeline.engine import Engine
+from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import IndexConfig
@@ -63,7 +64,7 @@ RATIOS = (0.125, 0.25, 0.5, 1.0)
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, sweeps and vectors")
-    parser.add_argument("--model", help="any Hugging Face model directory (default: the embedded model)")
+    add_model_option(parser, DEFAULT_MODEL_NAME, "the real model a user runs")
     parser.add_argument("--index-size", type=int, help="vectors in the padded index (default 2M, quick 1M)")
     parser.add_argument("--nlist", type=int, default=1024, help="IVF lists of the padded index")
     parser.add_argument(
@@ -198,7 +199,7 @@ def load_or_generate_traces(args: argparse.Namespace, passages: Sequence[Passage
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = DataLayout(resolve_data_dir())
-    assets = ensure_assets(layout, Path(args.model) if args.model else None)
+    assets = ensure_assets(layout, args.model)
     index = scaled_index(layout, assets, args.index_size, args.nlist)
     index.use_runner(SearchRunner(threads=1, cpus=parse_cpus(args.search_cpus, "--search-cpus")))
     run_dir = layout.root / "run" / "e2e"

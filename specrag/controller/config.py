@@ -12,7 +12,7 @@ from specrag.retrieval.stages import check_schedule
 # The stage schedule that measured best (bench/search.py: the running top-k final earliest at
 # <= 1.10x a single-stage search's cost): geometric stages, so that the first speculation starts
 # after a small share of the search. How many (how small the first) depends on the index kind:
-# specrag.retrieval.stages.DEFAULT_STAGES; see the README's "Stage schedules".
+# specrag.retrieval.stages.DEFAULT_STAGES; see docs/retrieval.md, "Stage schedules".
 DEFAULT_STAGE_SCHEDULE = "geometric"
 
 ADMISSIONS = ("ratio", "window")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from specrag.cache.layout import PromptLayout
 from specrag.controller.modes import Mode
@@ -58,6 +59,13 @@ class AnswerDelta:
     token_ids: tuple[int, ...]
 
 
+class Source(NamedTuple):
+    """A passage the answer was generated from: its id and title, for a reader to check."""
+
+    id: str
+    title: str
+
+
 @dataclass(frozen=True)
 class AnswerDone:
     """The end of an answer, with its full timeline and the prompt it was generated from."""
@@ -66,3 +74,5 @@ class AnswerDone:
     finish_reason: str | None
     timeline: Timeline
     prompt: PromptLayout
+    sources: tuple[Source, ...] = ()
+    """The final top-k's passages in retrieval rank order (the timeline's ``documents``)."""

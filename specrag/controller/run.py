@@ -42,7 +42,7 @@ from specrag.controller.conversation import TurnPrompt, TurnPrompts
 from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import PrefillGate, Slot
 from specrag.controller.placement import Placed, Placement
-from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest
+from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, Source
 from specrag.controller.sessions import SessionStore
 from specrag.controller.timeline import Timeline
 from specrag.controller.warmup import SystemPromptWarmer
@@ -81,6 +81,7 @@ class QueryRun:
         self._speculation: Flight | None = None
         self._turn: TurnPrompt | None = None  # a later session turn's final prompt: what it kept
         self._background: set[asyncio.Task[None]] = set()  # aborts of preempted speculations
+        self.sources: tuple[Source, ...] = ()  # the final top-k, once known
 
     def request_ids(self) -> set[str]:
         """Engine requests this run has submitted and not yet aborted or seen end."""
@@ -163,7 +164,9 @@ class QueryRun:
     async def final_known(self, rows: list[int]) -> Flight:
         """Adopt the speculation if its prompt is the final one; otherwise submit the final prompt."""
         shared, timeline = self._shared, self.timeline
-        timeline.documents = [shared.builder.store.passage(row).id for row in rows]
+        passages = [shared.builder.store.passage(row) for row in rows]
+        timeline.documents = [passage.id for passage in passages]
+        self.sources = tuple(Source(passage.id, passage.title) for passage in passages)
         placed = self._prompt(rows, final=True)
         layout, predicted = placed.layout, placed.predicted_cached
         if self._turn is not None and self._turn.dropped:
@@ -244,7 +247,7 @@ class QueryRun:
         if session is not None and finish_reason != "abort":  # the only place a session changes
             kept = self._turn.kept if self._turn is not None else ()
             shared.sessions.record_turn(session, kept, flight.layout, tokens)
-        yield AnswerDone("".join(texts), finish_reason, timeline, flight.layout)
+        yield AnswerDone("".join(texts), finish_reason, timeline, flight.layout, self.sources)
 
     async def abort_all(self) -> None:
         """Abort every engine request the run still holds (idempotent).

@@ -1,4 +1,4 @@
-"""``specrag make-model`` (write the embedded default model) and ``specrag engine`` (start vLLM's
+"""``specrag make-model`` (write the generated random model) and ``specrag engine`` (start vLLM's
 OpenAI server with the settings specrag relies on)."""
 
 from __future__ import annotations
@@ -12,27 +12,29 @@ from pathlib import Path
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.default_model import (
+from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
+from specrag.pipeline.random_model import (
     MODEL_SIZES,
-    DefaultModelSpec,
-    is_current_default_model,
-    make_default_model,
+    RANDOM_MODEL_NAME,
+    RandomModelSpec,
+    is_current_random_model,
+    make_random_model,
 )
 from specrag.retrieval.corpus import build_default_corpus, load_passages
 
 
 def _make_model(args: argparse.Namespace) -> int:
     layout = DataLayout(resolve_data_dir(args.data_dir))
-    output = Path(args.output) if args.output else layout.model_dir
-    base = DefaultModelSpec.for_this_machine() if args.size == "auto" else DefaultModelSpec.sized(args.size)
+    output = Path(args.output) if args.output else layout.named_model_dir(RANDOM_MODEL_NAME)
+    base = RandomModelSpec.for_this_machine() if args.size == "auto" else RandomModelSpec.sized(args.size)
     spec = replace(base, seed=args.seed)
-    if not args.force and is_current_default_model(output, spec):
-        print(f"{output} already holds the default model (use --force to rebuild)")
+    if not args.force and is_current_random_model(output, spec):
+        print(f"{output} already holds the random model (use --force to rebuild)")
         return 0
     corpus = load_passages(layout.corpus_file) if layout.corpus_file.is_file() else build_default_corpus()
-    make_default_model(output, (passage.text for passage in corpus), spec)
+    make_random_model(output, (passage.text for passage in corpus), spec)
     print(
-        f"wrote the default model ({spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
+        f"wrote the random model ({spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
         f"{spec.dtype}) to {output}"
     )
     return 0
@@ -58,8 +60,9 @@ def engine_server_config(
 def _engine(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
-    model = args.model or str(DataLayout(resolve_data_dir(args.data_dir)).model_dir)
-    if args.model is None and not os.path.isdir(model):
+    layout = DataLayout(resolve_data_dir(args.data_dir))
+    model = str(layout.named_model_dir(args.model)) if args.model in MODEL_NAMES else args.model
+    if not os.path.isdir(model):
         raise InvalidInputError(f"no model in {model}: run `specrag prepare` first, or give --model DIR")
     config = engine_server_config(model, args.eager, args.kv_events_port, args.host)
     from vllm.platforms import current_platform  # only here: importing vLLM takes seconds
@@ -76,10 +79,12 @@ def _engine(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     make_model = subparsers.add_parser(
         "make-model",
-        help="write the default model (random Llama weights, corpus-trained BPE tokenizer; no download)",
+        help="write the random model (random Llama weights, corpus-trained BPE tokenizer; no download)",
     )
-    make_model.add_argument("--output", help="model directory (default: DATA_DIR/model)")
-    make_model.add_argument("--seed", type=int, default=DefaultModelSpec.seed, help="weight seed")
+    make_model.add_argument(
+        "--output", help=f"model directory (default: DATA_DIR/models/{RANDOM_MODEL_NAME})"
+    )
+    make_model.add_argument("--seed", type=int, default=RandomModelSpec.seed, help="weight seed")
     make_model.add_argument(
         "--size",
         choices=("auto", *MODEL_SIZES),
@@ -94,7 +99,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "engine",
         help="start vLLM's OpenAI server with specrag's engine settings (for serve --engine-url)",
     )
-    engine.add_argument("--model", help="any Hugging Face model directory (default: DATA_DIR/model)")
+    engine.add_argument(
+        "--model",
+        default=DEFAULT_MODEL_NAME,
+        help=f"a model name ({', '.join(MODEL_NAMES)}; `specrag prepare --model NAME` makes it) or any "
+        "Hugging Face model directory (default: %(default)s)",
+    )
     engine.add_argument("--host", default="127.0.0.1", help="address to bind")
     engine.add_argument("--port", type=int, default=8000, help="port")
     engine.add_argument(

@@ -3,6 +3,12 @@
 The system prompt and the question are tokenized here (once for the system prompt); documents are
 never re-tokenized: their segments come from the store, in the order the cache layer chose, and
 :func:`specrag.cache.layout.build_layout` lays them out, padding to KV-block multiples if asked.
+
+A model with a chat template gets its own format (:mod:`specrag.pipeline.chat_format`): the
+template's text before the documents ends the system segment, its text after the question ends
+the question segment, and a later turn opens with the text between an answer and the next
+question. Every fixed piece is tokenized once, so document segments stay where they were and two
+prompts that share their first documents share those tokens exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ DEFAULT_SYSTEM_PROMPT = (
     "example when it helps. Do not repeat the question. Do not mention these instructions.\n\n"
 )
 DEFAULT_QUESTION_TEMPLATE = "Question: {question}\nAnswer:"
+CHAT_QUESTION_TEMPLATE = "Question: {question}"
+"""A chat model's question: its template opens the answer, so no ``Answer:`` cue."""
 MAX_QUESTION_CHARS = 4000
 
 
@@ -35,17 +43,28 @@ class PromptBuilder:
         store: DocumentStore,
         *,
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
-        question_template: str = DEFAULT_QUESTION_TEMPLATE,
+        question_template: str | None = None,
         block_size: int | None = None,
     ) -> None:
+        """``question_template`` defaults to :data:`CHAT_QUESTION_TEMPLATE` for a chat model, else
+        :data:`DEFAULT_QUESTION_TEMPLATE`."""
         store.check_matches(tokenizer.fingerprint)
-        if "{question}" not in question_template:
+        frame = tokenizer.chat_frame(system_prompt.strip())
+        template = question_template or (
+            DEFAULT_QUESTION_TEMPLATE if frame is None else CHAT_QUESTION_TEMPLATE
+        )
+        if "{question}" not in template:
             raise InvalidInputError("question_template must contain '{question}'")
         self.tokenizer = tokenizer
         self.store = store
-        self.question_template = question_template
+        self.question_template = template
+        self._question_end = tuple(tokenizer.encode_markup(frame.tail)) if frame else ()
         self.block_size = block_size
-        self.system_token_ids: tuple[int, ...] = tuple(tokenizer.encode(system_prompt))
+        self.system_token_ids: tuple[int, ...] = tuple(
+            tokenizer.encode(system_prompt) if frame is None else tokenizer.encode_markup(frame.head)
+        )
+        self._turn_end = tuple(tokenizer.encode_markup(frame.turn_end)) if frame and frame.turn_end else ()
+        self._next_turn = tuple(tokenizer.encode_markup(frame.next_user)) if frame else ()
         self._pad_token_id = tokenizer.pad_token_id if block_size else None
 
     def question_tokens(self, question: str) -> list[int]:
@@ -53,7 +72,7 @@ class PromptBuilder:
             raise InvalidInputError("the question is empty")
         if len(question) > MAX_QUESTION_CHARS:
             raise InvalidInputError(f"the question is longer than {MAX_QUESTION_CHARS} characters")
-        return self.tokenizer.encode(self.question_template.format(question=question))
+        return [*self.tokenizer.encode(self.question_template.format(question=question)), *self._question_end]
 
     def build(
         self,
@@ -83,7 +102,7 @@ class PromptBuilder:
         """
         documents = [(int(row), self.store.tokens(int(row))) for row in doc_rows]
         return build_layout(
-            self.system_token_ids if history is None else history,
+            self.system_token_ids if history is None else self._continuing(history),
             documents,
             question_token_ids,
             self.tokenizer.encode(hint) if hint else None,
@@ -96,6 +115,15 @@ class PromptBuilder:
         KV store holds for them (``specrag prepare --document-kv``)."""
         layout = self.build_with_question_tokens(doc_rows, [])
         return layout.span_tokens(layout.stored_spans())
+
+    def _continuing(self, history: Sequence[int]) -> tuple[int, ...]:
+        """``history`` (ending with an answer) and the chat template's opening of the next turn.
+
+        The answer's end-of-turn token is added only when the answer lacks it (it stopped at its
+        token limit): a model that ended its turn itself already generated it.
+        """
+        ended = not self._turn_end or tuple(history[-len(self._turn_end) :]) == self._turn_end
+        return (*history, *(() if ended else self._turn_end), *self._next_turn)
 
     def system_layout(self) -> PromptLayout:
         """The system prompt alone, laid out as it starts every prompt (for warm-up)."""

@@ -26,8 +26,9 @@ from specrag.atomic import atomic_file
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.corpus import Passage
 
-# How a passage appears in a prompt. Stored with the tokens: changing it requires a rebuild.
-DEFAULT_SEGMENT_TEMPLATE = "## {title}\n{text}\n\n"
+# How a passage appears in a prompt. Stored with the tokens: changing it requires a rebuild. The
+# label is the one order and location hints name the passage by (specrag.cache.hints: its row).
+DEFAULT_SEGMENT_TEMPLATE = "[Doc {row}] {title}\n{text}\n\n"
 SCHEMA_VERSION = "1"
 _TOKEN_DTYPE = np.dtype("<u4")
 _TOKENIZE_BATCH = 256
@@ -57,8 +58,8 @@ def corpus_checksum(passages: Sequence[Passage]) -> str:
     return digest.hexdigest()
 
 
-def render_segment(passage: Passage, template: str = DEFAULT_SEGMENT_TEMPLATE) -> str:
-    return template.format(title=passage.title, text=passage.text)
+def render_segment(row: int, passage: Passage, template: str = DEFAULT_SEGMENT_TEMPLATE) -> str:
+    return template.format(row=row, title=passage.title, text=passage.text)
 
 
 class DocumentStore:
@@ -94,8 +95,11 @@ class DocumentStore:
     def __len__(self) -> int:
         return self.info.passages
 
-    def check_matches(self, tokenizer_fingerprint: str, corpus: str | None = None) -> None:
-        """Raise if the store was built for another tokenizer or (when given) another corpus checksum."""
+    def check_matches(
+        self, tokenizer_fingerprint: str, corpus: str | None = None, segment_template: str | None = None
+    ) -> None:
+        """Raise if the store was built for another tokenizer or (when given) another corpus checksum
+        or segment template."""
         if self.info.tokenizer_fingerprint != tokenizer_fingerprint:
             raise ArtifactError(
                 f"document store {self.path} was built for tokenizer {self.info.tokenizer_fingerprint}, "
@@ -103,6 +107,8 @@ class DocumentStore:
             )
         if corpus is not None and self.info.corpus_checksum != corpus:
             raise ArtifactError(f"document store {self.path} was built from another corpus: rebuild it")
+        if segment_template is not None and self.info.segment_template != segment_template:
+            raise ArtifactError(f"document store {self.path} lays passages out another way: rebuild it")
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.info.passages:
@@ -165,7 +171,9 @@ def build_store(
             )
             for start in range(0, len(passages), _TOKENIZE_BATCH):
                 batch = passages[start : start + _TOKENIZE_BATCH]
-                token_lists = tokenize_batch([render_segment(p, segment_template) for p in batch])
+                token_lists = tokenize_batch(
+                    [render_segment(start + offset, p, segment_template) for offset, p in enumerate(batch)]
+                )
                 rows = []
                 for offset, (passage, token_ids) in enumerate(zip(batch, token_lists, strict=True)):
                     array = np.asarray(token_ids, dtype=_TOKEN_DTYPE)

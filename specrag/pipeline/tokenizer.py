@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from specrag.errors import ArtifactError
+from specrag.pipeline.chat_format import ChatFrame, Messages, chat_frame
 
 # Files whose content defines how text becomes token IDs, in any HF model directory.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
@@ -46,17 +47,44 @@ class Tokenizer:
 
     @property
     def pad_token_id(self) -> int:
-        """A token to pad segments to block multiples with (pad, else EOS, else 0)."""
+        """A token to pad segments to block multiples with.
+
+        Padding sits between documents, inside what the model reads, so a chat model must not see
+        its pad token there: that is usually its end-of-turn token, which tells it the question is
+        over. One newline token reads as a blank line; a tokenizer without one pads with its pad
+        token, else EOS, else 0.
+        """
+        newline = self.encode("\n")
+        if len(newline) == 1:
+            return newline[0]
         for candidate in (self._tokenizer.pad_token_id, self._tokenizer.eos_token_id):
             if candidate is not None:
                 return int(candidate)
         return 0
 
+    def chat_frame(self, system_prompt: str) -> ChatFrame | None:
+        """The chat template's frame around ``system_prompt``, or None for a model without one."""
+        if not getattr(self._tokenizer, "chat_template", None):
+            return None
+
+        def render(messages: Messages) -> str:
+            return str(
+                self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            )
+
+        return chat_frame(render, system_prompt, self._tokenizer.eos_token)
+
     def encode(self, text: str) -> list[int]:
+        """Text as text: a special token's spelling in it (``<|im_end|>``) stays characters, so a
+        question or a passage cannot close a chat turn or open one of its own."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def encode_markup(self, text: str) -> list[int]:
+        """Text the chat template wrote: its special tokens' spellings become those tokens."""
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        encoded = self._tokenizer(texts, add_special_tokens=False)["input_ids"]
+        encoded = self._tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return [list(ids) for ids in encoded]
 
     def decode(self, token_ids: list[int]) -> str:

@@ -136,8 +136,8 @@ class VllmEngine(EngineBase):
                 # The engine-core process inherits this thread's signal mask: with SIGINT blocked
                 # it ignores a terminal's Ctrl-C and is shut down in order by us. (The model
                 # worker that the core starts does not keep the mask: a Ctrl-C sent to the whole
-                # process group still stops it mid-step, and vLLM prints its traceback; README,
-                # "Stopping".)
+                # process group still stops it mid-step, and vLLM prints its traceback;
+                # docs/service.md, "Stopping".)
                 mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
                 try:
                     return AsyncLLM.from_engine_args(

@@ -3,7 +3,7 @@
 The default is WordLlama with IDF pooling (:mod:`specrag.retrieval.wordllama_embedder`): real
 pretrained weights that ship inside a PyPI wheel, so nothing is downloaded. :class:`TfidfSvdEmbedder`
 (TF-IDF over the corpus reduced by a truncated SVD, the previous default) needs no package at all
-but loses the rare words that identify a passage (README, "Retrieval quality"). Fitted state is
+but loses the rare words that identify a passage (docs/retrieval.md, "Retrieval quality"). Fitted state is
 saved as plain arrays and JSON, never pickled, so loading an index never executes code from a
 file. Users bring their own model as a sentence-transformers directory
 (:class:`SentenceTransformerEmbedder`) or an OpenAI-compatible server

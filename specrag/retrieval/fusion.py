@@ -4,7 +4,7 @@ RRF (Cormack et al., 2009) scores a passage ``sum(1 / (rrf_k + rank))`` over the
 hold it (rank from 1). It needs no calibration between BM25 scores, which grow with the corpus
 and the query's length, and cosine similarities, which do not; that is why it is the fusion
 hybrid search engines offer by default. A small ``rrf_k`` lets the top of each ranking count
-more than its tail: on both evaluation sets of the README ("Retrieval quality"), of different
+more than its tail: on both evaluation sets of docs/retrieval.md ("Retrieval quality"), of different
 kinds, recall@5 fell steadily from ``rrf_k`` 5 to 10, 20 and 60 (the paper's value), by
 0.03-0.05 in all.
 

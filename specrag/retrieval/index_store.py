@@ -64,7 +64,7 @@ FITTED_EMBEDDERS = (WORDLLAMA, TFIDF_SVD)
 class IndexConfig:
     """How to build an index. ``pad_to`` adds synthetic rows (mapped to passages) up to that many.
 
-    The default is the hybrid configuration the README's evaluation chose: WordLlama vectors
+    The default is the hybrid configuration the evaluation in docs/retrieval.md chose: WordLlama vectors
     (``embedding_dim`` applies to ``tfidf-svd`` only) in staged IVF, fused with BM25.
     """
 

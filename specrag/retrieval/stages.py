@@ -36,7 +36,7 @@ SCHEDULES = ("equal", "geometric")
 # - HNSW, 5 (1/16 of the expected node expansions): a graph search reaches the query's
 #   neighbourhood later, so a smaller first stage is final less often (bench.search's 50k graph:
 #   25 % at 1/16, 3 % at 1/32), and a stale speculation costs the engine the step it is in.
-# bench.search names these two as each kind's best schedule; README "Stage schedules".
+# bench.search names these two as each kind's best schedule; docs/retrieval.md, "Stage schedules".
 DEFAULT_STAGES = {"ivf": 6, "hnsw": 5}
 
 

@@ -15,7 +15,7 @@ Two choices of ours on top of the package:
 - **IDF-weighted pooling.** The package averages token vectors uniformly, so frequent words
   ("the", "return", "file") dominate a passage's vector. Weighting each token by its inverse
   document frequency in the corpus (fitted at index build, saved with the index) keeps the
-  words that tell passages apart; on both evaluation sets of the README it raised dense
+  words that tell passages apart; on both evaluation sets of docs/retrieval.md it raised dense
   recall@5 by 0.02-0.05.
 """
 

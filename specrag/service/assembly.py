@@ -39,6 +39,7 @@ from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.config import EngineConfig, KVEventSource, model_context_length, parse_cpus
 from specrag.pipeline.engine import Engine
+from specrag.pipeline.model_dir import served_model_name
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
@@ -336,14 +337,16 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
                 controller,
                 mirror,
             ):
-                app = _application(controller, options, [mirror] if mirror is not None else [])
+                mirrors = [mirror] if mirror is not None else []
+                app = _application(controller, options, mirrors, served_model_name(assets.model_dir))
                 yield Service(app, controller, engine, mirror, kv_events)
 
 
 def _application(
-    controller: RagController, options: ServiceOptions, mirrors: Sequence[KVMirror]
+    controller: RagController, options: ServiceOptions, mirrors: Sequence[KVMirror], model_name: str
 ) -> web.Application:
-    """The HTTP application over ``controller``, its metrics watching the profile and the mirrors."""
+    """The HTTP application over ``controller``, its metrics watching the profile and the mirrors;
+    ``model_name`` is the model it answers with, as ``/v1/models`` and every response name it."""
     metrics = ServiceMetrics()
     metrics.watch_prefill_profile(lambda: controller.tree.profile.measured)
     if mirrors:
@@ -357,6 +360,7 @@ def _application(
         max_queries=options.max_queries,
         max_queries_per_client=options.max_queries_per_client,
         metrics=metrics,
+        model_name=model_name,
     )
 
 
@@ -567,7 +571,7 @@ async def open_pool_service(
             with searching_on(assets.index, options.search_cpus):
                 controller = RagController(pool.placement, assets.index, builder, options.controller)
                 try:
-                    app = _application(controller, options, pool.mirrors)
+                    app = _application(controller, options, pool.mirrors, served_model_name(assets.model_dir))
                     yield PoolService(app, controller, pool.placement)
                 finally:
                     await controller.close()

@@ -1,7 +1,7 @@
 """Build whatever the embedded default is missing: corpus, model, document store, index.
 
 Each step is skipped when its artefact exists and matches what it is built from (the corpus
-checksum, the tokenizer fingerprint, the default model's spec), so the README's commands are
+checksum, the tokenizer fingerprint, the model's manifest), so the README's commands are
 idempotent and a second run starts at once. Lives in the service because it combines retrieval
 (corpus, index) with the pipeline (model, tokenizer, store).
 """
@@ -16,13 +16,8 @@ from tqdm import tqdm
 
 from specrag.errors import ArtifactError
 from specrag.paths import DataLayout
-from specrag.pipeline.default_model import (
-    DefaultModelSpec,
-    check_model_dir,
-    is_current_default_model,
-    make_default_model,
-)
-from specrag.pipeline.store import DocumentStore, build_store, corpus_checksum
+from specrag.pipeline.model_catalog import resolve_model
+from specrag.pipeline.store import DEFAULT_SEGMENT_TEMPLATE, DocumentStore, build_store, corpus_checksum
 from specrag.pipeline.tokenizer import Tokenizer
 from specrag.retrieval.corpus import Passage, build_default_corpus, load_passages, write_passages
 from specrag.retrieval.index_store import IndexConfig, build_index, check_corpus, load_index, save_index
@@ -46,7 +41,7 @@ def ensure_corpus(layout: DataLayout, corpus_file: Path | None = None) -> list[P
     """Load ``corpus_file`` (a user's JSONL), or the data directory's corpus, building the default
     one if there is none.
 
-    A user's corpus is copied into the data directory: the default model's tokenizer is trained on
+    A user's corpus is copied into the data directory: the random model's tokenizer is trained on
     it, so a later command on the same data directory without ``--corpus`` must keep using it, not
     silently rebuild the store and index from the default corpus.
     """
@@ -62,25 +57,13 @@ def ensure_corpus(layout: DataLayout, corpus_file: Path | None = None) -> list[P
     return load_passages(layout.corpus_file)
 
 
-def ensure_model(layout: DataLayout, passages: list[Passage], model_dir: Path | None = None) -> Path:
-    """A user's model directory as is, or the default model, (re)built when missing or outdated."""
-    if model_dir is not None:
-        check_model_dir(model_dir)
-        return model_dir
-    spec = DefaultModelSpec.for_this_machine()
-    if not is_current_default_model(layout.model_dir, spec):
-        logger.info("building the default model in %s (tokenizer trained on the corpus)", layout.model_dir)
-        make_default_model(layout.model_dir, (passage.text for passage in passages), spec)
-    return layout.model_dir
-
-
 def ensure_store(layout: DataLayout, passages: list[Passage], tokenizer: Tokenizer) -> DocumentStore:
     """The document store for this tokenizer and corpus, tokenizing the corpus if needed."""
     path = layout.store_file(tokenizer.fingerprint)
     checksum = corpus_checksum(passages)
     try:
         store = DocumentStore(path)
-        store.check_matches(tokenizer.fingerprint, checksum)
+        store.check_matches(tokenizer.fingerprint, checksum, DEFAULT_SEGMENT_TEMPLATE)
         logger.debug("document store %s: %d tokens, up to date", path, store.info.total_tokens)
         return store
     except ArtifactError as reason:
@@ -132,11 +115,15 @@ def _describe(index: VectorIndex, what: str) -> None:
 
 
 def ensure_assets(
-    layout: DataLayout, model_dir: Path | None = None, corpus_file: Path | None = None
+    layout: DataLayout, model: str | Path | None = None, corpus_file: Path | None = None
 ) -> Assets:
-    """Corpus, model, tokenizer, store and index, each built only if missing or stale."""
+    """Corpus, model, tokenizer, store and index, each built only if missing or stale.
+
+    ``model`` is a model name (None: the default, SmolLM2-135M-Instruct) or a model directory
+    (:func:`specrag.pipeline.model_catalog.resolve_model`).
+    """
     passages = ensure_corpus(layout, corpus_file)
-    resolved_model = ensure_model(layout, passages, model_dir)
+    resolved_model = resolve_model(layout, model, (passage.text for passage in passages))
     tokenizer = Tokenizer(resolved_model)
     store = ensure_store(layout, passages, tokenizer)
     index = ensure_index(layout, passages)

@@ -24,6 +24,8 @@ from specrag.controller.placement import ROUTERS
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
+from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.stages import DEFAULT_STAGES, SCHEDULES
 from specrag.service.assembly import (
     ServiceOptions,
@@ -44,9 +46,9 @@ from specrag.service.server import (
 MAX_K = ControllerConfig().k_max
 
 
-def _paths(args: argparse.Namespace) -> tuple[DataLayout, Path | None, Path | None]:
+def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | None]:
     layout = DataLayout(resolve_data_dir(args.data_dir))
-    return layout, Path(args.model) if args.model else None, Path(args.corpus) if args.corpus else None
+    return layout, args.model, Path(args.corpus) if args.corpus else None
 
 
 def _assets(args: argparse.Namespace) -> Assets:
@@ -228,7 +230,7 @@ def _demo(args: argparse.Namespace) -> int:
             serving(service.app, access_log=False) as url,
             AsyncClient(url) as client,
         ):
-            noise = "" if args.model else "; the embedded model has random weights: its text is noise"
+            noise = "; the random model's answers are noise" if args.model == RANDOM_MODEL_NAME else ""
             print(f"service on {url}{noise}", flush=True)
             await run_demo(client, args.question or DEMO_QUESTIONS, args.k, args.max_tokens)
 
@@ -237,7 +239,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> None:
-    parser.add_argument("--model", help="any Hugging Face model directory (default: the embedded model)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL_NAME,
+        help=f"a model name ({', '.join(MODEL_NAMES)}: made offline in the data directory) or any "
+        "Hugging Face model directory (default: %(default)s, a real instruction-tuned model; random "
+        "has random weights, for experiments that set the prefill cost)",
+    )
     parser.add_argument("--corpus", help="JSONL corpus of {id, title, text} (default: the embedded corpus)")
     if engine:
         parser.add_argument(
@@ -334,7 +342,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="how prompts are placed on several engines (default: %(default)s)",
     )
     cores = serve.add_argument_group(
-        "cores (speculative prefill overlaps the search only if each has its own; see README, Pipelining)"
+        "cores (speculative prefill overlaps the search only if each has its own; see docs/pipelining.md)"
     )
     cores.add_argument(
         "--engine-cpus",
@@ -379,6 +387,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     demo.add_argument(
         "-q", "--question", action="append", help="a question (repeatable; default: three built in)"
     )
-    demo.add_argument("-k", type=int, default=10, help=f"passages per prompt (1..{MAX_K})")
-    demo.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per answer")
+    demo.add_argument(
+        "-k", type=int, default=5, help=f"passages per prompt (1..{MAX_K}) (default %(default)s)"
+    )
+    demo.add_argument(
+        "--max-tokens", type=int, default=48, help="tokens to generate per answer (default %(default)s)"
+    )
     demo.set_defaults(handler=_demo)

@@ -1,9 +1,10 @@
 """The README's main job on the embedded default: real questions through the whole service.
 
 The questions go over HTTP through :class:`AsyncClient` to the service (staged search, speculation,
-cache-aware prompts, real vLLM), exactly as a user's application would send them. Each answer's
-timeline is printed: time to first token, retrieval time and how much of it the prefill did not
-overlap, prompt tokens served from the prefix cache, speculations and whether one was adopted.
+cache-aware prompts, real vLLM), exactly as a user's application would send them. Each answer is
+printed with its sources (the titles of the passages it was generated from, best first) and its
+timeline: time to first token, retrieval time and how much of it the prefill did not overlap,
+prompt tokens served from the prefix cache, speculations and whether one was adopted.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ DEMO_QUESTIONS = (
 )
 
 
+SOURCES_SHOWN = 4
+
+
 def _ms(value: Any) -> str:
     return "n/a" if value is None else f"{value:.1f} ms"
 
@@ -27,19 +31,20 @@ def _ms(value: Any) -> str:
 def describe(question: str, answer: RagAnswer) -> str:
     """One answer and its timeline, for a terminal."""
     timeline = answer.timeline
-    documents = ", ".join(answer.documents[:4]) + (" …" if len(answer.documents) > 4 else "")
+    titles = [source["title"] for source in answer.sources[:SOURCES_SHOWN]]
+    sources = "; ".join(titles) + (" …" if len(answer.sources) > SOURCES_SHOWN else "")
     count = timeline["speculations"]
     speculation = f"{count} speculation{'' if count == 1 else 's'}" + (
         ", one adopted" if timeline["adopted"] else ""
     )
     return (
         f"\nQ: {question}\n"
-        f"   retrieved: {documents}\n"
+        f"A: {' '.join(answer.answer.split())}\n"
+        f"   sources: {sources}\n"
         f"   TTFT {_ms(timeline['ttft_ms'])} · retrieval {_ms(timeline['retrieval_ms'])}, "
         f"not overlapped {_ms(timeline['non_overlapped_retrieval_ms'])} · "
         f"prompt {timeline['prompt_tokens']} tokens, {timeline['cached_prompt_tokens']} from the "
-        f"prefix cache · {speculation}\n"
-        f"   A: {answer.answer[:120]!r}"
+        f"prefix cache · {speculation}"
     )
 
 

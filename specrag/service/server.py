@@ -67,7 +67,7 @@ SHUTDOWN_GRACE_S = 5.0
 ENGINE_RETRY_AFTER_S = 5.0
 OPEN_PATHS = frozenset({"/health"})
 RAG_FIELDS = frozenset({"query", "k", "mode", "document_kv", "max_tokens", "session_id", "stream"})
-# The OpenAI chat fields honoured (README: "Sampling fields"), and those accepted at their neutral
+# The OpenAI chat fields honoured (docs/service.md: "Sampling fields"), and those accepted at their neutral
 # value only; any other field is refused rather than silently ignored.
 CHAT_FIELDS = frozenset(
     {
@@ -216,7 +216,7 @@ def _rag_request(body: dict[str, Any], question: str, max_tokens: int | None) ->
 
 
 def _chat_request(body: dict[str, Any], question: str) -> RagRequest:
-    """A chat body's request: the shared options and the sampling fields (README: "Sampling fields")."""
+    """A chat body's request: the shared options and the sampling fields (docs/service.md)."""
     _check_fields(body, CHAT_FIELDS | CHAT_NEUTRAL_FIELDS.keys(), "unsupported fields")
     for name, (kind, neutral) in CHAT_NEUTRAL_FIELDS.items():
         value = _optional(body, name, kind)
@@ -368,6 +368,7 @@ def _rag_body(done: AnswerDone) -> dict[str, Any]:
         "answer": done.text,
         "finish_reason": done.finish_reason,
         "documents": list(done.timeline.documents),
+        "sources": [source._asdict() for source in done.sources],
         "specrag": done.timeline.to_dict(),
     }
 
@@ -474,7 +475,7 @@ async def _rag(request: web.Request) -> web.StreamResponse:
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
-    """OpenAI chat completions: RAG on the last user message, with the sampling fields the README lists."""
+    """OpenAI chat completions: RAG on the last user message, with docs/service.md's sampling fields."""
     state = request.app[STATE]
     body = await _json_object(request)
     rag = _chat_request(body, _last_user_message(_required(body, "messages", list)))

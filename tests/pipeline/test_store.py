@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline.store import DocumentStore, build_store, corpus_checksum, render_segment
+from specrag.pipeline.store import (
+    DEFAULT_SEGMENT_TEMPLATE,
+    DocumentStore,
+    build_store,
+    corpus_checksum,
+    render_segment,
+)
 from specrag.retrieval.corpus import Passage
 
 PASSAGES = [Passage(id=f"p{i}", title=f"T{i}", text=f"text number {i} " * (i + 1)) for i in range(10)]
@@ -30,10 +36,11 @@ def test_tokens_are_the_rendered_segment_tokens(store_path: Path) -> None:
     store = DocumentStore(store_path)
     assert len(store) == len(PASSAGES)
     for row, passage in enumerate(PASSAGES):
-        assert store.tokens(row) == tuple(render_segment(passage).encode("utf-8"))
+        assert store.tokens(row) == tuple(render_segment(row, passage).encode("utf-8"))
+        assert f"[Doc {row}]" in render_segment(row, passage)  # the label hints name it by
         assert store.passage(row) == passage
         assert store.row_of(passage.id) == row
-    assert store.info.total_tokens == sum(len(render_segment(p).encode()) for p in PASSAGES)
+    assert store.info.total_tokens == sum(len(render_segment(r, p).encode()) for r, p in enumerate(PASSAGES))
     assert store.info.corpus_checksum == corpus_checksum(PASSAGES)
 
 
@@ -44,6 +51,9 @@ def test_store_refuses_another_tokenizer_or_corpus(store_path: Path) -> None:
         store.check_matches("fp2")
     with pytest.raises(ArtifactError, match="another corpus"):
         store.check_matches("fp1", corpus_checksum(PASSAGES[:3]))
+    store.check_matches("fp1", segment_template=DEFAULT_SEGMENT_TEMPLATE)
+    with pytest.raises(ArtifactError, match="another way"):
+        store.check_matches("fp1", segment_template="## {title}\n{text}\n\n")
 
 
 def test_out_of_range_rows_and_unknown_ids(store_path: Path) -> None:

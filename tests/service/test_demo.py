@@ -21,11 +21,11 @@ async def test_demo_answers_questions_and_the_repeat_hits_the_prefix_cache(
     tmp_path: Path, tiny_model_dir: Path, vllm_engine: VllmEngine, capsys: pytest.CaptureFixture[str]
 ) -> None:
     layout = DataLayout(tmp_path / "data")
-    assets = ensure_assets(layout, model_dir=tiny_model_dir)
+    assets = ensure_assets(layout, model=tiny_model_dir)
     assert layout.corpus_file.is_file() and (layout.index_dir / "manifest.json").is_file()
     # A second call reuses every artefact instead of rebuilding it.
     store_mtime = assets.store.path.stat().st_mtime_ns
-    again = ensure_assets(layout, model_dir=tiny_model_dir)
+    again = ensure_assets(layout, model=tiny_model_dir)
     assert again.store.path.stat().st_mtime_ns == store_mtime
 
     controller = make_controller(vllm_engine, assets)
@@ -44,3 +44,11 @@ async def test_demo_answers_questions_and_the_repeat_hits_the_prefix_cache(
     assert all(a.timeline["ttft_ms"] > 0 and len(a.documents) == 4 for a in answers)
     printed = capsys.readouterr().out
     assert printed.count("Q: ") == 3 and "not overlapped" in printed and "from the prefix cache" in printed
+    # Every answer names its sources: the titles of the passages it was generated from, best first.
+    for answer in answers:
+        assert [source["id"] for source in answer.sources] == answer.documents
+        assert all(
+            source["title"] == assets.store.passage(assets.store.row_of(source["id"])).title
+            for source in answer.sources
+        )
+    assert printed.count("sources: Python ") == 3

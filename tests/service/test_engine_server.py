@@ -15,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specrag.controller.controller import RagRequest
 from specrag.pipeline.http_engine import HttpTimeouts
+from specrag.pipeline.model_dir import served_model_name
+from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.service.assembly import ServiceOptions, free_port_pair, open_service
 from specrag.service.assets import Assets
 from specrag.service.server import serving
@@ -63,6 +65,10 @@ async def test_cached_tokens_mirror_and_recovery_against_a_separate_server(
         ):
             controller = service.controller
             assert service.mirror is not None and service.mirror.active
+            async with aiohttp.ClientSession() as http, http.get(url + "/v1/models") as response:
+                models = await response.json()
+            assert [model["id"] for model in models["data"]] == [served_model_name(assets.model_dir)]
+            assert served_model_name(assets.model_dir) == RANDOM_MODEL_NAME  # from its manifest
             first = await controller.answer(serial(QUESTION))
             order = list(first.prompt.document_ids())
             await wait_until(lambda: controller.tree.cached_prefix(order).docs == len(order), within_s=20)

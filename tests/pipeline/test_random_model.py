@@ -9,11 +9,11 @@ import pytest
 from safetensors import safe_open
 
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline.default_model import (
-    DefaultModelSpec,
+from specrag.pipeline.random_model import (
+    RandomModelSpec,
     check_model_dir,
-    is_current_default_model,
-    make_default_model,
+    is_current_random_model,
+    make_random_model,
 )
 from specrag.pipeline.tokenizer import Tokenizer, tokenizer_fingerprint
 from tests.helpers import TINY_MODEL_SPEC
@@ -28,8 +28,8 @@ def test_model_dir_is_a_llama_checkpoint_matching_its_spec(tiny_model_dir: Path)
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as weights:
         embedding = weights.get_tensor("model.embed_tokens.weight")
     assert tuple(embedding.shape) == (TINY_MODEL_SPEC.vocab_size, TINY_MODEL_SPEC.hidden_size)
-    assert is_current_default_model(tiny_model_dir, TINY_MODEL_SPEC)
-    assert not is_current_default_model(tiny_model_dir, DefaultModelSpec())
+    assert is_current_random_model(tiny_model_dir, TINY_MODEL_SPEC)
+    assert not is_current_random_model(tiny_model_dir, RandomModelSpec())
 
 
 def test_tokenizer_round_trips_corpus_text_without_special_tokens(tiny_model_dir: Path) -> None:
@@ -46,7 +46,7 @@ def test_tokenizer_round_trips_corpus_text_without_special_tokens(tiny_model_dir
 
 def test_same_seed_same_weights(tmp_path: Path, tiny_model_dir: Path) -> None:
     texts = ["alpha beta gamma delta " * 50, "epsilon zeta eta theta " * 50]
-    spec = DefaultModelSpec(
+    spec = RandomModelSpec(
         vocab_size=600,
         hidden_size=32,
         intermediate_size=64,
@@ -55,8 +55,8 @@ def test_same_seed_same_weights(tmp_path: Path, tiny_model_dir: Path) -> None:
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
-    first = make_default_model(tmp_path / "a", texts, spec)
-    second = make_default_model(tmp_path / "b", texts, spec)
+    first = make_random_model(tmp_path / "a", texts, spec)
+    second = make_random_model(tmp_path / "b", texts, spec)
     assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
     assert tokenizer_fingerprint(first) == tokenizer_fingerprint(second)
 
@@ -67,7 +67,7 @@ def test_incomplete_model_dir_names_the_missing_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ArtifactError, match=r"lacks model\.safetensors"):
         check_model_dir(tmp_path)
-    assert not is_current_default_model(tmp_path)
+    assert not is_current_random_model(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -80,21 +80,21 @@ def test_incomplete_model_dir_names_the_missing_file(tmp_path: Path) -> None:
     ],
 )
 def test_invalid_specs_are_rejected(tmp_path: Path, changes: dict[str, object], message: str) -> None:
-    spec = DefaultModelSpec(**changes)  # type: ignore[arg-type]
+    spec = RandomModelSpec(**changes)  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match=message):
-        make_default_model(tmp_path / "m", ["text"], spec)
+        make_random_model(tmp_path / "m", ["text"], spec)
     assert not (tmp_path / "m").exists()
 
 
 def test_the_default_size_follows_the_cpu_and_both_sizes_are_valid() -> None:
     native = "flags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n"
     avx2_only = "flags\t\t: avx avx2 fma\n"
-    assert DefaultModelSpec.for_this_machine(native) == DefaultModelSpec.sized("large") == DefaultModelSpec()
-    small = DefaultModelSpec.for_this_machine(avx2_only)
-    assert small == DefaultModelSpec.sized("small") and small.dtype == "float32"
-    large = DefaultModelSpec()
+    assert RandomModelSpec.for_this_machine(native) == RandomModelSpec.sized("large") == RandomModelSpec()
+    small = RandomModelSpec.for_this_machine(avx2_only)
+    assert small == RandomModelSpec.sized("small") and small.dtype == "float32"
+    large = RandomModelSpec()
     assert small.num_hidden_layers * small.hidden_size < large.num_hidden_layers * large.hidden_size
-    for spec in (DefaultModelSpec.sized("large"), small):
+    for spec in (RandomModelSpec.sized("large"), small):
         spec.validate()
     with pytest.raises(InvalidInputError, match="large, small"):
-        DefaultModelSpec.sized("huge")
+        RandomModelSpec.sized("huge")

@@ -1,12 +1,15 @@
-"""The embedded default model: a small Llama-architecture model made locally, never downloaded.
+"""The generated ``random`` model: a small Llama-architecture model made locally, never downloaded.
 
 Its weights are random (fixed seed), so its answers are noise, but its prefill and decode costs are
-those of a real transformer run by the real engine: every latency specrag reports on it is real.
+those of a real transformer run by the real engine: every latency measured on it is real. It stays
+beside the real default model (:mod:`specrag.pipeline.model_catalog`) for experiments that need
+to set the prefill cost, such as the pipelining sweep, where search and prefill must cost about the
+same.
 The tokenizer is a byte-level BPE trained on the bundled corpus, so passages tokenize to a
 realistic number of tokens. The size is chosen per machine so that a 4k-token cold prefill on one
 CPU core takes about a second, the regime where vector search and prefill cost about the same:
 CPUs without native bfloat16 (AVX2-only x86) compute in float32 at a fraction of the speed, and
-get a smaller model (see :meth:`DefaultModelSpec.for_this_machine`).
+get a smaller model (see :meth:`RandomModelSpec.for_this_machine`).
 """
 
 from __future__ import annotations
@@ -21,19 +24,20 @@ from typing import Any
 from specrag.atomic import atomic_directory
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.pipeline.config import cpu_has_native_bf16
+from specrag.pipeline.model_dir import MANIFEST_NAME, check_model_dir
 
 logger = logging.getLogger(__name__)
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
-MANIFEST_NAME = "specrag-model.json"
 MODEL_SIZES = ("large", "small")
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+RANDOM_MODEL_NAME = "random"
+"""Its name on the command line, in the data directory and in ``/v1/models``."""
 
 
 @dataclass(frozen=True)
-class DefaultModelSpec:
-    """Architecture of the default model. Changing any field changes the model (and its fingerprint)."""
+class RandomModelSpec:
+    """Architecture of the random model. Changing any field changes the model (and its fingerprint)."""
 
     vocab_size: int = 8192
     hidden_size: int = 512
@@ -46,7 +50,7 @@ class DefaultModelSpec:
     seed: int = 0
 
     @classmethod
-    def sized(cls, size: str) -> DefaultModelSpec:
+    def sized(cls, size: str) -> RandomModelSpec:
         """``large``: 8 layers x 512 in bfloat16; ``small``: 3 x 256 in float32."""
         if size == "large":
             return cls()
@@ -62,7 +66,7 @@ class DefaultModelSpec:
         raise InvalidInputError(f"model size must be one of {', '.join(MODEL_SIZES)}, got {size!r}")
 
     @classmethod
-    def for_this_machine(cls, cpuinfo: str | None = None) -> DefaultModelSpec:
+    def for_this_machine(cls, cpuinfo: str | None = None) -> RandomModelSpec:
         """``large`` where the CPU has native bfloat16, else ``small``.
 
         Measured on one core (``python -m bench.prefill``): the large model prefills 4k tokens
@@ -116,7 +120,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int
     )
 
 
-def _write_weights(spec: DefaultModelSpec, token_ids: dict[str, int], output_dir: Path) -> None:
+def _write_weights(spec: RandomModelSpec, token_ids: dict[str, int], output_dir: Path) -> None:
     """Random Llama weights from ``spec.seed``, saved as safetensors with a matching config.json."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -149,15 +153,15 @@ def _special_token_id(tokenizer: Any, token: str) -> int:
     return int(token_id)
 
 
-def make_default_model(
-    output_dir: Path, corpus_texts: Iterable[str], spec: DefaultModelSpec | None = None
+def make_random_model(
+    output_dir: Path, corpus_texts: Iterable[str], spec: RandomModelSpec | None = None
 ) -> Path:
-    """Write the default model directory (atomically) and return it.
+    """Write the random model directory (atomically) and return it.
 
     The directory is a plain Hugging Face model directory: vLLM, transformers or any other loader
     reads it like a downloaded one.
     """
-    spec = spec or DefaultModelSpec.for_this_machine()
+    spec = spec or RandomModelSpec.for_this_machine()
     spec.validate()
     with atomic_directory(output_dir) as staging:
         train_tokenizer(corpus_texts, spec.vocab_size, spec.max_position_embeddings, staging)
@@ -166,26 +170,19 @@ def make_default_model(
         trained = Tokenizer.from_file(str(staging / "tokenizer.json"))
         token_ids = {token: _special_token_id(trained, token) for token in SPECIAL_TOKENS}
         _write_weights(spec, token_ids, staging)
-        (staging / MANIFEST_NAME).write_text(json.dumps({"spec": asdict(spec)}, indent=2))
-    logger.info("default model written to %s", output_dir)
+        (staging / MANIFEST_NAME).write_text(
+            json.dumps({"name": RANDOM_MODEL_NAME, "spec": asdict(spec)}, indent=2)
+        )
+    logger.info("random model written to %s", output_dir)
     return output_dir
 
 
-def check_model_dir(model_dir: Path) -> None:
-    """Raise :class:`ArtifactError` naming the first missing file of a model directory."""
-    if not model_dir.is_dir():
-        raise ArtifactError(f"model directory not found: {model_dir}")
-    for name in _REQUIRED_FILES:
-        if not (model_dir / name).is_file():
-            raise ArtifactError(f"model directory {model_dir} lacks {name}")
-
-
-def is_current_default_model(model_dir: Path, spec: DefaultModelSpec | None = None) -> bool:
-    """True when ``model_dir`` holds a complete default model built from ``spec``."""
+def is_current_random_model(model_dir: Path, spec: RandomModelSpec | None = None) -> bool:
+    """True when ``model_dir`` holds a complete random model built from ``spec``."""
     manifest = model_dir / MANIFEST_NAME
     try:
         check_model_dir(model_dir)
         recorded = json.loads(manifest.read_text())["spec"]
     except (ArtifactError, OSError, ValueError, KeyError):
         return False
-    return bool(recorded == asdict(spec or DefaultModelSpec.for_this_machine()))
+    return bool(recorded == asdict(spec or RandomModelSpec.for_this_machine()))
