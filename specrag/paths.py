@@ -43,6 +43,11 @@ class DataLayout:
     def index_dir(self) -> Path:
         return self.root / "index"
 
+    @property
+    def document_kv_dir(self) -> Path:
+        """The document KV store (TurboRAG): per-model namespaces inside (docs/turbo.md)."""
+        return self.root / "document-kv"
+
     def store_file(self, tokenizer_fingerprint: str) -> Path:
         """The document store is tokenizer-specific: token IDs from another tokenizer are useless."""
         return self.root / "store" / f"passages-{tokenizer_fingerprint}.sqlite"

@@ -21,6 +21,9 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
+    # The prefix-cache salt of a chain's first block (parent None), when it has one: salted blocks
+    # (turbo requests' loaded documents, docs/turbo.md) are another cache than unsalted ones.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,24 @@ class PromptLayout:
         """The documents in the order they appear in the prompt."""
         return tuple(s.doc_id for s in self.segments if s.kind == "document" and s.doc_id is not None)
 
+    def stored_spans(self) -> tuple[tuple[int, int], ...]:
+        """The non-empty system prompt and document segments before anything else, as spans.
+
+        What a document KV store can supply (TurboRAG): each is computed alone and stored; a
+        hint or the question ends them (they are prefilled).
+        """
+        spans = []
+        for segment in self.segments:
+            if segment.kind not in ("system", "document"):
+                break
+            if segment.end > segment.start:
+                spans.append((segment.start, segment.end))
+        return tuple(spans)
+
+    def span_tokens(self, spans: Sequence[tuple[int, int]]) -> list[tuple[int, ...]]:
+        """The token IDs of each span (the segments a document KV store is filled with)."""
+        return [self.token_ids[start:end] for start, end in spans]
+
 
 def build_layout(
     system_token_ids: Sequence[int],

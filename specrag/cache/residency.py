@@ -13,6 +13,7 @@ pool with its eviction order, the same model the simulated engine runs on.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,14 @@ from specrag.errors import InvalidInputError
 
 ROOT_KEY = 0
 """Parent key of a prompt's first block (vLLM's ``parent_block_hash=None``)."""
+
+
+def salted_root(cache_salt: str) -> int:
+    """The chain root of salted blocks: never the key of any unsalted prefix (64-bit hash aside).
+
+    From the salt's SHA-256, not ``hash(str)``, which differs between processes.
+    """
+    return hash((ROOT_KEY, int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little")))
 
 
 def chain_block_keys(token_ids: Sequence[int], block_size: int, parent_key: int = ROOT_KEY) -> list[int]:
@@ -262,7 +271,7 @@ class BlockResidency:
         if len(event.token_ids) != event.block_size * len(event.block_hashes):
             raise InvalidInputError("BlockStored carries a token count that is not block_size per block")
         if event.parent_block_hash is None:
-            parent = ROOT_KEY
+            parent = ROOT_KEY if event.cache_salt is None else salted_root(event.cache_salt)
         else:
             known = self._by_hash.get(event.parent_block_hash)
             if known is None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from specrag.cache.ordering import PolicyName, get_policy
-from specrag.controller.modes import ModeName, get_mode
+from specrag.controller.modes import ModeName, check_document_kv, get_mode
 from specrag.errors import InvalidInputError, check_choice
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule, check_schedule
 
@@ -45,6 +45,7 @@ class ControllerConfig:
     ordering_policy: PolicyName = "exact"
     order_hint: bool = True
     mode: ModeName = "all"
+    document_kv: str = "full"  # the default of requests that do not say (see modes.DOCUMENT_KV_CHOICES)
     max_tokens_default: int = 64
     max_tokens_limit: int = 1024
     first_token_timeout_s: float = 60.0
@@ -65,6 +66,7 @@ class ControllerConfig:
     def validate(self) -> ControllerConfig:
         """Raise :class:`InvalidInputError` for a bad setting; the config itself otherwise."""
         get_mode(self.mode)
+        check_document_kv(self.document_kv)
         get_policy(self.ordering_policy)
         if not 1 <= self.k_default <= self.k_max:
             raise InvalidInputError("k_default must be between 1 and k_max")

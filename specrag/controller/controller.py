@@ -24,12 +24,12 @@ from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, ControllerC
 from specrag.controller.conversation import TurnPrompts
 from specrag.controller.facade import CoreLoad, EngineHealth, ReplicaFacts
 from specrag.controller.gate import PrefillGate, WindowAdmission, default_max_prefill_bs
-from specrag.controller.modes import get_mode
+from specrag.controller.modes import check_document_kv, get_mode
 from specrag.controller.placement import Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
 from specrag.controller.run import QueryRun, QueryShared
 from specrag.controller.sampling import check_sampling
-from specrag.controller.sessions import SessionStore
+from specrag.controller.sessions import Session, SessionStore
 from specrag.controller.warmup import SystemPromptWarmer, WarmupRecord
 from specrag.errors import EngineError, InvalidInputError, TooLargeError, echo
 from specrag.pipeline.engine import Engine
@@ -157,7 +157,22 @@ class RagController:
             self.sessions.ensure_idle(session)
         # Rejects over-long questions before any work; the tokens serve every prompt of the query.
         question_token_ids = tuple(self.builder.question_tokens(request.question))
-        return CheckedRequest(request, k, mode, sampling, session, question_token_ids)
+        document_kv = self._document_kv(request, session)
+        return CheckedRequest(
+            request, k, mode, sampling, session, question_token_ids, document_kv=document_kv
+        )
+
+    def _document_kv(self, request: RagRequest, session: Session | None) -> bool:
+        """Whether the request loads its documents' KV from the store (``turbo``).
+
+        A conversation's later turns prefill as they always do: their history is no document.
+        """
+        choice = self.config.document_kv if request.document_kv is None else request.document_kv
+        if check_document_kv(choice) != "turbo" or session is not None:
+            return False
+        if not all(getattr(r.engine, "supports_document_kv", False) for r in self.placement.replicas):
+            raise InvalidInputError("document_kv 'turbo' needs engines started with --document-kv turbo")
+        return True
 
     async def answer(self, request: RagRequest | CheckedRequest) -> AnswerDone:
         """Run a query to the end and return the whole answer."""

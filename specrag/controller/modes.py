@@ -36,6 +36,17 @@ MODES: dict[ModeName, Mode] = {
 }
 
 
+# How a request's documents get their KV: prefilled with the prompt (``full``), or loaded from the
+# engine's document KV store, each computed alone (``turbo``, TurboRAG; docs/turbo.md).
+DocumentKv = Literal["full", "turbo"]
+DOCUMENT_KV_CHOICES: tuple[DocumentKv, ...] = get_args(DocumentKv)
+
+
+def check_document_kv(name: str) -> DocumentKv:
+    """``name`` if it is a document-KV choice; :class:`InvalidInputError` listing them otherwise."""
+    return check_choice("document_kv", name, DOCUMENT_KV_CHOICES)
+
+
 def get_mode(name: str) -> Mode:
     """The mode called ``name``; an unknown name raises :class:`InvalidInputError` listing the known ones."""
     return MODES[check_choice("mode", name, MODE_NAMES)]

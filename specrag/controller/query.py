@@ -27,6 +27,7 @@ class RagRequest:
     question: str
     k: int | None = None
     mode: str | None = None
+    document_kv: str | None = None
     max_tokens: int | None = None
     session_id: str | None = None
     temperature: float | None = None
@@ -57,6 +58,8 @@ class CheckedRequest:
     session: Session | None
     question_token_ids: tuple[int, ...]
     planned: Planned | None = None
+    # Load the system prompt's and documents' KV from the engine's store (TurboRAG).
+    document_kv: bool = False
 
 
 @dataclass(frozen=True)

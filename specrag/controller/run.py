@@ -246,6 +246,8 @@ class QueryRun:
                 timeline.cached_prompt_tokens = (
                     latest_cached_tokens(output, timeline.cached_prompt_tokens) or 0
                 )
+            if output.document_kv_tokens is not None:
+                timeline.document_kv_tokens = output.document_kv_tokens
             texts.append(output.text)
             tokens.extend(output.token_ids)
             finish_reason = output.finish_reason or finish_reason
@@ -354,6 +356,8 @@ class QueryRun:
         self, placed: Placed, slot: Slot, speculative: bool, predicted: int, sent: tuple[int, ...] = ()
     ) -> Flight:
         sampling = self.checked.sampling
+        if self.checked.document_kv:
+            sampling = replace(sampling, document_kv=placed.layout.stored_spans())
         try:
             check_prompt_fits(len(placed.layout.token_ids), sampling, placed.replica.engine.max_model_len)
         except InvalidInputError:

@@ -76,6 +76,7 @@ class Timeline:
     done: float | None = None
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    document_kv_tokens: int = 0  # of the cached tokens, those loaded from the document KV store
     predicted_cached_tokens: int = 0
     predicted_beside_prefill: bool = False
     speculations: int = 0
@@ -167,6 +168,7 @@ class Timeline:
             "controller_ms": ms(self.controller_s),
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "document_kv_tokens": self.document_kv_tokens,
             "predicted_cached_tokens": self.predicted_cached_tokens,
             "predicted_beside_prefill": self.predicted_beside_prefill,
             "speculations": self.speculations,

@@ -111,6 +111,10 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = "kv"
     startup_timeout_s: float = 300.0
+    document_kv_dir: str | None = None
+    """TurboRAG: the document KV store's directory (:mod:`specrag.pipeline.document_kv`); set, the
+    engine loads :mod:`specrag.pipeline.turbo_connector` as vLLM's KV connector. None: off."""
+    document_kv_max_gib: float = 4.0
 
     def validate(self) -> EngineConfig:
         """Return self, or raise :class:`InvalidInputError` naming the first bad field."""
@@ -140,6 +144,8 @@ class EngineConfig:
             raise InvalidInputError("engine config: kv_events_replay_endpoint needs kv_events_endpoint")
         if self.startup_timeout_s <= 0:
             raise InvalidInputError("engine config: startup_timeout_s must be positive")
+        if self.document_kv_max_gib <= 0:
+            raise InvalidInputError("engine config: document_kv_max_gib must be positive")
         return self
 
     def with_overrides(self, **changes: object) -> EngineConfig:
@@ -214,7 +220,28 @@ class EngineConfig:
                 "replay_endpoint": self.kv_events_replay_endpoint,
                 "topic": self.kv_events_topic,
             }
+        if self.document_kv_dir is not None:
+            arguments["kv_transfer_config"] = self.document_kv_transfer_config()
         return arguments
+
+    def document_kv_transfer_config(self) -> dict[str, Any]:
+        """vLLM's ``kv_transfer_config`` that loads our TurboRAG connector from its module path."""
+        from specrag.pipeline.document_kv import model_fingerprint
+
+        if self.document_kv_dir is None:
+            raise InvalidInputError("engine config: document KV needs document_kv_dir")
+        return {
+            "kv_connector": "TurboConnector",
+            "kv_connector_module_path": "specrag.pipeline.turbo_connector",
+            "kv_role": "kv_both",
+            # A document evicted between claim and load is recomputed, not failed.
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "store_dir": str(Path(self.document_kv_dir).resolve()),
+                "max_bytes": int(self.document_kv_max_gib * (1 << 30)),
+                "model_fingerprint": model_fingerprint(Path(self.model)),
+            },
+        }
 
     def server_command(
         self, host: str, port: int, on_cpu: bool, python: str = sys.executable

@@ -45,6 +45,10 @@ class Sampling:
     stop: tuple[str, ...] = ()
     """Strings that end the answer; the text stops before the first one (finish reason "stop")."""
     ignore_eos: bool = False
+    document_kv: tuple[tuple[int, int], ...] = ()
+    """Prompt spans ``[start, end)`` (documents, in order) whose KV the engine may load from its
+    document KV store instead of prefilling them (TurboRAG); empty: a full prefill. Only an engine
+    started with a document KV store accepts it (:attr:`EngineConfig.document_kv_dir`)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -55,6 +59,13 @@ class Sampling:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
         if not all(self.stop):
             raise InvalidInputError("a stop string cannot be empty")
+        end = 0
+        for start, stop in self.document_kv:
+            if not end <= start < stop:
+                raise InvalidInputError(
+                    f"document_kv spans must be ordered and non-empty, got {self.document_kv}"
+                )
+            end = stop
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,9 @@ class EngineOutput:
     ``time.perf_counter()`` at which the adapter received the increment. ``scheduled_at`` is when
     the engine's scheduler first gave the request a step (its prefill began), on the same clock,
     when the engine reports it (vLLM's per-request statistics do); None when it does not, and a
-    figure built on it must then say it used the submission time instead.
+    figure built on it must then say it used the submission time instead. ``document_kv_tokens``:
+    of the cached tokens, those loaded from the document KV store (TurboRAG), reported with the
+    finishing output by an engine that has a store; None otherwise.
     """
 
     request_id: str
@@ -82,6 +95,7 @@ class EngineOutput:
     finish_reason: str | None
     received_at: float
     scheduled_at: float | None = None
+    document_kv_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +208,11 @@ class Engine(ABC):
     def kv_capacity_tokens(self) -> int | None:
         """Tokens the KV cache holds, when the engine reports it."""
         ...
+
+    @property
+    def supports_document_kv(self) -> bool:
+        """Whether requests may load documents' KV from a store (:attr:`Sampling.document_kv`)."""
+        return False
 
     @property
     @abstractmethod
@@ -329,6 +348,7 @@ class EngineBase(Engine):
         self._ensure_open()
         prompt = [int(token) for token in prompt_token_ids]
         check_prompt_fits(len(prompt), sampling, self.max_model_len)
+        check_document_kv(len(prompt), sampling, self.supports_document_kv)
         self._tracker.submitted(request_id)
         finished = False
         try:
@@ -417,6 +437,19 @@ def check_prompt_fits(prompt_tokens: int, sampling: Sampling, max_model_len: int
         raise InvalidInputError(
             f"prompt of {prompt_tokens} tokens + max_tokens {sampling.max_tokens} exceeds the model's "
             f"limit of {max_model_len} tokens"
+        )
+
+
+def check_document_kv(prompt_tokens: int, sampling: Sampling, supported: bool) -> None:
+    """Reject document spans an engine cannot load or that leave no prompt token to compute."""
+    if not sampling.document_kv:
+        return
+    if not supported:
+        raise InvalidInputError("this engine has no document KV store (start it with --document-kv turbo)")
+    if sampling.document_kv[-1][1] >= prompt_tokens:
+        raise InvalidInputError(
+            f"document_kv spans end at {sampling.document_kv[-1][1]}: they must leave at least the last "
+            f"of the prompt's {prompt_tokens} tokens to compute"
         )
 
 

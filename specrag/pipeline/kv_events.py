@@ -35,12 +35,23 @@ def convert_event(event: object) -> KVEvent | None:
             parent_block_hash=event.parent_block_hash,
             token_ids=tuple(event.token_ids),
             block_size=event.block_size,
+            cache_salt=first_block_salt(event),
         )
     if isinstance(event, vllm_events.BlockRemoved):
         return BlockRemoved(block_hashes=tuple(event.block_hashes))
     if isinstance(event, vllm_events.AllBlocksCleared):
         return AllBlocksCleared()
     return None
+
+
+def first_block_salt(event: vllm_events.BlockStored) -> str | None:
+    """The cache salt of a chain's first block: a string among its extra hash keys (vLLM lists
+    the LoRA name, multimodal pairs, then the salt); None for a block with a parent or no salt."""
+    extra = getattr(event, "extra_keys", None)
+    if event.parent_block_hash is not None or not extra or not extra[0]:
+        return None
+    salts = [key for key in extra[0] if isinstance(key, str) and key != event.lora_name]
+    return salts[-1] if salts else None
 
 
 class KVEventSubscriber:

@@ -12,12 +12,22 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from specrag.errors import EngineError
+from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.config import EngineConfig, apply_environment
+from specrag.pipeline.document_kv import (
+    LOADED_KEY,
+    PARAMS_KEY,
+    TURBO_CACHE_SALT,
+    DocumentKVStore,
+    segment_key,
+    store_namespace,
+)
 from specrag.pipeline.engine import EngineBase, EngineCounts, EngineOutput, Sampling, now
 
 logger = logging.getLogger(__name__)
@@ -81,6 +91,10 @@ def _engine_args(config: EngineConfig) -> Any:
         from vllm.config import KVEventsConfig
 
         kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
+    if "kv_transfer_config" in kwargs:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
     kwargs.update(enable_log_requests=False, disable_log_stats=False)
     return AsyncEngineArgs(**kwargs)
 
@@ -99,6 +113,10 @@ class VllmEngine(EngineBase):
         self._kv_capacity_tokens = int(blocks) * self._block_size if blocks else None
         self._batched_token_budget = int(llm.vllm_config.scheduler_config.max_num_batched_tokens)
         self._stopping = asyncio.Event()
+        self._document_kv = _document_kv_store(llm.vllm_config)
+        self._fills: set[str] = set()
+        self._filling: set[str] = set()  # keys of segments being filled on first use
+        self._fill_tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def start(cls, config: EngineConfig) -> VllmEngine:
@@ -161,6 +179,89 @@ class VllmEngine(EngineBase):
         return self._kv_capacity_tokens
 
     @property
+    def supports_document_kv(self) -> bool:
+        return self._document_kv is not None
+
+    @property
+    def document_kv(self) -> DocumentKVStore | None:
+        """The document KV store the engine's connector reads (None without ``--document-kv``)."""
+        return self._document_kv
+
+    async def fill_document_kv(self, segments: Sequence[Sequence[int]], concurrency: int = 4) -> int:
+        """Compute and store the KV of every segment not yet in the store; returns how many.
+
+        Each segment is prefilled alone (position 0 on) with the connector told to save its KV:
+        the store then holds exactly what vLLM computes for that segment at the start of a
+        prompt. ``concurrency`` segments run at once (vLLM batches them).
+        """
+        store = self._require_document_kv()
+        missing = {segment_key(tokens): tuple(tokens) for tokens in segments if tokens}
+        missing = {key: tokens for key, tokens in missing.items() if not store.contains(key)}
+        gate = asyncio.Semaphore(concurrency)
+
+        async def fill(tokens: tuple[int, ...]) -> None:
+            async with gate:
+                await self.save_prompt_kv(tokens)
+
+        await asyncio.gather(*(fill(tokens) for tokens in missing.values()))
+        return len(missing)
+
+    async def save_prompt_kv(
+        self, prompt: Sequence[int], document_kv: tuple[tuple[int, int], ...] = ()
+    ) -> str:
+        """Prefill ``prompt`` (spans in ``document_kv`` loaded) and store its whole KV; its key.
+
+        With spans, the stored KV is the prompt's KV as a turbo request has it (loaded documents,
+        computed question), keyed apart from the same prompt's full prefill: what the correctness
+        checks of ``bench.turbo`` and the tests read back.
+        """
+        self._require_document_kv()
+        request_id = f"kvsave-{uuid.uuid4().hex}"
+        self._fills.add(request_id)
+        try:
+            async for _ in self.generate(request_id, prompt, Sampling(max_tokens=1, document_kv=document_kv)):
+                pass
+        finally:
+            self._fills.discard(request_id)
+        return segment_key(prompt, document_kv)
+
+    def _fill_later(self, prompt: Sequence[int], spans: tuple[tuple[int, int], ...]) -> None:
+        """Fill on first use: compute a turbo prompt's missing segments in the background.
+
+        This request is served as the connector can (it claims nothing while a span is missing:
+        a full prefill); the next prompt with these documents finds them stored.
+        """
+        store = self._require_document_kv()
+        missing = {}
+        for start, end in spans:
+            tokens = tuple(prompt[start:end])
+            key = segment_key(tokens)
+            if key not in self._filling and not store.contains(key):
+                missing[key] = tokens
+        if not missing:
+            return
+        self._filling.update(missing)
+
+        async def fill() -> None:
+            try:
+                await self.fill_document_kv(list(missing.values()))
+            except EngineError as error:
+                logger.warning("filling the document KV store failed: %s", error)
+            finally:
+                self._filling.difference_update(missing)
+
+        task = asyncio.create_task(fill(), name="document-kv-fill")
+        self._fill_tasks.add(task)
+        task.add_done_callback(self._fill_tasks.discard)
+
+    def _require_document_kv(self) -> DocumentKVStore:
+        if self._document_kv is None:
+            raise InvalidInputError(
+                "this engine has no document KV store (start it with --document-kv turbo)"
+            )
+        return self._document_kv
+
+    @property
     def batched_token_budget(self) -> int:
         return self._batched_token_budget
 
@@ -197,11 +298,17 @@ class VllmEngine(EngineBase):
             unfinished=int(self._llm.get_num_unfinished_requests()),
         )
 
-    def _sampling_params(self, sampling: Sampling) -> Any:
+    def _sampling_params(self, sampling: Sampling, request_id: str) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        turbo: dict[str, Any] = {}
+        if request_id in self._fills:
+            turbo["save"] = True
+        if sampling.document_kv:
+            turbo["segments"] = [list(span) for span in sampling.document_kv]
         return SamplingParams(
+            extra_args={"kv_transfer_params": {PARAMS_KEY: turbo}} if turbo else None,
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -215,9 +322,11 @@ class VllmEngine(EngineBase):
         self, request_id: str, prompt: list[int], sampling: Sampling
     ) -> AsyncGenerator[EngineOutput, None]:
         try:
-            stream = self._llm.generate(
-                {"prompt_token_ids": prompt}, self._sampling_params(sampling), request_id
-            )
+            inputs: dict[str, Any] = {"prompt_token_ids": prompt}
+            if sampling.document_kv:
+                inputs["cache_salt"] = TURBO_CACHE_SALT
+                self._fill_later(prompt, sampling.document_kv)
+            stream = self._llm.generate(inputs, self._sampling_params(sampling, request_id), request_id)
             async with contextlib.aclosing(until_set(stream, self._stopping)) as outputs:
                 async for output in outputs:
                     completion = output.outputs[0] if output.outputs else None
@@ -231,6 +340,7 @@ class VllmEngine(EngineBase):
                         finish_reason=completion.finish_reason if completion else None,
                         received_at=now(),
                         scheduled_at=scheduled_at(output),
+                        document_kv_tokens=document_kv_tokens(output),
                     )
         except Exception as error:  # cancellation and GeneratorExit are BaseExceptions: not wrapped
             raise EngineError(f"engine request {request_id} failed: {error}") from error
@@ -263,6 +373,8 @@ class VllmEngine(EngineBase):
 
     async def _shut_down(self) -> None:
         self._stopping.set()  # requests still streaming fail now instead of waiting on a dead core
+        for task in list(self._fill_tasks):
+            task.cancel()
         await self._wait_idle(SHUTDOWN_IDLE_WAIT_S)
         llm, self._llm = self._llm, None
         # Stop vLLM's output handler first: it would otherwise see the engine core go away and log
@@ -276,6 +388,26 @@ class VllmEngine(EngineBase):
         # shutdown() again into half-torn-down modules and prints a spurious traceback. It is
         # already shut down: make that second call a no-op.
         llm.shutdown = lambda *args, **kwargs: None
+
+
+def document_kv_tokens(output: Any) -> int | None:
+    """Tokens the connector loaded from the document KV store, told with a finished request."""
+    loaded = (getattr(output, "kv_transfer_params", None) or {}).get(LOADED_KEY)
+    return int(loaded) if loaded is not None else None
+
+
+def _document_kv_store(vllm_config: Any) -> DocumentKVStore | None:
+    """The store the connector of this engine uses, from the settings vLLM runs with."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None or transfer.kv_connector_module_path != "specrag.pipeline.turbo_connector":
+        return None
+    extra = transfer.kv_connector_extra_config
+    namespace = store_namespace(
+        str(extra["model_fingerprint"]),
+        vllm_config.model_config.dtype,
+        int(vllm_config.cache_config.block_size),
+    )
+    return DocumentKVStore(Path(extra["store_dir"]), namespace, int(extra["max_bytes"]))
 
 
 def _idle(llm: Any, snapshot: SchedulerSnapshot) -> bool:

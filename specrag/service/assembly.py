@@ -75,6 +75,9 @@ class ServiceOptions:
     # In-process engines (or Ray replicas with ``ray_address``).
     replicas: int = 1
     router: Router = "specrag"
+    # TurboRAG: the document KV store's directory; None keeps it off (see docs/turbo.md).
+    document_kv_dir: str | None = None
+    document_kv_max_gib: float = EngineConfig.document_kv_max_gib
 
     def __post_init__(self) -> None:
         """Bad combinations fail here, before any engine starts (flag names: ``specrag serve``'s)."""
@@ -87,6 +90,12 @@ class ServiceOptions:
                 "--replicas starts in-process engines; to pool engine servers, repeat --engine-url"
             )
         _check_distinct("--engine-url", self.engine_urls)
+        if self.document_kv_max_gib <= 0:
+            raise InvalidInputError(f"--document-kv-max-gib must be positive, got {self.document_kv_max_gib}")
+        if self.document_kv_dir is not None and (self.engine_urls or self.ray_address is not None):
+            raise InvalidInputError(
+                "--document-kv turbo needs the in-process engine (no --engine-url, no --ray)"
+            )
         if self.engine_kv_events:
             if not self.engine_urls:
                 raise InvalidInputError(
@@ -158,6 +167,8 @@ def base_engine_config(model_dir: Path, options: ServiceOptions) -> EngineConfig
         max_model_len=min(default, model_context_length(model_dir) or default),
         enforce_eager=options.eager,
         omp_threads_bind=options.engine_cpus,
+        document_kv_dir=options.document_kv_dir,
+        document_kv_max_gib=options.document_kv_max_gib,
     )
 
 

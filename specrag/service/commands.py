@@ -22,10 +22,17 @@ from specrag.controller.modes import MODE_NAMES
 from specrag.controller.placement import ROUTERS
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
 from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, SCHEDULES
-from specrag.service.assembly import Service, ServiceOptions, open_service
+from specrag.service.assembly import (
+    Service,
+    ServiceOptions,
+    base_engine_config,
+    open_service,
+    prompt_builder,
+)
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.server import (
@@ -55,7 +62,26 @@ def _prepare(args: argparse.Namespace) -> int:
         f"store {assets.store.path.name} ({assets.store.info.total_tokens} tokens), "
         f"index {assets.index.searcher.ntotal} rows × {assets.index.dim} dims"
     )
+    if args.document_kv:
+        kv_dir = _paths(args)[0].document_kv_dir
+        print(f"computing every passage's KV into {kv_dir} (TurboRAG; minutes)…", flush=True)
+        filled = asyncio.run(_fill_document_kv(assets, kv_dir, args.document_kv_max_gib))
+        print(f"document KV ready: {filled} segments computed, the others were stored already")
     return 0
+
+
+async def _fill_document_kv(assets: Assets, kv_dir: Path, max_gib: float) -> int:
+    """Start the in-process engine with the store and fill it with the system prompt and every passage."""
+    from specrag.pipeline.vllm_engine import VllmEngine
+
+    options = ServiceOptions(document_kv_dir=str(kv_dir), document_kv_max_gib=max_gib)
+    config = base_engine_config(assets.model_dir, options).validate()
+    engine = await VllmEngine.start(config)
+    try:
+        segments = prompt_builder(assets, engine).stored_segments(range(len(assets.store)))
+        return await engine.fill_document_kv(segments)
+    finally:
+        await engine.close()
 
 
 @contextlib.asynccontextmanager
@@ -111,6 +137,7 @@ def _controller_config(args: argparse.Namespace) -> ControllerConfig:
     try:
         return ControllerConfig(
             mode=args.mode,
+            document_kv=args.document_kv if args.document_kv == "turbo" else "full",
             num_stages=args.stages,
             stage_schedule=args.stage_schedule,
             max_prefill_bs=args.max_prefill_bs,
@@ -135,6 +162,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise InvalidInputError("--max-queries and --max-queries-per-client must be at least 1")
     token = _api_token(args.api_token_env)
     config = _controller_config(args)
+    document_kv = args.document_kv == "turbo"
     options = ServiceOptions(
         controller=config,
         engine_urls=tuple(args.engine_url or ()),
@@ -148,6 +176,8 @@ def _serve(args: argparse.Namespace) -> int:
         router=args.router,
         engine_cpus=args.engine_cpus,
         search_cpus=args.search_cpus,
+        document_kv_dir=str(_paths(args)[0].document_kv_dir) if document_kv else None,
+        document_kv_max_gib=args.document_kv_max_gib,
     )
     assets = _assets(args)
 
@@ -271,9 +301,25 @@ def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> 
         )
 
 
+def _add_document_kv_bound(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--document-kv-max-gib",
+        type=float,
+        default=EngineConfig.document_kv_max_gib,
+        metavar="GIB",
+        help="the document KV store's size bound; least recently used entries go (default %(default)s)",
+    )
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prepare = subparsers.add_parser("prepare", help="build whatever is missing: corpus, model, store, index")
     _add_asset_options(prepare, engine=False)
+    prepare.add_argument(
+        "--document-kv",
+        action="store_true",
+        help="also compute every passage's KV into the document KV store (for serve --document-kv turbo)",
+    )
+    _add_document_kv_bound(prepare)
     prepare.set_defaults(handler=_prepare)
 
     serve = subparsers.add_parser("serve", help="serve the RAG and OpenAI-compatible HTTP API")
@@ -281,6 +327,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
     serve.add_argument("--mode", choices=MODE_NAMES, default="all", help="default optimisation mode")
+    serve.add_argument(
+        "--document-kv",
+        choices=("off", "turbo"),
+        default="off",
+        help="turbo: load documents' stored KV instead of prefilling them (TurboRAG; approximate "
+        "without a fine-tuned model, see docs/turbo.md); requests choose with document_kv "
+        "(default: %(default)s)",
+    )
+    _add_document_kv_bound(serve)
     serve.add_argument("--api-token-env", metavar="VAR", help="require the bearer token held in $VAR")
     serve.add_argument(
         "--max-prefill-bs", type=int, help="prefill pool size (default: from the token budget)"

@@ -69,14 +69,14 @@ SHUTDOWN_GRACE_S = 5.0
 # How long a caller should wait before retrying while the engine restarts.
 ENGINE_RETRY_AFTER_S = 5.0
 OPEN_PATHS = frozenset({"/health"})
-RAG_FIELDS = frozenset({"query", "k", "mode", "max_tokens", "session_id", "stream"})
+RAG_FIELDS = frozenset({"query", "k", "mode", "document_kv", "max_tokens", "session_id", "stream"})
 BATCH_FIELDS = frozenset({"queries", "k", "mode", "max_tokens"})
 # The OpenAI chat fields honoured (docs/service.md: "Sampling fields"), and those accepted at their neutral
 # value only; any other field is refused rather than silently ignored.
 CHAT_FIELDS = frozenset(
     {
         *("model", "messages", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens"),
-        *("temperature", "top_p", "seed", "stop", "k", "mode", "session_id"),
+        *("temperature", "top_p", "seed", "stop", "k", "mode", "document_kv", "session_id"),
     }
 )
 CHAT_NEUTRAL_FIELDS: dict[str, tuple[type, Any]] = {
@@ -210,11 +210,12 @@ def _required(body: dict[str, Any], name: str, kind: type[T]) -> T:
 
 
 def _rag_request(body: dict[str, Any], question: str, max_tokens: int | None) -> RagRequest:
-    """The retrieval options both APIs share (``k``, ``mode``, ``session_id``)."""
+    """The retrieval options both APIs share (``k``, ``mode``, ``document_kv``, ``session_id``)."""
     return RagRequest(
         question=question,
         k=_optional(body, "k", int),
         mode=_optional(body, "mode", str),
+        document_kv=_optional(body, "document_kv", str),
         max_tokens=max_tokens,
         session_id=_optional(body, "session_id", str),
     )

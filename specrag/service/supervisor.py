@@ -121,6 +121,10 @@ class SupervisedEngine(Engine):
         return self._any_engine().batched_token_budget
 
     @property
+    def supports_document_kv(self) -> bool:
+        return bool(getattr(self._any_engine(), "supports_document_kv", False))
+
+    @property
     def supervision(self) -> Supervision:
         return self
 

@@ -118,3 +118,18 @@ def test_the_stored_view_follows_stores_and_removals() -> None:
     residency.store(8)
     residency.clear()
     assert 8 not in stored
+
+
+def test_salted_blocks_are_another_cache_than_unsalted_ones() -> None:
+    """A turbo request's blocks (salted: loaded documents) never count for an unsalted prompt."""
+    from specrag.cache.events import BlockStored
+    from specrag.cache.residency import salted_root
+
+    residency = BlockResidency(2, lambda key, stored: None)
+    tokens = (1, 2, 3, 4)
+    residency.apply(BlockStored((11, 12), None, tokens, 2, cache_salt="specrag-turbo"))
+    assert residency.leading_stored(chain_block_keys(tokens, 2)) == 0
+    assert residency.leading_stored(chain_block_keys(tokens, 2, salted_root("specrag-turbo"))) == 2
+    residency.apply(BlockStored((21, 22), None, tokens, 2))
+    assert residency.leading_stored(chain_block_keys(tokens, 2)) == 2
+    assert salted_root("a") == salted_root("a") != salted_root("b")

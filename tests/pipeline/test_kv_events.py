@@ -11,7 +11,7 @@ import zmq.asyncio
 from vllm.distributed import kv_events as vllm_events
 
 from specrag.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from specrag.pipeline.kv_events import KVEventSubscriber
+from specrag.pipeline.kv_events import KVEventSubscriber, convert_event
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -179,3 +179,25 @@ async def test_a_failing_callback_is_counted_and_later_batches_still_arrive(tmp_
 
     subscriber = await without_replay(publisher, on_events, done, count=2)
     assert subscriber.callback_errors == 1 and subscriber.lost == 0 and received == [1, 1]
+
+
+def test_a_chains_cache_salt_is_kept() -> None:
+    """vLLM lists the salt among the first block's extra hash keys; later blocks inherit it."""
+
+    def stored(parent: int | None, extra: list[tuple[object, ...] | None] | None) -> object:
+        return vllm_events.BlockStored(
+            block_hashes=[7],
+            parent_block_hash=parent,
+            token_ids=[1, 2, 3, 4],
+            block_size=4,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            extra_keys=extra,
+        )
+
+    salted = convert_event(stored(None, [("specrag-turbo",)]))
+    assert isinstance(salted, BlockStored) and salted.cache_salt == "specrag-turbo"
+    for event in (stored(None, None), stored(None, [None]), stored(3, [("specrag-turbo",)])):
+        converted = convert_event(event)
+        assert isinstance(converted, BlockStored) and converted.cache_salt is None

@@ -1,0 +1,120 @@
+"""The document KV store: keys, atomic writes, unreadable entries, the byte bound and LRU eviction."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from specrag.errors import ArtifactError, InvalidInputError
+from specrag.pipeline import document_kv
+from specrag.pipeline.document_kv import DocumentKVStore, model_fingerprint, segment_key, store_namespace
+
+
+def entry(tokens: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(2, 2, 3, tokens, 8, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def store(tmp_path: Path, max_bytes: int = 1 << 20) -> DocumentKVStore:
+    return DocumentKVStore(tmp_path, store_namespace("abc123", torch.bfloat16, 32), max_bytes)
+
+
+def test_keys_depend_on_tokens_and_spans() -> None:
+    assert segment_key([1, 2, 3]) == segment_key((1, 2, 3))
+    assert segment_key([1, 2, 3]) != segment_key([1, 2, 4])
+    assert segment_key([1, 2, 3]) != segment_key([1, 2, 3], [[0, 2]])
+    assert store_namespace("abc", torch.float32, 16) == "abc-float32-bs16"
+
+
+def test_round_trip_and_missing(tmp_path: Path) -> None:
+    kv_store = store(tmp_path)
+    key = segment_key([5, 6, 7])
+    assert kv_store.get(key) is None and not kv_store.contains(key)
+    assert kv_store.put(key, entry(7))
+    assert kv_store.contains(key)
+    assert torch.equal(kv_store.get(key), entry(7))  # type: ignore[arg-type]
+
+
+def test_a_failed_write_leaves_no_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write is atomic: a crash mid-write leaves neither a partial entry nor a temporary file."""
+    kv_store = store(tmp_path)
+    key = segment_key([1])
+
+    def crash(fd: int) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk full"):
+        kv_store.put(key, entry(4))
+    monkeypatch.undo()
+    assert not kv_store.contains(key)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_an_unreadable_entry_reads_as_missing_and_goes(tmp_path: Path) -> None:
+    kv_store = store(tmp_path)
+    key = segment_key([9])
+    kv_store.put(key, entry(3))
+    kv_store.path(key).write_bytes(b"not safetensors")
+    assert kv_store.get(key) is None
+    assert not kv_store.contains(key)
+
+
+def test_the_bound_evicts_least_recently_used(tmp_path: Path) -> None:
+    size = len(document_kv_bytes(entry(16)))
+    kv_store = store(tmp_path, max_bytes=3 * size)
+    keys = [segment_key([i]) for i in range(4)]
+    for age, key in enumerate(keys[:3]):
+        kv_store.put(key, entry(16, age))
+        os.utime(kv_store.path(key), (time.time() - 100 + age, time.time() - 100 + age))
+    assert kv_store.get(keys[0]) is not None  # used now: the most recent
+    kv_store.put(keys[3], entry(16, 3))
+    assert [kv_store.contains(key) for key in keys] == [True, False, True, True]
+    assert kv_store.total_bytes() <= kv_store.max_bytes
+
+
+def test_an_entry_larger_than_the_bound_is_not_stored(tmp_path: Path) -> None:
+    kv_store = store(tmp_path, max_bytes=100)
+    assert not kv_store.put(segment_key([1]), entry(16))
+    assert kv_store.total_bytes() == 0
+
+
+def test_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match="positive"):
+        DocumentKVStore(tmp_path, "ns", 0)
+    with pytest.raises(InvalidInputError, match="namespace"):
+        DocumentKVStore(tmp_path, "../up", 10)
+    with pytest.raises(InvalidInputError, match="key"):
+        store(tmp_path).path("../../etc")
+    with pytest.raises(InvalidInputError, match="layers, 2"):
+        store(tmp_path).put(segment_key([1]), torch.zeros(2, 3))
+
+
+def test_model_fingerprint_follows_config_and_weights(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match=r"config\.json"):
+        model_fingerprint(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ArtifactError, match="safetensors"):
+        model_fingerprint(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes((8).to_bytes(8, "little") + b"{}      " + b"\0" * 64)
+    first = model_fingerprint(tmp_path)
+    weights.write_bytes((8).to_bytes(8, "little") + b"{}      " + b"\1" * 64)
+    assert model_fingerprint(tmp_path) != first
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    assert len({first, model_fingerprint(tmp_path)}) == 2
+
+
+def document_kv_bytes(kv: torch.Tensor) -> bytes:
+    from safetensors.torch import save
+
+    return save({"kv": kv.contiguous()})
+
+
+def test_suffix_is_what_entries_use(tmp_path: Path) -> None:
+    kv_store = store(tmp_path)
+    kv_store.put(segment_key([2]), entry(2))
+    assert all(p.name.endswith(document_kv.SUFFIX) for p in tmp_path.rglob("*") if p.is_file())
