@@ -1,13 +1,18 @@
 """The question set of ``bench.quality``: questions whose answers the bundled corpus holds.
 
 The corpus's standard-library passages are docstrings written as ``qualified.name: First
-sentence. …``. Each question quotes one such first sentence and asks which function or class it
-describes; the answer is the name before it. The sentence is in the passage that names it, so
-retrieval can find it and the model can read the answer off the passage; without the passages a
-small model would have to know, from one sentence, which of the thousands of standard-library names
-it documents (``bench.quality`` measures that too: its ``no_documents`` row). Names that appear in
-their own sentence are skipped (they would give the answer away, even inside a word: ``decodes``
-for ``decode``), and so are private names.
+sentence. …`` under the title ``Python standard library: module``. Each question names a function
+or class by its name inside its module (``FTP.sendeprt``, ``SMTPHandler``) and asks which module
+defines it; the answer is the module (``ftplib``, ``logging.handlers``). The passage that documents
+the name says so, so retrieval finds it by the name and the model can read the module off it;
+without the passages a small model has to know where each of thousands of names lives
+(``bench.quality`` measures that too: its ``no_documents`` row). A name defined in more than one
+module of the corpus is skipped (the question would be ambiguous), and so are private names.
+
+An earlier form of the set asked the reverse (which name a quoted docstring sentence documents):
+SmolLM2-135M-Instruct repeated the sentence instead of naming anything, with or without the passages
+(7 of 104 right either way), so it could not tell a configuration that loses accuracy from one
+that does not.
 
 Conversations (the multi-turn set) pair two questions about names of the same module, so their
 passages overlap and de-duplication has documents to drop.
@@ -28,8 +33,8 @@ from dataclasses import asdict, dataclass
 from specrag.retrieval.corpus import Passage
 
 QUESTION_TEMPLATE = (
-    'Which function or class of the Python standard library is documented as "{sentence}"? '
-    "Answer with its name only."
+    "In which module of the Python standard library is the {kind} `{name}` defined? "
+    "Answer with the module name only."
 )
 _DOCSTRING = re.compile(
     r"(?:^|(?<=\s))(?P<name>(?:[A-Za-z_][A-Za-z0-9_]*\.)+(?P<short>[A-Za-z][A-Za-z0-9_]*)): "
@@ -39,7 +44,7 @@ _DOCSTRING = re.compile(
 
 @dataclass(frozen=True)
 class QualityQuestion:
-    """One question, its gold answer (the short name) and where the answer is written."""
+    """One question, its gold answer (the module) and where the answer is written."""
 
     question: str
     answer: str
@@ -57,23 +62,22 @@ class Conversation:
 
 def _candidates(passages: Iterable[Passage]) -> list[QualityQuestion]:
     found: dict[str, QualityQuestion] = {}
+    local_names: dict[str, set[str]] = defaultdict(set)
     for passage in passages:
-        if not passage.id.startswith("doc/"):
+        if not passage.id.startswith("doc/") or ": " not in passage.title:
             continue
+        module = passage.title.split(": ", 1)[1]
         for match in _DOCSTRING.finditer(passage.text):
-            name, short, sentence = match["name"], match["short"], match["sentence"]
-            if short.startswith("_") or len(short) < 4 or short.lower() in sentence.lower():
+            name, short = match["name"], match["short"]
+            if not name.startswith(module + ".") or short.startswith("_") or len(short) < 4:
                 continue
-            if name in found:
-                continue
-            found[name] = QualityQuestion(
-                QUESTION_TEMPLATE.format(sentence=sentence), short, name, passage.id
-            )
-    # One question per sentence: two names documented alike would make the answer ambiguous.
-    by_question: dict[str, list[QualityQuestion]] = defaultdict(list)
-    for question in found.values():
-        by_question[question.question].append(question)
-    return sorted((qs[0] for qs in by_question.values() if len(qs) == 1), key=lambda q: q.qualified_name)
+            local = name[len(module) + 1 :]
+            local_names[local].add(module)
+            kind = "class" if short[0].isupper() else "function"
+            question = QUESTION_TEMPLATE.format(kind=kind, name=local)
+            found.setdefault(name, QualityQuestion(question, module, name, passage.id))
+    unique = (q for q in found.values() if len(local_names[q.qualified_name[len(q.answer) + 1 :]]) == 1)
+    return sorted(unique, key=lambda q: q.qualified_name)
 
 
 def build_questions(passages: Sequence[Passage], count: int, seed: int = 0) -> list[QualityQuestion]:
@@ -83,7 +87,7 @@ def build_questions(passages: Sequence[Passage], count: int, seed: int = 0) -> l
 
 
 def _module(question: QualityQuestion) -> str:
-    return question.qualified_name.rsplit(".", 1)[0].split(".")[0]
+    return question.answer.split(".")[0]
 
 
 def build_conversations(

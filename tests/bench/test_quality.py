@@ -22,8 +22,9 @@ def test_questions_are_reproducible_and_answered_by_their_passage(default_corpus
     texts = {p.id: p.text for p in default_corpus}
     for question in questions:
         assert f"{question.qualified_name}: " in texts[question.passage_id]  # the passage holds the answer
-        assert question.answer.lower() not in question.question.lower()  # the question does not
-        assert question.qualified_name.endswith("." + question.answer)
+        local = question.qualified_name.removeprefix(question.answer + ".")
+        assert f"`{local}`" in question.question  # the question names the function or class ...
+        assert f"{question.answer}." not in question.question  # ... but not its module
 
 
 def test_conversations_pair_two_names_of_one_module(default_corpus: list[Passage]) -> None:
