@@ -51,7 +51,6 @@ from specrag.service.wire import (
     DEFAULT_HEADER_TIMEOUT_S,
     BodyLimits,
     ErrorInfo,
-    JsonErrorRunner,
     handler_args,
     parse_json_object,
     read_body,
@@ -139,9 +138,18 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as error:
         if error.status < 400:
             raise  # a redirect or success is aiohttp's to send
-        return describe_error(error).response()
+        return _error_response(request, describe_error(error))
     except Exception as error:
-        return describe_error(error).response()
+        return _error_response(request, describe_error(error))
+
+
+def _error_response(request: web.Request, info: ErrorInfo) -> web.Response:
+    """The error's response; it closes the connection when the body was refused unread (a
+    Content-Length past the limit): aiohttp would otherwise keep reading it for 10 s."""
+    response = info.response()
+    if not request.content.is_eof():
+        response.force_close()
+    return response
 
 
 @web.middleware
@@ -599,7 +607,7 @@ async def serving(
     Handler cancellation is on so a client that disconnects aborts its query's engine requests.
     ``access_log=False`` keeps a terminal demo's output readable.
     """
-    runner = JsonErrorRunner(
+    runner = web.AppRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=SHUTDOWN_GRACE_S,

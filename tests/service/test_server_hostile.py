@@ -106,6 +106,28 @@ async def test_a_half_sent_request_ends_at_the_read_timeout(service: Service) ->
         assert answer[0] == status and READ_TIMEOUT_S * 0.9 <= time.perf_counter() - started < 5
 
 
+async def test_a_body_announced_past_the_limit_is_refused_at_once(service: Service) -> None:
+    row = next(row for row in BAD_REQUESTS if row.name == "10 GB announced, 1 byte sent")
+    assert row.wire is not None
+    started = time.perf_counter()
+    status, message = await send_wire(service.url, row.wire.replace(b"{token}", TOKEN.encode()), within_s=10)
+    assert (status, "Content-Length is 10000000000" in message) == (413, True)
+    assert time.perf_counter() - started < READ_TIMEOUT_S / 2  # not after the body timeout's 408
+
+
+async def test_malformed_http_is_logged_as_one_info_line(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    row = next(row for row in BAD_REQUESTS if row.name == "bad chunk size")
+    assert row.wire is not None
+    assert (await send_wire(service.url, row.wire))[0] == 400
+    lines = [(r.levelno, r.getMessage(), r.exc_info) for r in caplog.records if "malformed" in r.getMessage()]
+    assert lines == [
+        (logging.INFO, "malformed HTTP request from 127.0.0.1: Invalid character in chunk size", None)
+    ]
+
+
 async def test_one_client_cannot_evict_another_clients_session(service: Service) -> None:
     async with http("127.0.0.2") as other, other.post(f"{service.url}/v1/sessions") as response:
         assert response.status == 201
