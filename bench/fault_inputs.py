@@ -198,7 +198,18 @@ BAD_REQUESTS: tuple[BadRequest, ...] = (
     _field("chat seed negative", "seed", -1, "seed must be an integer between 0"),
     _field("chat seed is a float", "seed", 1.5, "'seed' must be an integer, got float"),
     _field("chat presence penalty", "presence_penalty", 1, "'presence_penalty' is not"),
-    _field("chat tools", "tools", [], "unsupported fields: tools"),
+    _field("chat tools", "tools", [], "'tools' is not supported"),
+    _field("chat json schema", "response_format", {"type": "json_schema"}, "'response_format' is not"),
+    _field("chat model is a number", "model", 4, "'model' must be a string, got int"),
+    _field("chat include_usage yes", "stream_options", {"include_usage": "yes"}, "'include_usage' must"),
+    _field("chat stream_options unknown", "stream_options", {"x": 1}, "unsupported stream_options: x"),
+    _field("chat unknown field null", "frobnicate", None, "unsupported fields: frobnicate"),
+    _chat(
+        "chat max_tokens abc beside max_completion_tokens",
+        {"messages": USER, "max_completion_tokens": 8, "max_tokens": "abc"},
+        400,
+        "'max_tokens' must be an integer, got str",
+    ),
     BadRequest("unknown model", "/v1/models/gpt-4o", 404, "unknown model 'gpt-4o'", method="GET"),
     # What an HTTP client library would not send. aiohttp's parser answers these itself, in plain
     # text (specrag.service.wire); only its log line is specrag's.

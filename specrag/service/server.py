@@ -25,6 +25,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar, cast
 
@@ -66,20 +67,43 @@ SHUTDOWN_GRACE_S = 5.0
 ENGINE_RETRY_AFTER_S = 5.0
 OPEN_PATHS = frozenset({"/health"})
 RAG_FIELDS = frozenset({"query", "k", "mode", "max_tokens", "session_id", "stream"})
-# The OpenAI chat fields honoured (README: "Sampling fields"), and those accepted at their neutral
-# value only; any other field is refused rather than silently ignored.
-CHAT_FIELDS = frozenset(
-    {
-        *("model", "messages", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens"),
-        *("temperature", "top_p", "seed", "stop", "k", "mode", "session_id"),
-    }
-)
+# The OpenAI chat fields honoured (README: "Sampling fields") and the JSON type each must have,
+# whatever else the body holds; ``float`` takes any number. ``stop`` and ``messages`` are checked
+# by their own code.
+CHAT_FIELDS: dict[str, type] = {
+    "model": str,
+    "user": str,
+    "stream": bool,
+    "stream_options": dict,
+    "max_tokens": int,
+    "max_completion_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "seed": int,
+    "k": int,
+    "mode": str,
+    "session_id": str,
+}
+# Fields accepted at their neutral value only (the type of the value, the value).
 CHAT_NEUTRAL_FIELDS: dict[str, tuple[type, Any]] = {
     "n": (int, 1),
     "logprobs": (bool, False),
     "presence_penalty": (float, 0),
     "frequency_penalty": (float, 0),
+    "store": (bool, False),
+    "response_format": (dict, {"type": "text"}),
 }
+# OpenAI's other chat fields: what they ask for (tool calls, structured output, audio, token
+# biases, ...) this service cannot do, so setting one is a 400 naming it. Sent as null, these and
+# every other optional field are absent, as OpenAI reads them (some client libraries send nulls).
+CHAT_UNHONOURED_FIELDS = frozenset(
+    {
+        *("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias"),
+        *("top_logprobs", "audio", "modalities", "prediction", "web_search_options", "metadata"),
+        *("reasoning_effort", "verbosity", "service_tier", "prompt_cache_key", "safety_identifier"),
+    }
+)
+STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
@@ -173,7 +197,7 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     return parse_json_object(await read_body(request, request.app[STATE].limits))
 
 
-def _check_fields(body: dict[str, Any], known: frozenset[str], what: str) -> None:
+def _check_fields(body: dict[str, Any], known: AbstractSet[str], what: str) -> None:
     """400 naming the fields not in ``known`` (at most ten of them, each cut short)."""
     unknown = sorted(set(body) - known)
     if unknown:
@@ -222,22 +246,33 @@ def _rag_request(body: dict[str, Any], question: str, max_tokens: int | None) ->
     )
 
 
-def _chat_request(body: dict[str, Any], question: str) -> RagRequest:
-    """A chat body's request: the shared options and the sampling fields (README: "Sampling fields")."""
-    _check_fields(body, CHAT_FIELDS | CHAT_NEUTRAL_FIELDS.keys(), "unsupported fields")
+def _chat_request(body: dict[str, Any]) -> RagRequest:
+    """A chat body's request: the shared options and the sampling fields (README: "Sampling fields").
+
+    Every field present is checked on its own, so that no field's presence hides another's
+    mistake; a field set to null is absent.
+    """
+    known = CHAT_FIELDS.keys() | CHAT_NEUTRAL_FIELDS.keys() | CHAT_UNHONOURED_FIELDS | {"messages", "stop"}
+    _check_fields(body, known, "unsupported fields")
+    for name in sorted(CHAT_UNHONOURED_FIELDS & body.keys()):
+        if body[name] is not None:
+            raise InvalidInputError(
+                f"'{name}' is not supported: specrag answers from the documents it retrieves"
+            )
+    for name, kind in CHAT_FIELDS.items():
+        _optional(body, name, kind)
     for name, (kind, neutral) in CHAT_NEUTRAL_FIELDS.items():
         value = _optional(body, name, kind)
         if value is not None and value != neutral:
             raise InvalidInputError(f"'{name}' is not supported: only {json.dumps(neutral)} is accepted")
-    _optional(body, "model", str)
-    _optional(body, "user", str)
-    _optional(body, "stream_options", dict)  # usage is always in the last chunk
-    max_tokens = _optional(body, "max_completion_tokens", int)
-    if max_tokens is None:
-        max_tokens = _optional(body, "max_tokens", int)
+    _include_usage(body)
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str | list):
         raise InvalidInputError(f"'stop' must be a string or a list of strings, got {type(stop).__name__}")
+    question = _last_user_message(_required(body, "messages", list))
+    max_tokens = _optional(body, "max_completion_tokens", int)  # OpenAI's name now; max_tokens before
+    if max_tokens is None:
+        max_tokens = _optional(body, "max_tokens", int)
     return replace(
         _rag_request(body, question, max_tokens),
         temperature=_optional(body, "temperature", float),
@@ -245,6 +280,13 @@ def _chat_request(body: dict[str, Any], question: str) -> RagRequest:
         seed=_optional(body, "seed", int),
         stop=stop,
     )
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    """``stream_options.include_usage``: whether a streamed answer ends with OpenAI's usage chunk."""
+    options = _optional(body, "stream_options", dict) or {}
+    _check_fields(options, STREAM_OPTIONS, "unsupported stream_options")
+    return bool(_optional(options, "include_usage", bool))
 
 
 def _last_user_message(messages: list[Any]) -> str:
@@ -400,9 +442,14 @@ def _usage(done: AnswerDone, completion_tokens: int) -> dict[str, Any]:
 
 
 class _ChatFraming:
-    """OpenAI ``chat.completion.chunk`` lines; the last chunk carries usage and the timeline."""
+    """OpenAI ``chat.completion.chunk`` lines; the last chunk carries usage and the timeline.
 
-    def __init__(self, completion_id: str, model: str) -> None:
+    With ``stream_options.include_usage`` the last chunk is OpenAI's: empty ``choices``, after the
+    chunk with the finish reason; without it usage rides on that chunk (a client that reads
+    ``choices[0]`` of every chunk would fail on an empty list it did not ask for).
+    """
+
+    def __init__(self, completion_id: str, model: str, usage_chunk: bool = False) -> None:
         self._head = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -410,6 +457,7 @@ class _ChatFraming:
             "model": model,
         }
         self._role_sent = False
+        self._usage_chunk = usage_chunk
 
     def _chunk(self, delta: dict[str, str], finish_reason: str | None = None, **extra: Any) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -423,12 +471,12 @@ class _ChatFraming:
         return self._chunk(content)
 
     def done(self, done: AnswerDone, completion_tokens: int) -> bytes:
-        last = self._chunk(
-            {},
-            done.finish_reason or "stop",
-            usage=_usage(done, completion_tokens),
-            specrag=done.timeline.to_dict(),
-        )
+        end = {"usage": _usage(done, completion_tokens), "specrag": done.timeline.to_dict()}
+        finish_reason = done.finish_reason or "stop"
+        if self._usage_chunk:
+            last = self._chunk({}, finish_reason) + _sse({**self._head, "choices": [], **end})
+        else:
+            last = self._chunk({}, finish_reason, **end)
         return last + _sse("[DONE]")
 
     def error(self, info: ErrorInfo) -> bytes:
@@ -484,10 +532,11 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     """OpenAI chat completions: RAG on the last user message, with the sampling fields the README lists."""
     state = request.app[STATE]
     body = await _json_object(request)
-    rag = _chat_request(body, _last_user_message(_required(body, "messages", list)))
+    rag = _chat_request(body)
     completion_id = f"chatcmpl-{rag.request_id}"
     if _optional(body, "stream", bool):
-        return await _stream(request, state, rag, _ChatFraming(completion_id, state.model_name))
+        framing = _ChatFraming(completion_id, state.model_name, _include_usage(body))
+        return await _stream(request, state, rag, framing)
     done, completion_tokens = await _collect(state, rag, _client_key(request))
     choice = {
         "index": 0,

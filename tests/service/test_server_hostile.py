@@ -191,6 +191,31 @@ async def test_chat_sampling_fields_reach_the_engine_and_stop_ends_the_answer(se
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_optional_chat_fields_sent_as_null_are_absent(service: Service) -> None:
+    nulls = dict.fromkeys(("audio", "response_format", "tools", "tool_choice", "n", "logprobs", "stop"))
+    async with http() as client:
+        answer = await chat(client, service.url, max_completion_tokens=3, max_tokens=None, **nulls)
+    assert answer["usage"]["completion_tokens"] == 3  # type: ignore[index]
+
+
+async def test_include_usage_ends_the_stream_with_openais_usage_chunk(service: Service) -> None:
+    body = {"messages": USER, "k": 4, "max_tokens": 3, "stream": True}
+    async with http() as client:
+        for options, usage_alone in (({"include_usage": True}, True), ({}, False)):
+            async with client.post(
+                f"{service.url}/v1/chat/completions", json={**body, "stream_options": options}
+            ) as response:
+                events = sse_events(await response.text())
+            assert events[-1] == ("message", "[DONE]")
+            *chunks, last = [json.loads(data) for _, data in events[:-1]]
+            if usage_alone:  # OpenAI's shape: the finish reason, then a chunk of usage alone
+                assert last["choices"] == [] and chunks[-1]["choices"][0]["finish_reason"] == "length"
+            else:
+                assert last["choices"][0]["finish_reason"] == "length"
+            assert last["usage"]["completion_tokens"] == 3 and "specrag" in last
+            assert all("usage" not in chunk for chunk in chunks)
+
+
 async def test_the_model_list_names_the_served_model(service: Service) -> None:
     async with http() as client:
         async with client.get(f"{service.url}/v1/models") as response:
