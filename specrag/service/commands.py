@@ -105,6 +105,23 @@ def _api_token(variable: str | None) -> str | None:
     return token
 
 
+def _api_tokens(path: str | None) -> tuple[str, ...]:
+    """The tokens of ``--api-tokens-file``: one a line, one per client (blank lines and lines
+    starting with # skipped)."""
+    if path is None:
+        return ()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InvalidInputError(f"--api-tokens-file: cannot read {path}: {error}") from None
+    tokens = tuple(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    if not tokens:
+        raise InvalidInputError(f"--api-tokens-file: {path} holds no token")
+    if len(set(tokens)) < len(tokens):
+        raise InvalidInputError(f"--api-tokens-file: {path} holds a token twice; give each client its own")
+    return tokens
+
+
 # The controller setting behind each ``serve`` flag, so that an error names the flag the user typed.
 _FLAG_OF_SETTING = {
     "num_stages": "--stages",
@@ -142,6 +159,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_queries < 1 or args.max_queries_per_client < 1:
         raise InvalidInputError("--max-queries and --max-queries-per-client must be at least 1")
     token = _api_token(args.api_token_env)
+    tokens = _api_tokens(args.api_tokens_file)
+    if token is not None and token in tokens:
+        raise InvalidInputError("--api-token-env: that token is also in --api-tokens-file")
     config = _controller_config(args)
     options = ServiceOptions(
         controller=config,
@@ -149,6 +169,8 @@ def _serve(args: argparse.Namespace) -> int:
         engine_kv_events=tuple(args.engine_kv_events or ()),
         eager=args.eager,
         api_token=token,
+        api_tokens=tokens,
+        trust_forwarded_for=args.trust_forwarded_for,
         max_queries=args.max_queries,
         max_queries_per_client=args.max_queries_per_client,
         ray_address=args.ray,
@@ -225,7 +247,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
     serve.add_argument("--mode", choices=MODE_NAMES, default="all", help="default optimisation mode")
-    serve.add_argument("--api-token-env", metavar="VAR", help="require the bearer token held in $VAR")
+    clients = serve.add_argument_group(
+        "clients (who the per-client limits count: queries in flight, sessions)"
+    )
+    clients.add_argument("--api-token-env", metavar="VAR", help="require the bearer token held in $VAR")
+    clients.add_argument(
+        "--api-tokens-file",
+        metavar="FILE",
+        help="accept the bearer tokens in FILE, one a line, one per client: the token then tells "
+        "clients apart (else the address does)",
+    )
+    clients.add_argument(
+        "--trust-forwarded-for",
+        action="store_true",
+        help="tell clients apart by the address in X-Forwarded-For (the last one: only behind a "
+        "proxy that sets it)",
+    )
     serve.add_argument(
         "--max-prefill-bs", type=int, help="prefill pool size (default: from the token budget)"
     )
@@ -302,7 +339,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--max-queries-per-client",
         type=int,
         default=DEFAULT_MAX_QUERIES_PER_CLIENT,
-        help="queries in flight from one client address (default %(default)s)",
+        help="queries in flight from one client (default %(default)s)",
     )
     limits.add_argument(
         "--max-queue",

@@ -11,7 +11,10 @@ Design points, each for a reason:
 - Errors are JSON ``{"error": {"message", "type", "code"}}``; an unexpected exception is logged
   here and answered with a generic 500, never a stack trace. How requests are read off the wire
   (bodies, JSON, timeouts, what the HTTP parser rejects) is :mod:`specrag.service.wire`'s.
-- The API token is compared in constant time; ``/health`` stays open for load balancers.
+- API tokens are compared in constant time; ``/health`` stays open for load balancers. With
+  several tokens, one per client, the token tells clients apart (behind a proxy or on one host
+  they share an address); without, the peer address does, or the address a trusted proxy says
+  it forwarded for. Per-client limits (queries in flight, sessions) count by that key.
 - The service talks to the query core only through :class:`~specrag.controller.facade.QueryCore`
   (answer, load, health, sessions); a request is checked once, before admission, and the checked
   request is what runs.
@@ -24,7 +27,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar, cast
@@ -115,7 +118,9 @@ class ServiceState:
 
     core: QueryCore
     metrics: ServiceMetrics
-    api_token: str | None
+    tokens: tuple[str, ...]
+    """The bearer tokens accepted (none: no authentication); token ``i`` is client ``token i+1``."""
+    trust_forwarded_for: bool
     model_name: str
     max_queries: int
     max_queries_per_client: int
@@ -126,6 +131,7 @@ class ServiceState:
 
 
 STATE = web.AppKey("specrag_state", ServiceState)
+CLIENT = web.RequestKey("specrag_client", str)  # the client a request's token names
 
 
 # ---------------------------------------------------------------------------------------- errors
@@ -178,13 +184,17 @@ def _error_response(request: web.Request, info: ErrorInfo) -> web.Response:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    token = request.app[STATE].api_token
-    if token is not None and request.path not in OPEN_PATHS:
+    tokens = request.app[STATE].tokens
+    if tokens and request.path not in OPEN_PATHS:
         scheme, _, provided = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(provided.strip().encode(), token.encode()):
+        # Every token compared, in constant time each: the time taken says nothing of which matched.
+        matches = [hmac.compare_digest(provided.strip().encode(), token.encode()) for token in tokens]
+        if scheme.lower() != "bearer" or not any(matches):
             return ErrorInfo(
                 401, "missing or wrong bearer token", "authentication_error", "invalid_api_key"
             ).response()
+        if len(tokens) > 1:
+            request[CLIENT] = f"token {matches.index(True) + 1}"
     return await handler(request)
 
 
@@ -314,7 +324,18 @@ def _last_user_message(messages: list[Any]) -> str:
 
 
 def _client_key(request: web.Request) -> str:
-    """Who a query counts against for the per-client limit: the peer address."""
+    """Who a request counts against for the per-client limits: its bearer token when each client
+    has its own, else its address: the peer's, or with ``trust_forwarded_for`` the last one in
+    ``X-Forwarded-For`` (the address the trusted proxy itself saw; those before it are the
+    client's word)."""
+    client: str | None = request.get(CLIENT)
+    if client is not None:
+        return client
+    if request.app[STATE].trust_forwarded_for:
+        forwarded = request.headers.getall("X-Forwarded-For", [])
+        hops = [hop.strip() for header in forwarded for hop in header.split(",") if hop.strip()]
+        if hops:
+            return hops[-1][:ECHO_LIMIT]
     return request.remote or "unknown"
 
 
@@ -594,6 +615,8 @@ def create_app(
     core: QueryCore,
     *,
     api_token: str | None = None,
+    api_tokens: Sequence[str] = (),
+    trust_forwarded_for: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_name: str = "specrag",
     max_queries: int = DEFAULT_MAX_QUERIES,
@@ -604,13 +627,19 @@ def create_app(
 ) -> web.Application:
     """The service for one query core (a :class:`~specrag.controller.controller.RagController`).
 
-    ``max_queries`` bounds concurrent queries, ``max_queries_per_client`` those of one peer
-    address: beyond either the answer is 429 with Retry-After, never an unbounded queue.
+    ``api_token`` or ``api_tokens`` (several: one per client, the token then telling clients
+    apart) are the bearer tokens accepted; none, no authentication. ``trust_forwarded_for``
+    counts a request against the address in ``X-Forwarded-For`` (only behind a proxy that sets
+    it). ``max_queries`` bounds concurrent queries, ``max_queries_per_client`` those of one
+    client: beyond either the answer is 429 with Retry-After, never an unbounded queue.
     ``header_timeout_s`` bounds the wait for a request's headers (and an idle keep-alive
     connection), ``body_timeout_s`` the wait for its body.
     """
     if api_token is not None and not api_token:
         raise InvalidInputError("the API token must not be empty (pass None to disable it)")
+    tokens = (*([api_token] if api_token is not None else []), *api_tokens)
+    if not all(token and isinstance(token, str) for token in tokens) or len(set(tokens)) < len(tokens):
+        raise InvalidInputError("the API tokens must be non-empty strings, each given once")
     if max_body_bytes < 1 or max_queries < 1 or max_queries_per_client < 1:
         raise InvalidInputError("max_body_bytes, max_queries and max_queries_per_client must be positive")
     if not (header_timeout_s > 0 and body_timeout_s > 0):  # written so that NaN fails too
@@ -618,7 +647,8 @@ def create_app(
     state = ServiceState(
         core,
         metrics or ServiceMetrics(),
-        api_token,
+        tokens,
+        trust_forwarded_for,
         model_name,
         max_queries,
         max_queries_per_client,

@@ -251,3 +251,64 @@ async def test_the_warm_up_counter_is_the_controllers_record(tiny_assets: Assets
     assert metric(before, "specrag_warmups_total", outcome="started") == 1
     assert metric(before, "specrag_warmups_total", outcome="succeeded") == 0
     assert metric(after, "specrag_warmups_total", outcome="succeeded") == 1
+
+
+TOKENS = ("token-of-alice", "token-of-bob", "token-of-carol")
+
+
+def as_client(token: str, **headers: str) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        headers={"Authorization": f"Bearer {token}", **headers}, timeout=aiohttp.ClientTimeout(total=30)
+    )
+
+
+async def test_clients_are_told_apart_by_token_and_a_flood_evicts_only_its_own(tiny_assets: Assets) -> None:
+    """Three tokens from one address: Bob's flood replaces Bob's sessions only, and past the
+    global bound Carol gets a 429 with Retry-After rather than Alice losing her conversation."""
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, max_sessions=4, max_sessions_per_client=3)
+    try:
+        async with serving(create_app(controller, api_tokens=TOKENS), access_log=False) as url:
+            async with as_client(TOKENS[0]) as alice, alice.post(f"{url}/v1/sessions") as response:
+                assert response.status == 201
+                kept = (await response.json())["session_id"]
+            async with as_client(TOKENS[1]) as bob:
+                for _ in range(200):
+                    async with bob.post(f"{url}/v1/sessions") as response:
+                        assert response.status == 201
+            store = controller.sessions
+            assert (store.owned_by("token 1"), store.owned_by("token 2"), len(store)) == (1, 3, 4)
+            async with as_client(TOKENS[2]) as carol, carol.post(f"{url}/v1/sessions") as response:
+                assert response.status == 429 and int(response.headers["Retry-After"]) > 3000
+                assert "4 sessions are open" in (await response.json())["error"]["message"]
+            async with as_client(TOKENS[0]) as alice:
+                body = {"query": QUESTION, "k": 4, "max_tokens": 2, "session_id": kept}
+                async with alice.post(f"{url}/v1/rag", json=body) as response:
+                    assert response.status == 200
+            async with aiohttp.ClientSession() as anonymous, anonymous.post(f"{url}/v1/sessions") as response:
+                assert response.status == 401
+    finally:
+        await controller.close()
+        await engine.close()
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+async def test_a_trusted_proxys_forwarded_address_tells_clients_apart(
+    tiny_assets: Assets, trusted: bool
+) -> None:
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets)
+    try:
+        app = create_app(controller, trust_forwarded_for=trusted)
+        async with serving(app, access_log=False) as url:
+            for forwarded in ("203.0.113.9, 10.0.0.1", "10.0.0.2", "10.0.0.2"):
+                async with (
+                    aiohttp.ClientSession(headers={"X-Forwarded-For": forwarded}) as client,
+                    client.post(f"{url}/v1/sessions") as response,
+                ):
+                    assert response.status == 201
+    finally:
+        await controller.close()
+        await engine.close()
+    owners = [controller.sessions.owned_by(owner) for owner in ("10.0.0.1", "10.0.0.2", "127.0.0.1")]
+    assert owners == ([1, 2, 0] if trusted else [0, 0, 3])
