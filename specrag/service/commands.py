@@ -10,7 +10,7 @@ import re
 import shutil
 import signal
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -27,6 +27,7 @@ from specrag.retrieval.stages import DEFAULT_STAGES, SCHEDULES
 from specrag.service.assembly import ServiceOptions, open_pool_service, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
+from specrag.service.engine_log import engine_output_to
 from specrag.service.server import (
     DEFAULT_MAX_QUERIES,
     DEFAULT_MAX_QUERIES_PER_CLIENT,
@@ -82,6 +83,19 @@ async def _service(
             yield service
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _engine_log(args: argparse.Namespace) -> Iterator[None]:
+    """Unless ``-v``: vLLM's and the libraries' output into ``DATA_DIR/run/COMMAND-PID.log``, the
+    terminal left to specrag's own lines (see engine_log.py); the first line says where it went."""
+    if args.verbose:
+        yield
+        return
+    log_file = _paths(args)[0].root / "run" / f"{args.command}-{os.getpid()}.log"
+    print(f"engine and library logs: {log_file} (-v shows them here)", flush=True)
+    with engine_output_to(log_file):
+        yield
 
 
 def _starting(assets: Assets, options: ServiceOptions) -> str:
@@ -179,7 +193,6 @@ def _serve(args: argparse.Namespace) -> int:
         engine_cpus=args.engine_cpus,
         search_cpus=args.search_cpus,
     )
-    assets = _assets(args)
 
     async def main() -> None:
         async with _service(args, assets, options) as service:
@@ -203,7 +216,9 @@ def _serve(args: argparse.Namespace) -> int:
                     flush=True,
                 )
 
-    asyncio.run(main())
+    with _engine_log(args):
+        assets = _assets(args)
+        asyncio.run(main())
     return 0
 
 
@@ -212,7 +227,6 @@ def _demo(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"-k must be between 1 and {MAX_K}, got {args.k}")
     if args.max_tokens < 1:
         raise InvalidInputError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    assets = _assets(args)
 
     async def main() -> None:
         async with (
@@ -224,7 +238,9 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"service on {url}{noise}", flush=True)
             await run_demo(client, args.question or DEMO_QUESTIONS, args.k, args.max_tokens)
 
-    asyncio.run(main())
+    with _engine_log(args):
+        assets = _assets(args)
+        asyncio.run(main())
     return 0
 
 
