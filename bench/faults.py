@@ -22,7 +22,10 @@ waiting or unfinished in the engine's own counts, or still held by the controlle
 service settled.
 
 Output: bench/out/faults.json, faults.png (request outcomes over time around the faults, recovery
-times), a table on the terminal and, as the last line, a JSON summary. Every engine-core process
+times), a table on the terminal and, as the last line, a JSON summary. The summary is printed
+whatever happens, also when a scenario fails, the engine does not come back or the run is
+interrupted: ``failure`` then names the scenario and the error, ``checks`` says which checks held,
+and the exit status is 0 only when every one held and nothing failed. Every engine-core process
 is gone at the end, a stopped one included, even when the run fails.
 """
 
@@ -36,8 +39,10 @@ import multiprocessing
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
@@ -103,9 +108,15 @@ class Run:
     bad_inputs: list[dict[str, Any]] = field(default_factory=list)
     overload: dict[str, Any] = field(default_factory=dict)
     leaks: dict[str, Any] = field(default_factory=dict)
+    step: str = "starting the service"
+    """The scenario under way: what a failure happened in."""
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
+
+    def begin(self, step: str) -> None:
+        self.step = step
+        print(step, flush=True)
 
 
 # ---------------------------------------------------------------------------------------- engine core
@@ -368,7 +379,7 @@ async def real_service(assets: Assets, run_dir: Path) -> AsyncIterator[tuple[Ser
         yield service, url
 
 
-async def run_all(args: argparse.Namespace, run: Run, stopped: set[int]) -> dict[str, Any]:
+async def run_all(args: argparse.Namespace, run: Run, stopped: set[int]) -> None:
     assets = ensure_assets(DataLayout(resolve_data_dir()), RANDOM_MODEL_NAME)
     with tempfile.TemporaryDirectory(prefix="specrag-faults-") as run_dir:
         started = time.perf_counter()
@@ -377,20 +388,21 @@ async def run_all(args: argparse.Namespace, run: Run, stopped: set[int]) -> dict
             health_stop = asyncio.Event()
             health = asyncio.create_task(watch_health(url, run, health_stop))
             async with AsyncClient(url, api_token=TOKEN, timeout_s=ERROR_BOUND_S) as client:
+                run.step = "the first query"
                 await client.rag(QUESTION, k=4, max_tokens=4)  # warm: compile paths, fill the cache
-                print("(e) bad inputs", flush=True)
+                run.begin("(e) bad inputs")
                 await bad_inputs(url, run)
-                print("(c) overload", flush=True)
+                run.begin("(c) overload")
                 await overload(service, url, client, run, burst=args.burst)
-                print("(d) disconnects", flush=True)
+                run.begin("(d) disconnects")
                 await disconnects(url, client, run, args.disconnects)
                 await settle(service, run)
                 disconnect_leaks = dict(run.leaks)
-                print(f"(f) soak with disconnects for {args.soak_s:.0f} s", flush=True)
+                run.begin(f"(f) soak with disconnects for {args.soak_s:.0f} s")
                 await soak(url, client, run, args.soak_s, args.clients)
                 await settle(service, run)
                 soak_leaks = dict(run.leaks)
-                print("(a) kill the engine core", flush=True)
+                run.begin("(a) kill the engine core")
                 await fault_scenario(
                     "kill", lambda pid: os.kill(pid, signal.SIGKILL), service, client, run, args.clients
                 )
@@ -399,18 +411,24 @@ async def run_all(args: argparse.Namespace, run: Run, stopped: set[int]) -> dict
                     stopped.add(pid)
                     os.kill(pid, signal.SIGSTOP)
 
-                print("(b) hang the engine core", flush=True)
+                run.begin("(b) hang the engine core")
                 await fault_scenario("hang", hang, service, client, run, args.clients)
                 await settle(service, run)
                 run.leaks["after_disconnects"] = disconnect_leaks
                 run.leaks["after_soak"] = soak_leaks
+            run.begin("stopping the service")
             health_stop.set()
             await health
-    return summarize(run, kill_leftover(stopped))
 
 
 ENGINE_ERROR_STATUSES = (502, 503, 504)
 """The documented engine errors: 502 the engine failed, 503 it is recovering, 504 no first token."""
+
+
+FAULTS = ("kill", "hang")
+OVERLOAD_LIMITS = ("max_queue", "max_queries", "max_queries_per_client")
+# The settles recorded beside the last one (run.leaks itself).
+_SETTLED = ("after_disconnects", "after_soak")
 
 
 def is_server_error(status: int) -> bool:
@@ -418,33 +436,49 @@ def is_server_error(status: int) -> bool:
     return 500 <= status < 600 and status not in ENGINE_ERROR_STATUSES
 
 
-def summarize(run: Run, leftover_processes: int) -> dict[str, Any]:
+def summarize(run: Run, leftover_processes: int, failure: str | None = None) -> dict[str, Any]:
+    """What the run measured, which checks held, and ``failure`` (what stopped it, or None).
+
+    Everything is read as measured so far, so that a run that failed half way still says what
+    it saw; a check whose scenario never ran does not hold.
+    """
     statuses = Counter(outcome.status for outcome in run.outcomes)
     fault_errors = [o for o in run.outcomes if o.scenario in ("kill", "hang") and o.status != 200]
     soaked = [o for o in run.outcomes if o.scenario.startswith("soak")]
+    settled = [leaks for leaks in (run.leaks, *(run.leaks.get(when) for when in _SETTLED)) if leaks]
+    leaked = sum(leaks["leaked"] for leaks in settled)
+    server_errors = sum(count for status, count in statuses.items() if is_server_error(status))
+    bad_wrong = sum(1 for row in run.bad_inputs if not row["ok"])
+    checks = {
+        "every_bad_input_got_its_4xx": len(run.bad_inputs) == len(BAD_REQUESTS) and bad_wrong == 0,
+        "overload_got_429_with_retry_after": len(run.overload) == len(OVERLOAD_LIMITS)
+        and all(report["rejected_without_retry_after"] == 0 for report in run.overload.values()),
+        "no_server_errors_5xx": server_errors == 0,
+        "no_crashes": run.health_failures == 0,
+        "no_leaks": len(settled) == 1 + len(_SETTLED) and leaked == 0,
+        "engine_recovered_from_every_fault": sorted(run.recoveries) == sorted(FAULTS),
+        "no_leftover_engine_processes": leftover_processes == 0,
+    }
     return {
+        "ok": failure is None and all(checks.values()),
+        "failure": failure,
+        "checks": checks,
         "requests": len(run.outcomes),
         "statuses": {str(status): count for status, count in sorted(statuses.items())},
         "faults_injected": len(run.faults),
         "bad_inputs_tried": len(run.bad_inputs),
-        "bad_inputs_wrong_status": sum(1 for row in run.bad_inputs if not row["ok"]),
-        "server_errors_5xx": sum(
-            count
-            for status, count in statuses.items()
-            if 500 <= status < 600 and status not in ENGINE_ERROR_STATUSES
-        ),
+        "bad_inputs_wrong_status": bad_wrong,
+        "server_errors_5xx": server_errors,
         "engine_errors_returned": sum(statuses[status] for status in ENGINE_ERROR_STATUSES),
         "connection_errors": statuses[0],
         "overloaded_429": statuses[429],
         "max_fault_error_latency_s": max((o.latency_s for o in fault_errors), default=0.0),
         "crashes": run.health_failures,
-        "leaked_engine_requests": sum(
-            leaks["leaked"] for leaks in (run.leaks, run.leaks["after_disconnects"], run.leaks["after_soak"])
-        ),
+        "leaked_engine_requests": leaked,
         "soak_requests": len(soaked),
         "soak_disconnects": sum(o.status == CLIENT_LEFT for o in soaked),
         "soak_statuses": {str(k): v for k, v in sorted(Counter(o.status for o in soaked).items())},
-        "soak_leaked": run.leaks["after_soak"]["leaked"],
+        "soak_leaked": run.leaks.get("after_soak", {}).get("leaked"),
         "max_recovery_s": max(run.recoveries.values(), default=None),
         "recovery_s": run.recoveries,
         "admitted_p99_s": {label: r["admitted_p99_s"] for label, r in run.overload.items()},
@@ -503,6 +537,10 @@ def print_table(summary: dict[str, Any], run: Run) -> None:
         f"{'5xx (not engine errors)':<12}{summary['server_errors_5xx']}   crashes {summary['crashes']}   "
         f"leaked {summary['leaked_engine_requests']}   bad inputs wrong {summary['bad_inputs_wrong_status']}"
     )
+    failed = [name for name, held in summary["checks"].items() if not held]
+    print(f"checks not held: {', '.join(failed)}" if failed else "every check held")
+    if summary["failure"]:
+        print(f"the run failed in {summary['failure']}")
 
 
 def main() -> None:
@@ -519,30 +557,52 @@ def main() -> None:
         args.soak_s = 60.0 if args.quick else 600.0
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     run = Run()
+    sys.exit(0 if report(run, run_and_name_failure(args, run), args.quick) else 1)
+
+
+def run_and_name_failure(args: argparse.Namespace, run: Run) -> dict[str, Any]:
+    """Run every scenario; the summary, with the failure that stopped the run (if one did)."""
     stopped: set[int] = set()
+    failure = None
     try:
         stop_cleanly_on_sigterm()
-        summary = asyncio.run(run_all(args, run, stopped))
+        asyncio.run(run_all(args, run, stopped))
+    except (Exception, KeyboardInterrupt) as error:  # said in the summary: the run must end saying it
+        failure = f"{run.step}: {type(error).__name__}: {error}"
+        traceback.print_exc()
     finally:
-        kill_leftover(stopped)  # even on error: nothing may stay stopped or orphaned
+        leftover = kill_leftover(stopped)  # even on error: nothing may stay stopped or orphaned
+    summary = summarize(run, leftover, failure)
     summary["wall_s"] = round(run.now(), 1)
-    write_json(
-        "faults",
-        {
-            "summary": summary,
-            "machine": machine(),
-            "quick": args.quick,
-            "first_token_timeout_s": FIRST_TOKEN_TIMEOUT_S,
-            "faults": run.faults,
-            "overload": run.overload,
-            "bad_inputs": run.bad_inputs,
-            "leaks": run.leaks,
-            "outcomes": [asdict(o) for o in run.outcomes],
-        },
-    )
-    plot(run, plot_path("faults"))
-    print_table(summary, run)
-    print(json.dumps(summary, sort_keys=True))
+    return summary
+
+
+def report(run: Run, summary: dict[str, Any], quick: bool) -> bool:
+    """Write the JSON and the figure, print the table and, last, the summary line; whether the run
+    held. A report that cannot be written is a failure too, but the summary line is printed."""
+    try:
+        write_json(
+            "faults",
+            {
+                "summary": summary,
+                "machine": machine(),
+                "quick": quick,
+                "first_token_timeout_s": FIRST_TOKEN_TIMEOUT_S,
+                "faults": run.faults,
+                "overload": run.overload,
+                "bad_inputs": run.bad_inputs,
+                "leaks": run.leaks,
+                "outcomes": [asdict(o) for o in run.outcomes],
+            },
+        )
+        plot(run, plot_path("faults"))
+        print_table(summary, run)
+    except Exception as error:
+        traceback.print_exc()
+        summary["failure"] = summary["failure"] or f"writing the report: {type(error).__name__}: {error}"
+        summary["ok"] = False
+    print(json.dumps(summary, sort_keys=True), flush=True)
+    return bool(summary["ok"])
 
 
 if __name__ == "__main__":

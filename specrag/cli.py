@@ -25,7 +25,12 @@ COMMAND_MODULES = (
 
 
 class _HelpFormatter(argparse.HelpFormatter):
-    """Shows each option's default in ``--help`` (unless it has none or the help text names it)."""
+    """Shows each option's default in ``--help`` (unless it has none or the help text names it),
+    in plain text: the reStructuredText literals of docstrings used as descriptions lose their
+    double backticks."""
+
+    def format_help(self) -> str:
+        return super().format_help().replace("``", "")
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""

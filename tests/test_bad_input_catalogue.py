@@ -103,6 +103,9 @@ BAD_COMMANDS = (
         "NaN first-token timeout", ("serve", "--first-token-timeout", "nan"), "--first-token-timeout must be"
     ),
     BadCommand("unset token variable", ("serve", "--api-token-env", "SPECRAG_NO_SUCH_VAR"), "is not set"),
+    BadCommand("missing tokens file", ("serve", "--api-tokens-file", "{tmp}/none.txt"), "cannot read"),
+    BadCommand("no token", ("serve", "--api-tokens-file", "{tmp}/no-tokens.txt"), "holds no token"),
+    BadCommand("a token twice", ("serve", "--api-tokens-file", "{tmp}/twice.txt"), "holds a token twice"),
     BadCommand("unknown mode", ("serve", "--mode", "turbo"), "invalid choice: 'turbo'"),
     BadCommand(
         "KV events without an engine URL",
@@ -148,6 +151,8 @@ def test_a_bad_command_line_exits_2_with_one_message(
     row: BadCommand, service: Service, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "bad.jsonl").write_text("this is not json\n")
+    (tmp_path / "no-tokens.txt").write_text("# no token yet\n\n")
+    (tmp_path / "twice.txt").write_text("alice\nbob\nalice\n")
     (tmp_path / "latin1.jsonl").write_bytes(
         '{"id": 1, "text": "ok"}\n{"id": 2, "text": "café"}\n'.encode("latin-1")
     )

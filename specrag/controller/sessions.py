@@ -10,6 +10,8 @@ time per session. When the history no longer fits the model, the oldest turns le
 
 Sessions are bounded in number, overall and per client, and expire when idle: a client at its
 bound replaces its own least recently used idle session, so no client can push out another's.
+At the overall bound a new session is refused (429, retry when the oldest one expires): no
+session used within its idle timeout is evicted to make room for someone else's.
 """
 
 from __future__ import annotations
@@ -91,17 +93,23 @@ class SessionStore:
         return len(self._by_owner.get(owner, ()))
 
     def create(self, owner: str) -> Session:
-        """A new session for ``owner``; at a bound, the least recently used idle session goes first.
+        """A new session for ``owner``.
 
-        Past its own bound a client loses its own oldest idle session, never another client's;
-        when every candidate has a turn in progress the answer is :class:`OverloadedError`.
+        Past its own bound a client loses its own least recently used idle session, never another
+        client's. Past the overall bound (expired sessions gone) the answer is
+        :class:`OverloadedError`, with the time until the oldest idle session expires; so it is
+        when every one of the client's own sessions has a turn in progress.
         """
         self._expire()
         mine = self._by_owner.get(owner)
         if mine is not None and len(mine) >= self.max_per_client:
             self._evict_idle(mine.values(), f"client {owner} has {len(mine)} sessions")
-        if len(self._sessions) >= self.max_sessions:
-            self._evict_idle(self._sessions.values(), f"{len(self._sessions)} sessions are open")
+        elif len(self._sessions) >= self.max_sessions:
+            raise OverloadedError(
+                f"{len(self._sessions)} sessions are open, the limit; none has been idle for "
+                f"{self.ttl_s:g} s (the idle timeout)",
+                retry_after_s=self._next_expiry_s(),
+            )
         session = Session(secrets.token_hex(8), owner, last_used=self._clock())
         self._sessions[session.session_id] = session
         self._by_owner.setdefault(owner, OrderedDict())[session.session_id] = session
@@ -162,6 +170,11 @@ class SessionStore:
                 self._remove(session)
                 return
         raise OverloadedError(f"{why}, each with a turn in progress")
+
+    def _next_expiry_s(self) -> float:
+        """Seconds until the least recently used idle session expires (the timeout if all run)."""
+        idle = next((session for session in self._sessions.values() if not session.busy), None)
+        return self.ttl_s if idle is None else max(0.0, idle.last_used + self.ttl_s - self._clock())
 
     def _remove(self, session: Session) -> None:
         del self._sessions[session.session_id]

@@ -38,11 +38,14 @@ from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.staged_ivf import DEFAULT_NLIST, StagedIVF
 from specrag.retrieval.stages import StagedSearcher
 from specrag.retrieval.synthetic import pad_with_synthetic
+from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
 
 FORMAT = "specrag-index"
 # 2: hybrid indexes (a lexical index and fusion settings in the manifest), WordLlama by default.
-VERSION = 2
+# 3: both channels index the passages' text as specrag.retrieval.text normalises it; an index of
+#    an earlier version is rebuilt (ensure_index) rather than searched with normalised questions.
+VERSION = 3
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.faiss"
 PASSAGE_IDS_FILE = "passage_ids.json"
@@ -159,11 +162,12 @@ def build_index(
 ) -> VectorIndex:
     """Embed ``passages`` (fitting the configured embedder on them unless one is given) and index them.
 
-    With ``config.lexical`` the passages' text is also indexed by BM25 for hybrid search.
+    With ``config.lexical`` the passages' text is also indexed by BM25 for hybrid search. Both
+    channels index the text normalised as questions are (:func:`normalize_text`).
     """
     if not passages:
         raise InvalidInputError("cannot build an index from an empty corpus")
-    texts = [f"{passage.title}\n{passage.text}" for passage in passages]
+    texts = [normalize_text(f"{passage.title}\n{passage.text}") for passage in passages]
     if embedder is None:
         embedder, vectors = config.fit_and_embed(texts, progress)
     else:

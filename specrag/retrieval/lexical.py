@@ -22,6 +22,7 @@ import numpy as np
 import Stemmer
 
 from specrag.errors import ArtifactError, InvalidInputError
+from specrag.retrieval.text import normalize_text
 
 if TYPE_CHECKING:
     import bm25s
@@ -67,7 +68,8 @@ class LexicalIndex:
 
     @classmethod
     def build(cls, texts: Sequence[str]) -> LexicalIndex:
-        """Index ``texts`` (row i = ``texts[i]``)."""
+        """Index ``texts`` (row i = ``texts[i]``), normalised as :func:`normalize_text` does
+        (:func:`~specrag.retrieval.index_store.build_index` gives them so)."""
         if not texts:
             raise InvalidInputError("cannot build a lexical index from zero texts")
         stemmer = Stemmer.Stemmer(ANALYZER["stemmer"])
@@ -84,9 +86,9 @@ class LexicalIndex:
         return cls(retriever, len(texts))
 
     def terms(self, text: str) -> list[str]:
-        """The stemmed, stop-word-free terms BM25 scores ``text`` by."""
+        """The stemmed, stop-word-free terms BM25 scores ``text`` by, normalised as the corpus was."""
         tokenized = _bm25s().tokenize(
-            [text],
+            [normalize_text(text)],
             lower=ANALYZER["lower"],
             stopwords=ANALYZER["stopwords"],
             stemmer=self._stemmer,

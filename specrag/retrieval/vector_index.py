@@ -28,6 +28,7 @@ from specrag.retrieval.fusion import FusionConfig, fuse
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries, stage_plan
+from specrag.retrieval.text import normalize_text
 
 
 class VectorIndex:
@@ -123,10 +124,10 @@ class VectorIndex:
         return [self.passage_ids[i] for i in self.passage_index_of(row_ids).tolist() if i >= 0]
 
     def embed_query(self, text: str) -> np.ndarray:
-        """The query vector of ``text`` with the embedder the index was built with."""
+        """The query vector of ``text`` (normalised as the corpus was) with the index's embedder."""
         if self.embedder is None:
             raise InvalidInputError("this index has no embedder: search it by vector")
-        vector: np.ndarray = self.embedder.embed([text])[0]
+        vector: np.ndarray = self.embedder.embed([normalize_text(text)])[0]
         return vector
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -67,6 +67,9 @@ class ServiceOptions:
     engine_cpus: str | None = None
     search_cpus: str | None = None
     api_token: str | None = None
+    # Several bearer tokens, one per client: the token then tells clients apart (server.py).
+    api_tokens: tuple[str, ...] = ()
+    trust_forwarded_for: bool = False
     supervisor: SupervisorPolicy = field(default_factory=SupervisorPolicy)
     max_queries: int = DEFAULT_MAX_QUERIES
     max_queries_per_client: int = DEFAULT_MAX_QUERIES_PER_CLIENT
@@ -366,6 +369,8 @@ def _application(
     return create_app(
         controller,
         api_token=options.api_token,
+        api_tokens=options.api_tokens,
+        trust_forwarded_for=options.trust_forwarded_for,
         max_queries=options.max_queries,
         max_queries_per_client=options.max_queries_per_client,
         metrics=metrics,

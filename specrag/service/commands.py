@@ -12,7 +12,7 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from specrag.service.assembly import (
 )
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
+from specrag.service.engine_log import engine_output_to
 from specrag.service.server import (
     DEFAULT_MAX_QUERIES,
     DEFAULT_MAX_QUERIES_PER_CLIENT,
@@ -102,6 +103,19 @@ async def _service(
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _engine_log(args: argparse.Namespace) -> Iterator[None]:
+    """Unless ``-v``: vLLM's and the libraries' output into ``DATA_DIR/run/COMMAND-PID.log``, the
+    terminal left to specrag's own lines (see engine_log.py); the first line says where it went."""
+    if args.verbose:
+        yield
+        return
+    log_file = _paths(args)[0].root / "run" / f"{args.command}-{os.getpid()}.log"
+    print(f"engine and library logs: {log_file} (-v shows them here)", flush=True)
+    with engine_output_to(log_file):
+        yield
+
+
 def _starting(assets: Assets, options: ServiceOptions) -> str:
     """What the service is about to start or connect to, said before the minute it may take."""
     if options.ray_address is not None:
@@ -121,6 +135,23 @@ def _api_token(variable: str | None) -> str | None:
     if not token:
         raise InvalidInputError(f"--api-token-env: environment variable {variable} is not set or empty")
     return token
+
+
+def _api_tokens(path: str | None) -> tuple[str, ...]:
+    """The tokens of ``--api-tokens-file``: one a line, one per client (blank lines and lines
+    starting with # skipped)."""
+    if path is None:
+        return ()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InvalidInputError(f"--api-tokens-file: cannot read {path}: {error}") from None
+    tokens = tuple(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    if not tokens:
+        raise InvalidInputError(f"--api-tokens-file: {path} holds no token")
+    if len(set(tokens)) < len(tokens):
+        raise InvalidInputError(f"--api-tokens-file: {path} holds a token twice; give each client its own")
+    return tokens
 
 
 # The controller setting behind each ``serve`` flag, so that an error names the flag the user typed.
@@ -161,6 +192,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_queries < 1 or args.max_queries_per_client < 1:
         raise InvalidInputError("--max-queries and --max-queries-per-client must be at least 1")
     token = _api_token(args.api_token_env)
+    tokens = _api_tokens(args.api_tokens_file)
+    if token is not None and token in tokens:
+        raise InvalidInputError("--api-token-env: that token is also in --api-tokens-file")
     config = _controller_config(args)
     document_kv = args.document_kv == "turbo"
     options = ServiceOptions(
@@ -169,6 +203,8 @@ def _serve(args: argparse.Namespace) -> int:
         engine_kv_events=tuple(args.engine_kv_events or ()),
         eager=args.eager,
         api_token=token,
+        api_tokens=tokens,
+        trust_forwarded_for=args.trust_forwarded_for,
         max_queries=args.max_queries,
         max_queries_per_client=args.max_queries_per_client,
         ray_address=args.ray,
@@ -179,7 +215,6 @@ def _serve(args: argparse.Namespace) -> int:
         document_kv_dir=str(_paths(args)[0].document_kv_dir) if document_kv else None,
         document_kv_max_gib=args.document_kv_max_gib,
     )
-    assets = _assets(args)
 
     async def main() -> None:
         async with _service(args, assets, options) as service:
@@ -203,7 +238,9 @@ def _serve(args: argparse.Namespace) -> int:
                     flush=True,
                 )
 
-    asyncio.run(main())
+    with _engine_log(args):
+        assets = _assets(args)
+        asyncio.run(main())
     return 0
 
 
@@ -212,7 +249,6 @@ def _demo(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"-k must be between 1 and {MAX_K}, got {args.k}")
     if args.max_tokens < 1:
         raise InvalidInputError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    assets = _assets(args)
 
     async def main() -> None:
         async with (
@@ -224,7 +260,9 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"service on {url}{noise}", flush=True)
             await run_demo(client, args.question or DEMO_QUESTIONS, args.k, args.max_tokens)
 
-    asyncio.run(main())
+    with _engine_log(args):
+        assets = _assets(args)
+        asyncio.run(main())
     return 0
 
 
@@ -336,7 +374,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(default: %(default)s)",
     )
     _add_document_kv_bound(serve)
-    serve.add_argument("--api-token-env", metavar="VAR", help="require the bearer token held in $VAR")
+    clients = serve.add_argument_group(
+        "clients (who the per-client limits count: queries in flight, sessions)"
+    )
+    clients.add_argument("--api-token-env", metavar="VAR", help="require the bearer token held in $VAR")
+    clients.add_argument(
+        "--api-tokens-file",
+        metavar="FILE",
+        help="accept the bearer tokens in FILE, one a line, one per client: the token then tells "
+        "clients apart (else the address does)",
+    )
+    clients.add_argument(
+        "--trust-forwarded-for",
+        action="store_true",
+        help="tell clients apart by the address in X-Forwarded-For (the last one: only behind a "
+        "proxy that sets it)",
+    )
     serve.add_argument(
         "--max-prefill-bs", type=int, help="prefill pool size (default: from the token budget)"
     )
@@ -413,7 +466,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--max-queries-per-client",
         type=int,
         default=DEFAULT_MAX_QUERIES_PER_CLIENT,
-        help="queries in flight from one client address (default %(default)s)",
+        help="queries in flight from one client (default %(default)s)",
     )
     limits.add_argument(
         "--max-queue",

@@ -59,9 +59,14 @@ def usage(done: AnswerDone, completion_tokens: int) -> dict[str, Any]:
 
 
 class ChatFraming:
-    """OpenAI ``chat.completion.chunk`` lines; the last chunk carries usage and the timeline."""
+    """OpenAI ``chat.completion.chunk`` lines; the last chunk carries usage and the timeline.
 
-    def __init__(self, completion_id: str, model: str) -> None:
+    With ``stream_options.include_usage`` the last chunk is OpenAI's: empty ``choices``, after the
+    chunk with the finish reason; without it usage rides on that chunk (a client that reads
+    ``choices[0]`` of every chunk would fail on an empty list it did not ask for).
+    """
+
+    def __init__(self, completion_id: str, model: str, usage_chunk: bool = False) -> None:
         self._head = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -69,6 +74,7 @@ class ChatFraming:
             "model": model,
         }
         self._role_sent = False
+        self._usage_chunk = usage_chunk
 
     def _chunk(self, delta: dict[str, str], finish_reason: str | None = None, **extra: Any) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -82,12 +88,12 @@ class ChatFraming:
         return self._chunk(content)
 
     def done(self, done: AnswerDone, completion_tokens: int) -> bytes:
-        last = self._chunk(
-            {},
-            done.finish_reason or "stop",
-            usage=usage(done, completion_tokens),
-            specrag=done.timeline.to_dict(),
-        )
+        end = {"usage": usage(done, completion_tokens), "specrag": done.timeline.to_dict()}
+        finish_reason = done.finish_reason or "stop"
+        if self._usage_chunk:
+            last = self._chunk({}, finish_reason) + sse({**self._head, "choices": [], **end})
+        else:
+            last = self._chunk({}, finish_reason, **end)
         return last + sse("[DONE]")
 
     def error(self, info: ErrorInfo) -> bytes:

@@ -11,7 +11,10 @@ Design points, each for a reason:
 - Errors are JSON ``{"error": {"message", "type", "code"}}``; an unexpected exception is logged
   here and answered with a generic 500, never a stack trace. How requests are read off the wire
   (bodies, JSON, timeouts, what the HTTP parser rejects) is :mod:`specrag.service.wire`'s.
-- The API token is compared in constant time; ``/health`` stays open for load balancers.
+- API tokens are compared in constant time; ``/health`` stays open for load balancers. With
+  several tokens, one per client, the token tells clients apart (behind a proxy or on one host
+  they share an address); without, the peer address does, or the address a trusted proxy says
+  it forwarded for. Per-client limits (queries in flight, sessions) count by that key.
 - The service talks to the query core only through :class:`~specrag.controller.facade.QueryCore`
   (answer, load, health, sessions); a request is checked once, before admission, and the checked
   request is what runs.
@@ -25,7 +28,8 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
@@ -54,7 +58,6 @@ from specrag.service.wire import (
     DEFAULT_HEADER_TIMEOUT_S,
     BodyLimits,
     ErrorInfo,
-    JsonErrorRunner,
     handler_args,
     parse_json_object,
     read_body,
@@ -71,20 +74,44 @@ ENGINE_RETRY_AFTER_S = 5.0
 OPEN_PATHS = frozenset({"/health"})
 RAG_FIELDS = frozenset({"query", "k", "mode", "document_kv", "max_tokens", "session_id", "stream"})
 BATCH_FIELDS = frozenset({"queries", "k", "mode", "max_tokens"})
-# The OpenAI chat fields honoured (docs/service.md: "Sampling fields"), and those accepted at their neutral
-# value only; any other field is refused rather than silently ignored.
-CHAT_FIELDS = frozenset(
-    {
-        *("model", "messages", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens"),
-        *("temperature", "top_p", "seed", "stop", "k", "mode", "document_kv", "session_id"),
-    }
-)
+# The OpenAI chat fields honoured (docs/service.md: "Sampling fields") and the JSON type each must have,
+# whatever else the body holds; ``float`` takes any number. ``stop`` and ``messages`` are checked
+# by their own code.
+CHAT_FIELDS: dict[str, type] = {
+    "model": str,
+    "user": str,
+    "stream": bool,
+    "stream_options": dict,
+    "max_tokens": int,
+    "max_completion_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "seed": int,
+    "k": int,
+    "mode": str,
+    "document_kv": str,
+    "session_id": str,
+}
+# Fields accepted at their neutral value only (the type of the value, the value).
 CHAT_NEUTRAL_FIELDS: dict[str, tuple[type, Any]] = {
     "n": (int, 1),
     "logprobs": (bool, False),
     "presence_penalty": (float, 0),
     "frequency_penalty": (float, 0),
+    "store": (bool, False),
+    "response_format": (dict, {"type": "text"}),
 }
+# OpenAI's other chat fields: what they ask for (tool calls, structured output, audio, token
+# biases, ...) this service cannot do, so setting one is a 400 naming it. Sent as null, these and
+# every other optional field are absent, as OpenAI reads them (some client libraries send nulls).
+CHAT_UNHONOURED_FIELDS = frozenset(
+    {
+        *("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias"),
+        *("top_logprobs", "audio", "modalities", "prediction", "web_search_options", "metadata"),
+        *("reasoning_effort", "verbosity", "service_tier", "prompt_cache_key", "safety_identifier"),
+    }
+)
+STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
@@ -96,7 +123,9 @@ class ServiceState:
 
     core: QueryCore
     metrics: ServiceMetrics
-    api_token: str | None
+    tokens: tuple[str, ...]
+    """The bearer tokens accepted (none: no authentication); token ``i`` is client ``token i+1``."""
+    trust_forwarded_for: bool
     model_name: str
     max_queries: int
     max_queries_per_client: int
@@ -107,6 +136,7 @@ class ServiceState:
 
 
 STATE = web.AppKey("specrag_state", ServiceState)
+CLIENT = web.RequestKey("specrag_client", str)  # the client a request's token names
 
 
 # ---------------------------------------------------------------------------------------- errors
@@ -145,20 +175,33 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as error:
         if error.status < 400:
             raise  # a redirect or success is aiohttp's to send
-        return describe_error(error).response()
+        return _error_response(request, describe_error(error))
     except Exception as error:
-        return describe_error(error).response()
+        return _error_response(request, describe_error(error))
+
+
+def _error_response(request: web.Request, info: ErrorInfo) -> web.Response:
+    """The error's response; it closes the connection when the body was refused unread (a
+    Content-Length past the limit): aiohttp would otherwise keep reading it for 10 s."""
+    response = info.response()
+    if not request.content.is_eof():
+        response.force_close()
+    return response
 
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    token = request.app[STATE].api_token
-    if token is not None and request.path not in OPEN_PATHS:
+    tokens = request.app[STATE].tokens
+    if tokens and request.path not in OPEN_PATHS:
         scheme, _, provided = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(provided.strip().encode(), token.encode()):
+        # Every token compared, in constant time each: the time taken says nothing of which matched.
+        matches = [hmac.compare_digest(provided.strip().encode(), token.encode()) for token in tokens]
+        if scheme.lower() != "bearer" or not any(matches):
             return ErrorInfo(
                 401, "missing or wrong bearer token", "authentication_error", "invalid_api_key"
             ).response()
+        if len(tokens) > 1:
+            request[CLIENT] = f"token {matches.index(True) + 1}"
     return await handler(request)
 
 
@@ -171,7 +214,7 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     return parse_json_object(await read_body(request, request.app[STATE].limits))
 
 
-def _check_fields(body: dict[str, Any], known: frozenset[str], what: str) -> None:
+def _check_fields(body: dict[str, Any], known: AbstractSet[str], what: str) -> None:
     """400 naming the fields not in ``known`` (at most ten of them, each cut short)."""
     unknown = sorted(set(body) - known)
     if unknown:
@@ -221,22 +264,34 @@ def _rag_request(body: dict[str, Any], question: str, max_tokens: int | None) ->
     )
 
 
-def _chat_request(body: dict[str, Any], question: str) -> RagRequest:
-    """A chat body's request: the shared options and the sampling fields (docs/service.md)."""
-    _check_fields(body, CHAT_FIELDS | CHAT_NEUTRAL_FIELDS.keys(), "unsupported fields")
+def _chat_request(body: dict[str, Any]) -> RagRequest:
+    """A chat body's request: the shared options and the sampling fields (docs/service.md,
+    "Sampling fields").
+
+    Every field present is checked on its own, so that no field's presence hides another's
+    mistake; a field set to null is absent.
+    """
+    known = CHAT_FIELDS.keys() | CHAT_NEUTRAL_FIELDS.keys() | CHAT_UNHONOURED_FIELDS | {"messages", "stop"}
+    _check_fields(body, known, "unsupported fields")
+    for name in sorted(CHAT_UNHONOURED_FIELDS & body.keys()):
+        if body[name] is not None:
+            raise InvalidInputError(
+                f"'{name}' is not supported: specrag answers from the documents it retrieves"
+            )
+    for name, kind in CHAT_FIELDS.items():
+        _optional(body, name, kind)
     for name, (kind, neutral) in CHAT_NEUTRAL_FIELDS.items():
         value = _optional(body, name, kind)
         if value is not None and value != neutral:
             raise InvalidInputError(f"'{name}' is not supported: only {json.dumps(neutral)} is accepted")
-    _optional(body, "model", str)
-    _optional(body, "user", str)
-    _optional(body, "stream_options", dict)  # usage is always in the last chunk
-    max_tokens = _optional(body, "max_completion_tokens", int)
-    if max_tokens is None:
-        max_tokens = _optional(body, "max_tokens", int)
+    _include_usage(body)
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str | list):
         raise InvalidInputError(f"'stop' must be a string or a list of strings, got {type(stop).__name__}")
+    question = _last_user_message(_required(body, "messages", list))
+    max_tokens = _optional(body, "max_completion_tokens", int)  # OpenAI's name now; max_tokens before
+    if max_tokens is None:
+        max_tokens = _optional(body, "max_tokens", int)
     return replace(
         _rag_request(body, question, max_tokens),
         temperature=_optional(body, "temperature", float),
@@ -244,6 +299,13 @@ def _chat_request(body: dict[str, Any], question: str) -> RagRequest:
         seed=_optional(body, "seed", int),
         stop=stop,
     )
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    """``stream_options.include_usage``: whether a streamed answer ends with OpenAI's usage chunk."""
+    options = _optional(body, "stream_options", dict) or {}
+    _check_fields(options, STREAM_OPTIONS, "unsupported stream_options")
+    return bool(_optional(options, "include_usage", bool))
 
 
 def _last_user_message(messages: list[Any]) -> str:
@@ -271,7 +333,18 @@ def _last_user_message(messages: list[Any]) -> str:
 
 
 def _client_key(request: web.Request) -> str:
-    """Who a query counts against for the per-client limit: the peer address."""
+    """Who a request counts against for the per-client limits: its bearer token when each client
+    has its own, else its address: the peer's, or with ``trust_forwarded_for`` the last one in
+    ``X-Forwarded-For`` (the address the trusted proxy itself saw; those before it are the
+    client's word)."""
+    client: str | None = request.get(CLIENT)
+    if client is not None:
+        return client
+    if request.app[STATE].trust_forwarded_for:
+        forwarded = request.headers.getall("X-Forwarded-For", [])
+        hops = [hop.strip() for header in forwarded for hop in header.split(",") if hop.strip()]
+        if hops:
+            return hops[-1][:ECHO_LIMIT]
     return request.remote or "unknown"
 
 
@@ -452,10 +525,11 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     """OpenAI chat completions: RAG on the last user message, with docs/service.md's sampling fields."""
     state = request.app[STATE]
     body = await _json_object(request)
-    rag = _chat_request(body, _last_user_message(_required(body, "messages", list)))
+    rag = _chat_request(body)
     completion_id = f"chatcmpl-{rag.request_id}"
     if _optional(body, "stream", bool):
-        return await _stream(request, state, rag, ChatFraming(completion_id, state.model_name))
+        framing = ChatFraming(completion_id, state.model_name, _include_usage(body))
+        return await _stream(request, state, rag, framing)
     done, completion_tokens = await _collect(state, rag, _client_key(request))
     choice = {
         "index": 0,
@@ -513,6 +587,8 @@ def create_app(
     core: QueryCore,
     *,
     api_token: str | None = None,
+    api_tokens: Sequence[str] = (),
+    trust_forwarded_for: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_name: str = "specrag",
     max_queries: int = DEFAULT_MAX_QUERIES,
@@ -523,13 +599,19 @@ def create_app(
 ) -> web.Application:
     """The service for one query core (a :class:`~specrag.controller.controller.RagController`).
 
-    ``max_queries`` bounds concurrent queries, ``max_queries_per_client`` those of one peer
-    address: beyond either the answer is 429 with Retry-After, never an unbounded queue.
+    ``api_token`` or ``api_tokens`` (several: one per client, the token then telling clients
+    apart) are the bearer tokens accepted; none, no authentication. ``trust_forwarded_for``
+    counts a request against the address in ``X-Forwarded-For`` (only behind a proxy that sets
+    it). ``max_queries`` bounds concurrent queries, ``max_queries_per_client`` those of one
+    client: beyond either the answer is 429 with Retry-After, never an unbounded queue.
     ``header_timeout_s`` bounds the wait for a request's headers (and an idle keep-alive
     connection), ``body_timeout_s`` the wait for its body.
     """
     if api_token is not None and not api_token:
         raise InvalidInputError("the API token must not be empty (pass None to disable it)")
+    tokens = (*([api_token] if api_token is not None else []), *api_tokens)
+    if not all(token and isinstance(token, str) for token in tokens) or len(set(tokens)) < len(tokens):
+        raise InvalidInputError("the API tokens must be non-empty strings, each given once")
     if max_body_bytes < 1 or max_queries < 1 or max_queries_per_client < 1:
         raise InvalidInputError("max_body_bytes, max_queries and max_queries_per_client must be positive")
     if not (header_timeout_s > 0 and body_timeout_s > 0):  # written so that NaN fails too
@@ -537,7 +619,8 @@ def create_app(
     state = ServiceState(
         core,
         metrics or ServiceMetrics(),
-        api_token,
+        tokens,
+        trust_forwarded_for,
         model_name,
         max_queries,
         max_queries_per_client,
@@ -576,7 +659,7 @@ async def serving(
     Handler cancellation is on so a client that disconnects aborts its query's engine requests.
     ``access_log=False`` keeps a terminal demo's output readable.
     """
-    runner = JsonErrorRunner(
+    runner = web.AppRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=SHUTDOWN_GRACE_S,

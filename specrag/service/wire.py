@@ -1,7 +1,8 @@
 """The service's side of the wire: bounded, strict reading of requests, and the error shape.
 
 aiohttp parses HTTP; this module decides what a malformed or slow request gets, so that every
-client mistake is a 4xx in the API's JSON shape and none is logged as the service's error:
+client mistake is a 4xx (in the API's JSON shape once aiohttp has parsed the request) and none is
+logged as the service's error:
 
 - Bodies are decoded here, not by aiohttp (``auto_decompress`` off): a gzip or deflate body that
   does not decode is a 400, one that decodes past the body limit a 413, another encoding a 415.
@@ -10,9 +11,13 @@ client mistake is a 4xx in the API's JSON shape and none is logged as the servic
 - JSON is read strictly: ``NaN``/``Infinity`` are not JSON numbers, a number too large for a float
   and an integer of more than 100 digits are named as such (Python refuses to convert an integer
   of more than 4,300 digits, which would otherwise read as "not valid JSON").
+- A declared ``Content-Length`` past the body limit is a 413 at once, before any of the body is
+  read; the connection then closes rather than drain a body nobody will read.
 - What aiohttp's HTTP parser rejects (bad chunk size, duplicate header, over-long line, unknown
-  method) is answered in the JSON error shape and logged as one line at INFO; aiohttp itself
-  answers in plain text and logs a traceback at ERROR.
+  method) never reaches the application: aiohttp answers it, 400 in plain text. Only its log is
+  ours, through the documented ``logger`` handler argument: one line at INFO instead of
+  aiohttp's traceback at ERROR. Everything here goes through aiohttp's public API (application
+  settings, ``handler_args``, middlewares), so an upgrade cannot silently bypass it.
 """
 
 from __future__ import annotations
@@ -26,8 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import LineTooLong
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http import HttpProcessingError
 
 from specrag.errors import ECHO_LIMIT, InvalidInputError, echo
 
@@ -73,6 +77,13 @@ class BodyLimits:
 
 async def read_body(request: web.Request, limits: BodyLimits) -> bytes:
     """The body, decoded, within the time and size limits (408, 413, 415 or 400 otherwise)."""
+    declared = request.content_length
+    if declared is not None and declared > limits.max_bytes:  # refused before waiting for any of it
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limits.max_bytes,
+            actual_size=declared,
+            text=f"Maximum request body size {limits.max_bytes} exceeded: Content-Length is {declared}",
+        )
     try:
         async with asyncio.timeout(limits.timeout_s):
             raw = await request.read()  # raises 413 past the application's client_max_size
@@ -139,59 +150,31 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 def handler_args(header_timeout_s: float) -> dict[str, Any]:
     """aiohttp's per-connection settings for these reading rules; given to the application
-    (``Application(handler_args=...)``), so they hold whatever runs it."""
-    return {"auto_decompress": False, "keepalive_timeout": header_timeout_s}
+    (``Application(handler_args=...)``), so they hold whatever runs it. All three are documented
+    keyword arguments of aiohttp's request handler."""
+    return {"auto_decompress": False, "keepalive_timeout": header_timeout_s, "logger": HTTP_LOG}
 
 
-class _ConnectionHandler(RequestHandler):
-    """aiohttp's per-connection protocol, answering what its HTTP parser rejects in the API's JSON
-    error shape (aiohttp answers in plain text and logs a traceback at ERROR)."""
+class _MalformedRequests(logging.Filter):
+    """One INFO line, not an ERROR with a traceback, for a request aiohttp's HTTP parser rejects:
+    the client's mistake, not the service's. aiohttp logs those to its handler's ``logger``
+    (:data:`HTTP_LOG` here) with the parser's exception; anything else passes unchanged."""
 
-    __slots__ = ()
-
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if status >= 500:  # an error of ours that escaped the middleware: a bug, logged in full
-            logger.error("error while serving a request from %s", request.remote, exc_info=exc)
-            info = ErrorInfo(status, "internal server error", "internal_error", "internal_error")
-        else:
-            if isinstance(exc, LineTooLong):
-                detail = "the request line or a header is longer than 8190 bytes"
-            else:
-                detail = (message or "").strip().splitlines()[0].rstrip(":") if message else "bad request"
-            detail = detail if len(detail) <= ECHO_LIMIT else detail[:ECHO_LIMIT] + "…"
-            logger.info("malformed HTTP request from %s: %s", request.remote, detail)
-            info = ErrorInfo(
-                status, f"malformed HTTP request: {detail}", "invalid_request_error", "bad_request"
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError) and 400 <= (error.code or 400) < 500:
+            detail = (error.message or "bad request").strip().splitlines()[0].rstrip(":")
+            record.msg, record.args = (
+                "malformed HTTP request from %s: %s",
+                (
+                    record.args[0] if isinstance(record.args, tuple) and record.args else "?",
+                    detail if len(detail) <= ECHO_LIMIT else detail[:ECHO_LIMIT] + "…",
+                ),
             )
-        if request.writer.output_size > 0:
-            raise ConnectionError("the response had already started; the connection is closed instead")
-        response = info.response()
-        response.force_close()
-        return response
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info, record.exc_text = None, None
+        return True
 
 
-class _Server(web.Server):
-    """aiohttp's server, with :class:`_ConnectionHandler` connections."""
-
-    def __call__(self) -> RequestHandler:
-        return _ConnectionHandler(self, loop=self._loop, **self._kwargs)
-
-
-class JsonErrorRunner(web.AppRunner):
-    """aiohttp's application runner, serving through :class:`_Server`."""
-
-    async def _make_server(self) -> web.Server:
-        made = await super()._make_server()
-        return _Server(
-            made.request_handler,
-            request_factory=made.request_factory,
-            handler_cancellation=made.handler_cancellation,
-            loop=made._loop,
-            **made._kwargs,
-        )
+HTTP_LOG = logging.getLogger("specrag.service.http")
+HTTP_LOG.addFilter(_MalformedRequests())

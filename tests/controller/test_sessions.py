@@ -63,16 +63,19 @@ def test_a_session_with_a_turn_in_progress_is_never_evicted() -> None:
         store.create("a")
 
 
-def test_the_global_bound_evicts_the_least_recently_used_idle_session() -> None:
+def test_past_the_global_bound_a_new_session_waits_for_the_oldest_to_expire() -> None:
     clock = Clock()
-    store = SessionStore(max_sessions=3, max_per_client=3, clock=clock)
+    store = SessionStore(max_sessions=3, max_per_client=3, ttl_s=100, clock=clock)
     first, second, third = (store.create(client) for client in "abc")
-    clock.now += 1
-    store.get(first.session_id)  # used: now the most recent
+    clock.now += 30
+    store.get(first.session_id)  # used: now the most recent; second is the oldest idle one
+    with pytest.raises(OverloadedError, match="3 sessions are open") as refused:
+        store.create("d")
+    assert refused.value.retry_after_s == 70  # when second expires
+    assert [store.get(s.session_id) for s in (first, second, third)] == [first, second, third]
+    clock.now += 101  # all three idle past the timeout: expired, room again
     store.create("d")
-    assert store.get(first.session_id) is first and store.get(third.session_id) is third
-    with pytest.raises(NotFoundError):
-        store.get(second.session_id)
+    assert len(store) == 1
 
 
 def test_expiry_skips_a_session_whose_turn_runs() -> None:

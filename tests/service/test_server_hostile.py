@@ -106,6 +106,28 @@ async def test_a_half_sent_request_ends_at_the_read_timeout(service: Service) ->
         assert answer[0] == status and READ_TIMEOUT_S * 0.9 <= time.perf_counter() - started < 5
 
 
+async def test_a_body_announced_past_the_limit_is_refused_at_once(service: Service) -> None:
+    row = next(row for row in BAD_REQUESTS if row.name == "10 GB announced, 1 byte sent")
+    assert row.wire is not None
+    started = time.perf_counter()
+    status, message = await send_wire(service.url, row.wire.replace(b"{token}", TOKEN.encode()), within_s=10)
+    assert (status, "Content-Length is 10000000000" in message) == (413, True)
+    assert time.perf_counter() - started < READ_TIMEOUT_S / 2  # not after the body timeout's 408
+
+
+async def test_malformed_http_is_logged_as_one_info_line(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    row = next(row for row in BAD_REQUESTS if row.name == "bad chunk size")
+    assert row.wire is not None
+    assert (await send_wire(service.url, row.wire))[0] == 400
+    lines = [(r.levelno, r.getMessage(), r.exc_info) for r in caplog.records if "malformed" in r.getMessage()]
+    assert lines == [
+        (logging.INFO, "malformed HTTP request from 127.0.0.1: Invalid character in chunk size", None)
+    ]
+
+
 async def test_one_client_cannot_evict_another_clients_session(service: Service) -> None:
     async with http("127.0.0.2") as other, other.post(f"{service.url}/v1/sessions") as response:
         assert response.status == 201
@@ -169,6 +191,31 @@ async def test_chat_sampling_fields_reach_the_engine_and_stop_ends_the_answer(se
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_optional_chat_fields_sent_as_null_are_absent(service: Service) -> None:
+    nulls = dict.fromkeys(("audio", "response_format", "tools", "tool_choice", "n", "logprobs", "stop"))
+    async with http() as client:
+        answer = await chat(client, service.url, max_completion_tokens=3, max_tokens=None, **nulls)
+    assert answer["usage"]["completion_tokens"] == 3  # type: ignore[index]
+
+
+async def test_include_usage_ends_the_stream_with_openais_usage_chunk(service: Service) -> None:
+    body = {"messages": USER, "k": 4, "max_tokens": 3, "stream": True}
+    async with http() as client:
+        for options, usage_alone in (({"include_usage": True}, True), ({}, False)):
+            async with client.post(
+                f"{service.url}/v1/chat/completions", json={**body, "stream_options": options}
+            ) as response:
+                events = sse_events(await response.text())
+            assert events[-1] == ("message", "[DONE]")
+            *chunks, last = [json.loads(data) for _, data in events[:-1]]
+            if usage_alone:  # OpenAI's shape: the finish reason, then a chunk of usage alone
+                assert last["choices"] == [] and chunks[-1]["choices"][0]["finish_reason"] == "length"
+            else:
+                assert last["choices"][0]["finish_reason"] == "length"
+            assert last["usage"]["completion_tokens"] == 3 and "specrag" in last
+            assert all("usage" not in chunk for chunk in chunks)
+
+
 async def test_the_model_list_names_the_served_model(service: Service) -> None:
     async with http() as client:
         async with client.get(f"{service.url}/v1/models") as response:
@@ -204,3 +251,64 @@ async def test_the_warm_up_counter_is_the_controllers_record(tiny_assets: Assets
     assert metric(before, "specrag_warmups_total", outcome="started") == 1
     assert metric(before, "specrag_warmups_total", outcome="succeeded") == 0
     assert metric(after, "specrag_warmups_total", outcome="succeeded") == 1
+
+
+TOKENS = ("token-of-alice", "token-of-bob", "token-of-carol")
+
+
+def as_client(token: str, **headers: str) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        headers={"Authorization": f"Bearer {token}", **headers}, timeout=aiohttp.ClientTimeout(total=30)
+    )
+
+
+async def test_clients_are_told_apart_by_token_and_a_flood_evicts_only_its_own(tiny_assets: Assets) -> None:
+    """Three tokens from one address: Bob's flood replaces Bob's sessions only, and past the
+    global bound Carol gets a 429 with Retry-After rather than Alice losing her conversation."""
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, max_sessions=4, max_sessions_per_client=3)
+    try:
+        async with serving(create_app(controller, api_tokens=TOKENS), access_log=False) as url:
+            async with as_client(TOKENS[0]) as alice, alice.post(f"{url}/v1/sessions") as response:
+                assert response.status == 201
+                kept = (await response.json())["session_id"]
+            async with as_client(TOKENS[1]) as bob:
+                for _ in range(200):
+                    async with bob.post(f"{url}/v1/sessions") as response:
+                        assert response.status == 201
+            store = controller.sessions
+            assert (store.owned_by("token 1"), store.owned_by("token 2"), len(store)) == (1, 3, 4)
+            async with as_client(TOKENS[2]) as carol, carol.post(f"{url}/v1/sessions") as response:
+                assert response.status == 429 and int(response.headers["Retry-After"]) > 3000
+                assert "4 sessions are open" in (await response.json())["error"]["message"]
+            async with as_client(TOKENS[0]) as alice:
+                body = {"query": QUESTION, "k": 4, "max_tokens": 2, "session_id": kept}
+                async with alice.post(f"{url}/v1/rag", json=body) as response:
+                    assert response.status == 200
+            async with aiohttp.ClientSession() as anonymous, anonymous.post(f"{url}/v1/sessions") as response:
+                assert response.status == 401
+    finally:
+        await controller.close()
+        await engine.close()
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+async def test_a_trusted_proxys_forwarded_address_tells_clients_apart(
+    tiny_assets: Assets, trusted: bool
+) -> None:
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets)
+    try:
+        app = create_app(controller, trust_forwarded_for=trusted)
+        async with serving(app, access_log=False) as url:
+            for forwarded in ("203.0.113.9, 10.0.0.1", "10.0.0.2", "10.0.0.2"):
+                async with (
+                    aiohttp.ClientSession(headers={"X-Forwarded-For": forwarded}) as client,
+                    client.post(f"{url}/v1/sessions") as response,
+                ):
+                    assert response.status == 201
+    finally:
+        await controller.close()
+        await engine.close()
+    owners = [controller.sessions.owned_by(owner) for owner in ("10.0.0.1", "10.0.0.2", "127.0.0.1")]
+    assert owners == ([1, 2, 0] if trusted else [0, 0, 3])
