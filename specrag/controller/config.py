@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from specrag.cache.ordering import get_policy
 from specrag.controller.modes import get_mode
+from specrag.controller.speculation_policy import check_speculation
 from specrag.errors import InvalidInputError
 from specrag.retrieval.stages import check_schedule
 
@@ -37,6 +38,10 @@ class ControllerConfig:
     ``admission`` orders final requests waiting for the prefill pool: ``"ratio"`` (RAGCache's
     cached/compute queue) or ``"window"`` (request and document order chosen together over the
     oldest ``window_requests``; one engine only).
+    ``speculation`` says whether a mode that speculates prices each speculative prefill and
+    warm-up first (``"auto"``), launches them whenever the gate has room (``"always"``, the
+    behaviour before pricing) or never speculates (``"never"``); see
+    :mod:`specrag.controller.speculation_policy`.
     """
 
     k_default: int = 10
@@ -59,6 +64,7 @@ class ControllerConfig:
     max_sessions: int = 1000
     max_sessions_per_client: int = 64
     session_ttl_s: float = 3600.0
+    speculation: str = "auto"
 
     def validate(self) -> ControllerConfig:
         get_mode(self.mode)
@@ -68,6 +74,7 @@ class ControllerConfig:
         if self.num_stages is not None and self.num_stages < 1:
             raise InvalidInputError("num_stages must be at least 1")
         check_schedule(self.stage_schedule)
+        check_speculation(self.speculation)
         if self.max_prefill_bs is not None and self.max_prefill_bs < 1:
             raise InvalidInputError("max_prefill_bs must be at least 1")
         if not 1 <= self.max_tokens_default <= self.max_tokens_limit:

@@ -12,9 +12,13 @@ from typing import Any
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One step: ``kind`` is stage, warmup_start, spec_submit, spec_abort, spec_skip (a running
-    top-k's prompt too long for the model), history_dropped (a conversation's oldest turns left
-    the context), adopt, queued, final_submit, retry, first_token or done.
+    """One step: ``kind`` is stage, warmup_start, warmup_skip (priced out), spec_submit,
+    spec_abort, spec_skip (``reason``: ``too_long``, a running top-k's prompt too long for the
+    model; ``price``, its expected gain not above its expected cost; ``no_room``, the prefill
+    gate refused), history_dropped (a conversation's oldest turns left the context), adopt,
+    queued, final_submit, retry, first_token or done. A priced decision (spec_submit, spec_skip
+    for its price, warmup_start, warmup_skip) carries the price's figures
+    (:meth:`~specrag.controller.speculation_policy.Price.detail`).
 
     A warm-up the query triggered is shared work that may outlive it: the query notes only its
     start; how it ended is in the controller's :class:`~specrag.controller.warmup.WarmupRecord`.
@@ -45,6 +49,8 @@ class Timeline:
     predicted_cached_tokens: int = 0
     predicted_beside_prefill: bool = False
     speculations: int = 0
+    speculations_priced_out: int = 0  # stages whose speculation's expected gain was not above its cost
+    warmups_priced_out: int = 0
     aborted_speculations: int = 0
     preempted_speculations: int = 0  # of the aborted: those a final request of another query took the slot of
     wasted_spec_prefill_tokens: int = 0
@@ -135,6 +141,8 @@ class Timeline:
             "predicted_cached_tokens": self.predicted_cached_tokens,
             "predicted_beside_prefill": self.predicted_beside_prefill,
             "speculations": self.speculations,
+            "speculations_priced_out": self.speculations_priced_out,
+            "warmups_priced_out": self.warmups_priced_out,
             "aborted_speculations": self.aborted_speculations,
             "preempted_speculations": self.preempted_speculations,
             "wasted_spec_prefill_tokens": self.wasted_spec_prefill_tokens,
