@@ -79,11 +79,12 @@ from specrag.service.assembly import ServiceOptions, open_controller, open_engin
 from specrag.service.assets import Assets, ensure_assets, ensure_index
 from specrag.service.pinning import pin_apart
 
-TARGET_RATIOS = (0.25, 0.5, 1.0, 2.0)
+# 0.05: the low-r point, where search hides little of the prefill and a speculation rarely pays.
+TARGET_RATIOS = (0.05, 0.25, 0.5, 1.0, 2.0)
 # IVF kinds (index_store.KINDS) the sweep can run on.
 SWEEP_KINDS = ("ivf-sq8", "ivf", "ivf-pq")
 # Shares of the probe list the calibration times; 3/4 fills the gap where r crosses 1 for one passage.
-PROBE_SHARES = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1.0)
+PROBE_SHARES = (1 / 256, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1.0)
 PROMPT_SIZES = (1, 2, 4, 8)
 # Among settings about as close to a target ratio, prefer prompts of this many passages.
 PREFERRED_K = 4
@@ -154,7 +155,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def configurations(search_share: float) -> list[Configuration]:
-    """serial, speculation on equal and on default stages, and all (default stages)."""
+    """serial, speculation on equal and on default stages, and all (default stages), each speculation
+    priced by the speculation policy (``auto``, the default); and all with every speculation
+    launched unpriced (``all-always``, the behaviour before the policy)."""
     return [
         Configuration("serial", "serial", "pipeline", search_share),
         Configuration("spec-equal", "speculation", "pipeline", search_share, {"stage_schedule": "equal"}),
@@ -166,6 +169,13 @@ def configurations(search_share: float) -> list[Configuration]:
             {"stage_schedule": DEFAULT_STAGE_SCHEDULE},
         ),
         Configuration("all", "all", "pipeline", search_share, {"stage_schedule": DEFAULT_STAGE_SCHEDULE}),
+        Configuration(
+            "all-always",
+            "all",
+            "pipeline",
+            search_share,
+            {"stage_schedule": DEFAULT_STAGE_SCHEDULE, "speculation": "always"},
+        ),
     ]
 
 
@@ -676,28 +686,51 @@ def extra_point(summary: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def idle_row(point: dict[str, Any]) -> dict[str, Any]:
+    """One idle point's figures for ``all`` (speculation priced) beside ``all-always``."""
+    row, always = point["configurations"]["all"], point["configurations"]["all-always"]
+    return {
+        "ratio": round(row["ratio"], 3),
+        "serial_ttft_ms": round(row["serial_ttft_ms"], 1),
+        "all_ttft_ms": round(row["config_ttft_ms"], 1),
+        "all_always_ttft_ms": round(always["config_ttft_ms"], 1),
+        "all_over_serial": round(row["config_ttft_ms"] / row["serial_ttft_ms"], 3),
+        "all_always_over_serial": round(always["config_ttft_ms"] / row["serial_ttft_ms"], 3),
+        "bound_ttft_ms": round(row["bound_ttft_ms"], 1),
+        "overlap_fraction": round(row["overlap_fraction"], 3),
+        "overlap_fraction_always": round(always["overlap_fraction"], 3),
+        "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
+        "speculations_per_query": {
+            name: round(
+                point["summaries"][name]["speculations"]
+                / max(1, point["summaries"][name]["requests"] - point["summaries"][name]["errors"]),
+                2,
+            )
+            for name in ("all", "all-always")
+        },
+    }
+
+
 def headline(result: dict[str, Any]) -> dict[str, Any]:
-    """The issue's last-line summary, for ``all`` on the default schedule."""
+    """The issue's last-line summary, for ``all`` on the default schedule beside ``all-always``."""
     loaded = result["loaded"]
     hnsw_all = result["hnsw"]["configurations"]["all"]
+    idle = sorted((idle_row(p) for p in result["idle"]), key=lambda r: r["ratio"])
     return {
-        "idle": [
-            {
-                "ratio": round(row["ratio"], 3),
-                "serial_ttft_ms": round(row["serial_ttft_ms"], 1),
-                "all_ttft_ms": round(row["config_ttft_ms"], 1),
-                "bound_ttft_ms": round(row["bound_ttft_ms"], 1),
-                "overlap_fraction": round(row["overlap_fraction"], 3),
-                "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
-            }
-            for row in sorted((p["configurations"]["all"] for p in result["idle"]), key=lambda r: r["ratio"])
-        ],
+        "idle": idle,
+        "low_r": idle[0],
         "loaded": {
             "ratio": round(loaded["configurations"]["all"]["ratio"], 3),
             "utilization": round(loaded["utilization"], 3),
-            "ttft_mean_all_over_serial": round(loaded["ttft_mean_over_serial"]["all"], 3),
-            "ttft_p99_all_over_serial": round(loaded["ttft_p99_over_serial"]["all"], 3),
-            "wasted_spec_prefill_share": round(loaded["wasted_spec_prefill_share"]["all"], 4),
+            **{
+                f"{figure}_{name.replace('-', '_')}": round(loaded[key][name], 4)
+                for name in ("all", "all-always")
+                for figure, key in (
+                    ("ttft_mean_over_serial", "ttft_mean_over_serial"),
+                    ("ttft_p99_over_serial", "ttft_p99_over_serial"),
+                    ("wasted_spec_prefill_share", "wasted_spec_prefill_share"),
+                )
+            },
         },
         "hnsw": {
             "ratio": round(hnsw_all["ratio"], 3),
