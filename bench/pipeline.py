@@ -123,7 +123,15 @@ def parse_args() -> argparse.Namespace:
         default=4_000_000,
         help="vectors in the padded flat IVF index of the extra point at r near 1 (0: none)",
     )
-    parser.add_argument("--hnsw-size", type=int, default=200_000, help="vectors in the padded HNSW index")
+    parser.add_argument(
+        "--hnsw-size", type=int, default=200_000, help="vectors in the padded HNSW index (0: no HNSW point)"
+    )
+    parser.add_argument(
+        "--targets",
+        type=lambda text: tuple(float(value) for value in text.split(",")),
+        default=TARGET_RATIOS,
+        help="search-to-prefill ratios of the idle sweep, comma-separated (default: %(default)s)",
+    )
     parser.add_argument(
         "--idle-queries", type=int, help="queries per idle configuration (default 32, quick 16)"
     )
@@ -411,10 +419,12 @@ async def calibrate(
     return search_ms, prefill_ms
 
 
-def sweep_points(search_ms: dict[float, float], prefill_ms: dict[int, float]) -> list[Point]:
+def sweep_points(
+    search_ms: dict[float, float], prefill_ms: dict[int, float], targets: Sequence[float] = TARGET_RATIOS
+) -> list[Point]:
     """The point nearest each target ratio; targets the index cannot reach share a point (run once)."""
     points: dict[tuple[float, int], Point] = {}
-    for target in TARGET_RATIOS:
+    for target in targets:
         point = nearest_point("ivf", search_ms, prefill_ms, target)
         points.setdefault((point.knob, point.k), point)
     return list(points.values())
@@ -458,6 +468,27 @@ async def loaded_run(
     summary = loaded_summary(point, results, offered_rps / saturation, saturation)
     print_loaded(summary)
     return summary, results
+
+
+async def graph_point(
+    stack: Stack,
+    layout: DataLayout,
+    assets: Assets,
+    runner: SearchRunner,
+    vectors: np.ndarray,
+    prefill_ms: dict[int, float],
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any] | None, dict[str, RunResult]]:
+    """The idle point nearest r = 1 on the padded HNSW index (none with ``--hnsw-size 0``)."""
+    if not args.hnsw_size:
+        return None, {}
+    graph = await hnsw_index(layout, assets, args.hnsw_size, runner)
+    hnsw, hnsw_at = await hnsw_point(graph, vectors, prefill_ms)
+    trace = idle_trace(assets.passages, hnsw_at, args.idle_queries, args.max_tokens, args.seed + 70)
+    runs = await run_all(stack, hnsw, hnsw_at, trace)
+    summary = point_summary(hnsw_at, runs)
+    print_point(summary, "idle")
+    return summary, runs
 
 
 async def flat_point(
@@ -519,7 +550,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             stack = Stack(engine, kv_events, builder, base, args.max_tokens)
             search_ms, prefill_ms = await calibrate(stack, index, queries, vectors)
-            sweep = sweep_points(search_ms, prefill_ms)
+            sweep = sweep_points(search_ms, prefill_ms, args.targets)
             idle, idle_runs = await idle_sweep(stack, index, assets.passages, sweep, args)
             nearest_one = min(
                 range(len(idle)), key=lambda i: abs(math.log(idle[i]["configurations"]["all"]["ratio"]))
@@ -532,12 +563,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 idle_runs[nearest_one]["serial"].records,
                 args,
             )
-            graph = await hnsw_index(layout, assets, args.hnsw_size, runner)
-            hnsw, hnsw_at = await hnsw_point(graph, vectors, prefill_ms)
-            trace = idle_trace(assets.passages, hnsw_at, args.idle_queries, args.max_tokens, args.seed + 70)
-            hnsw_runs = await run_all(stack, hnsw, hnsw_at, trace)
-            hnsw_summary = point_summary(hnsw_at, hnsw_runs)
-            print_point(hnsw_summary, "idle")
+            hnsw_summary, hnsw_runs = await graph_point(
+                stack, layout, assets, runner, vectors, prefill_ms, args
+            )
             flat_summary, flat_runs = await flat_point(
                 stack, flat, assets.passages, vectors, prefill_ms, args
             )
@@ -563,7 +591,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     records = {
         **{f"idle-{i}": runs for i, runs in enumerate(idle_runs)},
         "loaded": loaded_runs,
-        "hnsw": hnsw_runs,
+        **({"hnsw": hnsw_runs} if hnsw_runs else {}),
         **({"ivf_flat": flat_runs} if flat_runs else {}),
     }
     raw = {key: {name: run.records for name, run in runs.items()} for key, runs in records.items()}
@@ -626,7 +654,7 @@ def print_loaded(summary: dict[str, Any]) -> None:
 
 
 def plot(
-    points: Sequence[dict[str, Any]], hnsw: dict[str, Any], flat: dict[str, Any] | None, kind: str
+    points: Sequence[dict[str, Any]], hnsw: dict[str, Any] | None, flat: dict[str, Any] | None, kind: str
 ) -> Path:
     import matplotlib.pyplot as plt
 
@@ -714,7 +742,6 @@ def idle_row(point: dict[str, Any]) -> dict[str, Any]:
 def headline(result: dict[str, Any]) -> dict[str, Any]:
     """The issue's last-line summary, for ``all`` on the default schedule beside ``all-always``."""
     loaded = result["loaded"]
-    hnsw_all = result["hnsw"]["configurations"]["all"]
     idle = sorted((idle_row(p) for p in result["idle"]), key=lambda r: r["ratio"])
     return {
         "idle": idle,
@@ -732,10 +759,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
                 )
             },
         },
-        "hnsw": {
-            "ratio": round(hnsw_all["ratio"], 3),
-            "overlap_fraction": round(hnsw_all["overlap_fraction"], 3),
-        },
+        **({"hnsw": extra_point(result["hnsw"])} if result["hnsw"] else {}),
         **({"ivf_flat": extra_point(result["ivf_flat"])} if result["ivf_flat"] else {}),
         "index": result["facts"]["index"],
         "schedule": DEFAULT_STAGE_SCHEDULE,

@@ -132,6 +132,7 @@ def test_the_headline_sorts_points_by_ratio_and_adds_the_extra_points() -> None:
     )
     assert line["low_r"]["speculations_per_query"] == {"all": 2.0, "all-always": 3.0}
     assert "ivf_flat" not in headline({**result, "ivf_flat": None})
+    assert "hnsw" not in headline({**result, "hnsw": None})  # --hnsw-size 0
 
 
 def test_a_trace_splits_into_two_halves_numbered_as_in_the_whole_and_arriving_from_zero() -> None:
