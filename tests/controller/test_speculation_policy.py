@@ -158,3 +158,26 @@ async def test_always_speculates_unpriced_and_never_not_at_all(
     assert done.timeline.speculations == speculations and done.timeline.speculations_priced_out == 0
     assert all("gain_ms" not in e.detail for e in done.timeline.events)
     await engine.close()
+
+
+async def test_a_warm_up_is_priced_by_the_search_it_can_hide(tiny_assets: Assets) -> None:
+    """The first query knows no search time, so a warm-up could hide nothing: it is skipped. Once a
+    search has taught the index its time, a cold system prompt is warmed beside the next search."""
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [B, B], 0.2))
+    metrics = ServiceMetrics()
+    first = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
+    skip = next(e for e in first.timeline.events if e.kind == "warmup_skip")
+    assert skip.detail["gain_ms"] == 0 and skip.detail["observed"] == 0
+    assert first.timeline.warmups_priced_out == 1 and not first.timeline.warmed
+    await controller.reset_prefix_cache()
+    second = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
+    start = next(e for e in second.timeline.events if e.kind == "warmup_start")
+    assert start.detail["gain_ms"] > start.detail["cost_ms"] and start.detail["observed"] == 1
+    assert second.timeline.warmed and controller.warmups.started == 1
+    for done in (first, second):
+        metrics.observe(done.timeline)
+    text = metrics.exposition().decode()
+    assert 'specrag_speculation_decisions_total{decision="price",kind="warmup"} 1.0' in text
+    assert 'specrag_speculation_decisions_total{decision="launched",kind="warmup"} 1.0' in text
+    await engine.close()
