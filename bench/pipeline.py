@@ -79,11 +79,12 @@ from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
 from specrag.service.assets import Assets, ensure_assets, ensure_index
 
-TARGET_RATIOS = (0.25, 0.5, 1.0, 2.0)
+# 0.05: the low-r point, where search hides little of the prefill and a speculation rarely pays.
+TARGET_RATIOS = (0.05, 0.25, 0.5, 1.0, 2.0)
 # IVF kinds (index_store.KINDS) the sweep can run on.
 SWEEP_KINDS = ("ivf-sq8", "ivf", "ivf-pq")
 # Shares of the probe list the calibration times; 3/4 fills the gap where r crosses 1 for one passage.
-PROBE_SHARES = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1.0)
+PROBE_SHARES = (1 / 256, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1.0)
 PROMPT_SIZES = (1, 2, 4, 8)
 # Among settings about as close to a target ratio, prefer prompts of this many passages.
 PREFERRED_K = 4
@@ -124,7 +125,15 @@ def parse_args() -> argparse.Namespace:
         default=4_000_000,
         help="vectors in the padded flat IVF index of the extra point at r near 1 (0: none)",
     )
-    parser.add_argument("--hnsw-size", type=int, default=200_000, help="vectors in the padded HNSW index")
+    parser.add_argument(
+        "--hnsw-size", type=int, default=200_000, help="vectors in the padded HNSW index (0: no HNSW point)"
+    )
+    parser.add_argument(
+        "--targets",
+        type=lambda text: tuple(float(value) for value in text.split(",")),
+        default=TARGET_RATIOS,
+        help="search-to-prefill ratios of the idle sweep, comma-separated (default: %(default)s)",
+    )
     parser.add_argument(
         "--idle-queries", type=int, help="queries per idle configuration (default 32, quick 16)"
     )
@@ -156,7 +165,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def configurations(search_share: float) -> list[Configuration]:
-    """serial, speculation on equal and on default stages, and all (default stages)."""
+    """serial, speculation on equal and on default stages, and all (default stages), each speculation
+    priced by the speculation policy (``auto``, the default); and all with every speculation
+    launched unpriced (``all-always``, the behaviour before the policy)."""
     return [
         Configuration("serial", "serial", "pipeline", search_share),
         Configuration("spec-equal", "speculation", "pipeline", search_share, {"stage_schedule": "equal"}),
@@ -168,6 +179,13 @@ def configurations(search_share: float) -> list[Configuration]:
             {"stage_schedule": DEFAULT_SCHEDULE},
         ),
         Configuration("all", "all", "pipeline", search_share, {"stage_schedule": DEFAULT_SCHEDULE}),
+        Configuration(
+            "all-always",
+            "all",
+            "pipeline",
+            search_share,
+            {"stage_schedule": DEFAULT_SCHEDULE, "speculation": "always"},
+        ),
     ]
 
 
@@ -415,10 +433,12 @@ async def calibrate(
     return search_ms, prefill_ms
 
 
-def sweep_points(search_ms: dict[float, float], prefill_ms: dict[int, float]) -> list[Point]:
+def sweep_points(
+    search_ms: dict[float, float], prefill_ms: dict[int, float], targets: Sequence[float] = TARGET_RATIOS
+) -> list[Point]:
     """The point nearest each target ratio; targets the index cannot reach share a point (run once)."""
     points: dict[tuple[float, int], Point] = {}
-    for target in TARGET_RATIOS:
+    for target in targets:
         point = nearest_point("ivf", search_ms, prefill_ms, target)
         points.setdefault((point.knob, point.k), point)
     return list(points.values())
@@ -462,6 +482,27 @@ async def loaded_run(
     summary = loaded_summary(point, results, index, offered_rps / saturation, saturation)
     print_loaded(summary)
     return summary, results
+
+
+async def graph_point(
+    stack: Stack,
+    layout: DataLayout,
+    assets: Assets,
+    runner: SearchRunner,
+    vectors: np.ndarray,
+    prefill_ms: dict[int, float],
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any] | None, dict[str, RunResult]]:
+    """The idle point nearest r = 1 on the padded HNSW index (none with ``--hnsw-size 0``)."""
+    if not args.hnsw_size:
+        return None, {}
+    graph = await hnsw_index(layout, assets, args.hnsw_size, runner)
+    hnsw, hnsw_at = await hnsw_point(graph, vectors, prefill_ms)
+    trace = idle_trace(assets.passages, hnsw_at, args.idle_queries, args.max_tokens, args.seed + 70)
+    runs = await run_all(stack, hnsw, hnsw_at, trace)
+    summary = point_summary(hnsw_at, runs, graph)
+    print_point(summary, "idle")
+    return summary, runs
 
 
 async def flat_point(
@@ -523,7 +564,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             stack = Stack(engine, kv_events, builder, base, args.max_tokens)
             search_ms, prefill_ms = await calibrate(stack, index, queries, vectors)
-            sweep = sweep_points(search_ms, prefill_ms)
+            sweep = sweep_points(search_ms, prefill_ms, args.targets)
             idle, idle_runs = await idle_sweep(stack, index, assets.passages, sweep, args)
             nearest_one = min(
                 range(len(idle)), key=lambda i: abs(math.log(idle[i]["configurations"]["all"]["ratio"]))
@@ -536,12 +577,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 idle_runs[nearest_one]["serial"].records,
                 args,
             )
-            graph = await hnsw_index(layout, assets, args.hnsw_size, runner)
-            hnsw, hnsw_at = await hnsw_point(graph, vectors, prefill_ms)
-            trace = idle_trace(assets.passages, hnsw_at, args.idle_queries, args.max_tokens, args.seed + 70)
-            hnsw_runs = await run_all(stack, hnsw, hnsw_at, trace)
-            hnsw_summary = point_summary(hnsw_at, hnsw_runs, hnsw)
-            print_point(hnsw_summary, "idle")
+            hnsw_summary, hnsw_runs = await graph_point(
+                stack, layout, assets, runner, vectors, prefill_ms, args
+            )
             flat_summary, flat_runs = await flat_point(
                 stack, flat, assets.passages, vectors, prefill_ms, args
             )
@@ -567,7 +605,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     records = {
         **{f"idle-{i}": runs for i, runs in enumerate(idle_runs)},
         "loaded": loaded_runs,
-        "hnsw": hnsw_runs,
+        **({"hnsw": hnsw_runs} if hnsw_runs else {}),
         **({"ivf_flat": flat_runs} if flat_runs else {}),
     }
     raw = {key: {name: run.records for name, run in runs.items()} for key, runs in records.items()}
@@ -630,7 +668,7 @@ def print_loaded(summary: dict[str, Any]) -> None:
 
 
 def plot(
-    points: Sequence[dict[str, Any]], hnsw: dict[str, Any], flat: dict[str, Any] | None, kind: str
+    points: Sequence[dict[str, Any]], hnsw: dict[str, Any] | None, flat: dict[str, Any] | None, kind: str
 ) -> Path:
     import matplotlib.pyplot as plt
 
@@ -690,33 +728,52 @@ def extra_point(summary: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def headline(result: dict[str, Any]) -> dict[str, Any]:
-    """The issue's last-line summary, for ``all`` on the default schedule."""
-    loaded = result["loaded"]
-    hnsw_all = result["hnsw"]["configurations"]["all"]
+def idle_row(point: dict[str, Any]) -> dict[str, Any]:
+    """One idle point's figures for ``all`` (speculation priced) beside ``all-always``."""
+    row, always = point["configurations"]["all"], point["configurations"]["all-always"]
     return {
-        "idle": [
-            {
-                "ratio": round(row["ratio"], 3),
-                "serial_ttft_ms": round(row["serial_ttft_ms"], 1),
-                "all_ttft_ms": round(row["config_ttft_ms"], 1),
-                "bound_ttft_ms": round(row["bound_ttft_ms"], 1),
-                "overlap_fraction": round(row["overlap_fraction"], 3),
-                "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
-            }
-            for row in sorted((p["configurations"]["all"] for p in result["idle"]), key=lambda r: r["ratio"])
-        ],
+        "ratio": round(row["ratio"], 3),
+        "serial_ttft_ms": round(row["serial_ttft_ms"], 1),
+        "all_ttft_ms": round(row["config_ttft_ms"], 1),
+        "all_always_ttft_ms": round(always["config_ttft_ms"], 1),
+        "all_over_serial": round(row["config_ttft_ms"] / row["serial_ttft_ms"], 3),
+        "all_always_over_serial": round(always["config_ttft_ms"] / row["serial_ttft_ms"], 3),
+        "bound_ttft_ms": round(row["bound_ttft_ms"], 1),
+        "overlap_fraction": round(row["overlap_fraction"], 3),
+        "overlap_fraction_always": round(always["overlap_fraction"], 3),
+        "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
+        "speculations_per_query": {
+            name: round(
+                point["summaries"][name]["speculations"]
+                / max(1, point["summaries"][name]["requests"] - point["summaries"][name]["errors"]),
+                2,
+            )
+            for name in ("all", "all-always")
+        },
+    }
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's last-line summary, for ``all`` on the default schedule beside ``all-always``."""
+    loaded = result["loaded"]
+    idle = sorted((idle_row(p) for p in result["idle"]), key=lambda r: r["ratio"])
+    return {
+        "idle": idle,
+        "low_r": idle[0],
         "loaded": {
             "ratio": round(loaded["configurations"]["all"]["ratio"], 3),
             "utilization": round(loaded["utilization"], 3),
-            "ttft_mean_all_over_serial": round(loaded["ttft_mean_over_serial"]["all"], 3),
-            "ttft_p99_all_over_serial": round(loaded["ttft_p99_over_serial"]["all"], 3),
-            "wasted_spec_prefill_share": round(loaded["wasted_spec_prefill_share"]["all"], 4),
+            **{
+                f"{figure}_{name.replace('-', '_')}": round(loaded[key][name], 4)
+                for name in ("all", "all-always")
+                for figure, key in (
+                    ("ttft_mean_over_serial", "ttft_mean_over_serial"),
+                    ("ttft_p99_over_serial", "ttft_p99_over_serial"),
+                    ("wasted_spec_prefill_share", "wasted_spec_prefill_share"),
+                )
+            },
         },
-        "hnsw": {
-            "ratio": round(hnsw_all["ratio"], 3),
-            "overlap_fraction": round(hnsw_all["overlap_fraction"], 3),
-        },
+        **({"hnsw": extra_point(result["hnsw"])} if result["hnsw"] else {}),
         **({"ivf_flat": extra_point(result["ivf_flat"])} if result["ivf_flat"] else {}),
         "index": result["facts"]["index"],
         "schedule": DEFAULT_SCHEDULE,

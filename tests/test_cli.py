@@ -17,6 +17,7 @@ import pytest
 
 from specrag.cli import build_parser, main
 from specrag.service.assets import Assets
+from specrag.service.commands import _controller_config
 from tests.helpers import QUESTION, free_port
 
 
@@ -75,6 +76,18 @@ def test_global_options_work_before_and_after_the_subcommand(tmp_path: Path, pos
     assert (data_dir / "corpus" / "passages.jsonl").is_file()
 
 
+@pytest.mark.parametrize(("argv", "setting"), [([], "auto"), (["--speculation", "never"], "never")])
+def test_serve_speculation_sets_the_controller_s(argv: list[str], setting: str) -> None:
+    assert _controller_config(build_parser().parse_args(["serve", *argv])).speculation == setting
+
+
+def test_an_unknown_speculation_setting_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--speculation", "sometimes"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err
+
+
 def test_an_option_before_the_subcommand_is_not_reset_by_the_subcommand_default() -> None:
     args = build_parser().parse_args(["--data-dir", "/somewhere", "-v", "serve"])
     assert args.data_dir == "/somewhere" and args.verbose is True
@@ -90,6 +103,7 @@ def test_an_option_before_the_subcommand_is_not_reset_by_the_subcommand_default(
                 "(default: all)",
                 "(default: by index kind, 6 for IVF, 5 for HNSW)",
                 "(default: geometric)",
+                "(default: auto; see docs/speculation.md)",
             ],
         ),
         (["index", "build", "--help"], ["(default: ivf)", "(default: 1024)", "--data-dir"]),

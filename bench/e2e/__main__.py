@@ -43,7 +43,7 @@ from bench.e2e.runner import (
 from bench.e2e.workload import TraceQuery, generate, load_trace, save_trace
 from bench.traces import WORKLOADS
 from specrag.controller.controller import ControllerConfig
-from specrag.controller.modes import MODE_NAMES
+from specrag.controller.modes import MODE_NAMES, get_mode
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import parse_cpus
 from specrag.pipeline.engine import Engine
@@ -122,8 +122,20 @@ def scaled_index(layout: DataLayout, assets: Assets, size: int, nlist: int, kind
     return ensure_index(layout, assets.passages, config, directory)
 
 
+# The speculating modes again with every speculation launched unpriced (``speculation="always"``,
+# the behaviour before the speculation policy), beside their default ``auto``.
+ALWAYS = tuple(f"{mode}-always" for mode in MODE_NAMES if get_mode(mode).speculation)
+ALWAYS_OVERRIDES = {"speculation": "always"}
+
+
 def configurations(args: argparse.Namespace) -> list[Configuration]:
     main = [Configuration(mode, mode, "main", args.ratio) for mode in MODE_NAMES]
+    main += [
+        Configuration(
+            name, get_mode(name.removesuffix("-always")).name, "main", args.ratio, {"speculation": "always"}
+        )
+        for name in ALWAYS
+    ]
     # "exact" is the main "ordering" configuration and "retrieval" order is "serial".
     policies = ("sorted", "greedy") if args.quick else ("sorted", "greedy", "recency")
     ordering = [
@@ -264,12 +276,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for (seed, name), run in results.items()
     }
     headline = {}
-    for mode in (name for name in MODE_NAMES if name != "serial"):
+    for mode in (name for name in (*MODE_NAMES, *ALWAYS) if name != "serial"):
         baseline = [r for seed in range(len(traces)) for r in _tag(results[(seed, "serial")].records, seed)]
         other = [r for seed in range(len(traces)) for r in _tag(results[(seed, mode)].records, seed)]
         ratio, low, high = paired_ratio_ci(baseline, other)
         failed = sum("error" in r for r in baseline + other)
-        headline[mode] = {"ttft_mean_ratio_vs_serial": ratio, "ci95": [low, high], "unpaired_errors": failed}
+        serial_p99, p99 = (summaries[f"{name}@seed0"]["ttft_p99_ms"] for name in ("serial", mode))
+        headline[mode] = {
+            "ttft_mean_ratio_vs_serial": ratio,
+            "ci95": [low, high],
+            "ttft_p99_ratio_vs_serial_seed0": p99 / serial_p99,
+            "unpaired_errors": failed,
+        }
     facts = {
         **machine(),
         "engine_cpus": args.engine_cpus if args.engine_url is None else None,
@@ -356,7 +374,8 @@ def print_table(result: dict[str, Any]) -> None:
     print("\nmean TTFT vs serial (95 % CI):")
     for mode, h in result["headline"].items():
         print(
-            f"  {mode:<12} {h['ttft_mean_ratio_vs_serial']:.3f}  [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}]"
+            f"  {mode:<18} {h['ttft_mean_ratio_vs_serial']:.3f}  [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}]"
+            f"  p99 {h['ttft_p99_ratio_vs_serial_seed0']:.3f}x"
             f"  ({h['unpaired_errors']} failed requests left out)"
         )
     facts = result["facts"]
@@ -400,6 +419,14 @@ def main() -> None:
         for mode in MODE_NAMES
     }
     facts = result["facts"]
+    # The figures: each configuration's mean TTFT over serial's with its 95 % interval.
+    last["headline"] = {
+        mode: {
+            key: [_rounded(v) for v in value] if isinstance(value, list) else _rounded(value)
+            for key, value in figures.items()
+        }
+        for mode, figures in result["headline"].items()
+    }
     last["machine"] = {
         "engine_cpus": facts["engine_cpus"],
         "search_cpus": facts["search_cpus"],

@@ -34,6 +34,8 @@ class PrefillEstimator:
         self.min_samples = min_samples
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._profile = fallback
+        # The fit's intercept: what a request costs the engine besides its tokens (0 until fitted).
+        self.overhead_s = 0.0
 
     @property
     def profile(self) -> PrefillProfile:
@@ -70,7 +72,7 @@ class PrefillEstimator:
         cached, computed, seconds = data[:, 0], data[:, 1], data[:, 2]
         # cost(c, m) = seconds(c + m) - seconds(c) = a·m + b·((c + m)² - c²)
         features = np.column_stack([computed, computed * (2 * cached + computed)])
-        best: tuple[float, float, float] | None = None  # (residual, a, b)
+        best: tuple[float, float, float, float] | None = None  # (residual, a, b, intercept)
         for used in ([0, 1], [0], [1]):  # the full model, else each term alone
             design = np.column_stack([np.ones(len(seconds)), features[:, used]])
             solution = np.linalg.lstsq(design, seconds, rcond=None)[0]
@@ -80,10 +82,11 @@ class PrefillEstimator:
                 continue
             residual = float(np.sum((design @ solution - seconds) ** 2))
             if best is None or residual < best[0]:
-                best = (residual, a, b)
+                best = (residual, a, b, float(solution[0]))
         if best is None:
             return None
-        _, a, b = best
+        _, a, b, intercept = best
+        self.overhead_s = max(0.0, intercept)
         span = int((cached + computed).max())
         tokens = np.unique(np.linspace(0, span, _PROFILE_POINTS).astype(np.int64))
         points = [(int(n), a * n + b * n * n) for n in tokens.tolist()]

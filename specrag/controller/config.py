@@ -7,6 +7,7 @@ from typing import Literal, get_args
 
 from specrag.cache.ordering import PolicyName, get_policy
 from specrag.controller.modes import ModeName, check_document_kv, get_mode
+from specrag.controller.speculation_policy import check_speculation
 from specrag.errors import InvalidInputError, check_choice
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule, check_schedule
 
@@ -34,6 +35,10 @@ class ControllerConfig:
     cached/compute queue) or ``"window"`` (request and document order chosen together over the
     oldest ``window_requests``; one engine only).
     ``max_batch_queries`` bounds the questions of one batch (:mod:`specrag.controller.batch`).
+    ``speculation`` says whether a mode that speculates prices each speculative prefill and
+    warm-up first (``"auto"``), launches them whenever the gate has room (``"always"``, the
+    behaviour before pricing) or never speculates (``"never"``); see
+    :mod:`specrag.controller.speculation_policy`.
     """
 
     k_default: int = 10
@@ -57,6 +62,7 @@ class ControllerConfig:
     max_sessions: int = 1000
     max_sessions_per_client: int = 64
     session_ttl_s: float = 3600.0
+    speculation: str = "auto"
     max_batch_queries: int = 32
 
     def __post_init__(self) -> None:
@@ -73,6 +79,7 @@ class ControllerConfig:
         if self.num_stages is not None and self.num_stages < 1:
             raise InvalidInputError("num_stages must be at least 1")
         check_schedule(self.stage_schedule)
+        check_speculation(self.speculation)
         if self.max_prefill_bs is not None and self.max_prefill_bs < 1:
             raise InvalidInputError("max_prefill_bs must be at least 1")
         if not 1 <= self.max_tokens_default <= self.max_tokens_limit:

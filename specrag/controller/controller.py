@@ -30,6 +30,7 @@ from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, Ra
 from specrag.controller.run import QueryRun, QueryShared
 from specrag.controller.sampling import check_sampling
 from specrag.controller.sessions import Session, SessionStore
+from specrag.controller.speculation_policy import SpeculationPolicy
 from specrag.controller.warmup import SystemPromptWarmer, WarmupRecord
 from specrag.errors import EngineError, InvalidInputError, TooLargeError, echo
 from specrag.pipeline.engine import Engine
@@ -90,6 +91,8 @@ class RagController:
         self.batched_token_budget = step_token_budget(self.config, first.engine)
         # PGDSF costs follow the engine in use: fitted from served answers, the tree's until then.
         self.prefill_estimator = PrefillEstimator(first.tree.profile)
+        # Prices each speculative prefill from the profile above and the index's stage figures.
+        self.speculation = SpeculationPolicy(self.config.speculation, self.prefill_estimator)
         max_bs = self.config.max_prefill_bs or default_max_prefill_bs(
             self.batched_token_budget,
             len(builder.system_token_ids) + self.config.k_default * _EXPECTED_PASSAGE_TOKENS,
@@ -253,6 +256,7 @@ class RagController:
             self._warmer,
             self._hints,
             self._turn_prompts,
+            self.speculation,
         )
 
     # ------------------------------------------------------------------ the rest of the facade

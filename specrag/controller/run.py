@@ -4,12 +4,14 @@ RAGCache++ §3.6).
 1. Embed the question; start the staged search; if the knowledge tree says the system prompt is
    not resident, have the controller warm it (shared work: recorded by the controller, not here)
    — with speculation on, only at a stage that could not speculate, since a speculation
-   prefills the system prompt itself.
+   prefills the system prompt itself; with ``speculation="auto"`` only if its price pays.
 2. A stage arrived: order its running top-k with the knowledge tree and build the prompt. If it
    differs from the live speculation's prompt, abort that one and, only if the prompt fits the
-   model and the prefill pool has room (:class:`~specrag.controller.gate.PrefillGate`), submit
-   the new prompt speculatively. A later turn of a conversation continues its history instead,
-   dropping the oldest turns that do not fit (:mod:`specrag.controller.conversation`).
+   model, its price pays (:mod:`~specrag.controller.speculation_policy`, with
+   ``speculation="auto"``) and the prefill pool has room
+   (:class:`~specrag.controller.gate.PrefillGate`), submit the new prompt speculatively. A later
+   turn of a conversation continues its history instead, dropping the oldest turns that do not
+   fit (:mod:`specrag.controller.conversation`).
 3. The final result is known: order and build the final prompt. If the live speculation has
    exactly this prompt, adopt its stream; otherwise abort it and submit the final prompt through
    the gate.
@@ -43,12 +45,15 @@ from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import PrefillGate, Slot
 from specrag.controller.placement import Placed, Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, Source
+from specrag.controller.replicas import Replica
 from specrag.controller.sessions import SessionStore
+from specrag.controller.speculation_policy import Price, SpeculationPolicy
 from specrag.controller.timeline import Timeline
 from specrag.controller.warmup import SystemPromptWarmer
 from specrag.errors import EngineError, InvalidInputError, OverloadedError
 from specrag.pipeline.engine import EngineOutput, check_prompt_fits, latest_cached_tokens, now
 from specrag.pipeline.prompt import PromptBuilder
+from specrag.retrieval.stage_stats import PlanKey, StageOutlook
 from specrag.retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
@@ -68,6 +73,7 @@ class QueryShared:
     warmer: SystemPromptWarmer
     hints: HintConfig
     turn_prompts: TurnPrompts
+    speculation: SpeculationPolicy
 
 
 class QueryRun:
@@ -80,6 +86,7 @@ class QueryRun:
         self._flights: list[Flight] = []
         self._speculation: Flight | None = None
         self._turn: TurnPrompt | None = None  # a later session turn's final prompt: what it kept
+        self._plan: PlanKey | None = None  # what the index's stage figures for this search are under
         self._background: set[asyncio.Task[None]] = set()  # aborts of preempted speculations
         self.sources: tuple[Source, ...] = ()  # the final top-k, once known
 
@@ -97,21 +104,21 @@ class QueryRun:
         """The staged search with speculation; returns the flight the answer comes from."""
         shared, checked, timeline = self._shared, self.checked, self.timeline
         if checked.planned is not None:  # a batch query: its batch searched and ordered it
+            # No search ahead for a warm-up to hide behind: the final prompt is submitted at once.
             timeline.add(
                 "planned", now(), position=checked.planned.position, documents=len(checked.planned.rows)
             )
-            self._warm_up()
             return await self.final_known(list(checked.planned.rows))
         loop = asyncio.get_running_loop()
         timeline.embed_start = now()
         vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
         timeline.search_start = now()
         config = shared.config
-        plan = shared.index.stage_plan(
-            config.num_stages if checked.mode.speculation else 1, config.stage_schedule
-        )
+        speculates = checked.mode.speculation and shared.speculation.speculates
+        plan = shared.index.stage_plan(config.num_stages if speculates else 1, config.stage_schedule)
+        self._plan = shared.index.plan_key(checked.k, plan.num_stages, plan.schedule)
         if plan.num_stages == 1:
-            self._warm_up()
+            self._warm_up(0)
         final_rows: list[int] = []
         search = shared.index.search_staged(
             vector,
@@ -137,7 +144,7 @@ class QueryRun:
         A running top-k may make a longer prompt than the final one: if it does not fit the
         model, it is not speculated on, and the query goes on (only the final prompt must fit).
         """
-        if not self.checked.mode.speculation:
+        if not self.checked.mode.speculation or not self._shared.speculation.speculates:
             return
         placed = self._prompt(rows, final=False)
         speculation = self._speculation
@@ -146,9 +153,16 @@ class QueryRun:
         if speculation is not None:
             await self._drop(speculation)
         tokens = len(placed.layout.token_ids)
+        timeline = self.timeline
         if tokens + self.checked.sampling.max_tokens > placed.replica.engine.max_model_len:
-            self.timeline.add("spec_skip", now(), stage=stage, prompt_tokens=tokens)
-            self._warm_up()
+            timeline.add("spec_skip", now(), stage=stage, reason="too_long", prompt_tokens=tokens)
+            self._warm_up(stage)
+            return
+        price = self._price(placed, stage)
+        if price is not None and not price.pays:
+            timeline.speculations_priced_out += 1
+            timeline.add("spec_skip", now(), stage=stage, reason="price", **price.detail())
+            self._warm_up(stage)
             return
         slot = self._shared.gate.try_speculate(
             compute_tokens=tokens - placed.predicted_cached,
@@ -156,18 +170,20 @@ class QueryRun:
             preempt=self._preempted,
         )
         if slot is None:
-            self._warm_up()
+            timeline.add("spec_skip", now(), stage=stage, reason="no_room")
+            self._warm_up(stage)
         else:
             self._speculation = self._launch(
                 placed, slot, speculative=True, predicted=placed.predicted_cached
             )
-            self.timeline.speculations += 1
-            self.timeline.add(
+            timeline.speculations += 1
+            timeline.add(
                 "spec_submit",
                 self._speculation.submitted_at,
                 stage=stage,
                 request_id=self._speculation.request_id,
                 replica=placed.replica.name,
+                **(price.detail() if price is not None else {}),
             )
 
     async def final_known(self, rows: list[int]) -> Flight:
@@ -285,17 +301,56 @@ class QueryRun:
 
     # ------------------------------------------------------------------ helpers
 
-    def _warm_up(self) -> None:
-        """Prefill the system prompt where it is cold, if this query's mode warms up.
+    def _warm_up(self, stage: int) -> None:
+        """Prefill the system prompt where it is cold, if this query's mode warms up (and, with
+        ``speculation="auto"``, if its price pays with the search left after ``stage``).
 
         A speculation prefills the system prompt with its documents, so with speculation on this
         runs only at a stage that could not speculate: a warm-up started beside the search would
         hold the prefill slot the first stage's speculation needs (after a cache reset it kept
         every stage of the query's search from speculating).
         """
-        if self.checked.mode.warmup and self._shared.warmer.start_if_cold():
-            self.timeline.add("warmup_start", now())
-            self.timeline.warmed = True
+        shared, timeline = self._shared, self.timeline
+        if not self.checked.mode.warmup or not shared.warmer.needed():
+            return
+        detail: dict[str, float | int] = {}
+        if shared.speculation.priced:
+            system_tokens = len(shared.builder.system_layout_tokens())
+            price = shared.speculation.warmup(
+                self._outlook(stage), system_tokens, self._waiting(shared.placement.replicas)
+            )
+            detail = price.detail()
+            if not price.pays:
+                timeline.warmups_priced_out += 1
+                timeline.add("warmup_skip", now(), stage=stage, **detail)
+                return
+        if shared.warmer.start_if_cold():
+            timeline.add("warmup_start", now(), stage=stage, **detail)
+            timeline.warmed = True
+
+    def _price(self, placed: Placed, stage: int) -> Price | None:
+        """What speculating on this stage's prompt is expected to gain and cost (None: not priced)."""
+        policy = self._shared.speculation
+        if not policy.priced:
+            return None
+        cached = placed.predicted_cached
+        computed = len(placed.layout.token_ids) - cached
+        ordered = self.checked.mode.ordering  # the tree orders the documents: any order of them will do
+        return policy.speculation(
+            self._outlook(stage), ordered, cached, computed, self._waiting((placed.replica,))
+        )
+
+    def _outlook(self, stage: int) -> StageOutlook:
+        """The index's figures for this search after ``stage`` (0: its start)."""
+        assert self._plan is not None and self.timeline.search_start is not None
+        elapsed = now() - self.timeline.search_start
+        return self._shared.index.stage_stats.outlook(self._plan, stage, elapsed)
+
+    def _waiting(self, replicas: Sequence[Replica]) -> int:
+        """Requests that wait for these engines now: the engines' own backlog, our requests before
+        their first token and final requests queued at the gate."""
+        loads = [replica.engine.load() for replica in replicas]
+        return sum(load.engine_waiting + load.prefilling for load in loads) + self._shared.gate.waiting
 
     def _rows(self, ids: np.ndarray) -> list[int]:
         """Corpus rows of a stage's ids in rank order; padding and repeats (synthetic rows) dropped."""

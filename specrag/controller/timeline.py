@@ -13,6 +13,7 @@ EventKind = Literal[
     "planned",
     "stage",
     "warmup_start",
+    "warmup_skip",
     "spec_submit",
     "spec_abort",
     "spec_skip",
@@ -37,9 +38,13 @@ class TimelineEvent:
     - ``planned``: a batch query starts with the documents its batch retrieved and ordered
       (``position`` in the batch's schedule; no search of its own);
     - ``stage``: a search stage's running top-k arrived (``done`` for the final one);
-    - ``warmup_start``: the query started warming the system prompt;
-    - ``spec_submit``, ``spec_abort`` (``reason`` stale or preempted), ``spec_skip`` (a running
-      top-k's prompt too long for the model): speculations;
+    - ``warmup_start``: the query started warming the system prompt; ``warmup_skip``: its price
+      said it would not pay;
+    - ``spec_submit``, ``spec_abort`` (``reason`` stale or preempted), ``spec_skip`` (``reason``:
+      ``too_long``, a running top-k's prompt too long for the model; ``price``, its expected gain
+      not above its expected cost; ``no_room``, the prefill gate refused): speculations. A priced
+      decision (spec_submit, spec_skip for its price, warmup_start, warmup_skip) carries the
+      price's figures (:meth:`~specrag.controller.speculation_policy.Price.detail`);
     - ``history_dropped``: a conversation's oldest turns left the context;
     - ``adopt``: the final prompt was the speculation's, whose stream becomes the answer;
     - ``queued``: the final prompt waits for a prefill slot; ``reordered``: window admission
@@ -80,6 +85,8 @@ class Timeline:
     predicted_cached_tokens: int = 0
     predicted_beside_prefill: bool = False
     speculations: int = 0
+    speculations_priced_out: int = 0  # stages whose speculation's expected gain was not above its cost
+    warmups_priced_out: int = 0
     aborted_speculations: int = 0
     preempted_speculations: int = 0  # of the aborted: those a final request of another query took the slot of
     wasted_spec_prefill_tokens: int = 0
@@ -172,6 +179,8 @@ class Timeline:
             "predicted_cached_tokens": self.predicted_cached_tokens,
             "predicted_beside_prefill": self.predicted_beside_prefill,
             "speculations": self.speculations,
+            "speculations_priced_out": self.speculations_priced_out,
+            "warmups_priced_out": self.warmups_priced_out,
             "aborted_speculations": self.aborted_speculations,
             "preempted_speculations": self.preempted_speculations,
             "wasted_spec_prefill_tokens": self.wasted_spec_prefill_tokens,

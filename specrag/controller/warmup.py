@@ -42,12 +42,23 @@ class SystemPromptWarmer:
         self._gate = gate
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
+    def needed(self) -> bool:
+        """Whether some available replica's system prompt is cold with no warm-up running there."""
+        return any(self._cold(replica) for replica in self._replicas)
+
+    def _cold(self, replica: Replica) -> bool:
+        return (
+            replica.available
+            and not replica.tree.system_prompt_resident()
+            and replica.name not in self._tasks
+        )
+
     def start_if_cold(self) -> bool:
         """Start a warm-up on every available replica where the system prompt is cold, none runs
         and the pool has room; True if any started."""
         started = False
         for replica in self._replicas:
-            if not replica.available or replica.tree.system_prompt_resident() or replica.name in self._tasks:
+            if not self._cold(replica):
                 continue
             slot = self._gate.try_speculate()
             if slot is None:

@@ -76,15 +76,11 @@ class _BeamSearch:
             )
         )  # fmt: skip
 
-    def sorted(self) -> tuple[np.ndarray, np.ndarray]:
-        """Results best first, as faiss reports them (similarities for inner product)."""
-        order = np.lexsort((self.result_ids, self.result_dis))
-        distances, ids = self.result_dis[order], self.result_ids[order]
-        missing = ids < 0
-        if self.searcher.inner_product:
-            distances = -distances
-        distances[missing] = -_WORST if self.searcher.inner_product else _WORST
-        return distances, ids
+    def sorted_into(self, distances: np.ndarray, ids: np.ndarray) -> None:
+        """Results best first into these rows, as faiss reports them (similarities for inner product)."""
+        hnsw_kernels.sorted_results(
+            self.result_dis, self.result_ids, self.searcher.inner_product, _WORST, distances, ids
+        )
 
 
 class _Graph:
@@ -182,7 +178,10 @@ class StagedHNSW(FaissBacked):
             return all([beam.expand(units) for beam in beams])
 
         def snapshot() -> tuple[np.ndarray, np.ndarray]:
-            results = [beam.sorted() for beam in beams]
-            return np.stack([d for d, _ in results]), np.stack([i for _, i in results])
+            distances = np.empty((len(beams), k), dtype=np.float32)
+            ids = np.empty((len(beams), k), dtype=np.int64)
+            for row, beam in enumerate(beams):
+                beam.sorted_into(distances[row], ids[row])
+            return distances, ids
 
         yield from run_stages(advance, snapshot, plan, expected_units=self.expected_expansions)

@@ -27,6 +27,7 @@ from specrag.retrieval.embedders import Embedder
 from specrag.retrieval.fusion import FusionConfig, fuse
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.stage_stats import PlanKey, StageStatistics
 from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries, stage_plan
 from specrag.retrieval.text import normalize_text
 
@@ -70,6 +71,8 @@ class VectorIndex:
         self.synthetic_sources = sources
         self.embedder = embedder
         self._runner = runner
+        # How each stage's top-k turned out, learned from every single-query staged search.
+        self.stage_stats = StageStatistics()
         # Row -> passage, with a trailing -1 so that padding ids (-1) map to -1 by plain indexing.
         self._row_to_passage = np.concatenate([np.arange(len(passage_ids)), sources, [-1]])
 
@@ -261,6 +264,17 @@ class VectorIndex:
             schedule=schedule,
             query_texts=None if query_text is None else [query_text],
         )
+        seen: list[StageResult] = []
         async with contextlib.aclosing(batch) as stages:
             async for stage in stages:
-                yield stage.for_query(0)
+                seen.append(stage.for_query(0))
+                if stage.done:  # learned before the caller sees the end (it may stop reading there)
+                    self.stage_stats.record(self.plan_key(k, num_stages, schedule), seen)
+                yield seen[-1]
+
+    def plan_key(self, k: int, num_stages: int | None = None, schedule: str | None = None) -> PlanKey:
+        """What :attr:`stage_stats` keeps a search's figures under: settings, k and the stage plan
+        (the index kind's defaults for what is not given, as :meth:`stage_plan` resolves them)."""
+        settings = tuple(sorted((name, str(value)) for name, value in self.searcher.settings.items()))
+        plan = self.stage_plan(num_stages, schedule)
+        return PlanKey(settings, k, plan.num_stages, plan.schedule)

@@ -20,6 +20,7 @@ from specrag.client import AsyncClient
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES
 from specrag.controller.placement import ROUTERS
+from specrag.controller.speculation_policy import SPECULATION_SETTINGS
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
@@ -161,6 +162,7 @@ _FLAG_OF_SETTING = {
     "max_prefill_bs": "--max-prefill-bs",
     "max_queue": "--max-queue",
     "first_token_timeout_s": "--first-token-timeout",
+    "speculation": "--speculation",
 }
 
 
@@ -174,6 +176,7 @@ def _controller_config(args: argparse.Namespace) -> ControllerConfig:
             max_prefill_bs=args.max_prefill_bs,
             max_queue=args.max_queue,
             first_token_timeout_s=args.first_token_timeout,
+            speculation=args.speculation,
         )
     except InvalidInputError as error:
         message = str(error)
@@ -406,6 +409,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=DEFAULT_SCHEDULE,
         help="how the stages cut the search: equal slices, or geometric (1/32, 1/16, 1/8, 1/4, 1/2, "
         "1 of it for 6 stages: the first speculation starts early) (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--speculation",
+        choices=SPECULATION_SETTINGS,
+        default=ControllerConfig().speculation,
+        help="speculative prefill on a running top-k: auto launches one (or a system-prompt warm-up) "
+        "only when its expected gain, from measured figures, exceeds its expected cost; always "
+        "whenever the prefill pool has room; never (default: %(default)s; see docs/speculation.md)",
     )
     serve.add_argument(
         "--engine-url",

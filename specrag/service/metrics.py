@@ -24,6 +24,13 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 
 OUTCOMES = ("ok", "rejected", "overloaded", "error", "disconnected")
 
+# Timeline events that record a speculative-prefill decision: (what was decided on, the decision).
+DECISIONS = {
+    "spec_submit": ("speculation", "launched"),
+    "warmup_start": ("warmup", "launched"),
+    "warmup_skip": ("warmup", "price"),
+}
+
 
 def mode_label(mode: str | None, default: str) -> str:
     """A bounded label value: a client-chosen unknown mode must not create a new time series."""
@@ -91,6 +98,13 @@ class ServiceMetrics:
         self.aborted_speculations = counter("specrag_aborted_speculations", "Speculations aborted")
         self.preempted_speculations = counter(
             "specrag_preempted_speculations", "Speculations aborted because a final request needed their slot"
+        )
+        self.speculation_decisions = counter(
+            "specrag_speculation_decisions",
+            "Speculative prefill decisions of answered queries: speculations on a stage's top-k and "
+            "system-prompt warm-ups, launched or skipped (price: expected gain not above expected "
+            "cost; no_room: the prefill gate refused; too_long: the prompt does not fit the model)",
+            ("kind", "decision"),
         )
         self.adoptions = counter("specrag_adoptions", "Answers served by an adopted speculation")
         self.migrations = counter(
@@ -170,6 +184,12 @@ class ServiceMetrics:
         self.speculations.inc(timeline.speculations)
         self.aborted_speculations.inc(timeline.aborted_speculations)
         self.preempted_speculations.inc(timeline.preempted_speculations)
+        for event in timeline.events:
+            decided = DECISIONS.get(event.kind)
+            if event.kind == "spec_skip":
+                decided = ("speculation", str(event.detail.get("reason")))
+            if decided is not None:
+                self.speculation_decisions.labels(kind=decided[0], decision=decided[1]).inc()
         self.adoptions.inc(int(timeline.adopted))
         self.migrations.inc(timeline.migrations)
         self.prompt_tokens.inc(timeline.prompt_tokens)

@@ -65,8 +65,10 @@ def test_points_are_chosen_by_predicted_ratio_and_unreachable_targets_share_one(
     assert nearest_point("ivf", search_ms, prefill_ms, 0.25).predicted_ratio == pytest.approx(0.25)
     one = nearest_point("ivf", search_ms, prefill_ms, 1.0)
     assert (one.knob, one.k) == (1.0, 1)
-    # 2.0 is out of reach: it maps to the same point as 1.0 and runs once.
-    assert len(sweep_points(search_ms, prefill_ms)) == 3
+    # 2.0 is out of reach: it maps to the same point as 1.0 and runs once; 0.05 comes nearest at
+    # the cheapest search with the longest prompt (0.125).
+    points = sweep_points(search_ms, prefill_ms)
+    assert len(points) == 4 and min(p.predicted_ratio for p in points) == pytest.approx(0.125)
 
 
 def test_waste_counts_against_everything_the_engine_prefilled() -> None:
@@ -85,7 +87,8 @@ def test_saturation_is_set_by_the_busier_of_engine_and_search() -> None:
 
 
 def point(ratio: float, overlap_fraction: float) -> dict[str, Any]:
-    """A point summary as point_summary writes it, with only ``all``'s row filled in."""
+    """A point summary as point_summary writes it, with only the rows of ``all`` and
+    ``all-always`` (the same but 30 ms slower) filled in."""
     row = {
         "ratio": ratio,
         "serial_ttft_ms": 300.0,
@@ -94,16 +97,21 @@ def point(ratio: float, overlap_fraction: float) -> dict[str, Any]:
         "overlap_fraction": overlap_fraction,
         "non_overlapped_over_search": 0.1,
     }
-    return {"configurations": {"all": row}}
+    always = {**row, "config_ttft_ms": 280.0}
+    summaries = {
+        "all": {"speculations": 8, "requests": 4, "errors": 0},
+        "all-always": {"speculations": 12, "requests": 4, "errors": 0},
+    }
+    return {"configurations": {"all": row, "all-always": always}, "summaries": summaries}
 
 
 def test_the_headline_sorts_points_by_ratio_and_adds_the_extra_points() -> None:
     loaded = {
         **point(1.0, 0.9),
         "utilization": 0.7,
-        "ttft_mean_over_serial": {"all": 0.8},
-        "ttft_p99_over_serial": {"all": 0.9},
-        "wasted_spec_prefill_share": {"all": 0.01},
+        "ttft_mean_over_serial": {"all": 0.8, "all-always": 0.85},
+        "ttft_p99_over_serial": {"all": 0.9, "all-always": 1.1},
+        "wasted_spec_prefill_share": {"all": 0.01, "all-always": 0.2},
     }
     facts = {"stages": {"ivf": 6, "hnsw": 5}, "pinning": "apart", "index": {"kind": "ivf-sq8"}}
     result = {
@@ -117,8 +125,14 @@ def test_the_headline_sorts_points_by_ratio_and_adds_the_extra_points() -> None:
     assert [row["ratio"] for row in line["idle"]] == [0.5, 2.0]
     assert line["ivf_flat"] == {"ratio": 0.9, "overlap_fraction": 0.6, "non_overlapped_over_search": 0.1}
     assert line["hnsw"]["overlap_fraction"] == 0.97 and line["index"]["kind"] == "ivf-sq8"
-    assert line["loaded"]["ttft_p99_all_over_serial"] == 0.9
+    assert line["loaded"]["ttft_p99_over_serial_all"] == 0.9
+    assert line["loaded"]["wasted_spec_prefill_share_all_always"] == 0.2
+    assert line["low_r"]["ratio"] == 0.5 and line["low_r"]["all_always_over_serial"] == pytest.approx(
+        280 / 300, abs=1e-3
+    )
+    assert line["low_r"]["speculations_per_query"] == {"all": 2.0, "all-always": 3.0}
     assert "ivf_flat" not in headline({**result, "ivf_flat": None})
+    assert "hnsw" not in headline({**result, "hnsw": None})  # --hnsw-size 0
 
 
 def test_a_trace_splits_into_two_halves_numbered_as_in_the_whole_and_arriving_from_zero() -> None:

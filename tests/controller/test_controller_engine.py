@@ -126,7 +126,8 @@ async def test_speculation_never_overfills_the_prefill_pool(engine: Engine, tiny
 
 async def test_warm_up_runs_only_when_the_system_prompt_is_cold(engine: Engine, tiny_assets: Assets) -> None:
     await engine.reset_prefix_cache()
-    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A]))
+    index = scripted_index(tiny_assets, [A, A])
+    controller = make_controller(engine, tiny_assets, index, speculation="always")  # unpriced warm-up
     assert not controller.placement.replicas[0].tree.system_prompt_resident()
     first = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
     assert first.timeline.warmed

@@ -76,7 +76,8 @@ async def test_in_flight_ids_are_those_of_the_live_queries(tiny_assets: Assets) 
 
 async def test_a_query_that_ends_or_is_closed_with_the_controller_leaves_no_id(tiny_assets: Assets) -> None:
     engine = RecordingEngine()
-    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, B, B], 0.01))
+    index = scripted_index(tiny_assets, [A, B, B], 0.01)
+    controller = make_controller(engine, tiny_assets, index, speculation="always")
     await controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=4))
     assert controller.in_flight_request_ids() == set() and len(engine.submitted) >= 2
     stream = controller.stream(long_serial())
@@ -93,7 +94,8 @@ async def test_a_query_that_ends_or_is_closed_with_the_controller_leaves_no_id(t
 async def test_a_query_tokenizes_its_question_once(tiny_assets: Assets, checked_first: bool) -> None:
     engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
     # Three stages with a changing top-k: several speculative prompts and a final one are built.
-    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, B, A], 0.01))
+    index = scripted_index(tiny_assets, [A, B, A], 0.01)
+    controller = make_controller(engine, tiny_assets, index, speculation="always")
     seen = count_question_tokenizations(controller)
     request = RagRequest(QUESTION, k=4, mode="all", max_tokens=2)
     done = await controller.answer(controller.check(request) if checked_first else request)
@@ -105,7 +107,7 @@ async def test_a_query_tokenizes_its_question_once(tiny_assets: Assets, checked_
 async def test_a_warm_up_that_outlives_its_query_is_recorded_by_the_controller(tiny_assets: Assets) -> None:
     engine = HeldWarmEngine()
     controller = make_controller(
-        engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01), max_prefill_bs=2
+        engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01), max_prefill_bs=2, speculation="always"
     )
     done = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
     events = list(done.timeline.events)
@@ -123,7 +125,8 @@ async def test_a_warm_up_that_outlives_its_query_is_recorded_by_the_controller(t
 
 async def test_a_failed_warm_up_is_counted_and_the_query_still_answers(tiny_assets: Assets) -> None:
     engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
-    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01))
+    index = scripted_index(tiny_assets, [A, A], 0.01)
+    controller = make_controller(engine, tiny_assets, index, speculation="always")  # unpriced warm-up
     engine.fail_next(1)  # the first submission is the warm-up's
     done = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
     assert done.text and done.timeline.warmed
@@ -202,7 +205,7 @@ async def test_a_final_request_preempts_another_querys_speculation(tiny_assets: 
 async def test_an_adopted_speculation_is_never_preempted(tiny_assets: Assets) -> None:
     engine = SimulatedEngine(time_scale=0.5, max_model_len=4096)
     controller = make_controller(
-        engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.05), max_prefill_bs=1
+        engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.05), max_prefill_bs=1, speculation="always"
     )
     query = asyncio.create_task(
         controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=3))
@@ -248,7 +251,8 @@ async def test_with_speculation_on_the_first_stage_speculates_instead_of_warming
     """A speculation prefills the system prompt with its documents; a warm-up started beside the
     search would hold the one prefill slot the first stage's speculation needs."""
     engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
-    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01))
+    index = scripted_index(tiny_assets, [A, A], 0.01)
+    controller = make_controller(engine, tiny_assets, index, speculation="always")
     assert not controller.placement.replicas[0].tree.system_prompt_resident()
     done = await controller.answer(RagRequest(QUESTION, k=4, mode="all", max_tokens=2))
     kinds = [e.kind for e in done.timeline.events]

@@ -63,7 +63,7 @@ async def test_a_repeated_query_returns_to_the_replica_that_holds_its_documents(
 async def test_speculation_and_the_final_prompt_run_on_the_same_replica(tiny_assets: Assets) -> None:
     pool = simulated_pool(tiny_assets, 2)
     index = scripted_index(tiny_assets, [[7, 8, 9], [7, 8, 9], [7, 8, 9]], 0.05)
-    controller = pool_controller(pool, tiny_assets, index, num_stages=3)
+    controller = pool_controller(pool, tiny_assets, index, num_stages=3, speculation="always")
     timeline = await ask(controller, mode="all")
     assert timeline.adopted
     submits = [event.detail["replica"] for event in kinds(timeline, "spec_submit")]

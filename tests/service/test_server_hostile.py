@@ -230,7 +230,8 @@ async def test_the_warm_up_counter_is_the_controllers_record(tiny_assets: Assets
     """A warm-up outlives the query that started it: counted when it ends, not from the timeline."""
     engine = HeldWarmEngine()
     index = scripted_index(tiny_assets, [A, A], 0.01)
-    controller = make_controller(engine, tiny_assets, index, max_prefill_bs=2)
+    # Unpriced: the warm-up starts whatever it would save (its pricing: test_speculation_policy).
+    controller = make_controller(engine, tiny_assets, index, max_prefill_bs=2, speculation="always")
     try:
         async with (
             serving(create_app(controller), access_log=False) as url,

@@ -1,0 +1,120 @@
+"""Whether a speculative prefill is worth launching: its expected gain against its expected cost.
+
+A speculation on a stage's running top-k saves, when that top-k turns out final, the part of the
+prompt's prefill that the rest of the search hides: ``min(search left, prefill)``. When it turns
+out stale it saves nothing and costs engine time: the prefill of its uncached tokens (plus the
+fixed cost of a request) delays every request that waits for the engine behind it, and this
+query's own final request too when the prefill outlasts the search left. So, with ``p`` the
+chance the stage's top-k is final::
+
+    gain = p · min(search left, prefill)
+    cost = (1 − p) · (hold · waiting + max(0, hold − search left)),  hold = overhead + prefill
+
+and the speculation is launched only when ``gain > cost`` (then still only through the prefill
+gate, whose capacity and speculation budget hold under load). Every figure is measured while the
+system runs, none is a table: ``p`` and the search left are learned per index setting and stage
+from finished searches (:class:`~specrag.retrieval.stage_stats.StageStatistics`), the prefill
+from the engine profile PGDSF fits (:class:`~specrag.cache.prefill_estimator.PrefillEstimator`,
+whose intercept is the per-request overhead), ``waiting`` from the engine's load and the gate.
+
+Where search is short against the prefill (r ≪ 1) the gain is at most the little search left
+while a stale prompt holds the engine for its whole prefill, so only a near-certain top-k is
+speculated on; where search is long (r ≥ 1) and the engine idle, a stale speculation finishes
+before the search does and costs nothing, so every stage is speculated on, as before; under load
+a stage whose top-k is unlikely final is held back until a later stage, whose top-k is likelier.
+
+The system-prompt warm-up is priced the same way: the system prompt begins every final prompt,
+so its prefill is never stale (``p = 1``) and saves ``min(search left, its prefill)``; what it
+costs is one more request's fixed overhead, for this query's final request and every waiting one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specrag.cache.prefill_estimator import PrefillEstimator
+from specrag.errors import InvalidInputError
+from specrag.retrieval.stage_stats import StageOutlook
+
+SPECULATION_SETTINGS = ("auto", "always", "never")
+"""``auto``: each speculation (and warm-up) launched only when its price says it pays;
+``always``: on every stage that changed the top-k, while the gate has room (the behaviour before
+the policy, for experiments); ``never``: no speculative prefill on a running top-k."""
+
+
+def check_speculation(setting: str) -> str:
+    """``setting`` if it names one of :data:`SPECULATION_SETTINGS`, else a clear error."""
+    if setting not in SPECULATION_SETTINGS:
+        names = ", ".join(SPECULATION_SETTINGS)
+        raise InvalidInputError(f"speculation must be one of {names}, got {setting!r}")
+    return setting
+
+
+@dataclass(frozen=True)
+class Price:
+    """One priced speculation or warm-up: expected seconds saved and lost over all requests."""
+
+    gain_s: float
+    cost_s: float
+    p_final: float
+    remaining_s: float
+    prefill_s: float
+    waiting: int
+    observed: int  # searches the figures were learned from (0: the prior)
+
+    @property
+    def pays(self) -> bool:
+        return self.gain_s > self.cost_s
+
+    def detail(self) -> dict[str, float | int]:
+        """The figures a timeline event shows, so a reader sees why it did or did not launch."""
+        return {
+            "gain_ms": round(self.gain_s * 1000, 3),
+            "cost_ms": round(self.cost_s * 1000, 3),
+            "p_final": round(self.p_final, 3),
+            "remaining_ms": round(self.remaining_s * 1000, 3),
+            "prefill_ms": round(self.prefill_s * 1000, 3),
+            "waiting": self.waiting,
+            "observed": self.observed,
+        }
+
+
+class SpeculationPolicy:
+    """Prices speculations and warm-ups from measured figures; ``setting`` says whether to ask it."""
+
+    def __init__(self, setting: str, estimator: PrefillEstimator) -> None:
+        self.setting = check_speculation(setting)
+        self._estimator = estimator
+
+    @property
+    def priced(self) -> bool:
+        """Whether launches wait for a price that pays (``auto``)."""
+        return self.setting == "auto"
+
+    @property
+    def speculates(self) -> bool:
+        return self.setting != "never"
+
+    def speculation(
+        self, outlook: StageOutlook, ordered: bool, cached_tokens: int, computed_tokens: int, waiting: int
+    ) -> Price:
+        """The price of speculating on a stage's top-k with this prompt.
+
+        ``ordered``: the prompt's documents are ordered by the knowledge tree, so a top-k with the
+        final documents in another order still makes the final prompt. ``waiting``: requests that
+        wait for the engine now (the speculation would hold each of them up if it turns stale).
+        """
+        p = outlook.p_final_set if ordered else outlook.p_final_list
+        prefill = self._estimator.profile.cost(cached_tokens, computed_tokens)
+        hold = self._estimator.overhead_s + prefill
+        left = outlook.remaining_s
+        gain = p * min(left, prefill)
+        cost = (1 - p) * (hold * waiting + max(0.0, hold - left))
+        return Price(gain, cost, p, left, prefill, waiting, outlook.observed)
+
+    def warmup(self, outlook: StageOutlook, system_tokens: int, waiting: int) -> Price:
+        """The price of prefilling the cold system prompt now, beside the search left."""
+        prefill = self._estimator.profile.cost(0, system_tokens)
+        gain = min(outlook.remaining_s, prefill)
+        cost = self._estimator.overhead_s * (waiting + 1)
+        return Price(gain, cost, 1.0, outlook.remaining_s, prefill, waiting, outlook.observed)

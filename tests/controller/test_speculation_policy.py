@@ -1,0 +1,183 @@
+"""Speculation priced by its expected gain and cost: the arithmetic, the figures learned per index
+and stage, and decisions on the simulated engine with set timings (a search much shorter than the
+prefill, and one much longer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrag.cache.pgdsf import PrefillProfile
+from specrag.cache.prefill_estimator import PrefillEstimator
+from specrag.controller.controller import RagRequest
+from specrag.controller.speculation_policy import SpeculationPolicy
+from specrag.errors import InvalidInputError
+from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.retrieval.stage_stats import WINDOW, PlanKey, StageOutlook, StageStatistics
+from specrag.retrieval.stages import StageResult
+from specrag.service.assets import Assets
+from specrag.service.metrics import ServiceMetrics
+from tests.helpers import QUESTION, A, B, make_controller, scripted_index
+
+# One second per 1000 prompt tokens, no fixed cost: prices that are easy to check by hand.
+LINEAR = PrefillProfile([(0, 0.0), (1000, 1.0)])
+KEY = PlanKey((("kind", "test"),), 4, 3, "equal")
+
+
+def policy(setting: str = "auto") -> SpeculationPolicy:
+    return SpeculationPolicy(setting, PrefillEstimator(LINEAR))
+
+
+def outlook(p_final: float, remaining_s: float) -> StageOutlook:
+    return StageOutlook(p_final, p_final, remaining_s, 10)
+
+
+def test_a_speculation_that_would_hide_little_search_is_priced_out() -> None:
+    # r << 1: 10 ms of search left against a 500 ms prefill; even a likely top-k does not pay.
+    price = policy().speculation(outlook(0.9, 0.010), True, 0, 500, waiting=0)
+    assert price.gain_s == pytest.approx(0.9 * 0.010)
+    assert price.cost_s == pytest.approx(0.1 * (0.5 - 0.010))
+    assert not price.pays
+
+
+def test_a_speculation_that_finishes_before_the_search_costs_nothing_on_an_idle_engine() -> None:
+    # r > 1: a stale prompt's prefill ends before the search does and nobody waits behind it.
+    price = policy().speculation(outlook(0.2, 1.0), True, 0, 500, waiting=0)
+    assert price.cost_s == 0.0 and price.gain_s == pytest.approx(0.2 * 0.5)
+    assert price.pays
+
+
+def test_under_load_an_unlikely_top_k_is_held_back_and_a_likely_one_speculated() -> None:
+    early = policy().speculation(outlook(0.3, 1.0), True, 0, 500, waiting=2)
+    late = policy().speculation(outlook(0.9, 0.6), True, 0, 500, waiting=2)
+    assert early.cost_s == pytest.approx(0.7 * 0.5 * 2) and not early.pays
+    assert late.pays
+
+
+def test_cached_tokens_make_the_speculation_cheaper_and_the_order_picks_the_chance() -> None:
+    figures = StageOutlook(p_final_set=0.8, p_final_list=0.2, remaining_s=0.05, observed=5)
+    ordered = policy().speculation(figures, True, 900, 100, waiting=0)
+    in_retrieval_order = policy().speculation(figures, False, 900, 100, waiting=0)
+    assert ordered.prefill_s == pytest.approx(0.1)
+    assert ordered.p_final == 0.8 and in_retrieval_order.p_final == 0.2
+    assert ordered.pays and not in_retrieval_order.pays
+
+
+def test_a_warm_up_pays_when_the_search_left_exceeds_a_request_s_overhead() -> None:
+    estimator = PrefillEstimator(LINEAR)
+    estimator.overhead_s = 0.02
+    warm = SpeculationPolicy("auto", estimator)
+    assert warm.warmup(outlook(0.0, 0.1), 300, waiting=0).pays  # gain 0.1 s, cost 0.02 s
+    assert not warm.warmup(outlook(0.0, 0.01), 300, waiting=0).pays
+    assert not warm.warmup(outlook(0.0, 0.1), 300, waiting=5).pays  # 6 requests pay the overhead
+
+
+def test_an_unknown_setting_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="auto, always, never"):
+        policy("sometimes")
+    assert policy("always").speculates and not policy("always").priced
+    assert not policy("never").speculates
+
+
+def stage(number: int, ids: list[int], done: bool, elapsed_s: float) -> StageResult:
+    return StageResult(number, np.array(ids), np.zeros(len(ids), dtype=np.float32), done, elapsed_s)
+
+
+def test_the_chance_a_stage_is_final_and_the_search_after_it_are_learned() -> None:
+    stats = StageStatistics()
+    before = stats.outlook(KEY, 1, elapsed_s=0.1)  # no search seen: 1/2, and this search's own pace
+    assert before.observed == 0 and before.p_final_set == 0.5
+    assert before.remaining_s == pytest.approx(0.1 * 2)  # equal stages: 1/3 done, 2/3 left
+    for _ in range(8):  # stage 1 never final; stage 2 final as a set, but in another order
+        stats.record(
+            KEY, [stage(1, [1, 2], False, 0.1), stage(2, [4, 3], False, 0.2), stage(3, [3, 4], True, 0.3)]
+        )
+    first, second = stats.outlook(KEY, 1, 0.0), stats.outlook(KEY, 2, 0.0)
+    assert first.observed == 8 and first.p_final_set == pytest.approx(1 / 10)
+    assert second.p_final_set == pytest.approx(9 / 10) and second.p_final_list == pytest.approx(1 / 10)
+    assert first.remaining_s == pytest.approx(0.5) and second.remaining_s == pytest.approx(0.3)
+    assert stats.outlook(KEY, 0, 0.0).remaining_s == pytest.approx(0.6)  # the whole search
+    other = PlanKey(KEY.settings, 10, 3, "equal")  # another k is another set of figures
+    assert stats.outlook(other, 1, 0.0).observed == 0
+
+
+def test_old_observations_fade_so_the_chance_follows_a_change() -> None:
+    stats = StageStatistics()
+    final = [stage(1, [1], False, 0.1), stage(2, [1], True, 0.1)]
+    stale = [stage(1, [2], False, 0.1), stage(2, [1], True, 0.1)]
+    for _ in range(2 * WINDOW):
+        stats.record(KEY, final)
+    for _ in range(WINDOW):
+        stats.record(KEY, stale)
+    assert stats.outlook(KEY, 1, 0.0).p_final_set < 0.5
+
+
+async def test_a_speculation_is_skipped_when_its_price_says_so(tiny_assets: Assets) -> None:
+    """Search of 3 ms a stage against a prefill of hundreds of ms (r << 1): never worth it."""
+    engine = SimulatedEngine(time_scale=0.2, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, B, B], 0.003))
+    metrics = ServiceMetrics()
+    for _ in range(3):
+        done = await controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=2))
+        metrics.observe(done.timeline)
+    timeline = done.timeline
+    skips = [e for e in timeline.events if e.kind == "spec_skip"]
+    assert timeline.speculations == 0 and timeline.speculations_priced_out == 2 == len(skips)
+    assert all(e.detail["reason"] == "price" and e.detail["gain_ms"] <= e.detail["cost_ms"] for e in skips)
+    assert skips[0].detail["observed"] == 2  # learned from the two searches before
+    assert timeline.to_dict()["speculations_priced_out"] == 2
+    text = metrics.exposition().decode()
+    assert 'specrag_speculation_decisions_total{decision="price",kind="speculation"} 6.0' in text
+    assert 'decision="launched",kind="speculation"' not in text
+    await engine.close()
+
+
+async def test_the_same_speculation_is_launched_when_it_pays(tiny_assets: Assets) -> None:
+    """Search of 300 ms a stage against a prefill of a few ms (r >> 1): it pays, and is adopted."""
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [B, B, B], 0.3))
+    metrics = ServiceMetrics()
+    done = await controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=2))
+    metrics.observe(done.timeline)
+    submits = [e for e in done.timeline.events if e.kind == "spec_submit"]
+    assert len(submits) == 1 and done.timeline.adopted and done.timeline.speculations_priced_out == 0
+    assert submits[0].detail["gain_ms"] > submits[0].detail["cost_ms"]
+    text = metrics.exposition().decode()
+    assert 'specrag_speculation_decisions_total{decision="launched",kind="speculation"} 1.0' in text
+    await engine.close()
+
+
+@pytest.mark.parametrize(("setting", "speculations"), [("always", 2), ("never", 0)])
+async def test_always_speculates_unpriced_and_never_not_at_all(
+    tiny_assets: Assets, setting: str, speculations: int
+) -> None:
+    engine = SimulatedEngine(time_scale=0.2, max_model_len=4096)
+    index = scripted_index(tiny_assets, [A, B, B], 0.003)
+    controller = make_controller(engine, tiny_assets, index, speculation=setting)
+    done = await controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=2))
+    assert done.timeline.speculations == speculations and done.timeline.speculations_priced_out == 0
+    assert all("gain_ms" not in e.detail for e in done.timeline.events)
+    await engine.close()
+
+
+async def test_a_warm_up_is_priced_by_the_search_it_can_hide(tiny_assets: Assets) -> None:
+    """The first query knows no search time, so a warm-up could hide nothing: it is skipped. Once a
+    search has taught the index its time, a cold system prompt is warmed beside the next search."""
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [B, B], 0.2))
+    metrics = ServiceMetrics()
+    first = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
+    skip = next(e for e in first.timeline.events if e.kind == "warmup_skip")
+    assert skip.detail["gain_ms"] == 0 and skip.detail["observed"] == 0
+    assert first.timeline.warmups_priced_out == 1 and not first.timeline.warmed
+    await controller.reset_prefix_cache()
+    second = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
+    start = next(e for e in second.timeline.events if e.kind == "warmup_start")
+    assert start.detail["gain_ms"] > start.detail["cost_ms"] and start.detail["observed"] == 1
+    assert second.timeline.warmed and controller.warmups.started == 1
+    for done in (first, second):
+        metrics.observe(done.timeline)
+    text = metrics.exposition().decode()
+    assert 'specrag_speculation_decisions_total{decision="price",kind="warmup"} 1.0' in text
+    assert 'specrag_speculation_decisions_total{decision="launched",kind="warmup"} 1.0' in text
+    await engine.close()
