@@ -74,7 +74,16 @@ def test_main_prints_the_summary_last_and_exits_by_the_checks(
             raise RuntimeError("the service did not recover within 240 s")
 
     written: dict[str, Any] = {}
+    cleaned: list[set[int]] = []
     monkeypatch.setattr(faults, "run_all", run_all)
+
+    # The clean-up kills every engine core this process started: here that is the test session's
+    # shared engine, which the rest of the suite still needs. That it runs is what is checked.
+    def kill_leftover(pids: set[int]) -> int:
+        cleaned.append(pids)
+        return 0
+
+    monkeypatch.setattr(faults, "kill_leftover", kill_leftover)
     monkeypatch.setattr(faults, "write_json", lambda name, data: written.update(data))
     monkeypatch.setattr(faults, "plot_path", lambda name: tmp_path / f"{name}.png")
     monkeypatch.setattr("sys.argv", ["bench.faults", "--quick"])
@@ -87,3 +96,4 @@ def test_main_prints_the_summary_last_and_exits_by_the_checks(
         expected = "(a) kill the engine core: RuntimeError: the service did not recover within 240 s"
         assert summary["failure"] == expected
     assert (tmp_path / "faults.png").is_file()
+    assert cleaned == [set()]  # the clean-up ran, even after the failure
