@@ -77,7 +77,7 @@ async def test_rag_answers_with_documents_and_the_timeline(
     async with http.post(f"{url}/v1/rag", json={"query": QUESTION, "k": 4, "max_tokens": 4}) as response:
         assert response.status == 200
         body = await response.json()
-    assert set(body) == {"answer", "finish_reason", "documents", "specrag"}
+    assert set(body) == {"answer", "finish_reason", "documents", "sources", "specrag"}
     assert isinstance(body["answer"], str) and len(body["documents"]) == 4
     assert body["documents"] == body["specrag"]["documents"]
     assert any("asyncio" in doc for doc in body["documents"])
