@@ -22,6 +22,7 @@ import numpy as np
 import Stemmer
 
 from specrag.errors import ArtifactError, InvalidInputError
+from specrag.retrieval.identifiers import named_identifiers
 from specrag.retrieval.text import normalize_text
 
 if TYPE_CHECKING:
@@ -98,15 +99,30 @@ class LexicalIndex:
         terms: list[str] = tokenized[0]
         return terms
 
-    def search(self, text: str, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    def query_terms(self, text: str, identifier_weight: int = 1) -> list[str]:
+        """The terms a query is scored by: its own, and those of each identifier it names
+        (:mod:`~specrag.retrieval.identifiers`) ``identifier_weight - 1`` times more.
+
+        BM25 sums a score per query term, so a term given n times counts n times (Lucene's
+        ``term^n``).
+        """
+        if identifier_weight < 1:
+            raise InvalidInputError(f"identifier_weight must be at least 1, got {identifier_weight}")
+        terms = self.terms(text)
+        for identifier in named_identifiers(text):
+            terms += self.terms(identifier) * (identifier_weight - 1)
+        return terms
+
+    def search(self, text: str, depth: int, identifier_weight: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """The (at most) ``depth`` best passages containing a query term: (rows, scores), best first.
 
-        Ties are broken by row so the ranking is deterministic; a query with no known term finds
-        nothing (empty arrays), which leaves a hybrid search to its dense channel.
+        The identifiers the query names weigh ``identifier_weight`` times their words. Ties are
+        broken by row so the ranking is deterministic; a query with no known term finds nothing
+        (empty arrays), which leaves a hybrid search to its dense channel.
         """
         if depth < 1:
             raise InvalidInputError(f"depth must be at least 1, got {depth}")
-        term_ids = self._retriever.get_tokens_ids(self.terms(text))
+        term_ids = self._retriever.get_tokens_ids(self.query_terms(text, identifier_weight))
         if not term_ids:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
         scores = np.asarray(self._retriever.get_scores_from_ids(term_ids), dtype=np.float32)

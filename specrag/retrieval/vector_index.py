@@ -25,6 +25,7 @@ import numpy as np
 from specrag.errors import InvalidInputError
 from specrag.retrieval.embedders import Embedder
 from specrag.retrieval.fusion import FusionConfig, fuse
+from specrag.retrieval.identifiers import named_identifiers
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.stage_stats import PlanKey, StageStatistics
@@ -151,19 +152,27 @@ class VectorIndex:
         channel it is the dense search's passages, in rank order, repeats dropped.
         """
         matrix = prepare_queries(self._single(query), self.dim, self.searcher.ntotal, k)
-        lexical = self._lexical_rankings([query_text], 1) or [np.zeros(0, dtype=np.int64)]
+        lexical = self._lexical_rankings([query_text], 1) or [(np.zeros(0, dtype=np.int64), False)]
         _, rows = self.searcher.search(matrix, self.fusion.dense_depth(k))
-        return fuse(lexical[0], self.passage_index_of(rows[0]), k, self.fusion)
+        ranking, names_identifier = lexical[0]
+        return fuse(ranking, self.passage_index_of(rows[0]), k, self.fusion, names_identifier)
 
-    def _lexical_rankings(self, texts: Sequence[str] | None, num_queries: int) -> list[np.ndarray] | None:
-        """Each query's lexical ranking (passages), or None when the search is dense only."""
+    def _lexical_rankings(
+        self, texts: Sequence[str] | None, num_queries: int
+    ) -> list[tuple[np.ndarray, bool]] | None:
+        """Each query's lexical ranking (passages) and whether it names an identifier, or None
+        when the search is dense only."""
         if texts is None or self.lexical is None:
             return None
         if isinstance(texts, str) or len(texts) != num_queries:
             raise InvalidInputError(f"expected {num_queries} query texts, one per query vector")
         if not all(isinstance(text, str) for text in texts):
             raise InvalidInputError("query texts must be strings")
-        return [self.lexical.search(text, self.fusion.depth)[0] for text in texts]
+        weight = self.fusion.identifier_weight
+        return [
+            (self.lexical.search(text, self.fusion.depth, weight)[0], bool(named_identifiers(text)))
+            for text in texts
+        ]
 
     def _stages(
         self, matrix: np.ndarray, k: int, plan: StagePlan, texts: Sequence[str] | None
@@ -181,7 +190,8 @@ class VectorIndex:
         for stage in self.searcher.stages(matrix, self.fusion.dense_depth(k), plan):
             passages = self.passage_index_of(stage.ids)
             fused = [
-                fuse(ranking, row, k, self.fusion) for ranking, row in zip(lexical, passages, strict=True)
+                fuse(ranking, row, k, self.fusion, names_identifier)
+                for (ranking, names_identifier), row in zip(lexical, passages, strict=True)
             ]
             yield StageResult(
                 stage.stage,

@@ -44,8 +44,18 @@ def test_weights_and_depth_change_the_ranking() -> None:
     assert list(fuse(ranks(1, 2, 3), ranks(), 3, FusionConfig(depth=2))[0]) == [1, 2, -1]
 
 
+def test_a_question_naming_an_identifier_weighs_the_lexical_ranking_more() -> None:
+    # 1 is lexical #1 only, 2 dense #1 and lexical #5: plain RRF puts 2 first.
+    lexical, dense = ranks(1, 9, 8, 7, 2), ranks(2)
+    assert fuse(lexical, dense, 1, FusionConfig())[0][0] == 2
+    assert fuse(lexical, dense, 1, FusionConfig(), names_identifier=True)[0][0] == 1
+    assert fuse(lexical, dense, 1, FusionConfig(identifier_weight=1), names_identifier=True)[0][0] == 2
+
+
 def test_bad_settings_are_rejected() -> None:
     with pytest.raises(InvalidInputError):
         FusionConfig(depth=0)
+    with pytest.raises(InvalidInputError):
+        FusionConfig(identifier_weight=0)
     with pytest.raises(InvalidInputError):
         FusionConfig(rrf_k=-1)

@@ -12,6 +12,7 @@ import pytest
 from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage, split_text
 from specrag.retrieval.fusion import fuse
+from specrag.retrieval.identifiers import named_identifiers
 from specrag.retrieval.index_store import MANIFEST_FILE, IndexConfig, build_index, load_index, save_index
 from specrag.retrieval.stages import StagePlan
 from specrag.retrieval.vector_index import VectorIndex
@@ -52,12 +53,15 @@ def test_every_stage_fuses_bm25_with_the_running_dense_top_k(index: VectorIndex,
     k, plan = 8, StagePlan(4, "equal")
     vector = index.embed_query(query)
     assert index.lexical is not None
-    lexical, _ = index.lexical.search(query, index.fusion.depth)
+    lexical, _ = index.lexical.search(query, index.fusion.depth, index.fusion.identifier_weight)
+    names_identifier = bool(named_identifiers(query))
     dense = list(index.searcher.stages(vector[None, :], index.fusion.dense_depth(k), plan))
     hybrid = list(index.iter_stages(vector, k, plan, query_text=query))
     assert len(hybrid) == len(dense) and [s.done for s in hybrid] == [s.done for s in dense]
     for fused, running in zip(hybrid, dense, strict=True):
-        expected_ids, expected_scores = fuse(lexical, index.passage_index_of(running.ids[0]), k, index.fusion)
+        expected_ids, expected_scores = fuse(
+            lexical, index.passage_index_of(running.ids[0]), k, index.fusion, names_identifier
+        )
         np.testing.assert_array_equal(fused.ids, expected_ids)
         np.testing.assert_array_equal(fused.distances, expected_scores)
     one_shot_ids, one_shot_scores = index.search_hybrid(vector, query, k)

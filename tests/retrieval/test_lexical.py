@@ -9,6 +9,7 @@ from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.lexical import LexicalIndex
 
+WORDS = ("sockets", "threads", "queues", "heaps", "regexes", "dates", "bytes", "paths", "shells", "pickles")
 TEXTS = [
     "The dictionary maps hashable keys to values.",
     "An event loop runs asynchronous tasks and callbacks.",
@@ -61,3 +62,23 @@ def test_other_tokenisation_or_count_is_an_artifact_error(tmp_path: Path) -> Non
     (tmp_path / "lexical" / "params.index.json").write_text(json.dumps({"k1": "x"}), encoding="utf-8")
     with pytest.raises(ArtifactError, match="lexical"):
         LexicalIndex.load(tmp_path, entry)
+
+
+def test_an_identifier_outweighs_the_question_words_around_it() -> None:
+    # The first passage holds the question's ordinary words, only the second names the function;
+    # the others make those ordinary words common and the name rare, as in a real corpus.
+    texts = [
+        "A module defines functions.",
+        "zipfile.ZipFile.extractall: Extract all members from the archive.",
+        "The json module defines functions to encode and decode data.",
+        "A module is a file of definitions; a function defined in it is an attribute of the module.",
+        "The os module defines functions for the operating system.",
+        *(f"Passage {word} talks about {word} and nothing else." for word in WORDS),
+    ]
+    index = LexicalIndex.build(texts)
+    question = "Which module defines the function `extractall`?"
+    assert index.search(question, 2)[0][0] == 0  # every term counted once: the ordinary words win
+    assert index.search(question, 2, identifier_weight=3)[0][0] == 1
+    assert index.query_terms(question, 3).count("extractal") == 3
+    with pytest.raises(InvalidInputError):
+        index.query_terms(question, 0)
