@@ -17,7 +17,9 @@ that does not.
 Conversations (the multi-turn set) pair two questions about names of the same module, so their
 passages overlap and de-duplication has documents to drop.
 
-The set is a pure function of the corpus and the seed: ``python -m bench.quality_set`` prints it.
+The set is a pure function of the corpus and the seed: ``python -m bench.quality_set`` prints it;
+with ``--as-retrieval-queries`` it prints it as ``bench.retrieval``'s queries (the question, and
+the passage that answers it), to score retrieval alone on it.
 """
 
 from __future__ import annotations
@@ -136,10 +138,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.quality_set", description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=104)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--as-retrieval-queries",
+        action="store_true",
+        help='print {"query", "answer_id"} lines for bench.retrieval --queries',
+    )
     args = parser.parse_args()
     passages = build_default_corpus()
     for question in build_questions(passages, args.count, args.seed):
-        print(json.dumps(asdict(question)))
+        record = (
+            {"query": question.question, "answer_id": question.passage_id}
+            if args.as_retrieval_queries
+            else asdict(question)
+        )
+        print(json.dumps(record))
 
 
 if __name__ == "__main__":

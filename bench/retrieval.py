@@ -189,7 +189,10 @@ def methods(args: argparse.Namespace) -> list[Method]:
     return rows
 
 
-FUSION_SWEEP = [FusionConfig(rrf_k, depth) for rrf_k in (5, 10, 20, 60) for depth in (20, 100)]
+# The default's rrf_k and depth at each of them, and the default without weighing identifiers.
+FUSION_SWEEP = [FusionConfig(rrf_k, depth) for rrf_k in (5, 10, 20, 60) for depth in (20, 100)] + [
+    FusionConfig(identifier_weight=1)
+]
 
 
 def fusion_sweep(index: VectorIndex, queries: list[Query]) -> list[dict[str, Any]]:
@@ -205,8 +208,13 @@ def fusion_sweep(index: VectorIndex, queries: list[Query]) -> list[dict[str, Any
                 for vector, query in zip(vectors, queries, strict=True)
             ]
             result = scores(queries, rankings, [0.0])
-            rows.append({"rrf_k": fusion.rrf_k, "depth": fusion.depth, **result})
-            print(f"fusion rrf_k={fusion.rrf_k} depth={fusion.depth}: {json.dumps(result)}", flush=True)
+            settings = {
+                "rrf_k": fusion.rrf_k,
+                "depth": fusion.depth,
+                "identifier_weight": fusion.identifier_weight,
+            }
+            rows.append({**settings, **result})
+            print(f"fusion {json.dumps(settings)}: {json.dumps(result)}", flush=True)
     index.fusion = chosen
     return rows
 

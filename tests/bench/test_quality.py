@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
 from bench.quality import headline, run_conversations, run_single_turn, summarize
 from bench.quality_set import build_conversations, build_questions, score
+from bench.quality_set import main as quality_set_main
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import Passage
@@ -25,6 +27,18 @@ def test_questions_are_reproducible_and_answered_by_their_passage(default_corpus
         local = question.qualified_name.removeprefix(question.answer + ".")
         assert f"`{local}`" in question.question  # the question names the function or class ...
         assert f"{question.answer}." not in question.question  # ... but not its module
+
+
+def test_the_set_prints_as_retrieval_queries(
+    default_corpus: list[Passage], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("specrag.retrieval.corpus.build_default_corpus", lambda: default_corpus)
+    monkeypatch.setattr("sys.argv", ["quality_set", "--count", "3", "--as-retrieval-queries"])
+    quality_set_main()
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        {"query": q.question, "answer_id": q.passage_id} for q in build_questions(default_corpus, 3)
+    ]
 
 
 def test_conversations_pair_two_names_of_one_module(default_corpus: list[Passage]) -> None:
