@@ -7,9 +7,11 @@ every configuration, on one in-process vLLM engine and one index:
 - ``serial``: plain RAG, documents in retrieval order (the baseline);
 - ``ordering``: exact ordering for prefix reuse, with the order hint restating the ranking;
 - ``ordering_no_hint``: the same order without the hint;
-- ``speculation``: staged search with speculative prefill. Its final prompt is serial's (no
-  reordering), so its answer must be serial's token for token whenever it adopted a speculation:
-  ``identical_to_serial`` is the share of adopted answers whose tokens equal serial's;
+- ``speculation``: staged search with speculative prefill, launched at every stage
+  (``speculation="always"``: the priced default rarely speculates on the small default index,
+  where search is short, and this check needs speculations to adopt). Its final prompt is
+  serial's (no reordering), so its answer must be serial's token for token whenever it adopted a
+  speculation: ``identical_to_serial`` is the share of adopted answers whose tokens equal serial's;
 - ``multiturn_dedup`` / ``multiturn_full``: two-question conversations about one module, the second
   turn either as sessions do it (documents the conversation already holds are not sent again; a
   location hint points to them) or with the whole history and every document sent again. Their
@@ -18,8 +20,10 @@ every configuration, on one in-process vLLM engine and one index:
 Accuracy is "the answer contains the gold name" (a chat model answers in a sentence), exact match
 is "the answer is the name", F1 is word-level (:func:`bench.quality_set.score`); each with a 95 %
 bootstrap interval over questions, and for each configuration the paired difference to serial
-(the same questions, resampled together). Writes bench/out/quality.json and quality.png; the last
-line printed is a JSON summary. Rerun: ``python -m bench.quality [--quick]``.
+(the same questions, resampled together). ``by_gold_position`` splits accuracy by where the
+passage that answers sits in the prompt (1 = first; 0 = not retrieved). Writes
+bench/out/quality.json and quality.png; the last line printed is a JSON summary.
+Rerun: ``python -m bench.quality [--quick]``.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ CONTROLLER_CONFIGS: tuple[tuple[str, ModeName, dict[str, Any]], ...] = (
     ("serial", "serial", {}),
     ("ordering", "ordering", {"order_hint": True}),
     ("ordering_no_hint", "ordering", {"order_hint": False}),
-    ("speculation", "speculation", {}),
+    ("speculation", "speculation", {"speculation": "always"}),
 )
 
 
@@ -139,6 +143,7 @@ async def run_single_turn(
                         gold_retrieved=question.passage_id in done.timeline.documents,
                         gold_row=gold_row,
                         adopted=bool(done.timeline.adopted),
+                        prompt_rows=list(done.prompt.document_ids()),
                         reordered=list(done.prompt.document_ids()) != _rows(assets, done),
                     )
                 )
@@ -190,6 +195,19 @@ BASELINES = {"multiturn_dedup": ("multiturn_full", "full_history"), "multiturn_f
 """What each configuration is compared with, paired question by question (default: serial)."""
 
 
+def by_gold_position(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Accuracy by the answering passage's place in the prompt (1 = first, 0 = not retrieved)."""
+    groups: dict[int, list[float]] = {}
+    for row in rows:
+        order = row["prompt_rows"]
+        position = order.index(row["gold_row"]) + 1 if row["gold_row"] in order else 0
+        groups.setdefault(position, []).append(row["accuracy"])
+    return {
+        str(position): {"questions": len(values), "accuracy": float(np.mean(values))}
+        for position, values in sorted(groups.items())
+    }
+
+
 def summarize(results: dict[str, list[dict[str, Any]]], seed: int) -> dict[str, dict[str, Any]]:
     """Each configuration's metrics with intervals, and its paired difference to its baseline."""
     rng = np.random.default_rng(seed)
@@ -210,6 +228,7 @@ def summarize(results: dict[str, list[dict[str, Any]]], seed: int) -> dict[str, 
         if rows and "gold_retrieved" in rows[0]:
             entry["gold_retrieved"] = float(np.mean([r["gold_retrieved"] for r in rows]))
             entry["reordered"] = float(np.mean([r["reordered"] for r in rows]))
+            entry["by_gold_position"] = by_gold_position(rows)
         summary[name] = entry
     speculation, serial = results["speculation"], results["serial"]
     pairs = list(zip(speculation, serial, strict=True))

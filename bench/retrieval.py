@@ -127,12 +127,12 @@ def _evaluate(index: VectorIndex, queries: list[Query], hybrid: bool) -> dict[st
 
 
 def lexical_only(index: VectorIndex, queries: list[Query]) -> dict[str, Any]:
-    """BM25 alone, from the hybrid index's lexical channel."""
+    """BM25 alone, from the hybrid index's lexical channel (identifiers weighed as the hybrid does)."""
     assert index.lexical is not None
     rankings, latencies = [], []
     for query in queries:
         started = time.perf_counter()
-        rows, _ = index.lexical.search(query.text, max(KS))
+        rows, _ = index.lexical.search(query.text, max(KS), index.fusion.identifier_weight)
         latencies.append(time.perf_counter() - started)
         rankings.append([index.passage_ids[row] for row in rows])
     return scores(queries, rankings, latencies)

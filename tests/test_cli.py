@@ -76,6 +76,13 @@ def test_global_options_work_before_and_after_the_subcommand(tmp_path: Path, pos
     assert (data_dir / "corpus" / "passages.jsonl").is_file()
 
 
+@pytest.mark.parametrize(
+    ("argv", "hint"), [([], False), (["--order-hint"], True), (["--no-order-hint"], False)]
+)
+def test_serve_switches_the_order_hint(argv: list[str], hint: bool) -> None:
+    assert _controller_config(build_parser().parse_args(["serve", *argv])).order_hint is hint
+
+
 @pytest.mark.parametrize(("argv", "setting"), [([], "auto"), (["--speculation", "never"], "never")])
 def test_serve_speculation_sets_the_controller_s(argv: list[str], setting: str) -> None:
     assert _controller_config(build_parser().parse_args(["serve", *argv])).speculation == setting

@@ -39,6 +39,9 @@ class ControllerConfig:
     warm-up first (``"auto"``), launches them whenever the gate has room (``"always"``, the
     behaviour before pricing) or never speculates (``"never"``); see
     :mod:`specrag.controller.speculation_policy`.
+    ``order_hint`` adds RAGBoost's order hint (the retrieval ranking, in words) to a prompt whose
+    documents ordering moved; off by default because the default model answered less often right
+    with it (docs/quality.md).
     """
 
     k_default: int = 10
@@ -48,7 +51,7 @@ class ControllerConfig:
     max_prefill_bs: int | None = None
     starvation_window_s: float = 2.0
     ordering_policy: PolicyName = "exact"
-    order_hint: bool = True
+    order_hint: bool = False  # the default model reads a reordered prompt better without it
     mode: ModeName = "all"
     document_kv: str = "full"  # the default of requests that do not say (see modes.DOCUMENT_KV_CHOICES)
     max_tokens_default: int = 64

@@ -177,6 +177,7 @@ def _controller_config(args: argparse.Namespace) -> ControllerConfig:
             max_queue=args.max_queue,
             first_token_timeout_s=args.first_token_timeout,
             speculation=args.speculation,
+            order_hint=args.order_hint,
         )
     except InvalidInputError as error:
         message = str(error)
@@ -417,6 +418,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="speculative prefill on a running top-k: auto launches one (or a system-prompt warm-up) "
         "only when its expected gain, from measured figures, exceeds its expected cost; always "
         "whenever the prefill pool has room; never (default: %(default)s; see docs/speculation.md)",
+    )
+    serve.add_argument(
+        "--order-hint",
+        action=argparse.BooleanOptionalAction,
+        default=ControllerConfig().order_hint,
+        help="when ordering for the prefix cache changed the documents' order, tell the model their "
+        "retrieval ranking (RAGBoost's order hint); off by default: it cost the default model "
+        "accuracy (docs/quality.md)",
     )
     serve.add_argument(
         "--engine-url",

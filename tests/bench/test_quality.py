@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.quality import headline, run_conversations, run_single_turn, summarize
+from bench.quality import by_gold_position, headline, run_conversations, run_single_turn, summarize
 from bench.quality_set import build_conversations, build_questions, score
 from bench.quality_set import main as quality_set_main
 from specrag.pipeline.prompt import PromptBuilder
@@ -69,8 +69,12 @@ def test_scores(answer: str, gold: str, expected: dict[str, float]) -> None:
     assert score(answer, gold) == pytest.approx(expected)
 
 
-def _row(accuracy: float, tokens: list[int], adopted: bool = False) -> dict[str, object]:
+def _row(
+    accuracy: float, tokens: list[int], adopted: bool = False, prompt_rows: tuple[int, ...] = (7, 8)
+) -> dict[str, object]:
     return {
+        "gold_row": 7,
+        "prompt_rows": list(prompt_rows),
         "accuracy": accuracy,
         "exact_match": accuracy,
         "f1": accuracy,
@@ -97,10 +101,25 @@ def test_summary_pairs_each_configuration_with_its_baseline() -> None:
     assert summary["multiturn_dedup"]["accuracy_delta_vs_full_history"] == -0.5
     low, high = summary["no_documents"]["delta_vs_serial_ci"]
     assert low <= -0.5 <= high
+    assert summary["serial"]["by_gold_position"] == {"1": {"questions": 4, "accuracy": 0.75}}
     line = headline({"model": "m", "questions": 4, "conversations": 2}, summary)
     assert (
         set(line["configs"]) == set(results) and line["configs"]["speculation"]["identical_to_serial"] == 0.5
     )
+
+
+def test_accuracy_is_split_by_where_the_answering_passage_sits_in_the_prompt() -> None:
+    rows = [
+        _row(1, [1], prompt_rows=(7, 8)),
+        _row(0, [2], prompt_rows=(8, 7)),
+        _row(1, [3], prompt_rows=(8, 7)),
+    ]
+    rows.append(_row(0, [4], prompt_rows=(5, 6)))
+    assert by_gold_position(rows) == {
+        "0": {"questions": 1, "accuracy": 0.0},
+        "1": {"questions": 1, "accuracy": 1.0},
+        "2": {"questions": 2, "accuracy": 0.5},
+    }
 
 
 @pytest.mark.engine
