@@ -44,6 +44,9 @@ from specrag.pipeline.engine import (
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.random_model import RandomModelSpec
 from specrag.pipeline.simulated_engine import KVEventCallback, SimulatedEngine
+from specrag.pipeline.store import DocumentStore, build_store
+from specrag.pipeline.tokenizer import Tokenizer
+from specrag.retrieval.corpus import Passage
 from specrag.retrieval.stages import StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
@@ -576,3 +579,9 @@ def write_llama_gguf(model_dir: Path, gguf_file: Path, chat_template: str = CHAT
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def store_of(path: Path, passages: Sequence[Passage], tokenizer: Tokenizer) -> DocumentStore:
+    """A document store of ``passages`` tokenized by ``tokenizer``, built at ``path``."""
+    build_store(path, passages, tokenizer.encode_batch, tokenizer.fingerprint)
+    return DocumentStore(path)

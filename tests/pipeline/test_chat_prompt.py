@@ -14,11 +14,11 @@ from specrag.errors import ArtifactError
 from specrag.pipeline.chat_format import chat_frame
 from specrag.pipeline.engine import Sampling
 from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.store import DocumentStore, build_store
+from specrag.pipeline.store import DocumentStore
 from specrag.pipeline.tokenizer import Tokenizer
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import Passage
-from tests.helpers import run_prompt
+from tests.helpers import run_prompt, store_of
 
 SYSTEM = "Answer from the passages."
 BLOCK = 32
@@ -33,9 +33,7 @@ def chat_tokenizer(tiny_chat_model_dir: Path) -> Tokenizer:
 def chat_store(
     tmp_path_factory: pytest.TempPathFactory, chat_tokenizer: Tokenizer, default_corpus: list[Passage]
 ) -> DocumentStore:
-    path = tmp_path_factory.mktemp("chat-store") / "s.sqlite"
-    build_store(path, default_corpus[:30], chat_tokenizer.encode_batch, chat_tokenizer.fingerprint)
-    return DocumentStore(path)
+    return store_of(tmp_path_factory.mktemp("chat-store") / "s.sqlite", default_corpus[:30], chat_tokenizer)
 
 
 @pytest.fixture(scope="module")

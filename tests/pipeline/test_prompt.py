@@ -11,6 +11,7 @@ from specrag.pipeline.prompt import MAX_QUESTION_CHARS, PromptBuilder
 from specrag.pipeline.store import DocumentStore, build_store
 from specrag.pipeline.tokenizer import Tokenizer
 from specrag.retrieval.corpus import Passage
+from tests.helpers import store_of
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +23,7 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
 def store(
     tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer, default_corpus: list[Passage]
 ) -> DocumentStore:
-    path = tmp_path_factory.mktemp("store") / "s.sqlite"
-    build_store(path, default_corpus[:20], tokenizer.encode_batch, tokenizer.fingerprint)
-    return DocumentStore(path)
+    return store_of(tmp_path_factory.mktemp("store") / "s.sqlite", default_corpus[:20], tokenizer)
 
 
 def test_prompt_is_the_concatenation_of_stored_segments(tokenizer: Tokenizer, store: DocumentStore) -> None:
