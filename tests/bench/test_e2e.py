@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench.e2e.__main__ import run_order
+from bench.e2e.__main__ import SERIAL_REPEAT, configurations, run_order
 from bench.e2e.report import paired_ratio_ci, summarize
 from bench.e2e.runner import Configuration, RunResult, oracle_ttfts, run_configuration
 from bench.e2e.workload import arrivals, generate, load_trace, save_trace
@@ -101,6 +102,13 @@ def test_each_trace_runs_the_configurations_in_a_rotated_order() -> None:
     assert firsts == ["serial", "warmup", "all"]
     assert [c.name for seed, c in plan if seed == 0] == ["serial", "warmup", "all", "all-mpbs2"]
     assert all(c.group == "main" for seed, c in plan if seed > 0)
+
+
+def test_serial_runs_again_after_the_other_main_configurations() -> None:
+    main = [c for c in configurations(argparse.Namespace(quick=True, ratio=0.5)) if c.group == "main"]
+    assert main[0].name == "serial" and main[-1].name == SERIAL_REPEAT
+    assert main[-1].mode == "serial" and not main[-1].overrides
+    assert [c.name for c in main].count(SERIAL_REPEAT) == 1
 
 
 @pytest.mark.engine
