@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import re
 
+from specrag.retrieval.text import normalize_text
+
 _IDENTIFIER = re.compile(
     r"(?<!`)`(?P<quoted>[^`\s](?:[^`]*[^`\s])?)`(?!`)"  # a back-quoted span
     r"|(?P<word>"
@@ -29,5 +31,7 @@ _IDENTIFIER = re.compile(
 
 
 def named_identifiers(text: str) -> list[str]:
-    """The identifiers ``text`` names, in order, each occurrence once (back quotes removed)."""
-    return [match["quoted"] or match["word"] for match in _IDENTIFIER.finditer(text)]
+    """The identifiers ``text`` names, in order, each occurrence once (back quotes removed);
+    read from the text as :func:`~specrag.retrieval.text.normalize_text` writes it, so a
+    zero-width space or a fullwidth letter does not hide one."""
+    return [match["quoted"] or match["word"] for match in _IDENTIFIER.finditer(normalize_text(text))]

@@ -16,6 +16,7 @@ from specrag.retrieval.identifiers import named_identifiers
         ("Is CheckList a widget, and HTTPServer a class?", ["CheckList", "HTTPServer"]),
         ("Why does open() fail?", ["open"]),
         ("What does `with` do?", ["with"]),
+        ("Where is read\u200b_bytes or ＣｈｅｃｋＬｉｓｔ?", ["read_bytes", "CheckList"]),
     ],
 )
 def test_identifiers_are_found(text: str, expected: list[str]) -> None:
