@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 import psutil
 
 from specrag.pipeline.config import cpu_has_native_bf16
@@ -105,3 +106,14 @@ def pin_apart(engine_cpus: Collection[int], service_cpus: Collection[int]) -> li
     """
     pin_threads(psutil.Process(), service_cpus)
     return pin_engine_processes(engine_cpus)
+
+
+BOOTSTRAP_SAMPLES = 2000
+
+
+def bootstrap_mean_ci(values: np.ndarray, rng: np.random.Generator) -> list[float]:
+    """A 95 % bootstrap interval of the mean of ``values`` (one value a question), resampling
+    questions; a paired difference is passed as the per-question differences."""
+    picks = rng.integers(0, len(values), size=(BOOTSTRAP_SAMPLES, len(values)))
+    low, high = np.percentile(values[picks].mean(axis=1), [2.5, 97.5])
+    return [float(low), float(high)]

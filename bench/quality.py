@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import add_model_option, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import add_model_option, bootstrap_mean_ci, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.quality_set import Conversation, QualityQuestion, build_conversations, build_questions, score
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
 from specrag.controller.modes import ModeName
@@ -53,7 +53,6 @@ from specrag.pipeline.prompt import PromptBuilder
 from specrag.service.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
 from specrag.service.assets import Assets, ensure_assets
 
-BOOTSTRAP_SAMPLES = 2000
 METRICS = ("accuracy", "exact_match", "f1")
 # (name, mode, controller overrides): the single-turn configurations run through the controller.
 CONTROLLER_CONFIGS: tuple[tuple[str, ModeName, dict[str, Any]], ...] = (
@@ -185,12 +184,6 @@ async def run_conversations(
     return {"multiturn_dedup": dedup, "multiturn_full": full}
 
 
-def _interval(values: np.ndarray, rng: np.random.Generator) -> list[float]:
-    picks = rng.integers(0, len(values), size=(BOOTSTRAP_SAMPLES, len(values)))
-    low, high = np.percentile(values[picks].mean(axis=1), [2.5, 97.5])
-    return [float(low), float(high)]
-
-
 BASELINES = {"multiturn_dedup": ("multiturn_full", "full_history"), "multiturn_full": None, "serial": None}
 """What each configuration is compared with, paired question by question (default: serial)."""
 
@@ -217,13 +210,13 @@ def summarize(results: dict[str, list[dict[str, Any]]], seed: int) -> dict[str, 
         for metric in METRICS:
             values = np.array([r[metric] for r in rows])
             entry[metric] = float(values.mean())
-            entry[f"{metric}_ci"] = _interval(values, rng)
+            entry[f"{metric}_ci"] = bootstrap_mean_ci(values, rng)
         baseline, label = BASELINES.get(name, ("serial", "serial")) or (None, None)
         if baseline is not None:
             for metric in ("accuracy", "f1"):
                 delta = np.array([r[metric] for r in rows]) - np.array([r[metric] for r in results[baseline]])
                 entry[f"{metric}_delta_vs_{label}"] = float(delta.mean())
-                entry[f"{metric}_delta_vs_{label}_ci"] = _interval(delta, rng)
+                entry[f"{metric}_delta_vs_{label}_ci"] = bootstrap_mean_ci(delta, rng)
             entry[f"delta_vs_{label}_ci"] = entry[f"accuracy_delta_vs_{label}_ci"]
         if rows and "gold_retrieved" in rows[0]:
             entry["gold_retrieved"] = float(np.mean([r["gold_retrieved"] for r in rows]))

@@ -40,9 +40,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from bench.common import add_model_option, machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import (
+    add_model_option,
+    bootstrap_mean_ci,
+    machine,
+    plot_path,
+    stop_cleanly_on_sigterm,
+    write_json,
+)
 from bench.quality_set import build_questions, score
 from specrag.cache.layout import PromptLayout, build_layout
 from specrag.controller.controller import ControllerConfig, RagRequest
@@ -232,10 +240,29 @@ async def answer_accuracy(
         "questions": n,
         "full": sums["full"]["accuracy"] / n if n else None,
         "turbo": sums["turbo"]["accuracy"] / n if n else None,
+        **accuracy_intervals(records),
         "f1": {way: sums[way]["f1"] / n for way in sums} if n else None,
         "identical_answers": identical / n if n else None,
         "turbo_loaded_tokens_mean": loaded / n if n else None,
         "records": records,
+    }
+
+
+def _ci(interval: Sequence[float]) -> str:
+    return f"[{interval[0]:.3f}, {interval[1]:.3f}]"
+
+
+def accuracy_intervals(records: Sequence[dict[str, Any]], seed: int = 0) -> dict[str, list[float]]:
+    """95 % bootstrap intervals of each way's accuracy and of the paired difference turbo − full."""
+    if not records:
+        return {}
+    rng = np.random.default_rng(seed)
+    full = np.array([r["full"]["accuracy"] for r in records])
+    turbo = np.array([r["turbo"]["accuracy"] for r in records])
+    return {
+        "full_ci": bootstrap_mean_ci(full, rng),
+        "turbo_ci": bootstrap_mean_ci(turbo, rng),
+        "delta_ci": bootstrap_mean_ci(turbo - full, rng),
     }
 
 
@@ -328,8 +355,10 @@ def main() -> None:
     accuracy = result["accuracy"]
     if accuracy["questions"]:
         print(
-            f"accuracy on {accuracy['questions']} questions (k = {args.k}): full {accuracy['full']:.3f}, "
-            f"turbo {accuracy['turbo']:.3f}; identical answers {accuracy['identical_answers']:.3f}"
+            f"accuracy on {accuracy['questions']} questions (k = {args.k}): "
+            f"full {accuracy['full']:.3f} {_ci(accuracy['full_ci'])}, "
+            f"turbo {accuracy['turbo']:.3f} {_ci(accuracy['turbo_ci'])}, "
+            f"turbo − full {_ci(accuracy['delta_ci'])}; identical answers {accuracy['identical_answers']:.3f}"
         )
     summary = {
         "cold_full_ttft_ms": round(full_ms, 2),
@@ -338,7 +367,10 @@ def main() -> None:
         "store_load_ms": round(load_ms, 2),
         "kv_rel_err_max": round(result["kv_error"]["max"], 5),
         "single_doc_first_token_equal": result["single_document"]["equal"],
-        "accuracy": {key: accuracy[key] for key in ("questions", "full", "turbo")},
+        "accuracy": {
+            key: accuracy.get(key)
+            for key in ("questions", "full", "turbo", "full_ci", "turbo_ci", "delta_ci")
+        },
     }
     print(json.dumps(summary))
 
