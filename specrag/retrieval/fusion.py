@@ -10,10 +10,9 @@ kinds, recall@5 fell steadily from ``rrf_k`` 5 to 10, 20 and 60 (the paper's val
 
 A question that names a code identifier is a lexical question (:mod:`~specrag.retrieval.identifiers`
 says why): its identifier's terms count ``identifier_weight`` times in BM25 and its lexical
-ranking ``identifier_weight`` times in the fusion. On questions that name a function or class
-of the bundled corpus, 3 put the documenting passage first about twice as often as 1; prose
-questions name none, so their ranking does not change (docs/retrieval.md, "Questions that name
-an identifier").
+ranking ``identifier_weight`` times in the fusion: a question about a function or class then
+finds the passage that documents it, while prose questions name none, so their ranking does not
+change (docs/retrieval.md, "Questions that name an identifier", measures both).
 
 Dense rows are mapped to passages first (a padded index has many synthetic rows per passage), so
 a passage counts once, at its best dense rank, and the fused result names k distinct passages.

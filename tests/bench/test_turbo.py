@@ -1,4 +1,4 @@
-"""bench.turbo's measures: the KV error (max over layers, keys and values apart) and the accuracy intervals."""
+"""bench.turbo's measures: the KV error (max over layers, keys and values apart), accuracy intervals."""
 
 from __future__ import annotations
 
