@@ -10,13 +10,14 @@ terminal and, as the last line, a JSON summary.
 Fair set-up: the engine's model worker and the vector search are pinned to different cores
 (``--engine-cpus``, ``--search-cpus``); one untimed pass warms up the engine first; every
 configuration starts from an empty prefix cache (confirmed by the engine, see
-:mod:`bench.e2e.runner`) and replays the same trace; the order of the configurations is rotated
-from one trace (repetition) to the next, so drift of the engine is not charged to one side, and
-the order run is recorded. Serial runs twice, first and after the other main configurations
-(``serial-repeat``): its ratio in the headline is what drift and noise alone make of two
-identical runs, the yardstick for the other ratios. Headline ratios come with 95 % bootstrap
-intervals over blocks of consecutive requests of each trace, not over single requests of one
-queueing trace; failed requests are counted per configuration beside its figures.
+:mod:`bench.e2e.runner`) and replays the same trace; the main configurations replay two traces
+(repetitions), the second in the reverse order of the first, so steady drift of the engine is not
+charged to one side (:func:`run_order`), and the order run is recorded. Serial runs twice, at
+both ends of the main configurations' list (``serial-repeat``): its ratio in the headline is what
+drift and noise alone make of two identical runs, the yardstick for the other ratios. Headline
+ratios come with 95 % bootstrap intervals over blocks of consecutive requests of each trace, not
+over single requests of one queueing trace; failed requests are counted per configuration beside
+its figures.
 """
 
 from __future__ import annotations
@@ -89,7 +90,11 @@ def parse_args() -> argparse.Namespace:
         "--cv", type=float, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson)"
     )
     parser.add_argument("--workload", choices=WORKLOADS, default="bursty")
-    parser.add_argument("--seeds", type=int, help="traces for the main configurations (default 2, quick 1)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        help="traces for the main configurations, in counterbalanced orders (default 2, also with --quick)",
+    )
     parser.add_argument("--trace", type=Path, help="replay this JSONL trace instead of generating one")
     parser.add_argument("--save-trace", type=Path, help="write the generated trace (seed 0) here")
     parser.add_argument("--engine-cpus", default="0", help="core(s) of the engine's model worker")
@@ -108,7 +113,7 @@ def parse_args() -> argparse.Namespace:
         parser.error("--utilization must be between 0 and 1")
     args.index_size = args.index_size or (1_000_000 if args.quick else 2_000_000)
     args.requests = args.requests or (12 if args.quick else 32)
-    args.seeds = args.seeds or (1 if args.quick else 2)
+    args.seeds = args.seeds or 2
     return args
 
 
@@ -185,16 +190,19 @@ async def measure_regime(
 
 
 def run_order(configurations: Sequence[Configuration], traces: int) -> list[tuple[int, Configuration]]:
-    """Every configuration on trace 0, the main ones on the others; each trace's list rotated.
+    """Every configuration on trace 0, the main ones on the others, in counterbalanced orders.
 
-    Trace ``s`` starts ``s`` places further along its list, so no configuration always runs first
-    (on a warming engine) or last.
+    An odd trace runs its list backwards (an ABBA design): over each pair of traces every main
+    configuration's mean place in the run is the same, so an engine that drifts steadily (warming,
+    slowing) shifts every configuration alike and no ratio to serial carries it. Each further pair
+    starts one place further along the list, so no configuration always runs first or last.
     """
     plan = []
     for seed in range(traces):
         chosen = [c for c in configurations if seed == 0 or c.group == "main"]
-        shift = seed % len(chosen)
-        plan += [(seed, c) for c in chosen[shift:] + chosen[:shift]]
+        shift = (seed // 2) % len(chosen)
+        rotated = chosen[shift:] + chosen[:shift]
+        plan += [(seed, c) for c in (rotated[::-1] if seed % 2 else rotated)]
     return plan
 
 

@@ -94,14 +94,18 @@ def test_failed_requests_are_counted_not_dropped() -> None:
     assert summary["reset_confirmed"] is True and summary["first_request_cold"] is True
 
 
-def test_each_trace_runs_the_configurations_in_a_rotated_order() -> None:
+def test_traces_run_the_main_configurations_in_counterbalanced_orders() -> None:
     main = [Configuration(mode, mode, "main", 0.5) for mode in ("serial", "warmup", "all")]
     extra = [Configuration("all-mpbs2", "all", "max_prefill_bs", 0.5)]
-    plan = run_order(main + extra, traces=3)
-    firsts = [next(c.name for seed, c in plan if seed == s) for s in range(3)]
-    assert firsts == ["serial", "warmup", "all"]
-    assert [c.name for seed, c in plan if seed == 0] == ["serial", "warmup", "all", "all-mpbs2"]
-    assert all(c.group == "main" for seed, c in plan if seed > 0)
+    plan = run_order(main + extra, traces=4)
+    orders = [[c.name for seed, c in plan if seed == s] for s in range(4)]
+    assert orders[0] == ["serial", "warmup", "all", "all-mpbs2"]
+    assert orders[1] == ["all", "warmup", "serial"]  # backwards: steady drift cancels over the pair
+    assert orders[2] == ["warmup", "all", "serial"]  # the next pair starts one place further on
+    assert orders[3] == ["serial", "all", "warmup"]
+    for pair in (orders[0][:3], orders[1]), (orders[2], orders[3]):
+        places = {name: sum(order.index(name) for order in pair) for name in ("serial", "warmup", "all")}
+        assert len(set(places.values())) == 1
 
 
 def test_serial_runs_again_after_the_other_main_configurations() -> None:
