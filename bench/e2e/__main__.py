@@ -1,6 +1,6 @@
 """End-to-end RAG latency: the paper's comparisons on the real engine, in one run.
 
-Rerun: ``.venv/bin/python -m bench.e2e --quick`` (about 26 minutes here on the real default
+Rerun: ``.venv/bin/python -m bench.e2e --quick`` (about 38 minutes here on the real default
 model, whose 3 s cold prefill sets a low arrival rate) or without ``--quick`` (about twice that).
 ``--model DIR`` runs it on any Hugging Face model directory; ``--trace FILE`` replays a saved
 trace (``--save-trace FILE`` writes the generated one). Output: bench/out/e2e.json (every
