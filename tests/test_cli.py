@@ -178,3 +178,26 @@ def test_sigint_with_a_query_in_flight_stops_quietly_and_cleans_up(
     for noise in ("Traceback", "replacing the engine", "leaked shared_memory"):
         assert noise not in output, output[-3000:]
     assert not run_dir.exists()
+
+
+@pytest.mark.engine
+def test_prepare_document_kv_stores_the_system_prompt_and_every_passage_once(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    passages = [
+        {"id": f"p{i}", "title": f"Note {i}", "text": f"Passage {i} says that the answer is {i * 7}."}
+        for i in range(3)
+    ]
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in passages))
+    data_dir = tmp_path / "data"
+    argv = ["--data-dir", str(data_dir), "prepare", "--model", str(tiny_model_dir), "--corpus", str(corpus)]
+    first = run_cli(*argv, "--document-kv", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "document KV ready: 4 segments computed" in first.stdout  # the system prompt and 3 passages
+    stored = sorted((data_dir / "document-kv").rglob("*.kv"))
+    assert len(stored) == 4 and all(path.stat().st_size > 0 for path in stored)
+    again = run_cli(*argv, "--document-kv", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "document KV ready: 0 segments computed" in again.stdout
+    assert sorted((data_dir / "document-kv").rglob("*.kv")) == stored
