@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from specrag.cli import build_parser, main
+from specrag.paths import DataLayout
+from specrag.pipeline.document_kv import SUFFIX as KV_SUFFIX
+from specrag.retrieval.corpus import Passage, write_passages
 from specrag.service.assets import Assets
 from specrag.service.commands import _controller_config
 from tests.helpers import QUESTION, free_port
@@ -185,19 +188,16 @@ def test_prepare_document_kv_stores_the_system_prompt_and_every_passage_once(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     corpus = tmp_path / "corpus.jsonl"
-    passages = [
-        {"id": f"p{i}", "title": f"Note {i}", "text": f"Passage {i} says that the answer is {i * 7}."}
-        for i in range(3)
-    ]
-    corpus.write_text("".join(json.dumps(p) + "\n" for p in passages))
+    write_passages(corpus, [Passage(f"p{i}", f"Note {i}", f"The answer is {i * 7}.") for i in range(3)])
     data_dir = tmp_path / "data"
+    kv_dir = DataLayout(data_dir).document_kv_dir
     argv = ["--data-dir", str(data_dir), "prepare", "--model", str(tiny_model_dir), "--corpus", str(corpus)]
     first = run_cli(*argv, "--document-kv", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "document KV ready: 4 segments computed" in first.stdout  # the system prompt and 3 passages
-    stored = sorted((data_dir / "document-kv").rglob("*.kv"))
+    stored = sorted(kv_dir.rglob(f"*{KV_SUFFIX}"))
     assert len(stored) == 4 and all(path.stat().st_size > 0 for path in stored)
     again = run_cli(*argv, "--document-kv", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "document KV ready: 0 segments computed" in again.stdout
-    assert sorted((data_dir / "document-kv").rglob("*.kv")) == stored
+    assert sorted(kv_dir.rglob(f"*{KV_SUFFIX}")) == stored
