@@ -261,6 +261,36 @@ def overlap(serial: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]) -
     }
 
 
+PHASES = (
+    "search_end_to_submit_ms",
+    "submit_to_queued_ms",
+    "queued_to_scheduled_ms",
+    "scheduled_to_engine_first_token_ms",
+    "engine_to_received_ms",
+    "received_to_seen_ms",
+)
+
+
+def phase_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each phase of the answers' way to their first token (``Timeline.phases``): mean and median
+    over the answers that report it, and how often something else of ours shared the engine."""
+    ok = _ok(records)
+    result: dict[str, Any] = {}
+    for name in PHASES:
+        values = [r["phases"][name] for r in ok if r.get("phases", {}).get(name) is not None]
+        result[name] = (
+            {"mean": round(statistics.fmean(values), 2), "median": round(statistics.median(values), 2)}
+            if values
+            else None
+        )
+    beside = [r["phases"]["beside_at_submit"] for r in ok if "phases" in r]
+    result["answers"] = len(ok)
+    result["adopted"] = sum(1 for r in ok if r.get("adopted"))
+    result["beside_prefilling_at_submit"] = sum(1 for b in beside if b.get("prefilling"))
+    result["aborted_before_submit"] = sum(r["phases"]["aborted_before_submit"] for r in ok if "phases" in r)
+    return result
+
+
 def wasted_share(records: Sequence[dict[str, Any]]) -> float:
     """Wasted speculative prefill over all prefill the engine computed (answers' uncached + wasted)."""
     ok = _ok(records)
@@ -351,6 +381,7 @@ def point_summary(point: Point, results: dict[str, RunResult], index: VectorInde
             for name, run in results.items()
         },
         "summaries": {name: summarize(run, {}, math.inf) for name, run in results.items()},
+        "phases": {name: phase_summary(run.records) for name, run in results.items()},
     }
 
 
@@ -649,7 +680,25 @@ def print_point(summary: dict[str, Any], label: str) -> None:
             f"  overlap_fraction {row['overlap_fraction']:6.2f}"
             f"  non-overlapped / search {row['non_overlapped_over_search']:.2f}"
         )
+    print_phases(summary["phases"])
     print(flush=True)
+
+
+def print_phases(phases: dict[str, dict[str, Any]]) -> None:
+    """serial's and all's answers, phase by phase (median ms), side by side."""
+    shown = [name for name in ("serial", "all") if name in phases]
+    print("    phases of the answer's first token, median ms: " + " / ".join(shown))
+    for phase in PHASES:
+        cells = [phases[name][phase] for name in shown]
+        text = " / ".join("-" if cell is None else f"{cell['median']:.1f}" for cell in cells)
+        print(f"      {phase.removesuffix('_ms'):<34} {text}")
+    for name in shown:
+        figures = phases[name]
+        print(
+            f"      {name}: {figures['adopted']} of {figures['answers']} adopted,"
+            f" {figures['beside_prefilling_at_submit']} submitted beside a prefill of ours,"
+            f" {figures['aborted_before_submit']} speculations aborted before their answer"
+        )
 
 
 def print_loaded(summary: dict[str, Any]) -> None:
@@ -725,6 +774,7 @@ def extra_point(summary: dict[str, Any]) -> dict[str, float]:
         "ratio": round(row["ratio"], 3),
         "overlap_fraction": round(row["overlap_fraction"], 3),
         "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
+        "phases": {name: phase_medians(summary, name) for name in ("serial", "all")},
     }
 
 
@@ -753,6 +803,26 @@ def idle_row(point: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def phase_medians(point: dict[str, Any], name: str) -> dict[str, float | None]:
+    """``name``'s median of each phase of the answers' first token at one point."""
+    phases = point["phases"][name]
+    return {phase: None if phases[phase] is None else phases[phase]["median"] for phase in PHASES}
+
+
+def near_r1(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The guard: at the idle point nearest r = 1, ``all``'s overlap and where serial's and
+    all's first tokens spent their time after the search (the phases, median ms)."""
+    point = min(points, key=lambda p: abs(math.log(p["configurations"]["all"]["ratio"])))
+    row = point["configurations"]["all"]
+    return {
+        "ratio": round(row["ratio"], 3),
+        "overlap_fraction": round(row["overlap_fraction"], 3),
+        "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
+        "above_bound_ms": round(row["config_ttft_ms"] - row["bound_ttft_ms"], 1),
+        "phases": {name: phase_medians(point, name) for name in ("serial", "all")},
+    }
+
+
 def headline(result: dict[str, Any]) -> dict[str, Any]:
     """The issue's last-line summary, for ``all`` on the default schedule beside ``all-always``."""
     loaded = result["loaded"]
@@ -760,6 +830,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     return {
         "idle": idle,
         "low_r": idle[0],
+        "near_r1": near_r1(result["idle"]),
         "loaded": {
             "ratio": round(loaded["configurations"]["all"]["ratio"], 3),
             "utilization": round(loaded["utilization"], 3),

@@ -40,16 +40,21 @@ class Flight:
         # The knowledge tree's estimate of the engine's prefix hit at submission, set by the run
         # that launched it, to be checked against the engine's answer (``cached_tokens``).
         self.predicted_cached_tokens = 0
-        # Whether another request was being prefilled when this one was submitted: if so the
-        # engine's cache may grow before it schedules this one, and the prediction lag behind.
-        self.others_prefilling = replica.engine.load().prefilling > 0
+        # What else of ours was in the engine when this one was submitted (prefills, a warm-up, a
+        # speculation, decodes): the engine shares its steps with them, and a prefill running
+        # beside may grow the cache before this one is scheduled, so the prediction lags behind.
+        self.load_at_submit = replica.engine.load()
+        self.others_prefilling = self.load_at_submit.prefilling > 0
         # Told at the first token, when the prompt's blocks are in the engine's cache; set by the
         # run right after construction (the pump starts at the run's next await).
         self.on_prefilled: Callable[[Flight], None] | None = None
         self.sampling = sampling
         self.submitted_at = now()
         self.first_token_at: float | None = None
-        self.scheduled_at: float | None = None  # when the engine began its prefill, if it says
+        # The engine's stamps of the first token's way, when it reports them (EngineOutput).
+        self.queued_at: float | None = None
+        self.scheduled_at: float | None = None  # when the engine began its prefill
+        self.engine_first_token_at: float | None = None  # when the engine produced the first token
         self.cached_tokens: int | None = None
         self._slot = slot
         self._outputs: asyncio.Queue[EngineOutput | BaseException | None] = asyncio.Queue()
@@ -64,7 +69,9 @@ class Flight:
                 self.cached_tokens = latest_cached_tokens(output, self.cached_tokens)
                 if self.first_token_at is None:
                     self.first_token_at = output.received_at
+                    self.queued_at = output.queued_at
                     self.scheduled_at = output.scheduled_at
+                    self.engine_first_token_at = output.emitted_at
                     self.replica.first_token(self.request_id, output.received_at)
                     if self.on_prefilled is not None:  # before the slot wakes a queued request
                         self.on_prefilled(self)

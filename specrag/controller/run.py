@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -88,6 +88,7 @@ class QueryRun:
         self._turn: TurnPrompt | None = None  # a later session turn's final prompt: what it kept
         self._plan: PlanKey | None = None  # what the index's stage figures for this search are under
         self._background: set[asyncio.Task[None]] = set()  # aborts of preempted speculations
+        self._answer: RetriedFlight | None = None  # the answer's stream, once it is read
         self.sources: tuple[Source, ...] = ()  # the final top-k, once known
 
     def request_ids(self) -> set[str]:
@@ -243,6 +244,7 @@ class QueryRun:
         tree learned the prompt at its first token, see :meth:`_prefilled`)."""
         shared, timeline, session = self._shared, self.timeline, self.checked.session
         timeline.answer_submit = flight.submitted_at
+        timeline.answer_beside = asdict(flight.load_at_submit)
         timeline.predicted_cached_tokens = flight.predicted_cached_tokens
         timeline.predicted_beside_prefill = flight.others_prefilling
         timeline.prompt_tokens = len(flight.layout.token_ids)
@@ -254,7 +256,11 @@ class QueryRun:
                 # When the caller can see it: an adopted speculation may have produced its first
                 # token before the search ended, but it is only known right once the search has.
                 timeline.first_token = now()
-                timeline.answer_scheduled = flight.scheduled_at
+                answering = self._answering(flight)
+                timeline.answer_queued = answering.queued_at
+                timeline.answer_scheduled = answering.scheduled_at
+                timeline.answer_engine_first_token = answering.engine_first_token_at
+                timeline.answer_received = answering.first_token_at
                 timeline.add("first_token", timeline.first_token, cached_tokens=output.cached_tokens)
             # An OpenAI server reports the count only with its last output: keep the latest (of the
             # answer's prompt: a migration's prompt is longer).
@@ -494,12 +500,17 @@ class QueryRun:
         if not task.cancelled() and task.exception() is not None:
             logger.warning("aborting a preempted speculation failed: %s", task.exception())
 
+    def _answering(self, flight: Flight) -> Flight:
+        """The request the answer's outputs come from now: ``flight``, or its retry."""
+        return self._answer.flight if self._answer is not None else flight
+
     async def _outputs_with_retry(self, flight: Flight) -> AsyncIterator[EngineOutput]:
         """The answer's outputs, resubmitted elsewhere on a failure before the first token
         (:class:`~specrag.controller.flight.RetriedFlight`); the answering request's prefill
         refits the profile."""
         shared = self._shared
         answer = RetriedFlight(flight, shared.placement, shared.config.first_token_timeout_s, self._resubmit)
+        self._answer = answer
         async for output in answer.outputs():
             yield output
         self._measure_prefill(answer.flight)
@@ -527,4 +538,5 @@ class QueryRun:
         self._note_route(placed)
         if not sent:  # a migration's prompt is not the answer's: its figures stay the first request's
             timeline.answer_submit = flight.submitted_at
+            timeline.answer_beside = asdict(flight.load_at_submit)
         return flight

@@ -76,7 +76,14 @@ class Timeline:
     search_start: float | None = None
     search_end: float | None = None
     answer_submit: float | None = None
+    # The answering request's way to its first token, as the engine stamped it (None where it
+    # does not say) and as our adapter received it: see :attr:`phases`.
+    answer_queued: float | None = None
     answer_scheduled: float | None = None
+    answer_engine_first_token: float | None = None
+    answer_received: float | None = None
+    # Our requests in the engine when the answering one was submitted (a speculation, a warm-up).
+    answer_beside: dict[str, int] = field(default_factory=dict)
     first_token: float | None = None
     done: float | None = None
     prompt_tokens: int = 0
@@ -156,6 +163,50 @@ class Timeline:
             return None
         return max(0.0, min(self.search_end, began) - start)
 
+    @property
+    def phases(self) -> dict[str, Any]:
+        """Where the answer's time to first token went after the search, in ms (None: unknown).
+
+        The answering request's way, each step from the one before: ``search_end_to_submit``
+        (negative when an adopted speculation was submitted before the search ended),
+        ``submit_to_queued`` (our hand-over to the engine's queue), ``queued_to_scheduled`` (its
+        wait there, e.g. behind a stale speculation's step), ``scheduled_to_engine_first_token``
+        (its prefill, in steps shared with whatever else the engine ran), ``engine_to_received``
+        (the token's way back to our adapter) and ``received_to_seen`` (until this query saw it:
+        queue hops, or, for a speculation that finished early, the rest of the search).
+        ``beside_at_submit`` is what else of ours the engine held at submission;
+        ``aborted_before_submit`` the speculations this query aborted before it, whose last step
+        may still run when it arrives.
+        """
+        way = (
+            self.search_end,
+            self.answer_submit,
+            self.answer_queued,
+            self.answer_scheduled,
+            self.answer_engine_first_token,
+            self.answer_received,
+            self.first_token,
+        )
+        names = (
+            "search_end_to_submit",
+            "submit_to_queued",
+            "queued_to_scheduled",
+            "scheduled_to_engine_first_token",
+            "engine_to_received",
+            "received_to_seen",
+        )
+        steps = {
+            f"{name}_ms": None if start is None or end is None else round((end - start) * 1000, 3)
+            for name, start, end in zip(names, way[:-1], way[1:], strict=True)
+        }
+        submit = self.answer_submit
+        aborted = [e for e in self.events if e.kind == "spec_abort" and submit is not None and e.at <= submit]
+        return {
+            **steps,
+            "beside_at_submit": dict(self.answer_beside),
+            "aborted_before_submit": len(aborted),
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: durations in ms, events relative to arrival."""
 
@@ -171,6 +222,7 @@ class Timeline:
             "non_overlapped_retrieval_ms": ms(self.non_overlapped_retrieval_s),
             "non_overlapped_basis": self.non_overlapped_basis,
             "non_overlapped_retrieval_submitted_ms": ms(self.non_overlapped_retrieval_submitted_s),
+            "phases": self.phases,
             "queued_ms": ms(self.queued_s),
             "controller_ms": ms(self.controller_s),
             "prompt_tokens": self.prompt_tokens,

@@ -81,9 +81,14 @@ class EngineOutput:
     ``time.perf_counter()`` at which the adapter received the increment. ``scheduled_at`` is when
     the engine's scheduler first gave the request a step (its prefill began), on the same clock,
     when the engine reports it (vLLM's per-request statistics do); None when it does not, and a
-    figure built on it must then say it used the submission time instead. ``document_kv_tokens``:
-    of the cached tokens, those loaded from the document KV store (TurboRAG), reported with the
-    finishing output by an engine that has a store; None otherwise.
+    figure built on it must then say it used the submission time instead. ``queued_at`` (the
+    engine took the request into its queue) and ``emitted_at`` (the engine produced this
+    increment, before it crossed to us) are the engine's own stamps on the same clock, when it
+    reports them: with ``scheduled_at`` and ``received_at`` they split a first token's latency
+    into hand-over, queue, compute and delivery (:meth:`Timeline.phases
+    <specrag.controller.timeline.Timeline.phases>`). ``document_kv_tokens``: of the cached
+    tokens, those loaded from the document KV store (TurboRAG), reported with the finishing
+    output by an engine that has a store; None otherwise.
     """
 
     request_id: str
@@ -96,6 +101,8 @@ class EngineOutput:
     received_at: float
     scheduled_at: float | None = None
     document_kv_tokens: int | None = None
+    queued_at: float | None = None
+    emitted_at: float | None = None
 
 
 @dataclass(frozen=True)

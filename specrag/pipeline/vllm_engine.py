@@ -341,6 +341,8 @@ class VllmEngine(EngineBase):
                         received_at=now(),
                         scheduled_at=scheduled_at(output),
                         document_kv_tokens=document_kv_tokens(output),
+                        queued_at=engine_stamp(output, "queued_ts"),
+                        emitted_at=engine_stamp(output, "last_token_ts"),
                     )
         except Exception as error:  # cancellation and GeneratorExit are BaseExceptions: not wrapped
             raise EngineError(f"engine request {request_id} failed: {error}") from error
@@ -415,15 +417,21 @@ def _idle(llm: Any, snapshot: SchedulerSnapshot) -> bool:
 
 
 def scheduled_at(output: Any) -> float | None:
-    """When vLLM's scheduler first gave the request a step, on our clock; None before it did.
+    """When vLLM's scheduler first gave the request a step, on our clock; None before it did."""
+    return engine_stamp(output, "scheduled_ts")
 
-    vLLM's engine core stamps its request events with ``time.monotonic()`` in its own process;
-    on Linux that is CLOCK_MONOTONIC, the clock ``time.perf_counter()`` reads here too (both
-    system-wide), so the stamp compares directly with our timelines. The statistics exist only
-    with vLLM's stat logging on, which :func:`_engine_args` turns on.
+
+def engine_stamp(output: Any, name: str) -> float | None:
+    """One of vLLM's per-request stamps (``queued_ts``, ``scheduled_ts``, ``last_token_ts``: the
+    latest output's step) on our clock; None when it has not happened or is not reported.
+
+    vLLM's engine core stamps its request events and output batches with ``time.monotonic()`` in
+    its own process; on Linux that is CLOCK_MONOTONIC, the clock ``time.perf_counter()`` reads
+    here too (both system-wide), so the stamps compare directly with our timelines. The
+    statistics exist only with vLLM's stat logging on, which :func:`_engine_args` turns on.
     """
     metrics = getattr(output, "metrics", None)
-    stamp = getattr(metrics, "scheduled_ts", 0.0) if metrics is not None else 0.0
+    stamp = getattr(metrics, name, 0.0) if metrics is not None else 0.0
     return float(stamp) if stamp else None
 
 

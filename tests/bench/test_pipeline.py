@@ -8,10 +8,12 @@ import pytest
 
 from bench.e2e.workload import TraceQuery
 from bench.pipeline import (
+    PHASES,
     halves,
     headline,
     nearest_point,
     overlap,
+    phase_summary,
     saturation_rps,
     search_ms,
     sweep_points,
@@ -102,7 +104,12 @@ def point(ratio: float, overlap_fraction: float) -> dict[str, Any]:
         "all": {"speculations": 8, "requests": 4, "errors": 0},
         "all-always": {"speculations": 12, "requests": 4, "errors": 0},
     }
-    return {"configurations": {"all": row, "all-always": always}, "summaries": summaries}
+    # Every phase's median: serial's 10 ms, all's its ratio (so that points can be told apart).
+    phases = {
+        name: {phase: {"mean": value, "median": value} for phase in PHASES}
+        for name, value in (("serial", 10.0), ("all", ratio))
+    }
+    return {"configurations": {"all": row, "all-always": always}, "summaries": summaries, "phases": phases}
 
 
 def test_the_headline_sorts_points_by_ratio_and_adds_the_extra_points() -> None:
@@ -123,7 +130,11 @@ def test_the_headline_sorts_points_by_ratio_and_adds_the_extra_points() -> None:
     }
     line = headline(result)
     assert [row["ratio"] for row in line["idle"]] == [0.5, 2.0]
-    assert line["ivf_flat"] == {"ratio": 0.9, "overlap_fraction": 0.6, "non_overlapped_over_search": 0.1}
+    assert {key: line["ivf_flat"][key] for key in ("ratio", "overlap_fraction")} == {
+        "ratio": 0.9,
+        "overlap_fraction": 0.6,
+    }
+    assert line["ivf_flat"]["phases"]["all"]["submit_to_queued_ms"] == 0.9
     assert line["hnsw"]["overlap_fraction"] == 0.97 and line["index"]["kind"] == "ivf-sq8"
     assert line["loaded"]["ttft_p99_over_serial_all"] == 0.9
     assert line["loaded"]["wasted_spec_prefill_share_all_always"] == 0.2
@@ -160,3 +171,43 @@ def test_an_hnsw_point_searches_hybrid_like_the_ivf_points() -> None:
     assert list(retuned.search_hybrid(vector, "word5", 3)[0]) == list(
         index.search_hybrid(vector, "word5", 3)[0]
     )
+
+
+def test_the_headline_guards_the_point_nearest_r_1_with_its_phases() -> None:
+    result = {
+        "facts": {"stages": {}, "pinning": "apart", "index": {}},
+        "idle": [point(2.0, 0.7), point(0.8, 0.95), point(0.3, 0.9)],
+        "loaded": {
+            **point(1.0, 0.9),
+            "utilization": 0.7,
+            **{
+                key: {"all": 1.0, "all-always": 1.0}
+                for key in ("ttft_mean_over_serial", "ttft_p99_over_serial", "wasted_spec_prefill_share")
+            },
+        },
+        "hnsw": None,
+        "ivf_flat": None,
+    }
+    guard = headline(result)["near_r1"]
+    assert guard["ratio"] == 0.8 and guard["overlap_fraction"] == 0.95
+    assert guard["above_bound_ms"] == 50.0
+    assert guard["phases"]["serial"]["queued_to_scheduled_ms"] == 10.0
+    assert guard["phases"]["all"]["scheduled_to_engine_first_token_ms"] == 0.8
+
+
+def test_phases_are_summarised_over_the_answers_that_report_them() -> None:
+    def answer(i: int, queued_ms: float | None, adopted: bool, prefilling: int) -> dict[str, Any]:
+        phases: dict[str, Any] = dict.fromkeys(PHASES, 1.0)
+        phases.update(
+            queued_to_scheduled_ms=queued_ms,
+            beside_at_submit={"prefilling": prefilling, "decoding": 0, "engine_waiting": 0},
+            aborted_before_submit=1 if adopted else 0,
+        )
+        return {**record(i, 100.0, 50.0, 1.0, 0.0), "adopted": adopted, "phases": phases}
+
+    records = [answer(0, 2.0, True, 1), answer(1, 4.0, False, 0), answer(2, None, False, 0)]
+    records.append({**record(3, 100.0, 50.0, 1.0, 0.0), "error": "timed out"})  # a failed query: left out
+    summary = phase_summary(records)
+    assert summary["queued_to_scheduled_ms"] == {"mean": 3.0, "median": 3.0}  # the unknown one is left out
+    assert summary["answers"] == 3 and summary["adopted"] == 1
+    assert summary["beside_prefilling_at_submit"] == 1 and summary["aborted_before_submit"] == 1

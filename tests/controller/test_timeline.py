@@ -37,3 +37,28 @@ def test_without_the_engines_stamp_the_submission_is_the_basis_and_says_so() -> 
 def test_non_overlap_never_exceeds_retrieval() -> None:
     timeline = _timeline(9.0)  # scheduled after the search ended
     assert timeline.non_overlapped_retrieval_s == pytest.approx(timeline.retrieval_s)
+
+
+def test_phases_split_the_answers_way_to_its_first_token_step_by_step() -> None:
+    timeline = _timeline(3.0)  # an adopted speculation: submitted at 2.0, before the search's end
+    timeline.answer_queued, timeline.answer_engine_first_token = 2.5, 5.0
+    timeline.answer_received, timeline.first_token = 5.25, 6.0
+    timeline.answer_beside = {"prefilling": 1, "decoding": 0, "engine_waiting": 0}
+    timeline.add("spec_abort", 1.75, reason="stale")
+    timeline.add("spec_abort", 7.0, reason="stale")  # after the answer's submission: not before it
+    phases = timeline.to_dict()["phases"]
+    assert phases["search_end_to_submit_ms"] == pytest.approx(-2000.0)
+    assert phases["submit_to_queued_ms"] == pytest.approx(500.0)
+    assert phases["queued_to_scheduled_ms"] == pytest.approx(500.0)
+    assert phases["scheduled_to_engine_first_token_ms"] == pytest.approx(2000.0)
+    assert phases["engine_to_received_ms"] == pytest.approx(250.0)
+    assert phases["received_to_seen_ms"] == pytest.approx(750.0)
+    assert phases["beside_at_submit"] == {"prefilling": 1, "decoding": 0, "engine_waiting": 0}
+    assert phases["aborted_before_submit"] == 1
+
+
+def test_a_phase_the_engine_does_not_stamp_is_unknown_not_zero() -> None:
+    phases = _timeline(None).phases  # an engine without per-request statistics
+    assert phases["submit_to_queued_ms"] is None
+    assert phases["queued_to_scheduled_ms"] is None
+    assert phases["search_end_to_submit_ms"] == pytest.approx(-2000.0)
