@@ -98,6 +98,7 @@ def point(ratio: float, overlap_fraction: float) -> dict[str, Any]:
         "bound_ttft_ms": 200.0,
         "overlap_fraction": overlap_fraction,
         "non_overlapped_over_search": 0.1,
+        "search_ms": 100.0,
     }
     always = {**row, "config_ttft_ms": 280.0}
     summaries = {
@@ -191,6 +192,7 @@ def test_the_headline_guards_the_point_nearest_r_1_with_its_phases() -> None:
     guard = headline(result)["near_r1"]
     assert guard["ratio"] == 0.8 and guard["overlap_fraction"] == 0.95
     assert guard["above_bound_ms"] == 50.0
+    assert guard["above_bound_after_prefill_start_ms"] == 40.0  # 10 ms of it the non-overlapped search
     assert guard["phases"]["serial"]["queued_to_scheduled_ms"] == 10.0
     assert guard["phases"]["all"]["scheduled_to_engine_first_token_ms"] == 0.8
 
