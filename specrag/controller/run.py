@@ -53,8 +53,8 @@ from specrag.controller.warmup import SystemPromptWarmer
 from specrag.errors import EngineError, InvalidInputError, OverloadedError
 from specrag.pipeline.engine import EngineOutput, check_prompt_fits, latest_cached_tokens, now
 from specrag.pipeline.prompt import PromptBuilder
-from specrag.retrieval.stage_stats import PlanKey, StageOutlook
-from specrag.retrieval.vector_index import VectorIndex
+from specrag.retrieval.stage_stats import StageOutlook
+from specrag.retrieval.vector_index import StagedSearch, VectorIndex
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class QueryRun:
         self._flights: list[Flight] = []
         self._speculation: Flight | None = None
         self._turn: TurnPrompt | None = None  # a later session turn's final prompt: what it kept
-        self._plan: PlanKey | None = None  # what the index's stage figures for this search are under
+        self._search: StagedSearch | None = None  # the staged search, whose outlook prices speculation
         self._background: set[asyncio.Task[None]] = set()  # aborts of preempted speculations
         self.sources: tuple[Source, ...] = ()  # the final top-k, once known
 
@@ -116,17 +116,12 @@ class QueryRun:
         config = shared.config
         speculates = checked.mode.speculation and shared.speculation.speculates
         plan = shared.index.stage_plan(config.num_stages if speculates else 1, config.stage_schedule)
-        self._plan = shared.index.plan_key(checked.k, plan.num_stages, plan.schedule)
+        # The question's text feeds the lexical channel of a hybrid index.
+        search = shared.index.search_staged(vector, checked.k, plan, query_text=checked.request.question)
+        self._search = search
         if plan.num_stages == 1:
             self._warm_up(0)
         final_rows: list[int] = []
-        search = shared.index.search_staged(
-            vector,
-            checked.k,
-            num_stages=plan.num_stages,
-            schedule=plan.schedule,
-            query_text=checked.request.question,  # the lexical channel of a hybrid index
-        )
         async with contextlib.aclosing(search) as staged:
             async for stage in staged:
                 rows = self._rows(stage.ids)
@@ -342,9 +337,8 @@ class QueryRun:
 
     def _outlook(self, stage: int) -> StageOutlook:
         """The index's figures for this search after ``stage`` (0: its start)."""
-        assert self._plan is not None and self.timeline.search_start is not None
-        elapsed = now() - self.timeline.search_start
-        return self._shared.index.stage_stats.outlook(self._plan, stage, elapsed)
+        assert self._search is not None and self.timeline.search_start is not None
+        return self._search.outlook(stage, now() - self.timeline.search_start)
 
     def _waiting(self, replicas: Sequence[Replica]) -> int:
         """Requests that wait for these engines now: the engines' own backlog, our requests before
