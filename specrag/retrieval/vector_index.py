@@ -7,7 +7,7 @@ the caller never sees a row id that is not a passage (several rows may name one 
 
 An index built with a lexical channel (:mod:`specrag.retrieval.lexical`) searches hybrid when
 it is given the query's text: BM25 runs first, in the search thread, before the first dense stage
-(a millisecond against the dense search's tens), and every stage's running top-k is the
+(a small fraction of the dense search's time, docs/retrieval.md), and every stage's running top-k is the
 reciprocal-rank fusion (:mod:`specrag.retrieval.fusion`) of that fixed lexical ranking with the
 dense running top-k. The running top-k that speculation prefills is therefore already the hybrid
 one, and the last stage equals :meth:`VectorIndex.search` given the text. Fused stages name passages:
