@@ -73,7 +73,7 @@ class VectorIndex:
         self.embedder = embedder
         self._runner = runner
         # How each stage's top-k turned out, learned from every single-query staged search.
-        self.stage_stats = StageStatistics()
+        self._stage_stats = StageStatistics()
         # Row -> passage, with a trailing -1 so that padding ids (-1) map to -1 by plain indexing.
         self._row_to_passage = np.concatenate([np.arange(len(passage_ids)), sources, [-1]])
 
@@ -172,7 +172,7 @@ class VectorIndex:
 
         ``queries``, ``query_text`` and ``batch`` are as for :meth:`search`, whose result the last
         stage holds. A single query's search run on the search threads teaches
-        :attr:`stage_stats`, which its :meth:`StagedSearch.outlook` reads.
+        the index's stage statistics, which its :meth:`StagedSearch.outlook` reads.
         """
         matrix = prepare_queries(self._shaped(queries, batch), self.dim, self.searcher.ntotal, k)
         resolved = plan or self.stage_plan()
@@ -180,7 +180,8 @@ class VectorIndex:
         def stages() -> Iterator[StageResult]:
             return self._stages(matrix, k, resolved, self._texts(query_text, batch))
 
-        return StagedSearch(self, stages, self._plan_key(k, resolved), single=not batch)
+        key = self._plan_key(k, resolved)
+        return StagedSearch(self, stages, self._stage_stats, key, single=not batch)
 
     @staticmethod
     def _shaped(queries: np.ndarray, batch: bool) -> np.ndarray:
@@ -249,7 +250,7 @@ class VectorIndex:
         return np.stack([ids for ids, _ in fused]), np.stack([scores for _, scores in fused])
 
     def _plan_key(self, k: int, plan: StagePlan) -> PlanKey:
-        """What :attr:`stage_stats` keeps a search's figures under: the searcher's settings, k and
+        """What the stage statistics keep a search's figures under: the searcher's settings, k and
         the stage plan."""
         settings = tuple(sorted((name, str(value)) for name, value in self.searcher.settings.items()))
         return PlanKey(settings, k, plan.num_stages, plan.schedule)
@@ -263,17 +264,24 @@ class StagedSearch:
     ``contextlib.aclosing`` on the search to make it immediate) or cancelling the task stops the
     search after the stage in flight.
 
-    The index's :attr:`~VectorIndex.stage_stats` have one writer and one reader, both here: a
-    single query's search on the search threads (the service's) records its stages once the last
-    one is known, and :meth:`outlook` reads what the searches of the same plan taught. They live
-    with the index, so what it taught outlives a controller rebuilt around it.
+    The index's stage statistics (:mod:`specrag.retrieval.stage_stats`) have one writer and one
+    reader, both here: a single query's search on the search threads (the service's) records its
+    stages once the last one is known, and :meth:`outlook` reads what the searches of the same plan
+    taught, under the key of the plan the caller resolved. They live with the index, so what it
+    taught outlives a controller rebuilt around it (``bench.e2e`` builds one per configuration).
     """
 
     def __init__(
-        self, index: VectorIndex, stages: Callable[[], Iterator[StageResult]], key: PlanKey, single: bool
+        self,
+        index: VectorIndex,
+        stages: Callable[[], Iterator[StageResult]],
+        stats: StageStatistics,
+        key: PlanKey,
+        single: bool,
     ) -> None:
-        self._index = index
+        self._index = index  # whose search threads run an ``async for``, as they are then
         self._stages = stages  # batch-shaped stages, computed when called
+        self._stats = stats
         self._key = key
         self._single = single  # a batch's results are 2-D and not learned from
         self._running: AsyncGenerator[StageResult, None] | None = None
@@ -301,10 +309,10 @@ class StagedSearch:
                     continue
                 seen.append(stage.for_query(0))
                 if stage.done:  # learned before the caller sees the end (it may stop reading there)
-                    self._index.stage_stats.record(self._key, seen)
+                    self._stats.record(self._key, seen)
                 yield seen[-1]
 
     def outlook(self, stage: int, elapsed_s: float) -> StageOutlook:
         """What searches of this plan taught about the rest of this one after ``stage`` (0: its
         start), ``elapsed_s`` into it (:meth:`StageStatistics.outlook`)."""
-        return self._index.stage_stats.outlook(self._key, stage, elapsed_s)
+        return self._stats.outlook(self._key, stage, elapsed_s)
