@@ -197,7 +197,7 @@ async def prefill_ms_by_k(
     for k in PROMPT_SIZES:
         timings = []
         for query, vector in zip(queries, vectors, strict=True):
-            _, rows = index.search(vector[None, :], k)
+            _, rows = index.search(vector[None, :], k, batch=True)
             passages = sorted({int(r) for r in index.passage_index_of(rows[0]) if r >= 0})
             await engine.reset_prefix_cache()
             await ttft_of(engine, builder.system_layout_tokens())

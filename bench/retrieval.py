@@ -120,7 +120,7 @@ def _evaluate(index: VectorIndex, queries: list[Query], hybrid: bool) -> dict[st
     for query in queries:
         started = time.perf_counter()
         vector = index.embed_query(query.text)
-        *_, last = index.iter_stages(vector, max(KS), plan, query_text=query.text if hybrid else None)
+        *_, last = index.search_staged(vector, max(KS), plan, query_text=query.text if hybrid else None)
         latencies.append(time.perf_counter() - started)
         rankings.append(distinct_passages(index, last.ids))
     return scores(queries, rankings, latencies)
@@ -204,7 +204,7 @@ def fusion_sweep(index: VectorIndex, queries: list[Query]) -> list[dict[str, Any
         for fusion in FUSION_SWEEP:
             index.fusion = fusion
             rankings = [
-                distinct_passages(index, index.search_hybrid(vector, query.text, max(KS))[0])
+                distinct_passages(index, index.search(vector, max(KS), query_text=query.text)[1])
                 for vector, query in zip(vectors, queries, strict=True)
             ]
             result = scores(queries, rankings, [0.0])

@@ -5,7 +5,7 @@ traces (Poisson arrivals) through each router of :mod:`specrag.controller.placem
 
 - **simulated**: 8 simulated replicas (vLLM's prefix-cache semantics and the measured prefill
   profile), each with a KV cache smaller than the working set, so where a prompt goes decides what
-  it reuses. The simulation runs in virtual time (:mod:`specrag.pipeline.virtual_time`): TTFTs
+  it reuses. The simulation runs in virtual time (:mod:`specrag.sim.virtual_time`): TTFTs
   are simulated milliseconds, and neither the machine's load nor the router's own CPU time enters
   them or the queues the routers read; that CPU time is measured (in real time) and reported
   beside them as ``router_cpu_ms``.
@@ -61,10 +61,10 @@ from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import ROUTERS, Placed, Placement, health_checks
 from specrag.controller.replicas import Replica
-from specrag.controller.simulated_replicas import simulated_replica
 from specrag.errors import EngineError
-from specrag.pipeline import virtual_time
 from specrag.pipeline.engine import Sampling, now
+from specrag.sim import virtual_time
+from specrag.sim.replicas import simulated_replica
 
 if TYPE_CHECKING:  # annotations only: the real pair imports the service side when it runs
     from specrag.pipeline.prompt import PromptBuilder

@@ -30,7 +30,6 @@ from specrag.cache.residency import chain_block_keys
 from specrag.controller.controller import AnswerDone, ControllerConfig, RagController, RagRequest
 from specrag.controller.placement import Placement, Router
 from specrag.controller.replicas import Replica
-from specrag.controller.simulated_replicas import simulated_replica
 from specrag.pipeline.commands import engine_server_config
 from specrag.pipeline.engine import (
     Engine,
@@ -43,7 +42,6 @@ from specrag.pipeline.engine import (
 )
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.random_model import RandomModelSpec
-from specrag.pipeline.simulated_engine import KVEventCallback, SimulatedEngine
 from specrag.pipeline.store import DocumentStore, build_store
 from specrag.pipeline.tokenizer import Tokenizer
 from specrag.retrieval.corpus import Passage
@@ -52,6 +50,8 @@ from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
 from specrag.service.server import create_app, serving
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
+from specrag.sim.engine import KVEventCallback, SimulatedEngine
+from specrag.sim.replicas import simulated_replica
 
 # Small enough to build in seconds and prefill fast, same architecture and tokenizer kind as the default.
 TINY_MODEL_SPEC = RandomModelSpec(

@@ -1,6 +1,7 @@
 """The dependency direction (docs/architecture.md), read from the source: service -> controller -> pipeline ->
 cache, retrieval; the leaf modules (atomic, errors, paths) serve everyone; the client needs only
-errors. Function-level imports count too: an import that runs back up is one, wherever it sits."""
+errors; the simulator (sim) sits beside the product, which never imports it. Function-level imports
+count too: an import that runs back up is one, wherever it sits."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ ALLOWED = {
     "retrieval": LEAVES | {"retrieval"},
     "pipeline": LEAVES | {"pipeline", "cache", "retrieval"},
     "controller": LEAVES | {"controller", "pipeline", "cache", "retrieval"},
+    "sim": LEAVES | {"sim", "controller", "pipeline", "cache", "retrieval"},
 }
 
 
@@ -41,6 +43,16 @@ def test_a_package_imports_only_what_lies_below_it(package: str) -> None:
         for source in sources
     }
     assert {name: parts for name, parts in wrong.items() if parts} == {}
+
+
+def test_only_the_simulator_imports_the_simulator() -> None:
+    """The product's real path never loads the simulated engine or virtual time: only benchmarks
+    and tests do."""
+    sources = sorted(
+        source for source in PACKAGE.rglob("*.py") if "sim" not in source.relative_to(PACKAGE).parts[:1]
+    )
+    assert sources
+    assert [str(source.relative_to(PACKAGE)) for source in sources if "sim" in imported_parts(source)] == []
 
 
 def test_the_client_imports_only_errors() -> None:

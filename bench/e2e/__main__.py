@@ -182,7 +182,7 @@ async def measure_regime(
         search_ms[ratio] = await one_search_ms(index, vectors, k)
     cold = []
     for query, vector in zip(queries[:5], vectors[:5], strict=True):
-        _, rows = index.search(vector[None, :], k)
+        _, rows = index.search(vector[None, :], k, batch=True)
         prompt = builder.build(sorted({int(r) for r in index.passage_index_of(rows[0]) if r >= 0}), query)
         await engine.reset_prefix_cache()
         cold.append(await ttft_of(engine, prompt.token_ids) * 1000)

@@ -131,7 +131,7 @@ async def search_times_ms(index: VectorIndex, vectors: np.ndarray, k: int) -> li
     timings = []
     for vector in vectors:
         started = now()
-        async for _ in index.search_staged(vector, k, num_stages=1):
+        async for _ in index.search_staged(vector, k, index.stage_plan(1)):
             pass
         timings.append((now() - started) * 1000)
     return timings

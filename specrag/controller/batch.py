@@ -68,7 +68,7 @@ async def retrieve(index: VectorIndex, checked: Sequence[CheckedRequest]) -> lis
     vectors = await loop.run_in_executor(None, lambda: np.stack([index.embed_query(q) for q in questions]))
     k = max(request.k for request in checked)
     final = None
-    search = index.search_staged_batch(vectors, k, num_stages=1, query_texts=questions)
+    search = index.search_staged(vectors, k, index.stage_plan(1), query_text=questions, batch=True)
     async with contextlib.aclosing(search) as stages:
         async for stage in stages:
             final = stage

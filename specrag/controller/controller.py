@@ -27,7 +27,8 @@ from specrag.controller.gate import PrefillGate, WindowAdmission, default_max_pr
 from specrag.controller.modes import check_document_kv, get_mode
 from specrag.controller.placement import Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
-from specrag.controller.run import QueryRun, QueryShared
+from specrag.controller.query_shared import QueryShared
+from specrag.controller.run import QueryRun
 from specrag.controller.sampling import check_sampling
 from specrag.controller.sessions import Session, SessionStore
 from specrag.controller.speculation_policy import SpeculationPolicy

@@ -7,11 +7,9 @@ RAGCache++ §3.6).
    prefills the system prompt itself; with ``speculation="auto"`` only if its price pays.
 2. A stage arrived: order its running top-k with the knowledge tree and build the prompt. If it
    differs from the live speculation's prompt, abort that one and, only if the prompt fits the
-   model, its price pays (:mod:`~specrag.controller.speculation_policy`, with
-   ``speculation="auto"``) and the prefill pool has room
-   (:class:`~specrag.controller.gate.PrefillGate`), submit the new prompt speculatively. A later
-   turn of a conversation continues its history instead, dropping the oldest turns that do not
-   fit (:mod:`specrag.controller.conversation`).
+   model, its price pays and the prefill pool has room, submit the new prompt speculatively
+   (:mod:`specrag.controller.speculation_steps`). A later turn of a conversation continues its
+   history instead, dropping the oldest turns that do not fit (:mod:`specrag.controller.conversation`).
 3. The final result is known: order and build the final prompt. If the live speculation has
    exactly this prompt, adopt its stream; otherwise abort it and submit the final prompt through
    the gate.
@@ -31,63 +29,40 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
-from specrag.cache.hints import HintConfig, order_hint
+from specrag.cache.hints import order_hint
 from specrag.cache.layout import DocId, PromptLayout
 from specrag.cache.ordering import get_policy
-from specrag.cache.prefill_estimator import PrefillEstimator
-from specrag.controller.config import ControllerConfig
-from specrag.controller.conversation import TurnPrompt, TurnPrompts
+from specrag.controller.conversation import TurnPrompt
 from specrag.controller.flight import Flight, RetriedFlight
-from specrag.controller.gate import PrefillGate, Slot
-from specrag.controller.placement import Placed, Placement
+from specrag.controller.gate import Slot
+from specrag.controller.placement import Placed
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, Source
-from specrag.controller.replicas import Replica
-from specrag.controller.sessions import SessionStore
-from specrag.controller.speculation_policy import Price, SpeculationPolicy
+from specrag.controller.query_shared import QueryShared
+from specrag.controller.speculation_steps import SpeculationSteps
 from specrag.controller.timeline import Timeline
-from specrag.controller.warmup import SystemPromptWarmer
 from specrag.errors import EngineError, InvalidInputError, OverloadedError
 from specrag.pipeline.engine import EngineOutput, check_prompt_fits, latest_cached_tokens, now
-from specrag.pipeline.prompt import PromptBuilder
-from specrag.retrieval.stage_stats import PlanKey, StageOutlook
-from specrag.retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class QueryShared:
-    """What the queries of one controller share; a run reads it and never changes it."""
-
-    config: ControllerConfig
-    placement: Placement
-    index: VectorIndex
-    builder: PromptBuilder
-    prefill_estimator: PrefillEstimator
-    gate: PrefillGate
-    sessions: SessionStore
-    warmer: SystemPromptWarmer
-    hints: HintConfig
-    turn_prompts: TurnPrompts
-    speculation: SpeculationPolicy
-
-
 class QueryRun:
-    """One query: its checked request, its timeline and its engine requests; the steps are methods."""
+    """One query: its checked request, its timeline and its engine requests. The search, the final
+    prompt and the answer are its methods; the speculation during the search is its
+    :class:`~specrag.controller.speculation_steps.SpeculationSteps`, which places and launches
+    through this run (:meth:`place`, :meth:`launch`), so every engine request is the run's."""
 
     def __init__(self, shared: QueryShared, checked: CheckedRequest) -> None:
         self.checked = checked
         self.timeline = Timeline(arrival=now(), mode=checked.mode.name)
         self._shared = shared
         self._flights: list[Flight] = []
-        self._speculation: Flight | None = None
         self._turn: TurnPrompt | None = None  # a later session turn's final prompt: what it kept
-        self._plan: PlanKey | None = None  # what the index's stage figures for this search are under
-        self._background: set[asyncio.Task[None]] = set()  # aborts of preempted speculations
+        self._speculating = SpeculationSteps(shared, checked, self.timeline, self)
         self._answer: RetriedFlight | None = None  # the answer's stream, once it is read
         self.sources: tuple[Source, ...] = ()  # the final top-k, once known
 
@@ -117,17 +92,12 @@ class QueryRun:
         config = shared.config
         speculates = checked.mode.speculation and shared.speculation.speculates
         plan = shared.index.stage_plan(config.num_stages if speculates else 1, config.stage_schedule)
-        self._plan = shared.index.plan_key(checked.k, plan.num_stages, plan.schedule)
+        # The question's text feeds the lexical channel of a hybrid index.
+        search = shared.index.search_staged(vector, checked.k, plan, query_text=checked.request.question)
+        self._speculating.search = search
         if plan.num_stages == 1:
-            self._warm_up(0)
+            self._speculating.warm_up(0)
         final_rows: list[int] = []
-        search = shared.index.search_staged(
-            vector,
-            checked.k,
-            num_stages=plan.num_stages,
-            schedule=plan.schedule,
-            query_text=checked.request.question,  # the lexical channel of a hybrid index
-        )
         async with contextlib.aclosing(search) as staged:
             async for stage in staged:
                 rows = self._rows(stage.ids)
@@ -135,57 +105,9 @@ class QueryRun:
                 if stage.done:
                     final_rows = rows
                     break
-                await self.stage_arrived(rows, stage.stage)
+                await self._speculating.stage_arrived(rows, stage.stage)
         timeline.search_end = now()
         return await self.final_known(final_rows)
-
-    async def stage_arrived(self, rows: list[int], stage: int) -> None:
-        """Speculate on a stage's running top-k if it changed and the prefill pool has room.
-
-        A running top-k may make a longer prompt than the final one: if it does not fit the
-        model, it is not speculated on, and the query goes on (only the final prompt must fit).
-        """
-        if not self.checked.mode.speculation or not self._shared.speculation.speculates:
-            return
-        placed = self._prompt(rows, final=False)
-        speculation = self._speculation
-        if speculation is not None and speculation.layout.token_ids == placed.layout.token_ids:
-            return
-        if speculation is not None:
-            await self._drop(speculation)
-        tokens = len(placed.layout.token_ids)
-        timeline = self.timeline
-        if tokens + self.checked.sampling.max_tokens > placed.replica.engine.max_model_len:
-            timeline.add("spec_skip", now(), stage=stage, reason="too_long", prompt_tokens=tokens)
-            self._warm_up(stage)
-            return
-        price = self._price(placed, stage)
-        if price is not None and not price.pays:
-            timeline.speculations_priced_out += 1
-            timeline.add("spec_skip", now(), stage=stage, reason="price", **price.detail())
-            self._warm_up(stage)
-            return
-        slot = self._shared.gate.try_speculate(
-            compute_tokens=tokens - placed.predicted_cached,
-            engine_waiting=placed.replica.engine.load().engine_waiting,
-            preempt=self._preempted,
-        )
-        if slot is None:
-            timeline.add("spec_skip", now(), stage=stage, reason="no_room")
-            self._warm_up(stage)
-        else:
-            self._speculation = self._launch(
-                placed, slot, speculative=True, predicted=placed.predicted_cached
-            )
-            timeline.speculations += 1
-            timeline.add(
-                "spec_submit",
-                self._speculation.submitted_at,
-                stage=stage,
-                request_id=self._speculation.request_id,
-                replica=placed.replica.name,
-                **(price.detail() if price is not None else {}),
-            )
 
     async def final_known(self, rows: list[int]) -> Flight:
         """Adopt the speculation if its prompt is the final one; otherwise submit the final prompt."""
@@ -193,7 +115,7 @@ class QueryRun:
         passages = [shared.builder.store.passage(row) for row in rows]
         timeline.documents = [passage.id for passage in passages]
         self.sources = tuple(Source(passage.id, passage.title) for passage in passages)
-        placed = self._prompt(rows, final=True)
+        placed = self.place(rows, final=True)
         layout, predicted = placed.layout, placed.predicted_cached
         if self._turn is not None and self._turn.dropped:
             dropped = self._turn.dropped
@@ -204,14 +126,14 @@ class QueryRun:
                 turns=[turn.number for turn in dropped],
                 tokens=sum(len(turn.tokens) for turn in dropped),
             )
-        speculation = self._speculation
+        speculation = self._speculating.live
         if speculation is not None and speculation.layout.token_ids == layout.token_ids:
             timeline.adopted = True
             speculation.adopt()
             timeline.add("adopt", now(), request_id=speculation.request_id, replica=speculation.replica.name)
             return speculation
         if speculation is not None:
-            await self._drop(speculation)
+            await self._speculating.drop(speculation)
         check_prompt_fits(len(layout.token_ids), self.checked.sampling, placed.replica.engine.max_model_len)
         gate = shared.gate
         if gate.waiting >= shared.config.max_queue:
@@ -229,12 +151,12 @@ class QueryRun:
         slot = await gate.admit(predicted, len(layout.token_ids) - predicted, rows if reorderable else ())
         timeline.queued_s = now() - queued_at
         if not placed.replica.available:  # excluded while the request waited for its slot
-            placed = self._prompt(rows, final=True)
+            placed = self.place(rows, final=True)
         if slot.ordering is not None and slot.ordering.doc_ids != placed.layout.document_ids():
             placed = self._reordered(placed, rows, slot.ordering.doc_ids)
             timeline.add("reordered", now(), documents=len(rows))
         # The cache may have changed while the request waited for its slot: predict again.
-        final = self._launch(placed, slot, speculative=False, predicted=self._predicted(placed))
+        final = self.launch(placed, slot, speculative=False, predicted=self._predicted(placed))
         self._note_route(placed)
         timeline.add("final_submit", final.submitted_at, request_id=final.request_id)
         return final
@@ -298,8 +220,8 @@ class QueryRun:
             except Exception as error:
                 failures.append(error)
             finally:
-                self._forget(flight)
-        self._speculation = None
+                self.forget(flight)
+        self._speculating.live = None
         if failures:
             raise EngineError(
                 f"{len(failures)} of the query's engine requests could not be aborted: {failures[0]}"
@@ -307,62 +229,11 @@ class QueryRun:
 
     # ------------------------------------------------------------------ helpers
 
-    def _warm_up(self, stage: int) -> None:
-        """Prefill the system prompt where it is cold, if this query's mode warms up (and, with
-        ``speculation="auto"``, if its price pays with the search left after ``stage``).
-
-        A speculation prefills the system prompt with its documents, so with speculation on this
-        runs only at a stage that could not speculate: a warm-up started beside the search would
-        hold the prefill slot the first stage's speculation needs (after a cache reset it kept
-        every stage of the query's search from speculating).
-        """
-        shared, timeline = self._shared, self.timeline
-        if not self.checked.mode.warmup or not shared.warmer.needed():
-            return
-        detail: dict[str, float | int] = {}
-        if shared.speculation.priced:
-            system_tokens = len(shared.builder.system_layout_tokens())
-            price = shared.speculation.warmup(
-                self._outlook(stage), system_tokens, self._waiting(shared.placement.replicas)
-            )
-            detail = price.detail()
-            if not price.pays:
-                timeline.warmups_priced_out += 1
-                timeline.add("warmup_skip", now(), stage=stage, **detail)
-                return
-        if shared.warmer.start_if_cold():
-            timeline.add("warmup_start", now(), stage=stage, **detail)
-            timeline.warmed = True
-
-    def _price(self, placed: Placed, stage: int) -> Price | None:
-        """What speculating on this stage's prompt is expected to gain and cost (None: not priced)."""
-        policy = self._shared.speculation
-        if not policy.priced:
-            return None
-        cached = placed.predicted_cached
-        computed = len(placed.layout.token_ids) - cached
-        ordered = self.checked.mode.ordering  # the tree orders the documents: any order of them will do
-        return policy.speculation(
-            self._outlook(stage), ordered, cached, computed, self._waiting((placed.replica,))
-        )
-
-    def _outlook(self, stage: int) -> StageOutlook:
-        """The index's figures for this search after ``stage`` (0: its start)."""
-        assert self._plan is not None and self.timeline.search_start is not None
-        elapsed = now() - self.timeline.search_start
-        return self._shared.index.stage_stats.outlook(self._plan, stage, elapsed)
-
-    def _waiting(self, replicas: Sequence[Replica]) -> int:
-        """Requests that wait for these engines now: the engines' own backlog, our requests before
-        their first token and final requests queued at the gate."""
-        loads = [replica.engine.load() for replica in replicas]
-        return sum(load.engine_waiting + load.prefilling for load in loads) + self._shared.gate.waiting
-
     def _rows(self, ids: np.ndarray) -> list[int]:
         """Corpus rows of a stage's ids in rank order; padding and repeats (synthetic rows) dropped."""
         return list(self._shared.index.ranked_rows(ids))
 
-    def _prompt(self, rows: list[int], final: bool) -> Placed:
+    def place(self, rows: list[int], final: bool) -> Placed:
         """The prompt for these documents, where it goes and that replica's estimate of its cached tokens.
 
         Its cost is the controller's own overhead per stage, so it is timed into the timeline.
@@ -377,7 +248,7 @@ class QueryRun:
         shared, checked = self._shared, self.checked
         session, question = checked.session, checked.question_token_ids
         # The final prompt prefers the speculation's replica on a tie, so adoption stays possible.
-        prefer = self._speculation.replica if self._speculation is not None else None
+        prefer = self._speculating.live.replica if self._speculating.live is not None else None
         if session is not None and session.turns:
             budget = shared.placement.replicas[0].engine.max_model_len - checked.sampling.max_tokens
             turn = shared.turn_prompts.build(session, rows, question, budget)
@@ -413,9 +284,11 @@ class QueryRun:
             return placed.predicted_cached
         return placed.replica.tree.cached_prefix(placed.layout.document_ids()).tokens
 
-    def _launch(
+    def launch(
         self, placed: Placed, slot: Slot, speculative: bool, predicted: int, sent: tuple[int, ...] = ()
     ) -> Flight:
+        """Submit ``placed`` on ``slot`` as an engine request this run owns until it ends or is
+        aborted; after a first token elsewhere, with the tokens already ``sent`` (a migration)."""
         sampling = self.checked.sampling
         if self.checked.document_kv:
             sampling = replace(sampling, document_kv=placed.layout.stored_spans())
@@ -461,44 +334,10 @@ class QueryRun:
             for replica in self._shared.placement.replicas:
                 replica.tree.use_profile(profile)
 
-    def _forget(self, flight: Flight) -> None:
+    def forget(self, flight: Flight) -> None:
         """Drop an aborted flight from the run (the controller's close may have done it already)."""
         if flight in self._flights:
             self._flights.remove(flight)
-
-    async def _drop(self, flight: Flight, reason: str = "stale") -> None:
-        """Abort a speculation (its top-k went stale, or a final request preempted it) and count
-        the prefill it may have spent."""
-        if self._speculation is flight:
-            self._speculation = None
-        await flight.abort()
-        self._forget(flight)
-        timeline = self.timeline
-        timeline.aborted_speculations += 1
-        timeline.wasted_spec_prefill_tokens += len(flight.layout.token_ids) - (flight.cached_tokens or 0)
-        timeline.add("spec_abort", now(), request_id=flight.request_id, reason=reason)
-
-    def _preempted(self) -> None:
-        """Another query's final request took the live speculation's slot: abort it in the
-        background (the gate calls this synchronously; the abort awaits the engine).
-
-        Only the live speculation's slot can be preempted: a dropped one is being given back, an
-        adopted one is final work (:meth:`Slot.adopt`).
-        """
-        flight = self._speculation
-        if flight is None:
-            return  # dropped meanwhile: its slot is on its way back anyway
-        self._speculation = None
-        self.timeline.preempted_speculations += 1
-        name = f"preempt-{flight.request_id}"
-        task = asyncio.create_task(self._drop(flight, reason="preempted"), name=name)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Task[None]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.warning("aborting a preempted speculation failed: %s", task.exception())
 
     def _answering(self, flight: Flight) -> Flight:
         """The request the answer's outputs come from now: ``flight``, or its retry."""
@@ -534,7 +373,7 @@ class QueryRun:
         else:
             timeline.add("retry", now(), reason=str(error), replica=failed.replica.name)
         slot = await self._shared.gate.admit(placed.predicted_cached, len(placed.layout.token_ids))
-        flight = self._launch(placed, slot, speculative=False, predicted=self._predicted(placed), sent=sent)
+        flight = self.launch(placed, slot, speculative=False, predicted=self._predicted(placed), sent=sent)
         self._note_route(placed)
         if not sent:  # a migration's prompt is not the answer's: its figures stay the first request's
             timeline.answer_submit = flight.submitted_at

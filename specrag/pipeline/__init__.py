@@ -1,2 +1,2 @@
 """The document store, prompts as token IDs, and the engines that prefill and decode them
-(vLLM in-process, HTTP, simulated)."""
+(vLLM in-process, HTTP, Ray replicas)."""

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -479,29 +479,15 @@ def latest_cached_tokens(output: EngineOutput, known: int | None) -> int | None:
     return known if output.cached_tokens is None else output.cached_tokens
 
 
+# What now() reads. Only a simulation in virtual time replaces it, for its run
+# (specrag.sim.virtual_time.clock); the product never does.
 _clock: Callable[[], float] = time.perf_counter
 
 
 def now() -> float:
     """The clock every timeline uses (monotonic, sub-microsecond; a simulation's virtual time
-    inside :func:`clock`)."""
+    while one runs)."""
     return _clock()
-
-
-@contextlib.contextmanager
-def clock(source: Callable[[], float]) -> Iterator[None]:
-    """Make :func:`now` read ``source`` while the block runs.
-
-    Why: a simulation in virtual time (:mod:`specrag.pipeline.virtual_time`) must stamp first
-    tokens, queues and timelines on the same clock its engines sleep on, or machine load would
-    leak into its results through the gap between the two clocks.
-    """
-    global _clock
-    previous, _clock = _clock, source
-    try:
-        yield
-    finally:
-        _clock = previous
 
 
 class DescribedEngine(EngineBase):

@@ -10,7 +10,10 @@ followed it. The controller's speculation policy
 
 Statistics are kept per :class:`PlanKey`: the searcher's settings (an IVF's ``nprobe``, an HNSW's
 ``efSearch``), k and the stage plan, since each changes both figures. They live with the index,
-not with a controller: what the index taught outlives a controller rebuilt around it.
+not with a controller: what the index taught outlives a controller rebuilt around it. One owner
+records and is read: the index's staged search (``VectorIndex.search_staged``, whose
+``StagedSearch`` records a finished search and answers ``outlook`` for the one in progress), so the
+key is made once, from the plan the controller resolved, and nobody else writes.
 """
 
 from __future__ import annotations

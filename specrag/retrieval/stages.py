@@ -36,12 +36,12 @@ DEFAULT_SCHEDULE: Schedule = "geometric"
 # Geometric stages start with 1/2^(S-1) of the work, so S sets how early the first speculation
 # starts:
 # - IVF, 6 (first stage 1/32 of the probe list): its nearest lists hold the final top-k about as
-#   often after 1/32 as after 1/16 (bench.search --quick: 89 % against 90 % of top-10 sets), and
-#   the speculation starts after 4 % of the search instead of 7 %;
+#   often after 1/32 as after 1/16, and the speculation starts earlier;
 # - HNSW, 5 (1/16 of the expected node expansions): a graph search reaches the query's
-#   neighbourhood later, so a smaller first stage is final less often (bench.search's 50k graph:
-#   25 % at 1/16, 3 % at 1/32), and a stale speculation costs the engine the step it is in.
-# bench.search names these two as each kind's best schedule; docs/retrieval.md, "Stage schedules".
+#   neighbourhood later, so a smaller first stage is final much less often, and a stale
+#   speculation costs the engine the step it is in.
+# bench.search names these two as each kind's best schedule; its figures are in
+# docs/retrieval.md, "Stage schedules".
 DEFAULT_STAGES = {"ivf": 6, "hnsw": 5}
 
 

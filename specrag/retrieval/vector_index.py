@@ -7,10 +7,10 @@ the caller never sees a row id that is not a passage (several rows may name one 
 
 An index built with a lexical channel (:mod:`specrag.retrieval.lexical`) searches hybrid when
 it is given the query's text: BM25 runs first, in the search thread, before the first dense stage
-(a millisecond against the dense search's tens), and every stage's running top-k is the
+(a small fraction of the dense search's time, docs/retrieval.md), and every stage's running top-k is the
 reciprocal-rank fusion (:mod:`specrag.retrieval.fusion`) of that fixed lexical ranking with the
 dense running top-k. The running top-k that speculation prefills is therefore already the hybrid
-one, and the last stage equals :meth:`VectorIndex.search_hybrid`. Fused stages name passages:
+one, and the last stage equals :meth:`VectorIndex.search` given the text. Fused stages name passages:
 their ids are passage positions (real rows) and their ``distances`` are fused scores, higher first.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from specrag.retrieval.fusion import FusionConfig, fuse
 from specrag.retrieval.identifiers import named_identifiers
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.stage_stats import PlanKey, StageStatistics
+from specrag.retrieval.stage_stats import PlanKey, StageOutlook, StageStatistics
 from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries, stage_plan
 from specrag.retrieval.text import normalize_text
 
@@ -73,7 +73,7 @@ class VectorIndex:
         self.embedder = embedder
         self._runner = runner
         # How each stage's top-k turned out, learned from every single-query staged search.
-        self.stage_stats = StageStatistics()
+        self._stage_stats = StageStatistics()
         # Row -> passage, with a trailing -1 so that padding ids (-1) map to -1 by plain indexing.
         self._row_to_passage = np.concatenate([np.arange(len(passage_ids)), sources, [-1]])
 
@@ -134,28 +134,72 @@ class VectorIndex:
         vector: np.ndarray = self.embedder.embed([normalize_text(text)])[0]
         return vector
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """One-shot search (no stages): (distances, ids), one row per query."""
-        return self.searcher.search(queries, k)
+    def search(
+        self,
+        queries: np.ndarray,
+        k: int,
+        *,
+        query_text: str | Sequence[str] | None = None,
+        batch: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One-shot search in the calling thread: (distances, ids), what the last stage of
+        :meth:`search_staged` with the same arguments holds.
 
-    def _single(self, query: np.ndarray) -> np.ndarray:
-        if np.ndim(query) != 1:
-            raise InvalidInputError(
-                f"expected one query vector, got shape {np.shape(query)}; use the batch variant"
-            )
-        return np.asarray(query)
-
-    def search_hybrid(self, query: np.ndarray, query_text: str, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """One-shot hybrid search of one query: (passages, fused scores), best first, 1-D.
-
-        What the last stage of a staged search with ``query_text`` equals. Without a lexical
-        channel it is the dense search's passages, in rank order, repeats dropped.
+        ``queries`` is one query vector (1-D results) or, with ``batch``, a matrix of them (one
+        row per query). With ``query_text`` (one per query of a batch) and a lexical channel the
+        search is hybrid: ids are passages and distances fused scores (see the module's docstring).
         """
-        matrix = prepare_queries(self._single(query), self.dim, self.searcher.ntotal, k)
-        lexical = self._lexical_rankings([query_text], 1) or [(np.zeros(0, dtype=np.int64), False)]
-        _, rows = self.searcher.search(matrix, self.fusion.dense_depth(k))
-        ranking, names_identifier = lexical[0]
-        return fuse(ranking, self.passage_index_of(rows[0]), k, self.fusion, names_identifier)
+        matrix = prepare_queries(self._shaped(queries, batch), self.dim, self.searcher.ntotal, k)
+        lexical = self._lexical_rankings(self._texts(query_text, batch), len(matrix))
+        if lexical is None:
+            distances, ids = self.searcher.search(matrix, k)
+        else:
+            _, rows = self.searcher.search(matrix, self.fusion.dense_depth(k))
+            ids, distances = self._fused(lexical, rows, k)
+        return (distances, ids) if batch else (distances[0], ids[0])
+
+    def search_staged(
+        self,
+        queries: np.ndarray,
+        k: int,
+        plan: StagePlan | None = None,
+        *,
+        query_text: str | Sequence[str] | None = None,
+        batch: bool = False,
+    ) -> StagedSearch:
+        """A staged search cut by ``plan`` (None: the index kind's, :meth:`stage_plan`), not started
+        yet: ``for`` runs it in the calling thread, ``async for`` on the search threads.
+
+        ``queries``, ``query_text`` and ``batch`` are as for :meth:`search`, whose result the last
+        stage holds. A single query's search run on the search threads teaches
+        the index's stage statistics, which its :meth:`StagedSearch.outlook` reads.
+        """
+        matrix = prepare_queries(self._shaped(queries, batch), self.dim, self.searcher.ntotal, k)
+        resolved = plan or self.stage_plan()
+
+        def stages() -> Iterator[StageResult]:
+            return self._stages(matrix, k, resolved, self._texts(query_text, batch))
+
+        key = self._plan_key(k, resolved)
+        return StagedSearch(self, stages, self._stage_stats, key, single=not batch)
+
+    @staticmethod
+    def _shaped(queries: np.ndarray, batch: bool) -> np.ndarray:
+        """``queries`` as a batch; a single search must be given exactly one query vector."""
+        if not batch and np.ndim(queries) != 1:
+            raise InvalidInputError(
+                f"expected one query vector, got shape {np.shape(queries)}; search a batch with batch=True"
+            )
+        return np.asarray(queries) if batch else np.asarray(queries)[None, :]
+
+    @staticmethod
+    def _texts(query_text: str | Sequence[str] | None, batch: bool) -> Sequence[str] | None:
+        """The query texts as a sequence, one per query (a single search's text is one string)."""
+        if query_text is None or batch:
+            return query_text
+        if not isinstance(query_text, str):
+            raise InvalidInputError("a single query's text must be a string")
+        return [query_text]
 
     def _lexical_rankings(
         self, texts: Sequence[str] | None, num_queries: int
@@ -188,103 +232,87 @@ class VectorIndex:
             return
         lexical_s = time.perf_counter() - started
         for stage in self.searcher.stages(matrix, self.fusion.dense_depth(k), plan):
-            passages = self.passage_index_of(stage.ids)
-            fused = [
-                fuse(ranking, row, k, self.fusion, names_identifier)
-                for (ranking, names_identifier), row in zip(lexical, passages, strict=True)
-            ]
-            yield StageResult(
-                stage.stage,
-                np.stack([ids for ids, _ in fused]),
-                np.stack([scores for _, scores in fused]),
-                stage.done,
-                stage.elapsed_s + (lexical_s if stage.stage == 1 else 0.0),
+            ids, scores = self._fused(lexical, stage.ids, k)
+            elapsed_s = stage.elapsed_s + (lexical_s if stage.stage == 1 else 0.0)
+            yield StageResult(stage.stage, ids, scores, stage.done, elapsed_s)
+
+    def _fused(
+        self, lexical: Sequence[tuple[np.ndarray, bool]], rows: np.ndarray, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each query's top-k passages and fused scores: its lexical ranking fused with its dense
+        ``rows`` (one row per query)."""
+        fused = [
+            fuse(ranking, passages, k, self.fusion, names_identifier)
+            for (ranking, names_identifier), passages in zip(
+                lexical, self.passage_index_of(rows), strict=True
             )
+        ]
+        return np.stack([ids for ids, _ in fused]), np.stack([scores for _, scores in fused])
 
-    def iter_stages_batch(
+    def _plan_key(self, k: int, plan: StagePlan) -> PlanKey:
+        """What the stage statistics keep a search's figures under: the searcher's settings, k and
+        the stage plan."""
+        settings = tuple(sorted((name, str(value)) for name, value in self.searcher.settings.items()))
+        return PlanKey(settings, k, plan.num_stages, plan.schedule)
+
+
+class StagedSearch:
+    """One staged search of a :class:`VectorIndex`, made by :meth:`VectorIndex.search_staged`.
+
+    Iterated with ``for``, its stages are computed in the calling thread (scripts, benchmarks);
+    with ``async for``, on the index's search threads. Leaving an ``async for`` (use
+    ``contextlib.aclosing`` on the search to make it immediate) or cancelling the task stops the
+    search after the stage in flight.
+
+    The index's stage statistics (:mod:`specrag.retrieval.stage_stats`) have one writer and one
+    reader, both here: a single query's search on the search threads (the service's) records its
+    stages once the last one is known, and :meth:`outlook` reads what the searches of the same plan
+    taught, under the key of the plan the caller resolved. They live with the index, so what it
+    taught outlives a controller rebuilt around it (``bench.e2e`` builds one per configuration).
+    """
+
+    def __init__(
         self,
-        queries: np.ndarray,
-        k: int,
-        plan: StagePlan | None = None,
-        query_texts: Sequence[str] | None = None,
-    ) -> Iterator[StageResult]:
-        """Stages of a batch search in the calling thread; results hold one row per query.
+        index: VectorIndex,
+        stages: Callable[[], Iterator[StageResult]],
+        stats: StageStatistics,
+        key: PlanKey,
+        single: bool,
+    ) -> None:
+        self._index = index  # whose search threads run an ``async for``, as they are then
+        self._stages = stages  # batch-shaped stages, computed when called
+        self._stats = stats
+        self._key = key
+        self._single = single  # a batch's results are 2-D and not learned from
+        self._running: AsyncGenerator[StageResult, None] | None = None
 
-        With ``query_texts`` (one per query) and a lexical channel, every stage is hybrid.
-        """
-        matrix = prepare_queries(queries, self.dim, self.searcher.ntotal, k)
-        return self._stages(matrix, k, plan or self.stage_plan(), query_texts)
+    def __iter__(self) -> Iterator[StageResult]:
+        stages = self._stages()
+        return (stage.for_query(0) for stage in stages) if self._single else stages
 
-    def iter_stages(
-        self,
-        query: np.ndarray,
-        k: int,
-        plan: StagePlan | None = None,
-        query_text: str | None = None,
-    ) -> Iterator[StageResult]:
-        """Stages of one query in the calling thread (for scripts); results are 1-D."""
-        texts = None if query_text is None else [query_text]
-        return (stage.for_query(0) for stage in self.iter_stages_batch(self._single(query), k, plan, texts))
+    def __aiter__(self) -> AsyncGenerator[StageResult, None]:
+        if self._running is None:
+            self._running = self._stream()
+        return self._running
 
-    async def search_staged_batch(
-        self,
-        queries: np.ndarray,
-        k: int,
-        *,
-        num_stages: int | None = None,
-        stage_budget_s: float | None = None,
-        schedule: str | None = None,
-        query_texts: Sequence[str] | None = None,
-    ) -> AsyncGenerator[StageResult, None]:
-        """``async for`` over the stages of a batch search run on the search threads.
+    async def aclose(self) -> None:
+        """Stop the search after the stage in flight (what ``contextlib.aclosing`` calls)."""
+        if self._running is not None:
+            await self._running.aclose()
 
-        With ``query_texts`` (one per query) and a lexical channel, every stage is hybrid (see
-        the module's docstring); without either, the stages are the dense search's. Leaving the
-        loop (use ``contextlib.aclosing`` to make it immediate) or cancelling the task stops the
-        search after the stage in flight. Settings left None are the index kind's
-        (:meth:`stage_plan`).
-        """
-        plan = self.stage_plan(num_stages, schedule, stage_budget_s)
-        matrix = prepare_queries(queries, self.dim, self.searcher.ntotal, k)
-        async with contextlib.aclosing(
-            self.runner.stream(lambda: self._stages(matrix, k, plan, query_texts))
-        ) as stages:
-            async for stage in stages:
-                yield stage
-
-    async def search_staged(
-        self,
-        query: np.ndarray,
-        k: int,
-        *,
-        num_stages: int | None = None,
-        stage_budget_s: float | None = None,
-        schedule: str | None = None,
-        query_text: str | None = None,
-    ) -> AsyncGenerator[StageResult, None]:
-        """``async for`` over the 1-D stages of one query (see :meth:`search_staged_batch`).
-
-        Pass the question as ``query_text`` to search hybrid when the index has a lexical channel.
-        """
-        batch = self.search_staged_batch(
-            self._single(query)[None, :],
-            k,
-            num_stages=num_stages,
-            stage_budget_s=stage_budget_s,
-            schedule=schedule,
-            query_texts=None if query_text is None else [query_text],
-        )
+    async def _stream(self) -> AsyncGenerator[StageResult, None]:
         seen: list[StageResult] = []
-        async with contextlib.aclosing(batch) as stages:
+        async with contextlib.aclosing(self._index.runner.stream(self._stages)) as stages:
             async for stage in stages:
+                if not self._single:
+                    yield stage
+                    continue
                 seen.append(stage.for_query(0))
                 if stage.done:  # learned before the caller sees the end (it may stop reading there)
-                    self.stage_stats.record(self.plan_key(k, num_stages, schedule), seen)
+                    self._stats.record(self._key, seen)
                 yield seen[-1]
 
-    def plan_key(self, k: int, num_stages: int | None = None, schedule: str | None = None) -> PlanKey:
-        """What :attr:`stage_stats` keeps a search's figures under: settings, k and the stage plan
-        (the index kind's defaults for what is not given, as :meth:`stage_plan` resolves them)."""
-        settings = tuple(sorted((name, str(value)) for name, value in self.searcher.settings.items()))
-        plan = self.stage_plan(num_stages, schedule)
-        return PlanKey(settings, k, plan.num_stages, plan.schedule)
+    def outlook(self, stage: int, elapsed_s: float) -> StageOutlook:
+        """What searches of this plan taught about the rest of this one after ``stage`` (0: its
+        start), ``elapsed_s`` into it (:meth:`StageStatistics.outlook`)."""
+        return self._stats.outlook(self._key, stage, elapsed_s)

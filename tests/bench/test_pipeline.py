@@ -169,8 +169,8 @@ def test_an_hnsw_point_searches_hybrid_like_the_ivf_points() -> None:
     retuned = with_ef_search(index, 64)
     assert retuned.hybrid and retuned.lexical is index.lexical and retuned.fusion == index.fusion
     vector = index.embed_query("word5")
-    assert list(retuned.search_hybrid(vector, "word5", 3)[0]) == list(
-        index.search_hybrid(vector, "word5", 3)[0]
+    assert list(retuned.search(vector, 3, query_text="word5")[1]) == list(
+        index.search(vector, 3, query_text="word5")[1]
     )
 
 

@@ -23,12 +23,12 @@ from bench.scale import (
 from bench.traces import TraceRequest
 from specrag.controller.placement import ROUTERS, Placement
 from specrag.controller.replicas import Replica
-from specrag.controller.simulated_replicas import simulated_replica
-from specrag.pipeline import virtual_time
 from specrag.pipeline.engine import Sampling
 from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
+from specrag.sim import virtual_time
+from specrag.sim.engine import SimulatedEngine
+from specrag.sim.replicas import simulated_replica
 from tests.helpers import wait_until
 
 

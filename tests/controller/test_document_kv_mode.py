@@ -12,8 +12,8 @@ from specrag.controller.modes import check_document_kv
 from specrag.controller.query import RagRequest
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engine import EngineOutput, Sampling
-from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
+from specrag.sim.engine import SimulatedEngine
 from tests.helpers import QUESTION, make_controller
 
 

@@ -13,9 +13,9 @@ from specrag.cache.ordering import get_policy
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.placement import ROUTERS, Placement, health_checks
 from specrag.controller.replicas import Replica
-from specrag.controller.simulated_replicas import simulated_replica
 from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError
-from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.sim.engine import SimulatedEngine
+from specrag.sim.replicas import simulated_replica
 from tests.helpers import BLOCK, SYSTEM, layout, run_prompt, wait_until
 
 EXACT = get_policy("exact")

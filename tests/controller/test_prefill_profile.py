@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from specrag.controller.controller import RagRequest
-from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
+from specrag.sim.engine import SimulatedEngine
 from tests.helpers import make_controller, questions
 
 

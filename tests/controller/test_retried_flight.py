@@ -18,10 +18,10 @@ from specrag.controller.flight import Flight, RetriedFlight, _spanning_stop
 from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import Placed, Placement
 from specrag.controller.replicas import Replica
-from specrag.controller.simulated_replicas import simulated_replica
 from specrag.errors import EngineError, EngineUnavailableError
 from specrag.pipeline.engine import EngineOutput, Sampling
-from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.sim.engine import SimulatedEngine
+from specrag.sim.replicas import simulated_replica
 from tests.helpers import random_prompt
 
 SYSTEM = tuple(range(3, 67))  # two blocks of 32

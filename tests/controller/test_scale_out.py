@@ -18,9 +18,9 @@ from specrag.controller.placement import health_checks
 from specrag.controller.replicas import Replica
 from specrag.controller.timeline import Timeline, TimelineEvent
 from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
 from specrag.service.metrics import ServiceMetrics
+from specrag.sim.engine import SimulatedEngine
 from tests.helpers import metric, pool_controller, running, scripted_index, simulated_pool, wait_until
 
 QUESTION = "What does the assert statement do?"

@@ -14,8 +14,8 @@ from specrag.controller.controller import AnswerDelta, AnswerDone, RagController
 from specrag.controller.sessions import SessionStore
 from specrag.errors import ConflictError, EngineError, NotFoundError, OverloadedError
 from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
+from specrag.sim.engine import SimulatedEngine
 from tests.helpers import (
     QUESTION,
     A,

@@ -29,11 +29,11 @@ from specrag.controller.controller import ControllerConfig, RagController
 from specrag.controller.placement import Placement
 from specrag.controller.replicas import Replica
 from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from specrag.service.server import create_app, serving
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
+from specrag.sim.engine import SimulatedEngine
 from tests.helpers import assert_engine_idle, make_controller
 
 TOKEN = "soak-token"

@@ -12,11 +12,11 @@ from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.controller.controller import RagRequest
 from specrag.controller.speculation_policy import SpeculationPolicy
 from specrag.errors import InvalidInputError
-from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.retrieval.stage_stats import WINDOW, PlanKey, StageOutlook, StageStatistics
 from specrag.retrieval.stages import StageResult
 from specrag.service.assets import Assets
 from specrag.service.metrics import ServiceMetrics
+from specrag.sim.engine import SimulatedEngine
 from tests.helpers import QUESTION, A, B, make_controller, scripted_index
 
 # One second per 1000 prompt tokens, no fixed cost: prices that are easy to check by hand.

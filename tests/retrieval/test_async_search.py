@@ -42,8 +42,8 @@ class GatedSearcher:
 
 async def test_async_stages_equal_sync_stages(ivf: StagedIVF, queries: np.ndarray) -> None:
     index = make_index(ivf)
-    received = [stage async for stage in index.search_staged(queries[0], 10, num_stages=4, schedule="equal")]
-    expected = list(index.iter_stages(queries[0], 10, StagePlan(4, "equal")))
+    received = [stage async for stage in index.search_staged(queries[0], 10, StagePlan(4, "equal"))]
+    expected = list(index.search_staged(queries[0], 10, StagePlan(4, "equal")))
     assert [s.stage for s in received] == [1, 2, 3, 4]
     for got, want in zip(received, expected, strict=True):
         np.testing.assert_array_equal(got.ids, want.ids)
@@ -52,7 +52,7 @@ async def test_async_stages_equal_sync_stages(ivf: StagedIVF, queries: np.ndarra
 
 async def test_batch_variant_matches_one_shot(ivf: StagedIVF, queries: np.ndarray) -> None:
     index = make_index(ivf, SearchRunner(threads=1, cpus=[0]))
-    stages = [stage async for stage in index.search_staged_batch(queries, 10, num_stages=3)]
+    stages = [stage async for stage in index.search_staged(queries, 10, index.stage_plan(3), batch=True)]
     assert stages[-1].done and stages[-1].ids.shape == (len(queries), 10)
     np.testing.assert_array_equal(stages[-1].ids, ivf.search(queries, 10)[1])
 
@@ -61,7 +61,7 @@ async def test_breaking_out_stops_the_remaining_stages(ivf: StagedIVF, queries: 
     gated = GatedSearcher(ivf)
     runner = SearchRunner()
     index = VectorIndex(gated, [f"p{i}" for i in range(ivf.ntotal)], runner=runner)  # type: ignore[arg-type]
-    async with contextlib.aclosing(index.search_staged(queries[0], 10, num_stages=8)) as stages:
+    async with contextlib.aclosing(index.search_staged(queries[0], 10, index.stage_plan(8))) as stages:
         async for stage in stages:
             assert stage.stage == 1
             break
@@ -78,7 +78,7 @@ async def test_cancelling_the_task_stops_the_remaining_stages(ivf: StagedIVF, qu
     first = asyncio.Event()
 
     async def consume() -> None:
-        async for _ in index.search_staged(queries[0], 10, num_stages=8):
+        async for _ in index.search_staged(queries[0], 10, index.stage_plan(8)):
             first.set()
 
     task = asyncio.create_task(consume())

@@ -155,9 +155,9 @@ async def test_an_index_built_through_the_server_reloads_it(
         save_index(index, tmp_path / "index")
         loaded = load_index(tmp_path / "index")
         query = "asyncio event loop"
-        last = list(loaded.iter_stages(loaded.embed_query(query), 5, query_text=query))[-1]
+        last = list(loaded.search_staged(loaded.embed_query(query), 5, query_text=query))[-1]
         assert isinstance(loaded.embedder, OpenAIEmbedder)
-        one_shot = loaded.search_hybrid(index.embed_query(query), query, 5)[0]
+        one_shot = loaded.search(index.embed_query(query), 5, query_text=query)[1]
         loaded.embedder.close()
         return last.ids, one_shot
 

@@ -45,7 +45,9 @@ def index(request: pytest.FixtureRequest, corpus: list[Passage]) -> VectorIndex:
 
 def stages_of(index: VectorIndex, text: str, k: int, stages: int = 4, hybrid: bool = True) -> list:
     vector = index.embed_query(text)
-    return list(index.iter_stages(vector, k, StagePlan(stages, "equal"), query_text=text if hybrid else None))
+    return list(
+        index.search_staged(vector, k, StagePlan(stages, "equal"), query_text=text if hybrid else None)
+    )
 
 
 @pytest.mark.parametrize("query", QUERIES)
@@ -56,7 +58,7 @@ def test_every_stage_fuses_bm25_with_the_running_dense_top_k(index: VectorIndex,
     lexical, _ = index.lexical.search(query, index.fusion.depth, index.fusion.identifier_weight)
     names_identifier = bool(named_identifiers(query))
     dense = list(index.searcher.stages(vector[None, :], index.fusion.dense_depth(k), plan))
-    hybrid = list(index.iter_stages(vector, k, plan, query_text=query))
+    hybrid = list(index.search_staged(vector, k, plan, query_text=query))
     assert len(hybrid) == len(dense) and [s.done for s in hybrid] == [s.done for s in dense]
     for fused, running in zip(hybrid, dense, strict=True):
         expected_ids, expected_scores = fuse(
@@ -64,7 +66,7 @@ def test_every_stage_fuses_bm25_with_the_running_dense_top_k(index: VectorIndex,
         )
         np.testing.assert_array_equal(fused.ids, expected_ids)
         np.testing.assert_array_equal(fused.distances, expected_scores)
-    one_shot_ids, one_shot_scores = index.search_hybrid(vector, query, k)
+    one_shot_scores, one_shot_ids = index.search(vector, k, query_text=query)
     np.testing.assert_array_equal(hybrid[-1].ids, one_shot_ids)
     np.testing.assert_array_equal(hybrid[-1].distances, one_shot_scores)
 
@@ -84,7 +86,9 @@ def test_results_name_distinct_passages_even_when_padded(corpus: list[Passage]) 
             assert len(set(rows.tolist())) == len(rows) == 10
             assert rows.max() < len(corpus)
         last = stages_of(padded, query, 10)[-1]
-        np.testing.assert_array_equal(last.ids, padded.search_hybrid(padded.embed_query(query), query, 10)[0])
+        np.testing.assert_array_equal(
+            last.ids, padded.search(padded.embed_query(query), 10, query_text=query)[1]
+        )
 
 
 def test_without_text_or_lexical_channel_the_search_is_dense(
@@ -106,17 +110,15 @@ def test_without_text_or_lexical_channel_the_search_is_dense(
 async def test_async_hybrid_stages_match_the_sync_ones(index: VectorIndex) -> None:
     query = QUERIES[1]
     vector = index.embed_query(query)
-    received = [
-        s async for s in index.search_staged(vector, 7, num_stages=3, schedule="equal", query_text=query)
-    ]
+    received = [s async for s in index.search_staged(vector, 7, StagePlan(3, "equal"), query_text=query)]
     expected = stages_of(index, query, 7, 3)
     assert [s.done for s in received] == [False] * (len(received) - 1) + [True]
     for got, want in zip(received, expected, strict=True):
         np.testing.assert_array_equal(got.ids, want.ids)
     batch = [
         s
-        async for s in index.search_staged_batch(
-            np.stack([vector, vector]), 7, num_stages=3, query_texts=[query, query]
+        async for s in index.search_staged(
+            np.stack([vector, vector]), 7, index.stage_plan(3), query_text=[query, query], batch=True
         )
     ]
     np.testing.assert_array_equal(batch[-1].ids[1], expected[-1].ids)
@@ -125,10 +127,12 @@ async def test_async_hybrid_stages_match_the_sync_ones(index: VectorIndex) -> No
 async def test_query_texts_must_match_the_queries(index: VectorIndex) -> None:
     vector = index.embed_query("x")
     with pytest.raises(InvalidInputError, match="query texts"):
-        async for _ in index.search_staged_batch(np.stack([vector, vector]), 3, query_texts=["only one"]):
+        async for _ in index.search_staged(
+            np.stack([vector, vector]), 3, query_text=["only one"], batch=True
+        ):
             pass
     with pytest.raises(InvalidInputError, match="strings"):
-        list(index.iter_stages_batch(vector[None, :], 3, query_texts=[b"bytes"]))  # type: ignore[list-item]
+        list(index.search_staged(vector[None, :], 3, query_text=[b"bytes"], batch=True))  # type: ignore[list-item]
 
 
 def test_save_and_load_keep_the_hybrid_results(index: VectorIndex, tmp_path: Path) -> None:

@@ -48,8 +48,8 @@ def test_round_trip_gives_the_same_results(saved: Path, passages: list[Passage])
     again = load_index(original_dir)
     query = index.embed_query("asyncio event loop")
     np.testing.assert_array_equal(query, again.embed_query("asyncio event loop"))
-    first = list(index.iter_stages(query, 5, StagePlan(3, "equal")))[-1]
-    second = list(again.iter_stages(query, 5, StagePlan(3, "equal")))[-1]
+    first = list(index.search_staged(query, 5, StagePlan(3, "equal")))[-1]
+    second = list(again.search_staged(query, 5, StagePlan(3, "equal")))[-1]
     np.testing.assert_array_equal(first.ids, second.ids)
     assert again.searcher.settings == index.searcher.settings  # the kind and codes survive
     assert index.passage_ids == [p.id for p in passages]
@@ -115,7 +115,7 @@ def test_padded_index_maps_every_row_to_a_passage(passages: list[Passage], tmp_p
     mapped = loaded.passage_index_of(rows)
     assert mapped[0] == -1 and (mapped[1 : len(passages) + 1] == np.arange(len(passages))).all()
     assert mapped[1:].min() >= 0 and mapped.max() < len(passages)
-    final = list(loaded.iter_stages(loaded.embed_query("dictionary keys"), 20))[-1]
+    final = list(loaded.search_staged(loaded.embed_query("dictionary keys"), 20))[-1]
     assert len(loaded.passage_ids_of(final.ids)) == 20
     with pytest.raises(InvalidInputError):
         loaded.passage_index_of(np.array([1000]))

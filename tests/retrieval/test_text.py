@@ -48,7 +48,7 @@ def index(default_corpus: list[Passage]) -> VectorIndex:
 
 
 def retrieved(index: VectorIndex, question: str, k: int = 10) -> list[str]:
-    passages, _ = index.search_hybrid(index.embed_query(question), question, k)
+    _, passages = index.search(index.embed_query(question), k, query_text=question)
     return [index.passage_ids[int(i)] for i in passages]
 
 

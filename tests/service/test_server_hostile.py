@@ -19,9 +19,9 @@ import pytest_asyncio
 from bench.fault_inputs import BAD_REQUESTS, BadRequest, send, send_wire
 from specrag.controller.controller import RagController
 from specrag.pipeline.engine import EngineOutput, Sampling
-from specrag.pipeline.simulated_engine import SimulatedEngine
 from specrag.service.assets import Assets
 from specrag.service.server import create_app, serving
+from specrag.sim.engine import SimulatedEngine
 from tests.helpers import (
     QUESTION,
     A,

@@ -13,18 +13,19 @@ and, if nothing is ready, advances the counter to that timer. Real I/O and threa
 work (they are polled), but the clock does not wait for them: work in a thread takes whatever
 virtual time the loop's timers skip meanwhile, so simulate only code whose timing lives on the
 loop (the simulated engine, the routers, the replay). :func:`specrag.pipeline.engine.now` reads
-the same counter while :func:`run` runs, so timelines, queues and first-token times agree with
+the same counter while :func:`run` runs (:func:`clock`), so timelines, queues and first-token times agree with
 the engines' sleeps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import selectors
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-from specrag.pipeline.engine import clock
+from specrag.pipeline import engine
 
 T = TypeVar("T")
 
@@ -57,6 +58,22 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def _advance(self, seconds: float) -> None:
         self._virtual_now += seconds
+
+
+@contextlib.contextmanager
+def clock(source: Callable[[], float]) -> Iterator[None]:
+    """Make :func:`specrag.pipeline.engine.now` read ``source`` while the block runs.
+
+    Why: a simulation in virtual time must stamp first tokens, queues and timelines on the same
+    clock its engines sleep on, or machine load would leak into its results through the gap
+    between the two clocks. The swap lives here, not in the engine module, so that the product's
+    ``now()`` stays one plain call that nothing on the real path ever changes.
+    """
+    previous, engine._clock = engine._clock, source
+    try:
+        yield
+    finally:
+        engine._clock = previous
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

@@ -12,11 +12,11 @@ from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KV
 from specrag.cache.residency import BlockPool, chain_block_keys
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.engine import Engine, EngineOutput, Sampling
-from specrag.pipeline.simulated_engine import (
+from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.sim.engine import (
     SimulatedEngine,
     TimeModel,
 )
-from specrag.pipeline.vllm_engine import VllmEngine
 from tests.helpers import close_stream, engine_idle, random_prompt, run_prompt, wait_until
 
 FAST = 0.001

@@ -11,7 +11,7 @@ from typing import Any
 
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.replicas import Replica
-from specrag.pipeline.simulated_engine import SimulatedEngine
+from specrag.sim.engine import SimulatedEngine
 
 
 def simulated_replica(

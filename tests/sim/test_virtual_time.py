@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from specrag.pipeline import virtual_time
 from specrag.pipeline.engine import Sampling, now
-from specrag.pipeline.simulated_engine import SimulatedEngine, TimeModel
+from specrag.sim import virtual_time
+from specrag.sim.engine import SimulatedEngine, TimeModel
 
 
 def test_sleeps_advance_the_clock_exactly_and_computation_does_not() -> None:

@@ -5,7 +5,7 @@ same on every run and can be made to fail on purpose; large simulations (thousan
 eviction pressure) need one that costs no CPU per token. It is never the product default: every
 figure on the compass comes from a real engine.
 
-What it reproduces of vLLM v1 (checked against the real engine in tests/pipeline/test_simulated_engine.py):
+What it reproduces of vLLM v1 (checked against the real engine in tests/sim/test_engine.py):
 
 - **APC.** A prompt is split into full blocks of ``block_size`` tokens, each keyed by a chained
   content key (parent key + block tokens, :func:`specrag.cache.residency.chain_block_keys`). A
