@@ -21,51 +21,61 @@ FALLBACK_BATCHED_TOKEN_BUDGET = 512
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    """Controller settings; every field can be overridden per service.
+    """Controller settings; every field can be overridden per service (checked once, when made)."""
 
-    ``max_sessions``, ``max_sessions_per_client`` and ``session_ttl_s`` bound the session store
-    (checked where it is built).
-    ``batched_token_budget`` (prompt tokens the engine computes per step, from which the default
-    ``max_prefill_bs`` follows) is None to read it from the engine's own configuration; it needs
-    setting only for an engine that does not report it (an HTTP server), else
-    :data:`FALLBACK_BATCHED_TOKEN_BUDGET` is assumed and logged.
-    ``speculative_token_budget`` caps the uncomputed prompt tokens of speculations in flight
-    (see :mod:`specrag.controller.gate`); None is one engine step per replica.
-    ``admission`` orders final requests waiting for the prefill pool: ``"ratio"`` (RAGCache's
-    cached/compute queue) or ``"window"`` (request and document order chosen together over the
-    oldest ``window_requests``; one engine only).
-    ``max_batch_queries`` bounds the questions of one batch (:mod:`specrag.controller.batch`).
-    ``speculation`` says whether a mode that speculates prices each speculative prefill and
-    warm-up first (``"auto"``), launches them whenever the gate has room (``"always"``, the
-    behaviour before pricing) or never speculates (``"never"``); see
-    :mod:`specrag.controller.speculation_policy`.
-    ``order_hint`` adds RAGBoost's order hint (the retrieval ranking, in words) to a prompt whose
-    documents ordering moved; off by default because the default model answered less often right
-    with it (docs/quality.md).
-    """
-
+    #: Passages per prompt for a request that names no ``k``.
     k_default: int = 10
+    #: The largest ``k`` a request may ask for.
     k_max: int = 50
-    num_stages: int | None = None  # None: the index kind's default
-    stage_schedule: Schedule = DEFAULT_SCHEDULE  # and num_stages None: the index kind's (retrieval/stages.py)
+    #: Search stages (speculation points); None: the index kind's default.
+    num_stages: int | None = None
+    #: How the stages cut the search; with ``num_stages`` None, the index kind's (retrieval/stages.py).
+    stage_schedule: Schedule = DEFAULT_SCHEDULE
+    #: Final prompts the prefill pool holds per engine; None follows from ``batched_token_budget``.
     max_prefill_bs: int | None = None
+    #: How long a final request may wait in the pool's queue before it goes first (RAGCache 5.2).
     starvation_window_s: float = 2.0
+    #: How a prompt's documents are ordered for the prefix cache (:mod:`specrag.cache.ordering`).
     ordering_policy: PolicyName = "exact"
-    order_hint: bool = False  # the default model reads a reordered prompt better without it
+    #: RAGBoost's order hint (the retrieval ranking, in words) on a prompt whose documents ordering
+    #: moved; off because the default model answered less often right with it (docs/quality.md).
+    order_hint: bool = False
+    #: The optimisation mode of a request that names none (:mod:`specrag.controller.modes`).
     mode: ModeName = "all"
-    document_kv: str = "full"  # the default of requests that do not say (see modes.DOCUMENT_KV_CHOICES)
+    #: The document KV of a request that names none (see modes.DOCUMENT_KV_CHOICES).
+    document_kv: str = "full"
+    #: Tokens generated for a request that names no ``max_tokens``.
     max_tokens_default: int = 64
+    #: The largest ``max_tokens`` a request may ask for.
     max_tokens_limit: int = 1024
+    #: No first token by then: the query fails (after one retry on a fresh engine).
     first_token_timeout_s: float = 60.0
+    #: Final requests that may wait for the prefill pool; more are turned away.
     max_queue: int = 256
+    #: Prompt tokens the engine computes per step, from which the default ``max_prefill_bs``
+    #: follows; None reads it from the engine, which an HTTP server does not report: then
+    #: :data:`FALLBACK_BATCHED_TOKEN_BUDGET` is assumed and logged.
     batched_token_budget: int | None = None
+    #: Caps the uncomputed prompt tokens of speculations in flight (:mod:`specrag.controller.gate`);
+    #: None is one engine step per replica.
     speculative_token_budget: int | None = None
+    #: How final requests waiting for the prefill pool are admitted: ``"ratio"`` (RAGCache's
+    #: cached/compute queue) or ``"window"`` (request and document order chosen together over the
+    #: oldest ``window_requests``; one engine only).
     admission: Admission = "ratio"
+    #: The requests a ``"window"`` admission plans over at once.
     window_requests: int = 16
+    #: Sessions open at once, all clients (the three session bounds are checked by the session store).
     max_sessions: int = 1000
+    #: Sessions open at once from one client.
     max_sessions_per_client: int = 64
+    #: A session unused this long is closed.
     session_ttl_s: float = 3600.0
+    #: Whether a mode that speculates prices each speculative prefill and warm-up first
+    #: (``"auto"``), launches them whenever the gate has room (``"always"``, the behaviour before
+    #: pricing) or never speculates (``"never"``); see :mod:`specrag.controller.speculation_policy`.
     speculation: str = "auto"
+    #: The questions one batch may hold (:mod:`specrag.controller.batch`).
     max_batch_queries: int = 32
 
     def __post_init__(self) -> None:
