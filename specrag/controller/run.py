@@ -37,7 +37,7 @@ import numpy as np
 
 from specrag.cache.hints import HintConfig, order_hint
 from specrag.cache.layout import DocId, PromptLayout
-from specrag.cache.ordering import get_policy
+from specrag.cache.ordering import PolicyName, get_policy
 from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.controller.config import ControllerConfig
 from specrag.controller.conversation import TurnPrompt, TurnPrompts
@@ -114,8 +114,7 @@ class QueryRun:
         vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
         timeline.search_start = now()
         config = shared.config
-        speculates = checked.mode.speculation and shared.speculation.speculates
-        plan = shared.index.stage_plan(config.num_stages if speculates else 1, config.stage_schedule)
+        plan = shared.index.stage_plan(config.num_stages if checked.speculate else 1, config.stage_schedule)
         self._plan = shared.index.plan_key(checked.k, plan.num_stages, plan.schedule)
         if plan.num_stages == 1:
             self._warm_up(0)
@@ -144,7 +143,7 @@ class QueryRun:
         A running top-k may make a longer prompt than the final one: if it does not fit the
         model, it is not speculated on, and the query goes on (only the final prompt must fit).
         """
-        if not self.checked.mode.speculation or not self._shared.speculation.speculates:
+        if not self.checked.speculate:
             return
         placed = self._prompt(rows, final=False)
         speculation = self._speculation
@@ -384,7 +383,7 @@ class QueryRun:
             return replace(placed, predicted_cached=session_cached)
         planned = checked.planned  # a batch plan's order is kept as it is
         policy = get_policy(
-            shared.config.ordering_policy if checked.mode.ordering and not planned else "retrieval"
+            shared.config.ordering_policy if checked.mode.ordering and not planned else PolicyName.RETRIEVAL
         )
         return shared.placement.place_documents(
             policy, planned.order if planned else rows, lambda order: self._layout(rows, order), prefer=prefer

@@ -19,6 +19,7 @@ Why these defaults (docs/vllm-cpu.md gives the measurements behind each):
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import socket
@@ -27,9 +28,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from specrag.errors import InvalidInputError
+from specrag.errors import InvalidInputError, values
 
-_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+class Dtype(enum.StrEnum):
+    """The compute dtypes vLLM may be started with (``auto``: the model's own, see :func:`resolve_dtype`)."""
+
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
 
 
 @dataclass(frozen=True)
@@ -116,7 +124,7 @@ class EngineConfig:
     #: Cores of the engine's threads (``VLLM_CPU_OMP_THREADS_BIND``); None is vLLM's choice.
     omp_threads_bind: str | None = None
     #: The compute dtype (``auto``: the model's own, float32 on a CPU without native bfloat16).
-    dtype: str = "auto"
+    dtype: str = Dtype.AUTO
     #: vLLM's random seed.
     seed: int = 0
     #: Where the engine publishes its KV-cache events (ZMQ); None publishes none.
@@ -153,9 +161,9 @@ class EngineConfig:
             raise InvalidInputError(
                 f"engine config: block_size must be a power of two, got {self.block_size}"
             )
-        if self.dtype not in _DTYPES:
+        if self.dtype not in values(Dtype):
             raise InvalidInputError(
-                f"engine config: dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}"
+                f"engine config: dtype must be one of {', '.join(values(Dtype))}, got {self.dtype!r}"
             )
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise InvalidInputError("engine config: kv_events_replay_endpoint needs kv_events_endpoint")
@@ -340,6 +348,6 @@ def resolve_dtype(dtype: str, on_cpu: bool, cpuinfo: str | None = None) -> str:
     vLLM's ``auto`` takes the model's own dtype (bfloat16 for the default model and most models
     on the hub), which such a CPU can only emulate. An explicit dtype is always kept.
     """
-    if dtype == "auto" and on_cpu and not cpu_has_native_bf16(cpuinfo):
-        return "float32"
+    if dtype == Dtype.AUTO and on_cpu and not cpu_has_native_bf16(cpuinfo):
+        return Dtype.FLOAT32
     return dtype

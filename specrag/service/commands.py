@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 
 from specrag.controller.controller import ControllerConfig
-from specrag.controller.modes import MODE_NAMES
-from specrag.controller.placement import ROUTERS
-from specrag.controller.speculation_policy import SPECULATION_SETTINGS
+from specrag.controller.modes import ModeName
+from specrag.controller.placement import Router
+from specrag.controller.speculation_policy import SpeculationSetting
+from specrag.errors import values
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
-from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, SCHEDULES
+from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
 from specrag.service.handlers import (
     MAX_BATCH,
     MAX_K,
@@ -22,6 +23,7 @@ from specrag.service.handlers import (
     prepare_command,
     serve_command,
 )
+from specrag.service.options import DocumentKvStore, ServiceOptions
 from specrag.service.server import (
     DEFAULT_MAX_QUERIES,
     DEFAULT_MAX_QUERIES_PER_CLIENT,
@@ -80,11 +82,16 @@ def _register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     _add_asset_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
-    serve.add_argument("--mode", choices=MODE_NAMES, default="all", help="default optimisation mode")
+    serve.add_argument(
+        "--mode",
+        choices=values(ModeName),
+        default=ControllerConfig().mode,
+        help="default optimisation mode",
+    )
     serve.add_argument(
         "--document-kv",
-        choices=("off", "turbo"),
-        default="off",
+        choices=values(DocumentKvStore),
+        default=DocumentKvStore.OFF,
         help="turbo: load documents' stored KV instead of prefilling them (TurboRAG; approximate "
         "without a fine-tuned model, see docs/turbo.md); requests choose with document_kv "
         "(default: %(default)s)",
@@ -132,14 +139,14 @@ def _add_query_options(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--stage-schedule",
-        choices=SCHEDULES,
+        choices=values(Schedule),
         default=DEFAULT_SCHEDULE,
         help="how the stages cut the search: equal slices, or geometric (1/32, 1/16, 1/8, 1/4, 1/2, "
         "1 of it for 6 stages: the first speculation starts early) (default: %(default)s)",
     )
     serve.add_argument(
         "--speculation",
-        choices=SPECULATION_SETTINGS,
+        choices=values(SpeculationSetting),
         default=ControllerConfig().speculation,
         help="speculative prefill on a running top-k: auto launches one (or a system-prompt warm-up) "
         "only when its expected gain, from measured figures, exceeds its expected cost; always "
@@ -188,8 +195,8 @@ def _add_engine_options(serve: argparse.ArgumentParser) -> None:
     )
     scale.add_argument(
         "--router",
-        choices=ROUTERS,
-        default="specrag",
+        choices=values(Router),
+        default=ServiceOptions().router,
         help="how prompts are placed on several engines (default: %(default)s)",
     )
 
@@ -275,6 +282,6 @@ def _register_batch(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "--batch-size", type=int, default=MAX_BATCH, help=f"questions per batch (1..{MAX_BATCH})"
     )
     batch.add_argument("-k", type=int, help=f"passages per prompt (1..{MAX_K}; default: the service's)")
-    batch.add_argument("--mode", choices=MODE_NAMES, help="optimisation mode (default: the service's)")
+    batch.add_argument("--mode", choices=values(ModeName), help="optimisation mode (default: the service's)")
     batch.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per answer")
     batch.set_defaults(handler=batch_command)

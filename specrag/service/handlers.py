@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -19,7 +18,8 @@ from typing import Any
 
 from specrag.client import AsyncClient
 from specrag.controller.controller import ControllerConfig
-from specrag.errors import InvalidInputError
+from specrag.controller.modes import DocumentKv
+from specrag.errors import InvalidInputError, check_choice
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.service.assembly import (
@@ -31,7 +31,7 @@ from specrag.service.assembly import (
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.engine_log import engine_output_to
-from specrag.service.options import base_engine_config
+from specrag.service.options import DocumentKvStore, base_engine_config
 from specrag.service.server import (
     SHUTDOWN_GRACE_S,
     serving,
@@ -148,7 +148,7 @@ def _api_tokens(path: str | None) -> tuple[str, ...]:
     return tokens
 
 
-# The controller setting behind each ``serve`` flag, so that an error names the flag the user typed.
+# The ``serve`` flag behind each controller setting, so that an error names the flag the user typed.
 _FLAG_OF_SETTING = {
     "num_stages": "--stages",
     "stage_schedule": "--stage-schedule",
@@ -156,27 +156,24 @@ _FLAG_OF_SETTING = {
     "max_queue": "--max-queue",
     "first_token_timeout_s": "--first-token-timeout",
     "speculation": "--speculation",
+    "mode": "--mode",
+    "document_kv": "--document-kv",
 }
 
 
 def _controller_config(args: argparse.Namespace) -> ControllerConfig:
-    try:
-        return ControllerConfig(
-            mode=args.mode,
-            document_kv=args.document_kv if args.document_kv == "turbo" else "full",
-            num_stages=args.stages,
-            stage_schedule=args.stage_schedule,
-            max_prefill_bs=args.max_prefill_bs,
-            max_queue=args.max_queue,
-            first_token_timeout_s=args.first_token_timeout,
-            speculation=args.speculation,
-            order_hint=args.order_hint,
-        )
-    except InvalidInputError as error:
-        message = str(error)
-        for setting, flag in _FLAG_OF_SETTING.items():
-            message = re.sub(rf"\b{setting}\b", flag, message)
-        raise InvalidInputError(message) from None
+    return ControllerConfig(
+        mode=args.mode,
+        document_kv=check_choice("--document-kv", args.document_kv, DocumentKvStore).request_default,
+        num_stages=args.stages,
+        stage_schedule=args.stage_schedule,
+        max_prefill_bs=args.max_prefill_bs,
+        max_queue=args.max_queue,
+        first_token_timeout_s=args.first_token_timeout,
+        speculation=args.speculation,
+        order_hint=args.order_hint,
+        names=_FLAG_OF_SETTING,
+    )
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -193,7 +190,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if token is not None and token in tokens:
         raise InvalidInputError("--api-token-env: that token is also in --api-tokens-file")
     config = _controller_config(args)
-    document_kv = args.document_kv == "turbo"
+    document_kv = config.document_kv is DocumentKv.TURBO
     options = ServiceOptions(
         controller=config,
         engine_urls=tuple(args.engine_url or ()),

@@ -5,16 +5,30 @@ Errors name ``specrag serve``'s flags: the options are what the command line sai
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrag.controller.config import ControllerConfig
+from specrag.controller.modes import DocumentKv
 from specrag.controller.placement import Router
-from specrag.errors import InvalidInputError
+from specrag.errors import InvalidInputError, check_choice
 from specrag.pipeline.config import EngineConfig, KVEventSource, model_context_length, parse_cpus
 from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT
 from specrag.service.supervisor import SupervisorPolicy
+
+
+class DocumentKvStore(enum.StrEnum):
+    """``serve --document-kv``: whether the in-process engine loads documents' stored KV (TurboRAG)."""
+
+    OFF = "off"
+    TURBO = "turbo"
+
+    @property
+    def request_default(self) -> DocumentKv:
+        """The document KV of a request that names none: what the engine can do."""
+        return DocumentKv.TURBO if self is DocumentKvStore.TURBO else DocumentKv.FULL
 
 
 @dataclass(frozen=True)
@@ -42,13 +56,14 @@ class ServiceOptions:
     ray_address: str | None = None
     # In-process engines (or Ray replicas with ``ray_address``).
     replicas: int = 1
-    router: Router = "specrag"
+    router: Router | str = Router.SPECRAG
     # TurboRAG: the document KV store's directory; None keeps it off (see docs/turbo.md).
     document_kv_dir: str | None = None
     document_kv_max_gib: float = EngineConfig.document_kv_max_gib
 
     def __post_init__(self) -> None:
         """Bad combinations fail here, before any engine starts (flag names: ``specrag serve``'s)."""
+        object.__setattr__(self, "router", check_choice("--router", self.router, Router))
         if self.replicas < 1:
             raise InvalidInputError(f"--replicas must be at least 1, got {self.replicas}")
         if self.engine_urls and self.ray_address is not None:
@@ -77,7 +92,7 @@ class ServiceOptions:
             for endpoint in self.engine_kv_events:  # a malformed endpoint fails before any start
                 KVEventSource.remote(endpoint)
             _check_distinct("--engine-kv-events", self.engine_kv_events)
-        if self.router != "specrag" and not self.pooled:
+        if self.router is not Router.SPECRAG and not self.pooled:
             raise InvalidInputError(
                 "--router needs several engines: --replicas N, a repeated --engine-url, or --ray"
             )

@@ -101,7 +101,7 @@ class Pool:
 async def open_pool(
     engines: Sequence[PoolEngine],
     system_token_ids: Sequence[int],
-    router: Router = "specrag",
+    router: Router | str = Router.SPECRAG,
     *,
     empty_cache: bool = False,
 ) -> AsyncIterator[Pool]:
