@@ -56,10 +56,10 @@ from specrag.service.assets import Assets, ensure_assets
 METRICS = ("accuracy", "exact_match", "f1")
 # (name, mode, controller overrides): the single-turn configurations run through the controller.
 CONTROLLER_CONFIGS: tuple[tuple[str, ModeName, dict[str, Any]], ...] = (
-    ("serial", "serial", {}),
-    ("ordering", "ordering", {"order_hint": True}),
-    ("ordering_no_hint", "ordering", {"order_hint": False}),
-    ("speculation", "speculation", {"speculation": "always"}),
+    ("serial", ModeName.SERIAL, {}),
+    ("ordering", ModeName.ORDERING, {"order_hint": True}),
+    ("ordering_no_hint", ModeName.ORDERING, {"order_hint": False}),
+    ("speculation", ModeName.SPECULATION, {"speculation": "always"}),
 )
 
 
@@ -161,7 +161,7 @@ async def run_conversations(
 ) -> dict[str, list[dict[str, Any]]]:
     """Second turns with de-duplication (sessions) and with the full history re-sent."""
     dedup, full = [], []
-    config = replace(ControllerConfig(), mode="serial")
+    config = replace(ControllerConfig(), mode=ModeName.SERIAL)
     async with open_controller(engine, kv_events, assets.index, builder, config) as (controller, _):
         for conversation in conversations:
             first, second = conversation.turns

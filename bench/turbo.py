@@ -54,6 +54,7 @@ from bench.common import (
 from bench.quality_set import build_questions, score
 from specrag.cache.layout import PromptLayout, build_layout
 from specrag.controller.controller import ControllerConfig, RagRequest
+from specrag.controller.modes import ModeName
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.document_kv import DocumentKVStore, segment_key
@@ -215,7 +216,7 @@ async def answer_accuracy(
     sums = {way: {"accuracy": 0.0, "f1": 0.0} for way in ("full", "turbo")}
     identical = loaded = 0
     records = []
-    config = ControllerConfig(mode="serial")
+    config = ControllerConfig(mode=ModeName.SERIAL)
     async with open_controller(engine, None, index, builder, config) as (controller, _):
         for question, gold in pairs:
             full = await controller.answer(

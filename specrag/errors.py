@@ -5,10 +5,11 @@ Top-level leaf module: every package raises these, none of them imports anything
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import enum
 from typing import TypeVar
 
-Choice = TypeVar("Choice")
+Choice = TypeVar("Choice", bound=enum.StrEnum)
 
 
 class SpecragError(Exception):
@@ -77,14 +78,21 @@ def echo(value: object, limit: int = ECHO_LIMIT) -> str:
     return f"{text[:limit]}… ({len(text):,} characters)"
 
 
-def check_choice(what: str, value: object, choices: Sequence[Choice]) -> Choice:
-    """``value`` if it is one of ``choices``, else :class:`InvalidInputError` naming them.
+def check_choice(what: str, value: object, choices: type[Choice]) -> Choice:
+    """``value`` as a member of ``choices``, else :class:`InvalidInputError` naming them.
 
-    The one check of every named setting (modes, ordering policies, routers, admissions, stage
-    schedules): each is a ``Literal`` type whose values (``typing.get_args``) are the choices, so
-    a static checker and this run-time check read the same list.
+    The one check of every closed setting (modes, document KV, speculation, ordering policies,
+    routers, admissions, stage schedules): each is a :class:`enum.StrEnum` whose values are the
+    spellings users write, so JSON, the command line and Python accept the same strings. ``what``
+    names the setting as the user wrote it (a JSON field, a flag).
     """
-    for choice in choices:
-        if value == choice and type(value) is type(choice):
-            return choice
-    raise InvalidInputError(f"unknown {what} {echo(value)}; choose one of {', '.join(map(str, choices))}")
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return choices(value)
+    names = ", ".join(choice.value for choice in choices)
+    raise InvalidInputError(f"unknown {what} {echo(value)}; choose one of {names}")
+
+
+def values(choices: type[enum.StrEnum]) -> tuple[str, ...]:
+    """The spellings of a closed setting, in definition order (a command line's ``choices``)."""
+    return tuple(choice.value for choice in choices)

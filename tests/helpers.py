@@ -236,7 +236,11 @@ def simulated_pool(assets: Assets, n: int, **engine_options: Any) -> list[Replic
 
 
 def pool_controller(
-    pool: Sequence[Replica], assets: Assets, index: VectorIndex, router: Router = "specrag", **config: Any
+    pool: Sequence[Replica],
+    assets: Assets,
+    index: VectorIndex,
+    router: Router | str = Router.SPECRAG,
+    **config: Any,
 ) -> RagController:
     """A controller over several replicas behind a router."""
     builder = PromptBuilder(assets.tokenizer, assets.store, block_size=pool[0].engine.block_size)

@@ -279,13 +279,13 @@ BAD_CALLS = (
     ),
     BadCall(
         "bad controller config",
-        lambda ctx: ControllerConfig(k_default=0).validate(),
+        lambda ctx: ControllerConfig(k_default=0),
         InvalidInputError,
         "k_default must be between 1 and k_max",
     ),
     BadCall(
         "unknown stage schedule",
-        lambda ctx: ControllerConfig(stage_schedule="front").validate(),  # type: ignore[arg-type]
+        lambda ctx: ControllerConfig(stage_schedule="front"),  # type: ignore[arg-type]
         InvalidInputError,
         "unknown stage schedule 'front'; choose one of equal, geometric",
     ),

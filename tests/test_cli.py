@@ -20,7 +20,7 @@ from specrag.paths import DataLayout
 from specrag.pipeline.document_kv import SUFFIX as KV_SUFFIX
 from specrag.retrieval.corpus import Passage, write_passages
 from specrag.service.assets import Assets
-from specrag.service.commands import _controller_config
+from specrag.service.handlers import _controller_config
 from tests.helpers import QUESTION, free_port
 
 

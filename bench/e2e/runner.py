@@ -36,7 +36,7 @@ class Configuration:
     """One row of the comparison: a mode plus controller overrides and the searched fraction."""
 
     name: str
-    mode: ModeName
+    mode: ModeName | str
     group: str
     search_ratio: float
     overrides: dict[str, Any] = field(default_factory=dict)

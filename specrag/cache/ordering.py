@@ -21,10 +21,11 @@ ranking whenever the order changed.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Literal, NamedTuple, Protocol, get_args
+from typing import NamedTuple, Protocol
 
 from specrag.cache.layout import DocId
 from specrag.cache.tree import KnowledgeTree, Node, PrefixMatch
@@ -289,18 +290,28 @@ def _best_resident_prefix(tree: KnowledgeTree, doc_ids: Sequence[DocId], candida
     return _Prefix(path, best_node, best_tokens, best_docs, best_frontier)
 
 
-PolicyName = Literal["retrieval", "sorted", "recency", "greedy", "exact", "exact-rank"]
-POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
+class PolicyName(enum.StrEnum):
+    """The ordering policies by name (see each policy's class)."""
+
+    RETRIEVAL = "retrieval"
+    SORTED = "sorted"
+    RECENCY = "recency"
+    GREEDY = "greedy"
+    EXACT = "exact"
+    EXACT_RANK = "exact-rank"
+
+
+POLICY_NAMES: tuple[PolicyName, ...] = tuple(PolicyName)
 _FACTORIES: dict[PolicyName, Callable[[], OrderingPolicy]] = {
-    "retrieval": RetrievalOrder,
-    "sorted": SortedOrder,
-    "recency": RecencyOrder,
-    "greedy": GreedyOrder,
-    "exact": ExactOrder,
-    "exact-rank": lambda: ExactOrder("exact-rank", rank_tail=True),
+    PolicyName.RETRIEVAL: RetrievalOrder,
+    PolicyName.SORTED: SortedOrder,
+    PolicyName.RECENCY: RecencyOrder,
+    PolicyName.GREEDY: GreedyOrder,
+    PolicyName.EXACT: ExactOrder,
+    PolicyName.EXACT_RANK: lambda: ExactOrder(PolicyName.EXACT_RANK, rank_tail=True),
 }
 
 
 def get_policy(name: str) -> OrderingPolicy:
     """A fresh policy by name; unknown names raise InvalidInputError listing the known ones."""
-    return _FACTORIES[check_choice("ordering policy", name, POLICY_NAMES)]()
+    return _FACTORIES[check_choice("ordering policy", name, PolicyName)]()

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, get_args
+import enum
+from collections.abc import Mapping
+from dataclasses import InitVar, dataclass
 
-from specrag.cache.ordering import PolicyName, get_policy
-from specrag.controller.modes import ModeName, check_document_kv, get_mode
-from specrag.controller.speculation_policy import check_speculation
+from specrag.cache.ordering import PolicyName
+from specrag.controller.modes import DocumentKv, ModeName
+from specrag.controller.speculation_policy import SpeculationSetting
 from specrag.errors import InvalidInputError, check_choice
-from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule, check_schedule
+from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule
 
-Admission = Literal["ratio", "window"]
-ADMISSIONS: tuple[Admission, ...] = get_args(Admission)
-"""How final requests waiting for the prefill pool are admitted (see :mod:`specrag.controller.gate`)."""
+
+class Admission(enum.StrEnum):
+    """How final requests waiting for the prefill pool are admitted (see :mod:`specrag.controller.gate`)."""
+
+    RATIO = "ratio"
+    WINDOW = "window"
+
 
 FALLBACK_BATCHED_TOKEN_BUDGET = 512
 """vLLM's CPU default ``max_num_batched_tokens``: assumed only for an engine that reports none."""
@@ -21,85 +26,113 @@ FALLBACK_BATCHED_TOKEN_BUDGET = 512
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    """Controller settings; every field can be overridden per service.
+    """Controller settings; every field can be overridden per service (checked once, when made)."""
 
-    ``max_sessions``, ``max_sessions_per_client`` and ``session_ttl_s`` bound the session store
-    (checked where it is built).
-    ``batched_token_budget`` (prompt tokens the engine computes per step, from which the default
-    ``max_prefill_bs`` follows) is None to read it from the engine's own configuration; it needs
-    setting only for an engine that does not report it (an HTTP server), else
-    :data:`FALLBACK_BATCHED_TOKEN_BUDGET` is assumed and logged.
-    ``speculative_token_budget`` caps the uncomputed prompt tokens of speculations in flight
-    (see :mod:`specrag.controller.gate`); None is one engine step per replica.
-    ``admission`` orders final requests waiting for the prefill pool: ``"ratio"`` (RAGCache's
-    cached/compute queue) or ``"window"`` (request and document order chosen together over the
-    oldest ``window_requests``; one engine only).
-    ``max_batch_queries`` bounds the questions of one batch (:mod:`specrag.controller.batch`).
-    ``speculation`` says whether a mode that speculates prices each speculative prefill and
-    warm-up first (``"auto"``), launches them whenever the gate has room (``"always"``, the
-    behaviour before pricing) or never speculates (``"never"``); see
-    :mod:`specrag.controller.speculation_policy`.
-    ``order_hint`` adds RAGBoost's order hint (the retrieval ranking, in words) to a prompt whose
-    documents ordering moved; off by default because the default model answered less often right
-    with it (docs/quality.md).
-    """
-
+    #: Passages per prompt for a request that names no ``k``.
     k_default: int = 10
+    #: The largest ``k`` a request may ask for.
     k_max: int = 50
-    num_stages: int | None = None  # None: the index kind's default
-    stage_schedule: Schedule = DEFAULT_SCHEDULE  # and num_stages None: the index kind's (retrieval/stages.py)
+    #: Search stages (speculation points); None: the index kind's default.
+    num_stages: int | None = None
+    #: How the stages cut the search; with ``num_stages`` None, the index kind's (retrieval/stages.py).
+    stage_schedule: Schedule = DEFAULT_SCHEDULE
+    #: Final prompts the prefill pool holds per engine; None follows from ``batched_token_budget``.
     max_prefill_bs: int | None = None
+    #: How long a final request may wait in the pool's queue before it goes first (RAGCache 5.2).
     starvation_window_s: float = 2.0
-    ordering_policy: PolicyName = "exact"
-    order_hint: bool = False  # the default model reads a reordered prompt better without it
-    mode: ModeName = "all"
-    document_kv: str = "full"  # the default of requests that do not say (see modes.DOCUMENT_KV_CHOICES)
+    #: How a prompt's documents are ordered for the prefix cache (:mod:`specrag.cache.ordering`).
+    ordering_policy: PolicyName = PolicyName.EXACT
+    #: RAGBoost's order hint (the retrieval ranking, in words) on a prompt whose documents ordering
+    #: moved; off because the default model answered less often right with it (docs/quality.md).
+    order_hint: bool = False
+    #: The optimisation mode of a request that names none (:mod:`specrag.controller.modes`); a mode's
+    #: name is accepted too (experiments keep tables of them) and becomes its member when checked.
+    mode: ModeName | str = ModeName.ALL
+    #: The document KV of a request that names none.
+    document_kv: DocumentKv = DocumentKv.FULL
+    #: Tokens generated for a request that names no ``max_tokens``.
     max_tokens_default: int = 64
+    #: The largest ``max_tokens`` a request may ask for.
     max_tokens_limit: int = 1024
+    #: No first token by then: the query fails (after one retry on a fresh engine).
     first_token_timeout_s: float = 60.0
+    #: Final requests that may wait for the prefill pool; more are turned away.
     max_queue: int = 256
+    #: Prompt tokens the engine computes per step, from which the default ``max_prefill_bs``
+    #: follows; None reads it from the engine, which an HTTP server does not report: then
+    #: :data:`FALLBACK_BATCHED_TOKEN_BUDGET` is assumed and logged.
     batched_token_budget: int | None = None
+    #: Caps the uncomputed prompt tokens of speculations in flight (:mod:`specrag.controller.gate`);
+    #: None is one engine step per replica.
     speculative_token_budget: int | None = None
-    admission: Admission = "ratio"
+    #: How final requests waiting for the prefill pool are admitted: ``"ratio"`` (RAGCache's
+    #: cached/compute queue) or ``"window"`` (request and document order chosen together over the
+    #: oldest ``window_requests``; one engine only).
+    admission: Admission = Admission.RATIO
+    #: The requests a ``"window"`` admission plans over at once.
     window_requests: int = 16
+    #: Sessions open at once, all clients (the three session bounds are checked by the session store).
     max_sessions: int = 1000
+    #: Sessions open at once from one client.
     max_sessions_per_client: int = 64
+    #: A session unused this long is closed.
     session_ttl_s: float = 3600.0
-    speculation: str = "auto"
+    #: Whether a mode that speculates prices each speculative prefill and warm-up first
+    #: (``"auto"``), launches them whenever the gate has room (``"always"``, the behaviour before
+    #: pricing) or never speculates (``"never"``); see :mod:`specrag.controller.speculation_policy`.
+    speculation: SpeculationSetting = SpeculationSetting.AUTO
+    #: The questions one batch may hold (:mod:`specrag.controller.batch`).
     max_batch_queries: int = 32
 
-    def __post_init__(self) -> None:
-        """Checked once, when made: a config that exists is valid (flag names: see serve)."""
-        self.validate()
+    #: How the caller spelled each setting (a command line's flags, say), for its errors; a setting
+    #: not in it is named as its field. Not kept: only the check reads it.
+    names: InitVar[Mapping[str, str] | None] = None
 
-    def validate(self) -> ControllerConfig:
-        """Raise :class:`InvalidInputError` for a bad setting; the config itself otherwise."""
-        get_mode(self.mode)
-        check_document_kv(self.document_kv)
-        get_policy(self.ordering_policy)
+    def __post_init__(self, names: Mapping[str, str] | None) -> None:
+        """Checked once, when made: a config that exists is valid, its closed choices resolved to
+        their Enum members (a string that spells one is accepted, as JSON and a command line give it)."""
+        spelled = {**_SPOKEN, **(names or {})}
+
+        def name(setting: str) -> str:
+            return spelled.get(setting, setting)
+
+        for setting, choices in _CHOICES.items():
+            resolved = check_choice(name(setting), getattr(self, setting), choices)
+            object.__setattr__(self, setting, resolved)
         if not 1 <= self.k_default <= self.k_max:
-            raise InvalidInputError("k_default must be between 1 and k_max")
-        if self.num_stages is not None and self.num_stages < 1:
-            raise InvalidInputError("num_stages must be at least 1")
-        check_schedule(self.stage_schedule)
-        check_speculation(self.speculation)
-        if self.max_prefill_bs is not None and self.max_prefill_bs < 1:
-            raise InvalidInputError("max_prefill_bs must be at least 1")
+            raise InvalidInputError(f"{name('k_default')} must be between 1 and {name('k_max')}")
+        at_least_one = {
+            "num_stages": self.num_stages,
+            "max_prefill_bs": self.max_prefill_bs,
+            "batched_token_budget": self.batched_token_budget,
+            "speculative_token_budget": self.speculative_token_budget,
+            "max_batch_queries": self.max_batch_queries,
+            "window_requests": self.window_requests,
+        }
+        for setting, value in at_least_one.items():
+            if value is not None and value < 1:
+                raise InvalidInputError(f"{name(setting)} must be at least 1")
         if not 1 <= self.max_tokens_default <= self.max_tokens_limit:
-            raise InvalidInputError("max_tokens_default must be between 1 and max_tokens_limit")
-        if self.batched_token_budget is not None and self.batched_token_budget < 1:
-            raise InvalidInputError("batched_token_budget must be at least 1")
-        if self.speculative_token_budget is not None and self.speculative_token_budget < 1:
-            raise InvalidInputError("speculative_token_budget must be at least 1")
-        check_choice("admission", self.admission, ADMISSIONS)
-        if self.max_batch_queries < 1:
-            raise InvalidInputError("max_batch_queries must be at least 1")
-        if self.window_requests < 1:
-            raise InvalidInputError("window_requests must be at least 1")
+            raise InvalidInputError(
+                f"{name('max_tokens_default')} must be between 1 and {name('max_tokens_limit')}"
+            )
         if self.max_queue < 0:
-            raise InvalidInputError("max_queue cannot be negative")
+            raise InvalidInputError(f"{name('max_queue')} cannot be negative")
         if not self.first_token_timeout_s > 0:  # written so that NaN fails too
-            raise InvalidInputError("first_token_timeout_s must be positive")
+            raise InvalidInputError(f"{name('first_token_timeout_s')} must be positive")
         if not self.starvation_window_s >= 0:
-            raise InvalidInputError("starvation_window_s cannot be negative")
-        return self
+            raise InvalidInputError(f"{name('starvation_window_s')} cannot be negative")
+
+
+# Settings that Python callers have always seen named in words (the retrieval and cache packages' own names).
+_SPOKEN = {"stage_schedule": "stage schedule", "ordering_policy": "ordering policy"}
+
+# The Enum of each closed setting: a spelling given (JSON, a command line) becomes its member when checked.
+_CHOICES: dict[str, type[enum.StrEnum]] = {
+    "stage_schedule": Schedule,
+    "ordering_policy": PolicyName,
+    "mode": ModeName,
+    "document_kv": DocumentKv,
+    "admission": Admission,
+    "speculation": SpeculationSetting,
+}

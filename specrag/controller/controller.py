@@ -20,11 +20,11 @@ from collections.abc import AsyncGenerator, Sequence
 from specrag.cache.hints import HintConfig
 from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.controller.batch import BatchAnswers, run_batch
-from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, ControllerConfig
+from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, Admission, ControllerConfig
 from specrag.controller.conversation import TurnPrompts
 from specrag.controller.facade import CoreLoad, EngineHealth, ReplicaFacts
 from specrag.controller.gate import PrefillGate, WindowAdmission, default_max_prefill_bs
-from specrag.controller.modes import check_document_kv, get_mode
+from specrag.controller.modes import DocumentKv, get_mode
 from specrag.controller.placement import Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
 from specrag.controller.query_shared import QueryShared
@@ -33,7 +33,7 @@ from specrag.controller.sampling import check_sampling
 from specrag.controller.sessions import Session, SessionStore
 from specrag.controller.speculation_policy import SpeculationPolicy
 from specrag.controller.warmup import SystemPromptWarmer, WarmupRecord
-from specrag.errors import EngineError, InvalidInputError, TooLargeError, echo
+from specrag.errors import EngineError, InvalidInputError, TooLargeError, check_choice, echo
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
@@ -100,7 +100,7 @@ class RagController:
         )
         replicas = len(self.placement.replicas)
         window = None
-        if self.config.admission == "window":
+        if self.config.admission is Admission.WINDOW:
             if replicas > 1:
                 raise InvalidInputError("window admission orders against one engine's tree: use one replica")
             window = WindowAdmission(first.tree, self.config.window_requests)
@@ -162,8 +162,9 @@ class RagController:
         # Rejects over-long questions before any work; the tokens serve every prompt of the query.
         question_token_ids = tuple(self.builder.question_tokens(request.question))
         document_kv = self._document_kv(request, session)
+        speculate = mode.speculation and self.speculation.speculates
         return CheckedRequest(
-            request, k, mode, sampling, session, question_token_ids, document_kv=document_kv
+            request, k, mode, sampling, session, question_token_ids, speculate, document_kv=document_kv
         )
 
     def _document_kv(self, request: RagRequest, session: Session | None) -> bool:
@@ -172,7 +173,7 @@ class RagController:
         A conversation's later turns prefill as they always do: their history is no document.
         """
         choice = self.config.document_kv if request.document_kv is None else request.document_kv
-        if check_document_kv(choice) != "turbo" or session is not None:
+        if check_choice("document_kv", choice, DocumentKv) is not DocumentKv.TURBO or session is not None:
             return False
         if not all(getattr(r.engine, "supports_document_kv", False) for r in self.placement.replicas):
             raise InvalidInputError("document_kv 'turbo' needs engines started with --document-kv turbo")

@@ -6,8 +6,8 @@ in retrieval order). Each other mode adds one optimisation to it; ``all`` combin
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 from specrag.errors import check_choice
 
@@ -22,31 +22,37 @@ class Mode:
     speculation: bool
 
 
-ModeName = Literal["serial", "warmup", "ordering", "speculation", "all"]
-MODE_NAMES: tuple[ModeName, ...] = get_args(ModeName)
+class ModeName(enum.StrEnum):
+    """The modes by the names experiments report them under (and requests ask for)."""
+
+    SERIAL = "serial"
+    WARMUP = "warmup"
+    ORDERING = "ordering"
+    SPECULATION = "speculation"
+    ALL = "all"
+
+
+MODE_NAMES: tuple[ModeName, ...] = tuple(ModeName)
 MODES: dict[ModeName, Mode] = {
     mode.name: mode
     for mode in (
-        Mode("serial", warmup=False, ordering=False, speculation=False),
-        Mode("warmup", warmup=True, ordering=False, speculation=False),
-        Mode("ordering", warmup=False, ordering=True, speculation=False),
-        Mode("speculation", warmup=False, ordering=False, speculation=True),
-        Mode("all", warmup=True, ordering=True, speculation=True),
+        Mode(ModeName.SERIAL, warmup=False, ordering=False, speculation=False),
+        Mode(ModeName.WARMUP, warmup=True, ordering=False, speculation=False),
+        Mode(ModeName.ORDERING, warmup=False, ordering=True, speculation=False),
+        Mode(ModeName.SPECULATION, warmup=False, ordering=False, speculation=True),
+        Mode(ModeName.ALL, warmup=True, ordering=True, speculation=True),
     )
 }
 
 
-# How a request's documents get their KV: prefilled with the prompt (``full``), or loaded from the
-# engine's document KV store, each computed alone (``turbo``, TurboRAG; docs/turbo.md).
-DocumentKv = Literal["full", "turbo"]
-DOCUMENT_KV_CHOICES: tuple[DocumentKv, ...] = get_args(DocumentKv)
+class DocumentKv(enum.StrEnum):
+    """How a request's documents get their KV: prefilled with the prompt (``full``), or loaded from
+    the engine's document KV store, each computed alone (``turbo``, TurboRAG; docs/turbo.md)."""
 
-
-def check_document_kv(name: str) -> DocumentKv:
-    """``name`` if it is a document-KV choice; :class:`InvalidInputError` listing them otherwise."""
-    return check_choice("document_kv", name, DOCUMENT_KV_CHOICES)
+    FULL = "full"
+    TURBO = "turbo"
 
 
 def get_mode(name: str) -> Mode:
     """The mode called ``name``; an unknown name raises :class:`InvalidInputError` listing the known ones."""
-    return MODES[check_choice("mode", name, MODE_NAMES)]
+    return MODES[check_choice("mode", name, ModeName)]

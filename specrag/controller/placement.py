@@ -33,16 +33,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 from specrag.cache.layout import DocId, PromptLayout
-from specrag.cache.ordering import OrderingPolicy, get_policy
+from specrag.cache.ordering import OrderingPolicy, PolicyName, get_policy
 from specrag.cache.residency import chain_block_keys
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError, check_choice
@@ -50,8 +50,18 @@ from specrag.pipeline.engine import Engine
 
 logger = logging.getLogger(__name__)
 
-Router = Literal["round_robin", "least_loaded", "approx_prefix", "exact_retrieval_order", "specrag"]
-ROUTERS: tuple[Router, ...] = get_args(Router)
+
+class Router(enum.StrEnum):
+    """The routers specrag offers (module doc)."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    APPROX_PREFIX = "approx_prefix"
+    EXACT_RETRIEVAL_ORDER = "exact_retrieval_order"
+    SPECRAG = "specrag"
+
+
+ROUTERS: tuple[Router, ...] = tuple(Router)
 DEFAULT_IMBALANCE_BOUND = 2
 # Entries of the approximate prefix tree per replica (block keys), as a router's own memory cap.
 _APPROX_KEYS = 1 << 16
@@ -113,7 +123,7 @@ class Placement:
     def __init__(
         self,
         replicas: Sequence[Replica],
-        router: Router = "specrag",
+        router: Router | str = Router.SPECRAG,
         imbalance_bound: int = DEFAULT_IMBALANCE_BOUND,
     ) -> None:
         if not replicas:
@@ -127,7 +137,7 @@ class Placement:
         if len(block_sizes) != 1:
             raise InvalidInputError(f"replicas must share one KV block size, got {sorted(block_sizes)}")
         self.replicas = tuple(replicas)
-        self.router = check_choice("router", router, ROUTERS)
+        self.router = check_choice("router", router, Router)
         self.imbalance_bound = imbalance_bound
         self._turn = itertools.count()
         self._approx = {replica.name: _ApproxPrefixes(replica.engine.block_size) for replica in replicas}
@@ -150,10 +160,10 @@ class Placement:
     ) -> Placed:
         """The replica and document order for a prompt over these documents (module doc)."""
         candidates = self._candidates(avoid)
-        if len(self.replicas) == 1 or self.router == "specrag":
+        if len(self.replicas) == 1 or self.router is Router.SPECRAG:
             return self._joint(candidates, policy, doc_ids, build, prefer)
-        retrieval = get_policy("retrieval")
-        if self.router == "exact_retrieval_order":
+        retrieval = get_policy(PolicyName.RETRIEVAL)
+        if self.router is Router.EXACT_RETRIEVAL_ORDER:
             return self._joint(candidates, retrieval, doc_ids, build, prefer)
         return self.place_prompt(build(retrieval.order(candidates[0].tree, doc_ids).doc_ids), avoid=avoid)
 
@@ -163,14 +173,14 @@ class Placement:
         """The replica for a prompt whose order is fixed (a session's later turn)."""
         candidates = self._candidates(avoid)
         tokens = layout.token_ids
-        if len(self.replicas) == 1 or self.router in ("specrag", "exact_retrieval_order"):
+        if len(self.replicas) == 1 or self.router in (Router.SPECRAG, Router.EXACT_RETRIEVAL_ORDER):
             options = [self._estimate(r, layout, r.tree.cached_tokens(tokens)) for r in candidates]
             return self._best(options, prefer)
-        if self.router == "round_robin":
+        if self.router is Router.ROUND_ROBIN:
             replica = candidates[next(self._turn) % len(candidates)]
             return Placed(replica, layout, replica.tree.cached_tokens(tokens), 0.0, "round robin")
         least = min(candidates, key=lambda r: (r.pending, r.wait_s()))
-        if self.router == "least_loaded":
+        if self.router is Router.LEAST_LOADED:
             return Placed(least, layout, least.tree.cached_tokens(tokens), 0.0, "least loaded")
         matches = {r.name: self._approx[r.name].match(tokens) for r in candidates}
         chosen, reason = least, "least loaded"
@@ -190,7 +200,7 @@ class Placement:
                 + "; ".join(f"{r.name}: {r.excluded or 'recovering'}" for r in self.replicas)
                 + "); retry shortly"
             )
-        if self.router == "round_robin":
+        if self.router is Router.ROUND_ROBIN:
             return available
         floor = min(r.pending for r in available)
         return [r for r in available if r.pending <= floor + self.imbalance_bound]

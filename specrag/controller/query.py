@@ -51,14 +51,23 @@ class Planned:
 class CheckedRequest:
     """A request the controller has checked: everything a query run needs, resolved."""
 
+    #: What the caller asked, as it asked it.
     request: RagRequest
+    #: Passages per prompt, within the controller's limit.
     k: int
+    #: The optimisation switches the query uses.
     mode: Mode
+    #: Decoding settings, checked.
     sampling: Sampling
+    #: The conversation the query continues, if any.
     session: Session | None
+    #: The question's tokens, which serve every prompt of the query.
     question_token_ids: tuple[int, ...]
+    #: Whether the query speculates: its mode does, and the service's speculation setting is not
+    #: ``never`` (the one answer to "speculate now?" that a run reads).
+    speculate: bool = False
     planned: Planned | None = None
-    # Load the system prompt's and documents' KV from the engine's store (TurboRAG).
+    #: Load the system prompt's and documents' KV from the engine's store (TurboRAG).
     document_kv: bool = False
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from specrag.cache.hints import order_hint
 from specrag.cache.layout import DocId, PromptLayout
-from specrag.cache.ordering import get_policy
+from specrag.cache.ordering import PolicyName, get_policy
 from specrag.controller.conversation import TurnPrompt
 from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import Slot
@@ -90,8 +90,7 @@ class QueryRun:
         vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
         timeline.search_start = now()
         config = shared.config
-        speculates = checked.mode.speculation and shared.speculation.speculates
-        plan = shared.index.stage_plan(config.num_stages if speculates else 1, config.stage_schedule)
+        plan = shared.index.stage_plan(config.num_stages if checked.speculate else 1, config.stage_schedule)
         # The question's text feeds the lexical channel of a hybrid index.
         search = shared.index.search_staged(vector, checked.k, plan, query_text=checked.request.question)
         self._speculating.search = search
@@ -261,7 +260,7 @@ class QueryRun:
             return replace(placed, predicted_cached=session_cached)
         planned = checked.planned  # a batch plan's order is kept as it is
         policy = get_policy(
-            shared.config.ordering_policy if checked.mode.ordering and not planned else "retrieval"
+            shared.config.ordering_policy if checked.mode.ordering and not planned else PolicyName.RETRIEVAL
         )
         return shared.placement.place_documents(
             policy, planned.order if planned else rows, lambda order: self._layout(rows, order), prefer=prefer

@@ -30,24 +30,23 @@ costs is one more request's fixed overhead, for this query's final request and e
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from specrag.cache.prefill_estimator import PrefillEstimator
-from specrag.errors import InvalidInputError
 from specrag.retrieval.stage_stats import StageOutlook
 
-SPECULATION_SETTINGS = ("auto", "always", "never")
-"""``auto``: each speculation (and warm-up) launched only when its price says it pays;
-``always``: on every stage that changed the top-k, while the gate has room (the behaviour before
-the policy, for experiments); ``never``: no speculative prefill on a running top-k."""
 
+class SpeculationSetting(enum.StrEnum):
+    """Whether a mode that speculates asks the policy first."""
 
-def check_speculation(setting: str) -> str:
-    """``setting`` if it names one of :data:`SPECULATION_SETTINGS`, else a clear error."""
-    if setting not in SPECULATION_SETTINGS:
-        names = ", ".join(SPECULATION_SETTINGS)
-        raise InvalidInputError(f"speculation must be one of {names}, got {setting!r}")
-    return setting
+    AUTO = "auto"
+    """Each speculation (and warm-up) launched only when its price says it pays."""
+    ALWAYS = "always"
+    """On every stage that changed the top-k, while the gate has room (the behaviour before the
+    policy, for experiments)."""
+    NEVER = "never"
+    """No speculative prefill on a running top-k."""
 
 
 @dataclass(frozen=True)
@@ -82,18 +81,19 @@ class Price:
 class SpeculationPolicy:
     """Prices speculations and warm-ups from measured figures; ``setting`` says whether to ask it."""
 
-    def __init__(self, setting: str, estimator: PrefillEstimator) -> None:
-        self.setting = check_speculation(setting)
+    def __init__(self, setting: SpeculationSetting, estimator: PrefillEstimator) -> None:
+        self.setting = setting
         self._estimator = estimator
 
     @property
     def priced(self) -> bool:
         """Whether launches wait for a price that pays (``auto``)."""
-        return self.setting == "auto"
+        return self.setting is SpeculationSetting.AUTO
 
     @property
     def speculates(self) -> bool:
-        return self.setting != "never"
+        """Whether a mode that speculates may speculate at all (not ``never``)."""
+        return self.setting is not SpeculationSetting.NEVER
 
     def speculation(
         self, outlook: StageOutlook, ordered: bool, cached_tokens: int, computed_tokens: int, waiting: int

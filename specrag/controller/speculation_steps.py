@@ -64,7 +64,7 @@ class SpeculationSteps:
         A running top-k may make a longer prompt than the final one: if it does not fit the
         model, it is not speculated on, and the query goes on (only the final prompt must fit).
         """
-        if not self._checked.mode.speculation or not self._shared.speculation.speculates:
+        if not self._checked.speculate:
             return
         placed = self._run.place(rows, final=False)
         speculation = self.live

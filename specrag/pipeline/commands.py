@@ -9,13 +9,13 @@ import shlex
 from dataclasses import replace
 from pathlib import Path
 
-from specrag.errors import InvalidInputError
+from specrag.errors import InvalidInputError, values
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
 from specrag.pipeline.random_model import (
-    MODEL_SIZES,
     RANDOM_MODEL_NAME,
+    ModelSize,
     RandomModelSpec,
     is_current_random_model,
     make_random_model,
@@ -26,7 +26,11 @@ from specrag.retrieval.corpus import build_default_corpus, load_passages
 def _make_model(args: argparse.Namespace) -> int:
     layout = DataLayout(resolve_data_dir(args.data_dir))
     output = Path(args.output) if args.output else layout.named_model_dir(RANDOM_MODEL_NAME)
-    base = RandomModelSpec.for_this_machine() if args.size == "auto" else RandomModelSpec.sized(args.size)
+    base = (
+        RandomModelSpec.for_this_machine()
+        if args.size == ModelSize.AUTO
+        else RandomModelSpec.sized(args.size)
+    )
     spec = replace(base, seed=args.seed)
     if not args.force and is_current_random_model(output, spec):
         print(f"{output} already holds the random model (use --force to rebuild)")
@@ -87,8 +91,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     make_model.add_argument("--seed", type=int, default=RandomModelSpec.seed, help="weight seed")
     make_model.add_argument(
         "--size",
-        choices=("auto", *MODEL_SIZES),
-        default="auto",
+        choices=values(ModelSize),
+        default=ModelSize.AUTO,
         help="auto (default): large where the CPU has native bfloat16, else small; "
         "`specrag prepare` and `serve` always use auto",
     )

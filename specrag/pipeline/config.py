@@ -1,6 +1,6 @@
-"""Engine settings in one validated object, with defaults measured on small CPU machines.
+"""Engine settings in one validated object, with defaults chosen on small CPU machines.
 
-Why these defaults (docs/vllm-cpu.md says how each was measured):
+Why these defaults (docs/vllm-cpu.md gives the measurements behind each):
 
 - ``kv_cache_gib=2``: without a limit vLLM's CPU build reserves most of the RAM; 2 GiB holds
   hundreds of thousands of tokens for the default model.
@@ -10,17 +10,16 @@ Why these defaults (docs/vllm-cpu.md says how each was measured):
   prefill speed; smaller blocks mean finer prefix-cache hits and less padding per document.
   ``None`` keeps the engine's own default.
 - ``max_num_batched_tokens=512``: an abort takes effect after the engine's current step, so the
-  step size bounds what a wrong speculation costs the next request. Measured here (8-layer
-  default model, one core): a cached request behind an aborted cold 4k prefill got its first
-  token after 22 ms with 512-token steps and 262 ms with 2,048; a cold 4k prefill took 0.82 s
-  and 0.76 s.
-- ``enforce_eager=False``: compiled graphs prefill ~20 % faster; tests set it True to start faster.
+  step size bounds what a wrong speculation costs the next request, while a long cold prefill
+  is hardly slower in small steps than in large ones.
+- ``enforce_eager=False``: compiled graphs prefill faster; tests set it True to start faster.
 - ``omp_threads_bind=None``: vLLM's default (worker on one core, engine core on the other)
   measured fastest here; experiments pin it explicitly to keep the search on another core.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import socket
@@ -29,17 +28,27 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from specrag.errors import InvalidInputError
+from specrag.errors import InvalidInputError, values
 
-_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+class Dtype(enum.StrEnum):
+    """The compute dtypes vLLM may be started with (``auto``: the model's own, see :func:`resolve_dtype`)."""
+
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
 
 
 @dataclass(frozen=True)
 class KVEventSource:
     """Where an engine publishes its KV-cache events (vLLM's ZMQ publisher), for the KV mirror."""
 
+    #: The publisher's ZMQ endpoint.
     endpoint: str
+    #: Where missed events are replayed on request; None: no replay.
     replay_endpoint: str | None = None
+    #: The topic events are published under.
     topic: str = "kv"
 
     @classmethod
@@ -96,24 +105,40 @@ def model_context_length(model_dir: Path) -> int | None:
 class EngineConfig:
     """Everything needed to start the in-process engine; any Hugging Face model directory works."""
 
+    #: The Hugging Face model directory to serve.
     model: str
+    #: Longest prompt plus answer, in tokens (above 8,192 vLLM needs an environment flag).
     max_model_len: int = 8192
+    #: KV block size in tokens (a multiple of 32 on CPU); None keeps the engine's default.
     block_size: int | None = 32
+    #: The KV cache's size in GiB (``VLLM_CPU_KVCACHE_SPACE``).
     kv_cache_gib: int = 2
+    #: Skip graph compilation: starts faster, prefills slower.
     enforce_eager: bool = False
+    #: Prompt tokens per engine step: bounds what an aborted speculation holds the engine for.
     max_num_batched_tokens: int = 512
+    #: A longer prefill is chunked when others wait, so it does not block them for a whole step.
     long_prefill_token_threshold: int = 256
+    #: Requests the engine runs at once.
     max_num_seqs: int = 64
+    #: Cores of the engine's threads (``VLLM_CPU_OMP_THREADS_BIND``); None is vLLM's choice.
     omp_threads_bind: str | None = None
-    dtype: str = "auto"
+    #: The compute dtype (``auto``: the model's own, float32 on a CPU without native bfloat16).
+    dtype: str = Dtype.AUTO
+    #: vLLM's random seed.
     seed: int = 0
+    #: Where the engine publishes its KV-cache events (ZMQ); None publishes none.
     kv_events_endpoint: str | None = None
+    #: Where it replays missed KV-cache events to a subscriber that asks.
     kv_events_replay_endpoint: str | None = None
+    #: The topic of the KV-cache events.
     kv_events_topic: str = "kv"
+    #: How long the engine may take to start before it counts as failed.
     startup_timeout_s: float = 300.0
+    #: TurboRAG: the document KV store's directory (:mod:`specrag.pipeline.document_kv`); set, the
+    #: engine loads :mod:`specrag.pipeline.turbo_connector` as vLLM's KV connector. None: off.
     document_kv_dir: str | None = None
-    """TurboRAG: the document KV store's directory (:mod:`specrag.pipeline.document_kv`); set, the
-    engine loads :mod:`specrag.pipeline.turbo_connector` as vLLM's KV connector. None: off."""
+    #: The document KV store's size bound; least recently used entries go.
     document_kv_max_gib: float = 4.0
 
     def validate(self) -> EngineConfig:
@@ -136,9 +161,9 @@ class EngineConfig:
             raise InvalidInputError(
                 f"engine config: block_size must be a power of two, got {self.block_size}"
             )
-        if self.dtype not in _DTYPES:
+        if self.dtype not in values(Dtype):
             raise InvalidInputError(
-                f"engine config: dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}"
+                f"engine config: dtype must be one of {', '.join(values(Dtype))}, got {self.dtype!r}"
             )
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise InvalidInputError("engine config: kv_events_replay_endpoint needs kv_events_endpoint")
@@ -299,9 +324,7 @@ def apply_environment(config: EngineConfig) -> None:
 
 
 # CPU flags (x86 /proc/cpuinfo "flags", aarch64 "Features") that mean bfloat16 matrix products run
-# natively. Without them PyTorch emulates bfloat16: on an AVX2-only machine a bfloat16 matmul ran
-# ~45x slower than float32 (1.2 vs 58 GFLOP/s on one core), which made a 4k-token prefill ~3x slower
-# end to end than in float32.
+# natively. Without them PyTorch emulates bfloat16, many times slower than float32 (docs/vllm-cpu.md).
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
@@ -325,6 +348,6 @@ def resolve_dtype(dtype: str, on_cpu: bool, cpuinfo: str | None = None) -> str:
     vLLM's ``auto`` takes the model's own dtype (bfloat16 for the default model and most models
     on the hub), which such a CPU can only emulate. An explicit dtype is always kept.
     """
-    if dtype == "auto" and on_cpu and not cpu_has_native_bf16(cpuinfo):
-        return "float32"
+    if dtype == Dtype.AUTO and on_cpu and not cpu_has_native_bf16(cpuinfo):
+        return Dtype.FLOAT32
     return dtype

@@ -14,6 +14,7 @@ get a smaller model (see :meth:`RandomModelSpec.for_this_machine`).
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 from collections.abc import Iterable
@@ -23,14 +24,24 @@ from typing import Any
 
 from specrag.atomic import atomic_directory
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline.config import cpu_has_native_bf16
+from specrag.pipeline.config import Dtype, cpu_has_native_bf16
 from specrag.pipeline.model_dir import MANIFEST_NAME, check_model_dir
 
 logger = logging.getLogger(__name__)
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
-MODEL_SIZES = ("large", "small")
+
+
+class ModelSize(enum.StrEnum):
+    """The random model's sizes; ``auto`` is the one this machine computes fast
+    (:meth:`RandomModelSpec.for_this_machine`)."""
+
+    AUTO = "auto"
+    LARGE = "large"
+    SMALL = "small"
+
+
 RANDOM_MODEL_NAME = "random"
 """Its name on the command line, in the data directory and in ``/v1/models``."""
 
@@ -52,9 +63,9 @@ class RandomModelSpec:
     @classmethod
     def sized(cls, size: str) -> RandomModelSpec:
         """``large``: 8 layers x 512 in bfloat16; ``small``: 3 x 256 in float32."""
-        if size == "large":
+        if size == ModelSize.LARGE:
             return cls()
-        if size == "small":
+        if size == ModelSize.SMALL:
             return cls(
                 hidden_size=256,
                 intermediate_size=768,
@@ -63,7 +74,9 @@ class RandomModelSpec:
                 num_key_value_heads=4,
                 dtype="float32",
             )
-        raise InvalidInputError(f"model size must be one of {', '.join(MODEL_SIZES)}, got {size!r}")
+        raise InvalidInputError(
+            f"model size must be one of {ModelSize.LARGE}, {ModelSize.SMALL}, got {size!r}"
+        )
 
     @classmethod
     def for_this_machine(cls, cpuinfo: str | None = None) -> RandomModelSpec:
@@ -82,7 +95,7 @@ class RandomModelSpec:
             raise InvalidInputError("hidden_size must be a multiple of num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise InvalidInputError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.dtype not in ("bfloat16", "float32", "float16"):
+        if self.dtype not in (Dtype.BFLOAT16, Dtype.FLOAT32, Dtype.FLOAT16):
             raise InvalidInputError(f"unsupported dtype {self.dtype!r}")
 
 

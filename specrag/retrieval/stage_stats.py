@@ -37,7 +37,7 @@ class PlanKey:
     settings: tuple[tuple[str, str], ...]
     k: int
     num_stages: int
-    schedule: Schedule
+    schedule: Schedule | str
 
 
 @dataclass(frozen=True)

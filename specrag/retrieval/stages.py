@@ -10,11 +10,12 @@ probe lists, HNSW: node expansions).
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -22,16 +23,23 @@ from specrag.errors import InvalidInputError, check_choice
 
 # Work beyond this is "everything that is left": a unit count no search reaches.
 UNBOUNDED = 1 << 62
+
+
 # How count-based stages cut the expected work: "equal" slices (1/S, 2/S, ... of it), or
 # "geometric" ones that double (1/2^(S-1), ..., 1/4, 1/2, 1): a small first stage lets a
 # speculative prefill start after a fraction of the search, since the nearest probe lists (the
 # closest graph nodes) already hold most of the final top-k, at the same total work.
-Schedule = Literal["equal", "geometric"]
-SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
+class Schedule(enum.StrEnum):
+    """How count-based stages cut the expected work (above)."""
+
+    EQUAL = "equal"
+    GEOMETRIC = "geometric"
+
+
 # The schedule that measured best (bench/search.py: the running top-k final earliest at <= 1.10x a
 # single-stage search's cost): geometric stages, so that the first speculation starts after a
 # small share of the search. How many (how small the first) depends on the index kind, below.
-DEFAULT_SCHEDULE: Schedule = "geometric"
+DEFAULT_SCHEDULE = Schedule.GEOMETRIC
 # How many stages a search of each index kind is cut into unless told otherwise (stage_plan).
 # Geometric stages start with 1/2^(S-1) of the work, so S sets how early the first speculation
 # starts:
@@ -81,32 +89,35 @@ class StagePlan:
     """
 
     num_stages: int
-    schedule: Schedule
+    schedule: Schedule | str
     stage_budget_s: float | None = None
 
     @classmethod
     def budget(cls, stage_budget_s: float) -> StagePlan:
         """Stages of ``stage_budget_s`` each, as many as the search needs."""
-        return cls(1, "equal", stage_budget_s)
+        return cls(1, Schedule.EQUAL, stage_budget_s)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
             raise InvalidInputError(f"num_stages must be at least 1, got {self.num_stages}")
         if self.stage_budget_s is not None and not self.stage_budget_s > 0:
             raise InvalidInputError(f"stage_budget_s must be positive, got {self.stage_budget_s}")
-        check_schedule(self.schedule)
+        object.__setattr__(self, "schedule", check_choice("stage schedule", self.schedule, Schedule))
 
     def done_fraction(self, stage: int) -> float:
         """The share of the expected work done by the end of count-based ``stage`` (from 1)."""
         if stage >= self.num_stages:
             return 1.0
-        if self.schedule == "geometric":
+        if self.schedule is Schedule.GEOMETRIC:
             return float(2.0 ** (stage - self.num_stages))
         return stage / self.num_stages
 
 
 def stage_plan(
-    kind: str, num_stages: int | None = None, schedule: str | None = None, default_stages: int | None = None
+    kind: str,
+    num_stages: int | None = None,
+    schedule: Schedule | str | None = None,
+    default_stages: int | None = None,
 ) -> StagePlan:
     """The plan of a search of an index of ``kind``: ``num_stages`` (else ``default_stages``, else
     the kind's :data:`DEFAULT_STAGES`) cut by ``schedule`` (else :data:`DEFAULT_SCHEDULE`).
@@ -117,12 +128,7 @@ def stage_plan(
     count = num_stages if num_stages is not None else default_stages or DEFAULT_STAGES.get(kind)
     if count is None:
         raise InvalidInputError(f"no default stage count for index kind {kind!r}: give num_stages")
-    return StagePlan(count, check_schedule(schedule if schedule is not None else DEFAULT_SCHEDULE))
-
-
-def check_schedule(schedule: str) -> Schedule:
-    """``schedule`` if it names one of :data:`SCHEDULES`, else a clear error."""
-    return check_choice("stage schedule", schedule, SCHEDULES)
+    return StagePlan(count, schedule if schedule is not None else DEFAULT_SCHEDULE)
 
 
 def prepare_queries(queries: np.ndarray, dim: int, ntotal: int, k: int) -> np.ndarray:

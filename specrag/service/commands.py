@@ -1,331 +1,33 @@
-"""``specrag prepare``, ``serve``, ``demo`` and ``batch``: build the embedded default, serve it, query it."""
+"""The command lines of ``specrag prepare``, ``serve``, ``demo`` and ``batch``.
+
+What each command does once its line is parsed is :mod:`specrag.service.handlers`'.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import json
-import os
-import re
-import shutil
-import signal
-import socket
-import sys
-from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
-from typing import Any
 
-from specrag.client import AsyncClient
 from specrag.controller.controller import ControllerConfig
-from specrag.controller.modes import MODE_NAMES
-from specrag.controller.placement import ROUTERS
-from specrag.controller.speculation_policy import SPECULATION_SETTINGS
-from specrag.errors import InvalidInputError
-from specrag.paths import DataLayout, resolve_data_dir
+from specrag.controller.modes import ModeName
+from specrag.controller.placement import Router
+from specrag.controller.speculation_policy import SpeculationSetting
+from specrag.errors import values
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
-from specrag.pipeline.random_model import RANDOM_MODEL_NAME
-from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, SCHEDULES
-from specrag.service.assembly import (
-    Service,
-    ServiceOptions,
-    base_engine_config,
-    open_service,
-    prompt_builder,
+from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
+from specrag.service.handlers import (
+    MAX_BATCH,
+    MAX_K,
+    batch_command,
+    demo_command,
+    prepare_command,
+    serve_command,
 )
-from specrag.service.assets import Assets, ensure_assets
-from specrag.service.demo import DEMO_QUESTIONS, run_demo
-from specrag.service.engine_log import engine_output_to
+from specrag.service.options import DocumentKvStore, ServiceOptions
 from specrag.service.server import (
     DEFAULT_MAX_QUERIES,
     DEFAULT_MAX_QUERIES_PER_CLIENT,
-    SHUTDOWN_GRACE_S,
-    serving,
 )
-
-MAX_K = ControllerConfig().k_max
-MAX_BATCH = ControllerConfig().max_batch_queries
-
-
-def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | None]:
-    layout = DataLayout(resolve_data_dir(args.data_dir))
-    return layout, args.model, Path(args.corpus) if args.corpus else None
-
-
-def _assets(args: argparse.Namespace) -> Assets:
-    return ensure_assets(*_paths(args))
-
-
-def _prepare(args: argparse.Namespace) -> int:
-    assets = _assets(args)
-    print(
-        f"ready in {_paths(args)[0].root}: {len(assets.passages)} passages, model {assets.model_dir}, "
-        f"store {assets.store.path.name} ({assets.store.info.total_tokens} tokens), "
-        f"index {assets.index.searcher.ntotal} rows × {assets.index.dim} dims"
-    )
-    if args.document_kv:
-        kv_dir = _paths(args)[0].document_kv_dir
-        print(f"computing every passage's KV into {kv_dir} (TurboRAG; minutes)…", flush=True)
-        filled = asyncio.run(_fill_document_kv(assets, kv_dir, args.document_kv_max_gib))
-        print(f"document KV ready: {filled} segments computed, the others were stored already")
-    return 0
-
-
-async def _fill_document_kv(assets: Assets, kv_dir: Path, max_gib: float) -> int:
-    """Start the in-process engine with the store and fill it with the system prompt and every passage."""
-    from specrag.pipeline.vllm_engine import VllmEngine
-
-    options = ServiceOptions(document_kv_dir=str(kv_dir), document_kv_max_gib=max_gib)
-    config = base_engine_config(assets.model_dir, options).validate()
-    engine = await VllmEngine.start(config)
-    try:
-        segments = prompt_builder(assets, engine).stored_segments(range(len(assets.store)))
-        return await engine.fill_document_kv(segments)
-    finally:
-        await engine.close()
-
-
-@contextlib.asynccontextmanager
-async def _service(
-    args: argparse.Namespace, assets: Assets, options: ServiceOptions, quiet: bool = False
-) -> AsyncIterator[Service]:
-    """The supervised engine(s), the controller and the application over them (see assembly.py).
-
-    The run directory (the in-process engines' KV-event sockets) is this process's alone: it goes
-    when the service stops. ``quiet`` says what starts on standard error (standard output is data).
-    """
-    print(_starting(assets, options), file=sys.stderr if quiet else sys.stdout, flush=True)
-    run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
-    try:
-        async with open_service(assets, options, run_dir) as service:
-            yield service
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _engine_log(args: argparse.Namespace) -> Iterator[None]:
-    """Unless ``-v``: vLLM's and the libraries' output into ``DATA_DIR/run/COMMAND-PID.log``, the
-    terminal left to specrag's own lines (see engine_log.py); the first line says where it went."""
-    if args.verbose:
-        yield
-        return
-    log_file = _paths(args)[0].root / "run" / f"{args.command}-{os.getpid()}.log"
-    print(f"engine and library logs: {log_file} (-v shows them here)", flush=True)
-    with engine_output_to(log_file):
-        yield
-
-
-def _starting(assets: Assets, options: ServiceOptions) -> str:
-    """What the service is about to start or connect to, said before the minute it may take."""
-    if options.ray_address is not None:
-        where = options.ray_address or "a local Ray instance"
-        return f"starting {options.replicas} vLLM replicas on {where}…"
-    if options.engine_urls:
-        return f"connecting to the engine server(s) at {', '.join(options.engine_urls)}…"
-    engines = f"{options.replicas} vLLM engines, one per core," if options.pooled else "vLLM"
-    return f"starting {engines} on {assets.model_dir} (about a minute each on a small CPU machine)…"
-
-
-def _api_token(variable: str | None) -> str | None:
-    """The token from an environment variable: on the command line it would show in ``ps``."""
-    if variable is None:
-        return None
-    token = os.environ.get(variable)
-    if not token:
-        raise InvalidInputError(f"--api-token-env: environment variable {variable} is not set or empty")
-    return token
-
-
-def _api_tokens(path: str | None) -> tuple[str, ...]:
-    """The tokens of ``--api-tokens-file``: one a line, one per client (blank lines and lines
-    starting with # skipped)."""
-    if path is None:
-        return ()
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise InvalidInputError(f"--api-tokens-file: cannot read {path}: {error}") from None
-    tokens = tuple(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
-    if not tokens:
-        raise InvalidInputError(f"--api-tokens-file: {path} holds no token")
-    if len(set(tokens)) < len(tokens):
-        raise InvalidInputError(f"--api-tokens-file: {path} holds a token twice; give each client its own")
-    return tokens
-
-
-# The controller setting behind each ``serve`` flag, so that an error names the flag the user typed.
-_FLAG_OF_SETTING = {
-    "num_stages": "--stages",
-    "stage_schedule": "--stage-schedule",
-    "max_prefill_bs": "--max-prefill-bs",
-    "max_queue": "--max-queue",
-    "first_token_timeout_s": "--first-token-timeout",
-    "speculation": "--speculation",
-}
-
-
-def _controller_config(args: argparse.Namespace) -> ControllerConfig:
-    try:
-        return ControllerConfig(
-            mode=args.mode,
-            document_kv=args.document_kv if args.document_kv == "turbo" else "full",
-            num_stages=args.stages,
-            stage_schedule=args.stage_schedule,
-            max_prefill_bs=args.max_prefill_bs,
-            max_queue=args.max_queue,
-            first_token_timeout_s=args.first_token_timeout,
-            speculation=args.speculation,
-            order_hint=args.order_hint,
-        )
-    except InvalidInputError as error:
-        message = str(error)
-        for setting, flag in _FLAG_OF_SETTING.items():
-            message = re.sub(rf"\b{setting}\b", flag, message)
-        raise InvalidInputError(message) from None
-
-
-def _serve(args: argparse.Namespace) -> int:
-    if not 0 <= args.port <= 65535:
-        raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
-    try:  # before the engine's minute-long start, not after it
-        socket.getaddrinfo(args.host, args.port)
-    except OSError as error:
-        raise InvalidInputError(f"--host {args.host!r} cannot be bound: {error}") from None
-    if args.max_queries < 1 or args.max_queries_per_client < 1:
-        raise InvalidInputError("--max-queries and --max-queries-per-client must be at least 1")
-    token = _api_token(args.api_token_env)
-    tokens = _api_tokens(args.api_tokens_file)
-    if token is not None and token in tokens:
-        raise InvalidInputError("--api-token-env: that token is also in --api-tokens-file")
-    config = _controller_config(args)
-    document_kv = args.document_kv == "turbo"
-    options = ServiceOptions(
-        controller=config,
-        engine_urls=tuple(args.engine_url or ()),
-        engine_kv_events=tuple(args.engine_kv_events or ()),
-        eager=args.eager,
-        api_token=token,
-        api_tokens=tokens,
-        trust_forwarded_for=args.trust_forwarded_for,
-        max_queries=args.max_queries,
-        max_queries_per_client=args.max_queries_per_client,
-        ray_address=args.ray,
-        replicas=args.replicas,
-        router=args.router,
-        engine_cpus=args.engine_cpus,
-        search_cpus=args.search_cpus,
-        document_kv_dir=str(_paths(args)[0].document_kv_dir) if document_kv else None,
-        document_kv_max_gib=args.document_kv_max_gib,
-    )
-
-    async def main() -> None:
-        async with _service(args, assets, options) as service:
-            stop = asyncio.Event()
-
-            def shut_down() -> None:
-                # At once, in the handler: from now on new queries get 503 and engine failures
-                # are the shutdown's, not faults to repair.
-                service.begin_shutdown()
-                stop.set()
-
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, shut_down)
-            async with serving(service.app, args.host, args.port) as url:
-                print(f"specrag serving on {url} (mode {config.mode}; Ctrl-C to stop)", flush=True)
-                await stop.wait()
-                print(
-                    f"stopping: new queries get 503, queries in flight have {SHUTDOWN_GRACE_S:g} s "
-                    "to finish; then the engine shuts down…",
-                    flush=True,
-                )
-
-    with _engine_log(args):
-        assets = _assets(args)
-        asyncio.run(main())
-    return 0
-
-
-def _demo(args: argparse.Namespace) -> int:
-    if not 1 <= args.k <= MAX_K:
-        raise InvalidInputError(f"-k must be between 1 and {MAX_K}, got {args.k}")
-    if args.max_tokens < 1:
-        raise InvalidInputError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-
-    async def main() -> None:
-        async with (
-            _service(args, assets, ServiceOptions(eager=args.eager)) as service,
-            serving(service.app, access_log=False) as url,
-            AsyncClient(url) as client,
-        ):
-            noise = "; the random model's answers are noise" if args.model == RANDOM_MODEL_NAME else ""
-            print(f"service on {url}{noise}", flush=True)
-            await run_demo(client, args.question or DEMO_QUESTIONS, args.k, args.max_tokens)
-
-    with _engine_log(args):
-        assets = _assets(args)
-        asyncio.run(main())
-    return 0
-
-
-def _questions(path: str) -> list[str]:
-    """The file's questions, one per non-blank line (``-``: standard input)."""
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except OSError as error:
-        raise InvalidInputError(f"cannot read {path}: {error.strerror or error}") from None
-    except UnicodeDecodeError:
-        raise InvalidInputError(f"{path} is not UTF-8 text") from None
-    questions = [line.strip() for line in text.splitlines() if line.strip()]
-    if not questions:
-        raise InvalidInputError(f"{path} holds no question (one per line)")
-    return questions
-
-
-async def answer_file(client: AsyncClient, questions: Sequence[str], batch_size: int, **options: Any) -> None:
-    """Answer the questions in batches of ``batch_size``: one JSON line per answer, in file order,
-    with its batch, the position it ran at in that batch's plan, and its timeline."""
-    for number, start in enumerate(range(0, len(questions), batch_size)):
-        result = await client.batch(questions[start : start + batch_size], **options)
-        ran_at = {question: position for position, question in enumerate(result.plan["order"])}
-        for index, (query, answer) in enumerate(zip(result.queries, result.answers, strict=True)):
-            line = {
-                "query": query,
-                "answer": answer.answer,
-                "finish_reason": answer.finish_reason,
-                "documents": answer.documents,
-                "batch": number,
-                "ran_at": ran_at[index],
-                "specrag": answer.timeline,
-            }
-            print(json.dumps(line), flush=True)
-
-
-def _batch(args: argparse.Namespace) -> int:
-    if not 1 <= args.batch_size <= MAX_BATCH:
-        raise InvalidInputError(f"--batch-size must be between 1 and {MAX_BATCH}, got {args.batch_size}")
-    questions = _questions(args.file)
-    options: dict[str, Any] = {"max_tokens": args.max_tokens}
-    options.update({name: value for name, value in (("k", args.k), ("mode", args.mode)) if value is not None})
-    token = _api_token(args.api_token_env)
-
-    async def main() -> None:
-        if args.url is not None:
-            async with AsyncClient(args.url, api_token=token) as client:
-                await answer_file(client, questions, args.batch_size, **options)
-            return
-        assets = _assets(args)
-        async with (
-            _service(args, assets, ServiceOptions(eager=args.eager), quiet=True) as service,
-            serving(service.app, access_log=False) as url,
-            AsyncClient(url) as client,
-        ):
-            await answer_file(client, questions, args.batch_size, **options)
-
-    asyncio.run(main())
-    return 0
 
 
 def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> None:
@@ -354,6 +56,15 @@ def _add_document_kv_bound(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Each command's parser, in the order `specrag --help` shows them."""
+    _register_prepare(subparsers)
+    _register_serve(subparsers)
+    _register_demo(subparsers)
+    _register_batch(subparsers)
+
+
+def _register_prepare(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``specrag prepare``: the assets, and optionally every passage's KV."""
     prepare = subparsers.add_parser("prepare", help="build whatever is missing: corpus, model, store, index")
     _add_asset_options(prepare, engine=False)
     prepare.add_argument(
@@ -362,22 +73,40 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="also compute every passage's KV into the document KV store (for serve --document-kv turbo)",
     )
     _add_document_kv_bound(prepare)
-    prepare.set_defaults(handler=_prepare)
+    prepare.set_defaults(handler=prepare_command)
 
+
+def _register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``specrag serve``: the service, its engines and its limits."""
     serve = subparsers.add_parser("serve", help="serve the RAG and OpenAI-compatible HTTP API")
     _add_asset_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
-    serve.add_argument("--mode", choices=MODE_NAMES, default="all", help="default optimisation mode")
+    serve.add_argument(
+        "--mode",
+        choices=values(ModeName),
+        default=ControllerConfig().mode,
+        help="default optimisation mode",
+    )
     serve.add_argument(
         "--document-kv",
-        choices=("off", "turbo"),
-        default="off",
+        choices=values(DocumentKvStore),
+        default=DocumentKvStore.OFF,
         help="turbo: load documents' stored KV instead of prefilling them (TurboRAG; approximate "
         "without a fine-tuned model, see docs/turbo.md); requests choose with document_kv "
         "(default: %(default)s)",
     )
     _add_document_kv_bound(serve)
+    _add_client_options(serve)
+    _add_query_options(serve)
+    _add_engine_options(serve)
+    _add_core_options(serve)
+    _add_limit_options(serve)
+    serve.set_defaults(handler=serve_command)
+
+
+def _add_client_options(serve: argparse.ArgumentParser) -> None:
+    """Who the service lets in and how it tells clients apart."""
     clients = serve.add_argument_group(
         "clients (who the per-client limits count: queries in flight, sessions)"
     )
@@ -394,6 +123,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="tell clients apart by the address in X-Forwarded-For (the last one: only behind a "
         "proxy that sets it)",
     )
+
+
+def _add_query_options(serve: argparse.ArgumentParser) -> None:
+    """How each query searches, speculates and builds its prompt."""
     serve.add_argument(
         "--max-prefill-bs", type=int, help="prefill pool size (default: from the token budget)"
     )
@@ -406,14 +139,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     serve.add_argument(
         "--stage-schedule",
-        choices=SCHEDULES,
+        choices=values(Schedule),
         default=DEFAULT_SCHEDULE,
         help="how the stages cut the search: equal slices, or geometric (1/32, 1/16, 1/8, 1/4, 1/2, "
         "1 of it for 6 stages: the first speculation starts early) (default: %(default)s)",
     )
     serve.add_argument(
         "--speculation",
-        choices=SPECULATION_SETTINGS,
+        choices=values(SpeculationSetting),
         default=ControllerConfig().speculation,
         help="speculative prefill on a running top-k: auto launches one (or a system-prompt warm-up) "
         "only when its expected gain, from measured figures, exceeds its expected cost; always "
@@ -427,6 +160,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "retrieval ranking (RAGBoost's order hint); off by default: it cost the default model "
         "accuracy (docs/quality.md)",
     )
+
+
+def _add_engine_options(serve: argparse.ArgumentParser) -> None:
+    """Where the engines are: separate servers, or Ray replicas."""
     serve.add_argument(
         "--engine-url",
         action="append",
@@ -458,10 +195,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     scale.add_argument(
         "--router",
-        choices=ROUTERS,
-        default="specrag",
+        choices=values(Router),
+        default=ServiceOptions().router,
         help="how prompts are placed on several engines (default: %(default)s)",
     )
+
+
+def _add_core_options(serve: argparse.ArgumentParser) -> None:
+    """Which cores the engine and the search run on."""
     cores = serve.add_argument_group(
         "cores (speculative prefill overlaps the search only if each has its own; see docs/pipelining.md)"
     )
@@ -475,6 +216,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="CORES",
         help="this process (event loop, vector search) on these cores, apart from --engine-cpus",
     )
+
+
+def _add_limit_options(serve: argparse.ArgumentParser) -> None:
+    """The bounds beyond which a query is turned away."""
     limits = serve.add_argument_group("limits (beyond them: 429 with Retry-After, or 504)")
     limits.add_argument(
         "--max-queries",
@@ -501,8 +246,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="SECONDS",
         help="no first token by then: 504 (after one retry on a fresh engine) (default %(default)s)",
     )
-    serve.set_defaults(handler=_serve)
 
+
+def _register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``specrag demo``: questions through the full service."""
     demo = subparsers.add_parser("demo", help="answer real questions through the full service")
     _add_asset_options(demo)
     demo.add_argument(
@@ -514,8 +261,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     demo.add_argument(
         "--max-tokens", type=int, default=48, help="tokens to generate per answer (default: %(default)s)"
     )
-    demo.set_defaults(handler=_demo)
+    demo.set_defaults(handler=demo_command)
 
+
+def _register_batch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``specrag batch``: a file of questions, planned for prefix reuse."""
     batch = subparsers.add_parser(
         "batch",
         help="answer a file of questions, one per line, as batches planned for prefix reuse",
@@ -532,6 +282,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--batch-size", type=int, default=MAX_BATCH, help=f"questions per batch (1..{MAX_BATCH})"
     )
     batch.add_argument("-k", type=int, help=f"passages per prompt (1..{MAX_K}; default: the service's)")
-    batch.add_argument("--mode", choices=MODE_NAMES, help="optimisation mode (default: the service's)")
+    batch.add_argument("--mode", choices=values(ModeName), help="optimisation mode (default: the service's)")
     batch.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per answer")
-    batch.set_defaults(handler=_batch)
+    batch.set_defaults(handler=batch_command)

@@ -15,9 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from specrag.controller.modes import MODE_NAMES
+from specrag.controller.modes import ModeName
 from specrag.controller.timeline import Timeline
 from specrag.controller.warmup import WarmupRecord
+from specrag.errors import values
 
 # From a cached prompt on a GPU (milliseconds) to a cold long prompt on a small CPU box (tens of s).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -35,7 +36,7 @@ DECISIONS = {
 def mode_label(mode: str | None, default: str) -> str:
     """A bounded label value: a client-chosen unknown mode must not create a new time series."""
     name = default if mode is None else mode
-    return name if name in MODE_NAMES else "invalid"
+    return name if name in values(ModeName) else "invalid"
 
 
 class _WarmupCollector(Collector):

@@ -10,11 +10,13 @@ Design points, each for a reason:
   query (speculations included) is aborted instead of burning prefill for nobody.
 - Errors are JSON ``{"error": {"message", "type", "code"}}``; an unexpected exception is logged
   here and answered with a generic 500, never a stack trace. How requests are read off the wire
-  (bodies, JSON, timeouts, what the HTTP parser rejects) is :mod:`specrag.service.wire`'s.
+  (bodies, JSON, timeouts, what the HTTP parser rejects) and how an error is reported is
+  :mod:`specrag.service.wire`'s; which fields a body may hold, :mod:`specrag.service.bodies`'.
 - API tokens are compared in constant time; ``/health`` stays open for load balancers. With
   several tokens, one per client, the token tells clients apart (behind a proxy or on one host
   they share an address); without, the peer address does, or the address a trusted proxy says
-  it forwarded for. Per-client limits (queries in flight, sessions) count by that key.
+  it forwarded for. Per-client limits (queries in flight, sessions) count by that key
+  (:mod:`specrag.service.admission`).
 - The service talks to the query core only through :class:`~specrag.controller.facade.QueryCore`
   (answer, load, health, sessions); a request is checked once, before admission, and the checked
   request is what runs.
@@ -25,13 +27,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar, cast
+from typing import Any
 
 from aiohttp import web
 from aiohttp.log import access_logger
@@ -40,16 +39,23 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from specrag.controller.facade import QueryCore
 from specrag.controller.query import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import (
-    ECHO_LIMIT,
     ConflictError,
     EngineError,
-    EngineTimeoutError,
-    EngineUnavailableError,
     InvalidInputError,
     NotFoundError,
-    OverloadedError,
     TooLargeError,
     echo,
+)
+from specrag.service.admission import CLIENT, STATE, ServiceState, admit, client_key, release
+from specrag.service.bodies import (
+    BATCH_FIELDS,
+    RAG_FIELDS,
+    chat_request,
+    check_fields,
+    include_usage,
+    optional,
+    rag_request,
+    required,
 )
 from specrag.service.framing import ChatFraming, Framing, RagFraming, rag_body, usage
 from specrag.service.metrics import ServiceMetrics, mode_label
@@ -58,6 +64,7 @@ from specrag.service.wire import (
     DEFAULT_HEADER_TIMEOUT_S,
     BodyLimits,
     ErrorInfo,
+    describe_error,
     handler_args,
     parse_json_object,
     read_body,
@@ -69,103 +76,11 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_QUERIES = 256
 DEFAULT_MAX_QUERIES_PER_CLIENT = 64
 SHUTDOWN_GRACE_S = 5.0
-# How long a caller should wait before retrying while the engine restarts.
-ENGINE_RETRY_AFTER_S = 5.0
 OPEN_PATHS = frozenset({"/health"})
-RAG_FIELDS = frozenset({"query", "k", "mode", "document_kv", "max_tokens", "session_id", "stream"})
-BATCH_FIELDS = frozenset({"queries", "k", "mode", "max_tokens"})
-# The OpenAI chat fields honoured (docs/service.md: "Sampling fields") and the JSON type each must have,
-# whatever else the body holds; ``float`` takes any number. ``stop`` and ``messages`` are checked
-# by their own code.
-CHAT_FIELDS: dict[str, type] = {
-    "model": str,
-    "user": str,
-    "stream": bool,
-    "stream_options": dict,
-    "max_tokens": int,
-    "max_completion_tokens": int,
-    "temperature": float,
-    "top_p": float,
-    "seed": int,
-    "k": int,
-    "mode": str,
-    "document_kv": str,
-    "session_id": str,
-}
-# Fields accepted at their neutral value only (the type of the value, the value).
-CHAT_NEUTRAL_FIELDS: dict[str, tuple[type, Any]] = {
-    "n": (int, 1),
-    "logprobs": (bool, False),
-    "presence_penalty": (float, 0),
-    "frequency_penalty": (float, 0),
-    "store": (bool, False),
-    "response_format": (dict, {"type": "text"}),
-}
-# OpenAI's other chat fields: what they ask for (tool calls, structured output, audio, token
-# biases, ...) this service cannot do, so setting one is a 400 naming it. Sent as null, these and
-# every other optional field are absent, as OpenAI reads them (some client libraries send nulls).
-CHAT_UNHONOURED_FIELDS = frozenset(
-    {
-        *("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias"),
-        *("top_logprobs", "audio", "modalities", "prediction", "web_search_options", "metadata"),
-        *("reasoning_effort", "verbosity", "service_tier", "prompt_cache_key", "safety_identifier"),
-    }
-)
-STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-T = TypeVar("T")
-
-
-@dataclass
-class ServiceState:
-    """What every handler needs; one per application."""
-
-    core: QueryCore
-    metrics: ServiceMetrics
-    tokens: tuple[str, ...]
-    """The bearer tokens accepted (none: no authentication); token ``i`` is client ``token i+1``."""
-    trust_forwarded_for: bool
-    model_name: str
-    max_queries: int
-    max_queries_per_client: int
-    limits: BodyLimits
-    created: int = field(default_factory=lambda: int(time.time()))
-    queries: int = 0
-    per_client: dict[str, int] = field(default_factory=dict)
-
-
-STATE = web.AppKey("specrag_state", ServiceState)
-CLIENT = web.RequestKey("specrag_client", str)  # the client a request's token names
 
 
 # ---------------------------------------------------------------------------------------- errors
-
-
-def describe_error(error: BaseException) -> ErrorInfo:
-    """The status, message and type an exception is reported with; unexpected ones are logged."""
-    if isinstance(error, TooLargeError):
-        return ErrorInfo(413, str(error), "invalid_request_error", "too_large")
-    if isinstance(error, InvalidInputError):
-        return ErrorInfo(400, str(error), "invalid_request_error", "invalid_input")
-    if isinstance(error, NotFoundError):
-        return ErrorInfo(404, str(error), "not_found_error", "not_found")
-    if isinstance(error, ConflictError):
-        return ErrorInfo(409, str(error), "conflict_error", "conflict")
-    if isinstance(error, OverloadedError):
-        return ErrorInfo(429, str(error), "overloaded_error", "overloaded", error.retry_after_s)
-    if isinstance(error, EngineUnavailableError):
-        return ErrorInfo(503, str(error), "engine_unavailable", "engine_unavailable", ENGINE_RETRY_AFTER_S)
-    if isinstance(error, EngineTimeoutError):
-        return ErrorInfo(504, str(error), "engine_timeout", "engine_timeout")
-    if isinstance(error, EngineError):
-        return ErrorInfo(502, str(error), "engine_error", "engine_failed")
-    if isinstance(error, web.HTTPException):
-        code = error.reason.lower().replace(" ", "_")
-        kind = "not_found_error" if error.status == 404 else "invalid_request_error"
-        return ErrorInfo(error.status, error.text or error.reason, kind, code)
-    logger.error("unexpected error while serving a request", exc_info=error)
-    return ErrorInfo(500, "internal server error", "internal_error", "internal_error")
 
 
 @web.middleware
@@ -214,160 +129,7 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     return parse_json_object(await read_body(request, request.app[STATE].limits))
 
 
-def _check_fields(body: dict[str, Any], known: AbstractSet[str], what: str) -> None:
-    """400 naming the fields not in ``known`` (at most ten of them, each cut short)."""
-    unknown = sorted(set(body) - known)
-    if unknown:
-        names = [name if len(name) <= ECHO_LIMIT else echo(name) for name in unknown[:10]]
-        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
-        raise InvalidInputError(f"{what}: {', '.join(names)}{more}")
-
-
-_KIND_NAMES = {
-    str: "a string",
-    int: "an integer",
-    float: "a number",
-    bool: "a boolean",
-    list: "a list",
-    dict: "an object",
-}
-
-
-def _optional(body: dict[str, Any], name: str, kind: type[T]) -> T | None:
-    """``body[name]`` if present and of exactly this JSON type (an int is not a bool here; for
-    ``float``, any number)."""
-    value = body.get(name)
-    if value is None:
-        return None
-    accepted: tuple[type, ...] = (int, float) if kind is float else (kind,)
-    if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
-        raise InvalidInputError(f"'{name}' must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
-    return cast(T, value)
-
-
-def _required(body: dict[str, Any], name: str, kind: type[T]) -> T:
-    value = _optional(body, name, kind)
-    if value is None:
-        raise InvalidInputError(f"'{name}' is required")
-    return value
-
-
-def _rag_request(body: dict[str, Any], question: str, max_tokens: int | None) -> RagRequest:
-    """The retrieval options both APIs share (``k``, ``mode``, ``document_kv``, ``session_id``)."""
-    return RagRequest(
-        question=question,
-        k=_optional(body, "k", int),
-        mode=_optional(body, "mode", str),
-        document_kv=_optional(body, "document_kv", str),
-        max_tokens=max_tokens,
-        session_id=_optional(body, "session_id", str),
-    )
-
-
-def _chat_request(body: dict[str, Any]) -> RagRequest:
-    """A chat body's request: the shared options and the sampling fields (docs/service.md,
-    "Sampling fields").
-
-    Every field present is checked on its own, so that no field's presence hides another's
-    mistake; a field set to null is absent.
-    """
-    known = CHAT_FIELDS.keys() | CHAT_NEUTRAL_FIELDS.keys() | CHAT_UNHONOURED_FIELDS | {"messages", "stop"}
-    _check_fields(body, known, "unsupported fields")
-    for name in sorted(CHAT_UNHONOURED_FIELDS & body.keys()):
-        if body[name] is not None:
-            raise InvalidInputError(
-                f"'{name}' is not supported: specrag answers from the documents it retrieves"
-            )
-    for name, kind in CHAT_FIELDS.items():
-        _optional(body, name, kind)
-    for name, (kind, neutral) in CHAT_NEUTRAL_FIELDS.items():
-        value = _optional(body, name, kind)
-        if value is not None and value != neutral:
-            raise InvalidInputError(f"'{name}' is not supported: only {json.dumps(neutral)} is accepted")
-    _include_usage(body)
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str | list):
-        raise InvalidInputError(f"'stop' must be a string or a list of strings, got {type(stop).__name__}")
-    question = _last_user_message(_required(body, "messages", list))
-    max_tokens = _optional(body, "max_completion_tokens", int)  # OpenAI's name now; max_tokens before
-    if max_tokens is None:
-        max_tokens = _optional(body, "max_tokens", int)
-    return replace(
-        _rag_request(body, question, max_tokens),
-        temperature=_optional(body, "temperature", float),
-        top_p=_optional(body, "top_p", float),
-        seed=_optional(body, "seed", int),
-        stop=stop,
-    )
-
-
-def _include_usage(body: dict[str, Any]) -> bool:
-    """``stream_options.include_usage``: whether a streamed answer ends with OpenAI's usage chunk."""
-    options = _optional(body, "stream_options", dict) or {}
-    _check_fields(options, STREAM_OPTIONS, "unsupported stream_options")
-    return bool(_optional(options, "include_usage", bool))
-
-
-def _last_user_message(messages: list[Any]) -> str:
-    """The text of the last user message: the question RAG answers."""
-    if not messages:
-        raise InvalidInputError("'messages' must not be empty")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidInputError(f"messages[{index}] must be an object with a string 'role'")
-    users = [message for message in messages if message["role"] == "user"]
-    if not users:
-        raise InvalidInputError("'messages' has no user message")
-    content = users[-1].get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-        for part in content
-    ):
-        return "\n".join(part["text"] for part in content)
-    raise InvalidInputError("the last user message's 'content' must be a string or a list of text parts")
-
-
 # ---------------------------------------------------------------------------------------- queries
-
-
-def _client_key(request: web.Request) -> str:
-    """Who a request counts against for the per-client limits: its bearer token when each client
-    has its own, else its address: the peer's, or with ``trust_forwarded_for`` the last one in
-    ``X-Forwarded-For`` (the address the trusted proxy itself saw; those before it are the
-    client's word)."""
-    client: str | None = request.get(CLIENT)
-    if client is not None:
-        return client
-    if request.app[STATE].trust_forwarded_for:
-        forwarded = request.headers.getall("X-Forwarded-For", [])
-        hops = [hop.strip() for header in forwarded for hop in header.split(",") if hop.strip()]
-        if hops:
-            return hops[-1][:ECHO_LIMIT]
-    return request.remote or "unknown"
-
-
-def _admit(state: ServiceState, client: str, mode: str, count: int = 1) -> None:
-    """Take ``count`` places among the queries in flight, or :class:`OverloadedError` (counted)."""
-    if state.queries + count > state.max_queries:
-        state.metrics.count_unfinished(mode, "overloaded", count)
-        raise OverloadedError(f"{state.queries} queries in flight, the limit is {state.max_queries}")
-    if state.per_client.get(client, 0) + count > state.max_queries_per_client:
-        state.metrics.count_unfinished(mode, "overloaded", count)
-        raise OverloadedError(
-            f"client {client} has {state.per_client.get(client, 0)} queries in flight "
-            f"(the limit is {state.max_queries_per_client})"
-        )
-    state.queries += count
-    state.per_client[client] = state.per_client.get(client, 0) + count
-
-
-def _release(state: ServiceState, client: str, count: int = 1) -> None:
-    state.queries -= count
-    state.per_client[client] -= count
-    if not state.per_client[client]:
-        del state.per_client[client]  # bounded: only clients with queries in flight
 
 
 async def _answer_events(
@@ -380,7 +142,7 @@ async def _answer_events(
         state.metrics.count_unfinished(mode_label(request.mode, state.core.default_mode), "rejected")
         raise
     mode = checked.mode.name
-    _admit(state, client, mode)
+    admit(state, client, mode)
     outcome = "disconnected"  # what it is when the consumer stops before the end
     try:
         async with contextlib.aclosing(state.core.stream(checked)) as events:
@@ -396,7 +158,7 @@ async def _answer_events(
         outcome = "error"
         raise
     finally:
-        _release(state, client)
+        release(state, client)
         if outcome != "ok":
             state.metrics.count_unfinished(mode, outcome)
 
@@ -415,7 +177,7 @@ async def _collect(state: ServiceState, request: RagRequest, client: str) -> tup
 async def _stream(
     request: web.Request, state: ServiceState, rag: RagRequest, framing: Framing
 ) -> web.StreamResponse:
-    async with contextlib.aclosing(_answer_events(state, rag, _client_key(request))) as events:
+    async with contextlib.aclosing(_answer_events(state, rag, client_key(request))) as events:
         event = await anext(events)  # before the headers: an early error keeps its HTTP status
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -475,33 +237,33 @@ async def _health(request: web.Request) -> web.Response:
 async def _rag(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _json_object(request)
-    _check_fields(body, RAG_FIELDS, "unknown fields")
-    rag = _rag_request(body, _required(body, "query", str), _optional(body, "max_tokens", int))
-    if _optional(body, "stream", bool):
+    check_fields(body, RAG_FIELDS, "unknown fields")
+    rag = rag_request(body, required(body, "query", str), optional(body, "max_tokens", int))
+    if optional(body, "stream", bool):
         return await _stream(request, state, rag, RagFraming())
-    done, _ = await _collect(state, rag, _client_key(request))
+    done, _ = await _collect(state, rag, client_key(request))
     return web.json_response(rag_body(done))
 
 
 async def _rag_batch(request: web.Request) -> web.Response:
     """Questions known together, answered in the order that shares the most prompt prefix
     (:mod:`specrag.controller.batch`); the answers come back in the order asked, with the plan."""
-    state, client = request.app[STATE], _client_key(request)
+    state, client = request.app[STATE], client_key(request)
     body = await _json_object(request)
-    _check_fields(body, BATCH_FIELDS, "unknown fields")
-    queries = _required(body, "queries", list)
+    check_fields(body, BATCH_FIELDS, "unknown fields")
+    queries = required(body, "queries", list)
     if not all(isinstance(query, str) for query in queries):
         raise InvalidInputError("'queries' must be a list of strings")
     if len(queries) > state.max_queries_per_client:
         raise TooLargeError(f"a batch takes at most {state.max_queries_per_client} questions here")
-    rags = [_rag_request(body, query, _optional(body, "max_tokens", int)) for query in queries]
+    rags = [rag_request(body, query, optional(body, "max_tokens", int)) for query in queries]
     mode = mode_label(rags[0].mode if rags else None, state.core.default_mode)
     try:
         checked = state.core.check_batch(rags)
     except InvalidInputError:
         state.metrics.count_unfinished(mode, "rejected", max(len(rags), 1))
         raise
-    _admit(state, client, mode, len(checked))
+    admit(state, client, mode, len(checked))
     outcome = "disconnected"
     try:
         result = await state.core.answer_batch(checked)
@@ -510,7 +272,7 @@ async def _rag_batch(request: web.Request) -> web.Response:
         outcome = "error"
         raise
     finally:
-        _release(state, client, len(checked))
+        release(state, client, len(checked))
         if outcome != "ok":
             state.metrics.count_unfinished(mode, outcome, len(checked))
     for done in result.answers:
@@ -525,12 +287,12 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     """OpenAI chat completions: RAG on the last user message, with docs/service.md's sampling fields."""
     state = request.app[STATE]
     body = await _json_object(request)
-    rag = _chat_request(body)
+    rag = chat_request(body)
     completion_id = f"chatcmpl-{rag.request_id}"
-    if _optional(body, "stream", bool):
-        framing = ChatFraming(completion_id, state.model_name, _include_usage(body))
+    if optional(body, "stream", bool):
+        framing = ChatFraming(completion_id, state.model_name, include_usage(body))
         return await _stream(request, state, rag, framing)
-    done, completion_tokens = await _collect(state, rag, _client_key(request))
+    done, completion_tokens = await _collect(state, rag, client_key(request))
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": done.text},
@@ -551,7 +313,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 async def _create_session(request: web.Request) -> web.Response:
-    session_id = request.app[STATE].core.create_session(_client_key(request))
+    session_id = request.app[STATE].core.create_session(client_key(request))
     return web.json_response({"session_id": session_id}, status=201)
 
 

@@ -33,7 +33,18 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http import HttpProcessingError
 
-from specrag.errors import ECHO_LIMIT, InvalidInputError, echo
+from specrag.errors import (
+    ECHO_LIMIT,
+    ConflictError,
+    EngineError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    InvalidInputError,
+    NotFoundError,
+    OverloadedError,
+    TooLargeError,
+    echo,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +52,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_HEADER_TIMEOUT_S = 30.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 MAX_JSON_INTEGER_DIGITS = 100
+# How long a caller should wait before retrying while the engine restarts.
+ENGINE_RETRY_AFTER_S = 5.0
 # Content-Encoding -> zlib window bits: gzip's header, or zlib's (RFC 9110 "deflate").
 _BODY_DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
@@ -65,6 +78,32 @@ class ErrorInfo:
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def describe_error(error: BaseException) -> ErrorInfo:
+    """The status, message and type an exception is reported with; unexpected ones are logged."""
+    if isinstance(error, TooLargeError):
+        return ErrorInfo(413, str(error), "invalid_request_error", "too_large")
+    if isinstance(error, InvalidInputError):
+        return ErrorInfo(400, str(error), "invalid_request_error", "invalid_input")
+    if isinstance(error, NotFoundError):
+        return ErrorInfo(404, str(error), "not_found_error", "not_found")
+    if isinstance(error, ConflictError):
+        return ErrorInfo(409, str(error), "conflict_error", "conflict")
+    if isinstance(error, OverloadedError):
+        return ErrorInfo(429, str(error), "overloaded_error", "overloaded", error.retry_after_s)
+    if isinstance(error, EngineUnavailableError):
+        return ErrorInfo(503, str(error), "engine_unavailable", "engine_unavailable", ENGINE_RETRY_AFTER_S)
+    if isinstance(error, EngineTimeoutError):
+        return ErrorInfo(504, str(error), "engine_timeout", "engine_timeout")
+    if isinstance(error, EngineError):
+        return ErrorInfo(502, str(error), "engine_error", "engine_failed")
+    if isinstance(error, web.HTTPException):
+        code = error.reason.lower().replace(" ", "_")
+        kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+        return ErrorInfo(error.status, error.text or error.reason, kind, code)
+    logger.error("unexpected error while serving a request", exc_info=error)
+    return ErrorInfo(500, "internal server error", "internal_error", "internal_error")
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from specrag.controller.controller import ControllerConfig
-from specrag.controller.modes import check_document_kv
+from specrag.controller.modes import DocumentKv
 from specrag.controller.query import RagRequest
-from specrag.errors import InvalidInputError
+from specrag.errors import InvalidInputError, check_choice
 from specrag.pipeline.engine import EngineOutput, Sampling
 from specrag.service.assets import Assets
 from specrag.sim.engine import SimulatedEngine
@@ -36,11 +36,11 @@ class StoreEngine(SimulatedEngine):
 
 
 def test_choices_are_checked() -> None:
-    assert check_document_kv("turbo") == "turbo"
+    assert check_choice("document_kv", "turbo", DocumentKv) == "turbo"
     with pytest.raises(InvalidInputError, match="choose one of full, turbo"):
-        check_document_kv("fast")
+        check_choice("document_kv", "fast", DocumentKv)
     with pytest.raises(InvalidInputError, match="document_kv"):
-        ControllerConfig(document_kv="fast").validate()
+        ControllerConfig(document_kv="fast")  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="ordered"):
         Sampling(document_kv=((10, 20), (15, 30)))
 

@@ -156,7 +156,7 @@ def test_the_speed_factor_follows_observed_first_tokens() -> None:
 def test_bad_placements_are_refused() -> None:
     pool = replicas(2)
     with pytest.raises(InvalidInputError, match="unknown router"):
-        Placement(pool, router="random")  # type: ignore[arg-type]
+        Placement(pool, router="random")
     with pytest.raises(InvalidInputError, match="at least one replica"):
         Placement([])
     with pytest.raises(InvalidInputError, match="distinct"):

@@ -10,10 +10,10 @@ import pytest
 from specrag.cache.pgdsf import PrefillProfile
 from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.controller.controller import RagRequest
-from specrag.controller.speculation_policy import SpeculationPolicy
-from specrag.errors import InvalidInputError
+from specrag.controller.speculation_policy import SpeculationPolicy, SpeculationSetting
+from specrag.errors import InvalidInputError, check_choice
 from specrag.retrieval.stage_stats import WINDOW, PlanKey, StageOutlook, StageStatistics
-from specrag.retrieval.stages import StageResult
+from specrag.retrieval.stages import Schedule, StageResult
 from specrag.service.assets import Assets
 from specrag.service.metrics import ServiceMetrics
 from specrag.sim.engine import SimulatedEngine
@@ -25,7 +25,9 @@ KEY = PlanKey((("kind", "test"),), 4, 3, "equal")
 
 
 def policy(setting: str = "auto") -> SpeculationPolicy:
-    return SpeculationPolicy(setting, PrefillEstimator(LINEAR))
+    return SpeculationPolicy(
+        check_choice("speculation", setting, SpeculationSetting), PrefillEstimator(LINEAR)
+    )
 
 
 def outlook(p_final: float, remaining_s: float) -> StageOutlook:
@@ -66,7 +68,7 @@ def test_cached_tokens_make_the_speculation_cheaper_and_the_order_picks_the_chan
 def test_a_warm_up_pays_when_the_search_left_exceeds_a_request_s_overhead() -> None:
     estimator = PrefillEstimator(LINEAR)
     estimator.overhead_s = 0.02
-    warm = SpeculationPolicy("auto", estimator)
+    warm = SpeculationPolicy(SpeculationSetting.AUTO, estimator)
     assert warm.warmup(outlook(0.0, 0.1), 300, waiting=0).pays  # gain 0.1 s, cost 0.02 s
     assert not warm.warmup(outlook(0.0, 0.01), 300, waiting=0).pays
     assert not warm.warmup(outlook(0.0, 0.1), 300, waiting=5).pays  # 6 requests pay the overhead
@@ -97,7 +99,7 @@ def test_the_chance_a_stage_is_final_and_the_search_after_it_are_learned() -> No
     assert second.p_final_set == pytest.approx(9 / 10) and second.p_final_list == pytest.approx(1 / 10)
     assert first.remaining_s == pytest.approx(0.5) and second.remaining_s == pytest.approx(0.3)
     assert stats.outlook(KEY, 0, 0.0).remaining_s == pytest.approx(0.6)  # the whole search
-    other = PlanKey(KEY.settings, 10, 3, "equal")  # another k is another set of figures
+    other = PlanKey(KEY.settings, 10, 3, Schedule.EQUAL)  # another k is another set of figures
     assert stats.outlook(other, 1, 0.0).observed == 0
 
 

@@ -11,7 +11,8 @@ import pytest
 from specrag.errors import InvalidInputError
 from specrag.pipeline.commands import engine_server_config
 from specrag.pipeline.config import EngineConfig, cpu_has_native_bf16, model_context_length, resolve_dtype
-from specrag.service.assembly import ServiceOptions, base_engine_config, free_port_pair
+from specrag.service.options import ServiceOptions, base_engine_config
+from specrag.service.pools import free_port_pair
 
 
 def test_defaults_validate_for_an_existing_model_dir(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ def test_invalid_plans_and_k_are_rejected(ivf: StagedIVF, queries: np.ndarray) -
     with pytest.raises(InvalidInputError):
         StagePlan.budget(0)
     with pytest.raises(InvalidInputError, match="stage schedule"):
-        StagePlan(4, schedule="exponential")  # type: ignore[arg-type]
+        StagePlan(4, schedule="exponential")
     with pytest.raises(InvalidInputError):
         ivf.stages(queries, 0, StagePlan(4, "equal"))
 

@@ -19,8 +19,9 @@ from specrag.client import AsyncClient
 from specrag.controller.controller import RagController, RagRequest
 from specrag.controller.placement import Placement
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assembly import Service, ServiceOptions, free_port_pair, open_service
+from specrag.service.assembly import Service, ServiceOptions, open_service
 from specrag.service.assets import Assets
+from specrag.service.pools import free_port_pair
 from specrag.service.server import serving
 from specrag.service.supervisor import SupervisedEngine
 from tests.helpers import QUESTION, EngineServer, scripted_index, wait_until

@@ -1,0 +1,175 @@
+"""The JSON bodies the HTTP API accepts: which fields each endpoint knows, the JSON type of each,
+and the :class:`~specrag.controller.query.RagRequest` a body asks for.
+
+Only the shape is checked here (a field's JSON type, fields that do not exist or that this service
+cannot honour); what a value means (``k``'s range, a mode's name) is the query core's to check,
+once, so the message names the JSON field either way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Set as AbstractSet
+from dataclasses import replace
+from typing import Any, TypeVar, cast
+
+from specrag.controller.query import RagRequest
+from specrag.errors import ECHO_LIMIT, InvalidInputError, echo
+
+RAG_FIELDS = frozenset({"query", "k", "mode", "document_kv", "max_tokens", "session_id", "stream"})
+BATCH_FIELDS = frozenset({"queries", "k", "mode", "max_tokens"})
+# The OpenAI chat fields honoured (docs/service.md: "Sampling fields") and the JSON type each must have,
+# whatever else the body holds; ``float`` takes any number. ``stop`` and ``messages`` are checked
+# by their own code.
+CHAT_FIELDS: dict[str, type] = {
+    "model": str,
+    "user": str,
+    "stream": bool,
+    "stream_options": dict,
+    "max_tokens": int,
+    "max_completion_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "seed": int,
+    "k": int,
+    "mode": str,
+    "document_kv": str,
+    "session_id": str,
+}
+# Fields accepted at their neutral value only (the type of the value, the value).
+CHAT_NEUTRAL_FIELDS: dict[str, tuple[type, Any]] = {
+    "n": (int, 1),
+    "logprobs": (bool, False),
+    "presence_penalty": (float, 0),
+    "frequency_penalty": (float, 0),
+    "store": (bool, False),
+    "response_format": (dict, {"type": "text"}),
+}
+# OpenAI's other chat fields: what they ask for (tool calls, structured output, audio, token
+# biases, ...) this service cannot do, so setting one is a 400 naming it. Sent as null, these and
+# every other optional field are absent, as OpenAI reads them (some client libraries send nulls).
+CHAT_UNHONOURED_FIELDS = frozenset(
+    {
+        *("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias"),
+        *("top_logprobs", "audio", "modalities", "prediction", "web_search_options", "metadata"),
+        *("reasoning_effort", "verbosity", "service_tier", "prompt_cache_key", "safety_identifier"),
+    }
+)
+STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+
+T = TypeVar("T")
+
+
+def check_fields(body: dict[str, Any], known: AbstractSet[str], what: str) -> None:
+    """400 naming the fields not in ``known`` (at most ten of them, each cut short)."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        names = [name if len(name) <= ECHO_LIMIT else echo(name) for name in unknown[:10]]
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+        raise InvalidInputError(f"{what}: {', '.join(names)}{more}")
+
+
+_KIND_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    list: "a list",
+    dict: "an object",
+}
+
+
+def optional(body: dict[str, Any], name: str, kind: type[T]) -> T | None:
+    """``body[name]`` if present and of exactly this JSON type (an int is not a bool here; for
+    ``float``, any number)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    accepted: tuple[type, ...] = (int, float) if kind is float else (kind,)
+    if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+        raise InvalidInputError(f"'{name}' must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
+    return cast(T, value)
+
+
+def required(body: dict[str, Any], name: str, kind: type[T]) -> T:
+    value = optional(body, name, kind)
+    if value is None:
+        raise InvalidInputError(f"'{name}' is required")
+    return value
+
+
+def rag_request(body: dict[str, Any], question: str, max_tokens: int | None) -> RagRequest:
+    """The retrieval options both APIs share (``k``, ``mode``, ``document_kv``, ``session_id``)."""
+    return RagRequest(
+        question=question,
+        k=optional(body, "k", int),
+        mode=optional(body, "mode", str),
+        document_kv=optional(body, "document_kv", str),
+        max_tokens=max_tokens,
+        session_id=optional(body, "session_id", str),
+    )
+
+
+def chat_request(body: dict[str, Any]) -> RagRequest:
+    """A chat body's request: the shared options and the sampling fields (docs/service.md,
+    "Sampling fields").
+
+    Every field present is checked on its own, so that no field's presence hides another's
+    mistake; a field set to null is absent.
+    """
+    known = CHAT_FIELDS.keys() | CHAT_NEUTRAL_FIELDS.keys() | CHAT_UNHONOURED_FIELDS | {"messages", "stop"}
+    check_fields(body, known, "unsupported fields")
+    for name in sorted(CHAT_UNHONOURED_FIELDS & body.keys()):
+        if body[name] is not None:
+            raise InvalidInputError(
+                f"'{name}' is not supported: specrag answers from the documents it retrieves"
+            )
+    for name, kind in CHAT_FIELDS.items():
+        optional(body, name, kind)
+    for name, (kind, neutral) in CHAT_NEUTRAL_FIELDS.items():
+        value = optional(body, name, kind)
+        if value is not None and value != neutral:
+            raise InvalidInputError(f"'{name}' is not supported: only {json.dumps(neutral)} is accepted")
+    include_usage(body)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str | list):
+        raise InvalidInputError(f"'stop' must be a string or a list of strings, got {type(stop).__name__}")
+    question = last_user_message(required(body, "messages", list))
+    max_tokens = optional(body, "max_completion_tokens", int)  # OpenAI's name now; max_tokens before
+    if max_tokens is None:
+        max_tokens = optional(body, "max_tokens", int)
+    return replace(
+        rag_request(body, question, max_tokens),
+        temperature=optional(body, "temperature", float),
+        top_p=optional(body, "top_p", float),
+        seed=optional(body, "seed", int),
+        stop=stop,
+    )
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    """``stream_options.include_usage``: whether a streamed answer ends with OpenAI's usage chunk."""
+    options = optional(body, "stream_options", dict) or {}
+    check_fields(options, STREAM_OPTIONS, "unsupported stream_options")
+    return bool(optional(options, "include_usage", bool))
+
+
+def last_user_message(messages: list[Any]) -> str:
+    """The text of the last user message: the question RAG answers."""
+    if not messages:
+        raise InvalidInputError("'messages' must not be empty")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidInputError(f"messages[{index}] must be an object with a string 'role'")
+    users = [message for message in messages if message["role"] == "user"]
+    if not users:
+        raise InvalidInputError("'messages' has no user message")
+    content = users[-1].get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "\n".join(part["text"] for part in content)
+    raise InvalidInputError("the last user message's 'content' must be a string or a list of text parts")

@@ -1,0 +1,318 @@
+"""What ``specrag prepare``, ``serve``, ``demo`` and ``batch`` do once their command line is parsed
+(:mod:`specrag.service.commands`): build the embedded default, serve it, query it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from specrag.client import AsyncClient
+from specrag.controller.controller import ControllerConfig
+from specrag.controller.modes import DocumentKv
+from specrag.errors import InvalidInputError, check_choice
+from specrag.paths import DataLayout, resolve_data_dir
+from specrag.pipeline.random_model import RANDOM_MODEL_NAME
+from specrag.service.assembly import (
+    Service,
+    ServiceOptions,
+    open_service,
+    prompt_builder,
+)
+from specrag.service.assets import Assets, ensure_assets
+from specrag.service.demo import DEMO_QUESTIONS, run_demo
+from specrag.service.engine_log import engine_output_to
+from specrag.service.options import DocumentKvStore, base_engine_config
+from specrag.service.server import (
+    SHUTDOWN_GRACE_S,
+    serving,
+)
+
+MAX_K = ControllerConfig().k_max
+MAX_BATCH = ControllerConfig().max_batch_queries
+
+
+def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | None]:
+    layout = DataLayout(resolve_data_dir(args.data_dir))
+    return layout, args.model, Path(args.corpus) if args.corpus else None
+
+
+def _assets(args: argparse.Namespace) -> Assets:
+    return ensure_assets(*_paths(args))
+
+
+def prepare_command(args: argparse.Namespace) -> int:
+    assets = _assets(args)
+    print(
+        f"ready in {_paths(args)[0].root}: {len(assets.passages)} passages, model {assets.model_dir}, "
+        f"store {assets.store.path.name} ({assets.store.info.total_tokens} tokens), "
+        f"index {assets.index.searcher.ntotal} rows × {assets.index.dim} dims"
+    )
+    if args.document_kv:
+        kv_dir = _paths(args)[0].document_kv_dir
+        print(f"computing every passage's KV into {kv_dir} (TurboRAG; minutes)…", flush=True)
+        filled = asyncio.run(_fill_document_kv(assets, kv_dir, args.document_kv_max_gib))
+        print(f"document KV ready: {filled} segments computed, the others were stored already")
+    return 0
+
+
+async def _fill_document_kv(assets: Assets, kv_dir: Path, max_gib: float) -> int:
+    """Start the in-process engine with the store and fill it with the system prompt and every passage."""
+    from specrag.pipeline.vllm_engine import VllmEngine
+
+    options = ServiceOptions(document_kv_dir=str(kv_dir), document_kv_max_gib=max_gib)
+    config = base_engine_config(assets.model_dir, options).validate()
+    engine = await VllmEngine.start(config)
+    try:
+        segments = prompt_builder(assets, engine).stored_segments(range(len(assets.store)))
+        return await engine.fill_document_kv(segments)
+    finally:
+        await engine.close()
+
+
+@contextlib.asynccontextmanager
+async def _service(
+    args: argparse.Namespace, assets: Assets, options: ServiceOptions, quiet: bool = False
+) -> AsyncIterator[Service]:
+    """The supervised engine(s), the controller and the application over them (see assembly.py).
+
+    The run directory (the in-process engines' KV-event sockets) is this process's alone: it goes
+    when the service stops. ``quiet`` says what starts on standard error (standard output is data).
+    """
+    print(_starting(assets, options), file=sys.stderr if quiet else sys.stdout, flush=True)
+    run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
+    try:
+        async with open_service(assets, options, run_dir) as service:
+            yield service
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _engine_log(args: argparse.Namespace) -> Iterator[None]:
+    """Unless ``-v``: vLLM's and the libraries' output into ``DATA_DIR/run/COMMAND-PID.log``, the
+    terminal left to specrag's own lines (see engine_log.py); the first line says where it went."""
+    if args.verbose:
+        yield
+        return
+    log_file = _paths(args)[0].root / "run" / f"{args.command}-{os.getpid()}.log"
+    print(f"engine and library logs: {log_file} (-v shows them here)", flush=True)
+    with engine_output_to(log_file):
+        yield
+
+
+def _starting(assets: Assets, options: ServiceOptions) -> str:
+    """What the service is about to start or connect to, said before the minute it may take."""
+    if options.ray_address is not None:
+        where = options.ray_address or "a local Ray instance"
+        return f"starting {options.replicas} vLLM replicas on {where}…"
+    if options.engine_urls:
+        return f"connecting to the engine server(s) at {', '.join(options.engine_urls)}…"
+    engines = f"{options.replicas} vLLM engines, one per core," if options.pooled else "vLLM"
+    return f"starting {engines} on {assets.model_dir} (about a minute each on a small CPU machine)…"
+
+
+def _api_token(variable: str | None) -> str | None:
+    """The token from an environment variable: on the command line it would show in ``ps``."""
+    if variable is None:
+        return None
+    token = os.environ.get(variable)
+    if not token:
+        raise InvalidInputError(f"--api-token-env: environment variable {variable} is not set or empty")
+    return token
+
+
+def _api_tokens(path: str | None) -> tuple[str, ...]:
+    """The tokens of ``--api-tokens-file``: one a line, one per client (blank lines and lines
+    starting with # skipped)."""
+    if path is None:
+        return ()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InvalidInputError(f"--api-tokens-file: cannot read {path}: {error}") from None
+    tokens = tuple(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    if not tokens:
+        raise InvalidInputError(f"--api-tokens-file: {path} holds no token")
+    if len(set(tokens)) < len(tokens):
+        raise InvalidInputError(f"--api-tokens-file: {path} holds a token twice; give each client its own")
+    return tokens
+
+
+# The ``serve`` flag behind each controller setting, so that an error names the flag the user typed.
+_FLAG_OF_SETTING = {
+    "num_stages": "--stages",
+    "stage_schedule": "--stage-schedule",
+    "max_prefill_bs": "--max-prefill-bs",
+    "max_queue": "--max-queue",
+    "first_token_timeout_s": "--first-token-timeout",
+    "speculation": "--speculation",
+    "mode": "--mode",
+    "document_kv": "--document-kv",
+}
+
+
+def _controller_config(args: argparse.Namespace) -> ControllerConfig:
+    return ControllerConfig(
+        mode=args.mode,
+        document_kv=check_choice("--document-kv", args.document_kv, DocumentKvStore).request_default,
+        num_stages=args.stages,
+        stage_schedule=args.stage_schedule,
+        max_prefill_bs=args.max_prefill_bs,
+        max_queue=args.max_queue,
+        first_token_timeout_s=args.first_token_timeout,
+        speculation=args.speculation,
+        order_hint=args.order_hint,
+        names=_FLAG_OF_SETTING,
+    )
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
+    try:  # before the engine's minute-long start, not after it
+        socket.getaddrinfo(args.host, args.port)
+    except OSError as error:
+        raise InvalidInputError(f"--host {args.host!r} cannot be bound: {error}") from None
+    if args.max_queries < 1 or args.max_queries_per_client < 1:
+        raise InvalidInputError("--max-queries and --max-queries-per-client must be at least 1")
+    token = _api_token(args.api_token_env)
+    tokens = _api_tokens(args.api_tokens_file)
+    if token is not None and token in tokens:
+        raise InvalidInputError("--api-token-env: that token is also in --api-tokens-file")
+    config = _controller_config(args)
+    document_kv = config.document_kv is DocumentKv.TURBO
+    options = ServiceOptions(
+        controller=config,
+        engine_urls=tuple(args.engine_url or ()),
+        engine_kv_events=tuple(args.engine_kv_events or ()),
+        eager=args.eager,
+        api_token=token,
+        api_tokens=tokens,
+        trust_forwarded_for=args.trust_forwarded_for,
+        max_queries=args.max_queries,
+        max_queries_per_client=args.max_queries_per_client,
+        ray_address=args.ray,
+        replicas=args.replicas,
+        router=args.router,
+        engine_cpus=args.engine_cpus,
+        search_cpus=args.search_cpus,
+        document_kv_dir=str(_paths(args)[0].document_kv_dir) if document_kv else None,
+        document_kv_max_gib=args.document_kv_max_gib,
+    )
+
+    async def main() -> None:
+        async with _service(args, assets, options) as service:
+            stop = asyncio.Event()
+
+            def shut_down() -> None:
+                # At once, in the handler: from now on new queries get 503 and engine failures
+                # are the shutdown's, not faults to repair.
+                service.begin_shutdown()
+                stop.set()
+
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, shut_down)
+            async with serving(service.app, args.host, args.port) as url:
+                print(f"specrag serving on {url} (mode {config.mode}; Ctrl-C to stop)", flush=True)
+                await stop.wait()
+                print(
+                    f"stopping: new queries get 503, queries in flight have {SHUTDOWN_GRACE_S:g} s "
+                    "to finish; then the engine shuts down…",
+                    flush=True,
+                )
+
+    with _engine_log(args):
+        assets = _assets(args)
+        asyncio.run(main())
+    return 0
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    if not 1 <= args.k <= MAX_K:
+        raise InvalidInputError(f"-k must be between 1 and {MAX_K}, got {args.k}")
+    if args.max_tokens < 1:
+        raise InvalidInputError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+
+    async def main() -> None:
+        async with (
+            _service(args, assets, ServiceOptions(eager=args.eager)) as service,
+            serving(service.app, access_log=False) as url,
+            AsyncClient(url) as client,
+        ):
+            noise = "; the random model's answers are noise" if args.model == RANDOM_MODEL_NAME else ""
+            print(f"service on {url}{noise}", flush=True)
+            await run_demo(client, args.question or DEMO_QUESTIONS, args.k, args.max_tokens)
+
+    with _engine_log(args):
+        assets = _assets(args)
+        asyncio.run(main())
+    return 0
+
+
+def _questions(path: str) -> list[str]:
+    """The file's questions, one per non-blank line (``-``: standard input)."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise InvalidInputError(f"cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"{path} is not UTF-8 text") from None
+    questions = [line.strip() for line in text.splitlines() if line.strip()]
+    if not questions:
+        raise InvalidInputError(f"{path} holds no question (one per line)")
+    return questions
+
+
+async def answer_file(client: AsyncClient, questions: Sequence[str], batch_size: int, **options: Any) -> None:
+    """Answer the questions in batches of ``batch_size``: one JSON line per answer, in file order,
+    with its batch, the position it ran at in that batch's plan, and its timeline."""
+    for number, start in enumerate(range(0, len(questions), batch_size)):
+        result = await client.batch(questions[start : start + batch_size], **options)
+        ran_at = {question: position for position, question in enumerate(result.plan["order"])}
+        for index, (query, answer) in enumerate(zip(result.queries, result.answers, strict=True)):
+            line = {
+                "query": query,
+                "answer": answer.answer,
+                "finish_reason": answer.finish_reason,
+                "documents": answer.documents,
+                "batch": number,
+                "ran_at": ran_at[index],
+                "specrag": answer.timeline,
+            }
+            print(json.dumps(line), flush=True)
+
+
+def batch_command(args: argparse.Namespace) -> int:
+    if not 1 <= args.batch_size <= MAX_BATCH:
+        raise InvalidInputError(f"--batch-size must be between 1 and {MAX_BATCH}, got {args.batch_size}")
+    questions = _questions(args.file)
+    options: dict[str, Any] = {"max_tokens": args.max_tokens}
+    options.update({name: value for name, value in (("k", args.k), ("mode", args.mode)) if value is not None})
+    token = _api_token(args.api_token_env)
+
+    async def main() -> None:
+        if args.url is not None:
+            async with AsyncClient(args.url, api_token=token) as client:
+                await answer_file(client, questions, args.batch_size, **options)
+            return
+        assets = _assets(args)
+        async with (
+            _service(args, assets, ServiceOptions(eager=args.eager), quiet=True) as service,
+            serving(service.app, access_log=False) as url,
+            AsyncClient(url) as client,
+        ):
+            await answer_file(client, questions, args.batch_size, **options)
+
+    asyncio.run(main())
+    return 0
