@@ -49,7 +49,7 @@ import numpy as np
 
 from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
 from bench.e2e.workload import arrivals
-from bench.faults import engine_cores
+from bench.faults.__main__ import engine_cores
 from bench.traces import TraceRequest, bursty_trace, multiturn_trace
 from specrag.cache.events import BlockStored
 from specrag.cache.layout import DocId, PromptLayout, build_layout

@@ -69,7 +69,7 @@ class RandomModelSpec:
     def for_this_machine(cls, cpuinfo: str | None = None) -> RandomModelSpec:
         """``large`` where the CPU has native bfloat16, else ``small``.
 
-        Measured on one core (``python -m bench.prefill``): the large model prefills 4k tokens
+        Measured on one core (``python -m bench.pipeline.prefill``): the large model prefills 4k tokens
         cold in ~0.7 s with AMX/AVX512-BF16 but ~8.7 s on an AVX2-only core (in float32;
         emulated bfloat16 is slower still); the small one takes ~1.5 s there. Same tokenizer.
         """

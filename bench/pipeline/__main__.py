@@ -17,7 +17,7 @@ near r = 1: an HNSW index (efSearch sets its search time), and a flat IVF index.
 
 The sweep's index has SQ8 lists (``--kind``, one byte a dimension) by default. Search and prefill
 share the machine's memory: a flat scan streams four times the bytes and slowed the prefill on
-the other core by 17-41 % on the 2-core VM, an SQ8 scan by 2 % (``bench.contention``'s
+the other core by 17-41 % on the 2-core VM, an SQ8 scan by 2 % (``bench.pipeline.contention``'s
 ``prefill_beside_ivf`` and ``prefill_beside_ivf-sq8``, two runs), so on flat lists overlap falls
 short of the bound for a reason no schedule can remove. The flat point shows it in the same run.
 
@@ -516,7 +516,7 @@ async def flat_point(
     """The idle point nearest r = 1 on the flat IVF index, to show what its memory traffic costs.
 
     A flat scan reads four times the memory of an SQ8 one; beside a prefill on the other core
-    it slows both (bench.contention), which a sweep on SQ8 lists does not show.
+    it slows both (bench.pipeline.contention), which a sweep on SQ8 lists does not show.
     """
     if flat is None:
         return None, {}

@@ -1,6 +1,6 @@
 """Answer quality of every configuration on the real default model: do the fast paths keep answers right?
 
-Each question of :mod:`bench.quality_set` (the corpus holds every answer) is asked, greedily, in
+Each question of :mod:`bench.quality.questions` (the corpus holds every answer) is asked, greedily, in
 every configuration, on one in-process vLLM engine and one index:
 
 - ``no_documents``: the question alone, after the system prompt: what the model knows by itself;
@@ -18,7 +18,7 @@ every configuration, on one in-process vLLM engine and one index:
   scores are the second turns'.
 
 Accuracy is "the answer contains the gold name" (a chat model answers in a sentence), exact match
-is "the answer is the name", F1 is word-level (:func:`bench.quality_set.score`); each with a 95 %
+is "the answer is the name", F1 is word-level (:func:`bench.quality.questions.score`); each with a 95 %
 bootstrap interval over questions, and for each configuration the paired difference to serial
 (the same questions, resampled together). ``by_gold_position`` splits accuracy by where the
 passage that answers sits in the prompt (1 = first; 0 = not retrieved). Writes
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import add_model_option, bootstrap_mean_ci, plot_path, stop_cleanly_on_sigterm, write_json
-from bench.quality_set import Conversation, QualityQuestion, build_conversations, build_questions, score
+from bench.quality.questions import Conversation, QualityQuestion, build_conversations, build_questions, score
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
 from specrag.controller.modes import ModeName
 from specrag.controller.query import AnswerDelta, AnswerDone

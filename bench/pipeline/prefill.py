@@ -1,6 +1,6 @@
 """Cold vs cached prefill of the engine, by prompt length: the figures docs/architecture.md quotes.
 
-Rerun: ``.venv/bin/python -m bench.prefill`` (``--quick`` for fewer lengths and repeats,
+Rerun: ``.venv/bin/python -m bench.pipeline.prefill`` (``--quick`` for fewer lengths and repeats,
 ``--model DIR`` for any Hugging Face model directory). Writes bench/out/prefill.json and .png.
 
 Each length is measured cold (prefix cache reset first) and then cached (the same prompt again),

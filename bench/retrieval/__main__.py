@@ -14,7 +14,7 @@ one JSON object: ``{"recall_at_1", "recall_at_5", "recall_at_10", "dense_only": 
 package's uniform pooling and, with ``--sentence-transformers DIR``, a sentence-transformers model
 directory, each dense and hybrid (one index per embedder, searched both ways), BM25 alone, and
 the default index's recall under other fusion settings (``rrf_k`` × depth). Results go to
-``bench/out/retrieval.json`` and ``bench/out/retrieval.png``. Evaluation sets: ``bench.retrieval_sets``.
+``bench/out/retrieval.json`` and ``bench/out/retrieval.png``. Evaluation sets: ``bench.retrieval.sets``.
 """
 
 from __future__ import annotations

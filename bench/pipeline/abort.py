@@ -15,7 +15,7 @@ starts, pinned to ``--engine-cpus`` (this process to ``--search-cpus``), and mea
   second one submitted at once; the figure is from that submission to the engine scheduling the
   second (vLLM's own ``scheduled_ts``).
 
-Medians and maxima over ``--repeats`` tries. Rerun: ``.venv/bin/python -m bench.abort [--quick]``
+Medians and maxima over ``--repeats`` tries. Rerun: ``.venv/bin/python -m bench.pipeline.abort [--quick]``
 (about 3 minutes: one engine start per budget). Writes bench/out/abort.json and abort.png; the
 last line printed is a JSON summary.
 """
@@ -44,7 +44,9 @@ DEFAULT_THRESHOLD = 256
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.abort", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.pipeline.abort", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="fewer tries per budget")
     parser.add_argument("--budgets", default="512,256,128", help="max_num_batched_tokens values to compare")
     parser.add_argument("--prompt-tokens", type=int, default=240, help="tokens of each prompt (one passage)")
@@ -152,7 +154,7 @@ def main() -> None:
     args = parse_args()
     summary = asyncio.run(run(args))
     print(f"pinning: engine on core(s) {args.engine_cpus}, this process on core(s) {args.search_cpus}")
-    print("rerun: .venv/bin/python -m bench.abort [--quick]")
+    print("rerun: .venv/bin/python -m bench.pipeline.abort [--quick]")
     print(json.dumps(summary))
 
 

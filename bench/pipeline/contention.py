@@ -20,7 +20,7 @@ memory bandwidth and last-level cache that slows the other core too: flat lists 
 the bytes of SQ8 ones.
 
 Each condition reports its median, p99 and ratio to its ``alone``. Rerun:
-``.venv/bin/python -m bench.contention [--quick]`` (about 4 minutes; it reuses the padded indexes
+``.venv/bin/python -m bench.pipeline.contention [--quick]`` (about 4 minutes; it reuses the padded indexes
 ``bench.pipeline --quick`` builds). Writes bench/out/contention.json and contention.png; the last
 line printed is a JSON summary.
 """
@@ -65,7 +65,9 @@ MATMUL_LOOP = (
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.contention", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.pipeline.contention", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="fewer searches")
     parser.add_argument(
         "--index-size", type=int, default=1_000_000, help="vectors in the padded index of the search part"
@@ -282,7 +284,7 @@ def main() -> None:
         for name, figures in conditions.items():
             print(f"{part:8s} {name:24s} {figures}")
     print(f"pinning: search on core(s) {args.search_cpus}, matmul / engine on core(s) {args.engine_cpus}")
-    print("rerun: .venv/bin/python -m bench.contention [--quick]")
+    print("rerun: .venv/bin/python -m bench.pipeline.contention [--quick]")
     print(json.dumps(summary))
 
 

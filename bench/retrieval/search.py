@@ -21,7 +21,7 @@ For IVF (faiss) and HNSW (faiss graph, resumable numba search) at a few sizes of
   exact search, latency on the same core). Only up to ``HNSWLIB_MAX_SIZE`` vectors: its build
   costs about what faiss's does, many minutes at 1M on two cores.
 
-Rerun: ``.venv/bin/python -m bench.search --quick`` (about two minutes) or without ``--quick``
+Rerun: ``.venv/bin/python -m bench.retrieval.search --quick`` (about two minutes) or without ``--quick``
 (1M vectors; builds take several minutes). Writes bench/out/search.json and search.png; the
 last line printed is a JSON summary.
 """
@@ -430,7 +430,7 @@ def main() -> None:
     )
     png_path = plot(results)
     print(f"search pinned to core {search_core}, 1 faiss thread; wrote {json_path} and {png_path}")
-    print("rerun: .venv/bin/python -m bench.search --quick   (full: drop --quick)")
+    print("rerun: .venv/bin/python -m bench.retrieval.search --quick   (full: drop --quick)")
     print(json.dumps(summary))
 
 

@@ -1,7 +1,7 @@
 """TurboRAG on the in-process vLLM engine: cold TTFT of full prefill against document KV loaded
 from the store, the store's load time, and whether the loaded KV is right.
 
-Rerun: ``.venv/bin/python -m bench.turbo`` (``--quick``: fewer TTFT prompts and repeats; ``--model``
+Rerun: ``.venv/bin/python -m bench.pipeline.turbo`` (``--quick``: fewer TTFT prompts and repeats; ``--model``
 a model name or any Hugging Face model directory). Writes bench/out/turbo.json and .png; the last line printed
 is JSON with ``cold_full_ttft_ms``, ``turbo_ttft_ms``, ``ttft_turbo_over_full``, ``kv_rel_err_max``,
 ``single_doc_first_token_equal`` and ``accuracy``.
@@ -51,7 +51,7 @@ from bench.common import (
     stop_cleanly_on_sigterm,
     write_json,
 )
-from bench.quality_set import build_questions, score
+from bench.quality.questions import build_questions, score
 from specrag.cache.layout import PromptLayout, build_layout
 from specrag.controller.controller import ControllerConfig, RagRequest
 from specrag.paths import DataLayout, resolve_data_dir

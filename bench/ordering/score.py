@@ -13,7 +13,7 @@ blocks, that is exactly when a prefix cache serves the document's KV. Two caches
 This module deliberately shares no code with the policies or the benchmark's simulated engine
 (it imports nothing of specrag or bench): it is the check on their own accounting.
 
-    python -m bench.ordering_score OUT.jsonl [--trace T.jsonl] [--lru-fraction 0.1]
+    python -m bench.ordering.score OUT.jsonl [--trace T.jsonl] [--lru-fraction 0.1]
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def check_against_trace(emitted: list[dict[str, object]], trace: list[dict[str, 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.ordering_score", description=__doc__.split("\n\n")[0]
+        prog="python -m bench.ordering.score", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("emitted", type=Path, help='JSONL of {"rid", "docs"} in execution order')
     parser.add_argument("--trace", type=Path, help="check the emitted file against this trace")
