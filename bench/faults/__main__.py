@@ -52,7 +52,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, plot_path, save_figure, stop_cleanly_on_sigterm, write_json
 from bench.faults.inputs import BAD_REQUESTS, QUESTION, send
 from specrag.client import (
     AsyncClient,
@@ -517,9 +517,7 @@ def plot(run: Run, path: Path) -> None:
     timeline.legend(fontsize=8)
     bars.bar(list(run.recoveries), list(run.recoveries.values()), color="tab:red")
     bars.set(ylabel="seconds", title="recovery: fault → /health 200 + a query")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def print_table(summary: dict[str, Any], run: Run) -> None:

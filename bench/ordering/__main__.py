@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from bench.common import machine, plot_path, write_json
+from bench.common import machine, plot_path, print_summary, save_figure, write_json
 from bench.ordering.oracle import MyopicOracleOrder
 from bench.ordering.replay import Admission, Window, arrival_times, replay, saturating_rate
 from bench.ordering.score import score
@@ -462,10 +462,7 @@ def plot(report: dict[str, Any]) -> Path:
     axes[2].set_xlabel("requests (k = 10)")
     axes[2].set_ylabel("CPU seconds")
     axes[2].set_title("batch index (cluster + order + schedule)")
-    fig.tight_layout()
-    path = plot_path("ordering")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = save_figure(fig, plot_path("ordering"), dpi=110)
     return path
 
 
@@ -517,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidInputError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(summary))
+    print_summary(summary)
     return 0
 
 

@@ -39,8 +39,6 @@ a JSON summary.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import math
 import statistics
 import time
@@ -51,7 +49,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import add_model_option, machine, pin_apart, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import (
+    add_model_option,
+    machine,
+    pin_apart,
+    plot_path,
+    print_summary,
+    run_measurement,
+    write_json,
+)
 from bench.e2e.__main__ import scaled_index
 from bench.e2e.report import summarize
 from bench.e2e.runner import (
@@ -784,13 +790,11 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
-    stop_cleanly_on_sigterm()
     started = time.perf_counter()
-    result = asyncio.run(run(args))
+    result = run_measurement(run(args))
     wall_s = time.perf_counter() - started
     print(f"wrote {plot_path('pipeline').parent}/pipeline.json and pipeline.png in {wall_s:.0f} s")
-    print("rerun: .venv/bin/python -m bench.pipeline --quick   (full: drop --quick)")
-    print(json.dumps(headline(result)))
+    print_summary(headline(result), "bench.pipeline --quick   (full: drop --quick)")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ Rerun: ``python -m bench.quality [--quick]``.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -39,7 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import add_model_option, bootstrap_mean_ci, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import (
+    add_model_option,
+    bootstrap_mean_ci,
+    plot_path,
+    print_summary,
+    run_measurement,
+    save_figure,
+    write_json,
+)
 from bench.quality.questions import Conversation, QualityQuestion, build_conversations, build_questions, score
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
 from specrag.controller.modes import ModeName
@@ -252,9 +258,7 @@ def plot(summary: dict[str, dict[str, Any]], title: str) -> None:
     axis.set_title(title)
     axis.legend()
     axis.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(plot_path("quality"), dpi=120)
-    plt.close(figure)
+    save_figure(figure, plot_path("quality"))
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -313,13 +317,12 @@ def headline(facts: dict[str, Any], summary: dict[str, dict[str, Any]]) -> dict[
 
 
 def main() -> None:
-    stop_cleanly_on_sigterm()
     args = parse_args()
-    result = asyncio.run(run(args))
+    result = run_measurement(run(args))
     for name, entry in result["summary"].items():
         low, high = entry["accuracy_ci"]
         print(f"{name:18s} accuracy {entry['accuracy']:.3f} [{low:.3f}, {high:.3f}] f1 {entry['f1']:.3f}")
-    print(json.dumps(headline(result["facts"], result["summary"])), flush=True)
+    print_summary(headline(result["facts"], result["summary"]))
 
 
 if __name__ == "__main__":
