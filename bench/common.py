@@ -1,4 +1,8 @@
-"""Helpers every benchmark shares: where results go, and how they are written.
+"""Helpers every benchmark shares: where results go, how they are written, and the tail of a run.
+
+Every benchmark ends the same way: its measurement runs under :func:`run_measurement` (SIGTERM
+shuts vLLM down), :func:`write_report` writes ``bench/out/<name>.json`` and ``<name>.png``, and
+:func:`print_summary` prints how to rerun it and, as the last line, the JSON summary the docs quote.
 
 The benchmarks pin the engine and the search apart with the service's own
 ``specrag.service.pinning``.
@@ -7,14 +11,15 @@ The benchmarks pin the engine and the search apart with the service's own
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
 import random
 import signal
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import matplotlib
 import numpy as np
@@ -25,6 +30,11 @@ from specrag.pipeline.model_catalog import MODEL_NAMES
 from specrag.service.pinning import pin_engine_processes, pin_threads
 
 matplotlib.use("Agg")
+
+from matplotlib import pyplot as plt
+from matplotlib.figure import Figure
+
+T = TypeVar("T")
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 # Random prompts draw their tokens from ids 3..999: every model's vocabulary is larger, and the
@@ -84,6 +94,35 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
 def plot_path(name: str) -> Path:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     return OUT_DIR / f"{name}.png"
+
+
+def write_report(name: str, data: dict[str, Any], draw: Callable[[Path], object]) -> tuple[Path, Path]:
+    """Write ``bench/out/<name>.json`` and have ``draw`` save the figure at ``<name>.png``."""
+    json_path = write_json(name, data)
+    png_path = plot_path(name)
+    draw(png_path)
+    return json_path, png_path
+
+
+def save_figure(figure: Figure, path: Path, dpi: int = 120) -> Path:
+    """Lay the figure out, save it at ``path`` and free it (pyplot keeps every open figure)."""
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    plt.close(figure)
+    return path
+
+
+def print_summary(summary: Any, rerun: str | None = None) -> None:
+    """How to rerun the benchmark, then its JSON summary: the last line, which docs and scripts read."""
+    if rerun is not None:
+        print(f"rerun: .venv/bin/python -m {rerun}")
+    print(json.dumps(summary), flush=True)
+
+
+def run_measurement(measurement: Coroutine[Any, Any, T]) -> T:
+    """Run a benchmark's asyncio measurement to its end; SIGTERM unwinds it like Ctrl-C."""
+    stop_cleanly_on_sigterm()
+    return asyncio.run(measurement)
 
 
 def stop_cleanly_on_sigterm() -> None:

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import heapq
-import json
 import math
 import os
 import random
@@ -47,9 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import machine, plot_path, print_summary, save_figure, stop_cleanly_on_sigterm, write_json
 from bench.e2e.workload import arrivals
-from bench.faults import engine_cores
+from bench.faults.__main__ import engine_cores
 from bench.traces import TraceRequest, bursty_trace, multiturn_trace
 from specrag.cache.events import BlockStored
 from specrag.cache.layout import DocId, PromptLayout, build_layout
@@ -537,8 +536,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for axis in axes:
         axis.set_xticks(x, ROUTERS, rotation=20)
     figure.suptitle(f"{SIM_REPLICAS} simulated replicas, bursty + multi-turn traces")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -606,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "simulated" in result:
         plot(result, plot_path("scale"))
     last = ("simulated", "reuse_bound", "real", "kill")
-    print(json.dumps({key: result[key] for key in last if key in result}))
+    print_summary({key: result[key] for key in last if key in result})
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -144,12 +145,34 @@ def document_trace(workload: str, n: int, *, corpus: int, seed: int = 0) -> list
     return multiturn_trace(n, corpus=corpus, seed=seed)
 
 
-def _parse_line(line: str, lineno: int) -> TraceRequest:
+def read_trace_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """The JSON object of every line of a JSONL trace file, with its line number.
+
+    The one reader of trace files (document-ID traces, emitted orders, the end-to-end query
+    traces): blank lines are skipped, and a file that cannot be read or a line that is not a JSON
+    object is an InvalidInputError naming the file and the line. What a record must hold is the
+    caller's to check.
+    """
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise InvalidInputError(f"line {lineno}: not valid JSON ({exc.msg})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("docs"), list):
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    records = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidInputError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise InvalidInputError(f"{path} line {lineno}: expected a JSON object")
+        records.append((lineno, record))
+    return records
+
+
+def _trace_request(record: dict[str, Any], lineno: int) -> TraceRequest:
+    if not isinstance(record.get("docs"), list):
         raise InvalidInputError(f'line {lineno}: expected an object with a "docs" list')
     docs = record["docs"]
     if not all(isinstance(d, int | str) and not isinstance(d, bool) for d in docs):
@@ -169,12 +192,8 @@ def _parse_line(line: str, lineno: int) -> TraceRequest:
 
 
 def read_trace(path: Path) -> list[TraceRequest]:
-    """Parse a JSONL trace; blank lines are skipped, errors name the line."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InvalidInputError(f"cannot read trace {path}: {exc.strerror or exc}") from None
-    return [_parse_line(line, i) for i, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    """Parse a JSONL document-ID trace; errors name the line."""
+    return [_trace_request(record, lineno) for lineno, record in read_trace_lines(path)]
 
 
 def write_trace(path: Path, requests: Sequence[TraceRequest]) -> None:

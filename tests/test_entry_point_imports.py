@@ -19,9 +19,9 @@ ENTRY_POINTS = (
     "bench.faults",
     "bench.pipeline",
     "bench.scale",
-    "bench.prefill",
-    "bench.contention",
-    "bench.abort",
+    "bench.pipeline.prefill",
+    "bench.pipeline.contention",
+    "bench.pipeline.abort",
 )
 
 

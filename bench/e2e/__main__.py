@@ -23,8 +23,6 @@ its figures.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +31,15 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import add_model_option, machine, pin_apart, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import (
+    add_model_option,
+    machine,
+    pin_apart,
+    plot_path,
+    print_summary,
+    run_measurement,
+    write_json,
+)
 from bench.e2e.report import paired_ratio_ci, plot_ratio_sweep, plot_timeline_strip, plot_ttft_cdf, summarize
 from bench.e2e.runner import (
     Configuration,
@@ -423,8 +429,7 @@ def _rounded(value: Any) -> Any:
 
 def main() -> None:
     args = parse_args()
-    stop_cleanly_on_sigterm()
-    result = asyncio.run(run(args))
+    result = run_measurement(run(args))
     print_table(result)
     print(f"wrote {plot_path('e2e_ttft_cdf').parent}/e2e.json and e2e_*.png")
     last: dict[str, Any] = {
@@ -447,7 +452,7 @@ def main() -> None:
         "index": facts["index"],
         "cpus": facts["cpus"],
     }
-    print(json.dumps(last))
+    print_summary(last)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.common import save_figure
 from bench.e2e.runner import RunResult
 
 BOOTSTRAP_SAMPLES = 2000
@@ -154,9 +155,7 @@ def plot_ttft_cdf(runs: Sequence[RunResult], path: Path, title: str) -> None:
     axis.set_title(title)
     axis.grid(alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def plot_ratio_sweep(
@@ -190,9 +189,7 @@ def plot_ratio_sweep(
     right.set_ylabel("non-overlapped retrieval (ms, mean)")
     right.legend()
     right.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 _MARKERS = {"stage": ("|", "tab:blue"), "spec_submit": ("^", "tab:green"), "spec_abort": ("x", "tab:red"),
@@ -221,6 +218,4 @@ def plot_timeline_strip(records: Sequence[dict[str, Any]], path: Path, title: st
     axis.set_xlabel("ms since the request's arrival (gray bar: arrival to first token)")
     axis.set_title(title)
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.traces import document_trace
+from bench.traces import document_trace, read_trace_lines
 from specrag.atomic import atomic_write_text
 from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage
@@ -80,11 +80,8 @@ def save_trace(path: Path, trace: Sequence[TraceQuery]) -> None:
 def load_trace(path: Path) -> list[TraceQuery]:
     """Read a JSONL trace, naming the line of the first malformed record."""
     trace = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, record in read_trace_lines(path):
         try:
-            record = json.loads(line)
             trace.append(
                 TraceQuery(
                     float(record["t"]),

@@ -16,7 +16,7 @@ ranking whenever the order changed.
   documents, then more hits; the rest along the most travelled remembered path, then by affinity
   (``exact``), or in retrieval rank (``exact-rank``).
 
-``bench.ordering_oracle`` adds the benchmarks' myopic oracle (every order, scored by a probe).
+``bench.ordering.oracle`` adds the benchmarks' myopic oracle (every order, scored by a probe).
 """
 
 from __future__ import annotations

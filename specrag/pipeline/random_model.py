@@ -82,9 +82,10 @@ class RandomModelSpec:
     def for_this_machine(cls, cpuinfo: str | None = None) -> RandomModelSpec:
         """``large`` where the CPU has native bfloat16, else ``small``.
 
-        Measured on one core (``python -m bench.prefill``): the large model prefills 4k tokens
-        cold in ~0.7 s with AMX/AVX512-BF16 but ~8.7 s on an AVX2-only core (in float32;
-        emulated bfloat16 is slower still); the small one takes ~1.5 s there. Same tokenizer.
+        Without native bfloat16 the large model prefills an order of magnitude slower, so the
+        small one keeps a cold prefill on such a core near the large one's where bfloat16 is
+        native (docs/architecture.md, "Measured prefill of the default model";
+        ``python -m bench.pipeline.prefill`` measures it). Both share the tokenizer.
         """
         return cls.sized("large" if cpu_has_native_bf16(cpuinfo) else "small")
 

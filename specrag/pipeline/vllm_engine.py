@@ -213,7 +213,7 @@ class VllmEngine(EngineBase):
 
         With spans, the stored KV is the prompt's KV as a turbo request has it (loaded documents,
         computed question), keyed apart from the same prompt's full prefill: what the correctness
-        checks of ``bench.turbo`` and the tests read back.
+        checks of ``bench.pipeline.turbo`` and the tests read back.
         """
         self._require_document_kv()
         request_id = f"kvsave-{uuid.uuid4().hex}"

@@ -36,9 +36,9 @@ class Schedule(enum.StrEnum):
     GEOMETRIC = "geometric"
 
 
-# The schedule that measured best (bench/search.py: the running top-k final earliest at <= 1.10x a
-# single-stage search's cost): geometric stages, so that the first speculation starts after a
-# small share of the search. How many (how small the first) depends on the index kind, below.
+# The schedule that measured best (bench/retrieval/search.py: the running top-k final earliest at
+# <= 1.10x a single-stage search's cost): geometric stages, so that the first speculation starts
+# after a small share of the search. How many (how small the first) depends on the index kind, below.
 DEFAULT_SCHEDULE = Schedule.GEOMETRIC
 # How many stages a search of each index kind is cut into unless told otherwise (stage_plan).
 # Geometric stages start with 1/2^(S-1) of the work, so S sets how early the first speculation
@@ -48,7 +48,7 @@ DEFAULT_SCHEDULE = Schedule.GEOMETRIC
 # - HNSW, 5 (1/16 of the expected node expansions): a graph search reaches the query's
 #   neighbourhood later, so a smaller first stage is final much less often, and a stale
 #   speculation costs the engine the step it is in.
-# bench.search names these two as each kind's best schedule; its figures are in
+# bench.retrieval.search names these two as each kind's best schedule; its figures are in
 # docs/retrieval.md, "Stage schedules".
 DEFAULT_STAGES = {"ivf": 6, "hnsw": 5}
 

@@ -1,8 +1,8 @@
-"""bench.abort's figures: the median and the worst of the tries."""
+"""bench.pipeline.abort's figures: the median and the worst of the tries."""
 
 from __future__ import annotations
 
-from bench.abort import describe
+from bench.pipeline.abort import describe
 
 
 def test_a_measure_is_its_median_and_its_maximum() -> None:

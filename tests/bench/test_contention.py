@@ -1,8 +1,8 @@
-"""bench.contention's figures: medians, p99 and the ratio to the search alone."""
+"""bench.pipeline.contention's figures: medians, p99 and the ratio to the search alone."""
 
 from __future__ import annotations
 
-from bench.contention import describe
+from bench.pipeline.contention import describe
 
 
 def test_a_condition_is_described_by_its_median_p99_and_ratio_to_alone() -> None:

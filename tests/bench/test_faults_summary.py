@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-import bench.faults as faults
-from bench.fault_inputs import BAD_REQUESTS
-from bench.faults import CLIENT_LEFT, FAULTS, OVERLOAD_LIMITS, Outcome, Run, summarize
+import bench.faults.__main__ as faults
+from bench.faults.__main__ import CLIENT_LEFT, FAULTS, OVERLOAD_LIMITS, Outcome, Run, summarize
+from bench.faults.inputs import BAD_REQUESTS
 
 
 def _run(statuses: list[int], leaks: dict[str, int]) -> Run:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from bench.e2e.workload import TraceQuery
-from bench.pipeline import (
+from bench.pipeline.__main__ import (
     PHASES,
     halves,
     headline,
@@ -159,7 +159,7 @@ def test_a_trace_splits_into_two_halves_numbered_as_in_the_whole_and_arriving_fr
 def test_an_hnsw_point_searches_hybrid_like_the_ivf_points() -> None:
     """with_ef_search retunes the graph's search and keeps the BM25 channel: HNSW and IVF points
     are searched the same way, and their summaries say which."""
-    from bench.pipeline import with_ef_search
+    from bench.pipeline.__main__ import with_ef_search
     from specrag.retrieval.corpus import Passage
     from specrag.retrieval.index_store import IndexConfig, build_index
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from bench.quality import by_gold_position, headline, run_conversations, run_single_turn, summarize
-from bench.quality_set import build_conversations, build_questions, score
-from bench.quality_set import main as quality_set_main
+from bench.quality.__main__ import by_gold_position, headline, run_conversations, run_single_turn, summarize
+from bench.quality.questions import build_conversations, build_questions, score
+from bench.quality.questions import main as questions_main
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import Passage
@@ -33,8 +33,8 @@ def test_the_set_prints_as_retrieval_queries(
     default_corpus: list[Passage], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr("specrag.retrieval.corpus.build_default_corpus", lambda: default_corpus)
-    monkeypatch.setattr("sys.argv", ["quality_set", "--count", "3", "--as-retrieval-queries"])
-    quality_set_main()
+    monkeypatch.setattr("sys.argv", ["bench.quality.questions", "--count", "3", "--as-retrieval-queries"])
+    questions_main()
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines == [
         {"query": q.question, "answer_id": q.passage_id} for q in build_questions(default_corpus, 3)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.retrieval import Query, belongs, scores
-from bench.retrieval_sets import man_sections, roff_to_text
+from bench.retrieval.__main__ import Query, belongs, scores
+from bench.retrieval.sets import man_sections, roff_to_text
 
 ROOT = Path(__file__).resolve().parents[2]
 

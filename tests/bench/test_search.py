@@ -1,4 +1,4 @@
-"""bench.search: the second HNSW implementation (hnswlib on the same vectors, queries and exact
+"""bench.retrieval.search: the second HNSW implementation (hnswlib on the same vectors, queries and exact
 top-k), and the stage schedules' figures and choice."""
 
 from __future__ import annotations
@@ -7,7 +7,14 @@ from typing import Any
 
 import faiss
 
-from bench.search import SCHEDULE_NAMES, Setting, best_schedule, build_hnswlib, measure, measure_hnswlib
+from bench.retrieval.search import (
+    SCHEDULE_NAMES,
+    Setting,
+    best_schedule,
+    build_hnswlib,
+    measure,
+    measure_hnswlib,
+)
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 

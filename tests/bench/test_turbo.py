@@ -1,4 +1,5 @@
-"""bench.turbo's measures: the KV error (max over layers, keys and values apart), accuracy intervals."""
+"""bench.pipeline.turbo's measures: the KV error (max over layers, keys and values apart), accuracy
+intervals."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import torch
 
-from bench.turbo import accuracy_intervals, relative_errors
+from bench.pipeline.turbo import accuracy_intervals, relative_errors
 
 
 def test_relative_errors_take_the_worst_layer() -> None:

@@ -17,7 +17,7 @@ near r = 1: an HNSW index (efSearch sets its search time), and a flat IVF index.
 
 The sweep's index has SQ8 lists (``--kind``, one byte a dimension) by default. Search and prefill
 share the machine's memory: a flat scan streams four times the bytes and slowed the prefill on
-the other core by 17-41 % on the 2-core VM, an SQ8 scan by 2 % (``bench.contention``'s
+the other core by 17-41 % on the 2-core VM, an SQ8 scan by 2 % (``bench.pipeline.contention``'s
 ``prefill_beside_ivf`` and ``prefill_beside_ivf-sq8``, two runs), so on flat lists overlap falls
 short of the bound for a reason no schedule can remove. The flat point shows it in the same run.
 
@@ -39,8 +39,6 @@ a JSON summary.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import math
 import statistics
 import time
@@ -51,7 +49,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import add_model_option, machine, pin_apart, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import (
+    add_model_option,
+    machine,
+    pin_apart,
+    plot_path,
+    print_summary,
+    run_measurement,
+    write_json,
+)
 from bench.e2e.__main__ import scaled_index
 from bench.e2e.report import summarize
 from bench.e2e.runner import (
@@ -547,7 +553,7 @@ async def flat_point(
     """The idle point nearest r = 1 on the flat IVF index, to show what its memory traffic costs.
 
     A flat scan reads four times the memory of an SQ8 one; beside a prefill on the other core
-    it slows both (bench.contention), which a sweep on SQ8 lists does not show.
+    it slows both (bench.pipeline.contention), which a sweep on SQ8 lists does not show.
     """
     if flat is None:
         return None, {}
@@ -860,13 +866,11 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
-    stop_cleanly_on_sigterm()
     started = time.perf_counter()
-    result = asyncio.run(run(args))
+    result = run_measurement(run(args))
     wall_s = time.perf_counter() - started
     print(f"wrote {plot_path('pipeline').parent}/pipeline.json and pipeline.png in {wall_s:.0f} s")
-    print("rerun: .venv/bin/python -m bench.pipeline --quick   (full: drop --quick)")
-    print(json.dumps(headline(result)))
+    print_summary(headline(result), "bench.pipeline --quick   (full: drop --quick)")
 
 
 if __name__ == "__main__":

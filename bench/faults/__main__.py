@@ -12,7 +12,7 @@ b. stops the engine core (SIGSTOP) mid-load: queries must hit the first-token ti
 c. overloads it past ``max_queries``, ``max_queries_per_client`` and the controller's
    ``max_queue``: the excess gets 429 with Retry-After, the admitted queries' p99 is reported;
 d. opens streams and drops them mid-answer or mid-wait: nothing may be left in the engine;
-e. sends the catalogue of malformed requests in :mod:`bench.fault_inputs`: each must get its 4xx;
+e. sends the catalogue of malformed requests in :mod:`bench.faults.inputs`: each must get its 4xx;
 f. soaks it for a bounded time (``--soak-s``): callers back to back while others keep leaving
    mid-stream and mid-wait; afterwards no engine request may be left in any state.
 
@@ -52,8 +52,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import machine, plot_path, stop_cleanly_on_sigterm, write_json
-from bench.fault_inputs import BAD_REQUESTS, QUESTION, send
+from bench.common import machine, plot_path, save_figure, stop_cleanly_on_sigterm, write_json
+from bench.faults.inputs import BAD_REQUESTS, QUESTION, send
 from specrag.client import (
     AsyncClient,
     SpecragConnectionError,
@@ -517,9 +517,7 @@ def plot(run: Run, path: Path) -> None:
     timeline.legend(fontsize=8)
     bars.bar(list(run.recoveries), list(run.recoveries.values()), color="tab:red")
     bars.set(ylabel="seconds", title="recovery: fault → /health 200 + a query")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def print_table(summary: dict[str, Any], run: Run) -> None:

@@ -21,7 +21,7 @@ For IVF (faiss) and HNSW (faiss graph, resumable numba search) at a few sizes of
   exact search, latency on the same core). Only up to ``HNSWLIB_MAX_SIZE`` vectors: its build
   costs about what faiss's does, many minutes at 1M on two cores.
 
-Rerun: ``.venv/bin/python -m bench.search --quick`` (about two minutes) or without ``--quick``
+Rerun: ``.venv/bin/python -m bench.retrieval.search --quick`` (about two minutes) or without ``--quick``
 (1M vectors; builds take several minutes). Writes bench/out/search.json and search.png; the
 last line printed is a JSON summary.
 """
@@ -29,7 +29,6 @@ last line printed is a JSON summary.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ import hnswlib
 import matplotlib.pyplot as plt
 import numpy as np
 
-from bench.common import machine, plot_path, write_json
+from bench.common import machine, plot_path, print_summary, save_figure, write_json
 from specrag.retrieval.search_runner import pin_current_thread
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.staged_ivf import StagedIVF
@@ -288,9 +287,7 @@ def plot(results: list[dict[str, Any]]) -> str:
         axis.grid(alpha=0.3)
         axis.legend()
     figure.suptitle("Staged vector search (one core, one thread)")
-    figure.tight_layout()
-    path = plot_path("search")
-    figure.savefig(path, dpi=120)
+    path = save_figure(figure, plot_path("search"))
     return str(path)
 
 
@@ -374,22 +371,25 @@ def main() -> None:
     def headline(kind: str) -> dict[str, Any]:
         return max((r for r in results if r["kind"] == kind), key=lambda r: r["size"])
 
-    ivf, hnsw = headline("ivf"), headline("hnsw")
+    def figures(kind: str) -> dict[str, Any]:
+        largest = headline(kind)
+        return {
+            f"{kind}_size": largest["size"],
+            f"{kind}_oneshot_ms": round(largest["oneshot_ms_median"], 3),
+            f"{kind}_overhead_s4": round(largest["per_stage_count"]["4"]["overhead"], 4),
+            f"{kind}_final_equals_oneshot": all(
+                r["final_equals_oneshot"] for r in results if r["kind"] == kind
+            ),
+            f"{kind}_recall_at_10": round(largest["recall_at_k"], 4),
+        }
+
     summary = {
         "mode": "quick" if args.quick else "full",
-        "ivf_size": ivf["size"],
-        "ivf_oneshot_ms": round(ivf["oneshot_ms_median"], 3),
-        "ivf_overhead_s4": round(ivf["per_stage_count"]["4"]["overhead"], 4),
-        "ivf_final_equals_oneshot": all(r["final_equals_oneshot"] for r in results if r["kind"] == "ivf"),
-        "ivf_recall_at_10": round(ivf["recall_at_k"], 4),
+        **figures("ivf"),
         "ivf_stable_set_after_stage": [
-            round(x, 4) for x in ivf["per_stage_count"]["4"]["stable_set_after_stage"]
+            round(x, 4) for x in headline("ivf")["per_stage_count"]["4"]["stable_set_after_stage"]
         ],
-        "hnsw_size": hnsw["size"],
-        "hnsw_oneshot_ms": round(hnsw["oneshot_ms_median"], 3),
-        "hnsw_overhead_s4": round(hnsw["per_stage_count"]["4"]["overhead"], 4),
-        "hnsw_final_equals_oneshot": all(r["final_equals_oneshot"] for r in results if r["kind"] == "hnsw"),
-        "hnsw_recall_at_10": round(hnsw["recall_at_k"], 4),
+        **figures("hnsw"),
         "hnswlib": [
             {
                 "size": r["size"],
@@ -430,8 +430,7 @@ def main() -> None:
     )
     png_path = plot(results)
     print(f"search pinned to core {search_core}, 1 faiss thread; wrote {json_path} and {png_path}")
-    print("rerun: .venv/bin/python -m bench.search --quick   (full: drop --quick)")
-    print(json.dumps(summary))
+    print_summary(summary, "bench.retrieval.search --quick   (full: drop --quick)")
 
 
 if __name__ == "__main__":

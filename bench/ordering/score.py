@@ -10,10 +10,11 @@ blocks, that is exactly when a prefix cache serves the document's KV. Two caches
   as vLLM frees a request's blocks tail first and SGLang's radix cache evicts leaves first: a
   prefix is never evicted before its own extensions, so what is held is always prefix-closed.
 
-This module deliberately shares no code with the policies or the benchmark's simulated engine
-(it imports nothing of specrag or bench): it is the check on their own accounting.
+This module deliberately shares no accounting code with the policies or the benchmark's simulated
+engine (of specrag and bench it imports only the reader of trace files): it is the check on their
+own accounting.
 
-    python -m bench.ordering_score OUT.jsonl [--trace T.jsonl] [--lru-fraction 0.1]
+    python -m bench.ordering.score OUT.jsonl [--trace T.jsonl] [--lru-fraction 0.1]
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import sys
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from pathlib import Path
+
+from bench.traces import read_trace_lines
 
 Order = Sequence[Hashable]
 LRU_FRACTION = 0.10
@@ -68,16 +71,10 @@ def score(orders: Sequence[Order], fraction: float = LRU_FRACTION) -> dict[str, 
     }
 
 
-def _read_jsonl(path: Path) -> list[dict[str, object]]:
+def _read_orders(path: Path) -> list[dict[str, object]]:
     records = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("docs"), list):
+    for lineno, record in read_trace_lines(path):
+        if not isinstance(record.get("docs"), list):
             raise ValueError(f'{path} line {lineno}: expected an object with a "docs" list')
         records.append(record)
     return records
@@ -104,7 +101,7 @@ def check_against_trace(emitted: list[dict[str, object]], trace: list[dict[str, 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.ordering_score", description=__doc__.split("\n\n")[0]
+        prog="python -m bench.ordering.score", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("emitted", type=Path, help='JSONL of {"rid", "docs"} in execution order')
     parser.add_argument("--trace", type=Path, help="check the emitted file against this trace")
@@ -113,9 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not 0 < args.lru_fraction <= 1:
             raise ValueError("--lru-fraction must be in (0, 1]")
-        emitted = _read_jsonl(args.emitted)
+        emitted = _read_orders(args.emitted)
         if args.trace is not None:
-            check_against_trace(emitted, _read_jsonl(args.trace))
+            check_against_trace(emitted, _read_orders(args.trace))
         orders = [[_key(d) for d in record["docs"]] for record in emitted]  # type: ignore[attr-defined]
         result = score(orders, args.lru_fraction)
     except (ValueError, OSError) as exc:

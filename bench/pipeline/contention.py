@@ -20,7 +20,7 @@ memory bandwidth and last-level cache that slows the other core too: flat lists 
 the bytes of SQ8 ones.
 
 Each condition reports its median, p99 and ratio to its ``alone``. Rerun:
-``.venv/bin/python -m bench.contention [--quick]`` (about 4 minutes; it reuses the padded indexes
+``.venv/bin/python -m bench.pipeline.contention [--quick]`` (about 4 minutes; it reuses the padded indexes
 ``bench.pipeline --quick`` builds). Writes bench/out/contention.json and contention.png; the last
 line printed is a JSON summary.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import statistics
@@ -42,7 +41,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import machine, pin_apart, plot_path, random_prompt, stop_cleanly_on_sigterm, write_json
+from bench.common import (
+    machine,
+    pin_apart,
+    print_summary,
+    random_prompt,
+    run_measurement,
+    save_figure,
+    write_report,
+)
 from bench.e2e.__main__ import scaled_index
 from bench.e2e.runner import search_times_ms, set_search_ratio, ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
@@ -65,7 +72,9 @@ MATMUL_LOOP = (
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.contention", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.pipeline.contention", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="fewer searches")
     parser.add_argument(
         "--index-size", type=int, default=1_000_000, help="vectors in the padded index of the search part"
@@ -234,8 +243,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_tokens": args.prefill_tokens,
     }
     timings = {"search": conditions, "prefill": prefill_conditions}
-    write_json("contention", {"facts": facts, "summary": summary, "timings_ms": timings})
-    plot(timings, plot_path("contention"))
+    report = {"facts": facts, "summary": summary, "timings_ms": timings}
+    write_report("contention", report, lambda path: plot(timings, path))
     return summary
 
 
@@ -269,21 +278,17 @@ def plot(timings: dict[str, dict[str, list[float]]], path: Path) -> None:
         axis.boxplot(list(conditions.values()), showfliers=True)
         axis.set_xticks(range(1, len(conditions) + 1), list(conditions), rotation=15, fontsize=8)
         axis.set(ylabel=labels[part][0], title=labels[part][1])
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main() -> None:
-    stop_cleanly_on_sigterm()
     args = parse_args()
-    summary = asyncio.run(run(args))
+    summary = run_measurement(run(args))
     for part, conditions in summary.items():
         for name, figures in conditions.items():
             print(f"{part:8s} {name:24s} {figures}")
     print(f"pinning: search on core(s) {args.search_cpus}, matmul / engine on core(s) {args.engine_cpus}")
-    print("rerun: .venv/bin/python -m bench.contention [--quick]")
-    print(json.dumps(summary))
+    print_summary(summary, "bench.pipeline.contention [--quick]")
 
 
 if __name__ == "__main__":

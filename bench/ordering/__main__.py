@@ -13,13 +13,13 @@ ground-truth probe, which concatenates documents, sees exactly what ``build_layo
 
 Every policy runs twice, its tree mirroring an unlimited cache and the bounded one. Reported per
 trace, cache and policy: its own accounting (document slots and prompt tokens served from the
-simulated cache), the *independent* score of the order it ran (``bench.ordering_score``: a slot
+simulated cache), the *independent* score of the order it ran (``bench.ordering.score``: a slot
 counts when its whole prefix was served before, unlimited and with an LRU of 10 % of the slots),
 the per-request cost of ordering + prompt layout (µs, p50/p99) and, for ``exact``, how many
 requests the myopic oracle (every order of the request, scored on the simulated engine itself)
 beat it on for that request's own reuse. ``batch`` plans the whole trace offline; ``batch-arrival``
 uses the plan's document orders but the arrival order of requests; ``window`` replays the trace at
-its arrival times through one prefill slot (``bench.ordering_replay``), choosing request and
+its arrival times through one prefill slot (``bench.ordering.replay``), choosing request and
 document order together over the waiting requests.
 
     python -m bench.ordering [--quick]                       # side-by-side, JSON + PNG in bench/out/
@@ -44,12 +44,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from bench.common import machine, plot_path, write_json
-from bench.ordering_oracle import MyopicOracleOrder
-from bench.ordering_replay import Admission, Window, arrival_times, replay, saturating_rate
-from bench.ordering_score import score
-from bench.ordering_traces import topic_cluster_trace
-from bench.session_dedup import SessionDeduplicator
+from bench.common import machine, plot_path, print_summary, save_figure, write_json
+from bench.ordering.oracle import MyopicOracleOrder
+from bench.ordering.replay import Admission, Window, arrival_times, replay, saturating_rate
+from bench.ordering.score import score
+from bench.ordering.session_dedup import SessionDeduplicator
+from bench.ordering.topic_traces import topic_cluster_trace
 from bench.traces import TraceRequest, bursty_trace, multiturn_trace, read_trace, zipf_trace
 from specrag.atomic import atomic_write_text
 from specrag.cache import (
@@ -340,7 +340,7 @@ def simulate_replay(
     rate_per_s: float | None = None,
     starvation_window_s: float = 10.0,
 ) -> RunResult:
-    """Replay the trace through one prefill slot (see bench.ordering_replay): Poisson arrivals at
+    """Replay the trace through one prefill slot (see bench.ordering.replay): Poisson arrivals at
     ``rate_per_s`` if given, else the trace's own times, else at :data:`REPLAY_LOAD`."""
     _synthesise_documents(trace)
     profile = PrefillProfile()
@@ -462,10 +462,7 @@ def plot(report: dict[str, Any]) -> Path:
     axes[2].set_xlabel("requests (k = 10)")
     axes[2].set_ylabel("CPU seconds")
     axes[2].set_title("batch index (cluster + order + schedule)")
-    fig.tight_layout()
-    path = plot_path("ordering")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = save_figure(fig, plot_path("ordering"), dpi=110)
     return path
 
 
@@ -517,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidInputError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(summary))
+    print_summary(summary)
     return 0
 
 

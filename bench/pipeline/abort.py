@@ -15,7 +15,7 @@ starts, pinned to ``--engine-cpus`` (this process to ``--search-cpus``), and mea
   second one submitted at once; the figure is from that submission to the engine scheduling the
   second (vLLM's own ``scheduled_ts``).
 
-Medians and maxima over ``--repeats`` tries. Rerun: ``.venv/bin/python -m bench.abort [--quick]``
+Medians and maxima over ``--repeats`` tries. Rerun: ``.venv/bin/python -m bench.pipeline.abort [--quick]``
 (about 3 minutes: one engine start per budget). Writes bench/out/abort.json and abort.png; the
 last line printed is a JSON summary.
 """
@@ -25,13 +25,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
-from bench.common import machine, pin_apart, plot_path, random_prompt, stop_cleanly_on_sigterm, write_json
+from bench.common import (
+    machine,
+    pin_apart,
+    print_summary,
+    random_prompt,
+    run_measurement,
+    save_figure,
+    write_report,
+)
 from bench.e2e.runner import ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig, parse_cpus
@@ -44,7 +52,9 @@ DEFAULT_THRESHOLD = 256
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.abort", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.pipeline.abort", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="fewer tries per budget")
     parser.add_argument("--budgets", default="512,256,128", help="max_num_batched_tokens values to compare")
     parser.add_argument("--prompt-tokens", type=int, default=240, help="tokens of each prompt (one passage)")
@@ -120,12 +130,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         results[budget] = {name: describe(values) for name, values in timings.items()}
         print(f"budget {budget}: {results[budget]}", flush=True)
     facts = {**machine(), **{k: v for k, v in vars(args).items() if k != "quick"}}
-    write_json("abort", {"facts": facts, "by_budget": {str(b): r for b, r in results.items()}})
-    plot(results)
+    by_budget = {str(b): r for b, r in results.items()}
+    write_report("abort", {"facts": facts, "by_budget": by_budget}, lambda path: plot(results, path))
     return {str(budget): result for budget, result in results.items()}
 
 
-def plot(results: dict[int, dict[str, dict[str, float]]]) -> None:
+def plot(results: dict[int, dict[str, dict[str, float]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4))
@@ -142,18 +152,14 @@ def plot(results: dict[int, dict[str, dict[str, float]]]) -> None:
     axis.set(xlabel="max_num_batched_tokens (engine step budget)", ylabel="median (ms)")
     axis.set_title("A lone speculation's step: prefill time and what an abort leaves to wait")
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(plot_path("abort"), dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main() -> None:
-    stop_cleanly_on_sigterm()
     args = parse_args()
-    summary = asyncio.run(run(args))
+    summary = run_measurement(run(args))
     print(f"pinning: engine on core(s) {args.engine_cpus}, this process on core(s) {args.search_cpus}")
-    print("rerun: .venv/bin/python -m bench.abort [--quick]")
-    print(json.dumps(summary))
+    print_summary(summary, "bench.pipeline.abort [--quick]")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ one JSON object: ``{"recall_at_1", "recall_at_5", "recall_at_10", "dense_only": 
 package's uniform pooling and, with ``--sentence-transformers DIR``, a sentence-transformers model
 directory, each dense and hybrid (one index per embedder, searched both ways), BM25 alone, and
 the default index's recall under other fusion settings (``rrf_k`` × depth). Results go to
-``bench/out/retrieval.json`` and ``bench/out/retrieval.png``. Evaluation sets: ``bench.retrieval_sets``.
+``bench/out/retrieval.json`` and ``bench/out/retrieval.png``. Evaluation sets: ``bench.retrieval.sets``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import faiss
 import numpy as np
 from matplotlib import pyplot as plt
 
-from bench.common import machine, plot_path, write_json
+from bench.common import machine, plot_path, print_summary, save_figure, write_json
 from specrag.retrieval.corpus import Passage, load_passages
 from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.fusion import FusionConfig
@@ -272,10 +272,7 @@ def plot(result: dict[str, Any], name: str) -> Path:
     axis.set_xlabel("recall (answer document among the first k passages)")
     axis.set_title(f"{result['passages']:,} passages, {result['queries']:,} queries")
     axis.legend(loc="lower right")
-    figure.tight_layout()
-    path = plot_path(name)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    path = save_figure(figure, plot_path(name))
     return path
 
 
@@ -306,7 +303,7 @@ def main() -> None:
     result.update(machine=machine(), corpus=args.corpus, queries_file=args.queries)
     json_path = write_json(args.name, result)
     print(f"wrote {json_path} and {plot(result, args.name)}", flush=True)
-    print(json.dumps(result["headline"]))
+    print_summary(result["headline"])
 
 
 if __name__ == "__main__":

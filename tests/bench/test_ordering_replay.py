@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import ordering, ordering_traces
-from bench.ordering_replay import Window
-from bench.ordering_traces import SHAPES, TopicShape, topic_cluster_trace
+import bench.ordering.__main__ as ordering
+from bench.ordering import topic_traces
+from bench.ordering.replay import Window
+from bench.ordering.topic_traces import SHAPES, TopicShape, topic_cluster_trace
 from bench.traces import TraceRequest, read_trace
 from specrag.errors import InvalidInputError
 
@@ -67,6 +68,6 @@ def test_topic_traces_are_seeded_and_cluster_by_subject() -> None:
 
 def test_trace_generator_cli_writes_a_readable_trace_and_rejects_bad_input(tmp_path: Path) -> None:
     out = tmp_path / "t.jsonl"
-    assert ordering_traces.main(["--shape", "runs", "--seed", "2", "-n", "30", "--out", str(out)]) == 0
+    assert topic_traces.main(["--shape", "runs", "--seed", "2", "-n", "30", "--out", str(out)]) == 0
     assert read_trace(out) == topic_cluster_trace(30, SHAPES["runs"], seed=2)
-    assert ordering_traces.main(["-n", "-1", "--out", str(out)]) == 2
+    assert topic_traces.main(["-n", "-1", "--out", str(out)]) == 2

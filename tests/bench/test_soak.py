@@ -7,7 +7,7 @@ engine under the supervisor, so 2,000 requests take seconds; the short one repea
 disconnects on the real engine, whose own queues must drain to zero.
 
 Traffic: whole and streamed answers, chat, sessions, clients that close the connection mid-stream
-or while waiting for the answer, malformed requests from :mod:`bench.fault_inputs`, and a few
+or while waiting for the answer, malformed requests from :mod:`bench.faults.inputs`, and a few
 injected engine failures (each retried once before the first token, so still a 200). Concurrency
 is bounded, and set above the service's limits so the 429 paths run too.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
-from bench.fault_inputs import BAD_REQUESTS, send
+from bench.faults.inputs import BAD_REQUESTS, send
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import ControllerConfig, RagController
 from specrag.controller.placement import Placement

@@ -1,7 +1,7 @@
 """TurboRAG on the in-process vLLM engine: cold TTFT of full prefill against document KV loaded
 from the store, the store's load time, and whether the loaded KV is right.
 
-Rerun: ``.venv/bin/python -m bench.turbo`` (``--quick``: fewer TTFT prompts and repeats; ``--model``
+Rerun: ``.venv/bin/python -m bench.pipeline.turbo`` (``--quick``: fewer TTFT prompts and repeats; ``--model``
 a model name or any Hugging Face model directory). Writes bench/out/turbo.json and .png; the last line printed
 is JSON with ``cold_full_ttft_ms``, ``turbo_ttft_ms``, ``ttft_turbo_over_full``, ``kv_rel_err_max``,
 ``single_doc_first_token_equal`` and ``accuracy``.
@@ -29,7 +29,6 @@ is JSON with ``cold_full_ttft_ms``, ``turbo_ttft_ms``, ``ttft_turbo_over_full``,
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
@@ -47,11 +46,12 @@ from bench.common import (
     add_model_option,
     bootstrap_mean_ci,
     machine,
-    plot_path,
-    stop_cleanly_on_sigterm,
-    write_json,
+    print_summary,
+    run_measurement,
+    save_figure,
+    write_report,
 )
-from bench.quality_set import build_questions, score
+from bench.quality.questions import build_questions, score
 from specrag.cache.layout import PromptLayout, build_layout
 from specrag.controller.controller import ControllerConfig, RagRequest
 from specrag.controller.modes import ModeName
@@ -276,9 +276,7 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
     axis.set_xticks([1, 2], ["full prefill (cold)", "turbo (store warm)"])
     axis.set_ylabel("time to first token (ms)")
     axis.set_title(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main() -> None:
@@ -340,15 +338,13 @@ def main() -> None:
         finally:
             await engine.close()
 
-    stop_cleanly_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="specrag-turbo-kv-") as kv_dir:
-        result = asyncio.run(run(kv_dir))
+        result = run_measurement(run(kv_dir))
     full_ms = statistics.median(result["ttft"]["full_s"]) * 1000
     turbo_ms = statistics.median(result["ttft"]["turbo_s"]) * 1000
     result |= {"machine": machine(), "model": str(model), "k": K, "prompts": prompts, "repeats": repeats}
-    json_path = write_json("turbo", result)
-    png_path = plot_path("turbo")
-    plot(result, png_path, f"Cold TTFT, k = {K}, {model.name}: full prefill vs document KV (turbo)")
+    title = f"Cold TTFT, k = {K}, {model.name}: full prefill vs document KV (turbo)"
+    json_path, png_path = write_report("turbo", result, lambda path: plot(result, path, title))
     print(f"wrote {json_path} and {png_path}")
     load_ms = statistics.median(result["store_load_s"]) * 1000
     floor = result["kv_error"]["floor_max"]
@@ -373,7 +369,7 @@ def main() -> None:
             for key in ("questions", "full", "turbo", "full_ci", "turbo_ci", "delta_ci")
         },
     }
-    print(json.dumps(summary))
+    print_summary(summary)
 
 
 if __name__ == "__main__":

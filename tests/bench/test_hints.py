@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.session_dedup import SessionDeduplicator
+from bench.ordering.session_dedup import SessionDeduplicator
 from specrag.cache import HintConfig, order_hint
 from specrag.errors import InvalidInputError
 

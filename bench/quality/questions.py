@@ -17,7 +17,7 @@ that does not.
 Conversations (the multi-turn set) pair two questions about names of the same module, so their
 passages overlap and de-duplication has documents to drop.
 
-The set is a pure function of the corpus and the seed: ``python -m bench.quality_set`` prints it;
+The set is a pure function of the corpus and the seed: ``python -m bench.quality.questions`` prints it;
 with ``--as-retrieval-queries`` it prints it as ``bench.retrieval``'s queries (the question, and
 the passage that answers it), to score retrieval alone on it.
 """
@@ -135,7 +135,9 @@ def score(answer: str, gold: str) -> dict[str, float]:
 def main() -> None:
     from specrag.retrieval.corpus import build_default_corpus
 
-    parser = argparse.ArgumentParser(prog="python -m bench.quality_set", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.quality.questions", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--count", type=int, default=104)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.ordering_oracle import MyopicOracleOrder
+from bench.ordering.oracle import MyopicOracleOrder
 from specrag.cache import POLICY_NAMES, KnowledgeTree, get_policy
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError

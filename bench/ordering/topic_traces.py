@@ -18,7 +18,7 @@ seeds and shapes) instead of one:
   asking follow-ups, a subject in the news): subjects come in runs instead of fully interleaved;
 - arrivals are a Poisson process of ``rate_per_s`` questions a second.
 
-    python -m bench.ordering_traces --shape contextpilot --seed 11 -n 500 --out T.jsonl
+    python -m bench.ordering.topic_traces --shape contextpilot --seed 11 -n 500 --out T.jsonl
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def topic_cluster_trace(n: int, shape: TopicShape | None = None, *, seed: int = 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.ordering_traces", description=__doc__.split("\n\n")[0]
+        prog="python -m bench.ordering.topic_traces", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="contextpilot")
     parser.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,6 @@
 """Answer quality of every configuration on the real default model: do the fast paths keep answers right?
 
-Each question of :mod:`bench.quality_set` (the corpus holds every answer) is asked, greedily, in
+Each question of :mod:`bench.quality.questions` (the corpus holds every answer) is asked, greedily, in
 every configuration, on one in-process vLLM engine and one index:
 
 - ``no_documents``: the question alone, after the system prompt: what the model knows by itself;
@@ -18,7 +18,7 @@ every configuration, on one in-process vLLM engine and one index:
   scores are the second turns'.
 
 Accuracy is "the answer contains the gold name" (a chat model answers in a sentence), exact match
-is "the answer is the name", F1 is word-level (:func:`bench.quality_set.score`); each with a 95 %
+is "the answer is the name", F1 is word-level (:func:`bench.quality.questions.score`); each with a 95 %
 bootstrap interval over questions, and for each configuration the paired difference to serial
 (the same questions, resampled together). ``by_gold_position`` splits accuracy by where the
 passage that answers sits in the prompt (1 = first; 0 = not retrieved). Writes
@@ -29,8 +29,6 @@ Rerun: ``python -m bench.quality [--quick]``.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -39,8 +37,16 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import add_model_option, bootstrap_mean_ci, plot_path, stop_cleanly_on_sigterm, write_json
-from bench.quality_set import Conversation, QualityQuestion, build_conversations, build_questions, score
+from bench.common import (
+    add_model_option,
+    bootstrap_mean_ci,
+    plot_path,
+    print_summary,
+    run_measurement,
+    save_figure,
+    write_json,
+)
+from bench.quality.questions import Conversation, QualityQuestion, build_conversations, build_questions, score
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
 from specrag.controller.modes import ModeName
 from specrag.controller.query import AnswerDelta, AnswerDone
@@ -252,9 +258,7 @@ def plot(summary: dict[str, dict[str, Any]], title: str) -> None:
     axis.set_title(title)
     axis.legend()
     axis.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(plot_path("quality"), dpi=120)
-    plt.close(figure)
+    save_figure(figure, plot_path("quality"))
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -313,13 +317,12 @@ def headline(facts: dict[str, Any], summary: dict[str, dict[str, Any]]) -> dict[
 
 
 def main() -> None:
-    stop_cleanly_on_sigterm()
     args = parse_args()
-    result = asyncio.run(run(args))
+    result = run_measurement(run(args))
     for name, entry in result["summary"].items():
         low, high = entry["accuracy_ci"]
         print(f"{name:18s} accuracy {entry['accuracy']:.3f} [{low:.3f}, {high:.3f}] f1 {entry['f1']:.3f}")
-    print(json.dumps(headline(result["facts"], result["summary"])), flush=True)
+    print_summary(headline(result["facts"], result["summary"]))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Malformed HTTP requests and the exact 4xx each must get: one table for the tests and bench.faults.
 
-``tests/test_bad_input_catalogue.py`` (and the soak test) send every row to a service on the test
+``tests/bench/test_bad_input_catalogue.py`` (and the soak test) send every row to a service on the test
 engine and ``python -m bench.faults`` sends them to the real default service, so both check the
 same contract: bad input is a precise client error with a JSON body, never a 500, never a hang,
 and nothing of it reaches the engine. The rows only assume the service's defaults (``k`` at most
@@ -8,7 +8,7 @@ and nothing of it reaches the engine. The rows only assume the service's default
 passages) and a bearer token, which the caller passes to :func:`send`.
 
 Why the table lives here: dependencies between the two trees point one way, tests → bench (the
-tests also check ``bench.e2e`` and ``bench.search``), never bench → tests, so a benchmark runs from
+tests also check ``bench.e2e`` and ``bench.retrieval.search``), never bench → tests, so a benchmark runs from
 a checkout without the test suite or pytest. It is not product code either, so it stays out of
 ``specrag``. The command-line and Python-call rows of the catalogue stay in the test module: only
 the tests drive those entry points.

@@ -1,4 +1,4 @@
-"""The independent scorer of emitted orderings (bench.ordering_score), checked by hand and by
+"""The independent scorer of emitted orderings (bench.ordering.score), checked by hand and by
 properties that any prefix-reuse score must have."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.ordering_score import lru_capacity, reused_slots, score
+from bench.ordering.score import lru_capacity, reused_slots, score
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ def test_a_bounded_cache_never_reuses_more_and_a_large_one_equals_the_unlimited(
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bench.ordering_score", *args],
+        [sys.executable, "-m", "bench.ordering.score", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

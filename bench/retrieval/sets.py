@@ -17,7 +17,7 @@ The roff source is reduced to text by a small stripper (macros dropped, font and
 escapes removed): enough for retrieval, and it needs neither ``man`` nor ``groff``. The data is
 never committed: this script rebuilds it in a few seconds.
 
-Usage: ``python -m bench.retrieval_sets manpages --out DIR`` (writes ``DIR/corpus.jsonl`` and
+Usage: ``python -m bench.retrieval.sets manpages --out DIR`` (writes ``DIR/corpus.jsonl`` and
 ``DIR/queries.jsonl``), then ``python -m bench.retrieval --corpus DIR/corpus.jsonl --queries
 DIR/queries.jsonl``.
 """

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from bench.fault_inputs import BAD_REQUESTS, BadRequest, send, send_wire
+from bench.faults.inputs import BAD_REQUESTS, BadRequest, send, send_wire
 from specrag.controller.controller import RagController
 from specrag.pipeline.engine import EngineOutput, Sampling
 from specrag.service.assets import Assets

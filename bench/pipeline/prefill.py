@@ -1,6 +1,6 @@
 """Cold vs cached prefill of the engine, by prompt length: the figures docs/architecture.md quotes.
 
-Rerun: ``.venv/bin/python -m bench.prefill`` (``--quick`` for fewer lengths and repeats,
+Rerun: ``.venv/bin/python -m bench.pipeline.prefill`` (``--quick`` for fewer lengths and repeats,
 ``--model DIR`` for any Hugging Face model directory). Writes bench/out/prefill.json and .png.
 
 Each length is measured cold (prefix cache reset first) and then cached (the same prompt again),
@@ -12,15 +12,20 @@ The engine's model worker is pinned to one core (``--engine-cpus``), as it is in
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import random
 import statistics
 import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import add_model_option, machine, plot_path, stop_cleanly_on_sigterm, write_json
+from bench.common import (
+    add_model_option,
+    machine,
+    print_summary,
+    run_measurement,
+    save_figure,
+    write_report,
+)
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Sampling, now
@@ -90,9 +95,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     axis.set_title(title)
     axis.legend()
     axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main() -> None:
@@ -120,8 +123,7 @@ def main() -> None:
         finally:
             await engine.close()
 
-    stop_cleanly_on_sigterm()
-    rows = asyncio.run(run())
+    rows = run_measurement(run())
     result = {
         "machine": machine(),
         "model": model,
@@ -129,13 +131,12 @@ def main() -> None:
         "eager": args.eager,
         "rows": rows,
     }
-    json_path = write_json("prefill", result)
-    png_path = plot_path("prefill")
-    plot(rows, png_path, f"Prefill on {Path(model).name}, engine on core {args.engine_cpus}")
+    title = f"Prefill on {Path(model).name}, engine on core {args.engine_cpus}"
+    json_path, png_path = write_report("prefill", result, lambda path: plot(rows, path, title))
     print(f"wrote {json_path} and {png_path}")
     summary = {f"cold_s_{r['tokens']}": round(r["cold_s_median"], 4) for r in rows}
     summary |= {f"cached_s_{r['tokens']}": round(r["cached_s_median"], 4) for r in rows}
-    print(json.dumps(summary))
+    print_summary(summary)
 
 
 if __name__ == "__main__":

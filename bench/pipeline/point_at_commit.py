@@ -9,7 +9,7 @@ checkout to measure, with a data directory of that checkout's index format::
 
     git worktree add ../old COMMIT
     cd ../old && SPECRAG_DATA_DIR=../data-old PYTHONPATH=. \\
-        ../main/.venv/bin/python ../main/bench/pipeline_bisect.py --share 0.5 -k 1 --idle-queries 32
+        ../main/.venv/bin/python ../main/bench/pipeline/point_at_commit.py --share 0.5 -k 1 --idle-queries 32
 
 Options after the script's own go to ``bench.pipeline`` (``--idle-queries``, ``--seed``, ...).
 docs/pipelining.md ("the check of 2026-11-28") has the bisect it ran.
@@ -47,7 +47,9 @@ FIGURES = (
 
 
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="bench/pipeline_bisect.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="bench/pipeline/point_at_commit.py", description=__doc__.splitlines()[0]
+    )
     parser.add_argument(
         "--share", type=float, help="share of the IVF lists probed (one of the calibration's)"
     )

@@ -1,7 +1,7 @@
 """Every entry point against a catalogue of malformed input: a precise error, never a 500 or a crash.
 
 Three tables, one per entry point: HTTP requests (shared with ``bench.faults`` through
-:mod:`bench.fault_inputs`; the service here has 2-second read timeouts, so the half-sent requests
+:mod:`bench.faults.inputs`; the service here has 2-second read timeouts, so the half-sent requests
 end quickly), command lines (exit status 2 and a one-line message, or argparse's
 usage error) and Python calls (a typed exception and its message). The HTTP rows run against one
 service on the session's real engine; the last test checks that after the whole catalogue that
@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from bench.fault_inputs import BAD_REQUESTS, QUESTION, BadRequest, send
+from bench.faults.inputs import BAD_REQUESTS, QUESTION, BadRequest, send
 from specrag.cli import main
 from specrag.client import AsyncClient, SpecragConnectionError, SpecragHTTPError
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest

@@ -1,0 +1,1 @@
+"""Reliability of the real service under faults (``python -m bench.faults``)."""

@@ -1,0 +1,1 @@
+"""Prefix reuse of the document-ordering policies (``python -m bench.ordering``)."""

@@ -1,0 +1,1 @@
+"""Speculative pipelining and the prefill it overlaps (``python -m bench.pipeline``)."""

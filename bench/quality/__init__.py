@@ -1,0 +1,1 @@
+"""Answer quality of every configuration (``python -m bench.quality``)."""
