@@ -16,6 +16,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+__all__ = ["atomic_directory", "atomic_file", "atomic_write_bytes", "atomic_write_text", "sha256_file"]
+
 # mkstemp/mkdtemp create private (0600/0700) entries; artefacts are meant to be shared like any file.
 _FILE_MODE = 0o644
 _DIR_MODE = 0o755

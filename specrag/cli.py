@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from specrag import __version__
 from specrag.errors import SpecragError
 
+__all__ = ["COMMAND_MODULES", "build_parser", "main"]
+
 # Order here is the order shown by ``specrag --help``.
 COMMAND_MODULES = (
     "specrag.retrieval.commands",

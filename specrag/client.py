@@ -24,6 +24,18 @@ import aiohttp
 
 from specrag.errors import SpecragError
 
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "AsyncClient",
+    "ChatStream",
+    "RagAnswer",
+    "RagBatch",
+    "RagStream",
+    "SpecragConnectionError",
+    "SpecragHTTPError",
+    "SpecragTimeoutError",
+]
+
 DEFAULT_TIMEOUT_S = 300.0
 Item = TypeVar("Item")
 

@@ -9,6 +9,24 @@ import contextlib
 import enum
 from typing import TypeVar
 
+__all__ = [
+    "ECHO_LIMIT",
+    "ArtifactError",
+    "ConflictError",
+    "EmbedderError",
+    "EngineError",
+    "EngineTimeoutError",
+    "EngineUnavailableError",
+    "InvalidInputError",
+    "NotFoundError",
+    "OverloadedError",
+    "SpecragError",
+    "TooLargeError",
+    "check_choice",
+    "echo",
+    "values",
+]
+
 Choice = TypeVar("Choice", bound=enum.StrEnum)
 
 

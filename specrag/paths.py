@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+__all__ = ["DATA_DIR_ENV", "DataLayout", "resolve_data_dir"]
+
 DATA_DIR_ENV = "SPECRAG_DATA_DIR"
 
 

@@ -26,6 +26,8 @@ from specrag.cache.ordering import ExactOrder, Ordering
 from specrag.cache.tree import KnowledgeTree
 from specrag.errors import InvalidInputError
 
+__all__ = ["AdmissionQueue", "WindowScheduler"]
+
 T = TypeVar("T")
 
 

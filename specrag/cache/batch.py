@@ -29,6 +29,8 @@ from scipy.sparse.csgraph import connected_components
 from specrag.cache.layout import DocId
 from specrag.errors import InvalidInputError
 
+__all__ = ["BatchPlan", "context_distances", "plan_batch"]
+
 _SHIFT_SCALE = float(2**32)
 _DENSE_BLOCK_ROWS = 256  # rows of x xᵀ made dense at once: 256 x 4,000 requests is 8 MB
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+__all__ = ["AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored", "KVEvent"]
+
 BlockHash = int | bytes
 """vLLM publishes 64-bit ints by default, raw digests with some hash functions."""
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from specrag.cache.layout import DocId
 from specrag.errors import InvalidInputError
 
+__all__ = ["Dedup", "HintConfig", "order_hint", "split_repeated"]
+
 
 @dataclass(frozen=True, slots=True)
 class HintConfig:

@@ -17,6 +17,8 @@ from typing import Literal, NamedTuple
 
 from specrag.errors import InvalidInputError
 
+__all__ = ["DocId", "PromptLayout", "Segment", "SegmentKind", "build_layout"]
+
 DocId = int | str
 """Document identifiers as the retriever hands them out (JSON ints or strings)."""
 

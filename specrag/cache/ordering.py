@@ -31,6 +31,22 @@ from specrag.cache.layout import DocId
 from specrag.cache.tree import KnowledgeTree, Node, PrefixMatch
 from specrag.errors import InvalidInputError, check_choice
 
+__all__ = [
+    "POLICY_NAMES",
+    "ExactOrder",
+    "GreedyOrder",
+    "Ordering",
+    "OrderingPolicy",
+    "PolicyName",
+    "Probe",
+    "RecencyOrder",
+    "RetrievalOrder",
+    "SortedOrder",
+    "by_affinity",
+    "check_distinct",
+    "get_policy",
+]
+
 Probe = Callable[[Sequence[DocId]], PrefixMatch]
 
 

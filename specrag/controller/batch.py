@@ -29,6 +29,8 @@ from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, Pl
 from specrag.errors import EngineError, InvalidInputError
 from specrag.retrieval.vector_index import VectorIndex
 
+__all__ = ["BatchAnswers", "BatchPlanReport", "Stream", "retrieve", "run_batch", "schedule"]
+
 Stream = Callable[[CheckedRequest], AsyncGenerator[AnswerDelta | AnswerDone, None]]
 """Runs one checked query (the controller's ``stream``)."""
 

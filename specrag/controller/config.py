@@ -12,6 +12,8 @@ from specrag.controller.speculation_policy import SpeculationSetting
 from specrag.errors import InvalidInputError, check_choice
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule
 
+__all__ = ["FALLBACK_BATCHED_TOKEN_BUDGET", "Admission", "ControllerConfig"]
+
 
 class Admission(enum.StrEnum):
     """How final requests waiting for the prefill pool are admitted (see :mod:`specrag.controller.gate`)."""

@@ -45,6 +45,7 @@ __all__ = [
     "ControllerConfig",
     "RagController",
     "RagRequest",
+    "step_token_budget",
 ]
 
 logger = logging.getLogger(__name__)

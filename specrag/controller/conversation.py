@@ -17,6 +17,8 @@ from specrag.cache.layout import PromptLayout
 from specrag.controller.sessions import Session, Turn
 from specrag.pipeline.prompt import PromptBuilder
 
+__all__ = ["TurnPrompt", "TurnPrompts"]
+
 
 @dataclass(frozen=True)
 class TurnPrompt:

@@ -17,6 +17,8 @@ from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, Ra
 from specrag.controller.warmup import WarmupRecord
 from specrag.pipeline.engine import SupervisionStatus
 
+__all__ = ["CoreLoad", "EngineHealth", "QueryCore", "ReplicaFacts"]
+
 
 @dataclass(frozen=True)
 class CoreLoad:

@@ -21,6 +21,8 @@ from specrag.controller.placement import Placed, Placement
 from specrag.errors import EngineError, EngineTimeoutError, EngineUnavailableError
 from specrag.pipeline.engine import EngineOutput, Sampling, latest_cached_tokens, now
 
+__all__ = ["Flight", "Resubmit", "RetriedFlight"]
+
 
 class Flight:
     """One engine request, pumped into a queue by a task so its prefill runs while we search.

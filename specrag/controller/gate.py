@@ -37,6 +37,8 @@ from specrag.cache.ordering import Ordering
 from specrag.cache.tree import KnowledgeTree
 from specrag.errors import InvalidInputError
 
+__all__ = ["PrefillGate", "Slot", "WindowAdmission", "default_max_prefill_bs"]
+
 
 def default_max_prefill_bs(batched_token_budget: int, expected_prompt_tokens: int) -> int:
     """How many prompts one prefill step holds: the engine's token budget over a typical prompt.

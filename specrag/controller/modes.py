@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from specrag.errors import check_choice
 
+__all__ = ["MODES", "MODE_NAMES", "DocumentKv", "Mode", "ModeName", "get_mode"]
+
 
 @dataclass(frozen=True)
 class Mode:

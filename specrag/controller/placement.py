@@ -48,6 +48,17 @@ from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError, check_choice
 from specrag.pipeline.engine import Engine
 
+__all__ = [
+    "DEFAULT_IMBALANCE_BOUND",
+    "ROUTERS",
+    "STALL_TIMEOUT_S",
+    "Build",
+    "Placed",
+    "Placement",
+    "Router",
+    "health_checks",
+]
+
 logger = logging.getLogger(__name__)
 
 

@@ -19,6 +19,8 @@ from specrag.controller.sessions import Session
 from specrag.controller.timeline import Timeline
 from specrag.pipeline.engine import Sampling
 
+__all__ = ["AnswerDelta", "AnswerDone", "CheckedRequest", "Planned", "RagRequest", "Source"]
+
 
 @dataclass(frozen=True)
 class RagRequest:

@@ -17,6 +17,8 @@ from specrag.controller.warmup import SystemPromptWarmer
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 
+__all__ = ["QueryShared"]
+
 
 @dataclass(frozen=True)
 class QueryShared:

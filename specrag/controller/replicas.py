@@ -28,6 +28,8 @@ from specrag.cache.tree import KnowledgeTree
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.engine import Engine, now
 
+__all__ = ["Replica"]
+
 logger = logging.getLogger(__name__)
 
 # How fast the speed factor follows new observations, and how far one observation may move it.

@@ -45,7 +45,10 @@ from specrag.controller.query_shared import QueryShared
 from specrag.controller.speculation_steps import SpeculationSteps
 from specrag.controller.timeline import Timeline
 from specrag.errors import EngineError, InvalidInputError, OverloadedError
-from specrag.pipeline.engine import EngineOutput, check_prompt_fits, latest_cached_tokens, now
+from specrag.pipeline.engine import EngineOutput, latest_cached_tokens, now
+from specrag.pipeline.engine_base import check_prompt_fits
+
+__all__ = ["QueryRun"]
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,8 @@ from specrag.controller.query import RagRequest
 from specrag.errors import InvalidInputError, echo
 from specrag.pipeline.engine import Sampling
 
+__all__ = ["MAX_SEED", "MAX_STOP_CHARS", "MAX_STOP_SEQUENCES", "MAX_TEMPERATURE", "check_sampling"]
+
 MAX_TEMPERATURE = 2.0
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 200

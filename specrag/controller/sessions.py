@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from specrag.cache.layout import DocId, PromptLayout
 from specrag.errors import ConflictError, InvalidInputError, NotFoundError, OverloadedError, echo
 
+__all__ = ["Session", "SessionStore", "Turn"]
+
 
 @dataclass(frozen=True)
 class Turn:

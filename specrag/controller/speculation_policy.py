@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.retrieval.stage_stats import StageOutlook
 
+__all__ = ["Price", "SpeculationPolicy", "SpeculationSetting"]
+
 
 class SpeculationSetting(enum.StrEnum):
     """Whether a mode that speculates asks the policy first."""

@@ -30,6 +30,8 @@ from specrag.pipeline.engine import now
 from specrag.retrieval.stage_stats import StageOutlook
 from specrag.retrieval.vector_index import StagedSearch
 
+__all__ = ["RunHooks", "SpeculationSteps"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+__all__ = ["EventKind", "Timeline", "TimelineEvent"]
+
 EventKind = Literal[
     "planned",
     "stage",

@@ -18,6 +18,8 @@ from specrag.controller.gate import PrefillGate, Slot
 from specrag.controller.replicas import Replica
 from specrag.pipeline.prompt import PromptBuilder
 
+__all__ = ["SystemPromptWarmer", "WarmupRecord"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from specrag.errors import ArtifactError
 
+__all__ = ["ChatFrame", "Messages", "RenderChat", "chat_frame"]
+
 Messages = list[dict[str, str]]
 RenderChat = Callable[[Messages], str]
 """Renders messages with the model's chat template, the assistant's turn opened at the end."""

@@ -22,6 +22,8 @@ from specrag.pipeline.random_model import (
 )
 from specrag.retrieval.corpus import build_default_corpus, load_passages
 
+__all__ = ["engine_server_config", "register"]
+
 
 def _make_model(args: argparse.Namespace) -> int:
     layout = DataLayout(resolve_data_dir(args.data_dir))

@@ -30,6 +30,17 @@ from typing import Any
 
 from specrag.errors import InvalidInputError, values
 
+__all__ = [
+    "Dtype",
+    "EngineConfig",
+    "KVEventSource",
+    "apply_environment",
+    "cpu_has_native_bf16",
+    "model_context_length",
+    "parse_cpus",
+    "resolve_dtype",
+]
+
 
 class Dtype(enum.StrEnum):
     """The compute dtypes vLLM may be started with (``auto``: the model's own, see :func:`resolve_dtype`)."""

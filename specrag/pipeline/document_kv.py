@@ -28,6 +28,17 @@ import torch
 from specrag.atomic import atomic_write_bytes
 from specrag.errors import ArtifactError, InvalidInputError
 
+__all__ = [
+    "LOADED_KEY",
+    "PARAMS_KEY",
+    "SUFFIX",
+    "TURBO_CACHE_SALT",
+    "DocumentKVStore",
+    "model_fingerprint",
+    "segment_key",
+    "store_namespace",
+]
+
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kv"

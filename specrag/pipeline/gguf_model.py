@@ -21,6 +21,8 @@ from specrag.atomic import atomic_directory, sha256_file
 from specrag.errors import ArtifactError
 from specrag.pipeline.model_dir import MANIFEST_NAME, check_model_dir, read_manifest
 
+__all__ = ["SAVED_DTYPE", "convert_gguf", "is_converted_from"]
+
 logger = logging.getLogger(__name__)
 
 SAVED_DTYPE = "bfloat16"

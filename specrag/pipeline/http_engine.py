@@ -46,7 +46,10 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import DescribedEngine, EngineCounts, EngineOutput, EngineShape, Sampling, now
+from specrag.pipeline.engine import EngineCounts, EngineOutput, EngineShape, Sampling, now
+from specrag.pipeline.engine_base import DescribedEngine
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "HttpEngine", "HttpTimeouts"]
 
 logger = logging.getLogger(__name__)
 

@@ -22,6 +22,8 @@ from vllm.distributed import kv_events as vllm_events
 
 from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
+__all__ = ["KVEventSubscriber", "convert_event", "first_block_salt"]
+
 logger = logging.getLogger(__name__)
 
 _END_OF_REPLAY = -1

@@ -30,6 +30,17 @@ from specrag.pipeline.random_model import (
     make_random_model,
 )
 
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "MODEL_NAMES",
+    "SERVED_NAME",
+    "SMOLLM2_WHEEL",
+    "SMOLLM2_WHEEL_VERSION",
+    "ensure_named_model",
+    "resolve_model",
+    "smollm2_gguf",
+]
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"

@@ -14,6 +14,8 @@ from typing import Any
 
 from specrag.errors import ArtifactError
 
+__all__ = ["MANIFEST_NAME", "REQUIRED_FILES", "check_model_dir", "read_manifest", "served_model_name"]
+
 MANIFEST_NAME = "specrag-model.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 

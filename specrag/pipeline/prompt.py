@@ -20,6 +20,14 @@ from specrag.errors import InvalidInputError
 from specrag.pipeline.store import DocumentStore
 from specrag.pipeline.tokenizer import Tokenizer
 
+__all__ = [
+    "CHAT_QUESTION_TEMPLATE",
+    "DEFAULT_QUESTION_TEMPLATE",
+    "DEFAULT_SYSTEM_PROMPT",
+    "MAX_QUESTION_CHARS",
+    "PromptBuilder",
+]
+
 DEFAULT_SYSTEM_PROMPT = (
     "You are a careful assistant for Python programmers. You answer questions about the Python "
     "language and its standard library. Below are passages retrieved from the Python documentation. "

@@ -27,6 +27,16 @@ from specrag.errors import ArtifactError, InvalidInputError
 from specrag.pipeline.config import Dtype, cpu_has_native_bf16
 from specrag.pipeline.model_dir import MANIFEST_NAME, check_model_dir
 
+__all__ = [
+    "RANDOM_MODEL_NAME",
+    "SPECIAL_TOKENS",
+    "ModelSize",
+    "RandomModelSpec",
+    "is_current_random_model",
+    "make_random_model",
+    "train_tokenizer",
+]
+
 logger = logging.getLogger(__name__)
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"

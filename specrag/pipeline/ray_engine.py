@@ -37,7 +37,10 @@ from ray.exceptions import RayError, RayTaskError
 
 from specrag.errors import EngineError
 from specrag.pipeline.config import EngineConfig, KVEventSource
-from specrag.pipeline.engine import DescribedEngine, EngineCounts, EngineOutput, EngineShape, Sampling, now
+from specrag.pipeline.engine import EngineCounts, EngineOutput, EngineShape, Sampling, now
+from specrag.pipeline.engine_base import DescribedEngine
+
+__all__ = ["EngineActor", "RayEngine", "ReplicaInfo", "replica_config", "subscriber_config"]
 
 logger = logging.getLogger(__name__)
 

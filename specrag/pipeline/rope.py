@@ -22,6 +22,8 @@ import torch
 
 from specrag.errors import InvalidInputError
 
+__all__ = ["DEFAULT_ROPE_THETA", "RopeSpec"]
+
 DEFAULT_ROPE_THETA = 10000.0
 
 

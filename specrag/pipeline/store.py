@@ -26,6 +26,17 @@ from specrag.atomic import atomic_file
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.corpus import Passage
 
+__all__ = [
+    "DEFAULT_SEGMENT_TEMPLATE",
+    "SCHEMA_VERSION",
+    "DocumentStore",
+    "StoreInfo",
+    "TokenizeBatch",
+    "build_store",
+    "corpus_checksum",
+    "render_segment",
+]
+
 # How a passage appears in a prompt. Stored with the tokens: changing it requires a rebuild. The
 # label is the one order and location hints name the passage by (specrag.cache.hints: its row).
 DEFAULT_SEGMENT_TEMPLATE = "[Doc {row}] {title}\n{text}\n\n"

@@ -13,6 +13,8 @@ from typing import Any
 from specrag.errors import ArtifactError
 from specrag.pipeline.chat_format import ChatFrame, Messages, chat_frame
 
+__all__ = ["Tokenizer", "tokenizer_fingerprint"]
+
 # Files whose content defines how text becomes token IDs, in any HF model directory.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
 

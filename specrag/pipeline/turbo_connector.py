@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+__all__ = ["BlockLayout", "Transfer", "TurboConnector", "TurboMetadata", "claim_plan"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -28,7 +28,18 @@ from specrag.pipeline.document_kv import (
     segment_key,
     store_namespace,
 )
-from specrag.pipeline.engine import EngineBase, EngineCounts, EngineOutput, Sampling, now
+from specrag.pipeline.engine import EngineCounts, EngineOutput, Sampling, now
+from specrag.pipeline.engine_base import EngineBase
+
+__all__ = [
+    "SHUTDOWN_IDLE_WAIT_S",
+    "SchedulerSnapshot",
+    "VllmEngine",
+    "document_kv_tokens",
+    "engine_stamp",
+    "scheduled_at",
+    "until_set",
+]
 
 logger = logging.getLogger(__name__)
 # Held while an engine starts (see VllmEngine.start): the environment is the process's.

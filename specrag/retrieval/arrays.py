@@ -14,6 +14,8 @@ from sklearn.preprocessing import normalize
 
 from specrag.errors import ArtifactError
 
+__all__ = ["load_array", "unit_rows"]
+
 
 def unit_rows(vectors: np.ndarray) -> np.ndarray:
     """Rows scaled to unit length (all-zero rows stay zero) as C-contiguous float32."""

@@ -19,6 +19,8 @@ from specrag.retrieval.corpus import (
 from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.index_store import FITTED_EMBEDDERS, KINDS, IndexConfig, build_index, save_index
 
+__all__ = ["BROUGHT_EMBEDDERS", "register"]
+
 # Embedders a user brings: a model directory, or a server speaking OpenAI's /v1/embeddings.
 BROUGHT_EMBEDDERS = ("sentence-transformers", "openai")
 

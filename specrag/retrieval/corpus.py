@@ -19,6 +19,18 @@ from pathlib import Path
 from specrag.atomic import atomic_write_text
 from specrag.errors import ArtifactError, InvalidInputError
 
+__all__ = [
+    "DEFAULT_PASSAGE_WORDS",
+    "MIN_DOCSTRING_WORDS",
+    "MIN_PASSAGE_WORDS",
+    "Passage",
+    "build_default_corpus",
+    "load_passages",
+    "split_text",
+    "stdlib_docstrings",
+    "write_passages",
+]
+
 # About 180 words make 250-350 tokens with a small BPE vocabulary: "a few hundred tokens" a passage,
 # so a k=10 prompt lands near the 2-4k tokens where prefill time rivals search time.
 DEFAULT_PASSAGE_WORDS = 180

@@ -26,6 +26,17 @@ from sklearn.preprocessing import normalize
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.arrays import load_array, unit_rows
 
+__all__ = [
+    "DEFAULT_DIM",
+    "METRIC",
+    "TFIDF_ANALYZER",
+    "TFIDF_MAX_FEATURES",
+    "Embedder",
+    "SentenceTransformerEmbedder",
+    "TfidfSvdEmbedder",
+    "load_embedder",
+]
+
 METRIC = "inner_product"
 DEFAULT_DIM = 384
 # Tokenisation of the TF-IDF embedder, recorded in the manifest so a saved embedder keeps it.

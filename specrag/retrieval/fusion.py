@@ -26,6 +26,16 @@ import numpy as np
 
 from specrag.errors import InvalidInputError
 
+__all__ = [
+    "DEFAULT_DEPTH",
+    "DEFAULT_IDENTIFIER_WEIGHT",
+    "DEFAULT_RRF_K",
+    "MISSING_SCORE",
+    "FusionConfig",
+    "distinct_in_order",
+    "fuse",
+]
+
 DEFAULT_RRF_K = 5
 # How deep each ranking is read (the dense search keeps this many running candidates instead of
 # k); reading 20 instead changed recall@5 by at most 0.01 on the evaluation sets.

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+__all__ = ["STATE_FIELDS", "enter", "expand", "sorted_results"]
+
 QUEUE_SIZE, QUEUE_VALID, EXPANSIONS, FINISHED = 0, 1, 2, 3
 STATE_FIELDS = 4
 

@@ -29,6 +29,8 @@ import numpy as np
 from specrag.errors import EmbedderError, InvalidInputError
 from specrag.retrieval.arrays import unit_rows
 
+__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S", "ENDPOINT", "OpenAIEmbedder"]
+
 ENDPOINT = "/v1/embeddings"
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_TIMEOUT_S = 30.0

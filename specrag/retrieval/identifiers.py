@@ -19,6 +19,8 @@ import re
 
 from specrag.retrieval.text import normalize_text
 
+__all__ = ["named_identifiers"]
+
 _IDENTIFIER = re.compile(
     r"(?<!`)`(?P<quoted>[^`\s](?:[^`]*[^`\s])?)`(?!`)"  # a back-quoted span
     r"|(?P<word>"

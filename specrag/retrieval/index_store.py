@@ -41,6 +41,28 @@ from specrag.retrieval.synthetic import pad_with_synthetic
 from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
 
+__all__ = [
+    "FITTED_EMBEDDERS",
+    "FORMAT",
+    "HNSW_KIND",
+    "INDEX_FILE",
+    "IVF_KINDS",
+    "KINDS",
+    "MANIFEST_FILE",
+    "PASSAGE_IDS_FILE",
+    "SOURCES_FILE",
+    "TFIDF_SVD",
+    "VERSION",
+    "WORDLLAMA",
+    "IndexConfig",
+    "build_index",
+    "build_searcher",
+    "check_corpus",
+    "load_index",
+    "passage_ids_digest",
+    "save_index",
+]
+
 FORMAT = "specrag-index"
 # 2: hybrid indexes (a lexical index and fusion settings in the manifest), WordLlama by default.
 # 3: both channels index the passages' text as specrag.retrieval.text normalises it; an index of

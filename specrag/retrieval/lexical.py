@@ -28,6 +28,8 @@ from specrag.retrieval.text import normalize_text
 if TYPE_CHECKING:
     import bm25s
 
+__all__ = ["ANALYZER", "BM25_PARAMETERS", "SUBDIRECTORY", "LexicalIndex"]
+
 
 def _bm25s() -> ModuleType:
     """``bm25s``, imported only when a lexical index is built, loaded or searched.

@@ -10,6 +10,8 @@ from tqdm import tqdm
 
 from specrag.retrieval.embedders import Embedder
 
+__all__ = ["ADD_CHUNK_ROWS", "EMBED_BATCH", "add_in_chunks", "embed_in_batches"]
+
 ADD_CHUNK_ROWS = 65_536
 EMBED_BATCH = 256
 

@@ -21,6 +21,8 @@ import faiss
 from specrag.errors import InvalidInputError
 from specrag.retrieval.stages import StageResult
 
+__all__ = ["SearchRunner", "pin_current_thread"]
+
 
 def _checked_cpus(cpus: Collection[int]) -> frozenset[int]:
     chosen = frozenset(cpus)

@@ -26,6 +26,8 @@ import numpy as np
 
 from specrag.retrieval.stages import Schedule, StagePlan, StageResult
 
+__all__ = ["WINDOW", "PlanKey", "StageOutlook", "StageStatistics"]
+
 WINDOW = 256
 """Observations a figure weighs at most: older ones fade, so the figures follow a changing load."""
 

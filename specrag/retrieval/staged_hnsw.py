@@ -29,6 +29,8 @@ from specrag.retrieval.stages import (
     run_stages,
 )
 
+__all__ = ["CALIBRATION_QUERIES", "StagedHNSW"]
+
 CALIBRATION_QUERIES = 32
 # faiss's bundled stubs lack SearchParametersHNSW.
 _FAISS: Any = faiss

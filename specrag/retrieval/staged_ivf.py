@@ -27,6 +27,18 @@ from specrag.retrieval.stages import (
 )
 from specrag.retrieval.topk import RunningTopK
 
+__all__ = [
+    "DEFAULT_NLIST",
+    "IVF_CODES",
+    "MAX_TRAIN_POINTS_PER_LIST",
+    "MIN_DEFAULT_NPROBE",
+    "MIN_POINTS_PER_LIST",
+    "PQ_BITS",
+    "StagedIVF",
+    "choose_nlist",
+    "default_nprobe",
+]
+
 logger = logging.getLogger(__name__)
 # faiss's k-means wants at least this many training points per list; fewer lists beat bad ones.
 MIN_POINTS_PER_LIST = 39

@@ -21,6 +21,20 @@ import numpy as np
 
 from specrag.errors import InvalidInputError, check_choice
 
+__all__ = [
+    "DEFAULT_SCHEDULE",
+    "DEFAULT_STAGES",
+    "UNBOUNDED",
+    "FaissBacked",
+    "Schedule",
+    "StagePlan",
+    "StageResult",
+    "StagedSearcher",
+    "prepare_queries",
+    "run_stages",
+    "stage_plan",
+]
+
 # Work beyond this is "everything that is left": a unit count no search reaches.
 UNBOUNDED = 1 << 62
 

@@ -18,6 +18,18 @@ import numpy as np
 from specrag.errors import InvalidInputError
 from specrag.retrieval.arrays import unit_rows
 
+__all__ = [
+    "CHUNK_ROWS",
+    "DEFAULT_QUERY_NOISE",
+    "DEFAULT_SPREAD",
+    "PADDING_VERSION",
+    "PAD_NEIGHBOURHOOD",
+    "GaussianMixture",
+    "nearest_rows",
+    "pad_with_synthetic",
+    "queries_near",
+]
+
 # Fixed so that the output for a seed does not depend on anything but (n, dim, parameters).
 CHUNK_ROWS = 65_536
 # How many real passages around its anchor a synthetic row may stand for (about 2k-3k for k<=10).

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import unicodedata
 
+__all__ = ["normalize_text"]
+
 
 def normalize_text(text: str) -> str:
     """``text`` without format characters, in NFKC, its whitespace runs collapsed to one space."""

@@ -12,6 +12,8 @@ from typing import Any
 import faiss
 import numpy as np
 
+__all__ = ["RunningTopK"]
+
 
 def _heaps(distances: np.ndarray, ids: np.ndarray, keep_max: bool) -> Any:
     heaps = faiss.float_minheap_array_t() if keep_max else faiss.float_maxheap_array_t()

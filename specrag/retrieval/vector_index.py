@@ -32,6 +32,8 @@ from specrag.retrieval.stage_stats import PlanKey, StageOutlook, StageStatistics
 from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries, stage_plan
 from specrag.retrieval.text import normalize_text
 
+__all__ = ["StagedSearch", "VectorIndex"]
+
 
 class VectorIndex:
     """Staged search by vector, one query or a batch, synchronously or on the event loop.

@@ -36,6 +36,8 @@ from specrag.atomic import sha256_file
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.arrays import load_array, unit_rows
 
+__all__ = ["CONFIG", "DIM", "TokenVectors", "WordLlamaEmbedder", "token_vectors"]
+
 CONFIG = "l2_supercat"
 DIM = 256
 _IDF_FILE = "embedder_token_idf.npy"

@@ -17,6 +17,8 @@ from specrag.errors import ECHO_LIMIT, OverloadedError
 from specrag.service.metrics import ServiceMetrics
 from specrag.service.wire import BodyLimits
 
+__all__ = ["CLIENT", "STATE", "ServiceState", "admit", "client_key", "release"]
+
 
 @dataclass
 class ServiceState:

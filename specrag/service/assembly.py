@@ -52,6 +52,8 @@ from specrag.service.pools import (
 from specrag.service.server import create_app
 from specrag.service.supervisor import SupervisedEngine
 
+__all__ = ["Service", "open_controller", "open_engine", "open_service", "prompt_builder", "searching_on"]
+
 
 @dataclass
 class Service:

@@ -23,6 +23,8 @@ from specrag.retrieval.corpus import Passage, build_default_corpus, load_passage
 from specrag.retrieval.index_store import IndexConfig, build_index, check_corpus, load_index, save_index
 from specrag.retrieval.vector_index import VectorIndex
 
+__all__ = ["Assets", "ensure_assets", "ensure_corpus", "ensure_index", "ensure_store"]
+
 logger = logging.getLogger(__name__)
 
 

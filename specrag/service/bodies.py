@@ -16,6 +16,22 @@ from typing import Any, TypeVar, cast
 from specrag.controller.query import RagRequest
 from specrag.errors import ECHO_LIMIT, InvalidInputError, echo
 
+__all__ = [
+    "BATCH_FIELDS",
+    "CHAT_FIELDS",
+    "CHAT_NEUTRAL_FIELDS",
+    "CHAT_UNHONOURED_FIELDS",
+    "RAG_FIELDS",
+    "STREAM_OPTIONS",
+    "chat_request",
+    "check_fields",
+    "include_usage",
+    "last_user_message",
+    "optional",
+    "rag_request",
+    "required",
+]
+
 RAG_FIELDS = frozenset({"query", "k", "mode", "document_kv", "max_tokens", "session_id", "stream"})
 BATCH_FIELDS = frozenset({"queries", "k", "mode", "max_tokens"})
 # The OpenAI chat fields honoured (docs/service.md: "Sampling fields") and the JSON type each must have,

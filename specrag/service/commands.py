@@ -29,6 +29,8 @@ from specrag.service.server import (
     DEFAULT_MAX_QUERIES_PER_CLIENT,
 )
 
+__all__ = ["register"]
+
 
 def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> None:
     parser.add_argument(

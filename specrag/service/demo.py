@@ -14,6 +14,8 @@ from typing import Any
 
 from specrag.client import AsyncClient, RagAnswer
 
+__all__ = ["DEMO_QUESTIONS", "SOURCES_SHOWN", "describe", "run_demo"]
+
 DEMO_QUESTIONS = (
     "What happens to assert statements when Python runs with optimization enabled?",
     "How does asyncio.run create and close the event loop?",

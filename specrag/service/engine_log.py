@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+__all__ = ["LOG_FORMAT", "TERMINAL_LOGGERS", "engine_output_to"]
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Loggers whose records are specrag's own lines on the terminal; the access log is the service's.
 TERMINAL_LOGGERS = ("specrag", "aiohttp.access")

@@ -11,6 +11,8 @@ from typing import Any, Protocol
 from specrag.controller.query import AnswerDelta, AnswerDone
 from specrag.service.wire import ErrorInfo
 
+__all__ = ["ChatFraming", "Framing", "RagFraming", "rag_body", "sse", "usage"]
+
 
 class Framing(Protocol):
     """How one API writes a streamed answer as server-sent events."""

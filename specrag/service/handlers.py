@@ -37,6 +37,16 @@ from specrag.service.server import (
     serving,
 )
 
+__all__ = [
+    "MAX_BATCH",
+    "MAX_K",
+    "answer_file",
+    "batch_command",
+    "demo_command",
+    "prepare_command",
+    "serve_command",
+]
+
 MAX_K = ControllerConfig().k_max
 MAX_BATCH = ControllerConfig().max_batch_queries
 

@@ -17,6 +17,8 @@ from specrag.pipeline.config import KVEventSource
 if TYPE_CHECKING:
     from specrag.pipeline.kv_events import KVEventSubscriber
 
+__all__ = ["KVMirror", "MirrorFaults"]
+
 
 @dataclass(frozen=True)
 class MirrorFaults:

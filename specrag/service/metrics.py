@@ -20,6 +20,8 @@ from specrag.controller.timeline import Timeline
 from specrag.controller.warmup import WarmupRecord
 from specrag.errors import values
 
+__all__ = ["DECISIONS", "LATENCY_BUCKETS_S", "OUTCOMES", "ServiceMetrics", "mode_label"]
+
 # From a cached prompt on a GPU (milliseconds) to a cold long prompt on a small CPU box (tens of s).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 

@@ -18,6 +18,8 @@ from specrag.pipeline.config import EngineConfig, KVEventSource, model_context_l
 from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT
 from specrag.service.supervisor import SupervisorPolicy
 
+__all__ = ["DocumentKvStore", "ServiceOptions", "base_engine_config"]
+
 
 class DocumentKvStore(enum.StrEnum):
     """``serve --document-kv``: whether the in-process engine loads documents' stored KV (TurboRAG)."""

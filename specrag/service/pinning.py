@@ -22,6 +22,8 @@ from collections.abc import Collection
 
 import psutil
 
+__all__ = ["descendant_pids", "pin_engine_processes", "pin_threads"]
+
 
 def pin_threads(process: psutil.Process, cpus: Collection[int]) -> None:
     """Pin every thread ``process`` has now to ``cpus`` (threads it starts later inherit it)."""

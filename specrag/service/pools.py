@@ -30,6 +30,19 @@ from specrag.service.options import ServiceOptions
 from specrag.service.pinning import descendant_pids, pin_engine_processes
 from specrag.service.supervisor import SupervisedEngine
 
+__all__ = [
+    "Pool",
+    "PoolEngine",
+    "connector",
+    "follow_restarts",
+    "free_port_pair",
+    "open_local_engines",
+    "open_pool",
+    "open_ray_engines",
+    "open_remote_engines",
+    "starter",
+]
+
 
 def connector(url: str) -> Callable[[], Awaitable[Engine]]:
     """Connects to the engine server at ``url`` (again on every supervisor restart)."""

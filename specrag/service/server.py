@@ -70,6 +70,17 @@ from specrag.service.wire import (
     read_body,
 )
 
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_QUERIES",
+    "DEFAULT_MAX_QUERIES_PER_CLIENT",
+    "OPEN_PATHS",
+    "SHUTDOWN_GRACE_S",
+    "Handler",
+    "create_app",
+    "serving",
+]
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20

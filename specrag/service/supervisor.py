@@ -40,6 +40,8 @@ from specrag.pipeline.engine import (
     now,
 )
 
+__all__ = ["SupervisedEngine", "SupervisorPolicy"]
+
 logger = logging.getLogger(__name__)
 # A one-token prompt: the cheapest request that proves the engine still steps.
 _PROBE_PROMPT = (1,)

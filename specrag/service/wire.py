@@ -46,6 +46,19 @@ from specrag.errors import (
     echo,
 )
 
+__all__ = [
+    "DEFAULT_BODY_TIMEOUT_S",
+    "DEFAULT_HEADER_TIMEOUT_S",
+    "ENGINE_RETRY_AFTER_S",
+    "MAX_JSON_INTEGER_DIGITS",
+    "BodyLimits",
+    "ErrorInfo",
+    "describe_error",
+    "handler_args",
+    "parse_json_object",
+    "read_body",
+]
+
 logger = logging.getLogger(__name__)
 
 # Longer than aiohttp's client keep-alive (15 s), so an idle client never reuses a closed connection.

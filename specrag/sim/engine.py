@@ -54,7 +54,10 @@ from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KV
 from specrag.cache.pgdsf import PrefillProfile
 from specrag.cache.residency import ROOT_KEY, BlockPool, chain_block_keys
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import EngineBase, EngineCounts, EngineOutput, Sampling, now
+from specrag.pipeline.engine import EngineCounts, EngineOutput, Sampling, now
+from specrag.pipeline.engine_base import EngineBase
+
+__all__ = ["KVEventCallback", "SimulatedEngine", "TimeModel"]
 
 logger = logging.getLogger(__name__)
 

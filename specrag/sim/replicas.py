@@ -13,6 +13,8 @@ from specrag.cache.tree import KnowledgeTree
 from specrag.controller.replicas import Replica
 from specrag.sim.engine import SimulatedEngine
 
+__all__ = ["simulated_replica"]
+
 
 def simulated_replica(
     name: str, system_token_ids: Sequence[int], block_size: int = 32, **engine_options: Any

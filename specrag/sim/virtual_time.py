@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 
 from specrag.pipeline import engine
 
+__all__ = ["VirtualTimeLoop", "clock", "run"]
+
 T = TypeVar("T")
 
 
