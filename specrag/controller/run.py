@@ -44,7 +44,7 @@ from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, So
 from specrag.controller.query_shared import QueryShared
 from specrag.controller.speculation_steps import SpeculationSteps
 from specrag.controller.timeline import Timeline
-from specrag.errors import EngineError, InvalidInputError, OverloadedError
+from specrag.errors import EngineError, OverloadedError
 from specrag.pipeline.engine import EngineOutput, latest_cached_tokens, now
 from specrag.pipeline.engine_base import check_prompt_fits
 
@@ -294,11 +294,8 @@ class QueryRun:
         sampling = self.checked.sampling
         if self.checked.document_kv:
             sampling = replace(sampling, document_kv=placed.layout.stored_spans())
-        try:
-            check_prompt_fits(len(placed.layout.token_ids), sampling, placed.replica.engine.max_model_len)
-        except InvalidInputError:
-            slot.release()  # the slot was taken for a request that will never exist
-            raise
+        # Its length was checked before (the final prompt in final_known, a speculation by
+        # SpeculationSteps); a resubmission elsewhere is checked by that engine's own contract.
         flight = Flight(placed, sampling, slot, speculative, sent)
         flight.predicted_cached_tokens = predicted
         # A session's prompts are the session's, not the tree's; a migration's ends in an answer.

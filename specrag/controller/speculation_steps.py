@@ -27,6 +27,7 @@ from specrag.controller.replicas import Replica
 from specrag.controller.speculation_policy import Price
 from specrag.controller.timeline import Timeline
 from specrag.pipeline.engine import now
+from specrag.pipeline.engine_base import prompt_fits
 from specrag.retrieval.stage_stats import StageOutlook
 from specrag.retrieval.vector_index import StagedSearch
 
@@ -76,7 +77,7 @@ class SpeculationSteps:
             await self.drop(speculation)
         tokens = len(placed.layout.token_ids)
         timeline = self._timeline
-        if tokens + self._checked.sampling.max_tokens > placed.replica.engine.max_model_len:
+        if not prompt_fits(tokens, self._checked.sampling, placed.replica.engine.max_model_len):
             timeline.add("spec_skip", now(), stage=stage, reason="too_long", prompt_tokens=tokens)
             self.warm_up(stage)
             return

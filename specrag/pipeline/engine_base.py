@@ -35,6 +35,7 @@ __all__ = [
     "RequestTracker",
     "check_document_kv",
     "check_prompt_fits",
+    "prompt_fits",
     "warm_by_prefill",
 ]
 
@@ -195,11 +196,17 @@ class EngineBase(Engine):
         """Release the engine, once; requests still streaming must end with :class:`EngineError`."""
 
 
+def prompt_fits(prompt_tokens: int, sampling: Sampling, max_model_len: int) -> bool:
+    """Whether a prompt and its answer fit the model's context: the one rule, whether a caller
+    is refused (:func:`check_prompt_fits`) or a speculation is skipped."""
+    return prompt_tokens + sampling.max_tokens <= max_model_len
+
+
 def check_prompt_fits(prompt_tokens: int, sampling: Sampling, max_model_len: int) -> None:
     """Reject a prompt the engine would refuse, before it costs anything, with the numbers in the message."""
     if prompt_tokens == 0:
         raise InvalidInputError("the prompt is empty")
-    if prompt_tokens + sampling.max_tokens > max_model_len:
+    if not prompt_fits(prompt_tokens, sampling, max_model_len):
         raise InvalidInputError(
             f"prompt of {prompt_tokens} tokens + max_tokens {sampling.max_tokens} exceeds the model's "
             f"limit of {max_model_len} tokens"
