@@ -166,6 +166,38 @@ class Timeline:
         return max(0.0, min(self.search_end, began) - start)
 
     @property
+    def search_s(self) -> float | None:
+        """The staged search alone (retrieval less the embedding); None without one (a batch
+        query, whose batch searched for it)."""
+        if self.search_start is None or self.search_end is None:
+            return None
+        return self.search_end - self.search_start
+
+    @property
+    def answer_prefill_s(self) -> float | None:
+        """The answer's prefill: from when the engine scheduled it (its submission where the engine
+        does not say) to when the engine produced its first token (when our adapter received it
+        where the engine does not stamp that). Cached prompt tokens shorten it, as they shorten
+        what an overlap can hide."""
+        began = self.answer_scheduled if self.answer_scheduled is not None else self.answer_submit
+        ended = self.answer_engine_first_token
+        if ended is None:
+            ended = self.answer_received if self.answer_received is not None else self.first_token
+        if began is None or ended is None or ended <= began:
+            return None
+        return ended - began
+
+    @property
+    def regime_r(self) -> float | None:
+        """This query's r: its search time over its answer's prefill time. Overlapping the two can
+        save at most the shorter, so it pays most near r = 1 and little far below it (where what
+        helps is ordering for prefix reuse, the warm-up and batching)."""
+        search, prefill = self.search_s, self.answer_prefill_s
+        if search is None or prefill is None:
+            return None
+        return search / prefill
+
+    @property
     def phases(self) -> dict[str, Any]:
         """Where the answer's time to first token went after the search, in ms (None: unknown).
 
@@ -225,6 +257,9 @@ class Timeline:
             "non_overlapped_basis": self.non_overlapped_basis,
             "non_overlapped_retrieval_submitted_ms": ms(self.non_overlapped_retrieval_submitted_s),
             "phases": self.phases,
+            "search_ms": ms(self.search_s),
+            "answer_prefill_ms": ms(self.answer_prefill_s),
+            "regime_r": None if self.regime_r is None else round(self.regime_r, 4),
             "queued_ms": ms(self.queued_s),
             "controller_ms": ms(self.controller_s),
             "prompt_tokens": self.prompt_tokens,

@@ -20,10 +20,19 @@ from specrag.controller.timeline import Timeline
 from specrag.controller.warmup import WarmupRecord
 from specrag.errors import values
 
-__all__ = ["DECISIONS", "LATENCY_BUCKETS_S", "OUTCOMES", "ServiceMetrics", "mode_label"]
+__all__ = [
+    "DECISIONS",
+    "LATENCY_BUCKETS_S",
+    "OUTCOMES",
+    "REGIME_BUCKETS",
+    "ServiceMetrics",
+    "mode_label",
+]
 
 # From a cached prompt on a GPU (milliseconds) to a cold long prompt on a small CPU box (tens of s).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# r = search / prefill on a log scale around 1, where overlap pays most.
+REGIME_BUCKETS = (0.01, 0.03, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 10.0)
 
 OUTCOMES = ("ok", "rejected", "overloaded", "error", "disconnected")
 
@@ -95,6 +104,12 @@ class ServiceMetrics:
         )
         self.queue_wait = histogram(
             "specrag_queue_wait_seconds", "Time the final prompt waited for a prefill slot"
+        )
+        self.regime_r = Histogram(
+            "specrag_regime_r",
+            "Each query's r: its search time over its answer's prefill time (overlap pays near 1)",
+            registry=self.registry,
+            buckets=REGIME_BUCKETS,
         )
         self.requests = counter("specrag_requests", "Queries by mode and outcome", ("mode", "outcome"))
         self.speculations = counter("specrag_speculations", "Speculative prefills submitted")
@@ -184,6 +199,8 @@ class ServiceMetrics:
         ):
             if seconds is not None:
                 histogram.observe(seconds)
+        if timeline.regime_r is not None:
+            self.regime_r.observe(timeline.regime_r)
         self.speculations.inc(timeline.speculations)
         self.aborted_speculations.inc(timeline.aborted_speculations)
         self.preempted_speculations.inc(timeline.preempted_speculations)

@@ -3,6 +3,7 @@ read at scrape time."""
 
 from __future__ import annotations
 
+from specrag.controller.timeline import Timeline
 from specrag.service.metrics import ServiceMetrics
 
 
@@ -23,3 +24,16 @@ def test_whether_the_prefill_profile_is_measured_is_exported() -> None:
     assert "specrag_prefill_profile_measured 0.0" in metrics.exposition().decode()
     state["measured"] = True
     assert "specrag_prefill_profile_measured 1.0" in metrics.exposition().decode()
+
+
+def test_each_querys_regime_r_is_a_histogram() -> None:
+    metrics = ServiceMetrics()
+    timeline = Timeline(arrival=0.0, mode="all")
+    timeline.search_start, timeline.search_end = 0.1, 0.3  # a 200 ms search
+    timeline.answer_submit, timeline.answer_scheduled = 0.15, 0.16
+    timeline.answer_engine_first_token, timeline.first_token = 0.56, 0.57  # a 400 ms prefill
+    metrics.observe(timeline)
+    text = metrics.exposition().decode()
+    assert 'specrag_regime_r_bucket{le="0.5"} 1.0' in text
+    assert 'specrag_regime_r_bucket{le="0.25"} 0.0' in text
+    assert "specrag_regime_r_count 1.0" in text
