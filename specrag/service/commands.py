@@ -41,6 +41,12 @@ def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> 
         "has random weights, for experiments that set the prefill cost)",
     )
     parser.add_argument("--corpus", help="JSONL corpus of {id, title, text} (default: the embedded corpus)")
+    parser.add_argument(
+        "--accept-corpus-change",
+        action="store_true",
+        help="rebuild the store and index even when the corpus lost passages since they were built "
+        "(without it such a corpus is refused; any change is said at WARNING)",
+    )
     if engine:
         parser.add_argument(
             "--eager", action="store_true", help="skip graph compilation (faster start, slower prefill)"

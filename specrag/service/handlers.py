@@ -57,7 +57,7 @@ def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | Non
 
 
 def _assets(args: argparse.Namespace) -> Assets:
-    return ensure_assets(*_paths(args))
+    return ensure_assets(*_paths(args), accept_corpus_change=args.accept_corpus_change)
 
 
 def prepare_command(args: argparse.Namespace) -> int:
