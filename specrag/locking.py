@@ -14,6 +14,7 @@ Top-level leaf module: every package may use it, it uses nothing of ours but the
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -55,9 +56,17 @@ def _held(lock_file: Path) -> _Held:
         return _registry.setdefault(lock_file, _Held())
 
 
-def _acquire(lock_file: Path, artefact: Path, timeout_s: float | None) -> int:
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+def _acquire(lock_file: Path, artefact: Path, timeout_s: float | None) -> int | None:
+    """The descriptor holding the lock, or None where no lock file can be made: a read-only data
+    directory, where nothing can be written either, is only read (a serve of built artefacts)."""
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        logger.debug("cannot lock %s (%s): a read-only data directory is only read", artefact, error)
+        return None
     try:
         with contextlib.suppress(BlockingIOError):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

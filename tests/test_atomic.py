@@ -184,12 +184,39 @@ _KILLED_WRITER = textwrap.dedent(
     for name in ("replace", "symlink", "fsync", "mkdir", "unlink"):
         setattr(os, name, step(getattr(os, name)))
     shutil.rmtree = step(shutil.rmtree)
-    with atomic.atomic_directory(target) as staging:
-        (staging / "content").write_text("new")
-        (staging / "complete").write_text("yes")
+    if target.suffix == ".sqlite":
+        with atomic.atomic_file(target) as staging:
+            staging.write_text("new, complete")
+    else:
+        with atomic.atomic_directory(target) as staging:
+            (staging / "content").write_text("new")
+            (staging / "complete").write_text("yes")
     print("steps", steps)
     """
 )
+
+
+def test_a_file_writer_killed_at_any_step_leaves_the_old_or_the_new_file(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
+    for kill_at in range(1, 50):
+        target = tmp_path / f"run{kill_at}" / "store.sqlite"
+        with atomic_file(target) as staging:
+            staging.write_text("old, complete")
+        run = subprocess.run(
+            [sys.executable, "-c", _KILLED_WRITER, str(target), str(kill_at)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert target.read_text() in {"old, complete", "new, complete"}
+        if run.returncode == 0:
+            break
+        assert run.returncode == -9, run.stderr
+        with atomic_file(target) as staging:  # the next write removes the killed one's temporary
+            staging.write_text("after")
+        assert visible(target.parent) == ["store.sqlite"]
+    assert kill_at > 3
 
 
 def test_a_writer_killed_at_any_step_leaves_a_servable_artefact(tmp_path: Path) -> None:
