@@ -29,6 +29,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +55,10 @@ _VERSION_MARK = ".v-"
 # How often a reader re-resolves a pointer whose version was collected under it (each retry
 # follows a completed write, so more than a handful means a writer loop, not bad luck).
 _READ_ATTEMPTS = 100
+# How long a writer waits for the readers of a superseded version before leaving it to the next
+# write, and how often it looks.
+_COLLECT_WAIT_S = 2.0
+_COLLECT_POLL_S = 0.01
 
 
 def _fsync_dir(path: Path) -> None:
@@ -180,16 +185,22 @@ def _adopt_plain_directory(path: Path) -> None:
 
 
 def _remove_version(path: Path, version: Path) -> bool:
-    """Remove ``version`` unless a reader holds it; True when it is gone."""
+    """Remove ``version`` once its readers are done (they load in seconds at most); True when it
+    is gone, False when a reader still holds it after :data:`_COLLECT_WAIT_S`."""
     try:
         fd = os.open(version, os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
         return True
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
+        deadline = time.monotonic() + _COLLECT_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(_COLLECT_POLL_S)
         # Renamed first: a reader that resolved the old pointer sees it gone, never half deleted.
         dead = path.parent / f".{path.name}.{secrets.token_hex(12)}.dead"
         os.replace(version, dead)

@@ -52,8 +52,10 @@ def lock_file_of(artefact: Path) -> Path:
 
 
 def _held(lock_file: Path) -> _Held:
+    """This process's hold on ``lock_file``, however the path is spelt (a second ``open`` of the
+    same file by this process would wait for its own lock for ever)."""
     with _registry_guard:
-        return _registry.setdefault(lock_file, _Held())
+        return _registry.setdefault(lock_file.parent.resolve() / lock_file.name, _Held())
 
 
 def _acquire(lock_file: Path, artefact: Path, timeout_s: float | None) -> int | None:

@@ -72,3 +72,13 @@ def test_the_lock_is_reentrant_within_a_process(tmp_path: Path) -> None:
     target = tmp_path / "model"
     with writer_lock(target), writer_lock(target, timeout_s=0.1):
         pass
+
+
+def test_the_same_lock_under_another_spelling_is_the_same_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    with writer_lock(tmp_path / "data" / "index"), writer_lock(Path("link/index"), timeout_s=0.1):
+        pass
