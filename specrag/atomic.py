@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 _FILE_MODE = 0o644
 _DIR_MODE = 0o755
 _VERSION_MARK = ".v-"
+# The suffix of a version that was a plain directory before pointers: known to be whole.
+_ADOPTED = "-adopted"
 # How often a reader re-resolves a pointer whose version was collected under it (each retry
 # follows a completed write, so more than a handful means a writer loop, not bad luck).
 _READ_ATTEMPTS = 100
@@ -75,7 +77,7 @@ def _leftovers(path: Path) -> re.Pattern[str]:
     half-made links, retired directories (the previous scheme's ``.old``), half-deleted versions."""
     name = re.escape(path.name)
     return re.compile(
-        rf"^\.{name}\.(v-[0-9a-f]{{24}}|[0-9a-f]{{24}}\.(link|dead)|[a-z0-9_]{{8}}\.(tmp|old))$"
+        rf"^\.{name}\.(v-[0-9a-f]{{24}}({_ADOPTED})?|[0-9a-f]{{24}}\.(link|dead)|[a-z0-9_]{{8}}\.(tmp|old))$"
     )
 
 
@@ -175,13 +177,24 @@ def _point(path: Path, version: Path) -> None:
 def _adopt_plain_directory(path: Path) -> None:
     """Turn a plain directory at ``path`` (written before pointers existed) into a version.
 
-    The one moment a lock-free reader can find ``path`` missing: between this rename and the
-    link that follows it, once per artefact, on its first rewrite.
+    A directory cannot be replaced by a link in one step, so this is the one moment a lock-free
+    reader can find ``path`` missing: between the rename and the link, once per artefact, on its
+    first rewrite. The adopted version is marked as whole, so a writer that dies in between is
+    repaired by the next one (:func:`_repoint_adopted`).
     """
     if path.is_dir() and not path.is_symlink():
-        adopted = path.parent / f".{path.name}{_VERSION_MARK}{secrets.token_hex(12)}"
+        adopted = path.parent / f".{path.name}{_VERSION_MARK}{secrets.token_hex(12)}{_ADOPTED}"
         os.replace(path, adopted)
         _point(path, adopted)
+
+
+def _repoint_adopted(path: Path) -> None:
+    """Point a missing ``path`` back at the directory an interrupted adoption renamed aside."""
+    if path.exists() or path.is_symlink():
+        return
+    adopted = [version for version in versions_of(path) if version.name.endswith(_ADOPTED)]
+    if adopted:
+        _point(path, max(adopted, key=lambda version: version.stat().st_mtime_ns))
 
 
 def _remove_version(path: Path, version: Path) -> bool:
@@ -236,6 +249,7 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     with writer_lock(path):
+        _repoint_adopted(path)
         _adopt_plain_directory(path)
         _collect(path, keep=_current_version(path))
         version = path.parent / f".{path.name}{_VERSION_MARK}{secrets.token_hex(12)}"

@@ -97,6 +97,27 @@ def test_a_version_being_read_is_kept_and_collected_by_the_next_write(tmp_path: 
     assert len(versions_of(target)) == 1
 
 
+def test_a_writer_killed_while_adopting_a_plain_directory_is_repaired_by_the_next(tmp_path: Path) -> None:
+    target = tmp_path / "index"
+    target.mkdir()
+    (target / "a").write_text("old")
+    for kill_at in range(1, 20):  # up to the first step after the plain directory was renamed aside
+        run = subprocess.run(
+            [sys.executable, "-c", _KILLED_WRITER, str(target), str(kill_at)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+            timeout=60,
+        )
+        assert run.returncode == -9, run.stderr
+        if not target.exists():
+            break
+    assert not target.exists()
+    with pytest.raises(RuntimeError), atomic_directory(target):
+        raise RuntimeError("a writer that fails after the repair")
+    assert (target / "a").read_text() == "old"
+
+
 _WRITER = textwrap.dedent(
     """
     import hashlib, json, os, sys
