@@ -57,6 +57,7 @@ __all__ = [
     "IndexConfig",
     "build_index",
     "build_searcher",
+    "built_corpus_checksum",
     "built_passage_ids",
     "check_corpus",
     "load_index",
@@ -210,8 +211,12 @@ def build_index(
     )
 
 
-def save_index(index: VectorIndex, directory: Path) -> None:
-    """Write ``index`` to ``directory`` atomically, replacing what was there."""
+def save_index(index: VectorIndex, directory: Path, corpus_checksum: str | None = None) -> None:
+    """Write ``index`` to ``directory`` atomically, replacing what was there.
+
+    ``corpus_checksum`` (of the passages' ids, titles and texts) is recorded when given, so that a
+    corpus whose texts changed under the same ids is told from the one the index was built on.
+    """
     if index.embedder is None:
         raise InvalidInputError("an index is saved with its embedder; this one has none")
     with atomic_directory(directory) as staging:
@@ -237,6 +242,7 @@ def save_index(index: VectorIndex, directory: Path) -> None:
             "ntotal": index.searcher.ntotal,
             "num_passages": len(index.passage_ids),
             "passage_ids_sha256": passage_ids_digest(index.passage_ids),
+            "corpus_sha256": corpus_checksum,
             "searcher": index.searcher.settings,
             "embedder": embedder_entry,
             "lexical": lexical_entry,
@@ -359,6 +365,16 @@ def built_passage_ids(directory: Path) -> list[str] | None:
     if not isinstance(passage_ids, list) or not all(isinstance(found, str) for found in passage_ids):
         return None
     return passage_ids
+
+
+def built_corpus_checksum(directory: Path) -> str | None:
+    """The corpus checksum the index in ``directory`` recorded (:func:`save_index`), or None."""
+    try:
+        with reading_directory(directory) as version:
+            recorded = _read_manifest(version).get("corpus_sha256")
+    except ArtifactError:
+        return None
+    return recorded if isinstance(recorded, str) else None
 
 
 def check_corpus(index: VectorIndex, passages: Sequence[Passage]) -> None:

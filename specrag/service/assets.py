@@ -28,6 +28,7 @@ from specrag.retrieval.corpus import Passage, build_default_corpus, load_passage
 from specrag.retrieval.index_store import (
     IndexConfig,
     build_index,
+    built_corpus_checksum,
     built_passage_ids,
     check_corpus,
     load_index,
@@ -139,10 +140,14 @@ def ensure_index(
     directory = directory or layout.index_dir
     config = config or IndexConfig()
     with writer_lock(directory):
+        checksum = corpus_checksum(passages)
         try:
             index = load_index(directory)
             check_corpus(index, passages)
+            recorded = built_corpus_checksum(directory)
             mismatch = config.mismatch(index)
+            if recorded is not None and recorded != checksum:
+                mismatch = "built from the same passage ids with other titles or texts"
             if mismatch is None:
                 _describe(index, f"loaded the vector index {directory}")
                 return index
@@ -153,7 +158,7 @@ def ensure_index(
             else:
                 logger.info("building the vector index in %s", directory)
         index = build_index(passages, config, progress=True)
-        save_index(index, directory)
+        save_index(index, directory, checksum)
         _describe(index, f"built the vector index {directory}")
         return index
 

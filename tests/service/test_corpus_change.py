@@ -10,8 +10,9 @@ import pytest
 
 from specrag.cli import main
 from specrag.paths import DataLayout
+from specrag.pipeline.store import corpus_checksum
 from specrag.retrieval.corpus import Passage, write_passages
-from specrag.retrieval.index_store import built_passage_ids
+from specrag.retrieval.index_store import built_corpus_checksum, built_passage_ids
 from specrag.service.assets import ensure_assets
 from specrag.service.corpus_change import CorpusChange, CorpusShrunkError
 
@@ -115,3 +116,18 @@ def test_a_change_names_the_removed_ids() -> None:
     assert change.describe() == (
         "9 passages before, 2 now: 1 added, 8 removed ('p1', 'p2', 'p3', 'p4', 'p5' and 3 more)"
     )
+
+
+def test_texts_changed_under_the_same_ids_rebuild_the_index_too(
+    built: DataLayout,
+    default_corpus: list[Passage],
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    edited = [*default_corpus[:59], Passage(default_corpus[59].id, "New title", "an entirely new text")]
+    with caplog.at_level(logging.WARNING):
+        assets = ensure_assets(built, tiny_model_dir, corpus(edited, tmp_path / "edited.jsonl"))
+    assert "rebuilding the vector index" in caplog.text and "other titles or texts" in caplog.text
+    assert built_corpus_checksum(built.index_dir) == corpus_checksum(edited)
+    assert assets.store.passage(59).text == "an entirely new text"
