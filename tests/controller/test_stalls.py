@@ -1,13 +1,16 @@
 """Every stall is bounded: a stream with no token for ``inter_token_timeout_s`` after its first one
 moves to a recovered engine, or ends with a clear error; its engine request is aborted. The
-simulated engine's ``stall`` freezes its step loop, as a hung engine core would (``bench.faults``
-does it to the real one with SIGSTOP)."""
+simulated engine's ``stall`` freezes its step loop, as a hung engine core would; the one
+engine-marked test stops the real one with SIGSTOP."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import time
+from typing import Any
 
 import aiohttp
 import pytest
@@ -17,6 +20,7 @@ from specrag.controller.config import ControllerConfig
 from specrag.controller.controller import RagController
 from specrag.controller.query import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import EngineError, InvalidInputError
+from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from specrag.service.handlers import _controller_config
 from specrag.sim.engine import SimulatedEngine
@@ -121,3 +125,42 @@ def test_the_inter_token_timeout_is_set_by_the_command_line_and_checked() -> Non
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(InvalidInputError, match="inter_token_timeout_s must be positive"):
             ControllerConfig(inter_token_timeout_s=bad)
+
+
+def engine_core_pid(engine: VllmEngine) -> int:
+    """The engine-core process of an in-process vLLM engine (from vLLM's process manager)."""
+    client = getattr(engine._llm, "engine_core", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    processes: list[Any] = list(getattr(manager, "processes", ()))
+    assert len(processes) == 1
+    return int(processes[0].pid)
+
+
+@pytest.mark.engine
+async def test_a_real_engine_stalled_mid_answer_ends_the_answer_and_keeps_nothing(
+    vllm_engine: VllmEngine, tiny_assets: Assets
+) -> None:
+    """SIGSTOP of vLLM's engine core after the first token: the answer ends within its timeouts
+    (the stall's, then the one move's first-token one, onto the same stopped engine), and once the
+    core runs again no request of the answer is left in it."""
+    controller = make_controller(
+        vllm_engine,
+        tiny_assets,
+        scripted_index(tiny_assets, [A, A], 0.01),
+        first_token_timeout_s=3.0,
+        inter_token_timeout_s=1.0,
+    )
+    pid = engine_core_pid(vllm_engine)
+    try:
+        async with contextlib.aclosing(controller.stream(request(max_tokens=1000))) as events:
+            assert isinstance(await anext(events), AnswerDelta)
+            os.kill(pid, signal.SIGSTOP)
+            began = time.perf_counter()
+            with pytest.raises(EngineError, match=r"stalled|no first token"):
+                async for _ in events:
+                    pass
+            assert time.perf_counter() - began < 1.0 + 3.0 + 10.0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await assert_engine_idle(vllm_engine, controller, within_s=30)
+    await controller.close()
