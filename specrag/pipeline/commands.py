@@ -50,13 +50,14 @@ def engine_server_config(
     model: str,
     eager: bool,
     kv_events_port: int | None,
-    host: str = "127.0.0.1",
+    kv_events_host: str = "127.0.0.1",
     kv_cache_tokens: int | None = None,
 ) -> EngineConfig:
     """The engine config of a separate vLLM server; KV events over TCP when a port is given.
 
-    The publisher binds ``tcp://HOST:PORT`` (events) and ``PORT+1`` (replay) on the server's own
-    ``host``, so a server on loopback does not publish to the network; specrag subscribes with
+    The publisher binds ``tcp://KV_EVENTS_HOST:PORT`` (events) and ``PORT+1`` (replay): loopback
+    unless told otherwise, whatever address the server itself listens on, because the events
+    carry every prompt's and answer's token ids; specrag subscribes with
     ``serve --engine-kv-events tcp://HOST:PORT``.
     """
     config = EngineConfig(model=model, enforce_eager=eager, kv_cache_tokens=kv_cache_tokens)
@@ -64,7 +65,7 @@ def engine_server_config(
         return config.validate()
     if not 1 <= kv_events_port <= 65534:
         raise InvalidInputError(f"--kv-events-port must be between 1 and 65534, got {kv_events_port}")
-    return config.with_tcp_kv_events(host, kv_events_port)
+    return config.with_tcp_kv_events(kv_events_host, kv_events_port)
 
 
 def add_kv_cache_tokens(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +86,9 @@ def _engine(args: argparse.Namespace) -> int:
     model = str(layout.named_model_dir(args.model)) if args.model in MODEL_NAMES else args.model
     if not os.path.isdir(model):
         raise InvalidInputError(f"no model in {model}: run `specrag prepare` first, or give --model DIR")
-    config = engine_server_config(model, args.eager, args.kv_events_port, args.host, args.kv_cache_tokens)
+    config = engine_server_config(
+        model, args.eager, args.kv_events_port, args.kv_events_host, args.kv_cache_tokens
+    )
     from vllm.platforms import current_platform  # only here: importing vLLM takes seconds
 
     command, environment = config.server_command(args.host, args.port, on_cpu=current_platform.is_cpu())
@@ -131,8 +134,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     engine.add_argument(
         "--kv-events-port",
         type=int,
-        help="publish KV-cache events on tcp://HOST:PORT (the --host; replay on PORT+1) so specrag "
+        help="publish KV-cache events on tcp://KV_EVENTS_HOST:PORT (replay on PORT+1) so specrag "
         "mirrors the cache",
+    )
+    engine.add_argument(
+        "--kv-events-host",
+        default="127.0.0.1",
+        help="address the KV-event publisher binds (default %(default)s; the events carry every "
+        "prompt's token ids: 0.0.0.0 only for a subscriber on another machine)",
     )
     engine.add_argument("--eager", action="store_true", help="skip graph compilation (faster start)")
     add_kv_cache_tokens(engine)

@@ -250,6 +250,14 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="no first token by then: 504 (after one retry on a fresh engine) (default %(default)s)",
     )
+    limits.add_argument(
+        "--inter-token-timeout",
+        type=float,
+        default=ControllerConfig().inter_token_timeout_s,
+        metavar="SECONDS",
+        help="no next token of an answer by then: the stream moves to another replica or a "
+        "recovered engine, or ends with an error event (default %(default)s)",
+    )
 
 
 def _register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -142,10 +142,12 @@ async def test_a_session_continues_the_previous_turn_and_drops_repeated_document
 ) -> None:
     controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], stage_delay_s=0.01))
     session = controller.sessions.create("test")
-    first = await controller.answer(RagRequest(QUESTION, k=4, max_tokens=4, session_id=session.session_id))
+    first = await controller.answer(
+        RagRequest(QUESTION, k=4, max_tokens=4, session_id=session.session_id, client="test")
+    )
     controller.index = scripted_index(tiny_assets, [B, B], stage_delay_s=0.01)
     second = await controller.answer(
-        RagRequest("And how is it closed?", k=4, max_tokens=4, session_id=session.session_id)
+        RagRequest("And how is it closed?", k=4, max_tokens=4, session_id=session.session_id, client="test")
     )
     history = session.history
     assert second.prompt.token_ids[: len(first.prompt.token_ids)] == first.prompt.token_ids
