@@ -22,6 +22,7 @@ import msgspec
 import pytest
 from vllm import SamplingParams
 from vllm.distributed import kv_events as vllm_events
+from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     KVCacheBlock,
@@ -95,9 +96,9 @@ class Differential:
     """Random steps against the pool; ``check`` after each one."""
 
     def __init__(self, seed: int) -> None:
-        init_none_hash(self._hash_fn())
+        init_none_hash(sha256_cbor)
         self.rng = random.Random(seed)
-        self.hasher = get_request_block_hasher(BLOCK, self._hash_fn())
+        self.hasher = get_request_block_hasher(BLOCK, sha256_cbor)
         self.engine = new_engine()
         self.tree = KnowledgeTree(SYSTEM, block_size=BLOCK)
         self.mirror = KVMirror(
@@ -112,12 +113,6 @@ class Differential:
         self.checked_exact = 0
         self.checked_predictions = 0
         self.disagreements: list[str] = []
-
-    @staticmethod
-    def _hash_fn():  # type: ignore[no-untyped-def]
-        from vllm.utils.hashing import sha256_cbor
-
-        return sha256_cbor
 
     async def _reset_engine(self) -> None:
         if not self.engine.pool.reset_prefix_cache():
