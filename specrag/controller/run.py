@@ -307,10 +307,11 @@ class QueryRun:
 
     def _prefilled(self, flight: Flight) -> None:
         """A prompt of ours reached its first token: its replica's tree learns it was served and
-        that its blocks are cached (an aborted speculation's too: its prefill is done)."""
+        that its blocks are cached (an aborted speculation's too: its prefill is done); a document-KV
+        prompt's blocks are salted, another cache than the tree's."""
         tree = flight.replica.tree
         tree.record_served(flight.layout, flight.cached_tokens)
-        tree.record_prefilled(flight.layout)
+        tree.record_prefilled(flight.layout, salted=bool(flight.sampling.document_kv))
 
     def _note_route(self, placed: Placed) -> None:
         """The timeline (and so /metrics) says where the answer's prompt went, and why."""

@@ -12,6 +12,7 @@ from specrag.controller.modes import ModeName
 from specrag.controller.placement import Router
 from specrag.controller.speculation_policy import SpeculationSetting
 from specrag.errors import values
+from specrag.pipeline.commands import add_kv_cache_tokens
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
@@ -105,6 +106,7 @@ def _register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "(default: %(default)s)",
     )
     _add_document_kv_bound(serve)
+    add_kv_cache_tokens(serve)
     _add_client_options(serve)
     _add_query_options(serve)
     _add_engine_options(serve)

@@ -222,6 +222,7 @@ def serve_command(args: argparse.Namespace) -> int:
         search_cpus=args.search_cpus,
         document_kv_dir=str(_paths(args)[0].document_kv_dir) if document_kv else None,
         document_kv_max_gib=args.document_kv_max_gib,
+        kv_cache_tokens=args.kv_cache_tokens,
     )
 
     async def main() -> None:

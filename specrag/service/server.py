@@ -60,6 +60,7 @@ from specrag.service.bodies import (
 )
 from specrag.service.framing import ChatFraming, Framing, RagFraming, rag_body, usage
 from specrag.service.metrics import ServiceMetrics, mode_label
+from specrag.service.mirror_report import MIRROR_HEALTH
 from specrag.service.redaction import redact_session_ids
 from specrag.service.wire import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -237,7 +238,12 @@ async def _health(request: web.Request) -> web.Response:
         if status is not None
         else {}
     )
-    replicas = {"replicas": [dataclasses.asdict(facts) for facts in health.replicas]}
+    mirrors = request.app[MIRROR_HEALTH]() if MIRROR_HEALTH in request.app else {}
+    replicas = {
+        "replicas": [
+            {**dataclasses.asdict(facts), **mirrors.get(facts.name, {})} for facts in health.replicas
+        ]
+    }
     if not health.serving:
         return web.json_response(
             {"status": "unavailable", "reason": health.reason, **supervision, **replicas}, status=503

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -179,3 +180,30 @@ def test_the_service_s_engine_never_asks_for_more_context_than_the_model_has(tmp
     assert base_engine_config(tmp_path, ServiceOptions()).max_model_len == 2048
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}), encoding="utf-8")
     assert base_engine_config(tmp_path, ServiceOptions()).max_model_len == EngineConfig.max_model_len
+
+
+def test_kv_cache_tokens_become_whole_blocks_plus_vllms_null_block(tmp_path: Path) -> None:
+    config = engine_server_config(str(tmp_path), eager=True, kv_events_port=None, kv_cache_tokens=16384 + 1)
+    assert config.engine_arguments(on_cpu=True)["num_gpu_blocks_override"] == 16384 // 32 + 1 + 1
+    command, _ = config.server_command("127.0.0.1", 8123, on_cpu=True)
+    assert command[command.index("--num-gpu-blocks-override") + 1] == "514"
+    assert "num_gpu_blocks_override" not in EngineConfig(model=str(tmp_path)).engine_arguments(on_cpu=True)
+    options = ServiceOptions(kv_cache_tokens=9000)
+    blocks = base_engine_config(tmp_path, options).with_overrides().kv_cache_blocks()
+    assert blocks == 282 + 1  # ceil(9000 / 32) + 1
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"kv_cache_tokens": 0}, "--kv-cache-tokens) must be a positive integer: 0"),
+        ({"kv_cache_tokens": 2.5}, "must be a positive integer: 2.5"),
+        ({"kv_cache_tokens": 8191}, "must hold at least one prompt of max_model_len (8192 tokens"),
+        ({"kv_cache_tokens": 9000, "block_size": None}, "kv_cache_tokens needs a block_size"),
+    ],
+)
+def test_a_kv_cache_too_small_for_one_prompt_is_refused(
+    tmp_path: Path, changes: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=re.escape(message)):
+        EngineConfig(model=str(tmp_path)).with_overrides(**changes)
