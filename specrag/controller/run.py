@@ -361,7 +361,14 @@ class QueryRun:
         (:class:`~specrag.controller.flight.RetriedFlight`); the answering request's prefill
         refits the profile."""
         shared = self._shared
-        answer = RetriedFlight(flight, shared.placement, shared.config.first_token_timeout_s, self._resubmit)
+        config = shared.config
+        answer = RetriedFlight(
+            flight,
+            shared.placement,
+            config.first_token_timeout_s,
+            self._resubmit,
+            inter_token_timeout_s=config.inter_token_timeout_s,
+        )
         self._answer = answer
         async for output in answer.outputs():
             yield output

@@ -56,8 +56,8 @@ class TimelineEvent:
       chose another document order when it admitted it;
     - ``final_submit``, ``route`` (which replica, and why);
     - ``retry``: the answer's request failed before its first token and was submitted again;
-      ``migrate``: it failed after it, and the prompt plus the ``tokens_sent`` went ``to``
-      another replica, the stream going on;
+      ``migrate``: it failed after it (or stalled: no token for the inter-token timeout), and
+      the prompt plus the ``tokens_sent`` went ``to`` another replica, the stream going on;
     - ``first_token``, ``done``.
 
     A warm-up the query triggered is shared work that may outlive it: the query notes only its

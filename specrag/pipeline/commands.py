@@ -47,12 +47,13 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def engine_server_config(
-    model: str, eager: bool, kv_events_port: int | None, host: str = "127.0.0.1"
+    model: str, eager: bool, kv_events_port: int | None, kv_events_host: str = "127.0.0.1"
 ) -> EngineConfig:
     """The engine config of a separate vLLM server; KV events over TCP when a port is given.
 
-    The publisher binds ``tcp://HOST:PORT`` (events) and ``PORT+1`` (replay) on the server's own
-    ``host``, so a server on loopback does not publish to the network; specrag subscribes with
+    The publisher binds ``tcp://KV_EVENTS_HOST:PORT`` (events) and ``PORT+1`` (replay): loopback
+    unless told otherwise, whatever address the server itself listens on, because the events
+    carry every prompt's and answer's token ids; specrag subscribes with
     ``serve --engine-kv-events tcp://HOST:PORT``.
     """
     config = EngineConfig(model=model, enforce_eager=eager)
@@ -60,7 +61,7 @@ def engine_server_config(
         return config.validate()
     if not 1 <= kv_events_port <= 65534:
         raise InvalidInputError(f"--kv-events-port must be between 1 and 65534, got {kv_events_port}")
-    return config.with_tcp_kv_events(host, kv_events_port)
+    return config.with_tcp_kv_events(kv_events_host, kv_events_port)
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -70,7 +71,7 @@ def _engine(args: argparse.Namespace) -> int:
     model = str(layout.named_model_dir(args.model)) if args.model in MODEL_NAMES else args.model
     if not os.path.isdir(model):
         raise InvalidInputError(f"no model in {model}: run `specrag prepare` first, or give --model DIR")
-    config = engine_server_config(model, args.eager, args.kv_events_port, args.host)
+    config = engine_server_config(model, args.eager, args.kv_events_port, args.kv_events_host)
     from vllm.platforms import current_platform  # only here: importing vLLM takes seconds
 
     command, environment = config.server_command(args.host, args.port, on_cpu=current_platform.is_cpu())
@@ -116,8 +117,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     engine.add_argument(
         "--kv-events-port",
         type=int,
-        help="publish KV-cache events on tcp://HOST:PORT (the --host; replay on PORT+1) so specrag "
+        help="publish KV-cache events on tcp://KV_EVENTS_HOST:PORT (replay on PORT+1) so specrag "
         "mirrors the cache",
+    )
+    engine.add_argument(
+        "--kv-events-host",
+        default="127.0.0.1",
+        help="address the KV-event publisher binds (default %(default)s; the events carry every "
+        "prompt's token ids: 0.0.0.0 only for a subscriber on another machine)",
     )
     engine.add_argument("--eager", action="store_true", help="skip graph compilation (faster start)")
     engine.add_argument("--print", action="store_true", help="print the command instead of running it")

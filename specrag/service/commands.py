@@ -249,6 +249,14 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         help="no first token this long after the prompt went to the engine: 504; retried only on another "
         "or a restarted engine, never on the same working one (default %(default)s)",
     )
+    limits.add_argument(
+        "--inter-token-timeout",
+        type=float,
+        default=ControllerConfig().inter_token_timeout_s,
+        metavar="SECONDS",
+        help="no next token of an answer by then: the stream moves to another replica or a "
+        "recovered engine, or ends with an error event (default %(default)s)",
+    )
 
 
 def _register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -142,10 +142,12 @@ async def test_a_session_continues_the_previous_turn_and_drops_repeated_document
 ) -> None:
     controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], stage_delay_s=0.01))
     session = controller.sessions.create("test")
-    first = await controller.answer(RagRequest(QUESTION, k=4, max_tokens=4, session_id=session.session_id))
+    first = await controller.answer(
+        RagRequest(QUESTION, k=4, max_tokens=4, session_id=session.session_id, client="test")
+    )
     controller.index = scripted_index(tiny_assets, [B, B], stage_delay_s=0.01)
     second = await controller.answer(
-        RagRequest("And how is it closed?", k=4, max_tokens=4, session_id=session.session_id)
+        RagRequest("And how is it closed?", k=4, max_tokens=4, session_id=session.session_id, client="test")
     )
     history = session.history
     assert second.prompt.token_ids[: len(first.prompt.token_ids)] == first.prompt.token_ids
@@ -205,7 +207,7 @@ async def test_a_conversation_at_the_defaults_stays_inside_the_context(
 async def test_a_follow_up_is_searched_with_its_conversation_and_still_continues_its_prompt(
     engine: Engine, tiny_assets: Assets
 ) -> None:
-    """Item 5 on the real index (and, with the engine mark, real vLLM's prefix cache):
+    """A follow-up on the real index (and, with the engine mark, real vLLM's prefix cache):
     tests/controller/test_conversational_retrieval.py says why this pair."""
     controller = make_controller(engine, tiny_assets)
     session = controller.sessions.create("test")
@@ -215,6 +217,7 @@ async def test_a_follow_up_is_searched_with_its_conversation_and_still_continues
             k=4,
             max_tokens=4,
             session_id=session.session_id,
+            client="test",
         )
     )
     second = await controller.answer(
@@ -223,6 +226,7 @@ async def test_a_follow_up_is_searched_with_its_conversation_and_still_continues
             k=4,
             max_tokens=4,
             session_id=session.session_id,
+            client="test",
         )
     )
     assert "doc/http.server#6" in second.timeline.documents

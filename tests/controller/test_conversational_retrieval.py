@@ -47,10 +47,10 @@ async def test_a_session_follow_up_is_searched_with_the_question_before_it(
 ) -> None:
     controller = make_controller(simulated, tiny_assets)
     session_id = controller.create_session("test")
-    first = await controller.answer(ask(FIRST, session_id=session_id))
+    first = await controller.answer(ask(FIRST, session_id=session_id, client="test"))
     assert not [event for event in first.timeline.events if event.kind == "conversation"]
-    history = controller.sessions.get(session_id).history
-    follow_up = await controller.answer(ask(FOLLOW_UP, session_id=session_id))
+    history = controller.sessions.get(session_id, "test").history
+    follow_up = await controller.answer(ask(FOLLOW_UP, session_id=session_id, client="test"))
     assert ANSWERING in follow_up.timeline.documents
     (event,) = [event for event in follow_up.timeline.events if event.kind == "conversation"]
     assert event.detail["questions"] == 1

@@ -23,7 +23,11 @@ async def test_a_prompt_a_working_engine_did_not_prefill_in_time_is_not_asked_ag
     launcher = Launcher()
     simulated(replicas[0]).stall()  # as slow as a prefill longer than the timeout
     answer = RetriedFlight(
-        launcher.launch(placement.place_prompt(prompt())), placement, 0.2, launcher.resubmit
+        launcher.launch(placement.place_prompt(prompt())),
+        placement,
+        0.2,
+        launcher.resubmit,
+        inter_token_timeout_s=5.0,
     )
     with pytest.raises(EngineTimeoutError, match=r"first-token timeout of 0.2 s.*smaller k"):
         await collect(answer)

@@ -109,13 +109,13 @@ def test_a_compiled_engine_is_asked_for_explicitly(tmp_path: Path) -> None:
     ("host", "bound"),
     [("127.0.0.1", "tcp://127.0.0.1:"), ("localhost", "tcp://127.0.0.1:"), ("0.0.0.0", "tcp://0.0.0.0:")],
 )
-def test_the_kv_events_publisher_binds_the_server_s_host(tmp_path: Path, host: str, bound: str) -> None:
+def test_the_kv_events_publisher_binds_the_host_it_is_told(tmp_path: Path, host: str, bound: str) -> None:
     """As vLLM's publisher treats the endpoint: bound (not connected to), on that host only."""
     import zmq
     from vllm.distributed.kv_events import ZmqEventPublisher
 
     port = free_port_pair()
-    config = engine_server_config(str(tmp_path), eager=True, kv_events_port=port, host=host)
+    config = engine_server_config(str(tmp_path), eager=True, kv_events_port=port, kv_events_host=host)
     assert config.kv_events_endpoint is not None and config.kv_events_replay_endpoint is not None
     for endpoint, expected_port in (
         (config.kv_events_endpoint, port),
@@ -134,7 +134,9 @@ def test_the_kv_events_publisher_binds_the_server_s_host(tmp_path: Path, host: s
 
 def test_a_kv_events_host_without_an_ipv4_address_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match="KV events need an IPv4 host"):
-        engine_server_config(str(tmp_path), eager=True, kv_events_port=6000, host="no-such-host.invalid")
+        engine_server_config(
+            str(tmp_path), eager=True, kv_events_port=6000, kv_events_host="no-such-host.invalid"
+        )
 
 
 @pytest.mark.parametrize("port", [0, 65535])
