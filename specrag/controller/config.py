@@ -59,7 +59,9 @@ class ControllerConfig:
     max_tokens_default: int = 64
     #: The largest ``max_tokens`` a request may ask for.
     max_tokens_limit: int = 1024
-    #: No first token by then: the query fails (after one retry on a fresh engine).
+    #: No first token this long after the answer's prompt went to the engine: the query fails. It
+    #: is retried only on another replica or an engine its supervisor replaced (it had hung); a
+    #: working engine that did not finish the prefill in time is not asked again.
     first_token_timeout_s: float = 60.0
     #: No next token for this long: the stream has stalled; its engine request is aborted and the
     #: answer moves to another replica (or a recovered engine) like one whose engine died, or ends

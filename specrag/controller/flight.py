@@ -218,6 +218,7 @@ class RetriedFlight:
                     yield output
                 return
             except EngineError as error:
+                restarts = _restarts(flight)
                 placement.report_failure(flight.replica, str(error))
                 if not retries_left:
                     raise
@@ -232,8 +233,29 @@ class RetriedFlight:
                         f"no engine in service after: {error}; retry shortly"
                     ) from error
                 placed = placement.place_prompt(flight.layout, avoid=(flight.replica,))
+                if isinstance(error, EngineTimeoutError) and not sent and placed.replica is flight.replica:
+                    _check_worth_waiting_again(flight, restarts, timeout_s)  # a first-token timeout
                 moved_at = len(text) if sent else 0
                 self.flight = await self._resubmit(placed, flight, error, tuple(sent))
+
+
+def _restarts(flight: Flight) -> int | None:
+    """How often the flight's engine was replaced so far (None: no supervisor replaces it)."""
+    supervision = flight.replica.engine.supervision
+    return None if supervision is None else supervision.status().restarts
+
+
+def _check_worth_waiting_again(flight: Flight, restarts: int | None, timeout_s: float) -> None:
+    """A request that timed out goes again to the same engine only if that engine was replaced
+    meanwhile (it had hung): a working engine that did not finish the prefill in time would take as
+    long again, and the caller would wait twice the timeout."""
+    if restarts is not None and _restarts(flight) != restarts:
+        return
+    raise EngineTimeoutError(
+        f"no first token within the first-token timeout of {timeout_s:g} s: the engine did not "
+        f"finish the prefill of the {len(flight.prompt_token_ids)}-token prompt in time; a smaller k "
+        "or a shorter question prefills faster"
+    )
 
 
 def _spanning_stop(text: str, moved_at: int, new: str, stops: Sequence[str]) -> int | None:

@@ -40,6 +40,9 @@ class RagRequest:
     seed: int | None = None
     stop: str | Sequence[str] | None = None
     client: str | None = None
+    previous_questions: tuple[str, ...] = ()
+    """The questions asked before this one, oldest first, when the caller sends its conversation
+    (a chat's earlier user messages); a session's own questions take their place."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from specrag.cache.layout import DocId, PromptLayout
 from specrag.errors import ConflictError, InvalidInputError, NotFoundError, OverloadedError, echo
+from specrag.retrieval.conversational import CONVERSATION_TURNS
 
 __all__ = ["Session", "SessionStore", "Turn"]
 
@@ -55,6 +56,9 @@ class Session:
     context: tuple[Turn, ...] = ()
     turns: int = 0
     """Turns recorded since the session began, including those no longer in the context."""
+    questions: tuple[str, ...] = ()
+    """The last questions asked, oldest first: what a follow-up is searched with
+    (:mod:`specrag.retrieval.conversational`), even once their turns left the context."""
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
@@ -148,15 +152,22 @@ class SessionStore:
             self._touch(session)
 
     def record_turn(
-        self, session: Session, kept: Sequence[Turn], prompt: PromptLayout, answer: Sequence[int]
+        self,
+        session: Session,
+        kept: Sequence[Turn],
+        prompt: PromptLayout,
+        answer: Sequence[int],
+        question: str,
     ) -> None:
-        """The turn is done: the context becomes ``kept``, then this prompt's new part and answer."""
+        """The turn is done: the context becomes ``kept``, then this prompt's new part and answer;
+        ``question`` joins the questions a follow-up is searched with."""
         if not kept:  # the prompt starts with the system prompt: its first segment
             session.base = prompt.token_ids[: prompt.segments[0].end]
         start = len(session.base) + sum(len(turn.tokens) for turn in kept)
         session.turns += 1
         turn = Turn(session.turns, (*prompt.token_ids[start:], *answer), prompt.document_ids())
         session.context = (*kept, turn)
+        session.questions = (*session.questions, question)[-CONVERSATION_TURNS:]
 
     def close(self, session_id: str, client: str | None) -> None:
         """End ``client``'s session; :class:`NotFoundError` as :meth:`get` says."""

@@ -12,6 +12,7 @@ from typing import Any, Literal
 __all__ = ["EventKind", "Timeline", "TimelineEvent"]
 
 EventKind = Literal[
+    "conversation",
     "planned",
     "stage",
     "warmup_start",
@@ -37,6 +38,8 @@ EventKind = Literal[
 class TimelineEvent:
     """One step of a query, ``kind`` one of :data:`EventKind`:
 
+    - ``conversation``: a follow-up was searched with the ``questions`` asked before it
+      (:mod:`specrag.retrieval.conversational`);
     - ``planned``: a batch query starts with the documents its batch retrieved and ordered
       (``position`` in the batch's schedule; no search of its own);
     - ``stage``: a search stage's running top-k arrived (``done`` for the final one);

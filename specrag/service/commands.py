@@ -254,7 +254,8 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         type=float,
         default=ControllerConfig().first_token_timeout_s,
         metavar="SECONDS",
-        help="no first token by then: 504 (after one retry on a fresh engine) (default %(default)s)",
+        help="no first token this long after the prompt went to the engine: 504; retried only on another "
+        "or a restarted engine, never on the same working one (default %(default)s)",
     )
     limits.add_argument(
         "--inter-token-timeout",

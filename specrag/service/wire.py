@@ -202,6 +202,10 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constant)
     except InvalidInputError:
         raise  # valid JSON, or nearly, with something precise to say about it
+    except json.JSONDecodeError as error:
+        raise InvalidInputError(
+            f"the body is not valid JSON ({error.msg}: line {error.lineno}, column {error.colno})"
+        ) from None
     except ValueError:
         raise InvalidInputError("the body is not valid JSON") from None
     except RecursionError:  # a small body of nested brackets exhausts the parser's stack
