@@ -44,7 +44,7 @@ def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> 
     parser.add_argument("--corpus", help="JSONL corpus of {id, title, text} (default: the embedded corpus)")
     if engine:
         parser.add_argument(
-            "--eager", action="store_true", help="skip graph compilation (faster start, slower prefill)"
+            "--eager", action="store_true", help="skip graph compilation (faster start, slower decode)"
         )
 
 

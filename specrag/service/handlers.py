@@ -137,7 +137,7 @@ def _starting(assets: Assets, options: ServiceOptions) -> str:
     if options.engine_urls:
         return f"connecting to the engine server(s) at {', '.join(options.engine_urls)}…"
     engines = f"{options.replicas} vLLM engines, one per core," if options.pooled else "vLLM"
-    return f"starting {engines} on {assets.model_dir} (about a minute each on a small CPU machine)…"
+    return f"starting {engines} on {assets.model_dir}…"
 
 
 def _api_token(variable: str | None) -> str | None:
