@@ -7,8 +7,8 @@
   (:func:`starting_app`). When the service is ready its application takes over the same socket
   (:func:`specrag.service.lifecycle.serve_until_signalled`); connections are never refused in
   between, since the socket stays open throughout.
-- **Phases with their times.** :class:`StartupProgress` records each phase (artefacts, engine
-  load, compile, warm-up) as it begins and ends, logs each one's duration, and ``/health`` shows
+- **Phases with their times.** :class:`StartupProgress` records each phase (artefacts, the
+  engine's load) as it begins and ends, logs each one's duration, and ``/health`` shows
   them, while starting and once ready, so a slow start says where its time went.
 
 How the command runs a service from bind to stop is :mod:`specrag.service.lifecycle`'s.
@@ -22,7 +22,7 @@ import errno
 import logging
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +51,9 @@ class Phase(enum.StrEnum):
     """The steps of a start, in order; ``/health`` names the one running."""
 
     ARTEFACTS = "artefacts"  # corpus, model, document store and index: built if missing, loaded
-    ENGINE_LOAD = "engine_load"  # the engine's processes started, its weights loaded
-    COMPILE = "compile"  # graph compilation, or loading it from vLLM's compile cache
-    WARM_UP = "warm_up"  # the engine's first runs (memory profile, KV cache, warm-up passes)
+    # vLLM's start, one call into its own processes: the processes, the weights, graph compilation
+    # (or its cache), memory profiling and warm-up runs (``-v`` shows vLLM's own split of it).
+    ENGINE_LOAD = "engine_load"
     READY = "ready"
 
 
@@ -92,17 +92,9 @@ class StartupProgress:
         self.record(self.phase, time.monotonic() - self._phase_started)
 
     def record(self, phase: Phase, seconds: float) -> None:
-        """``phase`` took ``seconds`` (a sub-phase the engine measured itself, or a finished one)."""
+        """``phase`` took ``seconds``: kept for ``/health`` and logged."""
         self.durations_s[phase] = seconds
         logger.info("start-up: %s took %.1f s", phase.value.replace("_", " "), seconds)
-
-    def split(self, phase: Phase, parts: Mapping[Phase, float]) -> None:
-        """``phase``, already recorded, was made of ``parts`` (each taken out of it)."""
-        rest = self.durations_s.pop(phase, 0.0)
-        for part, seconds in parts.items():
-            self.durations_s[part] = seconds
-            rest -= seconds
-        self.durations_s[phase] = max(rest, 0.0)
 
     def ready(self) -> None:
         self.phase, self.ready_s = Phase.READY, time.monotonic() - self.started_at

@@ -45,17 +45,16 @@ def test_an_address_the_machine_lacks_is_refused_at_once() -> None:
         bind_listener(FOREIGN_ADDRESS, 0)
 
 
-def test_the_phases_add_up_and_are_shown() -> None:
+def test_the_phases_are_timed_and_shown() -> None:
     progress = StartupProgress()
     with progress.running(Phase.ARTEFACTS):
         pass
     progress.record(Phase.ENGINE_LOAD, 10.0)
-    progress.split(Phase.ENGINE_LOAD, {Phase.COMPILE: 4.0, Phase.WARM_UP: 1.0})
+    assert progress.to_dict()["ready_s"] is None
     progress.ready()
     shown = progress.to_dict()
-    assert shown["phase"] == "ready" and shown["ready_s"] is not None
-    assert shown["phases_s"]["engine_load"] == 5.0
-    assert shown["phases_s"]["compile"] == 4.0 and shown["phases_s"]["warm_up"] == 1.0
+    assert shown["phase"] == "ready" and shown["ready_s"] >= 0
+    assert shown["phases_s"]["engine_load"] == 10.0 and shown["phases_s"]["artefacts"] >= 0
 
 
 @dataclass
