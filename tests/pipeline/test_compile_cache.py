@@ -11,6 +11,8 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
+# The script runs this checkout's specrag, wherever the installed one points.
+REPOSITORY = Path(__file__).resolve().parents[2]
 # vLLM's line when its compile cache could not be loaded and the model is compiled from scratch.
 COMPILED_AGAIN = "Compiling model again"
 
@@ -38,6 +40,7 @@ def test_a_second_compiled_start_loads_the_compile_cache_instead_of_compiling_ag
     script.write_text(START_AND_STOP.format(model=str(tiny_model_dir)), encoding="utf-8")
     env = {
         **{name: value for name, value in os.environ.items() if name != "VLLM_USE_AOT_COMPILE"},
+        "PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]),
         "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),  # empty before the first start
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache"),
     }

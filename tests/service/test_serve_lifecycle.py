@@ -24,8 +24,14 @@ pytestmark = pytest.mark.engine
 
 # What vLLM prints when the engine did not stop in order (a process killed, its shared memory left).
 DISORDER = ("force killing", "leaked shared_memory", "Traceback")
-# serve's 8,192-token limit is beyond the tiny model's 4,096 positions; its prompts are short.
-ENGINE_ENV = {**os.environ, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+# serve's 8,192-token limit is beyond the tiny model's 4,096 positions; its prompts are short. The
+# commands run this checkout's specrag, whatever directory they run in.
+REPOSITORY = Path(__file__).resolve().parents[2]
+ENGINE_ENV = {
+    **os.environ,
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+    "PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]),
+}
 
 
 def _get(url: str) -> tuple[int, dict[str, Any], str | None]:
