@@ -12,7 +12,9 @@ Why these defaults (docs/vllm-cpu.md gives the measurements behind each):
 - ``max_num_batched_tokens=512``: an abort takes effect after the engine's current step, so the
   step size bounds what a wrong speculation costs the next request, while a long cold prefill
   is hardly slower in small steps than in large ones.
-- ``enforce_eager=False``: compiled graphs prefill faster; tests set it True to start faster.
+- ``enforce_eager=False``: compiled graphs decode faster (prefill about the same), and with
+  ``VLLM_ENVIRONMENT_DEFAULTS`` a later start reuses the compile cache; tests set it True to
+  start faster.
 - ``omp_threads_bind=None``: vLLM's default (worker on one core, engine core on the other)
   measured fastest here; experiments pin it explicitly to keep the search on another core.
 """
@@ -31,6 +33,7 @@ from typing import Any
 from specrag.errors import InvalidInputError, values
 
 __all__ = [
+    "VLLM_ENVIRONMENT_DEFAULTS",
     "Dtype",
     "EngineConfig",
     "KVEventSource",
@@ -110,6 +113,16 @@ def model_context_length(model_dir: Path) -> int | None:
         return None
     lengths = [config[key] for key in _CONTEXT_KEYS if isinstance(config.get(key), int) and config[key] > 0]
     return min(lengths) if lengths else None
+
+
+# vLLM settings of ours that a user may still override from the environment (docs/vllm-cpu.md):
+# - VLLM_USE_AOT_COMPILE=0: vLLM's AOT compile cache cannot be loaded back on its CPU build
+#   (every start logs "Compiling model again due to a load failure"); without it torch.compile's
+#   own caches (Inductor's FX graph and AOTAutograd caches) are reused across starts.
+# - VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=1: how long the engine core waits for its model worker
+#   to leave by itself before it terminates it; at vLLM's 5 s the core outlives the 5 s its own
+#   parent gives it and is killed, leaving its shared memory behind.
+VLLM_ENVIRONMENT_DEFAULTS = {"VLLM_USE_AOT_COMPILE": "0", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1"}
 
 
 @dataclass(frozen=True)
@@ -330,8 +343,10 @@ class EngineConfig:
         return command, self.process_environment()
 
     def process_environment(self) -> dict[str, str]:
-        """Variables vLLM's CPU build reads at start-up (the engine core is a child process)."""
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
+        """Variables vLLM's CPU build reads at start-up (the engine core is a child process);
+        those of :data:`VLLM_ENVIRONMENT_DEFAULTS` only where the environment does not set them."""
+        env = {name: os.environ.get(name, value) for name, value in VLLM_ENVIRONMENT_DEFAULTS.items()}
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         if self.omp_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_threads_bind
         if self.max_model_len > 8192:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -32,6 +33,7 @@ from specrag.pipeline.engine import EngineCounts, EngineOutput, Sampling, now
 from specrag.pipeline.engine_base import EngineBase
 
 __all__ = [
+    "ENGINE_STOP_TIMEOUT_S",
     "SHUTDOWN_IDLE_WAIT_S",
     "SchedulerSnapshot",
     "VllmEngine",
@@ -47,6 +49,9 @@ _STARTING = threading.Lock()
 
 # How long a shutdown waits for the engine core to finish its current step (see _wait_idle).
 SHUTDOWN_IDLE_WAIT_S = 5.0
+# How long vLLM's shutdown lets the engine core stop in order (it first stops its model worker,
+# see VLLM_ENVIRONMENT_DEFAULTS) before it kills it: a killed core leaves its shared memory behind.
+ENGINE_STOP_TIMEOUT_S = 8.0
 
 
 @dataclass
@@ -392,11 +397,13 @@ class VllmEngine(EngineBase):
         llm, self._llm = self._llm, None
         # Stop vLLM's output handler first: it would otherwise see the engine core go away and log
         # a spurious EngineDeadError traceback. Then shut down off the event loop (it terminates
-        # the engine core, force-killing after a few seconds), so a hung engine cannot freeze us.
+        # the engine core, killing it after ENGINE_STOP_TIMEOUT_S), so a hung engine cannot freeze us.
         handler = getattr(llm, "output_handler", None)
         if handler is not None:
             handler.cancel()
-        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+        await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(llm.shutdown, timeout=ENGINE_STOP_TIMEOUT_S)
+        )
         # vLLM keeps the AsyncLLM referenced until interpreter exit, where its __del__ calls
         # shutdown() again into half-torn-down modules and prints a spurious traceback. It is
         # already shut down: make that second call a no-op.

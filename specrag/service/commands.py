@@ -28,6 +28,7 @@ from specrag.service.options import DocumentKvStore, ServiceOptions
 from specrag.service.server import (
     DEFAULT_MAX_QUERIES,
     DEFAULT_MAX_QUERIES_PER_CLIENT,
+    SHUTDOWN_GRACE_S,
 )
 
 __all__ = ["register"]
@@ -50,7 +51,7 @@ def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> 
     )
     if engine:
         parser.add_argument(
-            "--eager", action="store_true", help="skip graph compilation (faster start, slower prefill)"
+            "--eager", action="store_true", help="skip graph compilation (faster start, slower decode)"
         )
 
 
@@ -248,6 +249,14 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         type=int,
         default=ControllerConfig().max_queue,
         help="final prompts waiting for the engine's prefill pool (default %(default)s)",
+    )
+    limits.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=SHUTDOWN_GRACE_S,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, answers in flight have this long to finish before they are "
+        "aborted (default %(default)s)",
     )
     limits.add_argument(
         "--first-token-timeout",

@@ -9,8 +9,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -32,11 +30,10 @@ from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.engine_log import engine_output_to
 from specrag.service.exposure import warn_if_exposed
+from specrag.service.lifecycle import serve_until_signalled
 from specrag.service.options import DocumentKvStore, base_engine_config
-from specrag.service.server import (
-    SHUTDOWN_GRACE_S,
-    serving,
-)
+from specrag.service.server import serving
+from specrag.service.startup import Phase, StartupProgress, bind_listener
 
 __all__ = [
     "MAX_BATCH",
@@ -92,7 +89,11 @@ async def _fill_document_kv(assets: Assets, kv_dir: Path, max_gib: float) -> int
 
 @contextlib.asynccontextmanager
 async def _service(
-    args: argparse.Namespace, assets: Assets, options: ServiceOptions, quiet: bool = False
+    args: argparse.Namespace,
+    assets: Assets,
+    options: ServiceOptions,
+    quiet: bool = False,
+    progress: StartupProgress | None = None,
 ) -> AsyncIterator[Service]:
     """The supervised engine(s), the controller and the application over them (see assembly.py).
 
@@ -101,22 +102,30 @@ async def _service(
     """
     print(_starting(assets, options), file=sys.stderr if quiet else sys.stdout, flush=True)
     run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
+    progress = progress or StartupProgress()
     try:
+        progress.begin(Phase.ENGINE_LOAD)
         async with open_service(assets, options, run_dir) as service:
+            progress.end()
             yield service
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def _engine_log(args: argparse.Namespace) -> Iterator[None]:
+def _engine_log(args: argparse.Namespace, quiet: bool = False) -> Iterator[None]:
     """Unless ``-v``: vLLM's and the libraries' output into ``DATA_DIR/run/COMMAND-PID.log``, the
-    terminal left to specrag's own lines (see engine_log.py); the first line says where it went."""
+    terminal left to specrag's own lines (see engine_log.py); the first line says where it went,
+    on standard error when ``quiet`` (standard output is data)."""
     if args.verbose:
         yield
         return
     log_file = _paths(args)[0].root / "run" / f"{args.command}-{os.getpid()}.log"
-    print(f"engine and library logs: {log_file} (-v shows them here)", flush=True)
+    print(
+        f"engine and library logs: {log_file} (-v shows them here)",
+        file=sys.stderr if quiet else sys.stdout,
+        flush=True,
+    )
     with engine_output_to(log_file):
         yield
 
@@ -129,7 +138,7 @@ def _starting(assets: Assets, options: ServiceOptions) -> str:
     if options.engine_urls:
         return f"connecting to the engine server(s) at {', '.join(options.engine_urls)}…"
     engines = f"{options.replicas} vLLM engines, one per core," if options.pooled else "vLLM"
-    return f"starting {engines} on {assets.model_dir} (about a minute each on a small CPU machine)…"
+    return f"starting {engines} on {assets.model_dir}…"
 
 
 def _api_token(variable: str | None) -> str | None:
@@ -192,10 +201,8 @@ def _controller_config(args: argparse.Namespace) -> ControllerConfig:
 def serve_command(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
-    try:  # before the engine's minute-long start, not after it
-        socket.getaddrinfo(args.host, args.port)
-    except OSError as error:
-        raise InvalidInputError(f"--host {args.host!r} cannot be bound: {error}") from None
+    if not args.shutdown_timeout >= 0:  # written so that NaN fails too
+        raise InvalidInputError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
     if args.max_queries < 1 or args.max_queries_per_client < 1:
         raise InvalidInputError("--max-queries and --max-queries-per-client must be at least 1")
     token = _api_token(args.api_token_env)
@@ -225,31 +232,26 @@ def serve_command(args: argparse.Namespace) -> int:
         kv_cache_tokens=args.kv_cache_tokens,
     )
 
-    async def main() -> None:
-        async with _service(args, assets, options) as service:
-            stop = asyncio.Event()
+    progress = StartupProgress.since_process_start()
+    listener = bind_listener(args.host, args.port)  # a busy port fails now, not after the engine's start
 
-            def shut_down() -> None:
-                # At once, in the handler: from now on new queries get 503 and engine failures
-                # are the shutdown's, not faults to repair.
-                service.begin_shutdown()
-                stop.set()
+    @contextlib.asynccontextmanager
+    async def start() -> AsyncIterator[Service]:
+        with progress.running(Phase.ARTEFACTS):
+            assets = await asyncio.to_thread(_assets, args)
+        async with _service(args, assets, options, progress=progress) as service:
+            yield service
 
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, shut_down)
-            async with serving(service.app, args.host, args.port) as url:
-                print(f"specrag serving on {url} (mode {config.mode}; Ctrl-C to stop)", flush=True)
-                await stop.wait()
-                print(
-                    f"stopping: new queries get 503, queries in flight have {SHUTDOWN_GRACE_S:g} s "
-                    "to finish; then the engine shuts down…",
-                    flush=True,
-                )
-
-    with _engine_log(args):
-        assets = _assets(args)
-        asyncio.run(main())
+    with contextlib.closing(listener), _engine_log(args):
+        asyncio.run(
+            serve_until_signalled(
+                listener,
+                progress,
+                start,
+                shutdown_timeout_s=args.shutdown_timeout,
+                announce=lambda line: print(line, flush=True),
+            )
+        )
     return 0
 
 
@@ -329,5 +331,9 @@ def batch_command(args: argparse.Namespace) -> int:
         ):
             await answer_file(client, questions, args.batch_size, **options)
 
-    asyncio.run(main())
+    if args.url is not None:
+        asyncio.run(main())
+        return 0
+    with _engine_log(args, quiet=True):  # the engine's output must not reach the JSON lines
+        asyncio.run(main())
     return 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -62,6 +63,7 @@ from specrag.service.framing import ChatFraming, Framing, RagFraming, rag_body, 
 from specrag.service.metrics import ServiceMetrics, mode_label
 from specrag.service.mirror_report import MIRROR_HEALTH
 from specrag.service.redaction import redact_session_ids
+from specrag.service.startup import STARTUP
 from specrag.service.wire import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -239,11 +241,13 @@ async def _health(request: web.Request) -> web.Response:
         else {}
     )
     mirrors = request.app[MIRROR_HEALTH]() if MIRROR_HEALTH in request.app else {}
-    replicas = {
+    replicas: dict[str, Any] = {
         "replicas": [
             {**dataclasses.asdict(facts), **mirrors.get(facts.name, {})} for facts in health.replicas
         ]
     }
+    if (startup := request.app.get(STARTUP)) is not None:
+        replicas["startup"] = startup.to_dict()  # how long each start-up phase took
     if not health.serving:
         return web.json_response(
             {"status": "unavailable", "reason": health.reason, **supervision, **replicas}, status=503
@@ -442,25 +446,36 @@ def create_app(
 
 @contextlib.asynccontextmanager
 async def serving(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0, *, access_log: bool = True
+    app: web.Application,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    access_log: bool = True,
+    sock: socket.socket | None = None,
+    shutdown_timeout_s: float = SHUTDOWN_GRACE_S,
 ) -> AsyncIterator[str]:
     """Serve ``app`` for the duration of the block; yields its base URL (the real port if ``port=0``).
 
     Handler cancellation is on so a client that disconnects aborts its query's engine requests.
     ``access_log=False`` keeps a terminal demo's output readable; the access log never shows a
-    session id (:mod:`specrag.service.redaction`).
+    session id (:mod:`specrag.service.redaction`). ``sock``, a socket already
+    listening (``specrag.service.lifecycle.bind_listener``), is served instead of binding
+    ``host``/``port``; it stays the caller's, open after the block. On exit, answers in flight
+    get ``shutdown_timeout_s`` to finish before they are cancelled (their queries aborted).
     """
     redact_session_ids(access_logger)
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
-        shutdown_timeout=SHUTDOWN_GRACE_S,
+        shutdown_timeout=shutdown_timeout_s,
         access_log=access_logger if access_log else None,
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        site = web.TCPSite(runner, host, port) if sock is None else web.SockSite(runner, sock.dup())
+        await site.start()
         bound_port = runner.addresses[0][1]
+        host = host if sock is None else str(sock.getsockname()[0])
         yield f"http://[{host}]:{bound_port}" if ":" in host else f"http://{host}:{bound_port}"
     finally:
         await runner.cleanup()

@@ -93,6 +93,12 @@ BAD_COMMANDS = (
     BadCommand("negative port", ("serve", "--port", "-1"), "--port must be between 0 and 65535"),
     BadCommand("port not a number", ("serve", "--port", "http"), "invalid int value: 'http'"),
     BadCommand("unresolvable host", ("serve", "--host", "256.1.1.1", "--port", "0"), "cannot be bound"),
+    BadCommand(
+        "an address this machine lacks", ("serve", "--host", "192.0.2.1", "--port", "0"), "no such address"
+    ),
+    BadCommand(
+        "negative shutdown timeout", ("serve", "--shutdown-timeout", "-1"), "--shutdown-timeout must be"
+    ),
     BadCommand("zero stages", ("serve", "--stages", "0"), "--stages must be at least 1"),
     BadCommand(
         "zero prefill pool", ("serve", "--max-prefill-bs", "0"), "--max-prefill-bs must be at least 1"

@@ -11,7 +11,13 @@ import pytest
 
 from specrag.errors import InvalidInputError
 from specrag.pipeline.commands import engine_server_config
-from specrag.pipeline.config import EngineConfig, cpu_has_native_bf16, model_context_length, resolve_dtype
+from specrag.pipeline.config import (
+    VLLM_ENVIRONMENT_DEFAULTS,
+    EngineConfig,
+    cpu_has_native_bf16,
+    model_context_length,
+    resolve_dtype,
+)
 from specrag.service.options import ServiceOptions, base_engine_config
 from specrag.service.pools import free_port_pair
 
@@ -19,7 +25,18 @@ from specrag.service.pools import free_port_pair
 def test_defaults_validate_for_an_existing_model_dir(tmp_path: Path) -> None:
     config = EngineConfig(model=str(tmp_path)).validate()
     assert config.block_size == 32
-    assert config.process_environment() == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert config.process_environment() == {**VLLM_ENVIRONMENT_DEFAULTS, "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+def test_the_compile_cache_is_one_vllm_can_load_back_unless_the_environment_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's AOT compile cache fails to load on its CPU build (every start compiled again)."""
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    config = EngineConfig(model=str(tmp_path))
+    assert config.process_environment()["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert config.process_environment()["VLLM_USE_AOT_COMPILE"] == "1"
 
 
 @pytest.mark.parametrize(
@@ -49,6 +66,7 @@ def test_missing_model_dir_is_rejected(tmp_path: Path) -> None:
 def test_environment_for_binding_and_long_contexts(tmp_path: Path) -> None:
     config = EngineConfig(model=str(tmp_path), omp_threads_bind="1", max_model_len=16384, kv_cache_gib=4)
     assert config.process_environment() == {
+        **VLLM_ENVIRONMENT_DEFAULTS,
         "VLLM_CPU_KVCACHE_SPACE": "4",
         "VLLM_CPU_OMP_THREADS_BIND": "1",
         "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
