@@ -17,6 +17,7 @@ import faiss
 import numpy as np
 
 from specrag.errors import InvalidInputError
+from specrag.retrieval.live_index import ReadWriteLock
 from specrag.retrieval.progress import add_in_chunks
 from specrag.retrieval.stages import (
     FaissBacked,
@@ -88,6 +89,9 @@ class StagedIVF(FaissBacked):
         if self.nprobe < 1:
             raise InvalidInputError(f"nprobe must be at least 1, got {self.nprobe}")
         self.nprobe = min(self.nprobe, self.index.nlist)
+        # Adding vectors may move a list's storage; a scan must never read it mid-move, so an add
+        # waits for the scans in flight (one stage's slice each) and scans wait for it (:meth:`add`).
+        self._lists_lock = ReadWriteLock()
         if self.nprobe == 1:
             logger.warning(
                 "this IVF index searches one list (nlist %d, nprobe 1): a search is a single stage, so "
@@ -161,6 +165,15 @@ class StagedIVF(FaissBacked):
             return "sq8"
         return "flat"
 
+    def add(self, vectors: np.ndarray) -> None:
+        """Append ``vectors`` (rows ``ntotal``, ``ntotal + 1``, ...) to the lists of their nearest
+        centroids, as a build adds its own; a search in flight waits for at most one add."""
+        matrix = np.ascontiguousarray(vectors, dtype=np.float32)
+        if matrix.ndim != 2 or matrix.shape[1] != self.dim:
+            raise InvalidInputError(f"expected vectors of dimension {self.dim}, got shape {matrix.shape}")
+        with self._lists_lock.writing():
+            self.owner.add(matrix)
+
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
         params = faiss.SearchParametersIVF()
         params.nprobe = nprobe
@@ -169,7 +182,8 @@ class StagedIVF(FaissBacked):
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One-shot faiss search at this searcher's ``nprobe``: (distances, ids), shape (n, k)."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
-        distances, ids = self.index.search(matrix, k, params=self._params(self.nprobe))
+        with self._lists_lock.reading():
+            distances, ids = self.index.search(matrix, k, params=self._params(self.nprobe))
         return distances, ids
 
     def stages(self, queries: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
@@ -191,18 +205,19 @@ class StagedIVF(FaissBacked):
             centroid_distances = np.ascontiguousarray(coarse_distances[:, scanned:end])
             distances = np.empty((num, k), dtype=np.float32)
             ids = np.empty((num, k), dtype=np.int64)
-            self.index.search_preassigned_c(
-                num,
-                faiss.swig_ptr(matrix),
-                k,
-                faiss.swig_ptr(lists),
-                faiss.swig_ptr(centroid_distances),
-                faiss.swig_ptr(distances),
-                faiss.swig_ptr(ids),
-                False,
-                self._params(end - scanned),
-                None,
-            )
+            with self._lists_lock.reading():
+                self.index.search_preassigned_c(
+                    num,
+                    faiss.swig_ptr(matrix),
+                    k,
+                    faiss.swig_ptr(lists),
+                    faiss.swig_ptr(centroid_distances),
+                    faiss.swig_ptr(distances),
+                    faiss.swig_ptr(ids),
+                    False,
+                    self._params(end - scanned),
+                    None,
+                )
             top.add(distances, ids)
             scanned = end
             return scanned == self.nprobe
