@@ -9,8 +9,14 @@ A change is made in this order, under one lock (one writer at a time):
    (:meth:`~specrag.retrieval.vector_index.VectorIndex.apply_changes`): a search that starts
    afterwards sees the new versions only, one that started before sees the old ones only.
 
-Only then is the change acknowledged. At start :func:`open_live_corpus` replays the log onto the
-loaded index: the logged vectors and texts, not embedded again.
+Only then is the change acknowledged. At start :meth:`LiveCorpus.replayed` replays the log onto
+the loaded index: the logged vectors and texts, not embedded again.
+
+Hidden rows stay in the index's lists, scanned and filtered, until a compaction drops them: once
+they reach :data:`COMPACT_SHARE` of the rows it holds, a background thread copies the lists
+without them (same centroids and codes) and swaps the copy in. Searches run on throughout (one in
+flight finishes on the lists it started on); changes wait for the swap, as they would for
+another writer.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
 
 __all__ = [
+    "COMPACT_SHARE",
     "MAX_BATCH_DOCUMENTS",
     "MAX_ID_CHARS",
     "MAX_TEXT_CHARS",
@@ -43,6 +50,9 @@ __all__ = [
 MAX_BATCH_DOCUMENTS = 1000
 MAX_ID_CHARS = 256
 MAX_TEXT_CHARS = 100_000
+# Compact the index once this share of the rows it holds is hidden (replaced or deleted): each
+# hidden row costs every search that scans its list, and compaction copies every list once.
+COMPACT_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -89,7 +99,14 @@ def _indexed_text(passage: Passage) -> str:
 class LiveCorpus:
     """Adds, replaces and deletes documents of a served store and index, durably and consistently."""
 
-    def __init__(self, store: LiveStore, index: VectorIndex, tokenize_batch: TokenizeBatch) -> None:
+    def __init__(
+        self,
+        store: LiveStore,
+        index: VectorIndex,
+        tokenize_batch: TokenizeBatch,
+        compact_share: float | None = COMPACT_SHARE,
+    ) -> None:
+        """``compact_share`` None never compacts in the background (:meth:`compact` still does)."""
         if index.embedder is None:
             raise InvalidInputError("a live corpus embeds its documents: the index needs its embedder")
         if len(store) != len(index.passage_ids):
@@ -101,9 +118,18 @@ class LiveCorpus:
         self.index = index
         self._tokenize_batch = tokenize_batch
         self._lock = threading.Lock()
+        self._compact_share = compact_share
+        self._compacting: threading.Thread | None = None
+        self.compactions = 0
 
     @classmethod
-    def replayed(cls, store: LiveStore, index: VectorIndex, tokenize_batch: TokenizeBatch) -> LiveCorpus:
+    def replayed(
+        cls,
+        store: LiveStore,
+        index: VectorIndex,
+        tokenize_batch: TokenizeBatch,
+        compact_share: float | None = COMPACT_SHARE,
+    ) -> LiveCorpus:
         """The live corpus over a freshly loaded base index: the store's logged changes applied to it."""
         ids: list[str] = []
         vectors: list[np.ndarray] = []
@@ -122,7 +148,7 @@ class LiveCorpus:
                 texts.append(_indexed_text(change.passage))
         matrix = np.stack(vectors) if vectors else np.zeros((0, index.dim), dtype=np.float32)
         index.apply_changes(ids, matrix, texts, retired)
-        return cls(store, index, tokenize_batch)
+        return cls(store, index, tokenize_batch, compact_share)
 
     def get(self, passage_id: str) -> Document:
         """The current version of ``passage_id``; NotFoundError when unknown or deleted."""
@@ -163,6 +189,7 @@ class LiveCorpus:
                 written.append(Written(passage.id, version, before is None or before.row is None))
             self.store.commit(changes)
             self.index.apply_changes([p.id for p in passages], vectors, texts, retired)
+        self._compact_when_due()
         return written
 
     def delete(self, passage_ids: Sequence[str]) -> None:
@@ -181,3 +208,26 @@ class LiveCorpus:
                 changes.append(Change(passage_id, before.version + 1))
             self.store.commit(changes)
             self.index.apply_changes([], np.zeros((0, self.index.dim), dtype=np.float32), [], retired)
+        self._compact_when_due()
+
+    def compact(self) -> int:
+        """Drop the hidden rows from the index now (changes wait, searches do not); returns how many."""
+        with self._lock:
+            dropped = self.index.compact()
+        self.compactions += 1
+        return dropped
+
+    def _compact_when_due(self) -> None:
+        """Start a background compaction once hidden rows pass the share (one at a time)."""
+        if self._compact_share is None or (self._compacting is not None and self._compacting.is_alive()):
+            return
+        held = self.index.searcher.ntotal
+        if not held or self.index.removable_rows < self._compact_share * held:
+            return
+        self._compacting = threading.Thread(target=self.compact, name="specrag-compaction", daemon=True)
+        self._compacting.start()
+
+    def wait_for_compaction(self) -> None:
+        """Return once the background compaction in progress (if any) is done (tests, benchmarks)."""
+        if self._compacting is not None:
+            self._compacting.join()

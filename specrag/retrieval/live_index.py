@@ -78,9 +78,15 @@ class ReadWriteLock:
 
 @runtime_checkable
 class Growable(Protocol):
-    """A searcher that takes vectors while it serves (rows ``ntotal``, ``ntotal + 1``, ...)."""
+    """A searcher that takes vectors while it serves and drops hidden rows when compacted."""
 
-    def add(self, vectors: np.ndarray) -> None: ...
+    def add(self, vectors: np.ndarray, first_row: int) -> None:
+        """Add ``vectors`` as rows ``first_row``, ``first_row + 1``, ..."""
+        ...
+
+    def compacted(self, keep: np.ndarray) -> Growable:
+        """A new searcher holding only the rows ``r`` with ``keep[r]``, under the same row numbers."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,11 @@ class Visibility:
 
     row_to_passage: np.ndarray
     hidden: int
+
+    @property
+    def visible(self) -> np.ndarray:
+        """Which index rows a search may return (one flag a row)."""
+        return np.asarray(self.row_to_passage[:-1] >= 0)
 
     def alive(self, passages: np.ndarray) -> np.ndarray:
         """Which of ``passages`` (document rows, as the lexical channel names them) are visible."""

@@ -165,14 +165,42 @@ class StagedIVF(FaissBacked):
             return "sq8"
         return "flat"
 
-    def add(self, vectors: np.ndarray) -> None:
-        """Append ``vectors`` (rows ``ntotal``, ``ntotal + 1``, ...) to the lists of their nearest
-        centroids, as a build adds its own; a search in flight waits for at most one add."""
+    def add(self, vectors: np.ndarray, first_row: int) -> None:
+        """Add ``vectors`` as rows ``first_row``, ``first_row + 1``, ... to the lists of their
+        nearest centroids, as a build adds its own; a search in flight waits for at most one add."""
         matrix = np.ascontiguousarray(vectors, dtype=np.float32)
         if matrix.ndim != 2 or matrix.shape[1] != self.dim:
             raise InvalidInputError(f"expected vectors of dimension {self.dim}, got shape {matrix.shape}")
+        rows = np.arange(first_row, first_row + len(matrix), dtype=np.int64)
         with self._lists_lock.writing():
-            self.owner.add(matrix)
+            self.owner.add_with_ids(matrix, rows)
+
+    def compacted(self, keep: np.ndarray) -> StagedIVF:
+        """A copy holding only the rows ``r`` with ``keep[r]``: the same centroids and codes, the
+        hidden rows' entries gone from the lists (no vector is decoded or re-encoded)."""
+        compact: Any = faiss.clone_index(self.owner)
+        compact.reset()  # empties the lists, keeps the trained quantizer and codes
+        source, target = self.index.invlists, faiss.extract_index_ivf(compact).invlists
+        assert target is not None
+        code_size, kept = source.code_size, 0
+        with self._lists_lock.reading():
+            for number in range(self.index.nlist):
+                size = source.list_size(number)
+                if not size:
+                    continue
+                ids = faiss.rev_swig_ptr(source.get_ids(number), size).copy()
+                codes = faiss.rev_swig_ptr(source.get_codes(number), size * code_size).copy()
+                chosen = keep[ids]
+                if chosen.any():
+                    kept_ids = np.ascontiguousarray(ids[chosen])
+                    kept_codes = np.ascontiguousarray(codes.reshape(size, code_size)[chosen])
+                    target.add_entries(
+                        number, len(kept_ids), faiss.swig_ptr(kept_ids), faiss.swig_ptr(kept_codes)
+                    )
+                    kept += len(kept_ids)
+        faiss.extract_index_ivf(compact).ntotal = kept
+        compact.ntotal = kept
+        return StagedIVF(compact, self.nprobe)
 
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
         params = faiss.SearchParametersIVF()

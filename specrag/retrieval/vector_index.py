@@ -151,9 +151,7 @@ class VectorIndex:
                 )
             if len(self.synthetic_sources):
                 raise InvalidInputError("a padded index (synthetic rows) cannot take documents")
-            if self.searcher.ntotal != start:
-                raise InvalidInputError(f"the index has {self.searcher.ntotal} rows, its map {start}")
-            self.searcher.add(np.asarray(vectors, dtype=np.float32))
+            self.searcher.add(np.asarray(vectors, dtype=np.float32), start)
         added = list(range(start, start + len(vectors)))
         for row, passage_id, text in zip(added, ids, texts, strict=True):
             self.passage_ids.append(passage_id)  # row -> id; an id's current row is the live corpus's
@@ -161,6 +159,21 @@ class VectorIndex:
                 self._added_lexical.add(row, text)
         self._visibility = current.changed(added, retired)
         return added
+
+    @property
+    def removable_rows(self) -> int:
+        """Hidden rows the searcher still holds (and scans): what :meth:`compact` drops."""
+        return self.searcher.ntotal - int(np.count_nonzero(self._visibility.visible))
+
+    def compact(self) -> int:
+        """Swap in a searcher without the hidden rows (searches in flight finish on the old one);
+        returns the rows dropped. The caller keeps changes out while it runs (one writer)."""
+        searcher = self.searcher
+        if not isinstance(searcher, Growable):
+            raise InvalidInputError(f"a {searcher.kind} index cannot be compacted while it serves")
+        dropped = self.removable_rows
+        self.searcher = searcher.compacted(self._visibility.visible)  # type: ignore[assignment]
+        return dropped
 
     @property
     def hidden_rows(self) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError, TooLargeError
+from specrag.pipeline.document_kv import segment_key
 from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus
 from specrag.pipeline.live_store import LiveStore
 from specrag.retrieval.corpus import Passage
@@ -60,7 +61,8 @@ def test_a_replaced_document_is_a_new_row_and_the_old_one_is_never_found(corpus:
     assert (written.version, written.created) == (2, False)
     new_row = corpus.store.row_of(old.id)
     assert new_row != old_row and corpus.store.passage(old_row) == old  # a query in flight still reads it
-    assert corpus.store.tokens(new_row) != corpus.store.tokens(old_row)
+    # The document-KV store keys a segment by its tokens: the new version never reuses the old KV.
+    assert segment_key(corpus.store.tokens(new_row)) != segment_key(corpus.store.tokens(old_row))
     assert old_row not in found(corpus, question, k=10)
     assert found(corpus, "what does the quokka module count now? wombats")[0] == new_row
 
@@ -163,3 +165,21 @@ def test_a_kill_9_right_after_an_acknowledged_write_loses_nothing(
     again = open_live(tiny_assets, log)
     assert again.get("fact-1").text == "The quokka module counts marsupials."
     assert found(again, "How does the quokka module count marsupials?")[0] == again.store.row_of("fact-1")
+
+
+def test_a_compaction_starts_in_the_background_once_hidden_rows_pass_the_share(
+    tiny_assets: Assets, tmp_path: Path
+) -> None:
+    index = load_index(tiny_assets.store.path.parent.parent / "index")
+    store = LiveStore(tiny_assets.store.path, tmp_path / "log.sqlite")
+    corpus = LiveCorpus.replayed(store, index, tiny_assets.tokenizer.encode_batch, compact_share=0.01)
+    doomed = index.passage_ids[: len(index.passage_ids) // 100]
+    corpus.delete(doomed[:-1])
+    corpus.wait_for_compaction()
+    assert corpus.compactions == 0 and index.removable_rows == len(doomed) - 1  # below the share
+    corpus.delete(doomed[-1:])
+    corpus.wait_for_compaction()
+    assert corpus.compactions == 1 and index.removable_rows == 0
+    assert index.searcher.ntotal == len(index.passage_ids) - len(doomed)
+    (written,) = corpus.put([NEW_FACT])  # the compacted index takes documents as before
+    assert found(corpus, "How does the quokka module count marsupials?")[0] == store.row_of(written.id)

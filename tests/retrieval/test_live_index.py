@@ -134,3 +134,21 @@ def test_a_writer_waits_for_the_readers_in_flight() -> None:
         order.append("read")
     writer.join(5)
     assert order == ["read", "write"]
+
+
+@pytest.mark.parametrize("codes", ["flat", "sq8"])
+def test_compaction_drops_hidden_rows_and_changes_no_result(
+    vectors: np.ndarray, queries: np.ndarray, codes: str
+) -> None:
+    index = VectorIndex(
+        StagedIVF.build(vectors, nlist=64, nprobe=24, codes=codes), [f"p{i}" for i in range(6000)]
+    )
+    index.apply_changes(["p1"], vectors[1:2], ["t"], retired=list(range(0, 6000, 3)))
+    assert index.removable_rows == 2000
+    before = [index.search(query, 10)[1].tolist() for query in queries[:40]]
+    old = index.searcher
+    assert index.compact() == 2000
+    assert index.searcher is not old and index.searcher.ntotal == 4001 and index.removable_rows == 0
+    assert [index.search(query, 10)[1].tolist() for query in queries[:40]] == before
+    (row,) = index.apply_changes(["p3"], vectors[3:4], ["t"], retired=[])
+    assert row == 6001 and index.search(vectors[3], 1)[1][0] == row

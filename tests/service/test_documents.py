@@ -13,9 +13,11 @@ import aiohttp
 import pytest
 
 from specrag.client import AsyncClient, SpecragHTTPError
+from specrag.controller.query import RagRequest
 from specrag.pipeline.engine import EngineOutput, Sampling
 from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus
 from specrag.pipeline.live_store import LiveStore
+from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import load_index
 from specrag.service.assets import Assets
 from specrag.service.documents import add_document_routes
@@ -170,5 +172,29 @@ async def test_bad_document_requests_get_their_status(tiny_assets: Assets, tmp_p
             ) as response:
                 assert response.status == 200
                 assert [one["created"] for one in (await response.json())["documents"]] == [True, True]
+    finally:
+        await controller.close()
+
+
+async def test_a_conversation_resends_a_document_that_changed_since_it_was_sent(
+    tiny_assets: Assets, tmp_path: Path
+) -> None:
+    assets = live_assets(tiny_assets, tmp_path / "log.sqlite")
+    assert assets.corpus is not None
+    controller = make_controller(PromptRecordingEngine(), assets)
+    try:
+        assets.corpus.put([Passage("quokka", "quokka module", FACT)])
+        session_id = controller.create_session("test")
+        first = await controller.answer(
+            RagRequest(QUESTION, k=4, mode="serial", max_tokens=2, session_id=session_id)
+        )
+        assert first.timeline.documents[0] == "quokka"
+        assets.corpus.put([Passage("quokka", "quokka module", "The quokka module was renamed wallaby.")])
+        second = await controller.answer(
+            RagRequest(QUESTION, k=4, mode="serial", max_tokens=2, session_id=session_id)
+        )
+        assert "quokka" in second.timeline.documents
+        sent_now = second.prompt.token_ids[len(first.prompt.token_ids) :]
+        assert holds(sent_now, assets.store.tokens(assets.store.row_of("quokka")))
     finally:
         await controller.close()
