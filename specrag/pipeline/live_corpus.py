@@ -17,6 +17,13 @@ they reach :data:`COMPACT_SHARE` of the rows it holds, a background thread copie
 without them (same centroids and codes) and swaps the copy in. Searches run on throughout (one in
 flight finishes on the lists it started on); changes wait for the swap, as they would for
 another writer.
+
+The centroids stay those of the build until the documents added since drift away from them: a
+live corpus compares how far each added vector lies from its nearest centroid with how far the
+index's own rows lie (a sample, read when the first document is added). Once the added documents
+are :data:`RETRAIN_MIN_SHARE` of the index and lie :data:`RETRAIN_DRIFT` times as far on average,
+the background thread trains new centroids on the rows kept (flat lists only: they hold the
+vectors) instead of copying the lists, and swaps that index in the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from specrag.errors import ArtifactError, InvalidInputError, NotFoundError, TooL
 from specrag.pipeline.live_store import BASE_VERSION, Change, LiveStore
 from specrag.pipeline.store import TokenizeBatch, render_segment
 from specrag.retrieval.corpus import Passage
+from specrag.retrieval.live_index import Growable
 from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
 
@@ -39,6 +47,8 @@ __all__ = [
     "MAX_BATCH_DOCUMENTS",
     "MAX_ID_CHARS",
     "MAX_TEXT_CHARS",
+    "RETRAIN_DRIFT",
+    "RETRAIN_MIN_SHARE",
     "Document",
     "LiveCorpus",
     "Written",
@@ -53,6 +63,14 @@ MAX_TEXT_CHARS = 100_000
 # Compact the index once this share of the rows it holds is hidden (replaced or deleted): each
 # hidden row costs every search that scans its list, and compaction copies every list once.
 COMPACT_SHARE = 0.2
+# Re-train the centroids once the documents added since the last training are this share of the
+# index and lie this many times as far from their nearest centroid as its own rows do: on Gaussian
+# mixtures (docs/updates.md) added vectors of the build's own distribution lie about 1.07 times as
+# far (the build trained on its rows), vectors of another mixture 1.75 times.
+RETRAIN_MIN_SHARE = 0.1
+RETRAIN_DRIFT = 1.3
+# Rows of the index read to learn how far its own rows lie from their centroids.
+_REFERENCE_SAMPLE = 2000
 
 
 @dataclass(frozen=True)
@@ -121,6 +139,10 @@ class LiveCorpus:
         self._compact_share = compact_share
         self._compacting: threading.Thread | None = None
         self.compactions = 0
+        self.retrainings = 0
+        self._reference_distance: float | None = None  # of the index's own rows; None: not read yet
+        self._added_distance = 0.0  # summed over the documents added since the last training
+        self._added = 0
 
     @classmethod
     def replayed(
@@ -166,6 +188,7 @@ class LiveCorpus:
             raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {len(passages)}")
         if len({passage.id for passage in passages}) < len(passages):
             raise InvalidInputError("a request names each document id once")
+        self.index.check_growable()  # before anything is logged: a logged change must replay
         embedder = self.index.embedder
         assert embedder is not None
         texts = [_indexed_text(passage) for passage in passages]
@@ -189,6 +212,7 @@ class LiveCorpus:
                 written.append(Written(passage.id, version, before is None or before.row is None))
             self.store.commit(changes)
             self.index.apply_changes([p.id for p in passages], vectors, texts, retired)
+            self._watch_drift(vectors)
         self._compact_when_due()
         return written
 
@@ -210,21 +234,58 @@ class LiveCorpus:
             self.index.apply_changes([], np.zeros((0, self.index.dim), dtype=np.float32), [], retired)
         self._compact_when_due()
 
-    def compact(self) -> int:
-        """Drop the hidden rows from the index now (changes wait, searches do not); returns how many."""
+    def compact(self, retrain: bool = False) -> int:
+        """Drop the hidden rows from the index now, training new centroids when ``retrain``
+        (changes wait, searches do not); returns how many rows were dropped."""
         with self._lock:
-            dropped = self.index.compact()
-        self.compactions += 1
+            dropped = self.index.compact(retrain)
+            if retrain:
+                self._reference_distance, self._added_distance, self._added = None, 0.0, 0
+        if retrain:
+            self.retrainings += 1
+        else:
+            self.compactions += 1
         return dropped
 
+    @property
+    def drift(self) -> float | None:
+        """How many times as far the documents added since the last training lie from their
+        nearest centroid as the index's own rows (None before any was added, or without flat lists)."""
+        if not self._added or not self._reference_distance:
+            return None
+        return self._added_distance / self._added / self._reference_distance
+
+    def _watch_drift(self, vectors: np.ndarray) -> None:
+        """Add ``vectors``' distances to their centroids to the running drift (under the lock)."""
+        searcher = self.index.searcher
+        if not isinstance(searcher, Growable) or not len(vectors):
+            return
+        if self._reference_distance is None:
+            try:
+                rows, stored = searcher.stored_vectors(self.index.visible_rows)
+            except InvalidInputError:  # SQ8 or PQ lists: no vectors to re-train on, no drift to watch
+                self._reference_distance = 0.0
+                return
+            sample = np.random.default_rng(0).choice(
+                len(rows), min(len(rows), _REFERENCE_SAMPLE), replace=False
+            )
+            self._reference_distance = float(searcher.centroid_distance(stored[sample]).mean())
+        self._added_distance += float(searcher.centroid_distance(vectors).sum())
+        self._added += len(vectors)
+
     def _compact_when_due(self) -> None:
-        """Start a background compaction once hidden rows pass the share (one at a time)."""
+        """Start a background compaction once hidden rows pass their share, or a re-training
+        once added documents drifted (one at a time)."""
         if self._compact_share is None or (self._compacting is not None and self._compacting.is_alive()):
             return
         held = self.index.searcher.ntotal
-        if not held or self.index.removable_rows < self._compact_share * held:
+        drift = self.drift
+        retrain = drift is not None and drift >= RETRAIN_DRIFT and self._added >= RETRAIN_MIN_SHARE * held
+        if not held or (not retrain and self.index.removable_rows < self._compact_share * held):
             return
-        self._compacting = threading.Thread(target=self.compact, name="specrag-compaction", daemon=True)
+        self._compacting = threading.Thread(
+            target=self.compact, args=(retrain,), name="specrag-compaction", daemon=True
+        )
         self._compacting.start()
 
     def wait_for_compaction(self) -> None:

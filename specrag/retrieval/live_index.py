@@ -88,6 +88,18 @@ class Growable(Protocol):
         """A new searcher holding only the rows ``r`` with ``keep[r]``, under the same row numbers."""
         ...
 
+    def retrained(self, keep: np.ndarray, seed: int = 0) -> Growable:
+        """As :meth:`compacted`, its centroids trained anew on the rows kept."""
+        ...
+
+    def centroid_distance(self, vectors: np.ndarray) -> np.ndarray:
+        """How far each vector lies from its nearest centroid (drift shows here)."""
+        ...
+
+    def stored_vectors(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows kept and their vectors as stored."""
+        ...
+
 
 @dataclass(frozen=True)
 class Visibility:
@@ -154,13 +166,17 @@ class AddedLexical:
         self._postings: defaultdict[str, dict[int, int]] = defaultdict(dict)
         self._lengths: dict[int, int] = {}
         self._total_length = 0
-        self._base_frequency = base.document_frequencies()
+        self._base_frequency: dict[str, int] | None = (
+            None  # read on the first add: most indexes never take one
+        )
 
     def __len__(self) -> int:
         return len(self._lengths)
 
     def add(self, row: int, text: str) -> None:
         """Index document row ``row``'s text (normalised as the corpus was)."""
+        if self._base_frequency is None:
+            self._base_frequency = self._base.document_frequencies()
         counts = Counter(self._base.terms(text))
         for term, count in counts.items():
             self._postings[term][row] = count
@@ -180,6 +196,7 @@ class AddedLexical:
             postings = self._postings.get(term)
             if not postings:
                 continue
+            assert self._base_frequency is not None  # postings exist, so an add read it
             frequency = self._base_frequency.get(term, 0) + len(postings)
             idf = math.log(1 + (documents - frequency + 0.5) / (frequency + 0.5))
             for row, count in postings.items():

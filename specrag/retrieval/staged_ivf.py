@@ -113,8 +113,10 @@ class StagedIVF(FaissBacked):
         pq_m: int = 16,
         seed: int = 0,
         progress: bool = False,
+        add: bool = True,
     ) -> StagedIVF:
-        """Train on a sample of ``vectors`` and add them all; row i of the index is ``vectors[i]``.
+        """Train on a sample of ``vectors`` and add them all (unless not ``add``); row i of the
+        index is ``vectors[i]``.
 
         ``codes`` is one of :data:`IVF_CODES`; ``pq_m`` (bytes per vector) applies to ``pq`` only.
         """
@@ -146,7 +148,8 @@ class StagedIVF(FaissBacked):
         train_size = min(num, lists * MAX_TRAIN_POINTS_PER_LIST)
         sample = np.random.default_rng(seed).choice(num, size=train_size, replace=False)
         index.train(np.ascontiguousarray(vectors[np.sort(sample)], dtype=np.float32))
-        add_in_chunks(index, vectors, show=progress)
+        if add:
+            add_in_chunks(index, vectors, show=progress)
         return cls(index, nprobe)
 
     @property
@@ -201,6 +204,44 @@ class StagedIVF(FaissBacked):
         faiss.extract_index_ivf(compact).ntotal = kept
         compact.ntotal = kept
         return StagedIVF(compact, self.nprobe)
+
+    def centroid_distance(self, vectors: np.ndarray) -> np.ndarray:
+        """How far each of ``vectors`` lies from its nearest centroid (1 - inner product for the
+        unit vectors the embedders give): what a live index watches for drift."""
+        similarity, _ = self.index.quantizer.search(np.ascontiguousarray(vectors, dtype=np.float32), 1)
+        distance: np.ndarray = 1.0 - similarity[:, 0]
+        return distance
+
+    def stored_vectors(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows ``r`` with ``keep[r]`` and their vectors, read from flat lists (which hold the
+        vectors themselves; SQ8 and PQ codes would have to be decoded, with their error)."""
+        if self.codes != "flat":
+            raise InvalidInputError(
+                f"re-training reads the vectors from flat lists; these hold {self.codes} codes"
+            )
+        invlists, rows, vectors = self.index.invlists, [], []
+        with self._lists_lock.reading():
+            for number in range(self.index.nlist):
+                size = invlists.list_size(number)
+                if not size:
+                    continue
+                ids = faiss.rev_swig_ptr(invlists.get_ids(number), size).copy()
+                codes = faiss.rev_swig_ptr(invlists.get_codes(number), size * self.dim * 4).copy()
+                chosen = keep[ids]
+                rows.append(ids[chosen])
+                vectors.append(codes.view(np.float32).reshape(size, self.dim)[chosen])
+        return np.concatenate(rows), np.concatenate(vectors)
+
+    def retrained(self, keep: np.ndarray, seed: int = 0) -> StagedIVF:
+        """A new index of the rows ``r`` with ``keep[r]`` under the same row numbers, its centroids
+        trained anew on them (as a build trains on its corpus), with as many lists and probes."""
+        rows, vectors = self.stored_vectors(keep)
+        fresh = StagedIVF.build(
+            vectors, metric=self.index.metric_type, nlist=self.index.nlist, seed=seed, add=False
+        )
+        fresh.owner.add_with_ids(np.ascontiguousarray(vectors), np.ascontiguousarray(rows, dtype=np.int64))
+        fresh.nprobe = min(self.nprobe, fresh.index.nlist)
+        return fresh
 
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
         params = faiss.SearchParametersIVF()

@@ -145,12 +145,8 @@ class VectorIndex:
         current = self._visibility
         start = len(current.row_to_passage) - 1
         if len(vectors):
-            if not isinstance(self.searcher, Growable):
-                raise InvalidInputError(
-                    f"a {self.searcher.kind} index cannot take documents while it serves: build an IVF index"
-                )
-            if len(self.synthetic_sources):
-                raise InvalidInputError("a padded index (synthetic rows) cannot take documents")
+            self.check_growable()
+            assert isinstance(self.searcher, Growable)
             self.searcher.add(np.asarray(vectors, dtype=np.float32), start)
         added = list(range(start, start + len(vectors)))
         for row, passage_id, text in zip(added, ids, texts, strict=True):
@@ -160,19 +156,36 @@ class VectorIndex:
         self._visibility = current.changed(added, retired)
         return added
 
+    def check_growable(self) -> None:
+        """Raise InvalidInputError unless this index can take new documents while it serves."""
+        if not isinstance(self.searcher, Growable):
+            raise InvalidInputError(
+                f"a {self.searcher.kind} index cannot take documents while it serves: build an IVF index"
+            )
+        if len(self.synthetic_sources):
+            raise InvalidInputError("a padded index (synthetic rows) cannot take documents")
+
+    @property
+    def visible_rows(self) -> np.ndarray:
+        """Which index rows searches may return now (one flag a row)."""
+        return self._visibility.visible
+
     @property
     def removable_rows(self) -> int:
         """Hidden rows the searcher still holds (and scans): what :meth:`compact` drops."""
         return self.searcher.ntotal - int(np.count_nonzero(self._visibility.visible))
 
-    def compact(self) -> int:
-        """Swap in a searcher without the hidden rows (searches in flight finish on the old one);
-        returns the rows dropped. The caller keeps changes out while it runs (one writer)."""
+    def compact(self, retrain: bool = False) -> int:
+        """Swap in a searcher without the hidden rows (searches in flight finish on the old one),
+        with centroids trained anew on the rows kept when ``retrain``; returns the rows dropped.
+        The caller keeps changes out while it runs (one writer)."""
         searcher = self.searcher
         if not isinstance(searcher, Growable):
             raise InvalidInputError(f"a {searcher.kind} index cannot be compacted while it serves")
         dropped = self.removable_rows
-        self.searcher = searcher.compacted(self._visibility.visible)  # type: ignore[assignment]
+        visible = self._visibility.visible
+        replacement = searcher.retrained(visible) if retrain else searcher.compacted(visible)
+        self.searcher = replacement  # type: ignore[assignment]
         return dropped
 
     @property

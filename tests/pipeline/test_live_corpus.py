@@ -8,16 +8,23 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError, TooLargeError
 from specrag.pipeline.document_kv import segment_key
 from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus
 from specrag.pipeline.live_store import LiveStore
+from specrag.pipeline.store import build_store
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import load_index
+from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.synthetic import GaussianMixture
+from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
 
 NEW_FACT = Passage("fact-1", "Quokka module", "The quokka module counts marsupials on Rottnest island.")
@@ -139,7 +146,11 @@ def test_a_kill_9_right_after_an_acknowledged_write_loses_nothing(
         from specrag.pipeline.live_store import LiveStore
         from specrag.pipeline.tokenizer import Tokenizer
         from specrag.retrieval.corpus import Passage
-        from specrag.retrieval.index_store import load_index
+        from specrag.pipeline.store import build_store
+from specrag.retrieval.index_store import load_index
+from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.synthetic import GaussianMixture
+from specrag.retrieval.vector_index import VectorIndex
 
         store = Path({str(tiny_assets.store.path)!r})
         index = load_index(store.parent.parent / "index")
@@ -183,3 +194,42 @@ def test_a_compaction_starts_in_the_background_once_hidden_rows_pass_the_share(
     assert index.searcher.ntotal == len(index.passage_ids) - len(doomed)
     (written,) = corpus.put([NEW_FACT])  # the compacted index takes documents as before
     assert found(corpus, "How does the quokka module count marsupials?")[0] == store.row_of(written.id)
+
+
+class TableEmbedder:
+    """A document's text is ``vec:<n>``: its vector is row n of the table."""
+
+    kind = "table"
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+        self.dim = table.shape[1]
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return self.table[[int(text.rsplit(":", 1)[1]) for text in texts]]
+
+    def save(self, directory: Path) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def one_token_each(texts: list[str]) -> list[list[int]]:
+    return [[len(text)] for text in texts]
+
+
+def test_documents_that_drift_from_the_centroids_retrain_them_in_the_background(tmp_path: Path) -> None:
+    base = GaussianMixture(32, num_clusters=40, seed=1).sample(4000)
+    drifted = GaussianMixture(32, num_clusters=40, seed=9).sample(1000)
+    table = np.concatenate([base, drifted])
+    passages = [Passage(f"d{i}", "", f"vec:{i}") for i in range(4000)]
+    build_store(tmp_path / "store.sqlite", passages, one_token_each, "stand-in")
+    index = VectorIndex(
+        StagedIVF.build(base, nlist=64), [p.id for p in passages], embedder=TableEmbedder(table)
+    )
+    corpus = LiveCorpus.replayed(LiveStore(tmp_path / "store.sqlite"), index, one_token_each)
+    corpus.put([Passage(f"n{i}", "", f"vec:{4000 + i}") for i in range(300)])
+    corpus.wait_for_compaction()
+    assert corpus.retrainings == 0 and corpus.drift is not None and corpus.drift > 1.3  # too few yet
+    corpus.put([Passage(f"n{i}", "", f"vec:{4000 + i}") for i in range(300, 1000)])
+    corpus.wait_for_compaction()
+    assert corpus.retrainings == 1 and corpus.drift is None  # measured anew against the new centroids
+    assert index.search(drifted[400], 1)[1][0] == corpus.store.row_of("n400")

@@ -12,6 +12,7 @@ from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.live_index import ReadWriteLock, Visibility
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
 
 TEXTS = [f"passage {i} about topic{i % 40} and theme{i % 7}" for i in range(6000)]
@@ -152,3 +153,26 @@ def test_compaction_drops_hidden_rows_and_changes_no_result(
     assert [index.search(query, 10)[1].tolist() for query in queries[:40]] == before
     (row,) = index.apply_changes(["p3"], vectors[3:4], ["t"], retired=[])
     assert row == 6001 and index.search(vectors[3], 1)[1][0] == row
+
+
+def test_retraining_keeps_row_numbers_and_fits_drifted_rows_better(vectors: np.ndarray) -> None:
+    index = live_index(vectors)
+    drifted = GaussianMixture(vectors.shape[1], num_clusters=40, seed=9).sample(3000)
+    rows = index.apply_changes(
+        [f"n{i}" for i in range(3000)], drifted, ["t"] * 3000, retired=list(range(1000))
+    )
+    searcher = index.searcher
+    assert isinstance(searcher, StagedIVF)
+    before = searcher.centroid_distance(drifted).mean()
+    assert index.compact(retrain=True) == 1000
+    retrained = index.searcher
+    assert isinstance(retrained, StagedIVF) and retrained is not searcher and retrained.ntotal == 8000
+    assert retrained.centroid_distance(drifted).mean() < before
+    assert index.search(drifted[5], 1)[1][0] == rows[5] and index.search(vectors[2000], 1)[1][0] == 2000
+    assert 10 not in index.search(vectors[10], 5)[1].tolist()
+
+
+def test_retraining_needs_flat_lists(vectors: np.ndarray) -> None:
+    index = VectorIndex(StagedIVF.build(vectors, nlist=64, codes="sq8"), [f"p{i}" for i in range(6000)])
+    with pytest.raises(InvalidInputError, match="flat lists"):
+        index.compact(retrain=True)
