@@ -11,7 +11,11 @@ following) and measures, in one run:
    with no updates and while a steady ``--rate`` updates a second replace documents, in
    alternating rounds over the same queries: p50/p99 with bootstrap intervals and their ratio;
 3. recall@5 against the exact top-5 of the live documents, after a fifth of the corpus was
-   replaced, of the live index and of a fresh build of the same documents with the same settings.
+   replaced, of the live index and of a fresh build of the same documents with the same settings;
+4. compaction (the replaced rows dropped from the lists) and drift: ``--drifted`` documents
+   (15 % of the corpus) from another mixture are added, and recall@5 of queries near them is
+   measured with the build's centroids, after re-training them while serving, and on a fresh
+   build; with the time each swap held writes back.
 
 The documents' vectors are drawn from a Gaussian mixture (:mod:`specrag.retrieval.synthetic`) and
 the replacements from the same mixture, so the old lists' centroids fit the new vectors as they
@@ -48,6 +52,7 @@ from specrag.retrieval.vector_index import VectorIndex
 
 K = 5
 REPLACED_SHARE = 0.2
+DRIFTED_SHARE = 0.15
 
 
 class TableEmbedder:
@@ -159,7 +164,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     mixture = GaussianMixture(args.dim, num_clusters=args.clusters, seed=args.seed)
     replaced = int(args.passages * REPLACED_SHARE)
-    table = mixture.sample(args.passages + replaced)  # rows past the corpus: the replacements
+    drifted = int(args.passages * DRIFTED_SHARE)
+    other = GaussianMixture(args.dim, num_clusters=args.clusters, seed=args.seed + 7)
+    # Rows past the corpus: the replacements, then the drifted documents.
+    table = np.concatenate([mixture.sample(args.passages + replaced), other.sample(drifted)])
     queries = queries_near(table[: args.passages], args.queries, seed=args.seed + 1)
     passages = [Passage(f"d{i}", "", f"vec:{i}") for i in range(args.passages)]
 
@@ -169,7 +177,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     store_path = workdir / "store.sqlite"
     build_store(store_path, passages, stand_in_tokens, "stand-in")
     index = VectorIndex(searcher, [p.id for p in passages], embedder=TableEmbedder(table))
-    corpus = LiveCorpus.replayed(LiveStore(store_path), index, stand_in_tokens)
+    # Compaction and re-training are run (and timed) below, not in the background.
+    corpus = LiveCorpus.replayed(LiveStore(store_path), index, stand_in_tokens, compact_share=None)
     replacer = Replacer(corpus, args.passages)
 
     started = time.perf_counter()
@@ -189,7 +198,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         replacer.replace(replaced - replacer.next)
 
     # The live documents: the base's not replaced, then every replacement (document i's new vector).
-    live_vectors = np.concatenate([table[replaced : args.passages], table[args.passages :]])
+    live_vectors = np.concatenate(
+        [table[replaced : args.passages], table[args.passages : args.passages + replaced]]
+    )
     document_of_live = np.concatenate([np.arange(replaced, args.passages), np.arange(replaced)])
     exact = document_of_live[exact_top(live_vectors, queries, K)]
     _, live_rows = corpus.index.search(queries, K, batch=True)
@@ -199,8 +210,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     fresh_build_s = time.perf_counter() - started
     _, fresh_rows = fresh.search(queries, K)
 
+    drift = measure_drift(args, corpus, table, live_vectors, document_of_live, replaced, drifted)
     idle, updating = np.array(rounds["idle_ms"]), np.array(rounds["updating_ms"])
     return {
+        **drift,
         "passages": args.passages,
         "dim": args.dim,
         "index": searcher.settings,
@@ -230,6 +243,56 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
 
+def measure_drift(
+    args: argparse.Namespace,
+    corpus: LiveCorpus,
+    table: np.ndarray,
+    live_vectors: np.ndarray,
+    document_of_live: np.ndarray,
+    replaced: int,
+    drifted: int,
+) -> dict[str, Any]:
+    """Compact, add documents of another mixture, and compare recall on them before and after
+    re-training the centroids while serving, and on a fresh build."""
+    started = time.perf_counter()
+    dropped = corpus.compact()
+    compaction_s = time.perf_counter() - started
+    first = args.passages + replaced
+    vectors = table[first : first + drifted]
+    for start in range(0, drifted, args.batch):
+        count = min(args.batch, drifted - start)
+        corpus.put([Passage(f"x{start + i}", "", f"vec:{first + start + i}") for i in range(count)])
+    drift = corpus.drift
+    queries = queries_near(vectors, args.queries, seed=args.seed + 2)
+    every_vector = np.concatenate([live_vectors, vectors])
+    every_document = np.concatenate([document_of_live, np.arange(args.passages, args.passages + drifted)])
+    exact = every_document[exact_top(every_vector, queries, K)]
+
+    def live_recall() -> float:
+        _, rows = corpus.index.search(queries, K, batch=True)
+        ids = [[corpus.index.passage_ids[row] for row in found] for found in rows]
+        number = [[int(i[1:]) + (args.passages if i[0] == "x" else 0) for i in found] for found in ids]
+        return recall(np.array(number), exact)
+
+    before = live_recall()
+    started = time.perf_counter()
+    corpus.compact(retrain=True)
+    retraining_s = time.perf_counter() - started
+    after = live_recall()
+    fresh = StagedIVF.build(every_vector, seed=args.seed)
+    _, fresh_rows = fresh.search(queries, K)
+    return {
+        "compaction_rows_dropped": dropped,
+        "compaction_s": compaction_s,
+        "drifted_documents": drifted,
+        "drift": drift,
+        "recall_at5_drifted_build_centroids": before,
+        "recall_at5_drifted_retrained": after,
+        "recall_at5_drifted_fresh_build": recall(every_document[fresh_rows], exact),
+        "retraining_s": retraining_s,
+    }
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     figure, (latency, recalls) = plt.subplots(1, 2, figsize=(11, 4))
     for name in ("idle", "updating"):
@@ -243,9 +306,21 @@ def plot(result: dict[str, Any], path: Path) -> None:
     latency.set_ylabel("share of queries")
     latency.set_title(f"search latency, idle vs {result['update_rate_achieved']:.0f} updates/s")
     latency.legend()
-    names = ["fresh build", "live, 20 % replaced"]
-    recall_values = [result["recall_at5_fresh_build"], result["recall_at5_after_updates"]]
-    recalls.bar(names, recall_values, color=["grey", "tab:blue"])
+    names = [
+        "fresh\nbuild",
+        "live, 20 %\nreplaced",
+        "drifted,\nold centroids",
+        "drifted,\nretrained",
+        "drifted,\nfresh build",
+    ]
+    recall_values = [
+        result["recall_at5_fresh_build"],
+        result["recall_at5_after_updates"],
+        result["recall_at5_drifted_build_centroids"],
+        result["recall_at5_drifted_retrained"],
+        result["recall_at5_drifted_fresh_build"],
+    ]
+    recalls.bar(names, recall_values, color=["grey", "tab:blue", "tab:red", "tab:green", "grey"])
     recalls.set_ylim(min(recall_values) - 0.05, 1.0)
     recalls.set_title(f"recall@5, {result['passages']:,} passages")
     save_figure(figure, path)
@@ -288,6 +363,12 @@ def main() -> None:
         "update_rate_achieved": round(result["update_rate_achieved"], 1),
         "updates_per_s_one_at_a_time": round(result["updates_per_s_one_at_a_time"], 1),
         "updates_per_s_batched": round(result["updates_per_s_batched"], 1),
+        "compaction_s": round(result["compaction_s"], 3),
+        "drift": round(result["drift"], 3),
+        "recall_at5_drifted_build_centroids": round(result["recall_at5_drifted_build_centroids"], 4),
+        "recall_at5_drifted_retrained": round(result["recall_at5_drifted_retrained"], 4),
+        "recall_at5_drifted_fresh_build": round(result["recall_at5_drifted_fresh_build"], 4),
+        "retraining_s": round(result["retraining_s"], 2),
         "report": [str(json_path), str(png_path)],
     }
     print_summary(summary, "bench.updates --quick   (full: drop --quick)")
