@@ -119,6 +119,13 @@ class Visibility:
         """Which index rows a search may return (one flag a row)."""
         return np.asarray(self.row_to_passage[:-1] >= 0)
 
+    def passages(self, rows: np.ndarray) -> np.ndarray:
+        """The passage each index row stands for (same shape), ``-1`` for padding, hidden rows and
+        rows added after this snapshot was taken (a search may meet them in the lists)."""
+        mapping = self.row_to_passage
+        indices = np.asarray(rows, dtype=np.int64)
+        return mapping[np.where((indices >= 0) & (indices < len(mapping) - 1), indices, len(mapping) - 1)]
+
     def alive(self, passages: np.ndarray) -> np.ndarray:
         """Which of ``passages`` (document rows, as the lexical channel names them) are visible."""
         rows = np.asarray(passages, dtype=np.int64)

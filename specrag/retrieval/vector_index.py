@@ -124,11 +124,11 @@ class VectorIndex:
     def passage_index_of(self, row_ids: np.ndarray, visibility: Visibility | None = None) -> np.ndarray:
         """Corpus positions of index rows (same shape); ``-1`` stays ``-1``, and so do hidden rows
         (of replaced or deleted documents) as ``visibility`` (default: the current one) has them."""
-        mapping = (visibility or self._visibility).row_to_passage
         rows = np.asarray(row_ids, dtype=np.int64)
-        if rows.size and (rows.min() < -1 or rows.max() >= len(mapping) - 1):
-            raise InvalidInputError(f"row ids outside [-1, {len(mapping) - 1})")
-        return mapping[rows]
+        known = len(self._visibility.row_to_passage) - 1
+        if rows.size and (rows.min() < -1 or rows.max() >= known):
+            raise InvalidInputError(f"row ids outside [-1, {known})")
+        return (visibility or self._visibility).passages(rows)
 
     def apply_changes(
         self, ids: Sequence[str], vectors: np.ndarray, texts: Sequence[str], retired: Sequence[int]
@@ -286,9 +286,10 @@ class VectorIndex:
         distances: np.ndarray, ids: np.ndarray, k: int, visibility: Visibility
     ) -> tuple[np.ndarray, np.ndarray]:
         """The first ``k`` visible rows of each query's result, padded as faiss pads."""
-        if not visibility.hidden:
+        newer = ids.size and ids.max() >= len(visibility.row_to_passage) - 1  # added since it started
+        if not visibility.hidden and not newer:
             return distances, ids
-        visible = visibility.row_to_passage[ids] >= 0
+        visible = visibility.passages(ids) >= 0
         kept_ids = np.full((len(ids), k), -1, dtype=np.int64)
         kept_distances = np.full((len(ids), k), -np.finfo(np.float32).max, dtype=np.float32)
         for query, mask in enumerate(visible):

@@ -85,10 +85,12 @@ def test_an_index_that_cannot_grow_says_so(vectors: np.ndarray) -> None:
     assert 7 not in index.search(vectors[7], 5)[1].tolist()
 
 
+@pytest.mark.parametrize("hidden", [[], [0, 1, 2]])
 def test_adds_while_searches_run_neither_crash_nor_lose_rows(
-    vectors: np.ndarray, queries: np.ndarray
+    vectors: np.ndarray, queries: np.ndarray, hidden: list[int]
 ) -> None:
     index = live_index(vectors[:3000])
+    index.apply_changes([], np.zeros((0, index.dim), dtype=np.float32), [], retired=hidden)
     errors: list[BaseException] = []
     stop = threading.Event()
 
@@ -97,6 +99,7 @@ def test_adds_while_searches_run_neither_crash_nor_lose_rows(
             while not stop.is_set():
                 for stage in index.search_staged(queries[:8], 5, batch=True):
                     assert stage.ids.shape == (8, 5)
+                    index.ranked_rows(stage.ids[0])  # rows added since the search began map to none
         except BaseException as error:  # pragma: no cover - reported below
             errors.append(error)
 
