@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sqlite3
@@ -146,11 +147,7 @@ def test_a_kill_9_right_after_an_acknowledged_write_loses_nothing(
         from specrag.pipeline.live_store import LiveStore
         from specrag.pipeline.tokenizer import Tokenizer
         from specrag.retrieval.corpus import Passage
-        from specrag.pipeline.store import build_store
-from specrag.retrieval.index_store import load_index
-from specrag.retrieval.staged_ivf import StagedIVF
-from specrag.retrieval.synthetic import GaussianMixture
-from specrag.retrieval.vector_index import VectorIndex
+        from specrag.retrieval.index_store import load_index
 
         store = Path({str(tiny_assets.store.path)!r})
         index = load_index(store.parent.parent / "index")
@@ -184,7 +181,7 @@ def test_a_compaction_starts_in_the_background_once_hidden_rows_pass_the_share(
     index = load_index(tiny_assets.store.path.parent.parent / "index")
     store = LiveStore(tiny_assets.store.path, tmp_path / "log.sqlite")
     corpus = LiveCorpus.replayed(store, index, tiny_assets.tokenizer.encode_batch, compact_share=0.01)
-    doomed = index.passage_ids[: len(index.passage_ids) // 100]
+    doomed = index.passage_ids[: math.ceil(len(index.passage_ids) / 100)]  # the least that reaches 1 %
     corpus.delete(doomed[:-1])
     corpus.wait_for_compaction()
     assert corpus.compactions == 0 and index.removable_rows == len(doomed) - 1  # below the share
