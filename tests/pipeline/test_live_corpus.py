@@ -18,7 +18,7 @@ import pytest
 
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError, TooLargeError
 from specrag.pipeline.document_kv import segment_key
-from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus
+from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, RETRAIN_DRIFT, LiveCorpus
 from specrag.pipeline.live_store import LiveStore
 from specrag.pipeline.store import build_store
 from specrag.retrieval.corpus import Passage
@@ -225,7 +225,9 @@ def test_documents_that_drift_from_the_centroids_retrain_them_in_the_background(
     corpus = LiveCorpus.replayed(LiveStore(tmp_path / "store.sqlite"), index, one_token_each)
     corpus.put([Passage(f"n{i}", "", f"vec:{4000 + i}") for i in range(300)])
     corpus.wait_for_compaction()
-    assert corpus.retrainings == 0 and corpus.drift is not None and corpus.drift > 1.3  # too few yet
+    assert (
+        corpus.retrainings == 0 and corpus.drift is not None and corpus.drift > RETRAIN_DRIFT
+    )  # too few yet
     corpus.put([Passage(f"n{i}", "", f"vec:{4000 + i}") for i in range(300, 1000)])
     corpus.wait_for_compaction()
     assert corpus.retrainings == 1 and corpus.drift is None  # measured anew against the new centroids
