@@ -5,13 +5,16 @@ The same on the real engine: tests/service/test_documents_engine.py.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from specrag.cli import main
 from specrag.client import AsyncClient, SpecragHTTPError
 from specrag.controller.query import RagRequest
 from specrag.pipeline.engine import EngineOutput, Sampling
@@ -196,5 +199,27 @@ async def test_a_conversation_resends_a_document_that_changed_since_it_was_sent(
         assert "quokka" in second.timeline.documents
         sent_now = second.prompt.token_ids[len(first.prompt.token_ids) :]
         assert holds(sent_now, assets.store.tokens(assets.store.row_of("quokka")))
+    finally:
+        await controller.close()
+
+
+async def test_the_documents_command_changes_a_running_service(
+    tiny_assets: Assets, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assets = live_assets(tiny_assets, tmp_path / "log.sqlite")
+    assert assets.corpus is not None
+    controller = make_controller(PromptRecordingEngine(), assets)
+    app = create_app(controller)
+    add_document_routes(app, assets.corpus)
+    documents = tmp_path / "new.jsonl"
+    documents.write_text(json.dumps({"id": "quokka", "title": "quokka module", "text": FACT}) + "\n")
+    try:
+        async with serving(app, access_log=False) as url:
+            assert await asyncio.to_thread(main, ["documents", "add", str(documents), "--url", url]) == 0
+            assert json.loads(capsys.readouterr().out) == {"id": "quokka", "version": 1, "created": True}
+            assert assets.corpus.get("quokka").text == FACT
+            assert await asyncio.to_thread(main, ["documents", "delete", "quokka", "--url", url]) == 0
+            assert await asyncio.to_thread(main, ["documents", "get", "quokka", "--url", url]) == 2
+            assert "404" in capsys.readouterr().err
     finally:
         await controller.close()
