@@ -56,6 +56,7 @@ from specrag.cache.ordering import get_policy
 from specrag.cache.pgdsf import PrefillProfile
 from specrag.cache.residency import chain_block_keys
 from specrag.cache.tree import KnowledgeTree
+from specrag.controller.config import DEFAULT_INTER_TOKEN_TIMEOUT_S
 from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import ROUTERS, Placed, Placement, health_checks
@@ -104,6 +105,7 @@ class Replay:
     question: Callable[[int], Sequence[int]]
     sampling: Sampling
     first_token_timeout_s: float = 120.0
+    inter_token_timeout_s: float = DEFAULT_INTER_TOKEN_TIMEOUT_S
     samples: list[Sample] = field(default_factory=list)
 
 
@@ -138,7 +140,13 @@ async def run_query(
         await failed.abort()
         return launch(placed, sent)
 
-    query = RetriedFlight(launch(placed), placement, replay.first_token_timeout_s, resubmit)
+    query = RetriedFlight(
+        launch(placed),
+        placement,
+        replay.first_token_timeout_s,
+        resubmit,
+        inter_token_timeout_s=replay.inter_token_timeout_s,
+    )
     answer: list[int] = []
     answered_by: Flight | None = None  # the request that gave the first token
     try:

@@ -496,8 +496,8 @@ async def run_conversation(
     session_id = controller.create_session("test")
     answers = []
     for question in questions(assets, turns):
-        done = await controller.answer(RagRequest(question, k=k, session_id=session_id))
-        session = controller.sessions.get(session_id)
+        done = await controller.answer(RagRequest(question, k=k, session_id=session_id, client="test"))
+        session = controller.sessions.get(session_id, "test")
         assert session.history[: len(done.prompt.token_ids)] == done.prompt.token_ids
         store = controller.builder.store
         given = [store.passage(int(doc)).id for past in session.context for doc in past.documents]

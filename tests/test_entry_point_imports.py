@@ -17,6 +17,7 @@ ENTRY_POINTS = (
     "specrag.cli",
     "bench.e2e.__main__",
     "bench.faults",
+    "bench.faults.token_gaps",
     "bench.pipeline",
     "bench.scale",
     "bench.pipeline.prefill",

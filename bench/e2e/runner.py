@@ -80,7 +80,14 @@ async def replay(
                 sessions[query.session] = (controller.create_session(query.session), asyncio.Lock())
             session_id, lock = sessions[query.session]
         async with lock:
-            request = RagRequest(query.query, k=k, mode=mode, max_tokens=max_tokens, session_id=session_id)
+            request = RagRequest(
+                query.query,
+                k=k,
+                mode=mode,
+                max_tokens=max_tokens,
+                session_id=session_id,
+                client=query.session,
+            )
             try:
                 done = await controller.answer(request)
             except Exception as error:  # a failed request is a result too: counted, not fatal

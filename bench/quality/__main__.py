@@ -173,12 +173,17 @@ async def run_conversations(
             first, second = conversation.turns
             session = controller.create_session("quality")
             request = RagRequest(
-                first.question, k=args.k, mode="serial", max_tokens=args.max_tokens, session_id=session
+                first.question,
+                k=args.k,
+                mode="serial",
+                max_tokens=args.max_tokens,
+                session_id=session,
+                client="quality",
             )
             opening, opening_tokens = await _ask(controller, request)
             request = replace(request, question=second.question)
             done, _ = await _ask(controller, request)
-            controller.close_session(session)
+            controller.close_session(session, "quality")
             dedup.append(_record(second, done.text, prompt_tokens=len(done.prompt.token_ids)))
             # The same conversation with nothing dropped: the first turn's prompt and answer, then
             # this turn's documents (every one of them) and question.

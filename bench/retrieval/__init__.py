@@ -1,2 +1,3 @@
-"""Retrieval quality of the indexes (``python -m bench.retrieval``) and staged search
-(``python -m bench.retrieval.search``)."""
+"""Retrieval quality of the indexes (``python -m bench.retrieval``), staged search
+(``python -m bench.retrieval.search``) and follow-up questions
+(``python -m bench.retrieval.conversations``)."""

@@ -26,13 +26,18 @@ class BlockStored:
     # The prefix-cache salt of a chain's first block (parent None), when it has one: salted blocks
     # (turbo requests' loaded documents, docs/turbo.md) are another cache than unsalted ones.
     cache_salt: str | None = None
+    # The KV-cache group and the storage medium holding them: a hash is resident per both.
+    group_idx: int | None = None
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks were evicted from the prefix cache."""
+    """One copy of each of these blocks left the prefix cache (another copy may stay)."""
 
     block_hashes: tuple[BlockHash, ...]
+    group_idx: int | None = None
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ pool with its eviction order, the same model the simulated engine runs on.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ __all__ = [
     "ROOT_KEY",
     "BlockPool",
     "BlockResidency",
+    "CopyKey",
+    "ResidencyCounts",
     "Served",
     "chain_block_keys",
     "count_leading",
@@ -199,23 +202,64 @@ class BlockPool:
         return key
 
 
-class BlockResidency:
-    """Stored content keys, translated from engine hashes, with a callback on every change.
+@dataclass(slots=True)
+class ResidencyCounts:
+    """What the event stream did that a naive mirror gets wrong, since the mirror was made.
 
-    A content key may be stored under several engine hashes (e.g. on two media), hence the
-    reference count. At most ``max_blocks`` engine hashes are remembered; past that the oldest
-    are forgotten (as if evicted), which can only make the mirror under-estimate reuse.
+    ``duplicate_copies``: a BlockStored of a hash already resident (vLLM keeps one physical copy
+    per request that computed the block at the same time); ``unknown_removals``: a BlockRemoved of
+    a hash the mirror never saw stored (history before it listened, or a lost batch);
+    ``expired_predictions``: first-token predictions no event confirmed in time.
+    """
+
+    duplicate_copies: int = 0
+    unknown_removals: int = 0
+    expired_predictions: int = 0
+
+
+CopyKey = tuple[int | None, str | None, BlockHash]
+"""Where one engine hash is resident: (KV-cache group, medium, hash)."""
+
+
+class BlockResidency:
+    """Which engine hashes the engine holds, counted per copy, and their content keys.
+
+    vLLM does not de-duplicate blocks computed by requests running together: it publishes one
+    BlockStored per physical copy and one BlockRemoved per freed copy. So a hash is resident, per
+    (KV-cache group, medium), while its stored-copy count is above zero; the first removal of two
+    copies leaves it resident. Each resident hash gives its content key one reference (a content
+    key may be resident under several hashes: two groups, two media).
+
+    Predictions (:meth:`expect`) made at a request's first token count as stored until a
+    BlockStored confirms them, for at most ``prediction_ttl_s`` and at most ``max_predictions``
+    at once (the oldest go first): a prediction no event confirms (a request that ran under
+    another cache salt, an engine that dropped the blocks) cannot outlive that bound.
+
+    The copy counts are bounded by the engine's own pool while the event stream is complete; the
+    owner (the KV mirror) notices when it is not and resets.
     """
 
     def __init__(
-        self, block_size: int, on_change: Callable[[int, bool], None], max_blocks: int = 1 << 20
+        self,
+        block_size: int,
+        on_change: Callable[[int, bool], None],
+        *,
+        prediction_ttl_s: float = 10.0,
+        max_predictions: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if prediction_ttl_s <= 0 or max_predictions <= 0:
+            raise InvalidInputError("prediction_ttl_s and max_predictions must be positive")
         self.block_size = block_size
         self._on_change = on_change
-        self._max_blocks = max_blocks
+        self._prediction_ttl_s = prediction_ttl_s
+        self._max_predictions = max_predictions
+        self._clock = clock
         self._refs: dict[int, int] = {}
-        self._by_hash: dict[BlockHash, int] = {}
-        self._expected: set[int] = set()  # stored on our word, their BlockStored not yet seen
+        self._copies: dict[CopyKey, int] = {}
+        self._key_of: dict[CopyKey, int | None] = {}  # None: a chain that started before we listened
+        self._predicted: OrderedDict[int, float] = OrderedDict()  # key -> deadline, oldest first
+        self.counts = ResidencyCounts()
 
     def __len__(self) -> int:
         return len(self._refs)
@@ -228,6 +272,16 @@ class BlockResidency:
         """The stored keys, live (for membership tests on a hot path without a call per key)."""
         return self._refs.keys()
 
+    def resident_hashes(self) -> set[CopyKey]:
+        """Every (group, medium, engine hash) with at least one stored copy: what the engine's
+        block pool caches, while the event stream is complete."""
+        return set(self._copies)
+
+    @property
+    def predictions(self) -> int:
+        """First-token predictions not confirmed yet."""
+        return len(self._predicted)
+
     def leading_stored(self, keys: Sequence[int]) -> int:
         """How many of ``keys``, from the first, are stored."""
         return count_leading(keys, self._refs)
@@ -238,17 +292,6 @@ class BlockResidency:
         if refs == 0:
             self._on_change(key, True)
 
-    def expect(self, key: int) -> None:
-        """The engine has just computed this block (its request reached its first token): count it
-        stored now, before its BlockStored event arrives; that event then confirms it rather than
-        adding a second reference. Events lag the request's output by a few milliseconds, and a
-        request submitted in between (a queued one takes the slot the first token freed) would
-        otherwise be predicted against a cache that no longer exists.
-        """
-        if key not in self._refs:
-            self._expected.add(key)
-            self.store(key)
-
     def remove(self, key: int) -> None:
         refs = self._refs.get(key, 0)
         if refs > 1:
@@ -257,45 +300,95 @@ class BlockResidency:
             del self._refs[key]
             self._on_change(key, False)
 
+    def expect(self, key: int) -> None:
+        """The engine has just computed this block (its request reached its first token): count it
+        stored now, before its BlockStored event arrives; that event then confirms it rather than
+        adding a second reference. Events lag the request's output by a few milliseconds, and a
+        request submitted in between (a queued one takes the slot the first token freed) would
+        otherwise be predicted against a cache that no longer exists.
+        """
+        self.expire_predictions()
+        if key in self._predicted:
+            self._predicted[key] = self._clock() + self._prediction_ttl_s
+            self._predicted.move_to_end(key)
+            return
+        if key in self._refs:
+            return  # confirmed already
+        self._predicted[key] = self._clock() + self._prediction_ttl_s
+        self.store(key)
+        while len(self._predicted) > self._max_predictions:
+            self._drop_prediction(next(iter(self._predicted)))
+
+    def expire_predictions(self) -> None:
+        """Drop the predictions past their deadline (cheap when none is)."""
+        if not self._predicted:
+            return
+        now = self._clock()
+        while self._predicted and next(iter(self._predicted.values())) <= now:
+            self._drop_prediction(next(iter(self._predicted)))
+
     def clear(self) -> None:
         """Forget everything without callbacks: the caller resets what depended on it."""
         self._refs.clear()
-        self._by_hash.clear()
-        self._expected.clear()
+        self._copies.clear()
+        self._key_of.clear()
+        self._predicted.clear()
 
-    def apply(self, event: BlockStored | BlockRemoved) -> None:
-        """Apply one engine event (a full reset is the owner's job: it resets more than this)."""
-        if isinstance(event, BlockStored):
-            self._apply_stored(event)
+    def check(self, event: BlockStored | BlockRemoved) -> None:
+        """Raise :class:`InvalidInputError` if ``event`` cannot be applied: called for a whole batch
+        before any of it is, so that a bad event never leaves the batch half-applied."""
+        if not isinstance(event, BlockStored):
             return
-        for block_hash in event.block_hashes:
-            key = self._by_hash.pop(block_hash, None)
-            if key is not None:
-                self.remove(key)
-
-    def _apply_stored(self, event: BlockStored) -> None:
         if event.block_size != self.block_size:
             raise InvalidInputError(
                 f"engine block size {event.block_size} differs from the tree's {self.block_size}"
             )
         if len(event.token_ids) != event.block_size * len(event.block_hashes):
             raise InvalidInputError("BlockStored carries a token count that is not block_size per block")
-        if event.parent_block_hash is None:
-            parent = ROOT_KEY if event.cache_salt is None else salted_root(event.cache_salt)
-        else:
-            known = self._by_hash.get(event.parent_block_hash)
-            if known is None:
-                return  # the chain started before we listened: its content cannot be keyed
-            parent = known
-        keys = chain_block_keys(event.token_ids, event.block_size, parent)
-        for block_hash, key in zip(event.block_hashes, keys, strict=True):
-            if block_hash in self._by_hash:
-                continue
-            self._by_hash[block_hash] = key
-            if key in self._expected:
-                self._expected.discard(key)  # confirmed: the reference is already counted
+
+    def apply(self, event: BlockStored | BlockRemoved) -> None:
+        """Apply one checked engine event (a full reset is the owner's job: it resets more)."""
+        if isinstance(event, BlockStored):
+            self._apply_stored(event)
+            return
+        for block_hash in event.block_hashes:
+            where = (event.group_idx, event.medium, block_hash)
+            copies = self._copies.get(where)
+            if copies is None:
+                self.counts.unknown_removals += 1
+            elif copies > 1:
+                self._copies[where] = copies - 1
             else:
+                del self._copies[where]
+                key = self._key_of.pop(where)
+                if key is not None:
+                    self.remove(key)
+
+    def _apply_stored(self, event: BlockStored) -> None:
+        keys: Sequence[int | None]
+        if event.parent_block_hash is None:
+            parent: int | None = ROOT_KEY if event.cache_salt is None else salted_root(event.cache_salt)
+        else:
+            parent = self._key_of.get((event.group_idx, event.medium, event.parent_block_hash))
+        if parent is None:
+            keys = [None] * len(event.block_hashes)  # the chain started before we listened
+        else:
+            keys = chain_block_keys(event.token_ids, event.block_size, parent)
+        for block_hash, key in zip(event.block_hashes, keys, strict=True):
+            where = (event.group_idx, event.medium, block_hash)
+            copies = self._copies.get(where, 0)
+            self._copies[where] = copies + 1
+            if copies:
+                self.counts.duplicate_copies += 1
+                continue
+            self._key_of[where] = key
+            if key is not None:
                 self.store(key)
-        while len(self._by_hash) > self._max_blocks:
-            oldest = next(iter(self._by_hash))
-            self.remove(self._by_hash.pop(oldest))
+                if key in self._predicted:  # confirmed: its prediction's reference goes
+                    del self._predicted[key]
+                    self.remove(key)
+
+    def _drop_prediction(self, key: int) -> None:
+        del self._predicted[key]
+        self.counts.expired_predictions += 1
+        self.remove(key)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 from specrag.cache.events import AllBlocksCleared, KVEvent
 from specrag.cache.layout import DocId, PromptLayout, Segment
 from specrag.cache.pgdsf import PgdsfStats, PrefillProfile
-from specrag.cache.residency import BlockPool, BlockResidency, chain_block_keys
+from specrag.cache.residency import BlockPool, BlockResidency, CopyKey, ResidencyCounts, chain_block_keys
 from specrag.errors import InvalidInputError
 
 __all__ = ["MAX_COMPANIONS", "KnowledgeTree", "Node", "PrefixMatch"]
@@ -213,6 +213,7 @@ class KnowledgeTree:
         token is always computed, so an exact repeat reuses all blocks but the one holding it.
         """
         usable = (len(token_ids) - 1) // self.block_size
+        self._residency.expire_predictions()
         keys = chain_block_keys(token_ids[: usable * self.block_size], self.block_size)
         return self._residency.leading_stored(keys) * self.block_size
 
@@ -272,14 +273,16 @@ class KnowledgeTree:
         if self._size > self.max_nodes:
             self._prune()
 
-    def record_prefilled(self, layout: PromptLayout) -> None:
+    def record_prefilled(self, layout: PromptLayout, *, salted: bool = False) -> None:
         """The engine just prefilled this prompt: its system and document blocks are cached now.
 
         For a tree that follows KV events (with the capacity model, :meth:`record_served` already
         serves the prompt): the blocks count as stored until their events confirm them, so a
-        prediction made before the events arrive is not behind the engine.
+        prediction made before the events arrive is not behind the engine; one no event confirms
+        is dropped after a bound (see :class:`BlockResidency`). A ``salted`` prompt (document KV
+        loaded under its own cache salt) stored other blocks than these: it predicts nothing.
         """
-        if self._lru is not None:
+        if self._lru is not None or salted:
             return
         system, documents = self._split(layout)
         prefix_end = documents[-1].end if documents else system.end
@@ -287,15 +290,36 @@ class KnowledgeTree:
             self._residency.expect(key)
 
     def apply_events(self, events: Iterable[KVEvent]) -> None:
-        """Apply the engine's KV events in order; the first one retires the capacity model."""
+        """Apply one batch of the engine's KV events in order, all or nothing: every event is
+        checked first (:class:`InvalidInputError` applies none). The first event retires the
+        capacity model."""
+        batch = list(events)
+        for event in batch:
+            if not isinstance(event, AllBlocksCleared):
+                self._residency.check(event)
         if self._lru is not None:
             self._lru = None
             self._reset_residency(engine_cleared=False)
-        for event in events:
+        self._residency.expire_predictions()
+        for event in batch:
             if isinstance(event, AllBlocksCleared):
                 self._reset_residency(engine_cleared=True)
             else:
                 self._residency.apply(event)
+
+    @property
+    def mirror_counts(self) -> ResidencyCounts:
+        """Duplicate copies, unknown removals and expired predictions seen since the tree was made."""
+        return self._residency.counts
+
+    def resident_hashes(self) -> set[CopyKey]:
+        """The (group, medium, engine hash) entries the engine's events say it caches."""
+        return self._residency.resident_hashes()
+
+    @property
+    def unconfirmed_predictions(self) -> int:
+        """Blocks counted stored at a first token whose BlockStored has not arrived yet."""
+        return self._residency.predictions
 
     def engine_cache_cleared(self) -> None:
         """The engine dropped its whole prefix cache (reset, restart): nothing is resident.

@@ -12,7 +12,7 @@ from specrag.controller.speculation_policy import SpeculationSetting
 from specrag.errors import InvalidInputError, check_choice
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule
 
-__all__ = ["FALLBACK_BATCHED_TOKEN_BUDGET", "Admission", "ControllerConfig"]
+__all__ = ["DEFAULT_INTER_TOKEN_TIMEOUT_S", "FALLBACK_BATCHED_TOKEN_BUDGET", "Admission", "ControllerConfig"]
 
 
 class Admission(enum.StrEnum):
@@ -21,6 +21,9 @@ class Admission(enum.StrEnum):
     RATIO = "ratio"
     WINDOW = "window"
 
+
+DEFAULT_INTER_TOKEN_TIMEOUT_S = 10.0
+"""The default bound on the wait between two tokens of an answer (the measure: docs/reliability.md)."""
 
 FALLBACK_BATCHED_TOKEN_BUDGET = 512
 """vLLM's CPU default ``max_num_batched_tokens``: assumed only for an engine that reports none."""
@@ -56,8 +59,14 @@ class ControllerConfig:
     max_tokens_default: int = 64
     #: The largest ``max_tokens`` a request may ask for.
     max_tokens_limit: int = 1024
-    #: No first token by then: the query fails (after one retry on a fresh engine).
+    #: No first token this long after the answer's prompt went to the engine: the query fails. It
+    #: is retried only on another replica or an engine its supervisor replaced (it had hung); a
+    #: working engine that did not finish the prefill in time is not asked again.
     first_token_timeout_s: float = 60.0
+    #: No next token for this long: the stream has stalled; its engine request is aborted and the
+    #: answer moves to another replica (or a recovered engine) like one whose engine died, or ends
+    #: with an error. A few times the longest engine step measured here (docs/reliability.md).
+    inter_token_timeout_s: float = DEFAULT_INTER_TOKEN_TIMEOUT_S
     #: Final requests that may wait for the prefill pool; more are turned away.
     max_queue: int = 256
     #: Prompt tokens the engine computes per step, from which the default ``max_prefill_bs``
@@ -120,8 +129,9 @@ class ControllerConfig:
             )
         if self.max_queue < 0:
             raise InvalidInputError(f"{name('max_queue')} cannot be negative")
-        if not self.first_token_timeout_s > 0:  # written so that NaN fails too
-            raise InvalidInputError(f"{name('first_token_timeout_s')} must be positive")
+        for timeout in ("first_token_timeout_s", "inter_token_timeout_s"):
+            if not getattr(self, timeout) > 0:  # written so that NaN fails too
+                raise InvalidInputError(f"{name(timeout)} must be positive")
         if not self.starvation_window_s >= 0:
             raise InvalidInputError(f"{name('starvation_window_s')} cannot be negative")
 

@@ -157,7 +157,9 @@ class RagController:
         if not 1 <= max_tokens <= self.config.max_tokens_limit:
             raise InvalidInputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
         sampling = check_sampling(request, max_tokens)
-        session = self.sessions.get(request.session_id) if request.session_id is not None else None
+        session = (
+            self.sessions.get(request.session_id, request.client) if request.session_id is not None else None
+        )
         if session is not None:  # told before admission; stream() claims the session
             self.sessions.ensure_idle(session)
         # Rejects over-long questions before any work; the tokens serve every prompt of the query.
@@ -298,8 +300,8 @@ class RagController:
     def create_session(self, client: str) -> str:
         return self.sessions.create(client).session_id
 
-    def close_session(self, session_id: str) -> None:
-        self.sessions.close(session_id)
+    def close_session(self, session_id: str, client: str) -> None:
+        self.sessions.close(session_id, client)
 
     # ------------------------------------------------------------------ lifecycle
 

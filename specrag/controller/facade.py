@@ -86,9 +86,10 @@ class QueryCore(Protocol):
         ...
 
     def create_session(self, client: str) -> str:
-        """A new session's id; ``client`` (who asks) is what the per-client session bound counts."""
+        """A new session's id, ``client``'s alone (who asks; the per-client session bound counts it)."""
         ...
 
-    def close_session(self, session_id: str) -> None:
-        """End a session; :class:`~specrag.errors.NotFoundError` for an unknown id."""
+    def close_session(self, session_id: str, client: str) -> None:
+        """End ``client``'s session; :class:`~specrag.errors.NotFoundError` for an unknown id or
+        another client's."""
         ...

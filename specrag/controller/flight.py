@@ -113,16 +113,28 @@ class Flight:
         computed = len(self.prompt_token_ids) - self.cached_tokens
         return self.cached_tokens, computed, max(0.0, self.first_token_at - started)
 
-    async def outputs(self, first_token_timeout_s: float) -> AsyncIterator[EngineOutput]:
-        """The request's outputs; the first must come within the timeout."""
-        timeout: float | None = first_token_timeout_s
+    async def outputs(
+        self, first_token_timeout_s: float, inter_token_timeout_s: float
+    ) -> AsyncIterator[EngineOutput]:
+        """The request's outputs: the first within ``first_token_timeout_s``, each later one within
+        ``inter_token_timeout_s`` of asking for it. Past either, the engine request is aborted and
+        :class:`EngineTimeoutError` raised: a stream that stalls is a failed one, whichever engine
+        runs it (an in-process engine has no clock of its own between tokens), so the caller
+        moves it elsewhere like one whose engine died. Only the wait for the engine counts: outputs
+        already queued (a slow reader) are no stall."""
+        first = True
         while True:
             try:
+                timeout = first_token_timeout_s if first else inter_token_timeout_s
                 item = await asyncio.wait_for(self._outputs.get(), timeout)
             except TimeoutError:
                 await self.abort()
-                raise EngineTimeoutError(f"no first token within {first_token_timeout_s:.1f} s") from None
-            timeout = None
+                if first:
+                    raise EngineTimeoutError(f"no first token within {first_token_timeout_s:.1f} s") from None
+                raise EngineTimeoutError(
+                    f"the answer stalled: no token for {inter_token_timeout_s:.1f} s"
+                ) from None
+            first = False
             if item is None:
                 return
             if isinstance(item, BaseException):
@@ -162,17 +174,25 @@ class RetriedFlight:
     the caller sees one uninterrupted stream. A stop string is the new request's too, and one
     that spans the move (begun in the text already sent) is found here. At most one retry or
     migration per other replica (one with a single replica). The placement hears of every
-    failure: a missing first token is one an engine's supervisor cannot see by itself.
+    failure: a missing first token, or a stream that stalls after it (no token for
+    ``inter_token_timeout_s``), is one an engine's supervisor cannot see by itself.
     ``resubmit`` launches the new request (through the caller's gate and bookkeeping);
     :attr:`flight` is always the latest request, the one that answered once the stream ends.
     """
 
     def __init__(
-        self, flight: Flight, placement: Placement, first_token_timeout_s: float, resubmit: Resubmit
+        self,
+        flight: Flight,
+        placement: Placement,
+        first_token_timeout_s: float,
+        resubmit: Resubmit,
+        *,
+        inter_token_timeout_s: float,
     ) -> None:
         self.flight = flight
         self._placement = placement
         self._timeout_s = first_token_timeout_s
+        self._inter_token_timeout_s = inter_token_timeout_s
         self._resubmit = resubmit
 
     async def outputs(self) -> AsyncIterator[EngineOutput]:
@@ -185,7 +205,7 @@ class RetriedFlight:
         while True:
             flight = self.flight
             try:
-                async for output in flight.outputs(timeout_s):
+                async for output in flight.outputs(timeout_s, self._inter_token_timeout_s):
                     if (
                         moved_at
                         and stops
@@ -198,6 +218,7 @@ class RetriedFlight:
                     yield output
                 return
             except EngineError as error:
+                restarts = _restarts(flight)
                 placement.report_failure(flight.replica, str(error))
                 if not retries_left:
                     raise
@@ -212,8 +233,29 @@ class RetriedFlight:
                         f"no engine in service after: {error}; retry shortly"
                     ) from error
                 placed = placement.place_prompt(flight.layout, avoid=(flight.replica,))
+                if isinstance(error, EngineTimeoutError) and not sent and placed.replica is flight.replica:
+                    _check_worth_waiting_again(flight, restarts, timeout_s)  # a first-token timeout
                 moved_at = len(text) if sent else 0
                 self.flight = await self._resubmit(placed, flight, error, tuple(sent))
+
+
+def _restarts(flight: Flight) -> int | None:
+    """How often the flight's engine was replaced so far (None: no supervisor replaces it)."""
+    supervision = flight.replica.engine.supervision
+    return None if supervision is None else supervision.status().restarts
+
+
+def _check_worth_waiting_again(flight: Flight, restarts: int | None, timeout_s: float) -> None:
+    """A request that timed out goes again to the same engine only if that engine was replaced
+    meanwhile (it had hung): a working engine that did not finish the prefill in time would take as
+    long again, and the caller would wait twice the timeout."""
+    if restarts is not None and _restarts(flight) != restarts:
+        return
+    raise EngineTimeoutError(
+        f"no first token within the first-token timeout of {timeout_s:g} s: the engine did not "
+        f"finish the prefill of the {len(flight.prompt_token_ids)}-token prompt in time; a smaller k "
+        "or a shorter question prefills faster"
+    )
 
 
 def _spanning_stop(text: str, moved_at: int, new: str, stops: Sequence[str]) -> int | None:

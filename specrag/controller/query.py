@@ -24,7 +24,10 @@ __all__ = ["AnswerDelta", "AnswerDone", "CheckedRequest", "Planned", "RagRequest
 
 @dataclass(frozen=True)
 class RagRequest:
-    """One question. ``None`` fields take the controller's defaults (decoding: greedy, no stop)."""
+    """One question. ``None`` fields take the controller's defaults (decoding: greedy, no stop).
+
+    ``client`` is who asks: a session (``session_id``) answers only to the client that made it
+    (:meth:`~specrag.controller.controller.RagController.create_session`)."""
 
     question: str
     k: int | None = None
@@ -36,6 +39,10 @@ class RagRequest:
     top_p: float | None = None
     seed: int | None = None
     stop: str | Sequence[str] | None = None
+    client: str | None = None
+    previous_questions: tuple[str, ...] = ()
+    """The questions asked before this one, oldest first, when the caller sends its conversation
+    (a chat's earlier user messages); a session's own questions take their place."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 

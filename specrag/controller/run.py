@@ -1,8 +1,10 @@
 """One query from its checked request to the last token of its answer (RAGCache §5.3, Algorithm 2;
 RAGCache++ §3.6).
 
-1. Embed the question; start the staged search; if the knowledge tree says the system prompt is
-   not resident, have the controller warm it (shared work: recorded by the controller, not here)
+1. Embed the question (a follow-up's joined with the questions before it,
+   :mod:`specrag.retrieval.conversational`); start the staged search; if the knowledge tree says
+   the system prompt is not resident, have the controller warm it (shared work: recorded by the
+   controller, not here)
    — with speculation on, only at a stage that could not speculate, since a speculation
    prefills the system prompt itself; with ``speculation="auto"`` only if its price pays.
 2. A stage arrived: order its running top-k with the knowledge tree and build the prompt. If it
@@ -37,6 +39,7 @@ from specrag.cache.hints import order_hint
 from specrag.cache.layout import DocId, PromptLayout
 from specrag.cache.ordering import PolicyName, get_policy
 from specrag.controller.conversation import TurnPrompt
+from specrag.controller.fitting import check_final_prompt_fits
 from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import Slot
 from specrag.controller.placement import Placed
@@ -46,7 +49,7 @@ from specrag.controller.speculation_steps import SpeculationSteps
 from specrag.controller.timeline import Timeline
 from specrag.errors import EngineError, OverloadedError
 from specrag.pipeline.engine import EngineOutput, latest_cached_tokens, now
-from specrag.pipeline.engine_base import check_prompt_fits
+from specrag.retrieval.conversational import conversation_query
 
 __all__ = ["QueryRun"]
 
@@ -90,12 +93,17 @@ class QueryRun:
             return await self.final_known(list(checked.planned.rows))
         loop = asyncio.get_running_loop()
         timeline.embed_start = now()
-        vector = await loop.run_in_executor(None, shared.index.embed_query, checked.request.question)
+        request = checked.request
+        # A follow-up is searched with the questions before it, its session's or its chat's.
+        previous = checked.session.questions if checked.session is not None else request.previous_questions
+        query = await loop.run_in_executor(None, conversation_query, shared.index, request.question, previous)
+        if query.joined:
+            timeline.add("conversation", now(), questions=query.joined)
         timeline.search_start = now()
         config = shared.config
         plan = shared.index.stage_plan(config.num_stages if checked.speculate else 1, config.stage_schedule)
-        # The question's text feeds the lexical channel of a hybrid index.
-        search = shared.index.search_staged(vector, checked.k, plan, query_text=checked.request.question)
+        # The query's text feeds the lexical channel of a hybrid index.
+        search = shared.index.search_staged(query.vector, checked.k, plan, query_text=query.text)
         self._speculating.search = search
         if plan.num_stages == 1:
             self._speculating.warm_up(0)
@@ -136,7 +144,13 @@ class QueryRun:
             return speculation
         if speculation is not None:
             await self._speculating.drop(speculation)
-        check_prompt_fits(len(layout.token_ids), self.checked.sampling, placed.replica.engine.max_model_len)
+        check_final_prompt_fits(
+            len(layout.token_ids),
+            len(rows),
+            lambda count: len(self._ordered_prompt(rows[:count], final=False).layout.token_ids),
+            self.checked.sampling,
+            placed.replica.engine.max_model_len,
+        )
         gate = shared.gate
         if gate.waiting >= shared.config.max_queue:
             # Bounded queueing: past the limit a caller is told to come back instead of waiting
@@ -206,7 +220,7 @@ class QueryRun:
             logger.debug("query answered (%s): %s", finish_reason, summary)
         if session is not None and finish_reason != "abort":  # the only place a session changes
             kept = self._turn.kept if self._turn is not None else ()
-            shared.sessions.record_turn(session, kept, flight.layout, tokens)
+            shared.sessions.record_turn(session, kept, flight.layout, tokens, self.checked.request.question)
         yield AnswerDone("".join(texts), finish_reason, timeline, flight.layout, self.sources)
 
     async def abort_all(self) -> None:
@@ -307,10 +321,11 @@ class QueryRun:
 
     def _prefilled(self, flight: Flight) -> None:
         """A prompt of ours reached its first token: its replica's tree learns it was served and
-        that its blocks are cached (an aborted speculation's too: its prefill is done)."""
+        that its blocks are cached (an aborted speculation's too: its prefill is done); a document-KV
+        prompt's blocks are salted, another cache than the tree's."""
         tree = flight.replica.tree
         tree.record_served(flight.layout, flight.cached_tokens)
-        tree.record_prefilled(flight.layout)
+        tree.record_prefilled(flight.layout, salted=bool(flight.sampling.document_kv))
 
     def _note_route(self, placed: Placed) -> None:
         """The timeline (and so /metrics) says where the answer's prompt went, and why."""
@@ -347,7 +362,14 @@ class QueryRun:
         (:class:`~specrag.controller.flight.RetriedFlight`); the answering request's prefill
         refits the profile."""
         shared = self._shared
-        answer = RetriedFlight(flight, shared.placement, shared.config.first_token_timeout_s, self._resubmit)
+        config = shared.config
+        answer = RetriedFlight(
+            flight,
+            shared.placement,
+            config.first_token_timeout_s,
+            self._resubmit,
+            inter_token_timeout_s=config.inter_token_timeout_s,
+        )
         self._answer = answer
         async for output in answer.outputs():
             yield output

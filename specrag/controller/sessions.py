@@ -8,6 +8,11 @@ recorded, so a turn that fails or is abandoned leaves the session as it was; one
 time per session. When the history no longer fits the model, the oldest turns leave the context
 (:mod:`specrag.controller.conversation`), and the documents they gave count as not given.
 
+A session belongs to the client that made it: for any other client it does not exist (the same
+:class:`NotFoundError` as an unknown id), so a session id that leaks or is guessed gives no one
+else the conversation, nor the power to end it. Who "a client" is, is the caller's to say (the
+service: a bearer token per client, else an address).
+
 Sessions are bounded in number, overall and per client, and expire when idle: a client at its
 bound replaces its own least recently used idle session, so no client can push out another's.
 At the overall bound a new session is refused (429, retry when the oldest one expires): no
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 
 from specrag.cache.layout import DocId, PromptLayout
 from specrag.errors import ConflictError, InvalidInputError, NotFoundError, OverloadedError, echo
+from specrag.retrieval.conversational import CONVERSATION_TURNS
 
 __all__ = ["Session", "SessionStore", "Turn"]
 
@@ -50,6 +56,9 @@ class Session:
     context: tuple[Turn, ...] = ()
     turns: int = 0
     """Turns recorded since the session began, including those no longer in the context."""
+    questions: tuple[str, ...] = ()
+    """The last questions asked, oldest first: what a follow-up is searched with
+    (:mod:`specrag.retrieval.conversational`), even once their turns left the context."""
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
@@ -117,12 +126,11 @@ class SessionStore:
         self._by_owner.setdefault(owner, OrderedDict())[session.session_id] = session
         return session
 
-    def get(self, session_id: str) -> Session:
-        """The live session, or :class:`NotFoundError` (never created, expired or closed)."""
+    def get(self, session_id: str, client: str | None) -> Session:
+        """``client``'s live session, or :class:`NotFoundError` (never created, expired, closed or
+        another client's: the same answer, so that no one learns which ids exist)."""
         self._expire()
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise NotFoundError(f"unknown session {echo(session_id)} (never created, expired or closed)")
+        session = self._owned(session_id, client)
         self._touch(session)
         return session
 
@@ -144,21 +152,32 @@ class SessionStore:
             self._touch(session)
 
     def record_turn(
-        self, session: Session, kept: Sequence[Turn], prompt: PromptLayout, answer: Sequence[int]
+        self,
+        session: Session,
+        kept: Sequence[Turn],
+        prompt: PromptLayout,
+        answer: Sequence[int],
+        question: str,
     ) -> None:
-        """The turn is done: the context becomes ``kept``, then this prompt's new part and answer."""
+        """The turn is done: the context becomes ``kept``, then this prompt's new part and answer;
+        ``question`` joins the questions a follow-up is searched with."""
         if not kept:  # the prompt starts with the system prompt: its first segment
             session.base = prompt.token_ids[: prompt.segments[0].end]
         start = len(session.base) + sum(len(turn.tokens) for turn in kept)
         session.turns += 1
         turn = Turn(session.turns, (*prompt.token_ids[start:], *answer), prompt.document_ids())
         session.context = (*kept, turn)
+        session.questions = (*session.questions, question)[-CONVERSATION_TURNS:]
 
-    def close(self, session_id: str) -> None:
+    def close(self, session_id: str, client: str | None) -> None:
+        """End ``client``'s session; :class:`NotFoundError` as :meth:`get` says."""
+        self._remove(self._owned(session_id, client))
+
+    def _owned(self, session_id: str, client: str | None) -> Session:
         session = self._sessions.get(session_id)
-        if session is None:
-            raise NotFoundError(f"unknown session {echo(session_id)}")
-        self._remove(session)
+        if session is None or session.owner != client:
+            raise NotFoundError(f"unknown session {echo(session_id)} (never created, expired or closed)")
+        return session
 
     def _touch(self, session: Session) -> None:
         session.last_used = self._clock()

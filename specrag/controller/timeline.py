@@ -12,6 +12,7 @@ from typing import Any, Literal
 __all__ = ["EventKind", "Timeline", "TimelineEvent"]
 
 EventKind = Literal[
+    "conversation",
     "planned",
     "stage",
     "warmup_start",
@@ -37,6 +38,8 @@ EventKind = Literal[
 class TimelineEvent:
     """One step of a query, ``kind`` one of :data:`EventKind`:
 
+    - ``conversation``: a follow-up was searched with the ``questions`` asked before it
+      (:mod:`specrag.retrieval.conversational`);
     - ``planned``: a batch query starts with the documents its batch retrieved and ordered
       (``position`` in the batch's schedule; no search of its own);
     - ``stage``: a search stage's running top-k arrived (``done`` for the final one);
@@ -53,8 +56,8 @@ class TimelineEvent:
       chose another document order when it admitted it;
     - ``final_submit``, ``route`` (which replica, and why);
     - ``retry``: the answer's request failed before its first token and was submitted again;
-      ``migrate``: it failed after it, and the prompt plus the ``tokens_sent`` went ``to``
-      another replica, the stream going on;
+      ``migrate``: it failed after it (or stalled: no token for the inter-token timeout), and
+      the prompt plus the ``tokens_sent`` went ``to`` another replica, the stream going on;
     - ``first_token``, ``done``.
 
     A warm-up the query triggered is shared work that may outlive it: the query notes only its

@@ -22,7 +22,7 @@ from specrag.pipeline.random_model import (
 )
 from specrag.retrieval.corpus import build_default_corpus, load_passages
 
-__all__ = ["engine_server_config", "register"]
+__all__ = ["add_kv_cache_tokens", "engine_server_config", "register"]
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -47,20 +47,36 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def engine_server_config(
-    model: str, eager: bool, kv_events_port: int | None, host: str = "127.0.0.1"
+    model: str,
+    eager: bool,
+    kv_events_port: int | None,
+    kv_events_host: str = "127.0.0.1",
+    kv_cache_tokens: int | None = None,
 ) -> EngineConfig:
     """The engine config of a separate vLLM server; KV events over TCP when a port is given.
 
-    The publisher binds ``tcp://HOST:PORT`` (events) and ``PORT+1`` (replay) on the server's own
-    ``host``, so a server on loopback does not publish to the network; specrag subscribes with
+    The publisher binds ``tcp://KV_EVENTS_HOST:PORT`` (events) and ``PORT+1`` (replay): loopback
+    unless told otherwise, whatever address the server itself listens on, because the events
+    carry every prompt's and answer's token ids; specrag subscribes with
     ``serve --engine-kv-events tcp://HOST:PORT``.
     """
-    config = EngineConfig(model=model, enforce_eager=eager)
+    config = EngineConfig(model=model, enforce_eager=eager, kv_cache_tokens=kv_cache_tokens)
     if kv_events_port is None:
         return config.validate()
     if not 1 <= kv_events_port <= 65534:
         raise InvalidInputError(f"--kv-events-port must be between 1 and 65534, got {kv_events_port}")
-    return config.with_tcp_kv_events(host, kv_events_port)
+    return config.with_tcp_kv_events(kv_events_host, kv_events_port)
+
+
+def add_kv_cache_tokens(parser: argparse.ArgumentParser) -> None:
+    """``--kv-cache-tokens N`` of ``specrag engine`` and ``specrag serve``."""
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        metavar="N",
+        help="bound the engine's prefix cache to N tokens (at least one longest prompt); a smaller "
+        "cache evicts sooner (default: as many as its memory holds)",
+    )
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -70,7 +86,9 @@ def _engine(args: argparse.Namespace) -> int:
     model = str(layout.named_model_dir(args.model)) if args.model in MODEL_NAMES else args.model
     if not os.path.isdir(model):
         raise InvalidInputError(f"no model in {model}: run `specrag prepare` first, or give --model DIR")
-    config = engine_server_config(model, args.eager, args.kv_events_port, args.host)
+    config = engine_server_config(
+        model, args.eager, args.kv_events_port, args.kv_events_host, args.kv_cache_tokens
+    )
     from vllm.platforms import current_platform  # only here: importing vLLM takes seconds
 
     command, environment = config.server_command(args.host, args.port, on_cpu=current_platform.is_cpu())
@@ -116,9 +134,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     engine.add_argument(
         "--kv-events-port",
         type=int,
-        help="publish KV-cache events on tcp://HOST:PORT (the --host; replay on PORT+1) so specrag "
+        help="publish KV-cache events on tcp://KV_EVENTS_HOST:PORT (replay on PORT+1) so specrag "
         "mirrors the cache",
     )
+    engine.add_argument(
+        "--kv-events-host",
+        default="127.0.0.1",
+        help="address the KV-event publisher binds (default %(default)s; the events carry every "
+        "prompt's token ids: 0.0.0.0 only for a subscriber on another machine)",
+    )
     engine.add_argument("--eager", action="store_true", help="skip graph compilation (faster start)")
+    add_kv_cache_tokens(engine)
     engine.add_argument("--print", action="store_true", help="print the command instead of running it")
     engine.set_defaults(handler=_engine)

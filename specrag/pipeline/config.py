@@ -124,6 +124,9 @@ class EngineConfig:
     block_size: int | None = 32
     #: The KV cache's size in GiB (``VLLM_CPU_KVCACHE_SPACE``).
     kv_cache_gib: int = 2
+    #: The prefix cache's size in tokens (vLLM's ``num_gpu_blocks_override``, which its CPU backend
+    #: honours too): a bounded cache evicts sooner. None: as many blocks as ``kv_cache_gib`` holds.
+    kv_cache_tokens: int | None = None
     #: Skip graph compilation: starts faster, prefills slower.
     enforce_eager: bool = False
     #: Prompt tokens per engine step: bounds what an aborted speculation holds the engine for.
@@ -176,6 +179,8 @@ class EngineConfig:
             raise InvalidInputError(
                 f"engine config: dtype must be one of {', '.join(values(Dtype))}, got {self.dtype!r}"
             )
+        if self.kv_cache_tokens is not None:
+            self._check_kv_cache_tokens(self.kv_cache_tokens)
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise InvalidInputError("engine config: kv_events_replay_endpoint needs kv_events_endpoint")
         if self.startup_timeout_s <= 0:
@@ -183,6 +188,28 @@ class EngineConfig:
         if self.document_kv_max_gib <= 0:
             raise InvalidInputError("engine config: document_kv_max_gib must be positive")
         return self
+
+    def _check_kv_cache_tokens(self, tokens: int) -> None:
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise InvalidInputError(
+                f"engine config: kv_cache_tokens (--kv-cache-tokens) must be a positive integer: {tokens!r}"
+            )
+        if self.block_size is None:
+            raise InvalidInputError("engine config: kv_cache_tokens needs a block_size")
+        longest = -(-self.max_model_len // self.block_size) * self.block_size
+        if tokens < longest:
+            raise InvalidInputError(
+                f"engine config: kv_cache_tokens (--kv-cache-tokens {tokens}) must hold at least one prompt "
+                f"of max_model_len "
+                f"({self.max_model_len} tokens: {longest} in blocks of {self.block_size})"
+            )
+
+    def kv_cache_blocks(self) -> int | None:
+        """The engine's block count for ``kv_cache_tokens``: whole blocks holding them, plus the
+        one vLLM's block pool keeps back (its null block). None: the engine sizes its cache."""
+        if self.kv_cache_tokens is None or self.block_size is None:
+            return None
+        return -(-self.kv_cache_tokens // self.block_size) + 1
 
     def with_overrides(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed, validated."""
@@ -248,6 +275,8 @@ class EngineConfig:
         }
         if self.block_size is not None:
             arguments["block_size"] = self.block_size
+        if (blocks := self.kv_cache_blocks()) is not None:
+            arguments["num_gpu_blocks_override"] = blocks
         if self.kv_events_endpoint is not None:
             arguments["kv_events_config"] = {
                 "enable_kv_cache_events": True,

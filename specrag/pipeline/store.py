@@ -7,7 +7,9 @@ every prefix-cache block after it. Token IDs depend on the tokenizer, so the sto
 tokenizer's fingerprint and the segment template and refuses to serve another tokenizer.
 
 Rows are positional: row ``i`` is passage ``i`` of the corpus, the same integer the vector index
-returns. This module knows nothing of models: the tokenizer is a function handed in.
+returns. Every row carries a checksum that each read verifies (:mod:`specrag.pipeline.store_check`):
+a damaged row is an :class:`ArtifactError` naming the file, never different tokens in a prompt.
+This module knows nothing of models: the tokenizer is a function handed in.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from specrag.atomic import atomic_file
 from specrag.errors import ArtifactError, InvalidInputError
+from specrag.pipeline.store_check import damaged_row, row_checksum, verify_row
 from specrag.retrieval.corpus import Passage
 
 __all__ = [
@@ -40,7 +43,8 @@ __all__ = [
 # How a passage appears in a prompt. Stored with the tokens: changing it requires a rebuild. The
 # label is the one order and location hints name the passage by (specrag.cache.hints: its row).
 DEFAULT_SEGMENT_TEMPLATE = "[Doc {row}] {title}\n{text}\n\n"
-SCHEMA_VERSION = "1"
+# 2: a checksum per row, verified on every read.
+SCHEMA_VERSION = "2"
 _TOKEN_DTYPE = np.dtype("<u4")
 _TOKENIZE_BATCH = 256
 
@@ -125,21 +129,40 @@ class DocumentStore:
         if not 0 <= row < self.info.passages:
             raise InvalidInputError(f"passage row {row} out of range [0, {self.info.passages})")
 
+    def _verified_row(self, row: int) -> tuple[str, str, str, int, bytes, bytes]:
+        """Every field of ``row``, checked against its checksum before anything uses it."""
+        self._check_row(row)
+        try:
+            with self._lock:
+                found = self._connection.execute(
+                    "SELECT id, title, text, n_tokens, tokens, checksum FROM passages WHERE row = ?", (row,)
+                ).fetchone()
+        except sqlite3.DatabaseError as error:  # a damaged page, or text that no longer decodes
+            raise damaged_row(self.path, row, f"cannot be read ({error})") from error
+        if found is None:
+            raise damaged_row(self.path, row, "is missing")
+        verify_row(self.path, row, found)
+        return found
+
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - the store lives as long as the service
     def tokens(self, row: int) -> tuple[int, ...]:
         """Token IDs of passage ``row`` as it appears in a prompt (cached: prompts reuse passages)."""
-        self._check_row(row)
-        with self._lock:
-            (blob,) = self._connection.execute("SELECT tokens FROM passages WHERE row = ?", (row,)).fetchone()
+        blob = self._verified_row(row)[4]
         return tuple(int(token) for token in np.frombuffer(blob, dtype=_TOKEN_DTYPE))
 
     def passage(self, row: int) -> Passage:
-        self._check_row(row)
-        with self._lock:
-            passage_id, title, text = self._connection.execute(
-                "SELECT id, title, text FROM passages WHERE row = ?", (row,)
-            ).fetchone()
+        passage_id, title, text, *_ = self._verified_row(row)
         return Passage(id=passage_id, title=title, text=text)
+
+    def passage_ids(self) -> list[str]:
+        """The passage ids in row order: what a changed corpus is compared with."""
+        try:
+            with self._lock:
+                return [
+                    found[0] for found in self._connection.execute("SELECT id FROM passages ORDER BY row")
+                ]
+        except sqlite3.DatabaseError as error:
+            raise ArtifactError(f"document store {self.path} is corrupt: {error}") from error
 
     def row_of(self, passage_id: str) -> int:
         with self._lock:
@@ -177,7 +200,8 @@ def build_store(
                 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
                 CREATE TABLE passages (
                     row INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE, title TEXT NOT NULL,
-                    text TEXT NOT NULL, n_tokens INTEGER NOT NULL, tokens BLOB NOT NULL);
+                    text TEXT NOT NULL, n_tokens INTEGER NOT NULL, tokens BLOB NOT NULL,
+                    checksum BLOB NOT NULL);
                 """
             )
             for start in range(0, len(passages), _TOKENIZE_BATCH):
@@ -189,10 +213,10 @@ def build_store(
                 for offset, (passage, token_ids) in enumerate(zip(batch, token_lists, strict=True)):
                     array = np.asarray(token_ids, dtype=_TOKEN_DTYPE)
                     total_tokens += len(array)
-                    rows.append(
-                        (start + offset, passage.id, passage.title, passage.text, len(array), array.tobytes())
-                    )
-                connection.executemany("INSERT INTO passages VALUES (?, ?, ?, ?, ?, ?)", rows)
+                    row, blob = start + offset, array.tobytes()
+                    checksum = row_checksum(row, passage.id, passage.title, passage.text, blob)
+                    rows.append((row, passage.id, passage.title, passage.text, len(array), blob, checksum))
+                connection.executemany("INSERT INTO passages VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
                 if progress is not None:
                     progress(start + len(batch))
             info = StoreInfo(

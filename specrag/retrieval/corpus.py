@@ -225,7 +225,7 @@ def _add_record(passages: list[Passage], seen: set[str], line: str, where: str) 
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise ArtifactError(f"{where}: not valid JSON ({error.msg})") from error
+        raise ArtifactError(f"{where}: not valid JSON ({error.msg}: column {error.colno})") from error
     if not isinstance(record, dict):
         raise ArtifactError(f"{where}: expected a JSON object")
     passage_id, text = record.get("id"), record.get("text")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import faiss
 import numpy as np
 
-from specrag.atomic import atomic_directory, sha256_file
+from specrag.atomic import atomic_directory, reading_directory, sha256_file
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.arrays import load_array
 from specrag.retrieval.corpus import Passage
@@ -57,6 +57,8 @@ __all__ = [
     "IndexConfig",
     "build_index",
     "build_searcher",
+    "built_corpus_checksum",
+    "built_passage_ids",
     "check_corpus",
     "load_index",
     "passage_ids_digest",
@@ -209,8 +211,12 @@ def build_index(
     )
 
 
-def save_index(index: VectorIndex, directory: Path) -> None:
-    """Write ``index`` to ``directory`` atomically, replacing what was there."""
+def save_index(index: VectorIndex, directory: Path, corpus_checksum: str | None = None) -> None:
+    """Write ``index`` to ``directory`` atomically, replacing what was there.
+
+    ``corpus_checksum`` (of the passages' ids, titles and texts) is recorded when given, so that a
+    corpus whose texts changed under the same ids is told from the one the index was built on.
+    """
     if index.embedder is None:
         raise InvalidInputError("an index is saved with its embedder; this one has none")
     with atomic_directory(directory) as staging:
@@ -236,6 +242,7 @@ def save_index(index: VectorIndex, directory: Path) -> None:
             "ntotal": index.searcher.ntotal,
             "num_passages": len(index.passage_ids),
             "passage_ids_sha256": passage_ids_digest(index.passage_ids),
+            "corpus_sha256": corpus_checksum,
             "searcher": index.searcher.settings,
             "embedder": embedder_entry,
             "lexical": lexical_entry,
@@ -293,7 +300,16 @@ def _searcher_from(index: faiss.Index, settings: dict[str, Any], path: Path) -> 
 
 
 def load_index(directory: Path, runner: SearchRunner | None = None) -> VectorIndex:
-    """Load and check an index directory written by :func:`save_index`."""
+    """Load and check an index directory written by :func:`save_index`.
+
+    Everything is read from the one version the directory's pointer names, held while it loads,
+    so an index replaced meanwhile is read whole, old or new (:func:`reading_directory`).
+    """
+    with reading_directory(directory) as version:
+        return _load_version(version, runner)
+
+
+def _load_version(directory: Path, runner: SearchRunner | None) -> VectorIndex:
     manifest = _read_manifest(directory)
     _verify_files(directory, manifest["files"])
     index_path = directory / INDEX_FILE
@@ -333,6 +349,32 @@ def load_index(directory: Path, runner: SearchRunner | None = None) -> VectorInd
         )
     except InvalidInputError as error:
         raise ArtifactError(f"{directory}: {error}") from error
+
+
+def built_passage_ids(directory: Path) -> list[str] | None:
+    """The passage ids, in row order, of the index in ``directory``, or None when there is no
+    intact one. Reads only the manifest and the ids (not the index): what a changed corpus is
+    compared with before anything is rebuilt."""
+    try:
+        with reading_directory(directory) as version:
+            manifest = _read_manifest(version)
+            _verify_files(version, {PASSAGE_IDS_FILE: manifest["files"][PASSAGE_IDS_FILE]})
+            passage_ids = json.loads((version / PASSAGE_IDS_FILE).read_text(encoding="utf-8"))
+    except (ArtifactError, KeyError, OSError, ValueError):
+        return None
+    if not isinstance(passage_ids, list) or not all(isinstance(found, str) for found in passage_ids):
+        return None
+    return passage_ids
+
+
+def built_corpus_checksum(directory: Path) -> str | None:
+    """The corpus checksum the index in ``directory`` recorded (:func:`save_index`), or None."""
+    try:
+        with reading_directory(directory) as version:
+            recorded = _read_manifest(version).get("corpus_sha256")
+    except ArtifactError:
+        return None
+    return recorded if isinstance(recorded, str) else None
 
 
 def check_corpus(index: VectorIndex, passages: Sequence[Passage]) -> None:

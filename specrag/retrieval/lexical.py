@@ -13,6 +13,7 @@ into a sub-directory of the index directory, which checks every file against its
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -38,9 +39,13 @@ def _bm25s() -> ModuleType:
     fail at start-up (its Triton kernel rebinding calls ``vars()`` on every module attribute). A
     script whose main module imports specrag must not load it by the way: vLLM's spawned
     processes import that main module again.
+
+    Importing it sets its logger to DEBUG, which printed its debug lines on every command's
+    output; its level is given back to the application's logging configuration (``-v``).
     """
     import bm25s
 
+    logging.getLogger("bm25s").setLevel(logging.NOTSET)
     return bm25s
 
 

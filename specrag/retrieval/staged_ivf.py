@@ -98,7 +98,7 @@ class StagedIVF(FaissBacked):
                 "nothing is speculated during it; a corpus of %d+ passages, --pad-to, --nprobe 2+ or "
                 "--kind hnsw gives it stages",
                 self.index.nlist,
-                8 * MIN_POINTS_PER_LIST,
+                2 * MIN_POINTS_PER_LIST,  # two lists: choose_nlist gives one below this
             )
 
     @classmethod

@@ -39,6 +39,7 @@ from specrag.service.assets import Assets
 from specrag.service.documents import add_document_routes
 from specrag.service.kv_mirror import KVMirror
 from specrag.service.metrics import ServiceMetrics
+from specrag.service.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
 from specrag.service.options import ServiceOptions, base_engine_config
 from specrag.service.pinning import pin_threads
 from specrag.service.pools import (
@@ -201,7 +202,8 @@ def _application(
             lambda: sum(mirror.faults().lost_batches for mirror in mirrors),
             lambda: sum(mirror.faults().callback_errors for mirror in mirrors),
         )
-    return create_app(
+        metrics.registry.register(MirrorCollector(mirrors))
+    app = create_app(
         controller,
         api_token=options.api_token,
         api_tokens=options.api_tokens,
@@ -211,6 +213,9 @@ def _application(
         metrics=metrics,
         model_name=model_name,
     )
+    if mirrors:
+        app[MIRROR_HEALTH] = lambda: mirror_health(mirrors)
+    return app
 
 
 def _engines(

@@ -2,7 +2,11 @@
 
 Each step is skipped when its artefact exists and matches what it is built from (the corpus
 checksum, the tokenizer fingerprint, the model's manifest), so the README's commands are
-idempotent and a second run starts at once. Lives in the service because it combines retrieval
+idempotent and a second run starts at once. Each step holds its artefact's writer lock from the
+check to the write, so a second ``prepare`` or ``serve`` on the same data directory waits and then
+finds the artefact built. A corpus that differs from the one the artefacts were built from is
+said at WARNING, and one that lost passages is refused unless accepted
+(:mod:`specrag.service.corpus_change`). Lives in the service because it combines retrieval
 (corpus, index) with the pipeline (model, tokenizer, store).
 """
 
@@ -15,6 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specrag.errors import ArtifactError
+from specrag.locking import writer_lock
 from specrag.paths import DataLayout
 from specrag.pipeline.live_corpus import LiveCorpus
 from specrag.pipeline.live_store import LiveStore
@@ -22,8 +27,17 @@ from specrag.pipeline.model_catalog import resolve_model
 from specrag.pipeline.store import DEFAULT_SEGMENT_TEMPLATE, DocumentStore, build_store, corpus_checksum
 from specrag.pipeline.tokenizer import Tokenizer
 from specrag.retrieval.corpus import Passage, build_default_corpus, load_passages, write_passages
-from specrag.retrieval.index_store import IndexConfig, build_index, check_corpus, load_index, save_index
+from specrag.retrieval.index_store import (
+    IndexConfig,
+    build_index,
+    built_corpus_checksum,
+    built_passage_ids,
+    check_corpus,
+    load_index,
+    save_index,
+)
 from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.corpus_change import CorpusShrunkError, check_corpus_change
 
 __all__ = ["Assets", "ensure_assets", "ensure_corpus", "ensure_index", "ensure_store"]
 
@@ -44,46 +58,75 @@ class Assets:
     onto ``store`` and ``index``; None for assets assembled without it (a test's)."""
 
 
-def ensure_corpus(layout: DataLayout, corpus_file: Path | None = None) -> list[Passage]:
+def ensure_corpus(
+    layout: DataLayout, corpus_file: Path | None = None, accept_corpus_change: bool = False
+) -> list[Passage]:
     """Load ``corpus_file`` (a user's JSONL), or the data directory's corpus, building the default
     one if there is none.
 
     A user's corpus is copied into the data directory: the random model's tokenizer is trained on
     it, so a later command on the same data directory without ``--corpus`` must keep using it, not
-    silently rebuild the store and index from the default corpus.
+    silently rebuild the store and index from the default corpus. Either corpus is first compared
+    with the one the data directory's index was built from (refused if it lost passages, unless
+    ``accept_corpus_change``), so that a refused corpus replaces nothing, not even the copy.
     """
-    if corpus_file is not None:
-        passages = load_passages(corpus_file)
-        if corpus_file.resolve() != layout.corpus_file.resolve():
-            write_passages(layout.corpus_file, passages)
-            logger.info("recorded the corpus %s in %s", corpus_file, layout.corpus_file)
+    with writer_lock(layout.corpus_file):
+        if corpus_file is not None:
+            passages = load_passages(corpus_file)
+            _compare_with_index(layout, passages, accept_corpus_change)
+            if corpus_file.resolve() != layout.corpus_file.resolve():
+                write_passages(layout.corpus_file, passages)
+                logger.info("recorded the corpus %s in %s", corpus_file, layout.corpus_file)
+            return passages
+        if not layout.corpus_file.is_file():
+            count = write_passages(layout.corpus_file, build_default_corpus())
+            logger.info("built the default corpus: %d passages in %s", count, layout.corpus_file)
+        passages = load_passages(layout.corpus_file)
+        _compare_with_index(layout, passages, accept_corpus_change)
         return passages
-    if not layout.corpus_file.is_file():
-        count = write_passages(layout.corpus_file, build_default_corpus())
-        logger.info("built the default corpus: %d passages in %s", count, layout.corpus_file)
-    return load_passages(layout.corpus_file)
 
 
-def ensure_store(layout: DataLayout, passages: list[Passage], tokenizer: Tokenizer) -> DocumentStore:
-    """The document store for this tokenizer and corpus, tokenizing the corpus if needed."""
+def _compare_with_index(layout: DataLayout, passages: list[Passage], accept_corpus_change: bool) -> None:
+    built_ids = built_passage_ids(layout.index_dir)
+    if built_ids is not None:
+        check_corpus_change(f"the index {layout.index_dir}", built_ids, passages, accept_corpus_change)
+
+
+def ensure_store(
+    layout: DataLayout, passages: list[Passage], tokenizer: Tokenizer, accept_corpus_change: bool = False
+) -> DocumentStore:
+    """The document store for this tokenizer and corpus, tokenizing the corpus if needed.
+
+    A store built from another corpus is compared with this one first (see :func:`ensure_corpus`).
+    """
     path = layout.store_file(tokenizer.fingerprint)
     checksum = corpus_checksum(passages)
-    try:
-        store = DocumentStore(path)
-        store.check_matches(tokenizer.fingerprint, checksum, DEFAULT_SEGMENT_TEMPLATE)
-        logger.debug("document store %s: %d tokens, up to date", path, store.info.total_tokens)
-        return store
-    except ArtifactError as reason:
-        logger.info("building the document store %s (%s)", path, reason)
-    with tqdm(total=len(passages), desc="tokenizing passages", unit="passage") as bar:
-        build_store(
-            path,
-            passages,
-            tokenizer.encode_batch,
-            tokenizer.fingerprint,
-            progress=lambda done: bar.update(done - bar.n),
-        )
-    return DocumentStore(path)
+    with writer_lock(path):
+        if not path.exists():
+            logger.info("building the document store %s", path)
+        else:
+            try:
+                store = DocumentStore(path)
+                if store.info.corpus_checksum != checksum:
+                    check_corpus_change(
+                        f"the document store {path}", store.passage_ids(), passages, accept_corpus_change
+                    )
+                store.check_matches(tokenizer.fingerprint, checksum, DEFAULT_SEGMENT_TEMPLATE)
+                logger.debug("document store %s: %d tokens, up to date", path, store.info.total_tokens)
+                return store
+            except CorpusShrunkError:
+                raise
+            except ArtifactError as reason:
+                logger.warning("rebuilding the document store %s (%s)", path, reason)
+        with tqdm(total=len(passages), desc="tokenizing passages", unit="passage") as bar:
+            build_store(
+                path,
+                passages,
+                tokenizer.encode_batch,
+                tokenizer.fingerprint,
+                progress=lambda done: bar.update(done - bar.n),
+            )
+        return DocumentStore(path)
 
 
 def ensure_index(
@@ -101,20 +144,28 @@ def ensure_index(
     """
     directory = directory or layout.index_dir
     config = config or IndexConfig()
-    try:
-        index = load_index(directory)
-        check_corpus(index, passages)
-        mismatch = config.mismatch(index)
-        if mismatch is None:
-            _describe(index, f"loaded the vector index {directory}")
-            return index
-        logger.info("rebuilding the vector index in %s (%s)", directory, mismatch)
-    except ArtifactError as reason:
-        logger.info("building the vector index in %s (%s)", directory, reason)
-    index = build_index(passages, config, progress=True)
-    save_index(index, directory)
-    _describe(index, f"built the vector index {directory}")
-    return index
+    with writer_lock(directory):
+        checksum = corpus_checksum(passages)
+        try:
+            index = load_index(directory)
+            check_corpus(index, passages)
+            recorded = built_corpus_checksum(directory)
+            mismatch = config.mismatch(index)
+            if recorded is not None and recorded != checksum:
+                mismatch = "built from the same passage ids with other titles or texts"
+            if mismatch is None:
+                _describe(index, f"loaded the vector index {directory}")
+                return index
+            logger.warning("rebuilding the vector index in %s (%s)", directory, mismatch)
+        except ArtifactError as reason:
+            if directory.exists():
+                logger.warning("rebuilding the vector index in %s (%s)", directory, reason)
+            else:
+                logger.info("building the vector index in %s", directory)
+        index = build_index(passages, config, progress=True)
+        save_index(index, directory, checksum)
+        _describe(index, f"built the vector index {directory}")
+        return index
 
 
 def _describe(index: VectorIndex, what: str) -> None:
@@ -122,17 +173,21 @@ def _describe(index: VectorIndex, what: str) -> None:
 
 
 def ensure_assets(
-    layout: DataLayout, model: str | Path | None = None, corpus_file: Path | None = None
+    layout: DataLayout,
+    model: str | Path | None = None,
+    corpus_file: Path | None = None,
+    accept_corpus_change: bool = False,
 ) -> Assets:
     """Corpus, model, tokenizer, store and index, each built only if missing or stale.
 
     ``model`` is a model name (None: the default, SmolLM2-135M-Instruct) or a model directory
-    (:func:`specrag.pipeline.model_catalog.resolve_model`).
+    (:func:`specrag.pipeline.model_catalog.resolve_model`). A corpus that lost passages since the
+    store and index were built is refused unless ``accept_corpus_change``.
     """
-    passages = ensure_corpus(layout, corpus_file)
+    passages = ensure_corpus(layout, corpus_file, accept_corpus_change)
     resolved_model = resolve_model(layout, model, (passage.text for passage in passages))
     tokenizer = Tokenizer(resolved_model)
-    base = ensure_store(layout, passages, tokenizer)
+    base = ensure_store(layout, passages, tokenizer, accept_corpus_change)
     base.close()
     index = ensure_index(layout, passages)
     corpus = LiveCorpus.replayed(LiveStore(base.path), index, tokenizer.encode_batch)

@@ -8,6 +8,7 @@ once, so the message names the JSON field either way.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
@@ -21,15 +22,18 @@ __all__ = [
     "CHAT_FIELDS",
     "CHAT_NEUTRAL_FIELDS",
     "CHAT_UNHONOURED_FIELDS",
+    "FIELD_ALIASES",
+    "HINT_SIMILARITY",
     "RAG_FIELDS",
     "STREAM_OPTIONS",
     "chat_request",
     "check_fields",
+    "field_hint",
     "include_usage",
-    "last_user_message",
     "optional",
     "rag_request",
     "required",
+    "user_questions",
 ]
 
 RAG_FIELDS = frozenset({"query", "k", "mode", "document_kv", "max_tokens", "session_id", "stream"})
@@ -72,17 +76,52 @@ CHAT_UNHONOURED_FIELDS = frozenset(
     }
 )
 STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+# What other RAG and search APIs call the fields these bodies know: too far apart in spelling for
+# difflib to find, so named here.
+FIELD_ALIASES = {
+    "question": "query",
+    "prompt": "query",
+    "q": "query",
+    "text": "query",
+    "questions": "queries",
+    "top_k": "k",
+    "topk": "k",
+    "num_documents": "k",
+    "max_new_tokens": "max_tokens",
+    "conversation_id": "session_id",
+}
+# How alike a misspelt field's name must be to a known one (difflib's ratio) to be offered: a
+# typo ("querry", "sessionid") passes, an unrelated word that shares letters does not.
+HINT_SIMILARITY = 0.75
 
 T = TypeVar("T")
 
 
 def check_fields(body: dict[str, Any], known: AbstractSet[str], what: str) -> None:
-    """400 naming the fields not in ``known`` (at most ten of them, each cut short)."""
+    """400 naming the fields not in ``known`` (at most ten of them, each cut short), each with the
+    known field it most likely meant, if any (:func:`field_hint`)."""
     unknown = sorted(set(body) - known)
     if unknown:
-        names = [name if len(name) <= ECHO_LIMIT else echo(name) for name in unknown[:10]]
+        names = [_named_with_hint(name, known) for name in unknown[:10]]
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
         raise InvalidInputError(f"{what}: {', '.join(names)}{more}")
+
+
+def field_hint(name: str, known: AbstractSet[str]) -> str | None:
+    """The known field ``name`` most likely meant: the one other APIs call so, or the closest in
+    spelling (difflib's ratio at least :data:`HINT_SIMILARITY`); None when none is close."""
+    alias = FIELD_ALIASES.get(name.lower())
+    if alias in known:
+        return alias
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=HINT_SIMILARITY)
+    return close[0] if close else None
+
+
+def _named_with_hint(name: str, known: AbstractSet[str]) -> str:
+    if len(name) > ECHO_LIMIT:
+        return echo(name)
+    hint = field_hint(name, known)
+    return name if hint is None else f"{name} (did you mean '{hint}'?)"
 
 
 _KIND_NAMES = {
@@ -150,7 +189,7 @@ def chat_request(body: dict[str, Any]) -> RagRequest:
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str | list):
         raise InvalidInputError(f"'stop' must be a string or a list of strings, got {type(stop).__name__}")
-    question = last_user_message(required(body, "messages", list))
+    *previous, question = user_questions(required(body, "messages", list))
     max_tokens = optional(body, "max_completion_tokens", int)  # OpenAI's name now; max_tokens before
     if max_tokens is None:
         max_tokens = optional(body, "max_tokens", int)
@@ -160,6 +199,7 @@ def chat_request(body: dict[str, Any]) -> RagRequest:
         top_p=optional(body, "top_p", float),
         seed=optional(body, "seed", int),
         stop=stop,
+        previous_questions=tuple(previous),
     )
 
 
@@ -170,8 +210,9 @@ def include_usage(body: dict[str, Any]) -> bool:
     return bool(optional(options, "include_usage", bool))
 
 
-def last_user_message(messages: list[Any]) -> str:
-    """The text of the last user message: the question RAG answers."""
+def user_questions(messages: list[Any]) -> list[str]:
+    """The user messages' texts, oldest first: the last is the question RAG answers, those before
+    it the conversation a follow-up is searched with (an earlier one that is not text is left out)."""
     if not messages:
         raise InvalidInputError("'messages' must not be empty")
     for index, message in enumerate(messages):
@@ -180,7 +221,15 @@ def last_user_message(messages: list[Any]) -> str:
     users = [message for message in messages if message["role"] == "user"]
     if not users:
         raise InvalidInputError("'messages' has no user message")
-    content = users[-1].get("content")
+    question = _text(users[-1].get("content"))
+    if question is None:
+        raise InvalidInputError("the last user message's 'content' must be a string or a list of text parts")
+    earlier = [_text(message.get("content")) for message in users[:-1]]
+    return [*(text for text in earlier if text is not None), question]
+
+
+def _text(content: Any) -> str | None:
+    """A message's text: its string content or its text parts joined; None for anything else."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(
@@ -188,4 +237,4 @@ def last_user_message(messages: list[Any]) -> str:
         for part in content
     ):
         return "\n".join(part["text"] for part in content)
-    raise InvalidInputError("the last user message's 'content' must be a string or a list of text parts")
+    return None

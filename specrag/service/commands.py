@@ -12,6 +12,7 @@ from specrag.controller.modes import ModeName
 from specrag.controller.placement import Router
 from specrag.controller.speculation_policy import SpeculationSetting
 from specrag.errors import values
+from specrag.pipeline.commands import add_kv_cache_tokens
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
@@ -41,6 +42,12 @@ def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> 
         "has random weights, for experiments that set the prefill cost)",
     )
     parser.add_argument("--corpus", help="JSONL corpus of {id, title, text} (default: the embedded corpus)")
+    parser.add_argument(
+        "--accept-corpus-change",
+        action="store_true",
+        help="rebuild the store and index even when the corpus lost passages since they were built "
+        "(without it such a corpus is refused; any change is said at WARNING)",
+    )
     if engine:
         parser.add_argument(
             "--eager", action="store_true", help="skip graph compilation (faster start, slower prefill)"
@@ -99,6 +106,7 @@ def _register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "(default: %(default)s)",
     )
     _add_document_kv_bound(serve)
+    add_kv_cache_tokens(serve)
     _add_client_options(serve)
     _add_query_options(serve)
     _add_engine_options(serve)
@@ -252,7 +260,16 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         type=float,
         default=ControllerConfig().first_token_timeout_s,
         metavar="SECONDS",
-        help="no first token by then: 504 (after one retry on a fresh engine) (default %(default)s)",
+        help="no first token this long after the prompt went to the engine: 504; retried only on another "
+        "or a restarted engine, never on the same working one (default %(default)s)",
+    )
+    limits.add_argument(
+        "--inter-token-timeout",
+        type=float,
+        default=ControllerConfig().inter_token_timeout_s,
+        metavar="SECONDS",
+        help="no next token of an answer by then: the stream moves to another replica or a "
+        "recovered engine, or ends with an error event (default %(default)s)",
     )
 
 

@@ -31,6 +31,7 @@ from specrag.service.assembly import (
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.engine_log import engine_output_to
+from specrag.service.exposure import warn_if_exposed
 from specrag.service.options import DocumentKvStore, base_engine_config
 from specrag.service.server import (
     SHUTDOWN_GRACE_S,
@@ -57,7 +58,7 @@ def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | Non
 
 
 def _assets(args: argparse.Namespace) -> Assets:
-    return ensure_assets(*_paths(args))
+    return ensure_assets(*_paths(args), accept_corpus_change=args.accept_corpus_change)
 
 
 def prepare_command(args: argparse.Namespace) -> int:
@@ -165,6 +166,7 @@ _FLAG_OF_SETTING = {
     "max_prefill_bs": "--max-prefill-bs",
     "max_queue": "--max-queue",
     "first_token_timeout_s": "--first-token-timeout",
+    "inter_token_timeout_s": "--inter-token-timeout",
     "speculation": "--speculation",
     "mode": "--mode",
     "document_kv": "--document-kv",
@@ -180,6 +182,7 @@ def _controller_config(args: argparse.Namespace) -> ControllerConfig:
         max_prefill_bs=args.max_prefill_bs,
         max_queue=args.max_queue,
         first_token_timeout_s=args.first_token_timeout,
+        inter_token_timeout_s=args.inter_token_timeout,
         speculation=args.speculation,
         order_hint=args.order_hint,
         names=_FLAG_OF_SETTING,
@@ -199,6 +202,7 @@ def serve_command(args: argparse.Namespace) -> int:
     tokens = _api_tokens(args.api_tokens_file)
     if token is not None and token in tokens:
         raise InvalidInputError("--api-token-env: that token is also in --api-tokens-file")
+    warn_if_exposed(args.host, token is not None or bool(tokens))
     config = _controller_config(args)
     document_kv = config.document_kv is DocumentKv.TURBO
     options = ServiceOptions(
@@ -219,6 +223,7 @@ def serve_command(args: argparse.Namespace) -> int:
         search_cpus=args.search_cpus,
         document_kv_dir=str(_paths(args)[0].document_kv_dir) if document_kv else None,
         document_kv_max_gib=args.document_kv_max_gib,
+        kv_cache_tokens=args.kv_cache_tokens,
     )
 
     async def main() -> None:

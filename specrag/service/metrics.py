@@ -133,6 +133,14 @@ class ServiceMetrics:
         self.cached_prompt_tokens = counter(
             "specrag_cached_prompt_tokens", "Prompt tokens the engine's prefix cache served"
         )
+        self.predicted_cached_prompt_tokens = counter(
+            "specrag_predicted_cached_prompt_tokens",
+            "Prompt tokens the knowledge tree predicted the engine's prefix cache would serve",
+        )
+        self.cache_mispredictions = counter(
+            "specrag_cache_mispredictions",
+            "Answers whose predicted cached prompt tokens differ from those the engine served",
+        )
         self.wasted_spec_prefill_tokens = counter(
             "specrag_wasted_spec_prefill_tokens", "Prompt tokens prefilled by aborted speculations"
         )
@@ -214,6 +222,8 @@ class ServiceMetrics:
         self.migrations.inc(timeline.migrations)
         self.prompt_tokens.inc(timeline.prompt_tokens)
         self.cached_prompt_tokens.inc(timeline.cached_prompt_tokens)
+        self.predicted_cached_prompt_tokens.inc(timeline.predicted_cached_tokens)
+        self.cache_mispredictions.inc(int(timeline.predicted_cached_tokens != timeline.cached_prompt_tokens))
         self.wasted_spec_prefill_tokens.inc(timeline.wasted_spec_prefill_tokens)
         routes = [event for event in timeline.events if event.kind in ("route", "adopt")]
         if routes:  # the last one served the answer (an earlier one may have failed)

@@ -64,6 +64,8 @@ class ServiceOptions:
     # TurboRAG: the document KV store's directory; None keeps it off (see docs/turbo.md).
     document_kv_dir: str | None = None
     document_kv_max_gib: float = EngineConfig.document_kv_max_gib
+    # The in-process engines' prefix cache in tokens (None: what --kv-cache-gib holds).
+    kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         """Bad combinations fail here, before any engine starts (flag names: ``specrag serve``'s)."""
@@ -79,6 +81,10 @@ class ServiceOptions:
         _check_distinct("--engine-url", self.engine_urls)
         if self.document_kv_max_gib <= 0:
             raise InvalidInputError(f"--document-kv-max-gib must be positive, got {self.document_kv_max_gib}")
+        if self.kv_cache_tokens is not None and self.engine_urls:
+            raise InvalidInputError(
+                "--kv-cache-tokens sizes the in-process engine: give it to `specrag engine` for --engine-url"
+            )
         if self.document_kv_dir is not None and (self.engine_urls or self.ray_address is not None):
             raise InvalidInputError(
                 "--document-kv turbo needs the in-process engine (no --engine-url, no --ray)"
@@ -156,4 +162,5 @@ def base_engine_config(model_dir: Path, options: ServiceOptions) -> EngineConfig
         omp_threads_bind=options.engine_cpus,
         document_kv_dir=options.document_kv_dir,
         document_kv_max_gib=options.document_kv_max_gib,
+        kv_cache_tokens=options.kv_cache_tokens,
     )

@@ -135,7 +135,16 @@ async def open_pool(
             if empty_cache:
                 await member.engine.reset_prefix_cache()
                 replica.tree.engine_cache_cleared()
-            mirror = KVMirror(replica.tree, member.kv_events) if member.kv_events is not None else None
+            mirror = (
+                KVMirror(
+                    replica.tree,
+                    member.kv_events,
+                    name=member.name,
+                    reset_engine=member.engine.reset_prefix_cache,
+                )
+                if member.kv_events is not None
+                else None
+            )
             if mirror is not None:
                 mirrors.append(mirror)
                 await mirror.start(catch_up=not empty_cache)

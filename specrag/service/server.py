@@ -12,7 +12,8 @@ Design points, each for a reason:
   here and answered with a generic 500, never a stack trace. How requests are read off the wire
   (bodies, JSON, timeouts, what the HTTP parser rejects) and how an error is reported is
   :mod:`specrag.service.wire`'s; which fields a body may hold, :mod:`specrag.service.bodies`'.
-- API tokens are compared in constant time; ``/health`` stays open for load balancers. With
+- API tokens are compared in constant time (:mod:`specrag.service.auth`); ``/health`` stays open
+  for load balancers, and says only ready or not to a request without a valid token. With
   several tokens, one per client, the token tells clients apart (behind a proxy or on one host
   they share an address); without, the peer address does, or the address a trusted proxy says
   it forwarded for. Per-client limits (queries in flight, sessions) count by that key
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -47,6 +47,7 @@ from specrag.errors import (
     echo,
 )
 from specrag.service.admission import CLIENT, STATE, ServiceState, admit, client_key, release
+from specrag.service.auth import AUTHENTICATED, matching_token
 from specrag.service.bodies import (
     BATCH_FIELDS,
     RAG_FIELDS,
@@ -59,6 +60,8 @@ from specrag.service.bodies import (
 )
 from specrag.service.framing import ChatFraming, Framing, RagFraming, rag_body, usage
 from specrag.service.metrics import ServiceMetrics, mode_label
+from specrag.service.mirror_report import MIRROR_HEALTH
+from specrag.service.redaction import redact_session_ids
 from specrag.service.wire import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -118,16 +121,17 @@ def _error_response(request: web.Request, info: ErrorInfo) -> web.Response:
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     tokens = request.app[STATE].tokens
-    if tokens and request.path not in OPEN_PATHS:
-        scheme, _, provided = request.headers.get("Authorization", "").partition(" ")
-        # Every token compared, in constant time each: the time taken says nothing of which matched.
-        matches = [hmac.compare_digest(provided.strip().encode(), token.encode()) for token in tokens]
-        if scheme.lower() != "bearer" or not any(matches):
+    if tokens:
+        matched = matching_token(request.headers.get("Authorization"), tokens)
+        request[AUTHENTICATED] = matched is not None
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        if matched is None:
             return ErrorInfo(
                 401, "missing or wrong bearer token", "authentication_error", "invalid_api_key"
             ).response()
         if len(tokens) > 1:
-            request[CLIENT] = f"token {matches.index(True) + 1}"
+            request[CLIENT] = f"token {matched + 1}"
     return await handler(request)
 
 
@@ -147,6 +151,7 @@ async def _answer_events(
     state: ServiceState, request: RagRequest, client: str
 ) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
     """The query core's stream with admission and accounting; closing it aborts the query."""
+    request = dataclasses.replace(request, client=client)  # a session answers to its owner only
     try:
         checked = state.core.check(request)  # bad input gets its 4xx even when the service is full
     except (InvalidInputError, NotFoundError, ConflictError):
@@ -213,9 +218,16 @@ async def _stream(
 
 
 async def _health(request: web.Request) -> web.Response:
-    """200 while an engine serves; 503 while it starts, recovers or is gone (with the reason)."""
+    """200 while an engine serves; 503 while it starts, recovers or is gone (with the reason).
+
+    Without a valid token (when tokens are set) only the status: the engine's last error and the
+    replicas' details are for the operator, not for whoever can reach the port."""
     state = request.app[STATE]
     health = await state.core.health()
+    if state.tokens and not request[AUTHENTICATED]:  # open to load balancers: ready or not, no more
+        return web.json_response(
+            {"status": "ok" if health.serving else "unavailable"}, status=200 if health.serving else 503
+        )
     status = health.supervision
     supervision = (
         {
@@ -226,7 +238,12 @@ async def _health(request: web.Request) -> web.Response:
         if status is not None
         else {}
     )
-    replicas = {"replicas": [dataclasses.asdict(facts) for facts in health.replicas]}
+    mirrors = request.app[MIRROR_HEALTH]() if MIRROR_HEALTH in request.app else {}
+    replicas = {
+        "replicas": [
+            {**dataclasses.asdict(facts), **mirrors.get(facts.name, {})} for facts in health.replicas
+        ]
+    }
     if not health.serving:
         return web.json_response(
             {"status": "unavailable", "reason": health.reason, **supervision, **replicas}, status=503
@@ -346,7 +363,7 @@ async def _model(request: web.Request) -> web.Response:
 
 
 async def _close_session(request: web.Request) -> web.Response:
-    request.app[STATE].core.close_session(request.match_info["session_id"])
+    request.app[STATE].core.close_session(request.match_info["session_id"], client_key(request))
     return web.Response(status=204)
 
 
@@ -430,8 +447,10 @@ async def serving(
     """Serve ``app`` for the duration of the block; yields its base URL (the real port if ``port=0``).
 
     Handler cancellation is on so a client that disconnects aborts its query's engine requests.
-    ``access_log=False`` keeps a terminal demo's output readable.
+    ``access_log=False`` keeps a terminal demo's output readable; the access log never shows a
+    session id (:mod:`specrag.service.redaction`).
     """
+    redact_session_ids(access_logger)
     runner = web.AppRunner(
         app,
         handler_cancellation=True,

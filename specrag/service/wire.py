@@ -35,6 +35,7 @@ from aiohttp.http import HttpProcessingError
 
 from specrag.errors import (
     ECHO_LIMIT,
+    ArtifactError,
     ConflictError,
     EngineError,
     EngineTimeoutError,
@@ -111,6 +112,16 @@ def describe_error(error: BaseException) -> ErrorInfo:
         return ErrorInfo(504, str(error), "engine_timeout", "engine_timeout")
     if isinstance(error, EngineError):
         return ErrorInfo(502, str(error), "engine_error", "engine_failed")
+    if isinstance(error, ArtifactError):
+        # A damaged store row or index file: the operator must act (the log names the file and the
+        # command); the caller learns only that this answer cannot be given from intact data.
+        logger.error("refused to answer from a damaged artefact: %s", error)
+        return ErrorInfo(
+            503,
+            "a file the answer needs is damaged; the service log says which",
+            "artifact_error",
+            "artifact_damaged",
+        )
     if isinstance(error, web.HTTPException):
         code = error.reason.lower().replace(" ", "_")
         kind = "not_found_error" if error.status == 404 else "invalid_request_error"
@@ -191,6 +202,10 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constant)
     except InvalidInputError:
         raise  # valid JSON, or nearly, with something precise to say about it
+    except json.JSONDecodeError as error:
+        raise InvalidInputError(
+            f"the body is not valid JSON ({error.msg}: line {error.lineno}, column {error.colno})"
+        ) from None
     except ValueError:
         raise InvalidInputError("the body is not valid JSON") from None
     except RecursionError:  # a small body of nested brackets exhausts the parser's stack

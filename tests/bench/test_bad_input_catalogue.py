@@ -207,10 +207,14 @@ async def _client_call(
 async def _second_turn_while_one_runs(ctx: Context) -> Any:
     controller = ctx.service.controller
     session_id = controller.create_session("catalogue")
-    running = controller.stream(RagRequest(QUESTION, k=4, max_tokens=200, session_id=session_id))
+    running = controller.stream(
+        RagRequest(QUESTION, k=4, max_tokens=200, session_id=session_id, client="catalogue")
+    )
     try:
         await anext(running)  # the first turn is answering
-        return await controller.answer(RagRequest(QUESTION, k=4, max_tokens=2, session_id=session_id))
+        return await controller.answer(
+            RagRequest(QUESTION, k=4, max_tokens=2, session_id=session_id, client="catalogue")
+        )
     finally:
         await running.aclose()
 

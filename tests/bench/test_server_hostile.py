@@ -160,7 +160,7 @@ async def test_a_second_turn_while_one_streams_is_a_409(service: Service) -> Non
         await assert_engine_idle(service.engine, service.controller)  # the streamed turn was abandoned
         async with client.post(f"{service.url}/v1/rag", json=second) as response:
             assert response.status == 200
-    assert service.controller.sessions.get(session_id).turns == 1
+    assert service.controller.sessions.get(session_id, "127.0.0.1").turns == 1
 
 
 async def chat(client: aiohttp.ClientSession, url: str, **fields: object) -> dict[str, object]:

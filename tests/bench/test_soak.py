@@ -58,6 +58,16 @@ class Soak:
     bare: aiohttp.ClientSession | None = None  # no default Authorization: rows choose their own
     statuses: Counter[int] = field(default_factory=Counter)
     kinds: Counter[str] = field(default_factory=Counter)
+    order: list[int] = field(default_factory=list)  # every status, in the order the replies came
+
+    def saw(self, status: int) -> None:
+        self.statuses[status] += 1
+        self.order.append(status)
+
+    def answered_in_each(self, parts: int) -> list[int]:
+        """How many 200s each consecutive ``parts``-th of the replies holds."""
+        size = -(-len(self.order) // parts)
+        return [self.order[i : i + size].count(200) for i in range(0, len(self.order), size)]
 
     def question(self) -> str:
         return self.rng.choice(self.questions)
@@ -77,13 +87,13 @@ class Soak:
 async def _whole(soak: Soak, http: aiohttp.ClientSession) -> None:
     async with http.post(f"{soak.url}/v1/rag", json=soak.rag_body()) as response:
         await response.read()
-        soak.statuses[response.status] += 1
+        soak.saw(response.status)
 
 
 async def _streamed(soak: Soak, http: aiohttp.ClientSession) -> None:
     async with http.post(f"{soak.url}/v1/rag", json=soak.rag_body(stream=True)) as response:
         body = await response.read()
-        soak.statuses[response.status] += 1
+        soak.saw(response.status)
         if response.status == 200:
             assert b"event: done" in body, body[-300:]
 
@@ -92,14 +102,14 @@ async def _chat(soak: Soak, http: aiohttp.ClientSession) -> None:
     body = {"messages": [{"role": "user", "content": soak.question()}], "max_tokens": soak.max_tokens}
     async with http.post(f"{soak.url}/v1/chat/completions", json=body) as response:
         await response.read()
-        soak.statuses[response.status] += 1
+        soak.saw(response.status)
 
 
 async def _leave_mid_stream(soak: Soak, http: aiohttp.ClientSession) -> None:
     """Read the first event of a long answer, then drop the connection."""
     body = {**soak.rag_body(stream=True), "max_tokens": 400}
     async with http.post(f"{soak.url}/v1/rag", json=body) as response:
-        soak.statuses[response.status] += 1
+        soak.saw(response.status)
         await response.content.readline()
         response.close()
 
@@ -116,7 +126,7 @@ async def _session(soak: Soak, http: aiohttp.ClientSession) -> None:
     """A two-turn conversation, closed only sometimes: the store must bound the rest itself (the
     client replaces its own idle sessions; a 429 when all of them have a turn in progress)."""
     async with http.post(f"{soak.url}/v1/sessions") as response:
-        soak.statuses[response.status] += 1
+        soak.saw(response.status)
         if response.status != 201:
             return
         session_id = (await response.json())["session_id"]
@@ -124,17 +134,17 @@ async def _session(soak: Soak, http: aiohttp.ClientSession) -> None:
         turn = {"query": soak.question(), "k": 3, "max_tokens": soak.max_tokens, "session_id": session_id}
         async with http.post(f"{soak.url}/v1/rag", json=turn) as response:
             await response.read()
-            soak.statuses[response.status] += 1
+            soak.saw(response.status)
     if soak.rng.random() < 0.5:
         async with http.delete(f"{soak.url}/v1/sessions/{session_id}") as response:
-            soak.statuses[response.status] += 1
+            soak.saw(response.status)
 
 
 async def _bad(soak: Soak, http: aiohttp.ClientSession) -> None:
     row = soak.rng.choice(BAD)
     assert soak.bare is not None
     status, message = await send(soak.bare, soak.url, row, TOKEN)
-    soak.statuses[status] += 1
+    soak.saw(status)
     # Admission comes before the controller's checks: under load a bad query may be told 429 first.
     assert status in {row.status, 429}, (row.name, status, message)
 
@@ -225,10 +235,10 @@ async def test_thousands_of_requests_leave_nothing_behind(tiny_assets: Assets) -
                 async with http.get(f"{url}/health") as response:
                     assert response.status == 200
                 await _whole(soak, http)  # still answers after the soak
-        # Many answered; how many of the rest were turned away (429) depends on the machine's speed
-        # against the admission limits (665-900 answers in runs on a 2-core machine), so the floor
-        # only says the service kept answering throughout.
-        assert soak.statuses[200] >= 500, soak.statuses
+        # How many were answered and how many turned away (429) depends on the machine's speed
+        # against the admission limits, so no count is asserted: the service must have kept
+        # answering throughout, every tenth of the replies holding answers.
+        assert all(soak.answered_in_each(10)), (soak.answered_in_each(10), soak.statuses)
         assert set(soak.statuses) <= EXPECTED, soak.statuses
         assert soak.statuses[429] > 0, "the soak never reached the admission limits"
         assert sum(soak.kinds.values()) == 2000

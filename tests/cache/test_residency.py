@@ -1,6 +1,7 @@
 import pytest
 
-from specrag.cache.residency import BlockPool, BlockResidency, chain_block_keys
+from specrag.cache.events import BlockRemoved, BlockStored
+from specrag.cache.residency import BlockPool, BlockResidency, ResidencyCounts, chain_block_keys
 from specrag.errors import InvalidInputError
 
 
@@ -122,7 +123,6 @@ def test_the_stored_view_follows_stores_and_removals() -> None:
 
 def test_salted_blocks_are_another_cache_than_unsalted_ones() -> None:
     """A turbo request's blocks (salted: loaded documents) never count for an unsalted prompt."""
-    from specrag.cache.events import BlockStored
     from specrag.cache.residency import salted_root
 
     residency = BlockResidency(2, lambda key, stored: None)
@@ -133,3 +133,72 @@ def test_salted_blocks_are_another_cache_than_unsalted_ones() -> None:
     residency.apply(BlockStored((21, 22), None, tokens, 2))
     assert residency.leading_stored(chain_block_keys(tokens, 2)) == 2
     assert salted_root("a") == salted_root("a") != salted_root("b")
+
+
+def stored(
+    hashes: tuple[int, ...], parent: int | None, tokens: tuple[int, ...], group: int = 0
+) -> BlockStored:
+    return BlockStored(hashes, parent, tokens, 2, group_idx=group, medium="GPU")
+
+
+def removed(hashes: tuple[int, ...], group: int = 0) -> BlockRemoved:
+    return BlockRemoved(hashes, group_idx=group, medium="GPU")
+
+
+def test_a_hash_stays_resident_while_any_copy_of_it_does() -> None:
+    """vLLM publishes one BlockStored per physical copy and one BlockRemoved per freed copy."""
+    residency = BlockResidency(2, lambda key, stored: None)
+    keys = chain_block_keys((1, 2, 3, 4), 2)
+    residency.apply(stored((11, 12), None, (1, 2, 3, 4)))
+    residency.apply(stored((11,), None, (1, 2)))  # a second request computed the first block too
+    residency.apply(removed((11,)))  # one copy evicted
+    assert residency.leading_stored(keys) == 2 and (0, "GPU", 11) in residency.resident_hashes()
+    residency.apply(stored((13,), 11, (5, 6)))  # a chain extending it is still keyed
+    assert residency.leading_stored(chain_block_keys((1, 2, 5, 6), 2)) == 2
+    residency.apply(removed((11,)))
+    assert residency.leading_stored(keys) == 0
+    assert residency.counts.duplicate_copies == 1
+
+
+def test_copies_are_counted_per_group_and_an_unknown_removal_only_counted() -> None:
+    residency = BlockResidency(2, lambda key, stored: None)
+    residency.apply(stored((11,), None, (1, 2), group=0))
+    residency.apply(stored((11,), None, (1, 2), group=1))  # another KV-cache group: not a duplicate
+    residency.apply(removed((11,), group=1))
+    residency.apply(removed((99,)))  # never stored (history before the mirror listened)
+    assert residency.resident_hashes() == {(0, "GPU", 11)}
+    assert residency.counts == ResidencyCounts(duplicate_copies=0, unknown_removals=1)
+
+
+def test_a_prediction_no_event_confirms_is_dropped_after_its_time_and_the_set_is_bounded() -> None:
+    clock = [0.0]
+    changes: list[tuple[int, bool]] = []
+    residency = BlockResidency(
+        2,
+        lambda key, stored: changes.append((key, stored)),
+        prediction_ttl_s=5.0,
+        max_predictions=2,
+        clock=lambda: clock[0],
+    )
+    residency.expect(1)
+    residency.expect(2)
+    residency.expect(3)  # past the bound: the oldest goes
+    assert not residency.is_stored(1) and residency.predictions == 2
+    clock[0] = 5.0
+    residency.expire_predictions()
+    assert residency.predictions == 0 and len(residency) == 0
+    assert residency.counts.expired_predictions == 3
+    key = chain_block_keys((1, 2), 2)[0]
+    residency.expect(key)
+    residency.apply(stored((11,), None, (1, 2)))  # confirmed: one reference, no longer a prediction
+    clock[0] = 100.0
+    residency.expire_predictions()
+    assert residency.is_stored(key) and residency.predictions == 0
+
+
+def test_a_bad_event_is_refused_before_anything_is_applied() -> None:
+    residency = BlockResidency(2, lambda key, stored: None)
+    with pytest.raises(InvalidInputError, match="block size"):
+        residency.check(BlockStored((1,), None, (1, 2, 3), 3))
+    with pytest.raises(InvalidInputError, match="token count"):
+        residency.check(BlockStored((1,), None, (1, 2, 3), 2))

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specrag.cache import AllBlocksCleared, KnowledgeTree, PrefixMatch
+from specrag.cache import AllBlocksCleared, BlockStored, KnowledgeTree, PrefixMatch
 from specrag.cache import tree as tree_module
 from specrag.cache.layout import PromptLayout, build_layout
 from specrag.cache.residency import chain_block_keys
@@ -224,3 +224,23 @@ def test_prefill_expectations_are_dropped_with_the_engines_cache() -> None:
     tree.record_prefilled(prompt)
     tree.engine_cache_cleared()
     assert tree.cached_prefix([6]).tokens == 0 and not tree.system_prompt_resident()
+
+
+def test_a_salted_prompt_predicts_nothing_in_the_unsalted_tree() -> None:
+    """A document-KV (TurboRAG) request ran under its own cache salt: its unsalted keys were never
+    stored, and no event would ever confirm or remove them."""
+    tree, _ = served_tree((2, 4))
+    prompt = layout((6, 8))
+    tree.record_served(prompt)
+    tree.record_prefilled(prompt, salted=True)
+    assert tree.cached_prefix([6, 8]).docs == 0 and tree.unconfirmed_predictions == 0
+
+
+def test_a_batch_with_a_bad_event_is_applied_not_at_all() -> None:
+    tree, engine = served_tree((2, 4))
+    before = tree.resident_hashes()
+    good = engine.serve(layout((6,)))
+    bad = BlockStored((1,), None, (1, 2, 3), 3)  # another block size: refused
+    with pytest.raises(InvalidInputError, match="block size"):
+        tree.apply_events([*good, bad])
+    assert tree.resident_hashes() == before

@@ -142,10 +142,12 @@ async def test_a_session_continues_the_previous_turn_and_drops_repeated_document
 ) -> None:
     controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], stage_delay_s=0.01))
     session = controller.sessions.create("test")
-    first = await controller.answer(RagRequest(QUESTION, k=4, max_tokens=4, session_id=session.session_id))
+    first = await controller.answer(
+        RagRequest(QUESTION, k=4, max_tokens=4, session_id=session.session_id, client="test")
+    )
     controller.index = scripted_index(tiny_assets, [B, B], stage_delay_s=0.01)
     second = await controller.answer(
-        RagRequest("And how is it closed?", k=4, max_tokens=4, session_id=session.session_id)
+        RagRequest("And how is it closed?", k=4, max_tokens=4, session_id=session.session_id, client="test")
     )
     history = session.history
     assert second.prompt.token_ids[: len(first.prompt.token_ids)] == first.prompt.token_ids
@@ -199,4 +201,39 @@ async def test_a_conversation_at_the_defaults_stays_inside_the_context(
     answers = await run_conversation(controller, 20, tiny_assets, k=5)
     assert sum(done.timeline.dropped_turns for done in answers) > 0
     assert all(len(done.prompt.token_ids) + 64 <= engine.max_model_len for done in answers)
+    await assert_engine_idle(engine, controller)
+
+
+async def test_a_follow_up_is_searched_with_its_conversation_and_still_continues_its_prompt(
+    engine: Engine, tiny_assets: Assets
+) -> None:
+    """A follow-up on the real index (and, with the engine mark, real vLLM's prefix cache):
+    tests/controller/test_conversational_retrieval.py says why this pair."""
+    controller = make_controller(engine, tiny_assets)
+    session = controller.sessions.create("test")
+    first = await controller.answer(
+        RagRequest(
+            "What is the class `BaseHTTPRequestHandler` of the module `http.server` for?",
+            k=4,
+            max_tokens=4,
+            session_id=session.session_id,
+            client="test",
+        )
+    )
+    second = await controller.answer(
+        RagRequest(
+            "And which of its methods adds the response header?",
+            k=4,
+            max_tokens=4,
+            session_id=session.session_id,
+            client="test",
+        )
+    )
+    assert "doc/http.server#6" in second.timeline.documents
+    assert [event.kind for event in second.timeline.events].count("conversation") == 1
+    assert second.prompt.token_ids[: len(first.prompt.token_ids)] == first.prompt.token_ids
+    assert (
+        second.timeline.cached_prompt_tokens
+        >= len(first.prompt.token_ids) // engine.block_size * engine.block_size - engine.block_size
+    )
     await assert_engine_idle(engine, controller)

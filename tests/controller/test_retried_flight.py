@@ -83,7 +83,9 @@ async def test_a_failure_before_the_first_token_is_resubmitted_on_another_replic
     launcher = Launcher()
     placed = placement.place_prompt(prompt())
     simulated(placed.replica).fail_next()
-    answer = RetriedFlight(launcher.launch(placed), placement, 5.0, launcher.resubmit)
+    answer = RetriedFlight(
+        launcher.launch(placed), placement, 5.0, launcher.resubmit, inter_token_timeout_s=5.0
+    )
     outputs = await collect(answer)
     (other,) = [r for r in replicas if r is not placed.replica]
     assert launcher.resubmitted == [(placed.replica.name, other.name)]
@@ -99,7 +101,13 @@ def two_replicas_answering(max_tokens: int) -> tuple[list[Replica], Placed, Laun
     launcher = Launcher(max_tokens=max_tokens)
     placed = placement.place_prompt(prompt())
     first = launcher.launch(placed)
-    return replicas, placed, launcher, first, RetriedFlight(first, placement, 5.0, launcher.resubmit)
+    return (
+        replicas,
+        placed,
+        launcher,
+        first,
+        RetriedFlight(first, placement, 5.0, launcher.resubmit, inter_token_timeout_s=5.0),
+    )
 
 
 async def test_a_failure_after_the_first_token_migrates_the_answer_and_the_stream_goes_on() -> None:
@@ -132,8 +140,8 @@ async def test_an_answer_lost_with_only_its_end_missing_ends_without_a_new_reque
     with pytest.MonkeyPatch.context() as patch:  # the engine dies right after the last token
         original = flight.outputs
 
-        async def cut(timeout_s: float) -> AsyncIterator[EngineOutput]:
-            async for output in original(timeout_s):
+        async def cut(timeout_s: float, inter_token_timeout_s: float) -> AsyncIterator[EngineOutput]:
+            async for output in original(timeout_s, inter_token_timeout_s):
                 yield replace(output, finished=False, finish_reason=None)
                 if len(tokens) >= 2:  # the consumer has every token
                     raise EngineError("died after the last token")
@@ -168,7 +176,9 @@ async def test_retries_are_bounded_by_the_other_replicas() -> None:
     for replica in replicas:
         simulated(replica).fail_next(1, EngineError("injected"))
     placed = placement.place_prompt(prompt())
-    answer = RetriedFlight(launcher.launch(placed), placement, 5.0, launcher.resubmit)
+    answer = RetriedFlight(
+        launcher.launch(placed), placement, 5.0, launcher.resubmit, inter_token_timeout_s=5.0
+    )
     with pytest.raises(EngineError, match="injected"):
         await collect(answer)
     assert len(launcher.resubmitted) == 1  # one other replica: one retry
@@ -183,7 +193,9 @@ async def test_with_no_engine_in_service_the_caller_is_told_to_retry_shortly() -
     (other,) = [r for r in replicas if r is not placed.replica]
     other.exclude("down for the test")
     simulated(placed.replica).fail_next()
-    answer = RetriedFlight(launcher.launch(placed), placement, 0.2, launcher.resubmit)
+    answer = RetriedFlight(
+        launcher.launch(placed), placement, 0.2, launcher.resubmit, inter_token_timeout_s=5.0
+    )
     with pytest.raises(EngineUnavailableError, match="no engine in service"):
         await collect(answer)
     assert launcher.resubmitted == []
@@ -196,7 +208,11 @@ async def test_a_single_replica_is_retried_once_on_itself() -> None:
     launcher = Launcher()
     simulated(replicas[0]).fail_next()
     answer = RetriedFlight(
-        launcher.launch(placement.place_prompt(prompt())), placement, 5.0, launcher.resubmit
+        launcher.launch(placement.place_prompt(prompt())),
+        placement,
+        5.0,
+        launcher.resubmit,
+        inter_token_timeout_s=5.0,
     )
     assert (await collect(answer))[-1].finished
     assert launcher.resubmitted == [("r0", "r0")] and replicas[0].excluded is None

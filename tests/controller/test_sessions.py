@@ -42,9 +42,9 @@ def test_a_client_past_its_bound_replaces_its_own_oldest_idle_session() -> None:
         clock.now += 1
         mine.append(store.create("10.0.0.1"))
     assert store.owned_by("10.0.0.1") == 3 and len(store) == 4
-    assert store.get(other.session_id) is other  # another client's session is never pushed out
+    assert store.get(other.session_id, "10.0.0.2") is other  # another client's session is never pushed out
     with pytest.raises(NotFoundError):
-        store.get(mine[0].session_id)
+        store.get(mine[0].session_id, "10.0.0.1")
 
 
 def test_a_session_with_a_turn_in_progress_is_never_evicted() -> None:
@@ -55,9 +55,9 @@ def test_a_session_with_a_turn_in_progress_is_never_evicted() -> None:
     idle = store.create("a")
     clock.now += 1
     store.create("a")
-    assert store.get(busy.session_id) is busy
+    assert store.get(busy.session_id, "a") is busy
     with pytest.raises(NotFoundError):
-        store.get(idle.session_id)
+        store.get(idle.session_id, "a")
     store.begin_turn(store.create("a"))
     with pytest.raises(OverloadedError, match="each with a turn in progress"):
         store.create("a")
@@ -68,11 +68,11 @@ def test_past_the_global_bound_a_new_session_waits_for_the_oldest_to_expire() ->
     store = SessionStore(max_sessions=3, max_per_client=3, ttl_s=100, clock=clock)
     first, second, third = (store.create(client) for client in "abc")
     clock.now += 30
-    store.get(first.session_id)  # used: now the most recent; second is the oldest idle one
+    store.get(first.session_id, "a")  # used: now the most recent; second is the oldest idle one
     with pytest.raises(OverloadedError, match="3 sessions are open") as refused:
         store.create("d")
     assert refused.value.retry_after_s == 70  # when second expires
-    assert [store.get(s.session_id) for s in (first, second, third)] == [first, second, third]
+    assert [store.get(s.session_id, s.owner) for s in (first, second, third)] == [first, second, third]
     clock.now += 101  # all three idle past the timeout: expired, room again
     store.create("d")
     assert len(store) == 1
@@ -84,14 +84,14 @@ def test_expiry_skips_a_session_whose_turn_runs() -> None:
     busy, idle = store.create("a"), store.create("a")
     store.begin_turn(busy)
     clock.now += 11
-    assert store.get(busy.session_id) is busy
+    assert store.get(busy.session_id, "a") is busy
     with pytest.raises(NotFoundError):
-        store.get(idle.session_id)
+        store.get(idle.session_id, "a")
 
 
 def test_echoed_session_ids_are_cut_short() -> None:
     with pytest.raises(NotFoundError) as raised:
-        SessionStore().get("x" * 10_000)
+        SessionStore().get("x" * 10_000, "a")
     assert len(str(raised.value)) < 200 and "10,002 characters" in str(raised.value)
 
 
@@ -106,7 +106,9 @@ async def simulated() -> AsyncIterator[SimulatedEngine]:
 
 
 def turn(question: str, session_id: str, max_tokens: int = 4) -> RagRequest:
-    return RagRequest(question, k=4, mode="serial", max_tokens=max_tokens, session_id=session_id)
+    return RagRequest(
+        question, k=4, mode="serial", max_tokens=max_tokens, session_id=session_id, client="test"
+    )
 
 
 async def two_sessions_after_a_first_turn(controller: RagController) -> tuple[str, str]:
@@ -138,12 +140,12 @@ async def test_a_failed_or_abandoned_turn_leaves_the_session_as_it_was(
     fresh, ended = await two_sessions_after_a_first_turn(controller)
     controller.index = scripted_index(tiny_assets, [B, B], 0.01)
     await end_early(controller, simulated, ended)
-    assert controller.sessions.get(ended).turns == 1
+    assert controller.sessions.get(ended, "test").turns == 1
     retried = await controller.answer(turn(SECOND, ended))
     expected = await controller.answer(turn(SECOND, fresh))
     assert retried.prompt.token_ids == expected.prompt.token_ids
     assert set(retried.prompt.document_ids()) == set(B) - set(A)
-    assert controller.sessions.get(ended).turns == 2
+    assert controller.sessions.get(ended, "test").turns == 2
     await assert_engine_idle(simulated, controller)
 
 
@@ -160,7 +162,7 @@ async def test_a_second_turn_while_one_runs_is_refused(
         with pytest.raises(ConflictError):
             await controller.answer(second)  # checked before the first began: refused when it runs
     done = await controller.answer(first)  # the session is free again
-    assert isinstance(done, AnswerDone) and controller.sessions.get(session_id).turns == 1
+    assert isinstance(done, AnswerDone) and controller.sessions.get(session_id, "test").turns == 1
     await assert_engine_idle(simulated, controller)
 
 

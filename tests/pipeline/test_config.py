@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -109,13 +110,13 @@ def test_a_compiled_engine_is_asked_for_explicitly(tmp_path: Path) -> None:
     ("host", "bound"),
     [("127.0.0.1", "tcp://127.0.0.1:"), ("localhost", "tcp://127.0.0.1:"), ("0.0.0.0", "tcp://0.0.0.0:")],
 )
-def test_the_kv_events_publisher_binds_the_server_s_host(tmp_path: Path, host: str, bound: str) -> None:
+def test_the_kv_events_publisher_binds_the_host_it_is_told(tmp_path: Path, host: str, bound: str) -> None:
     """As vLLM's publisher treats the endpoint: bound (not connected to), on that host only."""
     import zmq
     from vllm.distributed.kv_events import ZmqEventPublisher
 
     port = free_port_pair()
-    config = engine_server_config(str(tmp_path), eager=True, kv_events_port=port, host=host)
+    config = engine_server_config(str(tmp_path), eager=True, kv_events_port=port, kv_events_host=host)
     assert config.kv_events_endpoint is not None and config.kv_events_replay_endpoint is not None
     for endpoint, expected_port in (
         (config.kv_events_endpoint, port),
@@ -134,7 +135,9 @@ def test_the_kv_events_publisher_binds_the_server_s_host(tmp_path: Path, host: s
 
 def test_a_kv_events_host_without_an_ipv4_address_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match="KV events need an IPv4 host"):
-        engine_server_config(str(tmp_path), eager=True, kv_events_port=6000, host="no-such-host.invalid")
+        engine_server_config(
+            str(tmp_path), eager=True, kv_events_port=6000, kv_events_host="no-such-host.invalid"
+        )
 
 
 @pytest.mark.parametrize("port", [0, 65535])
@@ -177,3 +180,30 @@ def test_the_service_s_engine_never_asks_for_more_context_than_the_model_has(tmp
     assert base_engine_config(tmp_path, ServiceOptions()).max_model_len == 2048
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}), encoding="utf-8")
     assert base_engine_config(tmp_path, ServiceOptions()).max_model_len == EngineConfig.max_model_len
+
+
+def test_kv_cache_tokens_become_whole_blocks_plus_vllms_null_block(tmp_path: Path) -> None:
+    config = engine_server_config(str(tmp_path), eager=True, kv_events_port=None, kv_cache_tokens=16384 + 1)
+    assert config.engine_arguments(on_cpu=True)["num_gpu_blocks_override"] == 16384 // 32 + 1 + 1
+    command, _ = config.server_command("127.0.0.1", 8123, on_cpu=True)
+    assert command[command.index("--num-gpu-blocks-override") + 1] == "514"
+    assert "num_gpu_blocks_override" not in EngineConfig(model=str(tmp_path)).engine_arguments(on_cpu=True)
+    options = ServiceOptions(kv_cache_tokens=9000)
+    blocks = base_engine_config(tmp_path, options).with_overrides().kv_cache_blocks()
+    assert blocks == 282 + 1  # ceil(9000 / 32) + 1
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"kv_cache_tokens": 0}, "--kv-cache-tokens) must be a positive integer: 0"),
+        ({"kv_cache_tokens": 2.5}, "must be a positive integer: 2.5"),
+        ({"kv_cache_tokens": 8191}, "must hold at least one prompt of max_model_len (8192 tokens"),
+        ({"kv_cache_tokens": 9000, "block_size": None}, "kv_cache_tokens needs a block_size"),
+    ],
+)
+def test_a_kv_cache_too_small_for_one_prompt_is_refused(
+    tmp_path: Path, changes: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=re.escape(message)):
+        EngineConfig(model=str(tmp_path)).with_overrides(**changes)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -10,8 +12,9 @@ import pytest
 import torch
 
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline import document_kv
+from specrag.pipeline import document_kv, weights_digest
 from specrag.pipeline.document_kv import DocumentKVStore, model_fingerprint, segment_key, store_namespace
+from specrag.pipeline.weights_digest import RECORD_NAME
 
 
 def entry(tokens: int, seed: int = 0) -> torch.Tensor:
@@ -109,12 +112,72 @@ def test_model_fingerprint_follows_config_and_weights(tmp_path: Path) -> None:
 
 
 def document_kv_bytes(kv: torch.Tensor) -> bytes:
+    """An entry as the store writes it (with its checksum)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        kv_store = store(Path(scratch))
+        kv_store.put(segment_key([0]), kv)
+        return kv_store.path(segment_key([0])).read_bytes()
+
+
+def test_a_flipped_byte_in_an_entry_never_reaches_a_prompt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 35: one flipped bit in an entry's tensor data is found by its checksum; the entry is
+    dropped at WARNING (its caller recomputes it) rather than loaded as different KV."""
+    kv_store = store(tmp_path)
+    key = segment_key([4, 2])
+    kv_store.put(key, entry(8))
+    path = kv_store.path(key)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # inside the tensor data, not the header
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert kv_store.get(key) is None
+    assert str(path) in caplog.text and "checksum" in caplog.text
+    assert not kv_store.contains(key)
+
+
+def test_an_entry_without_a_checksum_is_not_trusted(tmp_path: Path) -> None:
+    """An entry written before checksums (or by anything else) is recomputed, not loaded."""
     from safetensors.torch import save
 
-    return save({"kv": kv.contiguous()})
-
-
-def test_suffix_is_what_entries_use(tmp_path: Path) -> None:
     kv_store = store(tmp_path)
-    kv_store.put(segment_key([2]), entry(2))
-    assert all(p.name.endswith(document_kv.SUFFIX) for p in tmp_path.rglob("*") if p.is_file())
+    key = segment_key([7])
+    kv_store.path(key).parent.mkdir(parents=True)
+    kv_store.path(key).write_bytes(save({"kv": entry(3)}))
+    assert kv_store.get(key) is None
+
+
+def test_the_fingerprint_covers_the_whole_weights_and_the_vllm_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35: a weight changed in the middle of a file (neither its header nor its last MiB)
+    changes the key, and so does another vLLM; the digest is recorded once, beside the weights."""
+    (tmp_path / "config.json").write_text("{}")
+    weights = tmp_path / "model.safetensors"
+    body = bytearray(3 << 20)
+    weights.write_bytes((8).to_bytes(8, "little") + b"{}      " + bytes(body))
+    first = model_fingerprint(tmp_path)
+    assert (tmp_path / RECORD_NAME).is_file()
+    assert model_fingerprint(tmp_path) == first
+    body[1 << 20] = 1  # the same size, the same header and last MiB: only the whole digest sees it
+    weights.write_bytes((8).to_bytes(8, "little") + b"{}      " + bytes(body))
+    os.utime(weights, ns=(1, 1))  # a rewrite's new time, even within the clock's resolution
+    second = model_fingerprint(tmp_path)
+    assert second != first
+    monkeypatch.setattr(document_kv, "vllm_version", lambda: "vllm 99.0")
+    assert model_fingerprint(tmp_path) not in {first, second}
+
+
+def test_a_recorded_weights_digest_is_read_not_recomputed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"{}      " + b"\0" * 64)
+    first = model_fingerprint(tmp_path)
+
+    def no_hashing(path: Path) -> str:
+        raise AssertionError(f"{path} hashed again")
+
+    monkeypatch.setattr(weights_digest, "sha256_file", no_hashing)
+    assert model_fingerprint(tmp_path) == first

@@ -11,9 +11,15 @@ import zmq.asyncio
 from vllm.distributed import kv_events as vllm_events
 
 from specrag.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from specrag.pipeline.kv_events import KVEventSubscriber, convert_event
+from specrag.pipeline.kv_events import EventSequence, KVEventSubscriber, MirrorTarget, convert_event
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def target(on_events: Callable[[Sequence[KVEvent]], None], notes: list[str] | None = None) -> MirrorTarget:
+    """A mirror target applying with ``on_events`` and noting resets and degradations."""
+    noted = notes if notes is not None else []
+    return MirrorTarget(on_events, lambda: noted.append("reset"), lambda reason: noted.append(reason))
 
 
 def batch(seq: int) -> bytes:
@@ -88,7 +94,7 @@ async def replay_scenario(
 
     await publisher.publish(0)  # published before anyone listens: only replay can recover it
     subscriber = KVEventSubscriber(
-        publisher.endpoint, publisher.replay_endpoint, "kv", on_events, catch_up=catch_up
+        publisher.endpoint, publisher.replay_endpoint, "kv", target(on_events), catch_up=catch_up
     )
     await subscriber.start()
     try:
@@ -114,7 +120,7 @@ async def without_replay(
     dropped: frozenset[int] | set[int] = frozenset(),
 ) -> KVEventSubscriber:
     """Batches 0..count-1 (``dropped`` lost on the wire) to a subscriber with no replay socket."""
-    subscriber = KVEventSubscriber(publisher.endpoint, None, "kv", on_events)
+    subscriber = KVEventSubscriber(publisher.endpoint, None, "kv", target(on_events))
     await subscriber.start()
     try:
         await asyncio.sleep(0.3)  # PUB/SUB joins asynchronously
@@ -132,13 +138,13 @@ async def without_replay(
 @pytest.mark.timeout(60)
 async def test_subscriber_converts_orders_and_replays_missed_batches(tmp_path: Path) -> None:
     subscriber, publisher, received = await replay_scenario(tmp_path, catch_up=True)
-    assert subscriber.lost == 0 and publisher.replays == 2 and subscriber.replayed == 2
+    assert subscriber.sequence.lost == 0 and publisher.replays == 2 and subscriber.sequence.replayed == 2
     assert received == [
-        [BlockStored((0,), None, (0, 0, 0, 0), 4)],
-        [BlockStored((1,), 0, (1, 1, 1, 1), 4)],
-        [BlockStored((2,), 1, (2, 2, 2, 2), 4)],
-        [BlockRemoved((1,))],
-        [BlockStored((4,), 3, (4, 4, 4, 4), 4)],
+        [BlockStored((0,), None, (0, 0, 0, 0), 4, medium="GPU")],
+        [BlockStored((1,), 0, (1, 1, 1, 1), 4, medium="GPU")],
+        [BlockStored((2,), 1, (2, 2, 2, 2), 4, medium="GPU")],
+        [BlockRemoved((1,), medium="GPU")],
+        [BlockStored((4,), 3, (4, 4, 4, 4), 4, medium="GPU")],
         [AllBlocksCleared()],
     ]
 
@@ -146,8 +152,8 @@ async def test_subscriber_converts_orders_and_replays_missed_batches(tmp_path: P
 @pytest.mark.timeout(60)
 async def test_without_catch_up_history_is_not_replayed_but_later_gaps_are(tmp_path: Path) -> None:
     subscriber, publisher, received = await replay_scenario(tmp_path, catch_up=False)
-    assert subscriber.lost == 0 and publisher.replays == 1 and subscriber.replayed == 1
-    assert received[0] == [BlockStored((1,), 0, (1, 1, 1, 1), 4)] and len(received) == 5
+    assert subscriber.sequence.lost == 0 and publisher.replays == 1 and subscriber.sequence.replayed == 1
+    assert received[0] == [BlockStored((1,), 0, (1, 1, 1, 1), 4, medium="GPU")] and len(received) == 5
 
 
 @pytest.mark.timeout(60)
@@ -162,7 +168,7 @@ async def test_without_replay_gaps_are_counted_and_stop_is_clean(tmp_path: Path)
             done.set()
 
     subscriber = await without_replay(publisher, on_events, done, dropped={1})
-    assert subscriber.lost == 1 and received == [1, 1]
+    assert subscriber.sequence.lost == 1 and received == [1, 1]
 
 
 @pytest.mark.timeout(60)
@@ -178,7 +184,7 @@ async def test_a_failing_callback_is_counted_and_later_batches_still_arrive(tmp_
         done.set()
 
     subscriber = await without_replay(publisher, on_events, done, count=2)
-    assert subscriber.callback_errors == 1 and subscriber.lost == 0 and received == [1, 1]
+    assert subscriber.sequence.callback_errors == 1 and subscriber.sequence.lost == 0 and received == [1, 1]
 
 
 def test_a_chains_cache_salt_is_kept() -> None:
@@ -201,3 +207,58 @@ def test_a_chains_cache_salt_is_kept() -> None:
     for event in (stored(None, None), stored(None, [None]), stored(3, [("specrag-turbo",)])):
         converted = convert_event(event)
         assert isinstance(converted, BlockStored) and converted.cache_salt is None
+
+
+def sequence_of(notes: list[str], received: list[int], *, catch_up: bool = True) -> EventSequence:
+    return EventSequence(target(lambda events: received.append(len(events)), notes), catch_up=catch_up)
+
+
+def test_a_sequence_going_back_is_a_new_publisher_and_resets_the_mirror() -> None:
+    notes: list[str] = []
+    received: list[int] = []
+    sequence = sequence_of(notes, received)
+    for seq in range(4):
+        assert sequence.missing_before(seq) is None
+        sequence.deliver(seq, batch(seq))
+    assert notes == ["reset"]  # catching up: the mirror follows the publisher from its batch 0
+    assert sequence.missing_before(0) is None  # a restarted engine numbers from zero again
+    assert notes == ["reset", "reset"] and sequence.sequence_resets == 1
+    sequence.deliver(0, batch(0))
+    assert sequence.missing_before(2) == 1  # and its own history is replayed from there
+    assert received == [1, 1, 1, 1, 1] and sequence.lost == 0
+
+
+def test_a_replay_that_starts_after_the_hole_counts_the_hole_lost() -> None:
+    """Batches 1..10 missing, the replay holds only 8..10: 1..7 are lost, not skipped silently."""
+    notes: list[str] = []
+    received: list[int] = []
+    sequence = sequence_of(notes, received)
+    sequence.missing_before(0)
+    sequence.deliver(0, batch(0))
+    assert sequence.missing_before(11) == 1
+    for seq in (8, 9, 10):
+        sequence.deliver(seq, batch(seq), replayed=True)
+    sequence.give_up(11)
+    sequence.deliver(11, batch(11))
+    assert sequence.lost == 7 and sequence.replayed == 3 and len(received) == 5
+    assert notes == ["reset", "lost KV event batches 1..7"]
+
+
+def test_an_unreadable_or_failing_batch_degrades_the_mirror() -> None:
+    notes: list[str] = []
+
+    def apply(events: Sequence[KVEvent]) -> None:
+        raise ValueError("rejected")
+
+    sequence = EventSequence(target(apply, notes), catch_up=False)
+    sequence.missing_before(5)
+    sequence.deliver(5, b"not msgpack")
+    sequence.missing_before(6)
+    sequence.deliver(6, batch(6))
+    assert (sequence.undecodable, sequence.callback_errors, sequence.batches) == (1, 1, 1)
+    assert notes == ["KV event batch 5 could not be read", "KV event batch 6 could not be applied"]
+
+
+def test_group_and_medium_are_kept() -> None:
+    removed = convert_event(vllm_events.BlockRemoved(block_hashes=[3], medium="CPU", group_idx=1))
+    assert removed == BlockRemoved((3,), group_idx=1, medium="CPU")

@@ -88,9 +88,48 @@ def test_a_failed_build_leaves_the_previous_store_intact(store_path: Path) -> No
     with pytest.raises(RuntimeError, match="tokenizer crashed"):
         build_store(store_path, PASSAGES[:2], failing, tokenizer_fingerprint="fp9")
     assert DocumentStore(store_path).info.tokenizer_fingerprint == "fp1"
-    assert [p.name for p in store_path.parent.iterdir()] == [store_path.name]
+    assert sorted(p.name for p in store_path.parent.iterdir()) == [
+        f".{store_path.name}.lock",
+        store_path.name,
+    ]
 
 
 def test_empty_corpus_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match="empty corpus"):
         build_store(tmp_path / "s.sqlite", [], byte_tokenize, tokenizer_fingerprint="fp")
+
+
+def flip_byte_of(path: Path, needle: bytes, offset: int = 0) -> None:
+    """Flip one bit in the file where ``needle`` sits: damage SQLite does not notice."""
+    data = bytearray(path.read_bytes())
+    at = data.index(needle) + offset
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_a_rows_tokens_never_reaches_a_prompt(store_path: Path) -> None:
+    """Issue 35: the store opens, but the damaged row is an error naming the file and the command,
+    never different tokens."""
+    segment = render_segment(3, PASSAGES[3]).encode("utf-8")
+    token_bytes = b"".join(byte.to_bytes(4, "little") for byte in segment[:12])
+    flip_byte_of(store_path, token_bytes, offset=5)
+    store = DocumentStore(store_path)
+    with pytest.raises(ArtifactError, match=rf"{store_path}.*row 3.*checksum.*specrag prepare"):
+        store.tokens(3)
+    assert store.tokens(2) == tuple(render_segment(2, PASSAGES[2]).encode("utf-8"))
+
+
+def test_a_flipped_byte_in_a_rows_text_is_found_too(store_path: Path) -> None:
+    flip_byte_of(store_path, PASSAGES[5].text.encode("utf-8"), offset=3)
+    store = DocumentStore(store_path)
+    with pytest.raises(ArtifactError, match="row 5"):
+        store.passage(5)
+    with pytest.raises(ArtifactError, match="row 5"):
+        store.tokens(5)
+
+
+def test_token_data_of_the_wrong_length_is_a_clear_error(store_path: Path) -> None:
+    with sqlite3.connect(store_path) as connection:
+        connection.execute("UPDATE passages SET tokens = substr(tokens, 1, 6) WHERE row = 1")
+    with pytest.raises(ArtifactError, match="row 1 holds token data of the wrong length"):
+        DocumentStore(store_path).tokens(1)

@@ -75,6 +75,10 @@ def test_integer_ids_load_as_strings(tmp_path: Path) -> None:
     ("content", "message"),
     [
         ('{"id": "a", "text": "x"}\nnot json\n', r"p.jsonl:2: not valid JSON"),
+        (
+            '{"id": "a", "text": "cut sh',  # a last line cut short
+            r"p.jsonl:1: not valid JSON \(Unterminated string starting at: column 21\)",
+        ),
         ('["a", "b"]\n', r"p.jsonl:1: expected a JSON object"),
         ('{"text": "x"}\n', r"p.jsonl:1: 'id' must be"),
         ('{"id": true, "text": "x"}\n', r"p.jsonl:1: 'id' must be"),

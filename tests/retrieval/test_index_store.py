@@ -126,3 +126,47 @@ def test_empty_corpus_and_unknown_kind_are_rejected() -> None:
         build_index([], IndexConfig())
     with pytest.raises(InvalidInputError, match="kind"):
         IndexConfig(kind="lsh")
+
+
+_REWRITER = """
+import sys
+from pathlib import Path
+from specrag.retrieval.index_store import load_index, save_index
+
+source, target, writes = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+index = load_index(source)
+print("ready", flush=True)
+for _ in range(writes):
+    save_index(index, target)
+"""
+
+
+def test_an_index_rewritten_by_another_process_always_loads_whole(
+    passages: list[Passage], tmp_path: Path
+) -> None:
+    """Issue 35: a load (a `serve` starting) while another process replaces the index never finds
+    it missing or half written, so it never rebuilds it for that reason."""
+    import os
+    import subprocess
+    import sys
+
+    saved, target = tmp_path / "source", tmp_path / "index"
+    save_index(
+        build_index(passages, IndexConfig(embedder="tfidf-svd", lexical=False, embedding_dim=16)), saved
+    )
+    save_index(load_index(saved), target)
+    rewriter = subprocess.Popen(
+        [sys.executable, "-c", _REWRITER, str(saved), str(target), "40"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert rewriter.stdout is not None and rewriter.stdout.readline().strip() == "ready"
+    loads = 0
+    while rewriter.poll() is None:
+        load_index(target)  # raises ArtifactError on a missing or partial index
+        loads += 1
+    assert rewriter.returncode == 0 and loads > 0
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == sorted(
+        ["source", os.readlink(saved), "index", os.readlink(target)]
+    )

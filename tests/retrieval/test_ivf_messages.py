@@ -37,7 +37,11 @@ def test_an_index_of_one_probed_list_warns_that_it_cannot_stage(caplog: pytest.L
     with caplog.at_level(logging.WARNING, logger="specrag.retrieval.staged_ivf"):
         StagedIVF.build(vectors(60))  # fewer than 2 x 39 vectors: one list
     assert "a search is a single stage" in caplog.text
+    assert "a corpus of 78+ passages" in caplog.text  # the threshold docs/service.md gives
     caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specrag.retrieval.staged_ivf"):
+        StagedIVF.build(vectors(78))  # two lists, both probed: two stages
+    assert "single stage" not in caplog.text
     with caplog.at_level(logging.WARNING, logger="specrag.retrieval.staged_ivf"):
         StagedIVF.build(vectors(400))  # 10 lists, all probed (at least 32 by default): stages
     assert "single stage" not in caplog.text

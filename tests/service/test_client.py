@@ -82,7 +82,7 @@ async def test_chat_plain_and_streamed(client: AsyncClient) -> None:
 async def test_sessions_open_and_close(client: AsyncClient, service: tuple[str, RagController]) -> None:
     session_id = await client.create_session()
     await client.rag(QUESTION, k=4, max_tokens=2, session_id=session_id)
-    assert service[1].sessions.get(session_id).turns == 1
+    assert service[1].sessions.get(session_id, "127.0.0.1").turns == 1
     await client.close_session(session_id)
     with pytest.raises(SpecragHTTPError) as error:
         await client.close_session(session_id)

@@ -37,3 +37,15 @@ def test_each_querys_regime_r_is_a_histogram() -> None:
     assert 'specrag_regime_r_bucket{le="0.5"} 1.0' in text
     assert 'specrag_regime_r_bucket{le="0.25"} 0.0' in text
     assert "specrag_regime_r_count 1.0" in text
+
+
+def test_predicted_cached_tokens_and_mispredictions_are_counted() -> None:
+    metrics = ServiceMetrics()
+    for predicted, delivered in ((32, 32), (48, 16), (0, 0)):
+        timeline = Timeline(arrival=0.0, mode="all")
+        timeline.predicted_cached_tokens, timeline.cached_prompt_tokens = predicted, delivered
+        metrics.observe(timeline)
+    text = metrics.exposition().decode()
+    assert "specrag_predicted_cached_prompt_tokens_total 80.0" in text
+    assert "specrag_cached_prompt_tokens_total 48.0" in text
+    assert "specrag_cache_mispredictions_total 1.0" in text

@@ -48,6 +48,7 @@ EVENTS_A, EVENTS_B = "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5567"
         ({"engine_cpus": "zero"}, "--engine-cpus takes cores such as 0, 0,2 or 0-3, got 'zero'"),
         ({"engine_cpus": "1-0"}, "--engine-cpus '1-0' is not within this machine's cores"),
         ({"engine_urls": (URL_A,), "search_cpus": "4096"}, "--search-cpus '4096' is not within"),
+        ({"engine_urls": (URL_A,), "kv_cache_tokens": 16384}, "give it to `specrag engine` for --engine-url"),
     ],
 )
 def test_a_bad_combination_is_refused_with_the_flags_named(options: dict[str, object], message: str) -> None:

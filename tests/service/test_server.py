@@ -159,7 +159,7 @@ async def test_sessions_are_created_used_and_closed(
     turn = {"query": QUESTION, "k": 4, "max_tokens": 3, "session_id": session_id}
     async with http.post(f"{url}/v1/rag", json=turn) as response:
         assert response.status == 200
-    assert controller.sessions.get(session_id).turns == 1
+    assert controller.sessions.get(session_id, "127.0.0.1").turns == 1
     async with http.delete(f"{url}/v1/sessions/{session_id}") as response:
         assert response.status == 204
     async with http.delete(f"{url}/v1/sessions/{session_id}") as response:

@@ -1,0 +1,65 @@
+"""The KV mirror's state: exact or degraded (and why), and its way back to exact."""
+
+from __future__ import annotations
+
+from specrag.cache import AllBlocksCleared, KnowledgeTree
+from specrag.errors import EngineError
+from specrag.pipeline.config import KVEventSource
+from specrag.service.kv_mirror import WAITING_FOR_CLEAR, KVMirror
+from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout
+
+
+class Resets:
+    """The engine's prefix-cache reset: refused while ``busy``."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.calls = 0
+
+    async def __call__(self) -> None:
+        self.calls += 1
+        if self.busy:
+            raise EngineError("requests hold blocks")
+
+
+def mirror(resets: Resets | None = None) -> KVMirror:
+    tree = KnowledgeTree(SYSTEM, block_size=BLOCK)
+    return KVMirror(tree, KVEventSource("ipc:///unused"), name="r1", reset_engine=resets)
+
+
+def test_exact_from_the_publishers_first_batch_until_a_loss() -> None:
+    kv = mirror()
+    assert not kv.status.exact and kv.status.reason == "no KV event batch received yet"
+    target = kv.target
+    target.reset()  # the publisher's batch 0: the engine's cache was empty then
+    target.apply(FakeEngine().serve(layout((1, 2))))
+    assert kv.status.exact and kv.tree.system_prompt_resident()
+    target.degrade("lost KV event batches 3..4")
+    assert not kv.status.exact and kv.status.reason == "lost KV event batches 3..4"
+    target.apply([AllBlocksCleared()])  # the engine emptied its cache: everything after is known
+    assert kv.status.exact and not kv.tree.system_prompt_resident()
+
+
+async def test_a_degraded_mirror_resets_the_idle_engine_and_is_exact_after_its_clear_event() -> None:
+    resets = Resets()
+    kv = mirror(resets)
+    kv.target.reset()
+    kv.target.apply(FakeEngine().serve(layout((1,))))
+    assert not await kv.recover()  # exact: nothing to do
+    kv.target.degrade("KV event batch 7 could not be applied")
+    resets.busy = True
+    assert not await kv.recover() and kv.status.reason == "KV event batch 7 could not be applied"
+    resets.busy = False
+    assert await kv.recover()
+    assert kv.status.reason == WAITING_FOR_CLEAR and kv.status.recoveries == 1
+    assert not kv.tree.system_prompt_resident()  # the tree forgot at once
+    assert not await kv.recover() and resets.calls == 2  # no second reset while its event is due
+    kv.target.apply([AllBlocksCleared()])
+    assert kv.status.exact
+
+
+async def test_without_a_reset_the_mirror_stays_degraded() -> None:
+    kv = mirror(None)
+    kv.target.reset()
+    kv.target.degrade("lost KV event batches 1..1")
+    assert not await kv.recover() and not kv.status.exact

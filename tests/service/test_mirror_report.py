@@ -1,0 +1,64 @@
+"""Each replica's KV mirror in /metrics and /health: exact or degraded, and the stream's counters."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from specrag.cache import BlockRemoved, KnowledgeTree
+from specrag.pipeline.config import KVEventSource
+from specrag.service.assets import Assets
+from specrag.service.kv_mirror import KVMirror
+from specrag.service.metrics import ServiceMetrics
+from specrag.service.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
+from specrag.service.server import create_app, serving
+from specrag.sim.engine import SimulatedEngine
+from tests.helpers import BLOCK, SYSTEM, A, FakeEngine, layout, make_controller, scripted_index
+
+
+def mirror(name: str) -> KVMirror:
+    return KVMirror(KnowledgeTree(SYSTEM, block_size=BLOCK), KVEventSource("ipc:///unused"), name=name)
+
+
+def test_each_replicas_state_and_counters_are_exported_at_scrape_time() -> None:
+    exact, degraded = mirror("r0"), mirror("r1")
+    metrics = ServiceMetrics()
+    metrics.registry.register(MirrorCollector([exact, degraded]))
+    exact.target.reset()
+    events = FakeEngine().serve(layout((1,)))
+    exact.target.apply([*events, *events[:1]])  # a second copy of the first block
+    exact.target.apply([BlockRemoved((12345,))])  # never stored
+    degraded.target.reset()
+    degraded.target.degrade("lost KV event batches 2..3")
+    text = metrics.exposition().decode()
+    assert 'specrag_kv_mirror_exact{replica="r0"} 1.0' in text
+    assert 'specrag_kv_mirror_exact{replica="r1"} 0.0' in text
+    assert 'specrag_kv_mirror_duplicate_copies_total{replica="r0"} 1.0' in text
+    assert 'specrag_kv_mirror_unknown_removals_total{replica="r0"} 1.0' in text
+    assert 'specrag_kv_mirror_recoveries_total{replica="r1"} 0.0' in text
+    assert mirror_health([exact, degraded]) == {
+        "r0": {"kv_mirror": "exact", "kv_mirror_reason": None},
+        "r1": {"kv_mirror": "degraded", "kv_mirror_reason": "lost KV event batches 2..3"},
+    }
+
+
+async def test_health_reports_each_replicas_mirror(tiny_assets: Assets) -> None:
+    engine = SimulatedEngine(block_size=32, time_scale=0.01)
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A], 0.01))
+    name = controller.placement.replicas[0].name
+    kv = mirror(name)
+    kv.target.degrade("lost KV event batches 4..9")
+    app = create_app(controller)
+    app[MIRROR_HEALTH] = lambda: mirror_health([kv])
+    try:
+        async with (
+            serving(app, access_log=False) as url,
+            aiohttp.ClientSession() as http,
+            http.get(f"{url}/health") as response,
+        ):
+            body = await response.json()
+    finally:
+        await controller.close()
+        await engine.close()
+    (replica,) = body["replicas"]
+    assert replica["name"] == name and replica["kv_mirror"] == "degraded"
+    assert replica["kv_mirror_reason"] == "lost KV event batches 4..9"
