@@ -189,12 +189,12 @@ async def test_a_conversation_resends_a_document_that_changed_since_it_was_sent(
         assets.corpus.put([Passage("quokka", "quokka module", FACT)])
         session_id = controller.create_session("test")
         first = await controller.answer(
-            RagRequest(QUESTION, k=4, mode="serial", max_tokens=2, session_id=session_id)
+            RagRequest(QUESTION, k=4, mode="serial", max_tokens=2, session_id=session_id, client="test")
         )
         assert first.timeline.documents[0] == "quokka"
         assets.corpus.put([Passage("quokka", "quokka module", "The quokka module was renamed wallaby.")])
         second = await controller.answer(
-            RagRequest(QUESTION, k=4, mode="serial", max_tokens=2, session_id=session_id)
+            RagRequest(QUESTION, k=4, mode="serial", max_tokens=2, session_id=session_id, client="test")
         )
         assert "quokka" in second.timeline.documents
         sent_now = second.prompt.token_ids[len(first.prompt.token_ids) :]
