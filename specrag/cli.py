@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "specrag.retrieval.commands",
     "specrag.pipeline.commands",
     "specrag.service.commands",
+    "specrag.service.document_commands",
 )
 
 

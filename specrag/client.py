@@ -353,6 +353,26 @@ class AsyncClient(_AsyncClosing):
     async def close_session(self, session_id: str) -> None:
         await self._read("DELETE", f"/v1/sessions/{quote(session_id, safe='')}")
 
+    async def put_document(self, document_id: str, text: str, title: str = "") -> dict[str, Any]:
+        """Add or replace one document: ``{"id", "version"}`` once it is durable and searchable."""
+        path = f"/v1/documents/{quote(document_id, safe='')}"
+        result: dict[str, Any] = await self._read("PUT", path, {"title": title, "text": text})
+        return result
+
+    async def put_documents(self, documents: Sequence[dict[str, str]]) -> list[dict[str, Any]]:
+        """Add or replace several documents (``{"id", "title", "text"}`` each) at once."""
+        result = await self._read("POST", "/v1/documents", {"documents": list(documents)})
+        return list(result["documents"])
+
+    async def get_document(self, document_id: str) -> dict[str, Any]:
+        """The current version of a document: ``{"id", "title", "text", "version"}``."""
+        result: dict[str, Any] = await self._read("GET", f"/v1/documents/{quote(document_id, safe='')}")
+        return result
+
+    async def delete_document(self, document_id: str) -> None:
+        """Delete a document; a 404 :class:`SpecragHTTPError` when the id is unknown."""
+        await self._read("DELETE", f"/v1/documents/{quote(document_id, safe='')}")
+
     async def metrics_text(self) -> str:
         """The service's metrics in Prometheus' text format."""
         return str(await self._read("GET", "/metrics"))

@@ -140,6 +140,17 @@ class LexicalIndex:
         rows = matching[order].astype(np.int64)
         return rows, scores[rows]
 
+    def document_frequencies(self) -> dict[str, int]:
+        """How many passages hold each term (a live index scores added documents with them)."""
+        # bm25s keeps one column per vocabulary term (CSC): its non-zeros are the passages holding it
+        # (its vocabulary's empty term, last, has no column).
+        counts = np.diff(np.asarray(self._retriever.scores["indptr"]))
+        return {
+            str(term): int(counts[column])
+            for term, column in self._retriever.vocab_dict.items()
+            if column < len(counts)
+        }
+
     def save(self, directory: Path) -> dict[str, Any]:
         """Write the index under ``directory/lexical``; return its manifest entry."""
         target = directory / SUBDIRECTORY

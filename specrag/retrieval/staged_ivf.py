@@ -17,6 +17,7 @@ import faiss
 import numpy as np
 
 from specrag.errors import InvalidInputError
+from specrag.retrieval.live_index import ReadWriteLock
 from specrag.retrieval.progress import add_in_chunks
 from specrag.retrieval.stages import (
     FaissBacked,
@@ -88,6 +89,9 @@ class StagedIVF(FaissBacked):
         if self.nprobe < 1:
             raise InvalidInputError(f"nprobe must be at least 1, got {self.nprobe}")
         self.nprobe = min(self.nprobe, self.index.nlist)
+        # Adding vectors may move a list's storage; a scan must never read it mid-move, so an add
+        # waits for the scans in flight (one stage's slice each) and scans wait for it (:meth:`add`).
+        self._lists_lock = ReadWriteLock()
         if self.nprobe == 1:
             logger.warning(
                 "this IVF index searches one list (nlist %d, nprobe 1): a search is a single stage, so "
@@ -109,8 +113,10 @@ class StagedIVF(FaissBacked):
         pq_m: int = 16,
         seed: int = 0,
         progress: bool = False,
+        add: bool = True,
     ) -> StagedIVF:
-        """Train on a sample of ``vectors`` and add them all; row i of the index is ``vectors[i]``.
+        """Train on a sample of ``vectors`` and add them all (unless not ``add``); row i of the
+        index is ``vectors[i]``.
 
         ``codes`` is one of :data:`IVF_CODES`; ``pq_m`` (bytes per vector) applies to ``pq`` only.
         """
@@ -142,7 +148,8 @@ class StagedIVF(FaissBacked):
         train_size = min(num, lists * MAX_TRAIN_POINTS_PER_LIST)
         sample = np.random.default_rng(seed).choice(num, size=train_size, replace=False)
         index.train(np.ascontiguousarray(vectors[np.sort(sample)], dtype=np.float32))
-        add_in_chunks(index, vectors, show=progress)
+        if add:
+            add_in_chunks(index, vectors, show=progress)
         return cls(index, nprobe)
 
     @property
@@ -161,6 +168,81 @@ class StagedIVF(FaissBacked):
             return "sq8"
         return "flat"
 
+    def add(self, vectors: np.ndarray, first_row: int) -> None:
+        """Add ``vectors`` as rows ``first_row``, ``first_row + 1``, ... to the lists of their
+        nearest centroids, as a build adds its own; a search in flight waits for at most one add."""
+        matrix = np.ascontiguousarray(vectors, dtype=np.float32)
+        if matrix.ndim != 2 or matrix.shape[1] != self.dim:
+            raise InvalidInputError(f"expected vectors of dimension {self.dim}, got shape {matrix.shape}")
+        rows = np.arange(first_row, first_row + len(matrix), dtype=np.int64)
+        with self._lists_lock.writing():
+            self.owner.add_with_ids(matrix, rows)
+
+    def compacted(self, keep: np.ndarray) -> StagedIVF:
+        """A copy holding only the rows ``r`` with ``keep[r]``: the same centroids and codes, the
+        hidden rows' entries gone from the lists (no vector is decoded or re-encoded)."""
+        compact: Any = faiss.clone_index(self.owner)
+        compact.reset()  # empties the lists, keeps the trained quantizer and codes
+        source, target = self.index.invlists, faiss.extract_index_ivf(compact).invlists
+        assert target is not None
+        code_size, kept = source.code_size, 0
+        with self._lists_lock.reading():
+            for number in range(self.index.nlist):
+                size = source.list_size(number)
+                if not size:
+                    continue
+                ids = faiss.rev_swig_ptr(source.get_ids(number), size).copy()
+                codes = faiss.rev_swig_ptr(source.get_codes(number), size * code_size).copy()
+                chosen = keep[ids]
+                if chosen.any():
+                    kept_ids = np.ascontiguousarray(ids[chosen])
+                    kept_codes = np.ascontiguousarray(codes.reshape(size, code_size)[chosen])
+                    target.add_entries(
+                        number, len(kept_ids), faiss.swig_ptr(kept_ids), faiss.swig_ptr(kept_codes)
+                    )
+                    kept += len(kept_ids)
+        faiss.extract_index_ivf(compact).ntotal = kept
+        compact.ntotal = kept
+        return StagedIVF(compact, self.nprobe)
+
+    def centroid_distance(self, vectors: np.ndarray) -> np.ndarray:
+        """How far each of ``vectors`` lies from its nearest centroid (1 - inner product for the
+        unit vectors the embedders give): what a live index watches for drift."""
+        similarity, _ = self.index.quantizer.search(np.ascontiguousarray(vectors, dtype=np.float32), 1)
+        distance: np.ndarray = 1.0 - similarity[:, 0]
+        return distance
+
+    def stored_vectors(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows ``r`` with ``keep[r]`` and their vectors, read from flat lists (which hold the
+        vectors themselves; SQ8 and PQ codes would have to be decoded, with their error)."""
+        if self.codes != "flat":
+            raise InvalidInputError(
+                f"re-training reads the vectors from flat lists; these hold {self.codes} codes"
+            )
+        invlists, rows, vectors = self.index.invlists, [], []
+        with self._lists_lock.reading():
+            for number in range(self.index.nlist):
+                size = invlists.list_size(number)
+                if not size:
+                    continue
+                ids = faiss.rev_swig_ptr(invlists.get_ids(number), size).copy()
+                codes = faiss.rev_swig_ptr(invlists.get_codes(number), size * self.dim * 4).copy()
+                chosen = keep[ids]
+                rows.append(ids[chosen])
+                vectors.append(codes.view(np.float32).reshape(size, self.dim)[chosen])
+        return np.concatenate(rows), np.concatenate(vectors)
+
+    def retrained(self, keep: np.ndarray, seed: int = 0) -> StagedIVF:
+        """A new index of the rows ``r`` with ``keep[r]`` under the same row numbers, its centroids
+        trained anew on them (as a build trains on its corpus), with as many lists and probes."""
+        rows, vectors = self.stored_vectors(keep)
+        fresh = StagedIVF.build(
+            vectors, metric=self.index.metric_type, nlist=self.index.nlist, seed=seed, add=False
+        )
+        fresh.owner.add_with_ids(np.ascontiguousarray(vectors), np.ascontiguousarray(rows, dtype=np.int64))
+        fresh.nprobe = min(self.nprobe, fresh.index.nlist)
+        return fresh
+
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
         params = faiss.SearchParametersIVF()
         params.nprobe = nprobe
@@ -169,7 +251,8 @@ class StagedIVF(FaissBacked):
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One-shot faiss search at this searcher's ``nprobe``: (distances, ids), shape (n, k)."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
-        distances, ids = self.index.search(matrix, k, params=self._params(self.nprobe))
+        with self._lists_lock.reading():
+            distances, ids = self.index.search(matrix, k, params=self._params(self.nprobe))
         return distances, ids
 
     def stages(self, queries: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
@@ -191,18 +274,19 @@ class StagedIVF(FaissBacked):
             centroid_distances = np.ascontiguousarray(coarse_distances[:, scanned:end])
             distances = np.empty((num, k), dtype=np.float32)
             ids = np.empty((num, k), dtype=np.int64)
-            self.index.search_preassigned_c(
-                num,
-                faiss.swig_ptr(matrix),
-                k,
-                faiss.swig_ptr(lists),
-                faiss.swig_ptr(centroid_distances),
-                faiss.swig_ptr(distances),
-                faiss.swig_ptr(ids),
-                False,
-                self._params(end - scanned),
-                None,
-            )
+            with self._lists_lock.reading():
+                self.index.search_preassigned_c(
+                    num,
+                    faiss.swig_ptr(matrix),
+                    k,
+                    faiss.swig_ptr(lists),
+                    faiss.swig_ptr(centroid_distances),
+                    faiss.swig_ptr(distances),
+                    faiss.swig_ptr(ids),
+                    False,
+                    self._params(end - scanned),
+                    None,
+                )
             top.add(distances, ids)
             scanned = end
             return scanned == self.nprobe

@@ -12,6 +12,10 @@ reciprocal-rank fusion (:mod:`specrag.retrieval.fusion`) of that fixed lexical r
 dense running top-k. The running top-k that speculation prefills is therefore already the hybrid
 one, and the last stage equals :meth:`VectorIndex.search` given the text. Fused stages name passages:
 their ids are passage positions (real rows) and their ``distances`` are fused scores, higher first.
+
+A live corpus (:mod:`specrag.retrieval.live_index`) appends rows and hides others while searches
+run (:meth:`VectorIndex.apply_changes`); each search reads which rows are visible once, at its
+start, so all its stages and both channels see the corpus in one state.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from specrag.retrieval.embedders import Embedder
 from specrag.retrieval.fusion import FusionConfig, fuse
 from specrag.retrieval.identifiers import named_identifiers
 from specrag.retrieval.lexical import LexicalIndex
+from specrag.retrieval.live_index import AddedLexical, Growable, Visibility, merge_rankings
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.stage_stats import PlanKey, StageOutlook, StageStatistics
 from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries, stage_plan
@@ -76,8 +81,10 @@ class VectorIndex:
         self._runner = runner
         # How each stage's top-k turned out, learned from every single-query staged search.
         self._stage_stats = StageStatistics()
-        # Row -> passage, with a trailing -1 so that padding ids (-1) map to -1 by plain indexing.
-        self._row_to_passage = np.concatenate([np.arange(len(passage_ids)), sources, [-1]])
+        # Row -> passage, with a trailing -1 so that padding ids (-1) map to -1 by plain indexing;
+        # replaced as a whole when the corpus changes (apply_changes).
+        self._visibility = Visibility(np.concatenate([np.arange(len(passage_ids)), sources, [-1]]), 0)
+        self._added_lexical = AddedLexical(lexical) if lexical is not None else None
 
     @property
     def dim(self) -> int:
@@ -114,12 +121,77 @@ class VectorIndex:
         """Run async searches on ``runner`` (e.g. pinned to cores apart from the LLM engine)."""
         self._runner = runner
 
-    def passage_index_of(self, row_ids: np.ndarray) -> np.ndarray:
-        """Corpus positions of index rows (same shape); ``-1`` stays ``-1``."""
+    def passage_index_of(self, row_ids: np.ndarray, visibility: Visibility | None = None) -> np.ndarray:
+        """Corpus positions of index rows (same shape); ``-1`` stays ``-1``, and so do hidden rows
+        (of replaced or deleted documents) as ``visibility`` (default: the current one) has them."""
         rows = np.asarray(row_ids, dtype=np.int64)
-        if rows.size and (rows.min() < -1 or rows.max() >= self.searcher.ntotal):
-            raise InvalidInputError(f"row ids outside [-1, {self.searcher.ntotal})")
-        return self._row_to_passage[rows]
+        known = len(self._visibility.row_to_passage) - 1
+        if rows.size and (rows.min() < -1 or rows.max() >= known):
+            raise InvalidInputError(f"row ids outside [-1, {known})")
+        return (visibility or self._visibility).passages(rows)
+
+    def apply_changes(
+        self, ids: Sequence[str], vectors: np.ndarray, texts: Sequence[str], retired: Sequence[int]
+    ) -> list[int]:
+        """Append one row per document (its id, vector and text, normalised, for the lexical
+        channel) and hide the rows of the passages ``retired``, visible to searches that start
+        after the call returns, all at once; returns the new rows.
+
+        The caller (:mod:`specrag.pipeline.live_corpus`) makes one change at a time. New rows are
+        passages of their own, so the index must not be padded.
+        """
+        if not len(ids) == len(vectors) == len(texts):
+            raise InvalidInputError(f"{len(ids)} ids, {len(vectors)} vectors and {len(texts)} texts")
+        current = self._visibility
+        start = len(current.row_to_passage) - 1
+        if len(vectors):
+            self.check_growable()
+            assert isinstance(self.searcher, Growable)
+            self.searcher.add(np.asarray(vectors, dtype=np.float32), start)
+        added = list(range(start, start + len(vectors)))
+        for row, passage_id, text in zip(added, ids, texts, strict=True):
+            self.passage_ids.append(passage_id)  # row -> id; an id's current row is the live corpus's
+            if self._added_lexical is not None:
+                self._added_lexical.add(row, text)
+        self._visibility = current.changed(added, retired)
+        return added
+
+    def check_growable(self) -> None:
+        """Raise InvalidInputError unless this index can take new documents while it serves."""
+        if not isinstance(self.searcher, Growable):
+            raise InvalidInputError(
+                f"a {self.searcher.kind} index cannot take documents while it serves: build an IVF index"
+            )
+        if len(self.synthetic_sources):
+            raise InvalidInputError("a padded index (synthetic rows) cannot take documents")
+
+    @property
+    def visible_rows(self) -> np.ndarray:
+        """Which index rows searches may return now (one flag a row)."""
+        return self._visibility.visible
+
+    @property
+    def removable_rows(self) -> int:
+        """Hidden rows the searcher still holds (and scans): what :meth:`compact` drops."""
+        return self.searcher.ntotal - int(np.count_nonzero(self._visibility.visible))
+
+    def compact(self, retrain: bool = False) -> int:
+        """Swap in a searcher without the hidden rows (searches in flight finish on the old one),
+        with centroids trained anew on the rows kept when ``retrain``; returns the rows dropped.
+        The caller keeps changes out while it runs (one writer)."""
+        searcher = self.searcher
+        if not isinstance(searcher, Growable):
+            raise InvalidInputError(f"a {searcher.kind} index cannot be compacted while it serves")
+        dropped = self.removable_rows
+        visible = self._visibility.visible
+        replacement = searcher.retrained(visible) if retrain else searcher.compacted(visible)
+        self.searcher = replacement  # type: ignore[assignment]
+        return dropped
+
+    @property
+    def hidden_rows(self) -> int:
+        """Rows of replaced or deleted documents that every search filters out (compaction's cue)."""
+        return self._visibility.hidden
 
     def ranked_rows(self, row_ids: np.ndarray) -> tuple[int, ...]:
         """Corpus positions of a 1-D result in rank order, padding and repeats (synthetic rows) dropped."""
@@ -152,12 +224,14 @@ class VectorIndex:
         search is hybrid: ids are passages and distances fused scores (see the module's docstring).
         """
         matrix = prepare_queries(self._shaped(queries, batch), self.dim, self.searcher.ntotal, k)
-        lexical = self._lexical_rankings(self._texts(query_text, batch), len(matrix))
+        visibility = self._visibility
+        lexical = self._lexical_rankings(self._texts(query_text, batch), len(matrix), visibility)
         if lexical is None:
-            distances, ids = self.searcher.search(matrix, k)
+            found = self.searcher.search(matrix, self._depth(k, visibility))
+            distances, ids = self._visible_top(*found, k, visibility)
         else:
             _, rows = self.searcher.search(matrix, self.fusion.dense_depth(k))
-            ids, distances = self._fused(lexical, rows, k)
+            ids, distances = self._fused(lexical, rows, k, visibility)
         return (distances, ids) if batch else (distances[0], ids[0])
 
     def search_staged(
@@ -203,8 +277,40 @@ class VectorIndex:
             raise InvalidInputError("a single query's text must be a string")
         return [query_text]
 
+    def _depth(self, k: int, visibility: Visibility) -> int:
+        """How deep a dense-only search reads for a top-k: k, or deeper while rows are hidden."""
+        return k if not visibility.hidden else self.fusion.dense_depth(k)
+
+    @staticmethod
+    def _visible_top(
+        distances: np.ndarray, ids: np.ndarray, k: int, visibility: Visibility
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``k`` visible rows of each query's result, padded as faiss pads."""
+        newer = ids.size and ids.max() >= len(visibility.row_to_passage) - 1  # added since it started
+        if not visibility.hidden and not newer:
+            return distances, ids
+        visible = visibility.passages(ids) >= 0
+        kept_ids = np.full((len(ids), k), -1, dtype=np.int64)
+        kept_distances = np.full((len(ids), k), -np.finfo(np.float32).max, dtype=np.float32)
+        for query, mask in enumerate(visible):
+            chosen = np.flatnonzero(mask)[:k]
+            kept_ids[query, : len(chosen)] = ids[query, chosen]
+            kept_distances[query, : len(chosen)] = distances[query, chosen]
+        return kept_distances, kept_ids
+
+    def _lexical_ranking(self, text: str, visibility: Visibility) -> np.ndarray:
+        """A query's lexical ranking of visible passages, the base's and the added documents' merged."""
+        assert self.lexical is not None and self._added_lexical is not None
+        depth, weight = self.fusion.depth, self.fusion.identifier_weight
+        if not visibility.hidden and not len(self._added_lexical):
+            return self.lexical.search(text, depth, weight)[0]
+        base = self.lexical.search(text, depth + min(visibility.hidden, 4 * depth), weight)
+        added = self._added_lexical.search(self.lexical.query_terms(text, weight), depth)
+        rows, _ = merge_rankings(base, added, len(base[0]) + len(added[0]))
+        return rows[visibility.alive(rows)][:depth]
+
     def _lexical_rankings(
-        self, texts: Sequence[str] | None, num_queries: int
+        self, texts: Sequence[str] | None, num_queries: int, visibility: Visibility
     ) -> list[tuple[np.ndarray, bool]] | None:
         """Each query's lexical ranking (passages) and whether it names an identifier, or None
         when the search is dense only."""
@@ -214,11 +320,7 @@ class VectorIndex:
             raise InvalidInputError(f"expected {num_queries} query texts, one per query vector")
         if not all(isinstance(text, str) for text in texts):
             raise InvalidInputError("query texts must be strings")
-        weight = self.fusion.identifier_weight
-        return [
-            (self.lexical.search(text, self.fusion.depth, weight)[0], bool(named_identifiers(text)))
-            for text in texts
-        ]
+        return [(self._lexical_ranking(text, visibility), bool(named_identifiers(text))) for text in texts]
 
     def _stages(
         self, matrix: np.ndarray, k: int, plan: StagePlan, texts: Sequence[str] | None
@@ -228,25 +330,28 @@ class VectorIndex:
         The lexical search runs before the first dense stage; its time is charged to that stage.
         """
         started = time.perf_counter()
-        lexical = self._lexical_rankings(texts, len(matrix))
+        visibility = self._visibility
+        lexical = self._lexical_rankings(texts, len(matrix), visibility)
         if lexical is None:
-            yield from self.searcher.stages(matrix, k, plan)
+            for stage in self.searcher.stages(matrix, self._depth(k, visibility), plan):
+                distances, ids = self._visible_top(stage.distances, stage.ids, k, visibility)
+                yield StageResult(stage.stage, ids, distances, stage.done, stage.elapsed_s)
             return
         lexical_s = time.perf_counter() - started
         for stage in self.searcher.stages(matrix, self.fusion.dense_depth(k), plan):
-            ids, scores = self._fused(lexical, stage.ids, k)
+            ids, scores = self._fused(lexical, stage.ids, k, visibility)
             elapsed_s = stage.elapsed_s + (lexical_s if stage.stage == 1 else 0.0)
             yield StageResult(stage.stage, ids, scores, stage.done, elapsed_s)
 
     def _fused(
-        self, lexical: Sequence[tuple[np.ndarray, bool]], rows: np.ndarray, k: int
+        self, lexical: Sequence[tuple[np.ndarray, bool]], rows: np.ndarray, k: int, visibility: Visibility
     ) -> tuple[np.ndarray, np.ndarray]:
         """Each query's top-k passages and fused scores: its lexical ranking fused with its dense
         ``rows`` (one row per query)."""
         fused = [
             fuse(ranking, passages, k, self.fusion, names_identifier)
             for (ranking, names_identifier), passages in zip(
-                lexical, self.passage_index_of(rows), strict=True
+                lexical, self.passage_index_of(rows, visibility), strict=True
             )
         ]
         return np.stack([ids for ids, _ in fused]), np.stack([scores for _, scores in fused])

@@ -36,6 +36,7 @@ from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
+from specrag.service.documents import add_document_routes
 from specrag.service.kv_mirror import KVMirror
 from specrag.service.metrics import ServiceMetrics
 from specrag.service.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
@@ -181,6 +182,8 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
                 controller = RagController(pool.placement, assets.index, builder, options.controller)
                 try:
                     app = _application(controller, options, pool.mirrors, served_model_name(assets.model_dir))
+                    if assets.corpus is not None:
+                        add_document_routes(app, assets.corpus, options.writer_tokens)
                     yield Service(app, controller, pool.placement, pool.mirrors)
                 finally:
                     await controller.close()

@@ -21,6 +21,8 @@ from tqdm import tqdm
 from specrag.errors import ArtifactError
 from specrag.locking import writer_lock
 from specrag.paths import DataLayout
+from specrag.pipeline.live_corpus import LiveCorpus
+from specrag.pipeline.live_store import LiveStore
 from specrag.pipeline.model_catalog import resolve_model
 from specrag.pipeline.store import DEFAULT_SEGMENT_TEMPLATE, DocumentStore, build_store, corpus_checksum
 from specrag.pipeline.tokenizer import Tokenizer
@@ -51,6 +53,9 @@ class Assets:
     tokenizer: Tokenizer
     store: DocumentStore
     index: VectorIndex
+    corpus: LiveCorpus | None = None
+    """The documents changed since the build (``specrag documents``, ``/v1/documents``), replayed
+    onto ``store`` and ``index``; None for assets assembled without it (a test's)."""
 
 
 def ensure_corpus(
@@ -182,7 +187,16 @@ def ensure_assets(
     passages = ensure_corpus(layout, corpus_file, accept_corpus_change)
     resolved_model = resolve_model(layout, model, (passage.text for passage in passages))
     tokenizer = Tokenizer(resolved_model)
-    store = ensure_store(layout, passages, tokenizer, accept_corpus_change)
+    base = ensure_store(layout, passages, tokenizer, accept_corpus_change)
+    base.close()
     index = ensure_index(layout, passages)
+    corpus = LiveCorpus.replayed(LiveStore(base.path), index, tokenizer.encode_batch)
     logger.debug("assets ready: %d passages, model %s", len(passages), resolved_model)
-    return Assets(passages=passages, model_dir=resolved_model, tokenizer=tokenizer, store=store, index=index)
+    return Assets(
+        passages=passages,
+        model_dir=resolved_model,
+        tokenizer=tokenizer,
+        store=corpus.store,
+        index=index,
+        corpus=corpus,
+    )

@@ -129,6 +129,12 @@ def _add_client_options(serve: argparse.ArgumentParser) -> None:
         "clients apart (else the address does)",
     )
     clients.add_argument(
+        "--writer-tokens-file",
+        metavar="FILE",
+        help="bearer tokens, one a line, that may also change documents (/v1/documents); with "
+        "tokens configured, no other token may",
+    )
+    clients.add_argument(
         "--trust-forwarded-for",
         action="store_true",
         help="tell clients apart by the address in X-Forwarded-For (the last one: only behind a "

@@ -151,20 +151,20 @@ def _api_token(variable: str | None) -> str | None:
     return token
 
 
-def _api_tokens(path: str | None) -> tuple[str, ...]:
-    """The tokens of ``--api-tokens-file``: one a line, one per client (blank lines and lines
-    starting with # skipped)."""
+def _api_tokens(path: str | None, flag: str = "--api-tokens-file") -> tuple[str, ...]:
+    """The tokens of ``--api-tokens-file`` (or ``flag``): one a line, one per client (blank lines
+    and lines starting with # skipped)."""
     if path is None:
         return ()
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
-        raise InvalidInputError(f"--api-tokens-file: cannot read {path}: {error}") from None
+        raise InvalidInputError(f"{flag}: cannot read {path}: {error}") from None
     tokens = tuple(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
     if not tokens:
-        raise InvalidInputError(f"--api-tokens-file: {path} holds no token")
+        raise InvalidInputError(f"{flag}: {path} holds no token")
     if len(set(tokens)) < len(tokens):
-        raise InvalidInputError(f"--api-tokens-file: {path} holds a token twice; give each client its own")
+        raise InvalidInputError(f"{flag}: {path} holds a token twice; give each client its own")
     return tokens
 
 
@@ -219,6 +219,7 @@ def serve_command(args: argparse.Namespace) -> int:
         eager=args.eager,
         api_token=token,
         api_tokens=tokens,
+        writer_tokens=_api_tokens(args.writer_tokens_file, "--writer-tokens-file"),
         trust_forwarded_for=args.trust_forwarded_for,
         max_queries=args.max_queries,
         max_queries_per_client=args.max_queries_per_client,

@@ -50,6 +50,8 @@ class ServiceOptions:
     api_token: str | None = None
     # Several bearer tokens, one per client: the token then tells clients apart (server.py).
     api_tokens: tuple[str, ...] = ()
+    # Bearer tokens that may also change documents (specrag.service.documents).
+    writer_tokens: tuple[str, ...] = ()
     trust_forwarded_for: bool = False
     supervisor: SupervisorPolicy = field(default_factory=SupervisorPolicy)
     max_queries: int = DEFAULT_MAX_QUERIES

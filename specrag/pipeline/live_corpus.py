@@ -1,0 +1,294 @@
+"""A corpus that changes while it serves: the one writer of the live store and the live index.
+
+A change is made in this order, under one lock (one writer at a time):
+
+1. each new version is tokenized as its prompt segment (its own row's label) and embedded;
+2. the changes are committed to the store's log, fsynced (:class:`~specrag.pipeline.live_store.LiveStore`):
+   from here on the change survives a crash;
+3. the index appends the new rows and hides the replaced or deleted ones in one swap
+   (:meth:`~specrag.retrieval.vector_index.VectorIndex.apply_changes`): a search that starts
+   afterwards sees the new versions only, one that started before sees the old ones only.
+
+Only then is the change acknowledged. At start :meth:`LiveCorpus.replayed` replays the log onto
+the loaded index: the logged vectors and texts, not embedded again.
+
+Hidden rows stay in the index's lists, scanned and filtered, until a compaction drops them: once
+they reach :data:`COMPACT_SHARE` of the rows it holds, a background thread copies the lists
+without them (same centroids and codes) and swaps the copy in. Searches run on throughout (one in
+flight finishes on the lists it started on); changes wait for the swap, as they would for
+another writer.
+
+The centroids stay those of the build until the documents added since drift away from them: a
+live corpus compares how far each added vector lies from its nearest centroid with how far the
+index's own rows lie (a sample, read when the first document is added). Once the added documents
+are :data:`RETRAIN_MIN_SHARE` of the index and lie :data:`RETRAIN_DRIFT` times as far on average,
+the background thread trains new centroids on the rows kept (flat lists only: they hold the
+vectors) instead of copying the lists, and swaps that index in the same way.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrag.errors import ArtifactError, InvalidInputError, NotFoundError, TooLargeError
+from specrag.pipeline.live_store import BASE_VERSION, Change, LiveStore
+from specrag.pipeline.store import TokenizeBatch, render_segment
+from specrag.retrieval.corpus import Passage
+from specrag.retrieval.live_index import Growable
+from specrag.retrieval.text import normalize_text
+from specrag.retrieval.vector_index import VectorIndex
+
+__all__ = [
+    "COMPACT_SHARE",
+    "MAX_BATCH_DOCUMENTS",
+    "MAX_ID_CHARS",
+    "MAX_TEXT_CHARS",
+    "RETRAIN_DRIFT",
+    "RETRAIN_MIN_SHARE",
+    "Document",
+    "LiveCorpus",
+    "Written",
+    "check_document",
+]
+
+# One request's documents at most (a POST beyond is 413): a batch is one transaction and one
+# swap, held under the writer's lock while it is embedded.
+MAX_BATCH_DOCUMENTS = 1000
+MAX_ID_CHARS = 256
+MAX_TEXT_CHARS = 100_000
+# Compact the index once this share of the rows it holds is hidden (replaced or deleted): each
+# hidden row costs every search that scans its list, and compaction copies every list once.
+COMPACT_SHARE = 0.2
+# Re-train the centroids once the documents added since the last training are this share of the
+# index and lie this many times as far from their nearest centroid as its own rows do: between
+# what bench.updates measured for added vectors of the build's own distribution and of another
+# (docs/updates.md). Re-training holds writes back for a while, so it waits for real drift.
+RETRAIN_MIN_SHARE = 0.1
+RETRAIN_DRIFT = 1.15
+# Rows of the index read to learn how far its own rows lie from their centroids.
+_REFERENCE_SAMPLE = 2000
+
+
+@dataclass(frozen=True)
+class Document:
+    """A document as the API shows it: its current version."""
+
+    id: str
+    title: str
+    text: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Written:
+    """The outcome of one document's write: its new version, and whether the id was new."""
+
+    id: str
+    version: int
+    created: bool
+
+
+def check_document(passage_id: object, title: object, text: object) -> Passage:
+    """The passage a write names, or InvalidInputError saying what is wrong with it."""
+    if not isinstance(passage_id, str) or not passage_id.strip() or len(passage_id) > MAX_ID_CHARS:
+        raise InvalidInputError(
+            f"a document id must be a non-empty string of at most {MAX_ID_CHARS} characters"
+        )
+    if any(not character.isprintable() for character in passage_id):
+        raise InvalidInputError(f"document id {passage_id!r} holds unprintable characters")
+    if not isinstance(title, str):
+        raise InvalidInputError(f"document {passage_id!r}: 'title' must be a string")
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidInputError(f"document {passage_id!r}: 'text' must be a non-empty string")
+    if len(title) + len(text) > MAX_TEXT_CHARS:
+        raise TooLargeError(f"document {passage_id!r} is longer than {MAX_TEXT_CHARS} characters")
+    return Passage(passage_id, title, text)
+
+
+def _indexed_text(passage: Passage) -> str:
+    """What both channels index of a passage (as the index build does)."""
+    return normalize_text(f"{passage.title}\n{passage.text}")
+
+
+class LiveCorpus:
+    """Adds, replaces and deletes documents of a served store and index, durably and consistently."""
+
+    def __init__(
+        self,
+        store: LiveStore,
+        index: VectorIndex,
+        tokenize_batch: TokenizeBatch,
+        compact_share: float | None = COMPACT_SHARE,
+    ) -> None:
+        """``compact_share`` None never compacts in the background (:meth:`compact` still does)."""
+        if index.embedder is None:
+            raise InvalidInputError("a live corpus embeds its documents: the index needs its embedder")
+        if len(store) != len(index.passage_ids):
+            raise ArtifactError(
+                f"the store has {len(store)} rows and the index {len(index.passage_ids)}: "
+                "rebuild them together"
+            )
+        self.store = store
+        self.index = index
+        self._tokenize_batch = tokenize_batch
+        self._lock = threading.Lock()
+        self._compact_share = compact_share
+        self._compacting: threading.Thread | None = None
+        self.compactions = 0
+        self.retrainings = 0
+        self._reference_distance: float | None = None  # of the index's own rows; None: not read yet
+        self._added_distance = 0.0  # summed over the documents added since the last training
+        self._added = 0
+
+    @classmethod
+    def replayed(
+        cls,
+        store: LiveStore,
+        index: VectorIndex,
+        tokenize_batch: TokenizeBatch,
+        compact_share: float | None = COMPACT_SHARE,
+    ) -> LiveCorpus:
+        """The live corpus over a freshly loaded base index: the store's logged changes applied to it."""
+        ids: list[str] = []
+        vectors: list[np.ndarray] = []
+        texts: list[str] = []
+        retired: list[int] = []
+        current: dict[str, int | None] = {}
+        for change in store.logged():
+            previous = current[change.id] if change.id in current else store.base_row(change.id)
+            if previous is not None:
+                retired.append(previous)
+            current[change.id] = change.row
+            if change.row is not None:
+                assert change.passage is not None and change.vector is not None
+                ids.append(change.id)
+                vectors.append(change.vector)
+                texts.append(_indexed_text(change.passage))
+        matrix = np.stack(vectors) if vectors else np.zeros((0, index.dim), dtype=np.float32)
+        index.apply_changes(ids, matrix, texts, retired)
+        return cls(store, index, tokenize_batch, compact_share)
+
+    def get(self, passage_id: str) -> Document:
+        """The current version of ``passage_id``; NotFoundError when unknown or deleted."""
+        row = self.store.row_of(passage_id)
+        passage = self.store.passage(row)
+        version = self.store.version_of(passage_id)
+        assert version is not None
+        return Document(passage.id, passage.title, passage.text, version.version)
+
+    def put(self, passages: Sequence[Passage]) -> list[Written]:
+        """Add or replace each of ``passages`` (ids distinct), all visible at once when this returns."""
+        if not passages:
+            raise InvalidInputError("no documents given")
+        if len(passages) > MAX_BATCH_DOCUMENTS:
+            raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {len(passages)}")
+        if len({passage.id for passage in passages}) < len(passages):
+            raise InvalidInputError("a request names each document id once")
+        self.index.check_growable()  # before anything is logged: a logged change must replay
+        embedder = self.index.embedder
+        assert embedder is not None
+        texts = [_indexed_text(passage) for passage in passages]
+        vectors = np.asarray(embedder.embed(texts), dtype=np.float32)
+        with self._lock:
+            first = self.store.next_row
+            rows = range(first, first + len(passages))
+            template = self.store.info.segment_template
+            tokens = self._tokenize_batch(
+                [render_segment(row, passage, template) for row, passage in zip(rows, passages, strict=True)]
+            )
+            changes: list[Change] = []
+            retired: list[int] = []
+            written: list[Written] = []
+            for row, passage, token_ids, vector in zip(rows, passages, tokens, vectors, strict=True):
+                before = self.store.version_of(passage.id)
+                version = BASE_VERSION if before is None else before.version + 1
+                if before is not None and before.row is not None:
+                    retired.append(before.row)
+                changes.append(Change(passage.id, version, row, passage, tuple(token_ids), vector))
+                written.append(Written(passage.id, version, before is None or before.row is None))
+            self.store.commit(changes)
+            self.index.apply_changes([p.id for p in passages], vectors, texts, retired)
+            self._watch_drift(vectors)
+        self._compact_when_due()
+        return written
+
+    def delete(self, passage_ids: Sequence[str]) -> None:
+        """Delete each of ``passage_ids``; NotFoundError (and nothing deleted) if one is unknown."""
+        if not passage_ids:
+            raise InvalidInputError("no document ids given")
+        if len(passage_ids) > MAX_BATCH_DOCUMENTS:
+            raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {len(passage_ids)}")
+        with self._lock:
+            changes, retired = [], []
+            for passage_id in dict.fromkeys(passage_ids):
+                before = self.store.version_of(passage_id)
+                if before is None or before.row is None:
+                    raise NotFoundError(f"unknown document id {passage_id!r}")
+                retired.append(before.row)
+                changes.append(Change(passage_id, before.version + 1))
+            self.store.commit(changes)
+            self.index.apply_changes([], np.zeros((0, self.index.dim), dtype=np.float32), [], retired)
+        self._compact_when_due()
+
+    def compact(self, retrain: bool = False) -> int:
+        """Drop the hidden rows from the index now, training new centroids when ``retrain``
+        (changes wait, searches do not); returns how many rows were dropped."""
+        with self._lock:
+            dropped = self.index.compact(retrain)
+            if retrain:
+                self._reference_distance, self._added_distance, self._added = None, 0.0, 0
+        if retrain:
+            self.retrainings += 1
+        else:
+            self.compactions += 1
+        return dropped
+
+    @property
+    def drift(self) -> float | None:
+        """How many times as far the documents added since the last training lie from their
+        nearest centroid as the index's own rows (None before any was added, or without flat lists)."""
+        if not self._added or not self._reference_distance:
+            return None
+        return self._added_distance / self._added / self._reference_distance
+
+    def _watch_drift(self, vectors: np.ndarray) -> None:
+        """Add ``vectors``' distances to their centroids to the running drift (under the lock)."""
+        searcher = self.index.searcher
+        if not isinstance(searcher, Growable) or not len(vectors):
+            return
+        if self._reference_distance is None:
+            try:
+                rows, stored = searcher.stored_vectors(self.index.visible_rows)
+            except InvalidInputError:  # SQ8 or PQ lists: no vectors to re-train on, no drift to watch
+                self._reference_distance = 0.0
+                return
+            sample = np.random.default_rng(0).choice(
+                len(rows), min(len(rows), _REFERENCE_SAMPLE), replace=False
+            )
+            self._reference_distance = float(searcher.centroid_distance(stored[sample]).mean())
+        self._added_distance += float(searcher.centroid_distance(vectors).sum())
+        self._added += len(vectors)
+
+    def _compact_when_due(self) -> None:
+        """Start a background compaction once hidden rows pass their share, or a re-training
+        once added documents drifted (one at a time)."""
+        if self._compact_share is None or (self._compacting is not None and self._compacting.is_alive()):
+            return
+        held = self.index.searcher.ntotal
+        drift = self.drift
+        retrain = drift is not None and drift >= RETRAIN_DRIFT and self._added >= RETRAIN_MIN_SHARE * held
+        if not held or (not retrain and self.index.removable_rows < self._compact_share * held):
+            return
+        self._compacting = threading.Thread(
+            target=self.compact, args=(retrain,), name="specrag-compaction", daemon=True
+        )
+        self._compacting.start()
+
+    def wait_for_compaction(self) -> None:
+        """Return once the background compaction in progress (if any) is done (tests, benchmarks)."""
+        if self._compacting is not None:
+            self._compacting.join()

@@ -1,0 +1,234 @@
+"""The live corpus: documents added, replaced and deleted on a served store and index, durably."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError, TooLargeError
+from specrag.pipeline.document_kv import segment_key
+from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, RETRAIN_DRIFT, LiveCorpus
+from specrag.pipeline.live_store import LiveStore
+from specrag.pipeline.store import build_store
+from specrag.retrieval.corpus import Passage
+from specrag.retrieval.index_store import load_index
+from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.synthetic import GaussianMixture
+from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.assets import Assets
+
+NEW_FACT = Passage("fact-1", "Quokka module", "The quokka module counts marsupials on Rottnest island.")
+
+
+def open_live(assets: Assets, log: Path) -> LiveCorpus:
+    """A live corpus over the tiny assets' store and a fresh copy of their index, logging to ``log``."""
+    index = load_index(assets.store.path.parent.parent / "index")
+    return LiveCorpus.replayed(LiveStore(assets.store.path, log), index, assets.tokenizer.encode_batch)
+
+
+def found(corpus: LiveCorpus, question: str, k: int = 5) -> list[int]:
+    index = corpus.index
+    _, ids = index.search(index.embed_query(question), k, query_text=question)
+    return list(index.ranked_rows(ids))
+
+
+@pytest.fixture
+def corpus(tiny_assets: Assets, tmp_path: Path) -> LiveCorpus:
+    return open_live(tiny_assets, tmp_path / "log.sqlite")
+
+
+def test_a_new_document_is_stored_tokenized_with_its_own_row_and_found(corpus: LiveCorpus) -> None:
+    (written,) = corpus.put([NEW_FACT])
+    assert (written.id, written.version, written.created) == ("fact-1", 1, True)
+    row = corpus.store.row_of("fact-1")
+    assert row == len(corpus.index.passage_ids) - 1 == len(corpus.store) - 1
+    assert corpus.store.passage(row) == NEW_FACT
+    segment = corpus.store.tokens(row)
+    assert segment == tuple(corpus._tokenize_batch([f"[Doc {row}] {NEW_FACT.title}\n{NEW_FACT.text}\n\n"])[0])
+    assert found(corpus, "How does the quokka module count marsupials?")[0] == row
+    assert corpus.get("fact-1").version == 1
+
+
+def test_a_replaced_document_is_a_new_row_and_the_old_one_is_never_found(corpus: LiveCorpus) -> None:
+    old_row = corpus.store.row_of(corpus.index.passage_ids[0])
+    old = corpus.store.passage(old_row)
+    question = f"{old.title} {old.text[:200]}"
+    assert old_row in found(corpus, question)
+    (written,) = corpus.put([Passage(old.id, old.title, "Replaced: the quokka module now counts wombats.")])
+    assert (written.version, written.created) == (2, False)
+    new_row = corpus.store.row_of(old.id)
+    assert new_row != old_row and corpus.store.passage(old_row) == old  # a query in flight still reads it
+    # The document-KV store keys a segment by its tokens: the new version never reuses the old KV.
+    assert segment_key(corpus.store.tokens(new_row)) != segment_key(corpus.store.tokens(old_row))
+    assert old_row not in found(corpus, question, k=10)
+    assert found(corpus, "what does the quokka module count now? wombats")[0] == new_row
+
+
+def test_a_deleted_document_is_gone_and_an_unknown_one_is_404(corpus: LiveCorpus) -> None:
+    corpus.put([NEW_FACT])
+    row = corpus.store.row_of("fact-1")
+    corpus.delete(["fact-1"])
+    with pytest.raises(NotFoundError):
+        corpus.get("fact-1")
+    assert row not in found(corpus, "How does the quokka module count marsupials?", k=10)
+    with pytest.raises(NotFoundError, match="no-such-id"):
+        corpus.delete(["no-such-id"])
+    (again,) = corpus.put([NEW_FACT])
+    assert (again.version, again.created) == (3, True)
+
+
+def test_every_change_is_replayed_at_start(tiny_assets: Assets, tmp_path: Path) -> None:
+    log = tmp_path / "log.sqlite"
+    first = open_live(tiny_assets, log)
+    replaced = first.index.passage_ids[1]
+    first.put([NEW_FACT, Passage(replaced, "t", "a second version")])
+    first.put([Passage(replaced, "t", "a third version")])
+    first.delete([first.index.passage_ids[2]])
+    rows = (first.store.row_of("fact-1"), first.store.row_of(replaced))
+    deleted = first.index.passage_ids[2]
+    first.store.close()
+
+    again = open_live(tiny_assets, log)
+    assert (again.store.row_of("fact-1"), again.store.row_of(replaced)) == rows
+    assert again.get(replaced).text == "a third version" and again.get(replaced).version == 3
+    with pytest.raises(NotFoundError):
+        again.get(deleted)
+    assert again.index.hidden_rows == first.index.hidden_rows == 3  # row 1, its 2nd version, row 2
+    assert found(again, "How does the quokka module count marsupials?")[0] == rows[0]
+
+
+def test_bad_writes_are_refused_with_what_is_wrong(corpus: LiveCorpus) -> None:
+    with pytest.raises(InvalidInputError, match="once"):
+        corpus.put([NEW_FACT, NEW_FACT])
+    with pytest.raises(TooLargeError):
+        corpus.put([Passage(f"d{i}", "", "x") for i in range(MAX_BATCH_DOCUMENTS + 1)])
+    with pytest.raises(InvalidInputError, match="no documents"):
+        corpus.put([])
+
+
+def test_a_second_writer_on_the_same_log_is_refused(tiny_assets: Assets, tmp_path: Path) -> None:
+    log = tmp_path / "log.sqlite"
+    one, other = open_live(tiny_assets, log), open_live(tiny_assets, log)
+    one.put([NEW_FACT])
+    with pytest.raises(ConflictError, match="another process"):
+        other.put([Passage("fact-2", "", "text")])
+
+
+def test_a_log_written_over_another_base_is_refused(tiny_assets: Assets, tmp_path: Path) -> None:
+    log = tmp_path / "log.sqlite"
+    LiveStore(tiny_assets.store.path, log).close()
+    with sqlite3.connect(log) as connection:
+        connection.execute("UPDATE meta SET value = 'other' WHERE key = 'corpus_checksum'")
+    with pytest.raises(ArtifactError, match="another base store"):
+        LiveStore(tiny_assets.store.path, log)
+
+
+def test_a_kill_9_right_after_an_acknowledged_write_loses_nothing(
+    tiny_assets: Assets, tmp_path: Path
+) -> None:
+    """The writer is killed (SIGKILL: no clean-up of any kind) as soon as it acknowledged a write."""
+    log = tmp_path / "log.sqlite"
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from specrag.pipeline.live_corpus import LiveCorpus
+        from specrag.pipeline.live_store import LiveStore
+        from specrag.pipeline.tokenizer import Tokenizer
+        from specrag.retrieval.corpus import Passage
+        from specrag.retrieval.index_store import load_index
+
+        store = Path({str(tiny_assets.store.path)!r})
+        index = load_index(store.parent.parent / "index")
+        tokenizer = Tokenizer(Path({str(tiny_assets.model_dir)!r}))
+        corpus = LiveCorpus.replayed(LiveStore(store, Path({str(log)!r})), index, tokenizer.encode_batch)
+        corpus.put([Passage("fact-1", "Quokka module", "The quokka module counts marsupials.")])
+        print("acknowledged", flush=True)
+        time.sleep(600)
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "acknowledged"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    again = open_live(tiny_assets, log)
+    assert again.get("fact-1").text == "The quokka module counts marsupials."
+    assert found(again, "How does the quokka module count marsupials?")[0] == again.store.row_of("fact-1")
+
+
+def test_a_compaction_starts_in_the_background_once_hidden_rows_pass_the_share(
+    tiny_assets: Assets, tmp_path: Path
+) -> None:
+    index = load_index(tiny_assets.store.path.parent.parent / "index")
+    store = LiveStore(tiny_assets.store.path, tmp_path / "log.sqlite")
+    corpus = LiveCorpus.replayed(store, index, tiny_assets.tokenizer.encode_batch, compact_share=0.01)
+    doomed = index.passage_ids[: math.ceil(len(index.passage_ids) / 100)]  # the least that reaches 1 %
+    corpus.delete(doomed[:-1])
+    corpus.wait_for_compaction()
+    assert corpus.compactions == 0 and index.removable_rows == len(doomed) - 1  # below the share
+    corpus.delete(doomed[-1:])
+    corpus.wait_for_compaction()
+    assert corpus.compactions == 1 and index.removable_rows == 0
+    assert index.searcher.ntotal == len(index.passage_ids) - len(doomed)
+    (written,) = corpus.put([NEW_FACT])  # the compacted index takes documents as before
+    assert found(corpus, "How does the quokka module count marsupials?")[0] == store.row_of(written.id)
+
+
+class TableEmbedder:
+    """A document's text is ``vec:<n>``: its vector is row n of the table."""
+
+    kind = "table"
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+        self.dim = table.shape[1]
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return self.table[[int(text.rsplit(":", 1)[1]) for text in texts]]
+
+    def save(self, directory: Path) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def one_token_each(texts: list[str]) -> list[list[int]]:
+    return [[len(text)] for text in texts]
+
+
+def test_documents_that_drift_from_the_centroids_retrain_them_in_the_background(tmp_path: Path) -> None:
+    base = GaussianMixture(32, num_clusters=40, seed=1).sample(4000)
+    drifted = GaussianMixture(32, num_clusters=40, seed=9).sample(1000)
+    table = np.concatenate([base, drifted])
+    passages = [Passage(f"d{i}", "", f"vec:{i}") for i in range(4000)]
+    build_store(tmp_path / "store.sqlite", passages, one_token_each, "stand-in")
+    index = VectorIndex(
+        StagedIVF.build(base, nlist=64), [p.id for p in passages], embedder=TableEmbedder(table)
+    )
+    corpus = LiveCorpus.replayed(LiveStore(tmp_path / "store.sqlite"), index, one_token_each)
+    corpus.put([Passage(f"n{i}", "", f"vec:{4000 + i}") for i in range(300)])
+    corpus.wait_for_compaction()
+    assert (
+        corpus.retrainings == 0 and corpus.drift is not None and corpus.drift > RETRAIN_DRIFT
+    )  # too few yet
+    corpus.put([Passage(f"n{i}", "", f"vec:{4000 + i}") for i in range(300, 1000)])
+    corpus.wait_for_compaction()
+    assert corpus.retrainings == 1 and corpus.drift is None  # measured anew against the new centroids
+    assert index.search(drifted[400], 1)[1][0] == corpus.store.row_of("n400")

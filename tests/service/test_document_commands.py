@@ -1,0 +1,63 @@
+"""``specrag documents`` offline on a data directory: changes logged, replayed by the next start."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specrag.cli import main
+from specrag.paths import DataLayout
+from specrag.service.assets import Assets, ensure_assets
+
+
+def copied_data_dir(assets: Assets, target: Path) -> Path:
+    """The tiny assets' corpus, store and index in a data directory of the test's own."""
+    root = assets.store.path.parent.parent
+    for part in ("corpus", "index"):
+        shutil.copytree(root / part, target / part)
+    (target / "store").mkdir()
+    shutil.copy2(assets.store.path, target / "store" / assets.store.path.name)
+    return target
+
+
+def test_add_get_and_delete_offline(
+    tiny_assets: Assets, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = copied_data_dir(tiny_assets, tmp_path / "data")
+    documents = tmp_path / "new.jsonl"
+    documents.write_text(
+        json.dumps({"id": "quokka", "title": "quokka module", "text": "The quokka module counts marsupials."})
+        + "\n\n"
+        + json.dumps({"id": tiny_assets.index.passage_ids[0], "text": "A second version."})
+        + "\n"
+    )
+    common = ["--data-dir", str(data)]
+    model = ["--model", str(tiny_model_dir)]
+    assert main([*common, "documents", "add", str(documents), *model]) == 0
+    written = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(one["id"], one["version"], one["created"]) for one in written] == [
+        ("quokka", 1, True),
+        (tiny_assets.index.passage_ids[0], 2, False),
+    ]
+    assert main([*common, "documents", "get", "quokka", *model]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == "The quokka module counts marsupials."
+
+    assets = ensure_assets(DataLayout(data), tiny_model_dir)  # what the next serve loads
+    assert assets.corpus is not None and assets.corpus.get("quokka").version == 1
+    assert assets.store.row_of("quokka") == len(tiny_assets.index.passage_ids)
+    assets.store.close()
+
+    assert main([*common, "documents", "delete", "quokka", *model]) == 0
+    capsys.readouterr()
+    assert main([*common, "documents", "get", "quokka", *model]) == 2
+    assert "unknown document id 'quokka'" in capsys.readouterr().err
+
+
+def test_a_bad_documents_file_names_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    documents = tmp_path / "bad.jsonl"
+    documents.write_text('{"id": "a", "text": "fine"}\n{"id": "b"}\n')
+    assert main(["--data-dir", str(tmp_path), "documents", "add", str(documents)]) == 2
+    assert "line 2" in capsys.readouterr().err
