@@ -111,17 +111,20 @@ class LiveStore(DocumentStore):
             "segment_template": self.info.segment_template,
         }
         found = dict(self._log.execute("SELECT key, value FROM meta").fetchall())
-        if not found:
+        if found == expected:
+            return
+        (changes,) = self._log.execute("SELECT count(*) FROM changes").fetchone()
+        if not changes:  # nothing logged over the old base (a corpus rebuilt on purpose): start anew
             self._log.execute("BEGIN IMMEDIATE")
+            self._log.execute("DELETE FROM meta")
             self._log.executemany("INSERT INTO meta VALUES (?, ?)", expected.items())
             self._log.execute("COMMIT")
             return
-        if found != expected:
-            different = sorted(key for key in expected if found.get(key) != expected[key])
-            raise ArtifactError(
-                f"the document log {self.log_path} was written over another base store "
-                f"({', '.join(different)} differ): move it aside to serve the rebuilt corpus without them"
-            )
+        different = sorted(key for key in expected if found.get(key) != expected[key])
+        raise ArtifactError(
+            f"the document log {self.log_path} holds {changes} changes written over another base store "
+            f"({', '.join(different)} differ): move it aside to serve the rebuilt corpus without them"
+        )
 
     def logged(self) -> Iterator[Change]:
         """Every change in the log, in the order it was committed (what a start replays)."""

@@ -54,7 +54,7 @@ class Phase(enum.StrEnum):
     # vLLM's start, one call into its own processes: the processes, the weights, graph compilation
     # (or its cache), memory profiling and warm-up runs (``-v`` shows vLLM's own split of it).
     ENGINE_LOAD = "engine_load"
-    READY = "ready"
+    READY = "started"
 
 
 @dataclass

@@ -125,13 +125,27 @@ def test_a_second_writer_on_the_same_log_is_refused(tiny_assets: Assets, tmp_pat
         other.put([Passage("fact-2", "", "text")])
 
 
-def test_a_log_written_over_another_base_is_refused(tiny_assets: Assets, tmp_path: Path) -> None:
+def test_a_log_of_changes_over_another_base_is_refused(tiny_assets: Assets, tmp_path: Path) -> None:
+    log = tmp_path / "log.sqlite"
+    written = open_live(tiny_assets, log)
+    written.put([NEW_FACT])
+    written.store.close()
+    with sqlite3.connect(log) as connection:
+        connection.execute("UPDATE meta SET value = 'other' WHERE key = 'corpus_checksum'")
+    with pytest.raises(ArtifactError, match="holds 1 changes written over another base store"):
+        LiveStore(tiny_assets.store.path, log)
+
+
+def test_an_empty_log_follows_a_rebuilt_base(tiny_assets: Assets, tmp_path: Path) -> None:
+    """A corpus rebuilt on purpose with no document changed live: nothing to lose, nothing refused."""
     log = tmp_path / "log.sqlite"
     LiveStore(tiny_assets.store.path, log).close()
     with sqlite3.connect(log) as connection:
         connection.execute("UPDATE meta SET value = 'other' WHERE key = 'corpus_checksum'")
-    with pytest.raises(ArtifactError, match="another base store"):
-        LiveStore(tiny_assets.store.path, log)
+    LiveStore(tiny_assets.store.path, log).close()
+    with sqlite3.connect(log) as connection:
+        (checksum,) = connection.execute("SELECT value FROM meta WHERE key = 'corpus_checksum'").fetchone()
+    assert checksum == tiny_assets.store.info.corpus_checksum
 
 
 def test_a_kill_9_right_after_an_acknowledged_write_loses_nothing(

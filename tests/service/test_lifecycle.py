@@ -53,7 +53,7 @@ def test_the_phases_are_timed_and_shown() -> None:
     assert progress.to_dict()["ready_s"] is None
     progress.ready()
     shown = progress.to_dict()
-    assert shown["phase"] == "ready" and shown["ready_s"] >= 0
+    assert shown["phase"] == "started" and shown["ready_s"] >= 0
     assert shown["phases_s"]["engine_load"] == 10.0 and shown["phases_s"]["artefacts"] >= 0
 
 
