@@ -16,8 +16,9 @@ worker start method to ``spawn`` inside the actor by itself). :class:`RayEngine`
   a live actor fails every request; the actor then checks its engine and, if it no longer
   computes, exits with an error so that Ray restarts it (``max_restarts``). A restarted actor
   starts a fresh vLLM on its first call, so the router's health probe brings it back.
-- **KV events**: each replica publishes on its own TCP port and topic; the engine binds
-  ``tcp://*:PORT`` inside the actor and the caller's subscriber connects to the actor's node.
+- **KV events**: each replica publishes on its own TCP port and topic, bound inside the actor to
+  its node's address (the one Ray itself uses, so a caller on another node reaches it; not every
+  interface), and the caller's subscriber connects there.
 
 No cluster manager of our own: Ray places, restarts and reports.
 """
@@ -40,7 +41,7 @@ from specrag.pipeline.config import EngineConfig, KVEventSource
 from specrag.pipeline.engine import EngineCounts, EngineOutput, EngineShape, Sampling, now
 from specrag.pipeline.engine_base import DescribedEngine
 
-__all__ = ["EngineActor", "RayEngine", "ReplicaInfo", "replica_config", "subscriber_config"]
+__all__ = ["EngineActor", "RayEngine", "ReplicaInfo", "on_node", "replica_config", "subscriber_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class EngineActor:
             if self._engine is None:
                 from specrag.pipeline.vllm_engine import VllmEngine
 
-                self._engine = await VllmEngine.start(self._config)
+                config = on_node(self._config, ray.util.get_node_ip_address())
+                self._engine = await VllmEngine.start(config)
             return self._engine
 
     async def info(self) -> ReplicaInfo:
@@ -201,15 +203,25 @@ def _cause(error: RayError) -> str:
 def replica_config(base: EngineConfig, number: int, kv_port: int, cpus: int) -> EngineConfig:
     """Replica ``number``'s engine settings: its own core on CPU, its own KV-event port and topic.
 
-    The engine binds ``tcp://*:PORT`` (and PORT+1 for replays) inside the actor.
+    Its KV-event host is left open (``*``) until the actor knows its node (:func:`on_node`).
     """
     return base.pinned_to(number % max(cpus, 1)).with_tcp_kv_events("*", kv_port, topic=f"kv-{number}")
 
 
-def subscriber_config(config: EngineConfig, node_ip: str) -> KVEventSource:
-    """Where the caller's subscriber finds a replica's KV events: the actor's node, not ``*``."""
-    source = config.kv_event_source()
-    assert source is not None and source.replay_endpoint is not None
-    return KVEventSource(
-        source.endpoint.replace("*", node_ip), source.replay_endpoint.replace("*", node_ip), source.topic
+def on_node(config: EngineConfig, node_ip: str) -> EngineConfig:
+    """A replica's settings with its KV events bound to its node's address instead of every
+    interface: the actor learns that address only once Ray has placed it."""
+    endpoint, replay = config.kv_events_endpoint, config.kv_events_replay_endpoint
+    if endpoint is None:
+        return config
+    return config.with_overrides(
+        kv_events_endpoint=endpoint.replace("*", node_ip),
+        kv_events_replay_endpoint=None if replay is None else replay.replace("*", node_ip),
     )
+
+
+def subscriber_config(config: EngineConfig, node_ip: str) -> KVEventSource:
+    """Where the caller's subscriber finds a replica's KV events: where the actor bound them."""
+    source = on_node(config, node_ip).kv_event_source()
+    assert source is not None and source.replay_endpoint is not None
+    return source

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from specrag.cache.events import AllBlocksCleared, KVEvent
@@ -142,8 +142,13 @@ class KVMirror:
             self._recovery = asyncio.create_task(self._recover_forever(), name=f"kv-mirror-{self.name}")
 
     async def restart(self) -> None:
-        """Resubscribe from the engine's first batch: a restarted engine numbers them from zero."""
+        """Resubscribe from the engine's first batch: a restarted engine numbers them from zero.
+
+        The restart counts as a sequence reset: the new subscriber never sees the sequence go back
+        (it starts at the new publisher's batch 0), so without this ``/metrics`` would not show it.
+        """
         await self.stop()
+        self._earlier = replace(self._earlier, sequence_resets=self._earlier.sequence_resets + 1)
         self._degraded = WAITING_FOR_FIRST_BATCH
         await self.start()
 

@@ -12,7 +12,8 @@ Design points, each for a reason:
   here and answered with a generic 500, never a stack trace. How requests are read off the wire
   (bodies, JSON, timeouts, what the HTTP parser rejects) and how an error is reported is
   :mod:`specrag.service.wire`'s; which fields a body may hold, :mod:`specrag.service.bodies`'.
-- API tokens are compared in constant time (:mod:`specrag.service.auth`); ``/health`` stays open
+- API tokens are compared in constant time (:mod:`specrag.service.auth`, checked by
+  :mod:`specrag.service.middleware`); ``/health`` stays open
   for load balancers, and says only ready or not to a request without a valid token. With
   several tokens, one per client, the token tells clients apart (behind a proxy or on one host
   they share an address); without, the peer address does, or the address a trusted proxy says
@@ -30,7 +31,7 @@ import dataclasses
 import logging
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -47,8 +48,8 @@ from specrag.errors import (
     TooLargeError,
     echo,
 )
-from specrag.service.admission import CLIENT, STATE, ServiceState, admit, client_key, release
-from specrag.service.auth import AUTHENTICATED, matching_token
+from specrag.service.admission import STATE, ServiceState, admit, client_key, release
+from specrag.service.auth import AUTHENTICATED
 from specrag.service.bodies import (
     BATCH_FIELDS,
     RAG_FIELDS,
@@ -61,6 +62,7 @@ from specrag.service.bodies import (
 )
 from specrag.service.framing import ChatFraming, Framing, RagFraming, rag_body, usage
 from specrag.service.metrics import ServiceMetrics, mode_label
+from specrag.service.middleware import bearer_tokens, errors_as_json
 from specrag.service.mirror_report import MIRROR_HEALTH
 from specrag.service.redaction import redact_session_ids
 from specrag.service.startup import STARTUP
@@ -68,7 +70,6 @@ from specrag.service.wire import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     BodyLimits,
-    ErrorInfo,
     describe_error,
     handler_args,
     parse_json_object,
@@ -79,9 +80,7 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_QUERIES",
     "DEFAULT_MAX_QUERIES_PER_CLIENT",
-    "OPEN_PATHS",
     "SHUTDOWN_GRACE_S",
-    "Handler",
     "create_app",
     "serving",
 ]
@@ -92,49 +91,6 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_QUERIES = 256
 DEFAULT_MAX_QUERIES_PER_CLIENT = 64
 SHUTDOWN_GRACE_S = 5.0
-OPEN_PATHS = frozenset({"/health"})
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-# ---------------------------------------------------------------------------------------- errors
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except web.HTTPException as error:
-        if error.status < 400:
-            raise  # a redirect or success is aiohttp's to send
-        return _error_response(request, describe_error(error))
-    except Exception as error:
-        return _error_response(request, describe_error(error))
-
-
-def _error_response(request: web.Request, info: ErrorInfo) -> web.Response:
-    """The error's response; it closes the connection when the body was refused unread (a
-    Content-Length past the limit): aiohttp would otherwise keep reading it for 10 s."""
-    response = info.response()
-    if not request.content.is_eof():
-        response.force_close()
-    return response
-
-
-@web.middleware
-async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    tokens = request.app[STATE].tokens
-    if tokens:
-        matched = matching_token(request.headers.get("Authorization"), tokens)
-        request[AUTHENTICATED] = matched is not None
-        if request.path in OPEN_PATHS:
-            return await handler(request)
-        if matched is None:
-            return ErrorInfo(
-                401, "missing or wrong bearer token", "authentication_error", "invalid_api_key"
-            ).response()
-        if len(tokens) > 1:
-            request[CLIENT] = f"token {matched + 1}"
-    return await handler(request)
 
 
 # ---------------------------------------------------------------------------------------- input
@@ -427,7 +383,7 @@ def create_app(
         warmups=lambda: core.warmups,
     )
     app = web.Application(
-        middlewares=[_errors, _auth],
+        middlewares=[errors_as_json, bearer_tokens],
         client_max_size=max_body_bytes,
         handler_args=handler_args(header_timeout_s),
     )

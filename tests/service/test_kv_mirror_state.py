@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from specrag.cache import AllBlocksCleared, KnowledgeTree
 from specrag.errors import EngineError
 from specrag.pipeline.config import KVEventSource
@@ -63,3 +65,24 @@ async def test_without_a_reset_the_mirror_stays_degraded() -> None:
     kv.target.reset()
     kv.target.degrade("lost KV event batches 1..1")
     assert not await kv.recover() and not kv.status.exact
+
+
+async def test_an_engine_restart_counts_as_a_sequence_reset(tmp_path: Path) -> None:
+    """The supervisor's restart resubscribes from the new engine's batch 0: the new subscriber
+    never sees the sequence go back, so the mirror itself counts the reset for /metrics."""
+    tree = KnowledgeTree(SYSTEM, block_size=BLOCK)
+    kv = KVMirror(tree, KVEventSource(f"ipc://{tmp_path / 'events'}", replay_endpoint=None), name="r1")
+    await kv.start()
+    try:
+        kv.target.reset()
+        assert kv.status.exact and kv.faults().sequence_resets == 0
+        await kv.restart()
+        assert kv.faults().sequence_resets == 1
+        assert not kv.status.exact  # until the new engine's first batch
+        kv.target.reset()
+        assert kv.status.exact
+        await kv.restart()
+        assert kv.faults().sequence_resets == 2
+    finally:
+        await kv.stop()
+    assert kv.faults().sequence_resets == 2  # kept once stopped
