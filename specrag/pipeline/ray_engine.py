@@ -208,20 +208,23 @@ def replica_config(base: EngineConfig, number: int, kv_port: int, cpus: int) -> 
     return base.pinned_to(number % max(cpus, 1)).with_tcp_kv_events("*", kv_port, topic=f"kv-{number}")
 
 
+def _kv_port(config: EngineConfig) -> int | None:
+    """The KV-event port :func:`replica_config` gave the replica (None: it publishes none)."""
+    endpoint = config.kv_events_endpoint
+    return None if endpoint is None else int(endpoint.rpartition(":")[2])
+
+
 def on_node(config: EngineConfig, node_ip: str) -> EngineConfig:
     """A replica's settings with its KV events bound to its node's address instead of every
     interface: the actor learns that address only once Ray has placed it."""
-    endpoint, replay = config.kv_events_endpoint, config.kv_events_replay_endpoint
-    if endpoint is None:
+    port = _kv_port(config)
+    if port is None:
         return config
-    return config.with_overrides(
-        kv_events_endpoint=endpoint.replace("*", node_ip),
-        kv_events_replay_endpoint=None if replay is None else replay.replace("*", node_ip),
-    )
+    return config.with_tcp_kv_events(node_ip, port, topic=config.kv_events_topic)
 
 
 def subscriber_config(config: EngineConfig, node_ip: str) -> KVEventSource:
     """Where the caller's subscriber finds a replica's KV events: where the actor bound them."""
-    source = on_node(config, node_ip).kv_event_source()
-    assert source is not None and source.replay_endpoint is not None
-    return source
+    port = _kv_port(config)
+    assert port is not None
+    return KVEventSource.remote(f"tcp://{node_ip}:{port}", config.kv_events_topic)

@@ -15,7 +15,6 @@ import signal
 import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +30,13 @@ from specrag.pipeline.document_kv import (
 )
 from specrag.pipeline.engine import EngineCounts, EngineOutput, Sampling, now
 from specrag.pipeline.engine_base import EngineBase
+from specrag.pipeline.vllm_stats import SchedulerSnapshot, engine_stamp, scheduled_at, stat_logger_factory
 
 __all__ = [
     "ENGINE_STOP_TIMEOUT_S",
     "SHUTDOWN_IDLE_WAIT_S",
-    "SchedulerSnapshot",
     "VllmEngine",
     "document_kv_tokens",
-    "engine_stamp",
-    "scheduled_at",
     "until_set",
 ]
 
@@ -52,46 +49,6 @@ SHUTDOWN_IDLE_WAIT_S = 5.0
 # How long vLLM's shutdown lets the engine core stop in order (it first stops its model worker,
 # see VLLM_ENVIRONMENT_DEFAULTS) before it kills it: a killed core leaves its shared memory behind.
 ENGINE_STOP_TIMEOUT_S = 8.0
-
-
-@dataclass
-class SchedulerSnapshot:
-    """The latest scheduler figures vLLM reported, plus prefix-cache hit totals since start."""
-
-    running: int = 0
-    waiting: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-
-def _stat_logger_factory(snapshot: SchedulerSnapshot) -> Any:
-    """A vLLM stat logger that copies scheduler stats into ``snapshot`` (and logs nothing)."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class SnapshotLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.snapshot = snapshot
-
-        def record(
-            self,
-            scheduler_stats: Any,
-            iteration_stats: Any,
-            mm_cache_stats: Any = None,
-            engine_idx: int = 0,
-        ) -> None:
-            if scheduler_stats is None:
-                return
-            self.snapshot.running = scheduler_stats.num_running_reqs
-            self.snapshot.waiting = (
-                scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
-            )
-            self.snapshot.prefix_cache_queries += scheduler_stats.prefix_cache_stats.queries
-            self.snapshot.prefix_cache_hits += scheduler_stats.prefix_cache_stats.hits
-
-        def log_engine_initialized(self) -> None:
-            return None
-
-    return SnapshotLogger
 
 
 def _engine_args(config: EngineConfig) -> Any:
@@ -157,7 +114,7 @@ class VllmEngine(EngineBase):
                 mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
                 try:
                     return AsyncLLM.from_engine_args(
-                        _engine_args(config), stat_loggers=[_stat_logger_factory(snapshot)]
+                        _engine_args(config), stat_loggers=[stat_logger_factory(snapshot)]
                     )
                 finally:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -432,25 +389,6 @@ def _document_kv_store(vllm_config: Any) -> DocumentKVStore | None:
 
 def _idle(llm: Any, snapshot: SchedulerSnapshot) -> bool:
     return int(llm.get_num_unfinished_requests()) == 0 and snapshot.running == 0
-
-
-def scheduled_at(output: Any) -> float | None:
-    """When vLLM's scheduler first gave the request a step, on our clock; None before it did."""
-    return engine_stamp(output, "scheduled_ts")
-
-
-def engine_stamp(output: Any, name: str) -> float | None:
-    """One of vLLM's per-request stamps (``queued_ts``, ``scheduled_ts``, ``last_token_ts``: the
-    latest output's step) on our clock; None when it has not happened or is not reported.
-
-    vLLM's engine core stamps its request events and output batches with ``time.monotonic()`` in
-    its own process; on Linux that is CLOCK_MONOTONIC, the clock ``time.perf_counter()`` reads
-    here too (both system-wide), so the stamps compare directly with our timelines. The
-    statistics exist only with vLLM's stat logging on, which :func:`_engine_args` turns on.
-    """
-    metrics = getattr(output, "metrics", None)
-    stamp = getattr(metrics, name, 0.0) if metrics is not None else 0.0
-    return float(stamp) if stamp else None
 
 
 async def until_set(stream: AsyncIterator[Any], stop: asyncio.Event) -> AsyncGenerator[Any, None]:

@@ -43,6 +43,18 @@ async def prefix_cache_hits(url: str) -> float:
     )
 
 
+async def mirror_sequence_resets(http: aiohttp.ClientSession, url: str) -> float:
+    async with http.get(url + "/metrics") as response:
+        text = await response.text()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "specrag_kv_mirror_sequence_resets"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
 async def rag_status(http: aiohttp.ClientSession, url: str) -> int:
     body = {"query": QUESTION, "k": 4, "mode": "serial", "max_tokens": 4}
     async with http.post(url + "/v1/rag", json=body) as response:
@@ -97,6 +109,11 @@ async def test_cached_tokens_mirror_and_recovery_against_a_separate_server(
                 while await rag_status(http, url) != 200:
                     assert time.perf_counter() - ready < 10
                     await asyncio.sleep(0.25)
+                # The mirror follows the new engine exactly, within 10 s of its return, and says
+                # in /metrics that its event sequence started again.
+                mirror = service.mirrors[0]
+                await wait_until(lambda: mirror.status.exact, within_s=10 - (time.perf_counter() - ready))
+                assert await mirror_sequence_resets(http, url) >= 1
             assert service.supervised_engine().restarts == 1
     finally:
         server.stop()
