@@ -24,12 +24,32 @@ import psutil
 
 __all__ = ["descendant_pids", "pin_engine_processes", "pin_threads"]
 
+# Walks of a process's threads before pinning gives up on one that keeps starting threads.
+_PIN_PASSES = 5
+
 
 def pin_threads(process: psutil.Process, cpus: Collection[int]) -> None:
-    """Pin every thread ``process`` has now to ``cpus`` (threads it starts later inherit it)."""
-    for thread in process.threads():
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(thread.id, cpus)
+    """Pin every thread ``process`` has now to ``cpus`` (threads it starts later inherit it).
+
+    A thread started while the list is walked, by a thread not pinned yet, inherits the old
+    cores: so the threads are listed again until a pass finds none left off ``cpus``.
+    """
+    wanted = set(cpus)
+    for _ in range(_PIN_PASSES):
+        unpinned = [thread.id for thread in process.threads() if _affinity(thread.id) not in (None, wanted)]
+        if not unpinned:
+            return
+        for thread_id in unpinned:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(thread_id, wanted)
+
+
+def _affinity(thread_id: int) -> set[int] | None:
+    """A thread's cores; None once it has ended."""
+    try:
+        return os.sched_getaffinity(thread_id)
+    except ProcessLookupError:
+        return None
 
 
 def descendant_pids() -> set[int]:

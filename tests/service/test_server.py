@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from specrag.controller.controller import RagController
+from specrag.controller.controller import RagController, RagRequest
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from tests.helpers import (
@@ -62,9 +62,14 @@ def assert_timeline(timeline: dict[str, Any], prompt_tokens: int | None = None) 
         assert timeline["prompt_tokens"] == prompt_tokens
 
 
-async def test_health_needs_no_token_and_reports_the_engine_ready(service: tuple[str, RagController]) -> None:
+async def test_health_needs_no_token_and_reports_the_engine_ready(
+    service: tuple[str, RagController], http: aiohttp.ClientSession
+) -> None:
     url, _ = service
     async with aiohttp.ClientSession() as anonymous, anonymous.get(f"{url}/health") as response:
+        assert response.status == 200
+        assert await response.json() == {"status": "ok"}  # ready; the details are the operator's
+    async with http.get(f"{url}/health") as response:
         assert response.status == 200
         body = await response.json()
     assert body["status"] == "ok" and body["in_flight_queries"] == 0
@@ -102,12 +107,14 @@ async def test_a_streamed_rag_answer_is_deltas_then_done(
 async def test_chat_completions_answers_the_last_user_message(
     service: tuple[str, RagController], http: aiohttp.ClientSession
 ) -> None:
-    url, _ = service
-    async with http.post(f"{url}/v1/rag", json={"query": QUESTION, "k": 4, "max_tokens": 2}) as response:
-        expected_documents = (await response.json())["documents"]
+    url, controller = service
+    earlier = "What does the assert statement do?"
+    # Retrieval runs on the last user message, with the earlier ones as its conversation.
+    followup = RagRequest(QUESTION, k=4, max_tokens=2, previous_questions=(earlier,))
+    expected_documents = list((await controller.answer(followup)).timeline.documents)
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What does the assert statement do?"},
+        {"role": "user", "content": earlier},
         {"role": "assistant", "content": "It checks a condition."},
         {"role": "user", "content": [{"type": "text", "text": QUESTION}]},
     ]
@@ -124,7 +131,7 @@ async def test_chat_completions_answers_the_last_user_message(
     assert 1 <= usage["completion_tokens"] <= 5
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == timeline["cached_prompt_tokens"]
-    assert timeline["documents"] == expected_documents  # retrieval ran on the last user message
+    assert timeline["documents"] == expected_documents
     assert_timeline(timeline, prompt_tokens=usage["prompt_tokens"])
 
 
