@@ -196,9 +196,7 @@ class StagedHNSW(FaissBacked):
     def add(self, vectors: np.ndarray, first_row: int) -> None:
         """Insert ``vectors`` as rows ``first_row``, ``first_row + 1``, ... into the graph, as a
         build inserts its own; a search in flight waits for at most one insert."""
-        matrix = np.ascontiguousarray(vectors, dtype=np.float32)
-        if matrix.ndim != 2 or matrix.shape[1] != self.dim:
-            raise InvalidInputError(f"expected vectors of dimension {self.dim}, got shape {matrix.shape}")
+        matrix = self.vectors_to_add(vectors)
         if first_row != self._next_row:
             raise InvalidInputError(f"added rows must start at row {self._next_row}, got {first_row}")
         added = np.arange(first_row, first_row + len(matrix), dtype=np.int64)
