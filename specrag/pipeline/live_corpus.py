@@ -23,7 +23,9 @@ live corpus compares how far each added vector lies from its nearest centroid wi
 index's own rows lie (a sample, read when the first document is added). Once the added documents
 are :data:`RETRAIN_MIN_SHARE` of the index and lie :data:`RETRAIN_DRIFT` times as far on average,
 the background thread trains new centroids on the rows kept (flat lists only: they hold the
-vectors) instead of copying the lists, and swaps that index in the same way.
+vectors) instead of copying the lists, and swaps that index in the same way. An HNSW index has no
+centroids (:class:`~specrag.retrieval.live_index.Retrainable` is IVF's): it is compacted, by a new
+graph over the rows kept, and never re-trained.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from specrag.errors import ArtifactError, InvalidInputError, NotFoundError, TooL
 from specrag.pipeline.live_store import BASE_VERSION, Change, LiveStore
 from specrag.pipeline.store import TokenizeBatch, render_segment
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.live_index import Growable
+from specrag.retrieval.live_index import Retrainable
 from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
 
@@ -258,7 +260,7 @@ class LiveCorpus:
     def _watch_drift(self, vectors: np.ndarray) -> None:
         """Add ``vectors``' distances to their centroids to the running drift (under the lock)."""
         searcher = self.index.searcher
-        if not isinstance(searcher, Growable) or not len(vectors):
+        if not isinstance(searcher, Retrainable) or not len(vectors):  # HNSW: no centroids to drift from
             return
         if self._reference_distance is None:
             try:

@@ -7,7 +7,8 @@ whole by :meth:`~specrag.retrieval.vector_index.VectorIndex.apply_changes`: a qu
 at its start, so it sees each document in one version, the old or the new, never both or neither.
 
 - Dense channel: an IVF index adds the new vectors to the lists of their nearest centroids
-  (:meth:`~specrag.retrieval.staged_ivf.StagedIVF.add`); every stage of a staged search drops
+  (:meth:`~specrag.retrieval.staged_ivf.StagedIVF.add`), an HNSW index inserts them into its graph
+  (:meth:`~specrag.retrieval.staged_hnsw.StagedHNSW.add`); every stage of a staged search drops
   hidden rows, and reads deeper than ``k`` while any row is hidden so that ``k`` visible rows remain.
 - Lexical channel: the base BM25 matrix is precomputed per document and cannot take documents,
   so added documents are scored by :class:`AddedLexical`, a small inverted index that uses the
@@ -30,7 +31,7 @@ import numpy as np
 from specrag.errors import InvalidInputError
 from specrag.retrieval.lexical import BM25_PARAMETERS, LexicalIndex
 
-__all__ = ["AddedLexical", "Growable", "ReadWriteLock", "Visibility", "merge_rankings"]
+__all__ = ["AddedLexical", "Growable", "ReadWriteLock", "Retrainable", "Visibility", "merge_rankings"]
 
 
 class ReadWriteLock:
@@ -88,16 +89,26 @@ class Growable(Protocol):
         """A new searcher holding only the rows ``r`` with ``keep[r]``, under the same row numbers."""
         ...
 
-    def retrained(self, keep: np.ndarray, seed: int = 0) -> Growable:
+    def stored_vectors(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows kept and their vectors as stored."""
+        ...
+
+
+@runtime_checkable
+class Retrainable(Growable, Protocol):
+    """A growable searcher whose centroids, trained at build, can be trained anew on its rows.
+
+    Only an IVF index has centroids: added vectors go to the lists of the build's centroids, and
+    once they drift away from them a live corpus trains new ones. A graph (HNSW) places each
+    added vector among its own nearest neighbours, so it has nothing to drift from.
+    """
+
+    def retrained(self, keep: np.ndarray, seed: int = 0) -> Retrainable:
         """As :meth:`compacted`, its centroids trained anew on the rows kept."""
         ...
 
     def centroid_distance(self, vectors: np.ndarray) -> np.ndarray:
         """How far each vector lies from its nearest centroid (drift shows here)."""
-        ...
-
-    def stored_vectors(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The rows kept and their vectors as stored."""
         ...
 
 

@@ -6,6 +6,13 @@ after some node expansions, report its running top-k and go on; it follows faiss
 step for step, so the final stage equals ``IndexHNSWFlat.search`` at the same ``efSearch``.
 Count-based stages split the *expected* number of expansions (measured on stored vectors when
 the searcher is created), as RAGCache splits the average HNSW search time into slices.
+
+A live corpus (:mod:`specrag.retrieval.live_index`) inserts documents into the graph while it
+serves (:meth:`StagedHNSW.add`). faiss moves the graph's arrays and the stored vectors as they
+grow and rewires existing nodes' links, so an insert waits for the searches in flight (one stage
+of the kernel, or one faiss search) and they wait for it; the kernel reads the arrays anew at each
+stage. A graph cannot drop a node: :meth:`StagedHNSW.compacted` builds a new graph over the rows
+kept, and maps its positions back to their row numbers.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import numpy as np
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval import hnsw_kernels
+from specrag.retrieval.live_index import ReadWriteLock
 from specrag.retrieval.progress import add_in_chunks
 from specrag.retrieval.stages import (
     UNBOUNDED,
@@ -38,7 +46,11 @@ _WORST = np.finfo(np.float32).max
 
 
 class _BeamSearch:
-    """The arrays of one query's search in progress."""
+    """The arrays of one query's search in progress (positions in the graph, not row numbers).
+
+    Its calls read the searcher's graph and vectors as they are then: the caller holds the
+    searcher's lock for reading across each (see :meth:`StagedHNSW.add`).
+    """
 
     def __init__(self, searcher: StagedHNSW, query: np.ndarray, k: int) -> None:
         self.searcher = searcher
@@ -68,6 +80,9 @@ class _BeamSearch:
     def expand(self, budget: int) -> bool:
         if self.finished:
             return True
+        grown = self.searcher.ntotal - len(self.visited)
+        if grown > 0:  # nodes inserted since the search began: its links may lead to them
+            self.visited = np.concatenate([self.visited, np.zeros(grown, dtype=np.uint8)])
         graph = self.searcher.graph
         return bool(
             hnsw_kernels.expand(
@@ -86,11 +101,13 @@ class _BeamSearch:
 
 
 class _Graph:
-    """faiss's HNSW link arrays, copied once into numpy for the kernels."""
+    """faiss's HNSW link arrays as the kernels read them: views of faiss's own (no copy), valid
+    until the graph next grows (an insert may move them), so they are taken anew after each."""
 
     def __init__(self, hnsw: Any) -> None:
-        self.neighbors = faiss.vector_to_array(hnsw.neighbors).astype(np.int32)
-        self.offsets = faiss.vector_to_array(hnsw.offsets).astype(np.int64)
+        self.neighbors = faiss.rev_swig_ptr(hnsw.neighbors.data(), hnsw.neighbors.size())
+        # size_t offsets, read as the int64 the kernels index with (the same bits below 2**63).
+        self.offsets = faiss.rev_swig_ptr(hnsw.offsets.data(), hnsw.offsets.size()).view(np.int64)
         self.cum_neighbors = faiss.vector_to_array(hnsw.cum_nneighbor_per_level).astype(np.int64)
         self.entry_point = int(hnsw.entry_point)
         self.max_level = int(hnsw.max_level)
@@ -101,7 +118,16 @@ class StagedHNSW(FaissBacked):
 
     kind = "hnsw"
 
-    def __init__(self, index: faiss.IndexHNSWFlat, ef_search: int = 128) -> None:
+    def __init__(
+        self,
+        index: faiss.IndexHNSWFlat,
+        ef_search: int = 128,
+        rows: np.ndarray | None = None,
+        next_row: int | None = None,
+    ) -> None:
+        """``rows[p]`` is the row number of the graph's node ``p`` (None: ``p`` itself), and
+        ``next_row`` the row the next :meth:`add` must start at (None: the number of nodes): a
+        compacted graph holds rows with gaps between them."""
         if ef_search < 1:
             raise InvalidInputError(f"ef_search must be at least 1, got {ef_search}")
         self.owner = index
@@ -109,13 +135,21 @@ class StagedHNSW(FaissBacked):
         self.index: Any = index
         self.ef_search = ef_search
         self.inner_product = index.metric_type == faiss.METRIC_INNER_PRODUCT
-        storage: Any = faiss.downcast_index(index.storage)
-        # A view of faiss's own vector storage (no copy); ``self.owner`` keeps it alive.
-        self.vectors = faiss.rev_swig_ptr(storage.get_xb(), index.ntotal * index.d).reshape(
-            index.ntotal, index.d
-        )
-        self.graph = _Graph(index.hnsw)
+        self._rows = rows
+        self._next_row = index.ntotal if next_row is None else next_row
+        # An insert moves the arrays a search reads: it waits for the searches in flight, they for it.
+        self._graph_lock = ReadWriteLock()
+        self._read_graph()
         self.expected_expansions = self._calibrate()
+
+    def _read_graph(self) -> None:
+        """Take the views of faiss's vector storage and graph arrays (no copy; ``self.owner``
+        keeps them alive) anew: after an insert the old ones may point at freed memory."""
+        storage: Any = faiss.downcast_index(self.index.storage)
+        self.vectors = faiss.rev_swig_ptr(storage.get_xb(), self.ntotal * self.dim).reshape(
+            self.ntotal, self.dim
+        )
+        self.graph = _Graph(self.index.hnsw)
 
     @classmethod
     def build(
@@ -132,8 +166,7 @@ class StagedHNSW(FaissBacked):
         num, dim = vectors.shape
         if num == 0:
             raise InvalidInputError("cannot build an index from zero vectors")
-        index = faiss.IndexHNSWFlat(dim, m, metric)
-        index.hnsw.efConstruction = ef_construction
+        index = _empty_graph(dim, metric, m, ef_construction)
         add_in_chunks(index, vectors, show=progress)
         return cls(index, ef_search)
 
@@ -160,13 +193,52 @@ class StagedHNSW(FaissBacked):
             "ef_search": self.ef_search,
         }
 
+    def add(self, vectors: np.ndarray, first_row: int) -> None:
+        """Insert ``vectors`` as rows ``first_row``, ``first_row + 1``, ... into the graph, as a
+        build inserts its own; a search in flight waits for at most one insert."""
+        matrix = self.vectors_to_add(vectors)
+        if first_row != self._next_row:
+            raise InvalidInputError(f"added rows must start at row {self._next_row}, got {first_row}")
+        added = np.arange(first_row, first_row + len(matrix), dtype=np.int64)
+        with self._graph_lock.writing():
+            self.index.add(matrix)  # faiss numbers the new nodes on from ntotal
+            if self._rows is not None:
+                self._rows = np.concatenate([self._rows, added])
+            self._next_row += len(matrix)
+            self._read_graph()
+
+    def stored_vectors(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows ``r`` with ``keep[r]`` and their vectors (a copy of faiss's flat storage)."""
+        with self._graph_lock.reading():
+            rows = np.arange(self.ntotal, dtype=np.int64) if self._rows is None else self._rows
+            chosen = np.asarray(keep)[rows]
+            return rows[chosen], self.vectors[chosen]
+
+    def compacted(self, keep: np.ndarray) -> StagedHNSW:
+        """A new graph of the rows ``r`` with ``keep[r]`` under the same row numbers, built as
+        this one was (same links per node and construction beam), searched at the same ``efSearch``."""
+        rows, vectors = self.stored_vectors(keep)
+        settings = self.settings
+        index = _empty_graph(self.dim, self.index.metric_type, settings["m"], settings["ef_construction"])
+        index.add(vectors)
+        return StagedHNSW(index, self.ef_search, rows, len(keep))
+
+    def _row_numbers(self, positions: np.ndarray) -> np.ndarray:
+        """The row numbers of graph positions (same shape; -1 stays -1). An insert replaces the
+        map with a longer one, never changing a position's row, so no lock is needed here."""
+        rows = self._rows
+        if rows is None:
+            return positions
+        return np.where(positions >= 0, rows[np.maximum(positions, 0)], -1)
+
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One-shot faiss search at this searcher's ``efSearch``: (distances, ids), shape (n, k)."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
-        distances, ids = self.index.search(
-            matrix, k, params=_FAISS.SearchParametersHNSW(efSearch=self.ef_search)
-        )
-        return distances, ids
+        with self._graph_lock.reading():
+            distances, positions = self.index.search(
+                matrix, k, params=_FAISS.SearchParametersHNSW(efSearch=self.ef_search)
+            )
+        return distances, self._row_numbers(positions)
 
     def stages(self, queries: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
         """Expand the beams of all queries stage by stage; each stage yields the running top-k."""
@@ -174,16 +246,26 @@ class StagedHNSW(FaissBacked):
         return self._stages(matrix, k, plan)
 
     def _stages(self, matrix: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
-        beams = [_BeamSearch(self, query, k) for query in matrix]
+        with self._graph_lock.reading():
+            beams = [_BeamSearch(self, query, k) for query in matrix]
 
         def advance(units: int) -> bool:
-            return all([beam.expand(units) for beam in beams])
+            with self._graph_lock.reading():
+                return all([beam.expand(units) for beam in beams])
 
         def snapshot() -> tuple[np.ndarray, np.ndarray]:
             distances = np.empty((len(beams), k), dtype=np.float32)
-            ids = np.empty((len(beams), k), dtype=np.int64)
+            positions = np.empty((len(beams), k), dtype=np.int64)
             for row, beam in enumerate(beams):
-                beam.sorted_into(distances[row], ids[row])
-            return distances, ids
+                beam.sorted_into(distances[row], positions[row])
+            return distances, self._row_numbers(positions)
 
         yield from run_stages(advance, snapshot, plan, expected_units=self.expected_expansions)
+
+
+def _empty_graph(dim: int, metric: int, m: int, ef_construction: int) -> faiss.IndexHNSWFlat:
+    """An HNSW graph with no node yet: ``m`` links a node (twice that on level 0), inserts
+    searching ``ef_construction`` deep."""
+    index = faiss.IndexHNSWFlat(dim, m, metric)
+    index.hnsw.efConstruction = ef_construction
+    return index

@@ -171,9 +171,7 @@ class StagedIVF(FaissBacked):
     def add(self, vectors: np.ndarray, first_row: int) -> None:
         """Add ``vectors`` as rows ``first_row``, ``first_row + 1``, ... to the lists of their
         nearest centroids, as a build adds its own; a search in flight waits for at most one add."""
-        matrix = np.ascontiguousarray(vectors, dtype=np.float32)
-        if matrix.ndim != 2 or matrix.shape[1] != self.dim:
-            raise InvalidInputError(f"expected vectors of dimension {self.dim}, got shape {matrix.shape}")
+        matrix = self.vectors_to_add(vectors)
         rows = np.arange(first_row, first_row + len(matrix), dtype=np.int64)
         with self._lists_lock.writing():
             self.owner.add_with_ids(matrix, rows)

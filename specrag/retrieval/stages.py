@@ -221,6 +221,14 @@ class FaissBacked:
     def ntotal(self) -> int:
         return int(self.index.ntotal)
 
+    def vectors_to_add(self, vectors: np.ndarray) -> np.ndarray:
+        """``vectors`` as the C-contiguous float32 matrix faiss adds, or InvalidInputError when
+        they are not a matrix of this index's dimension."""
+        matrix = np.ascontiguousarray(vectors, dtype=np.float32)
+        if matrix.ndim != 2 or matrix.shape[1] != self.dim:
+            raise InvalidInputError(f"expected vectors of dimension {self.dim}, got shape {matrix.shape}")
+        return matrix
+
 
 class StagedSearcher(Protocol):
     """What every staged index offers; rows are positional ids (row i = the i-th vector added)."""

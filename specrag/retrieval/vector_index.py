@@ -31,7 +31,7 @@ from specrag.retrieval.embedders import Embedder
 from specrag.retrieval.fusion import FusionConfig, fuse
 from specrag.retrieval.identifiers import named_identifiers
 from specrag.retrieval.lexical import LexicalIndex
-from specrag.retrieval.live_index import AddedLexical, Growable, Visibility, merge_rankings
+from specrag.retrieval.live_index import AddedLexical, Growable, Retrainable, Visibility, merge_rankings
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.stage_stats import PlanKey, StageOutlook, StageStatistics
 from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries, stage_plan
@@ -160,7 +160,8 @@ class VectorIndex:
         """Raise InvalidInputError unless this index can take new documents while it serves."""
         if not isinstance(self.searcher, Growable):
             raise InvalidInputError(
-                f"a {self.searcher.kind} index cannot take documents while it serves: build an IVF index"
+                f"a {self.searcher.kind} index cannot take documents while it serves: "
+                "build an IVF or HNSW index"
             )
         if len(self.synthetic_sources):
             raise InvalidInputError("a padded index (synthetic rows) cannot take documents")
@@ -177,14 +178,21 @@ class VectorIndex:
 
     def compact(self, retrain: bool = False) -> int:
         """Swap in a searcher without the hidden rows (searches in flight finish on the old one),
-        with centroids trained anew on the rows kept when ``retrain``; returns the rows dropped.
-        The caller keeps changes out while it runs (one writer)."""
+        with centroids trained anew on the rows kept when ``retrain`` (an IVF index's: an HNSW
+        graph has none); returns the rows dropped. The caller keeps changes out while it runs
+        (one writer)."""
         searcher = self.searcher
         if not isinstance(searcher, Growable):
             raise InvalidInputError(f"a {searcher.kind} index cannot be compacted while it serves")
         dropped = self.removable_rows
         visible = self._visibility.visible
-        replacement = searcher.retrained(visible) if retrain else searcher.compacted(visible)
+        replacement: Growable
+        if not retrain:
+            replacement = searcher.compacted(visible)
+        elif isinstance(searcher, Retrainable):
+            replacement = searcher.retrained(visible)
+        else:
+            raise InvalidInputError(f"a {searcher.kind} index has no centroids to re-train")
         self.searcher = replacement  # type: ignore[assignment]
         return dropped
 

@@ -9,7 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,9 @@ from specrag.pipeline.live_store import LiveStore
 from specrag.pipeline.store import build_store
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import load_index
+from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.stages import StagedSearcher
 from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
@@ -227,16 +229,21 @@ def one_token_each(texts: list[str]) -> list[list[int]]:
     return [[len(text)] for text in texts]
 
 
-def test_documents_that_drift_from_the_centroids_retrain_them_in_the_background(tmp_path: Path) -> None:
+def table_corpus(tmp_path: Path, build: Callable[[np.ndarray], StagedSearcher]) -> LiveCorpus:
+    """A live corpus of 4,000 documents (``d<i>``) of one mixture, indexed by ``build``; the
+    documents ``vec:4000`` to ``vec:4999`` added later lie in another mixture (drift)."""
     base = GaussianMixture(32, num_clusters=40, seed=1).sample(4000)
     drifted = GaussianMixture(32, num_clusters=40, seed=9).sample(1000)
     table = np.concatenate([base, drifted])
     passages = [Passage(f"d{i}", "", f"vec:{i}") for i in range(4000)]
     build_store(tmp_path / "store.sqlite", passages, one_token_each, "stand-in")
-    index = VectorIndex(
-        StagedIVF.build(base, nlist=64), [p.id for p in passages], embedder=TableEmbedder(table)
-    )
-    corpus = LiveCorpus.replayed(LiveStore(tmp_path / "store.sqlite"), index, one_token_each)
+    index = VectorIndex(build(base), [p.id for p in passages], embedder=TableEmbedder(table))
+    return LiveCorpus.replayed(LiveStore(tmp_path / "store.sqlite"), index, one_token_each)
+
+
+def test_documents_that_drift_from_the_centroids_retrain_them_in_the_background(tmp_path: Path) -> None:
+    corpus = table_corpus(tmp_path, lambda base: StagedIVF.build(base, nlist=64))
+    index = corpus.index
     corpus.put([Passage(f"n{i}", "", f"vec:{4000 + i}") for i in range(300)])
     corpus.wait_for_compaction()
     assert (
@@ -245,4 +252,19 @@ def test_documents_that_drift_from_the_centroids_retrain_them_in_the_background(
     corpus.put([Passage(f"n{i}", "", f"vec:{4000 + i}") for i in range(300, 1000)])
     corpus.wait_for_compaction()
     assert corpus.retrainings == 1 and corpus.drift is None  # measured anew against the new centroids
-    assert index.search(drifted[400], 1)[1][0] == corpus.store.row_of("n400")
+    assert index.search(index.embed_query("vec:4400"), 1)[1][0] == corpus.store.row_of("n400")
+
+
+def test_an_hnsw_index_takes_drifted_documents_is_compacted_and_never_retrained(tmp_path: Path) -> None:
+    corpus = table_corpus(tmp_path, lambda base: StagedHNSW.build(base, m=16, ef_search=48))
+    corpus.put([Passage(f"n{i}", "", f"vec:{4000 + i}") for i in range(1000)])
+    corpus.wait_for_compaction()
+    assert corpus.retrainings == 0 and corpus.drift is None  # no centroids: nothing drifts
+    index = corpus.index
+    assert index.search(index.embed_query("vec:4400"), 1)[1][0] == corpus.store.row_of("n400")
+    corpus.delete([f"d{i}" for i in range(1000)])  # a fifth of the 5,000 rows: compacted
+    corpus.wait_for_compaction()
+    assert corpus.compactions == 1 and index.removable_rows == 0 and index.searcher.ntotal == 4000
+    assert index.search(index.embed_query("vec:4400"), 1)[1][0] == corpus.store.row_of("n400")
+    with pytest.raises(InvalidInputError, match="no centroids"):
+        corpus.compact(retrain=True)

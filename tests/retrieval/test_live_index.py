@@ -1,4 +1,5 @@
-"""A live index: rows appended and hidden while it serves, in every stage and both channels."""
+"""A live index: rows appended and hidden while it serves, in every stage and both channels,
+on an IVF index (lists) and an HNSW index (graph)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,18 @@ from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
 
 TEXTS = [f"passage {i} about topic{i % 40} and theme{i % 7}" for i in range(6000)]
+KINDS = ["ivf", "hnsw"]
 
 
-def live_index(vectors: np.ndarray, lexical: bool = False) -> VectorIndex:
+def live_index(vectors: np.ndarray, lexical: bool = False, kind: str = "ivf") -> VectorIndex:
     """A fresh index per test: a live one changes."""
+    searcher = (
+        StagedIVF.build(vectors, nlist=64, nprobe=24)
+        if kind == "ivf"
+        else StagedHNSW.build(vectors, m=16, ef_search=48)
+    )
     return VectorIndex(
-        StagedIVF.build(vectors, nlist=64, nprobe=24),
+        searcher,
         [f"p{i}" for i in range(len(vectors))],
         lexical=LexicalIndex.build(TEXTS[: len(vectors)]) if lexical else None,
     )
@@ -31,8 +38,11 @@ def every_stage(index: VectorIndex, query: np.ndarray, k: int, text: str | None 
     return [list(index.ranked_rows(stage.ids)) for stage in index.search_staged(query, k, query_text=text)]
 
 
-def test_an_added_vector_is_found_in_every_stage_and_a_replaced_one_in_none(vectors: np.ndarray) -> None:
-    index = live_index(vectors)
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_added_vector_is_found_in_every_stage_and_a_replaced_one_in_none(
+    vectors: np.ndarray, kind: str
+) -> None:
+    index = live_index(vectors, kind=kind)
     query = vectors[17]
     assert every_stage(index, query, 5)[-1][0] == 17
     (row,) = index.apply_changes(["p17"], vectors[17:18], ["new text"], retired=[17])
@@ -44,17 +54,20 @@ def test_an_added_vector_is_found_in_every_stage_and_a_replaced_one_in_none(vect
     assert ids[0] == row and 17 not in ids.tolist() and len(ids) == 5
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_hidden_rows_are_never_returned_and_k_visible_rows_remain(
-    vectors: np.ndarray, queries: np.ndarray
+    vectors: np.ndarray, queries: np.ndarray, kind: str
 ) -> None:
-    index = live_index(vectors)
+    index = live_index(vectors, kind=kind)
     _, before = index.search(queries[:50], 10, batch=True)
     hidden = sorted(set(before[:, :5].ravel().tolist()))
     index.apply_changes([], np.zeros((0, index.dim), dtype=np.float32), [], retired=hidden)
     assert index.hidden_rows == len(hidden)
     _, after = index.search(queries[:50], 10, batch=True)
-    assert not set(after.ravel().tolist()) & set(hidden)
-    assert (after >= 0).all()  # read deeper, so ten visible rows each
+    stages = [stage.ids for stage in index.search_staged(queries[:50], 10, batch=True)]
+    for ids in [after, *stages]:
+        assert not set(ids.ravel().tolist()) & set(hidden)
+        assert (ids >= 0).all()  # read deeper, so ten visible rows each
 
 
 def test_hybrid_search_finds_an_added_documents_new_word_and_drops_deleted_ones(vectors: np.ndarray) -> None:
@@ -67,8 +80,9 @@ def test_hybrid_search_finds_an_added_documents_new_word_and_drops_deleted_ones(
         assert row not in stage and 3 not in stage
 
 
-def test_a_search_sees_the_corpus_as_it_was_when_it_started(vectors: np.ndarray) -> None:
-    index = live_index(vectors)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_search_sees_the_corpus_as_it_was_when_it_started(vectors: np.ndarray, kind: str) -> None:
+    index = live_index(vectors, kind=kind)
     search = iter(index.search_staged(vectors[5], 5))
     first = next(search)
     index.apply_changes(["p5"], vectors[5:6], ["v2"], retired=[5])
@@ -77,42 +91,62 @@ def test_a_search_sees_the_corpus_as_it_was_when_it_started(vectors: np.ndarray)
     assert every_stage(index, vectors[5], 5)[-1][0] == len(vectors)
 
 
-def test_an_index_that_cannot_grow_says_so(vectors: np.ndarray) -> None:
-    index = VectorIndex(StagedHNSW.build(vectors[:500], m=8, ef_search=16), [f"p{i}" for i in range(500)])
-    with pytest.raises(InvalidInputError, match="cannot take documents while it serves"):
+def test_a_padded_index_cannot_grow_and_says_so(vectors: np.ndarray) -> None:
+    index = VectorIndex(
+        StagedHNSW.build(vectors[:500], m=8, ef_search=16),
+        [f"p{i}" for i in range(400)],
+        synthetic_sources=np.arange(100),
+    )
+    with pytest.raises(InvalidInputError, match="padded index"):
         index.apply_changes(["x"], vectors[:1], ["x"], retired=[])
     index.apply_changes([], np.zeros((0, index.dim), dtype=np.float32), [], retired=[7])  # hiding works
     assert 7 not in index.search(vectors[7], 5)[1].tolist()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("hidden", [[], [0, 1, 2]])
 def test_adds_while_searches_run_neither_crash_nor_lose_rows(
-    vectors: np.ndarray, queries: np.ndarray, hidden: list[int]
+    vectors: np.ndarray, queries: np.ndarray, hidden: list[int], kind: str
 ) -> None:
-    index = live_index(vectors[:3000])
+    index = live_index(vectors[:3000], kind=kind)
     index.apply_changes([], np.zeros((0, index.dim), dtype=np.float32), [], retired=hidden)
     errors: list[BaseException] = []
     stop = threading.Event()
 
+    def seen(ids: np.ndarray, rows_since: int) -> None:
+        """Only rows of the visibility the search started with: the rows visible by ``rows_since``
+        read after it started (at least as many), none hidden."""
+        assert ids.shape == (8, 5) and ids.max() < rows_since and not set(ids.ravel().tolist()) & set(hidden)
+        index.ranked_rows(ids[0])
+
     def search() -> None:
         try:
             while not stop.is_set():
-                for stage in index.search_staged(queries[:8], 5, batch=True):
-                    assert stage.ids.shape == (8, 5)
-                    index.ranked_rows(stage.ids[0])  # rows added since the search began map to none
+                staged = iter(index.search_staged(queries[:8], 5, batch=True))
+                first = next(staged)
+                rows_since = len(index.visible_rows)
+                for stage in [first, *staged]:
+                    seen(stage.ids, rows_since)
+                one_shot = index.search(queries[:8], 5, batch=True)[1]
+                seen(one_shot, len(index.visible_rows))
         except BaseException as error:  # pragma: no cover - reported below
             errors.append(error)
 
     threads = [threading.Thread(target=search) for _ in range(2)]
     for thread in threads:
         thread.start()
-    for start in range(3000, 3400, 20):
-        index.apply_changes([f"n{start + i}" for i in range(20)], vectors[start : start + 20], ["t"] * 20, [])
-    stop.set()
-    for thread in threads:
-        thread.join()
+    try:
+        for start in range(3000, 3400, 20):
+            index.apply_changes(
+                [f"n{start + i}" for i in range(20)], vectors[start : start + 20], ["t"] * 20, []
+            )
+    finally:  # a refused add must not leave the searches running
+        stop.set()
+        for thread in threads:
+            thread.join()
     assert not errors and index.searcher.ntotal == 3400
     assert index.search(vectors[3399], 1)[1][0] == 3399
+    assert every_stage(index, vectors[3333], 1)[-1] == [3333]
 
 
 def test_added_rows_must_continue_the_index() -> None:
@@ -140,6 +174,25 @@ def test_a_writer_waits_for_the_readers_in_flight() -> None:
     assert order == ["read", "write"]
 
 
+def compacted_top10(index: VectorIndex, vectors: np.ndarray, queries: np.ndarray) -> tuple[list, list]:
+    """Hide every third row (row 1 added anew as row 6000) and compact: the top-10 rows of
+    ``queries`` before and after; then check a document added afterwards continues the row numbers."""
+    index.apply_changes(["p1"], vectors[1:2], ["t"], retired=list(range(0, 6000, 3)))
+    assert index.removable_rows == 2000
+    before = [index.search(query, 10)[1].tolist() for query in queries]
+    old = index.searcher
+    assert index.compact() == 2000
+    assert index.searcher is not old and index.searcher.ntotal == 4001 and index.removable_rows == 0
+    after = [index.search(query, 10)[1].tolist() for query in queries]
+    (row,) = index.apply_changes(["p3"], vectors[3:4], ["t"], retired=[])
+    assert (
+        row == 6001
+        and index.search(vectors[3], 1)[1][0] == row
+        and every_stage(index, vectors[3], 1)[-1] == [row]
+    )
+    return before, after
+
+
 @pytest.mark.parametrize("codes", ["flat", "sq8"])
 def test_compaction_drops_hidden_rows_and_changes_no_result(
     vectors: np.ndarray, queries: np.ndarray, codes: str
@@ -147,15 +200,31 @@ def test_compaction_drops_hidden_rows_and_changes_no_result(
     index = VectorIndex(
         StagedIVF.build(vectors, nlist=64, nprobe=24, codes=codes), [f"p{i}" for i in range(6000)]
     )
-    index.apply_changes(["p1"], vectors[1:2], ["t"], retired=list(range(0, 6000, 3)))
-    assert index.removable_rows == 2000
-    before = [index.search(query, 10)[1].tolist() for query in queries[:40]]
-    old = index.searcher
-    assert index.compact() == 2000
-    assert index.searcher is not old and index.searcher.ntotal == 4001 and index.removable_rows == 0
-    assert [index.search(query, 10)[1].tolist() for query in queries[:40]] == before
-    (row,) = index.apply_changes(["p3"], vectors[3:4], ["t"], retired=[])
-    assert row == 6001 and index.search(vectors[3], 1)[1][0] == row
+    before, after = compacted_top10(index, vectors, queries[:40])
+    assert after == before
+
+
+def test_a_compacted_graph_keeps_row_numbers_and_finds_what_it_found(
+    vectors: np.ndarray, queries: np.ndarray
+) -> None:
+    index = live_index(vectors, kind="hnsw")
+    before, after = compacted_top10(index, vectors, queries[:40])
+    similarity = queries[:40] @ np.concatenate([vectors, vectors[1:2]]).T  # row 6000 is row 1 again
+    similarity[:, 0:6000:3] = -np.inf
+    exact = np.argsort(-similarity, axis=1)[:, :10].tolist()
+
+    def hits(found: list[list[int]]) -> float:
+        """How many of its true top-10 a query finds, on average."""
+        return float(np.mean([len(set(rows) & set(best)) for rows, best in zip(found, exact, strict=True)]))
+
+    assert hits(after) >= 9 and hits(after) >= hits(before) - 0.2  # a new graph, as good a one
+    assert all(
+        every_stage(index, query, 10)[-1] == list(index.ranked_rows(index.search(query, 10)[1]))
+        for query in queries[:40]
+    )
+    assert index.search(vectors[2], 1)[1][0] == 2 and 9 not in index.search(vectors[9], 5)[1].tolist()
+    with pytest.raises(InvalidInputError, match="no centroids"):
+        index.compact(retrain=True)
 
 
 def test_retraining_keeps_row_numbers_and_fits_drifted_rows_better(vectors: np.ndarray) -> None:
