@@ -43,21 +43,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import random
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
 
 from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from specrag.cache.pgdsf import PrefillProfile
 from specrag.cache.residency import ROOT_KEY, BlockPool, chain_block_keys
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.engine import EngineCounts, EngineOutput, Sampling, now
 from specrag.pipeline.engine_base import EngineBase
+from specrag.sim.requests import SimRequest, TimeModel, synthetic_answer
 
-__all__ = ["KVEventCallback", "SimulatedEngine", "TimeModel"]
+__all__ = ["KVEventCallback", "SimulatedEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,70 +62,6 @@ _TIMER_GRANULARITY_S = 0.002
 
 KVEventCallback = Callable[[Sequence[KVEvent]], None]
 """Receives one step's KV events, in order: the same shape as KVEventSubscriber's callback."""
-
-
-@dataclass(frozen=True)
-class TimeModel:
-    """How long one engine step takes, in unscaled seconds.
-
-    Prefill cost comes from the cache layer's measured profile: computing tokens
-    ``[cached, cached + new)`` costs ``cold(cached + new) - cold(cached)``, so a partly cached
-    prompt saves less than its cached share (attention makes later tokens dearer).
-    """
-
-    prefill: PrefillProfile = field(default_factory=PrefillProfile)
-    decode_step_s: float = 0.01
-    step_overhead_s: float = 0.005
-
-    def __post_init__(self) -> None:
-        if self.decode_step_s < 0 or self.step_overhead_s < 0:
-            raise InvalidInputError("decode_step_s and step_overhead_s must be >= 0")
-
-
-@dataclass(eq=False)
-class _Request:
-    """A request inside the simulated engine; ``tokens`` grows with every sampled token."""
-
-    request_id: str
-    tokens: list[int]
-    prompt_tokens: int
-    sampling: Sampling
-    answer: list[tuple[int, str]]
-    end_reason: str
-    keys: list[int]
-    outputs: asyncio.Queue[EngineOutput | EngineError] = field(default_factory=asyncio.Queue)
-    computed: int = 0
-    registered: int = 0
-    blocks: list[int] = field(default_factory=list)
-    cached_tokens: int | None = None
-    scheduled_at: float | None = None
-    aborted: bool = False
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.prompt_tokens
-
-
-def _answer(prompt: Sequence[int], sampling: Sampling, vocab_size: int) -> tuple[list[tuple[int, str]], str]:
-    """The synthetic completion, a function of the prompt and the seed only: (token, text) pairs
-    and the finish reason; like vLLM, it ends with the token that completes a stop string, and
-    the text stops before that string."""
-    digest = hashlib.blake2b(repr((tuple(prompt), sampling.seed)).encode(), digest_size=8).digest()
-    rng = random.Random(int.from_bytes(digest, "big"))
-    tokens = [rng.randrange(3, vocab_size) for _ in range(sampling.max_tokens)]
-    texts = [f" t{token}" for token in tokens]
-    full = "".join(texts)
-    hits = [(at, len(stop)) for stop in sampling.stop if (at := full.find(stop)) >= 0]
-    if not hits:
-        return list(zip(tokens, texts, strict=True)), "length"
-    cut, length = min(hits)
-    answer, offset = [], 0
-    for token, text in zip(tokens, texts, strict=True):
-        answer.append((token, text[: max(0, cut - offset)]))
-        offset += len(text)
-        if offset >= cut + length:
-            break
-    return answer, "stop"
 
 
 class SimulatedEngine(EngineBase):
@@ -191,9 +124,9 @@ class SimulatedEngine(EngineBase):
         self._capacity_blocks = capacity_blocks
         self._pool = BlockPool(capacity_blocks)
         self._events: list[KVEvent] = []
-        self._requests: dict[str, _Request] = {}
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self._requests: dict[str, SimRequest] = {}
+        self._waiting: deque[SimRequest] = deque()
+        self._running: list[SimRequest] = []
         self._work = asyncio.Event()
         self._unstalled = asyncio.Event()
         self._unstalled.set()
@@ -237,8 +170,8 @@ class SimulatedEngine(EngineBase):
     ) -> AsyncGenerator[EngineOutput, None]:
         if self._failures:
             raise self._failures.popleft()
-        answer, end_reason = _answer(prompt, sampling, self._vocab_size)
-        request = _Request(
+        answer, end_reason = synthetic_answer(prompt, sampling, self._vocab_size)
+        request = SimRequest(
             request_id=request_id,
             tokens=list(prompt),
             prompt_tokens=len(prompt),
@@ -349,10 +282,10 @@ class SimulatedEngine(EngineBase):
             if request.aborted:
                 self._remove(request)
 
-    def _schedule(self) -> list[tuple[_Request, int]]:
+    def _schedule(self) -> list[tuple[SimRequest, int]]:
         """One step's work: (request, tokens to compute), running requests first, like vLLM."""
         budget = self._max_batched
-        plan: list[tuple[_Request, int]] = []
+        plan: list[tuple[SimRequest, int]] = []
         preempted = False
         for request in list(self._running):
             if budget == 0:
@@ -388,12 +321,12 @@ class SimulatedEngine(EngineBase):
             budget -= new_tokens
         return plan
 
-    def _cache_hit(self, request: _Request) -> list[int]:
+    def _cache_hit(self, request: SimRequest) -> list[int]:
         """Keys of the resident leading blocks, never all of the tokens (one must produce logits)."""
         usable = request.keys[: (len(request.tokens) - 1) // self._block_size]
         return usable[: self._pool.leading_cached(usable)]
 
-    def _allocate(self, request: _Request, new_tokens: int) -> bool:
+    def _allocate(self, request: SimRequest, new_tokens: int) -> bool:
         needed = -(-(request.computed + new_tokens) // self._block_size) - len(request.blocks)
         if needed <= 0:
             return True
@@ -408,7 +341,7 @@ class SimulatedEngine(EngineBase):
             self._events.append(BlockRemoved(block_hashes=tuple(evicted)))
         return blocks
 
-    def _preempt(self, request: _Request) -> None:
+    def _preempt(self, request: SimRequest) -> None:
         """vLLM's recompute preemption: free the blocks (they stay cached), requeue at the front."""
         self._running.remove(request)
         self._pool.release(request.blocks)
@@ -416,7 +349,7 @@ class SimulatedEngine(EngineBase):
         request.computed = request.registered = 0
         self._waiting.appendleft(request)
 
-    def _step_seconds(self, plan: Sequence[tuple[_Request, int]]) -> float:
+    def _step_seconds(self, plan: Sequence[tuple[SimRequest, int]]) -> float:
         seconds = self._time.step_overhead_s
         decoding = False
         for request, new_tokens in plan:
@@ -426,7 +359,7 @@ class SimulatedEngine(EngineBase):
                 seconds += self._time.prefill.cost(request.computed, new_tokens)
         return seconds + (self._time.decode_step_s if decoding else 0.0)
 
-    def _complete_chunk(self, request: _Request, new_tokens: int) -> None:
+    def _complete_chunk(self, request: SimRequest, new_tokens: int) -> None:
         """Account for a computed chunk: cache its full blocks, then sample if it reached the end."""
         request.computed += new_tokens
         self._register_full_blocks(request)
@@ -441,7 +374,7 @@ class SimulatedEngine(EngineBase):
         if finished:
             self._remove(request)
 
-    def _register_full_blocks(self, request: _Request) -> None:
+    def _register_full_blocks(self, request: SimRequest) -> None:
         full = request.computed // self._block_size
         known = len(request.keys)
         if full > known:
@@ -464,7 +397,7 @@ class SimulatedEngine(EngineBase):
         request.registered = max(request.registered, full * size)
 
     def _output(
-        self, request: _Request, token_ids: tuple[int, ...], text: str, finish_reason: str | None
+        self, request: SimRequest, token_ids: tuple[int, ...], text: str, finish_reason: str | None
     ) -> EngineOutput:
         return EngineOutput(
             request_id=request.request_id,
@@ -478,14 +411,14 @@ class SimulatedEngine(EngineBase):
             scheduled_at=request.scheduled_at,
         )
 
-    def _abort(self, request: _Request) -> None:
+    def _abort(self, request: SimRequest) -> None:
         """End the stream now (as AsyncLLM's output processor does); the engine drops it next step."""
         if request.aborted or self._requests.get(request.request_id) is not request:
             return
         request.aborted = True
         request.outputs.put_nowait(self._output(request, (), "", "abort"))
 
-    def _remove(self, request: _Request) -> None:
+    def _remove(self, request: SimRequest) -> None:
         if request in self._running:
             self._running.remove(request)
             self._pool.release(request.blocks)

@@ -7,7 +7,8 @@ import time
 
 from specrag.pipeline.engine import Sampling, now
 from specrag.sim import virtual_time
-from specrag.sim.engine import SimulatedEngine, TimeModel
+from specrag.sim.engine import SimulatedEngine
+from specrag.sim.requests import TimeModel
 
 
 def test_sleeps_advance_the_clock_exactly_and_computation_does_not() -> None:
