@@ -125,7 +125,9 @@ class VectorIndex:
         """Corpus positions of index rows (same shape); ``-1`` stays ``-1``, and so do hidden rows
         (of replaced or deleted documents) as ``visibility`` (default: the current one) has them."""
         rows = np.asarray(row_ids, dtype=np.int64)
-        known = len(self._visibility.row_to_passage) - 1
+        # Rows the searcher holds before the visibility naming them is swapped in (an add in
+        # progress) are valid too: they map to no passage, like any row added after a search began.
+        known = max(len(self._visibility.row_to_passage) - 1, self.searcher.ntotal)
         if rows.size and (rows.min() < -1 or rows.max() >= known):
             raise InvalidInputError(f"row ids outside [-1, {known})")
         return (visibility or self._visibility).passages(rows)

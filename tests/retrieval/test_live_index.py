@@ -10,7 +10,7 @@ import pytest
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.lexical import LexicalIndex
-from specrag.retrieval.live_index import ReadWriteLock, Visibility
+from specrag.retrieval.live_index import Growable, ReadWriteLock, Visibility
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.synthetic import GaussianMixture
@@ -89,6 +89,18 @@ def test_a_search_sees_the_corpus_as_it_was_when_it_started(vectors: np.ndarray,
     rest = list(search)
     assert 5 in first.ids.tolist() + rest[-1].ids.tolist() and len(vectors) not in rest[-1].ids.tolist()
     assert every_stage(index, vectors[5], 5)[-1][0] == len(vectors)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_added_before_their_visibility_map_to_no_passage(vectors: np.ndarray, kind: str) -> None:
+    """Between the searcher's add and the visibility's swap a search can meet the new rows."""
+    index = live_index(vectors, kind=kind)
+    searcher = index.searcher
+    assert isinstance(searcher, Growable)
+    searcher.add(vectors[5:6], len(vectors))  # the first half of apply_changes
+    assert index.passage_index_of(np.array([5, len(vectors)])).tolist() == [5, -1]
+    with pytest.raises(InvalidInputError, match="outside"):
+        index.passage_index_of(np.array([len(vectors) + 1]))
 
 
 def test_a_padded_index_cannot_grow_and_says_so(vectors: np.ndarray) -> None:
