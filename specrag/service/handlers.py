@@ -304,6 +304,7 @@ async def answer_file(client: AsyncClient, questions: Sequence[str], batch_size:
                 "answer": answer.answer,
                 "finish_reason": answer.finish_reason,
                 "documents": answer.documents,
+                "sources": answer.sources,
                 "batch": number,
                 "ran_at": ran_at[index],
                 "specrag": answer.timeline,

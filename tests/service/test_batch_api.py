@@ -114,3 +114,5 @@ async def test_the_cli_answers_a_file_of_questions_in_file_order(
     assert [line["batch"] for line in lines] == [0, 0, 0, 1, 1]
     assert sorted(line["ran_at"] for line in lines[:3]) == [0, 1, 2]
     assert all(line["specrag"]["ttft_ms"] > 0 for line in lines)
+    for line in lines:  # the passages' ids and titles, as /v1/rag gives them
+        assert sorted(source["id"] for source in line["sources"]) == sorted(line["documents"])
