@@ -25,12 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -164,15 +166,15 @@ async def restart_phase(questions: list[str], k: int, out: Path) -> dict[str, An
                 for question in questions[:8]:
                     await _ask(http, url, question, k)
                 resets_before = await _metric(http, url, "specrag_kv_mirror_sequence_resets")
-                statuses: list[int] = []
+                statuses: list[tuple[float, int]] = []
 
                 async def load() -> None:  # a steady stream of questions through the restart
-                    for question in questions[8:]:
+                    for question in itertools.cycle(questions[8:]):
                         body = {"query": question, "k": k, "mode": "ordering", "max_tokens": 4}
                         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                             async with http.post(url + "/v1/rag", json=body) as response:
                                 await response.read()
-                                statuses.append(response.status)
+                                statuses.append((time.perf_counter(), response.status))
                         await asyncio.sleep(0.2)
 
                 loader = asyncio.create_task(load())
@@ -181,13 +183,16 @@ async def restart_phase(questions: list[str], k: int, out: Path) -> dict[str, An
                 engine = _specrag(*engine_args, log=out / "restart-engine.log")
                 engine_start_s = await _until_healthy(engine_http, engine_url, engine)
                 back = time.perf_counter()
+                # Exact again: the service saw the new engine (a reset counted) and its mirror is exact.
                 exact_after_s = None
                 while time.perf_counter() - back < 120:
-                    if await _metric(http, url, "specrag_kv_mirror_exact") == 1:
+                    resets = await _metric(http, url, "specrag_kv_mirror_sequence_resets")
+                    if resets > resets_before and await _metric(http, url, "specrag_kv_mirror_exact") == 1:
                         exact_after_s = time.perf_counter() - back
                         break
                     await asyncio.sleep(0.1)
                 resets_after = await _metric(http, url, "specrag_kv_mirror_sequence_resets")
+                await asyncio.sleep(5.0)  # answers after the return
                 loader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await loader
@@ -198,7 +203,8 @@ async def restart_phase(questions: list[str], k: int, out: Path) -> dict[str, An
         "exact_after_engine_health_s": exact_after_s,
         "sequence_resets_before": resets_before,
         "sequence_resets_after": resets_after,
-        "statuses": {str(status): statuses.count(status) for status in sorted(set(statuses))},
+        "statuses": dict(Counter(str(status) for _, status in statuses)),
+        "answered_after_return": sum(status == 200 for at, status in statuses if at > back),
     }
 
 

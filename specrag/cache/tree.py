@@ -206,6 +206,12 @@ class KnowledgeTree:
         tokens = self.partial_tokens(partial) if partial is not None else self.resident_tokens(node)
         return PrefixMatch(bisect_right(ends, tokens), tokens, len(ends) == len(doc_ids))
 
+    def prompt_hit(self, layout: PromptLayout) -> int:
+        """What the engine would reuse of this prompt of documents: its documents' path and, past
+        it, the question's full blocks when the same prompt was computed before (identical
+        requests at once, a repeat), which the engine reuses as well."""
+        return max(self.cached_prefix(layout.document_ids()).tokens, self.cached_tokens(layout.token_ids))
+
     def cached_tokens(self, token_ids: Sequence[int]) -> int:
         """What the engine would reuse of any prompt whose token order is fixed (a session's turn).
 
@@ -274,7 +280,7 @@ class KnowledgeTree:
             self._prune()
 
     def record_prefilled(self, layout: PromptLayout, *, salted: bool = False) -> None:
-        """The engine just prefilled this prompt: its system and document blocks are cached now.
+        """The engine just prefilled this prompt: its full blocks are cached now.
 
         For a tree that follows KV events (with the capacity model, :meth:`record_served` already
         serves the prompt): the blocks count as stored until their events confirm them, so a
@@ -284,9 +290,10 @@ class KnowledgeTree:
         """
         if self._lru is not None or salted:
             return
-        system, documents = self._split(layout)
-        prefix_end = documents[-1].end if documents else system.end
-        for key in chain_block_keys(layout.token_ids[:prefix_end], self.block_size):
+        self._split(layout)  # a prompt of the documents' layout (not a session's history), checked
+        # Every full block of the prompt, the question's too: the engine caches them all, and
+        # the same question again (identical requests at once, a repeat) reuses them.
+        for key in chain_block_keys(layout.token_ids, self.block_size):
             self._residency.expect(key)
 
     def apply_events(self, events: Iterable[KVEvent]) -> None:

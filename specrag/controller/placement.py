@@ -231,7 +231,7 @@ class Placement:
             layout = built.get(ordering.doc_ids)
             if layout is None:
                 layout = built[ordering.doc_ids] = build(ordering.doc_ids)
-            options.append(self._estimate(replica, layout, ordering.cached.tokens))
+            options.append(self._estimate(replica, layout, replica.tree.prompt_hit(layout)))
         return self._best(options, prefer)
 
     @staticmethod

@@ -291,14 +291,14 @@ class QueryRun:
 
     def _reordered(self, placed: Placed, rows: list[int], order: Sequence[DocId]) -> Placed:
         """The final prompt in the document order window admission chose when it admitted it."""
-        predicted = placed.replica.tree.cached_prefix(order).tokens
-        return replace(placed, layout=self._layout(rows, order), predicted_cached=predicted)
+        layout = self._layout(rows, order)
+        return replace(placed, layout=layout, predicted_cached=placed.replica.tree.prompt_hit(layout))
 
     def _predicted(self, placed: Placed) -> int:
         """The replica's estimate of the engine's hit for this prompt now (a session's is its history)."""
         if self.checked.session is not None:
             return placed.predicted_cached
-        return placed.replica.tree.cached_prefix(placed.layout.document_ids()).tokens
+        return placed.replica.tree.prompt_hit(placed.layout)
 
     def launch(
         self, placed: Placed, slot: Slot, speculative: bool, predicted: int, sent: tuple[int, ...] = ()

@@ -117,9 +117,13 @@ def test_old_observations_fade_so_the_chance_follows_a_change() -> None:
 async def test_a_speculation_is_skipped_when_its_price_says_so(tiny_assets: Assets) -> None:
     """Search of 3 ms a stage against a prefill of hundreds of ms (r << 1): never worth it."""
     engine = SimulatedEngine(time_scale=0.2, max_model_len=4096)
-    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, B, B], 0.003))
+    index = scripted_index(tiny_assets, [A, B, B], 0.003)
     metrics = ServiceMetrics()
     for _ in range(3):
+        # Cold each time (the engine's cache emptied, a new tree), so that every prefill stays long:
+        # a cached prompt makes a speculation cheap enough to pay. The index keeps what it learned.
+        await engine.reset_prefix_cache()
+        controller = make_controller(engine, tiny_assets, index)
         done = await controller.answer(RagRequest(QUESTION, k=4, mode="speculation", max_tokens=2))
         metrics.observe(done.timeline)
     timeline = done.timeline
