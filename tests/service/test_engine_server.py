@@ -30,27 +30,16 @@ def serial(question: str) -> RagRequest:
     return RagRequest(question, k=4, mode="serial", max_tokens=4)
 
 
-async def prefix_cache_hits(url: str) -> float:
-    """vLLM's own count of prompt tokens served from its prefix cache, all requests so far."""
+async def counter_total(url: str, family: str) -> float:
+    """A Prometheus counter's total at ``url``'s /metrics, all series summed (vLLM's
+    ``vllm:prefix_cache_hits``: prompt tokens served from its prefix cache, all requests so far)."""
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as response:
         text = await response.text()
     return sum(
         sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "vllm:prefix_cache_hits"
-        for sample in family.samples
-        if sample.name.endswith("_total")
-    )
-
-
-async def mirror_sequence_resets(http: aiohttp.ClientSession, url: str) -> float:
-    async with http.get(url + "/metrics") as response:
-        text = await response.text()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "specrag_kv_mirror_sequence_resets"
-        for sample in family.samples
+        for metrics in text_string_to_metric_families(text)
+        if metrics.name == family
+        for sample in metrics.samples
         if sample.name.endswith("_total")
     )
 
@@ -89,9 +78,9 @@ async def test_cached_tokens_mirror_and_recovery_against_a_separate_server(
                 within_s=20,
             )
 
-            hits_before = await prefix_cache_hits(server.url)
+            hits_before = await counter_total(server.url, "vllm:prefix_cache_hits")
             repeated = await controller.answer(serial(QUESTION))
-            reported = await prefix_cache_hits(server.url) - hits_before
+            reported = await counter_total(server.url, "vllm:prefix_cache_hits") - hits_before
             assert repeated.timeline.cached_prompt_tokens == reported > 0
 
             other = await controller.answer(serial("What is a frozenset?"))
@@ -113,7 +102,7 @@ async def test_cached_tokens_mirror_and_recovery_against_a_separate_server(
                 # in /metrics that its event sequence started again.
                 mirror = service.mirrors[0]
                 await wait_until(lambda: mirror.status.exact, within_s=10 - (time.perf_counter() - ready))
-                assert await mirror_sequence_resets(http, url) >= 1
+                assert await counter_total(url, "specrag_kv_mirror_sequence_resets") >= 1
             assert service.supervised_engine().restarts == 1
     finally:
         server.stop()
