@@ -84,6 +84,9 @@ class VectorIndex:
         # Row -> passage, with a trailing -1 so that padding ids (-1) map to -1 by plain indexing;
         # replaced as a whole when the corpus changes (apply_changes).
         self._visibility = Visibility(np.concatenate([np.arange(len(passage_ids)), sources, [-1]]), 0)
+        # The rows a search may meet: the visibility's, and while apply_changes adds, the new ones
+        # the searcher holds before their visibility is swapped in.
+        self._rows_held = len(self._visibility.row_to_passage) - 1
         self._added_lexical = AddedLexical(lexical) if lexical is not None else None
 
     @property
@@ -125,9 +128,8 @@ class VectorIndex:
         """Corpus positions of index rows (same shape); ``-1`` stays ``-1``, and so do hidden rows
         (of replaced or deleted documents) as ``visibility`` (default: the current one) has them."""
         rows = np.asarray(row_ids, dtype=np.int64)
-        # Rows the searcher holds before the visibility naming them is swapped in (an add in
-        # progress) are valid too: they map to no passage, like any row added after a search began.
-        known = max(len(self._visibility.row_to_passage) - 1, self.searcher.ntotal)
+        # Rows of an add in progress map to no passage, like any row added after a search began.
+        known = self._rows_held
         if rows.size and (rows.min() < -1 or rows.max() >= known):
             raise InvalidInputError(f"row ids outside [-1, {known})")
         return (visibility or self._visibility).passages(rows)
@@ -149,6 +151,7 @@ class VectorIndex:
         if len(vectors):
             self.check_growable()
             assert isinstance(self.searcher, Growable)
+            self._rows_held = start + len(vectors)
             self.searcher.add(np.asarray(vectors, dtype=np.float32), start)
         added = list(range(start, start + len(vectors)))
         for row, passage_id, text in zip(added, ids, texts, strict=True):

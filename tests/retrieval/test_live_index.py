@@ -92,13 +92,26 @@ def test_a_search_sees_the_corpus_as_it_was_when_it_started(vectors: np.ndarray,
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_rows_added_before_their_visibility_map_to_no_passage(vectors: np.ndarray, kind: str) -> None:
-    """Between the searcher's add and the visibility's swap a search can meet the new rows."""
+def test_rows_added_before_their_visibility_map_to_no_passage(
+    vectors: np.ndarray, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the searcher's add and the visibility's swap a search can meet the new rows; on a
+    compacted index too, whose searcher holds fewer rows than their numbers reach."""
     index = live_index(vectors, kind=kind)
+    index.apply_changes([], vectors[:0], [], retired=[0, 1, 2])
+    index.compact()
     searcher = index.searcher
-    assert isinstance(searcher, Growable)
-    searcher.add(vectors[5:6], len(vectors))  # the first half of apply_changes
-    assert index.passage_index_of(np.array([5, len(vectors)])).tolist() == [5, -1]
+    assert isinstance(searcher, Growable) and searcher.ntotal < len(vectors)
+    seen: list[list[int]] = []
+    add = searcher.add
+
+    def add_then_search(new: np.ndarray, first_row: int) -> None:
+        add(new, first_row)
+        seen.append(index.passage_index_of(np.array([5, first_row])).tolist())  # a search in the window
+
+    monkeypatch.setattr(searcher, "add", add_then_search)
+    index.apply_changes(["p5"], vectors[5:6], ["v2"], retired=[5])
+    assert seen == [[5, -1]]
     with pytest.raises(InvalidInputError, match="outside"):
         index.passage_index_of(np.array([len(vectors) + 1]))
 
