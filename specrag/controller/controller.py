@@ -93,8 +93,11 @@ class RagController:
         self.batched_token_budget = step_token_budget(self.config, first.engine)
         # PGDSF costs follow the engine in use: fitted from served answers, the tree's until then.
         self.prefill_estimator = PrefillEstimator(first.tree.profile)
-        # Prices each speculative prefill from the profile above and the index's stage figures.
-        self.speculation = SpeculationPolicy(self.config.speculation, self.prefill_estimator)
+        # Prices each speculative prefill from the profile above, the index's stage figures and the
+        # engine's step (a stale speculation holds the next one up for the step in progress).
+        self.speculation = SpeculationPolicy(
+            self.config.speculation, self.prefill_estimator, self.batched_token_budget
+        )
         max_bs = self.config.max_prefill_bs or default_max_prefill_bs(
             self.batched_token_budget,
             len(builder.system_token_ids) + self.config.k_default * _EXPECTED_PASSAGE_TOKENS,

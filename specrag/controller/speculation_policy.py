@@ -1,4 +1,5 @@
-"""Whether a speculative prefill is worth launching: its expected gain against its expected cost.
+"""Whether a speculative prefill is worth launching now: its expected gain against its expected
+cost, and against waiting for a later stage.
 
 A speculation on a stage's running top-k saves, when that top-k turns out final, the part of the
 prompt's prefill that the rest of the search hides: ``min(search left, prefill)``. When it turns
@@ -10,12 +11,24 @@ chance the stage's top-k is final::
     gain = p · min(search left, prefill)
     cost = (1 − p) · (hold · waiting + max(0, hold − search left)),  hold = overhead + prefill
 
-and the speculation is launched only when ``gain > cost`` (then still only through the prefill
-gate, whose capacity and speculation budget hold under load). Every figure is measured while the
-system runs, none is a table: ``p`` and the search left are learned per index setting and stage
-from finished searches (:class:`~specrag.retrieval.stage_stats.StageStatistics`), the prefill
-from the engine profile PGDSF fits (:class:`~specrag.cache.prefill_estimator.PrefillEstimator`,
-whose intercept is the per-request overhead), ``waiting`` from the engine's load and the gate.
+A stale speculation also holds up this query's next one. The engine takes an abort and a new
+request only between its steps, so the speculation launched when a later stage replaces the top-k
+waits for the step in progress (at most ``step``, the overhead plus the prefill of one step's
+tokens, and never past the stale prefill's end). That replacement is final with chance
+``p_later − p`` beside this one's being stale (a top-k final at one stage stays final), and it
+still hides the search left at its stage less that wait, which ``gain`` adds. Against all this
+stands launching nothing now and speculating at the best later stage instead (its own ``gain −
+cost`` with the search left there, ``later``). The speculation is launched only when
+``gain > cost`` and ``gain − cost ≥ later`` (then still only through the prefill gate, whose
+capacity and speculation budget hold under load). An early stage whose top-k is often replaced a
+moment later thus waits for that moment, instead of holding the engine a whole step on a guess.
+
+Every figure is measured while the system runs, none is a table: ``p``, ``p_later`` and the search
+left are learned per index setting and stage from finished searches
+(:class:`~specrag.retrieval.stage_stats.StageStatistics`), the prefill from the engine profile
+PGDSF fits (:class:`~specrag.cache.prefill_estimator.PrefillEstimator`, whose intercept is the
+per-request overhead), ``waiting`` from the engine's load and the gate, the step's tokens from the
+engine's per-step token budget.
 
 Where search is short against the prefill (r ≪ 1) the gain is at most the little search left
 while a stale prompt holds the engine for its whole prefill, so only a near-certain top-k is
@@ -62,10 +75,17 @@ class Price:
     prefill_s: float
     waiting: int
     observed: int  # searches the figures were learned from (0: the prior)
+    later_s: float = 0.0  # gain − cost of speculating at the best later stage instead (0: none)
 
     @property
     def pays(self) -> bool:
-        return self.gain_s > self.cost_s
+        """Worth launching now: it gains more than it costs, and no later stage is expected to."""
+        return self.gain_s > self.cost_s and self.gain_s - self.cost_s >= self.later_s
+
+    @property
+    def deferred(self) -> bool:
+        """It would pay, but a later stage is expected to pay more: wait for it."""
+        return self.gain_s > self.cost_s and not self.pays
 
     def detail(self) -> dict[str, float | int]:
         """The figures a timeline event shows, so a reader sees why it did or did not launch."""
@@ -77,15 +97,17 @@ class Price:
             "prefill_ms": round(self.prefill_s * 1000, 3),
             "waiting": self.waiting,
             "observed": self.observed,
+            "later_ms": round(self.later_s * 1000, 3),
         }
 
 
 class SpeculationPolicy:
     """Prices speculations and warm-ups from measured figures; ``setting`` says whether to ask it."""
 
-    def __init__(self, setting: SpeculationSetting, estimator: PrefillEstimator) -> None:
+    def __init__(self, setting: SpeculationSetting, estimator: PrefillEstimator, step_tokens: int) -> None:
         self.setting = setting
         self._estimator = estimator
+        self._step_tokens = step_tokens  # prompt tokens the engine computes in one step, at most
 
     @property
     def priced(self) -> bool:
@@ -106,13 +128,23 @@ class SpeculationPolicy:
         final documents in another order still makes the final prompt. ``waiting``: requests that
         wait for the engine now (the speculation would hold each of them up if it turns stale).
         """
-        p = outlook.p_final_set if ordered else outlook.p_final_list
-        prefill = self._estimator.profile.cost(cached_tokens, computed_tokens)
+        p = _chance(outlook, ordered)
+        cost_of = self._estimator.profile.cost
+        prefill = cost_of(cached_tokens, computed_tokens)
         hold = self._estimator.overhead_s + prefill
+        step = self._estimator.overhead_s + cost_of(cached_tokens, min(computed_tokens, self._step_tokens))
         left = outlook.remaining_s
-        gain = p * min(left, prefill)
-        cost = (1 - p) * (hold * waiting + max(0.0, hold - left))
-        return Price(gain, cost, p, left, prefill, waiting, outlook.observed)
+        rescue = 0.0  # what a later stage's replacement still hides once this one turned stale
+        later = 0.0  # what speculating at the best later stage instead is worth
+        for figures in outlook.later:
+            p_later, left_later = _chance(figures, ordered), figures.remaining_s
+            wait = min(step, max(0.0, hold - (left - left_later)))  # the stale step in progress
+            hidden = min(max(0.0, left_later - wait), prefill)
+            rescue = max(rescue, max(0.0, p_later - p) * hidden)
+            later = max(later, _net(p_later, left_later, prefill, hold, waiting))
+        gain = p * min(left, prefill) + rescue
+        cost = (1 - p) * _stale_cost(left, hold, waiting)
+        return Price(gain, cost, p, left, prefill, waiting, outlook.observed, later)
 
     def warmup(self, outlook: StageOutlook, system_tokens: int, waiting: int) -> Price:
         """The price of prefilling the cold system prompt now, beside the search left."""
@@ -120,3 +152,19 @@ class SpeculationPolicy:
         gain = min(outlook.remaining_s, prefill)
         cost = self._estimator.overhead_s * (waiting + 1)
         return Price(gain, cost, 1.0, outlook.remaining_s, prefill, waiting, outlook.observed)
+
+
+def _chance(outlook: StageOutlook, ordered: bool) -> float:
+    """The chance a stage's top-k makes the final prompt: as a set when the tree orders it."""
+    return outlook.p_final_set if ordered else outlook.p_final_list
+
+
+def _stale_cost(left: float, hold: float, waiting: int) -> float:
+    """What a stale speculation costs: its hold on every waiting request, and on this query's final
+    request when it outlasts the search left."""
+    return hold * waiting + max(0.0, hold - left)
+
+
+def _net(p: float, left: float, prefill: float, hold: float, waiting: int) -> float:
+    """A speculation's expected gain less its expected cost, at a stage with ``left`` to go."""
+    return p * min(left, prefill) - (1 - p) * _stale_cost(left, hold, waiting)

@@ -2,10 +2,11 @@
 search is still going.
 
 At each stage whose running top-k changed, the live speculation (if any) is aborted and, only if
-the new prompt fits the model, its price pays (:mod:`~specrag.controller.speculation_policy`, with
-``speculation="auto"``) and the prefill pool has room (:class:`~specrag.controller.gate.PrefillGate`),
-the new prompt is submitted speculatively. At a stage that could not speculate the system prompt
-is warmed where it is cold (a speculation prefills it itself). Apart from
+the new prompt fits the model, its price pays now rather than at a later stage
+(:mod:`~specrag.controller.speculation_policy`, with ``speculation="auto"``) and the prefill pool
+has room (:class:`~specrag.controller.gate.PrefillGate`), the new prompt is submitted
+speculatively. At a stage that could not speculate the system prompt is warmed where it is cold (a
+speculation prefills it itself). Apart from
 :mod:`specrag.controller.run` so that the run reads as the query's path (search, final prompt,
 answer) while the speculation's bookkeeping (the live flight, its price, its aborts, a preemption
 by another query) stays here.
@@ -84,8 +85,10 @@ class SpeculationSteps:
         price = self._price(placed, stage)
         if price is not None and not price.pays:
             timeline.speculations_priced_out += 1
-            timeline.add("spec_skip", now(), stage=stage, reason="price", **price.detail())
-            self.warm_up(stage)
+            reason = "later_stage" if price.deferred else "price"
+            timeline.add("spec_skip", now(), stage=stage, reason=reason, **price.detail())
+            if not price.deferred:  # the later stage's speculation prefills the system prompt itself
+                self.warm_up(stage)
             return
         slot = self._shared.gate.try_speculate(
             compute_tokens=tokens - placed.predicted_cached,
@@ -112,9 +115,10 @@ class SpeculationSteps:
         ``speculation="auto"``, if its price pays with the search left after ``stage``).
 
         A speculation prefills the system prompt with its documents, so with speculation on this
-        runs only at a stage that could not speculate: a warm-up started beside the search would
-        hold the prefill slot the first stage's speculation needs (after a cache reset it kept
-        every stage of the query's search from speculating).
+        runs only at a stage that could not speculate, and not at one that waits for a later
+        stage's: a warm-up started beside the search would hold the prefill slot that stage's
+        speculation needs (after a cache reset it kept every stage of the query's search from
+        speculating).
         """
         shared, timeline = self._shared, self._timeline
         if not self._checked.mode.warmup or not shared.warmer.needed():

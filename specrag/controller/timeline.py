@@ -97,7 +97,7 @@ class Timeline:
     predicted_cached_tokens: int = 0
     predicted_beside_prefill: bool = False
     speculations: int = 0
-    speculations_priced_out: int = 0  # stages whose speculation's expected gain was not above its cost
+    speculations_priced_out: int = 0  # stages whose speculation did not pay, or would pay more later
     warmups_priced_out: int = 0
     aborted_speculations: int = 0
     preempted_speculations: int = 0  # of the aborted: those a final request of another query took the slot of

@@ -19,7 +19,7 @@ key is made once, from the plan the controller resolved, and nobody else writes.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,12 +49,16 @@ class StageOutlook:
     ``p_final_set`` counts a top-k with the final documents in any order (a prompt whose
     documents are ordered by the knowledge tree), ``p_final_list`` one in the final order (a prompt
     in retrieval order). ``observed`` is how many searches taught the figures (0: prior only).
+    ``later``: the same figures for the stages still to come before the last one, each a chance
+    to speculate instead of this one (only stages some search has reached; their own ``later`` is
+    empty).
     """
 
     p_final_set: float
     p_final_list: float
     remaining_s: float
     observed: int
+    later: tuple[StageOutlook, ...] = ()
 
 
 class _StageRecord:
@@ -117,16 +121,31 @@ class StageStatistics:
         done (:meth:`StagePlan.done_fraction`); at stage 0 nothing can be, so none is assumed.
         """
         with self._lock:
+            later = tuple(self._learned(key, stage + 1))
             record = self._records.get((key, stage))
             if record is not None and record.seen:
-                return StageOutlook(
-                    (record.final_set + 1) / (record.seen + 2),
-                    (record.final_list + 1) / (record.seen + 2),
-                    record.remaining_s,
-                    round(record.seen),
-                )
+                return self._figures(record, later)
         done = StagePlan(key.num_stages, schedule=key.schedule).done_fraction(stage) if stage else 1.0
-        return StageOutlook(0.5, 0.5, max(0.0, elapsed_s) * (1 - done) / done, 0)
+        return StageOutlook(0.5, 0.5, max(0.0, elapsed_s) * (1 - done) / done, 0, later)
+
+    def _learned(self, key: PlanKey, first: int) -> Iterator[StageOutlook]:
+        """The learned figures of stages ``first``, ``first + 1``, ... up to the first stage no
+        search has reached (a stage that was always the last is never recorded)."""
+        number = first
+        while (record := self._records.get((key, number))) is not None and record.seen:
+            yield self._figures(record, ())
+            number += 1
+
+    @staticmethod
+    def _figures(record: _StageRecord, later: tuple[StageOutlook, ...]) -> StageOutlook:
+        """A record's figures, its chances smoothed by one success and one failure (Laplace)."""
+        return StageOutlook(
+            (record.final_set + 1) / (record.seen + 2),
+            (record.final_list + 1) / (record.seen + 2),
+            record.remaining_s,
+            round(record.seen),
+            later,
+        )
 
     def _stage(self, key: PlanKey, stage: int) -> _StageRecord:
         record = self._records.get((key, stage))

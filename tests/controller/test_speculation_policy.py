@@ -10,7 +10,7 @@ import pytest
 from specrag.cache.pgdsf import PrefillProfile
 from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.controller.controller import RagRequest
-from specrag.controller.speculation_policy import SpeculationPolicy, SpeculationSetting
+from specrag.controller.speculation_policy import Price, SpeculationPolicy, SpeculationSetting
 from specrag.errors import InvalidInputError, check_choice
 from specrag.retrieval.stage_stats import WINDOW, PlanKey, StageOutlook, StageStatistics
 from specrag.retrieval.stages import Schedule, StageResult
@@ -22,11 +22,12 @@ from tests.helpers import QUESTION, A, B, make_controller, scripted_index
 # One second per 1000 prompt tokens, no fixed cost: prices that are easy to check by hand.
 LINEAR = PrefillProfile([(0, 0.0), (1000, 1.0)])
 KEY = PlanKey((("kind", "test"),), 4, 3, "equal")
+STEP_TOKENS = 512
 
 
 def policy(setting: str = "auto") -> SpeculationPolicy:
     return SpeculationPolicy(
-        check_choice("speculation", setting, SpeculationSetting), PrefillEstimator(LINEAR)
+        check_choice("speculation", setting, SpeculationSetting), PrefillEstimator(LINEAR), STEP_TOKENS
     )
 
 
@@ -65,10 +66,40 @@ def test_cached_tokens_make_the_speculation_cheaper_and_the_order_picks_the_chan
     assert ordered.pays and not in_retrieval_order.pays
 
 
+def test_an_early_guess_a_later_stage_often_replaces_waits_for_that_stage() -> None:
+    # r near 1 (45 ms of search left, a 40 ms prefill): the first stage's top-k is final 6 times in
+    # 10, the next stage's, 1 ms later, 8 in 10. A stale first guess holds the engine for its whole
+    # step, so the next stage's speculation could hide almost nothing: waiting for it pays more.
+    first = StageOutlook(0.6, 0.6, 0.045, 10, later=(outlook(0.8, 0.044),))
+    price = policy().speculation(first, True, 0, 40, waiting=0)
+    assert price.gain_s > price.cost_s and price.later_s == pytest.approx(0.8 * 0.040)
+    assert not price.pays and price.deferred
+    assert price.detail()["later_ms"] == pytest.approx(32.0)
+    alone = policy().speculation(outlook(0.6, 0.045), True, 0, 40, waiting=0)  # no later stage known
+    assert alone.pays and not alone.deferred and alone.later_s == 0.0
+    likelier_now = StageOutlook(0.9, 0.9, 0.045, 10, later=(outlook(0.8, 0.044),))
+    assert policy().speculation(likelier_now, True, 0, 40, waiting=0).pays
+
+
+def test_the_shorter_the_engine_s_step_the_less_a_stale_guess_holds_up_its_replacement() -> None:
+    # 600 ms left, a 500 ms prefill; later, 450 ms left at a stage final 9 times in 10. A stale
+    # guess aborted then holds the engine to the end of its step: 350 more ms in one 500-token
+    # step (the replacement hides 100 ms), 64 ms in 64-token steps (it hides 386 ms).
+    first = StageOutlook(0.5, 0.5, 0.6, 10, later=(outlook(0.9, 0.45),))
+    one_step = SpeculationPolicy(SpeculationSetting.AUTO, PrefillEstimator(LINEAR), 512)
+    small_steps = SpeculationPolicy(SpeculationSetting.AUTO, PrefillEstimator(LINEAR), 64)
+    held = one_step.speculation(first, True, 0, 500, waiting=0)
+    brief = small_steps.speculation(first, True, 0, 500, waiting=0)
+    assert held.gain_s == pytest.approx(0.5 * 0.5 + 0.4 * 0.1)
+    assert brief.gain_s == pytest.approx(0.5 * 0.5 + 0.4 * 0.386)
+    assert held.later_s == brief.later_s == pytest.approx(0.9 * 0.45 - 0.1 * 0.05)
+    assert held.deferred and brief.pays
+
+
 def test_a_warm_up_pays_when_the_search_left_exceeds_a_request_s_overhead() -> None:
     estimator = PrefillEstimator(LINEAR)
     estimator.overhead_s = 0.02
-    warm = SpeculationPolicy(SpeculationSetting.AUTO, estimator)
+    warm = SpeculationPolicy(SpeculationSetting.AUTO, estimator, STEP_TOKENS)
     assert warm.warmup(outlook(0.0, 0.1), 300, waiting=0).pays  # gain 0.1 s, cost 0.02 s
     assert not warm.warmup(outlook(0.0, 0.01), 300, waiting=0).pays
     assert not warm.warmup(outlook(0.0, 0.1), 300, waiting=5).pays  # 6 requests pay the overhead
@@ -98,6 +129,10 @@ def test_the_chance_a_stage_is_final_and_the_search_after_it_are_learned() -> No
     assert first.observed == 8 and first.p_final_set == pytest.approx(1 / 10)
     assert second.p_final_set == pytest.approx(9 / 10) and second.p_final_list == pytest.approx(1 / 10)
     assert first.remaining_s == pytest.approx(0.5) and second.remaining_s == pytest.approx(0.3)
+    assert first.later == (second,)  # stage 2 comes after stage 1; stage 3 was always the last
+    assert second.later == ()
+    assert [later.remaining_s for later in stats.outlook(KEY, 0, 0.0).later] == pytest.approx([0.5, 0.3])
+    assert before.later == ()  # nothing learned: no later stage is known
     assert stats.outlook(KEY, 0, 0.0).remaining_s == pytest.approx(0.6)  # the whole search
     other = PlanKey(KEY.settings, 10, 3, Schedule.EQUAL)  # another k is another set of figures
     assert stats.outlook(other, 1, 0.0).observed == 0
@@ -186,4 +221,24 @@ async def test_a_warm_up_is_priced_by_the_search_it_can_hide(tiny_assets: Assets
     text = metrics.exposition().decode()
     assert 'specrag_speculation_decisions_total{decision="price",kind="warmup"} 1.0' in text
     assert 'specrag_speculation_decisions_total{decision="launched",kind="warmup"} 1.0' in text
+    await engine.close()
+
+
+async def test_a_stage_that_waits_for_a_later_one_leaves_the_engine_to_that_one(
+    tiny_assets: Assets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first stage's speculation would pay, but the next stage's is expected to pay more: the
+    first stage launches nothing, not even the cold system prompt's warm-up, whose prefill slot the
+    next stage's speculation needs; that one is launched and adopted."""
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [B, B, B], 0.05))
+    prices = iter(
+        [Price(0.02, 0.0, 0.5, 0.1, 0.02, 0, 5, later_s=0.03), Price(0.03, 0.0, 0.9, 0.05, 0.02, 0, 5)]
+    )
+    monkeypatch.setattr(controller.speculation, "speculation", lambda *args, **kwargs: next(prices))
+    done = await controller.answer(RagRequest(QUESTION, k=4, mode="all", max_tokens=2))
+    decisions = [(e.kind, e.detail.get("stage"), e.detail.get("reason")) for e in done.timeline.events]
+    assert ("spec_skip", 1, "later_stage") in decisions and ("spec_submit", 2, None) in decisions
+    assert not any(kind.startswith("warmup") for kind, _, _ in decisions)
+    assert done.timeline.adopted and done.timeline.speculations_priced_out == 1
     await engine.close()
