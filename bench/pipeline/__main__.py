@@ -70,6 +70,7 @@ from bench.e2e.runner import (
     ttft_of,
 )
 from bench.e2e.workload import TraceQuery, generate
+from bench.pipeline.ideal import ideal_records
 from specrag.controller.config import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import KVEventSource, parse_cpus
@@ -98,6 +99,8 @@ EF_SEARCH_RANGE = (64, 16384)
 CALIBRATION_QUERIES = 4
 # An idle trace spaces arrivals this many times one query's expected search + prefill apart.
 IDLE_GAP_FACTOR = 2.0
+# The measured bound's run (bench.pipeline.ideal) among a point's results.
+IDEAL = "ideal"
 
 
 @dataclass(frozen=True)
@@ -239,10 +242,17 @@ def _ok(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if "error" not in r and r.get("ttft_ms") is not None]
 
 
-def overlap(serial: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """The bound from serial's timelines and ``other``'s share of the gain, over the same queries."""
+def overlap(
+    serial: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]], ideal: Sequence[dict[str, Any]] = ()
+) -> dict[str, float]:
+    """The bound from serial's timelines and ``other``'s share of the gain, over the same queries;
+    with ``ideal`` (:mod:`bench.pipeline.ideal`) over the queries all three answered, also the
+    share of the gain the ideal run measured on this machine."""
     base = {r["i"]: r for r in _ok(serial)}
-    paired = [(base[r["i"]], r) for r in _ok(other) if r["i"] in base]
+    measured = {r["i"]: r["ttft_ms"] for r in ideal}
+    paired = [
+        (base[r["i"]], r) for r in _ok(other) if r["i"] in base and (not measured or r["i"] in measured)
+    ]
     embed = np.array([embed_ms(s) for s, _ in paired])
     search = np.array([search_ms(s) for s, _ in paired])
     serial_ttft = np.array([s["ttft_ms"] for s, _ in paired])
@@ -250,7 +260,18 @@ def overlap(serial: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]) -
     bound = embed + np.maximum(search, prefill)
     config_ttft = np.array([o["ttft_ms"] for _, o in paired])
     gain = serial_ttft.mean() - bound.mean()
+    of_ideal = {}
+    if measured:
+        ideal_ttft = float(np.mean([measured[o["i"]] for _, o in paired]))
+        ideal_gain = serial_ttft.mean() - ideal_ttft
+        of_ideal = {
+            "ideal_ttft_ms": ideal_ttft,
+            "overlap_fraction_of_ideal": (
+                float((serial_ttft.mean() - config_ttft.mean()) / ideal_gain) if ideal_gain > 0 else math.nan
+            ),
+        }
     return {
+        **of_ideal,
         "ratio": float(search.mean() / prefill.mean()),
         "embed_ms": float(embed.mean()),
         "search_ms": float(search.mean()),
@@ -327,7 +348,7 @@ def halves(trace: Sequence[TraceQuery]) -> list[tuple[int, list[TraceQuery]]]:
 
 
 async def run_all(
-    stack: Stack, index: VectorIndex, point: Point, trace: Sequence[TraceQuery]
+    stack: Stack, index: VectorIndex, point: Point, trace: Sequence[TraceQuery], ideal: bool = True
 ) -> dict[str, RunResult]:
     """Every configuration on ``trace``, each from an emptied prefix cache and a fresh controller.
 
@@ -339,6 +360,9 @@ async def run_all(
     its second (ABCD DCBA), so that a machine that grows faster or slower during a point weighs
     on every configuration alike, serial (whose timelines set the bound) included: run one after
     the other on the whole trace, the first configuration and the last were a minute apart.
+
+    With ``ideal`` (idle points: queries one at a time), each half ends with
+    :func:`~bench.pipeline.ideal.ideal_records` on serial's prompts of that half (result ``ideal``).
     """
     nprobe = set_search_ratio(index, point.knob) if point.kind == "ivf" else 0
     await search_times_ms(index, np.stack([index.embed_query(query.query) for query in trace]), point.k)
@@ -358,6 +382,16 @@ async def run_all(
             result.records.extend({**record, "i": record["i"] + first} for record in records)
             result.prompts.update({i + first: prompt for i, prompt in prompts.items()})
             result.wall_s += wall
+        if ideal:
+            serial = results["serial"]
+            answered = {r["i"]: r for r in _ok(serial.records)}
+            started = time.perf_counter()
+            found = await ideal_records(stack.engine, index, half, first, point.k, answered, serial.prompts)
+            bound = results.setdefault(
+                IDEAL, RunResult(Configuration(IDEAL, IDEAL, "pipeline", math.nan), [], 0.0, nprobe)
+            )
+            bound.records.extend(found)
+            bound.wall_s += time.perf_counter() - started
     return results
 
 
@@ -373,7 +407,9 @@ def point_summary(point: Point, results: dict[str, RunResult], index: VectorInde
     """The point's figures; ``search`` says whether its index searched hybrid (dense and BM25
     fused, as the service does) or dense only, so that points are compared like for like."""
     serial = results["serial"].records
-    rows = {name: overlap(serial, run.records) for name, run in results.items() if name != "serial"}
+    ideal = results[IDEAL].records if IDEAL in results else []
+    runs = {name: run for name, run in results.items() if name != IDEAL}
+    rows = {name: overlap(serial, run.records, ideal) for name, run in runs.items() if name != "serial"}
     return {
         "kind": point.kind,
         "search": "hybrid" if index.hybrid else "dense",
@@ -384,10 +420,19 @@ def point_summary(point: Point, results: dict[str, RunResult], index: VectorInde
         "configurations": rows,
         "first_query_cached_tokens": {
             name: next((r["cached_prompt_tokens"] for r in _ok(run.records)), None)
-            for name, run in results.items()
+            for name, run in runs.items()
         },
-        "summaries": {name: summarize(run, {}, math.inf) for name, run in results.items()},
-        "phases": {name: phase_summary(run.records) for name, run in results.items()},
+        "summaries": {name: summarize(run, {}, math.inf) for name, run in runs.items()},
+        "phases": {name: phase_summary(run.records) for name, run in runs.items()},
+        **({"ideal": ideal_summary(ideal)} if ideal else {}),
+    }
+
+
+def ideal_summary(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The ideal run's means: its TTFT, its search and its prefill, each beside the other."""
+    return {
+        f"{figure}_mean": float(np.mean([r[figure] for r in records]))
+        for figure in ("ttft_ms", "search_ms", "prefill_beside_search_ms")
     }
 
 
@@ -515,7 +560,7 @@ async def loaded_run(
     stretch = (len(drawn) - 1) / drawn[-1].t / target_rps
     trace = [replace(query, t=query.t * stretch) for query in drawn]
     offered_rps = (len(trace) - 1) / trace[-1].t
-    results = await run_all(stack, index, point, trace)
+    results = await run_all(stack, index, point, trace, ideal=False)  # arrivals overlap: no ideal
     summary = loaded_summary(point, results, index, offered_rps / saturation, saturation)
     print_loaded(summary)
     return summary, results
@@ -680,10 +725,18 @@ def print_point(summary: dict[str, Any], label: str) -> None:
         f" serial {first['serial_ttft_ms']:.0f} ms, bound {first['bound_ttft_ms']:.0f} ms;"
         f" first query's cached tokens {summary['first_query_cached_tokens']}"
     )
+    if "ideal" in summary:
+        ideal = summary["ideal"]
+        print(
+            f"    ideal (final prompt from the search's start): TTFT {ideal['ttft_ms_mean']:.0f} ms,"
+            f" search {ideal['search_ms_mean']:.0f} ms,"
+            f" prefill beside it {ideal['prefill_beside_search_ms_mean']:.0f} ms"
+        )
     for name, row in rows.items():
         print(
             f"    {name:<16} TTFT {row['config_ttft_ms']:7.0f} ms"
             f"  overlap_fraction {row['overlap_fraction']:6.2f}"
+            f"  of ideal {row.get('overlap_fraction_of_ideal', math.nan):6.2f}"
             f"  non-overlapped / search {row['non_overlapped_over_search']:.2f}"
         )
     print_phases(summary["phases"])
@@ -779,8 +832,19 @@ def extra_point(summary: dict[str, Any]) -> dict[str, float]:
     return {
         "ratio": round(row["ratio"], 3),
         "overlap_fraction": round(row["overlap_fraction"], 3),
+        **of_ideal(row),
         "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
         "phases": {name: phase_medians(summary, name) for name in ("serial", "all")},
+    }
+
+
+def of_ideal(row: dict[str, Any]) -> dict[str, float]:
+    """A configuration's ideal TTFT and its share of the ideal's gain, where the point ran one."""
+    if "ideal_ttft_ms" not in row:
+        return {}
+    return {
+        "ideal_ttft_ms": round(row["ideal_ttft_ms"], 1),
+        "overlap_fraction_of_ideal": round(row["overlap_fraction_of_ideal"], 3),
     }
 
 
@@ -797,6 +861,7 @@ def idle_row(point: dict[str, Any]) -> dict[str, Any]:
         "bound_ttft_ms": round(row["bound_ttft_ms"], 1),
         "overlap_fraction": round(row["overlap_fraction"], 3),
         "overlap_fraction_always": round(always["overlap_fraction"], 3),
+        **of_ideal(row),
         "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
         "speculations_per_query": {
             name: round(
@@ -825,6 +890,7 @@ def near_r1(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "ratio": round(row["ratio"], 3),
         "overlap_fraction": round(row["overlap_fraction"], 3),
+        **of_ideal(row),
         "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
         "above_bound_ms": round(above, 1),
         # What the search the answer's prefill did not overlap leaves unexplained: time lost after

@@ -55,6 +55,22 @@ def test_overlap_fraction_is_the_share_of_the_gain_the_bound_allows() -> None:
     assert overlap(serial, serial)["overlap_fraction"] == pytest.approx(0.0)
 
 
+def test_the_ideal_run_measures_the_gain_this_machine_allows() -> None:
+    # Serial 320 ms, bound 220 ms; overlapped, the prefill took 240 ms beside the search: the
+    # ideal run (final prompt from the search's start) answered at 260, so a configuration at 270
+    # has half of the bound's gain and five sixths of the ideal's.
+    serial = [record(i, 320, 100, 20, 100) for i in range(3)]
+    halfway = [record(i, 270, 100, 20, 50) for i in range(3)]
+    ideal = [{"i": i, "ttft_ms": 260.0} for i in range(3)]
+    row = overlap(serial, halfway, ideal)
+    assert row["overlap_fraction"] == pytest.approx(0.5)
+    assert row["ideal_ttft_ms"] == pytest.approx(260)
+    assert row["overlap_fraction_of_ideal"] == pytest.approx(50 / 60)
+    assert "ideal_ttft_ms" not in overlap(serial, halfway)
+    # Only queries the ideal run answered count, in both shares.
+    assert overlap(serial, halfway, ideal[:1])["serial_ttft_ms"] == pytest.approx(320)
+
+
 def test_overlap_pairs_queries_and_skips_failed_ones() -> None:
     serial = [record(0, 320, 100, 20, 100), record(1, 620, 100, 20, 100)]
     other = [record(0, 220, 100, 20, 0), {"i": 1, "error": "EngineError: gone"}]
