@@ -262,13 +262,20 @@ def overlap(
     gain = serial_ttft.mean() - bound.mean()
     of_ideal = {}
     if measured:
-        ideal_ttft = float(np.mean([measured[o["i"]] for _, o in paired]))
-        ideal_gain = serial_ttft.mean() - ideal_ttft
+        ideal_ttft = np.array([measured[o["i"]] for _, o in paired])
+        ideal_gain = serial_ttft.mean() - ideal_ttft.mean()
+        replaced = np.array([replaced_guess(o) for _, o in paired])
+        loss = config_ttft - ideal_ttft
         of_ideal = {
-            "ideal_ttft_ms": ideal_ttft,
+            "ideal_ttft_ms": float(ideal_ttft.mean()),
             "overlap_fraction_of_ideal": (
                 float((serial_ttft.mean() - config_ttft.mean()) / ideal_gain) if ideal_gain > 0 else math.nan
             ),
+            # The mean loss against the ideal, and the part of it from queries whose speculated
+            # top-k went stale (a guess no policy can know is wrong when it is made).
+            "loss_vs_ideal_ms": float(loss.mean()),
+            "loss_vs_ideal_from_stale_guesses_ms": float(loss[replaced].sum() / len(loss)),
+            "queries_with_stale_guesses": int(replaced.sum()),
         }
     return {
         **of_ideal,
@@ -286,6 +293,11 @@ def overlap(
             / search.mean()
         ),
     }
+
+
+def replaced_guess(record: dict[str, Any]) -> bool:
+    """Whether a query aborted a speculation because its top-k went stale."""
+    return any(e["kind"] == "spec_abort" and e.get("reason") == "stale" for e in record.get("events", ()))
 
 
 PHASES = (
@@ -737,6 +749,7 @@ def print_point(summary: dict[str, Any], label: str) -> None:
             f"    {name:<16} TTFT {row['config_ttft_ms']:7.0f} ms"
             f"  overlap_fraction {row['overlap_fraction']:6.2f}"
             f"  of ideal {row.get('overlap_fraction_of_ideal', math.nan):6.2f}"
+            f"  stale guesses {row.get('queries_with_stale_guesses', '-')}"
             f"  non-overlapped / search {row['non_overlapped_over_search']:.2f}"
         )
     print_phases(summary["phases"])
@@ -845,6 +858,9 @@ def of_ideal(row: dict[str, Any]) -> dict[str, float]:
     return {
         "ideal_ttft_ms": round(row["ideal_ttft_ms"], 1),
         "overlap_fraction_of_ideal": round(row["overlap_fraction_of_ideal"], 3),
+        "loss_vs_ideal_ms": round(row["loss_vs_ideal_ms"], 1),
+        "loss_vs_ideal_from_stale_guesses_ms": round(row["loss_vs_ideal_from_stale_guesses_ms"], 1),
+        "queries_with_stale_guesses": row["queries_with_stale_guesses"],
     }
 
 

@@ -66,7 +66,15 @@ def test_the_ideal_run_measures_the_gain_this_machine_allows() -> None:
     assert row["overlap_fraction"] == pytest.approx(0.5)
     assert row["ideal_ttft_ms"] == pytest.approx(260)
     assert row["overlap_fraction_of_ideal"] == pytest.approx(50 / 60)
+    assert row["loss_vs_ideal_ms"] == pytest.approx(10) and row["queries_with_stale_guesses"] == 0
     assert "ideal_ttft_ms" not in overlap(serial, halfway)
+    # One query of three aborted a stale guess and lost 40 ms: 40 / 3 of the mean loss is its.
+    stale = {"kind": "spec_abort", "reason": "stale"}
+    mixed = [record(0, 300, 100, 20, 80, events=[stale]), *halfway[1:]]
+    split = overlap(serial, mixed, ideal)
+    assert split["queries_with_stale_guesses"] == 1
+    assert split["loss_vs_ideal_ms"] == pytest.approx((40 + 10 + 10) / 3)
+    assert split["loss_vs_ideal_from_stale_guesses_ms"] == pytest.approx(40 / 3)
     # Only queries the ideal run answered count, in both shares.
     assert overlap(serial, halfway, ideal[:1])["serial_ttft_ms"] == pytest.approx(320)
 
