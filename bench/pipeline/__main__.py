@@ -13,7 +13,9 @@ the serial run's timelines. At each point, one query at a time (idle), it runs `
 ``speculation`` with equal stages, ``speculation`` with the default schedule and ``all`` (default
 schedule); at the point nearest r = 1 the same four also run loaded (Poisson arrivals at
 ``--utilization`` of the saturation rate measured from the idle serial run). Two more idle points
-near r = 1: an HNSW index (efSearch sets its search time), and a flat IVF index.
+near r = 1: an HNSW index (efSearch sets its search time), and a flat IVF index. Every idle point
+also runs ``ideal`` (:mod:`bench.pipeline.ideal`): serial's final prompt submitted at the search's
+start, the bound as this machine allows it, and each configuration's ``overlap_fraction_of_ideal``.
 
 The sweep's index has SQ8 lists (``--kind``, one byte a dimension) by default. Search and prefill
 share the machine's memory: a flat scan streams four times the bytes and slowed the prefill on
