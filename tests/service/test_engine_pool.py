@@ -21,6 +21,7 @@ from specrag.controller.placement import Placement
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.assembly import Service, ServiceOptions, open_service
 from specrag.service.assets import Assets
+from specrag.service.kv_mirror import WAITING_FOR_CLEAR, KVMirror
 from specrag.service.pools import free_port_pair
 from specrag.service.server import serving
 from specrag.service.supervisor import SupervisedEngine
@@ -32,6 +33,19 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 def scripted(assets: Assets) -> Assets:
     """The assets with a search whose documents are fixed (and instant)."""
     return dataclasses.replace(assets, index=scripted_index(assets, [[1, 2, 3]], 0.0))
+
+
+async def until_exact(controller: RagController, request: RagRequest, mirror: KVMirror) -> None:
+    """Wait for the mirror to be exact. A mirror that lost events resets its idle engine's prefix
+    cache, and vLLM publishes the reset's AllBlocksCleared only with the engine's next step: while
+    it waits for that event, answer a query (round robin: the replicas take turns) so a step runs."""
+
+    async def exact() -> bool:
+        if mirror.status.reason == WAITING_FOR_CLEAR:
+            await controller.answer(request)
+        return mirror.status.exact
+
+    await wait_until(exact, within_s=60, what=lambda: f"{mirror.name}: {mirror.status} {mirror.faults()}")
 
 
 async def answer_through_both(service: Service) -> None:
@@ -46,7 +60,13 @@ async def answer_through_both(service: Service) -> None:
     mirrors = {mirror.name: mirror for mirror in service.mirrors}
     assert sorted(mirrors) == ["r0", "r1"]
     for mirror in mirrors.values():
-        await wait_until(lambda m=mirror: m.status.exact, within_s=30, what=lambda m=mirror: repr(m.status))  # type: ignore[misc]
+        await until_exact(controller, request, mirror)
+    # The way back from a loss, on the real engine: the idle engine resets its prefix cache at once,
+    # and the AllBlocksCleared of the reset, published with its next step, makes the mirror exact.
+    lossy = mirrors["r0"]
+    lossy.target.degrade("a batch lost on purpose")
+    assert await lossy.recover() and lossy.status.reason == WAITING_FOR_CLEAR
+    await until_exact(controller, request, lossy)
     # A mirror that lost events on the way empties its idle engine's cache to be exact again: ask
     # once more, so that each tree shows its own engine's system prompt, arrived by its own events.
     await asyncio.wait_for(asyncio.gather(*(controller.answer(request) for _ in range(2))), 120)
