@@ -11,6 +11,9 @@ a batch is lost or cannot be applied, and comes back to exact when the stream sh
 cache emptied (an ``AllBlocksCleared`` event, or a new publisher: a restarted engine). While
 degraded, a background task asks the engine to reset its prefix cache, which vLLM does only when
 no request holds blocks (an idle engine): the reset's ``AllBlocksCleared`` then makes it exact.
+vLLM publishes events only at the end of an engine step, so on an idle engine that event comes with
+the next request's first step; the tree is emptied at the reset already, so the prompts ordered
+meanwhile are ordered against what the engine holds.
 Ordering and routing keep working while degraded, on a tree that may be wrong.
 """
 
