@@ -15,12 +15,12 @@ configuration's share of the gain this machine can give: ``(serial − config) /
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from bench.e2e.runner import ttft_of
 from bench.e2e.workload import TraceQuery
-from specrag.pipeline.engine import Engine, Sampling, now
+from specrag.pipeline.engine import Engine, now
 from specrag.retrieval.vector_index import VectorIndex
 
 __all__ = ["ideal_records"]
@@ -46,14 +46,14 @@ async def ideal_records(
         vector = index.embed_query(query.query)
         started = now()
         search = asyncio.ensure_future(_search_end(index, vector, k, query.query))
-        first_token = await _first_token(engine, prompts[i])
-        search_end = await search
+        prefill_s = await ttft_of(engine, prompts[i])  # its clock starts as the search's task is made
+        search_s = await search - started
         records.append(
             {
                 "i": i,
-                "ttft_ms": serial[i]["embed_ms"] + (max(search_end, first_token) - started) * 1000,
-                "search_ms": (search_end - started) * 1000,
-                "prefill_beside_search_ms": (first_token - started) * 1000,
+                "ttft_ms": serial[i]["embed_ms"] + max(search_s, prefill_s) * 1000,
+                "search_ms": search_s * 1000,
+                "prefill_beside_search_ms": prefill_s * 1000,
             }
         )
     return records
@@ -64,10 +64,3 @@ async def _search_end(index: VectorIndex, vector: Any, k: int, text: str) -> flo
     async for _ in index.search_staged(vector, k, index.stage_plan(1), query_text=text):
         pass
     return now()
-
-
-async def _first_token(engine: Engine, prompt: Sequence[int]) -> float:
-    """When the first token of ``prompt`` reaches this process."""
-    async for output in engine.generate("ideal-" + uuid.uuid4().hex, prompt, Sampling(max_tokens=1)):
-        return output.received_at
-    raise RuntimeError("the engine produced no token")

@@ -1,4 +1,5 @@
-"""bench.pipeline's arithmetic: the overlap bound from serial timelines, point choice, waste."""
+"""bench.pipeline's arithmetic (the overlap bound from serial timelines, point choice, waste) and its
+ideal run on the simulated engine."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ from bench.pipeline.__main__ import (
     sweep_points,
     wasted_share,
 )
+from bench.pipeline.ideal import ideal_records
+from specrag.service.assets import Assets
+from specrag.sim.engine import SimulatedEngine
+from tests.helpers import A, scripted_index
 
 
 def record(
@@ -237,3 +242,22 @@ def test_phases_are_summarised_over_the_answers_that_report_them() -> None:
     assert summary["queued_to_scheduled_ms"] == {"mean": 3.0, "median": 3.0}  # the unknown one is left out
     assert summary["answers"] == 3 and summary["adopted"] == 1
     assert summary["beside_prefilling_at_submit"] == 1 and summary["aborted_before_submit"] == 1
+
+
+async def test_the_ideal_run_times_each_answered_query_s_prompt_beside_its_search(
+    tiny_assets: Assets,
+) -> None:
+    """Each query serial answered: its prompt submitted as its search starts; the TTFT is serial's
+    embedding plus the later of the two. A query serial did not answer is left out."""
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    index = scripted_index(tiny_assets, [A], 0.05)
+    trace = [TraceQuery(0.0, "what is a list"), TraceQuery(1.0, "what is a dict")]
+    serial = {5: {"embed_ms": 2.0}}
+    records = await ideal_records(engine, index, trace, 5, 4, serial, {5: (1, 2, 3) * 20, 6: (4, 5, 6)})
+    await engine.close()
+    assert [r["i"] for r in records] == [5]
+    record = records[0]
+    assert record["search_ms"] >= 50  # the scripted search's one stage
+    assert record["ttft_ms"] == pytest.approx(
+        2.0 + max(record["search_ms"], record["prefill_beside_search_ms"])
+    )
