@@ -149,9 +149,9 @@ async def one_search_ms(index: VectorIndex, vectors: np.ndarray, k: int) -> floa
     return statistics.median(await search_times_ms(index, vectors, k))
 
 
-async def ttft_of(engine: Engine, prompt: Sequence[int]) -> float:
-    """Time to first token of one prompt submitted alone."""
-    started = now()
+async def ttft_of(engine: Engine, prompt: Sequence[int], started: float | None = None) -> float:
+    """Time to first token of one prompt submitted alone, from ``started`` (default: the call)."""
+    started = now() if started is None else started
     async for output in engine.generate("probe-" + uuid.uuid4().hex, prompt, Sampling(max_tokens=1)):
         return output.received_at - started
     raise RuntimeError("the engine produced no token")

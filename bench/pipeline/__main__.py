@@ -15,7 +15,10 @@ schedule); at the point nearest r = 1 the same four also run loaded (Poisson arr
 ``--utilization`` of the saturation rate measured from the idle serial run). Two more idle points
 near r = 1: an HNSW index (efSearch sets its search time), and a flat IVF index. Every idle point
 also runs ``ideal`` (:mod:`bench.pipeline.ideal`): serial's final prompt submitted at the search's
-start, the bound as this machine allows it, and each configuration's ``overlap_fraction_of_ideal``.
+start, the bound as this machine allows it, and each configuration's ``overlap_fraction_of_ideal``;
+and ``earliest``: serial's final prompt submitted as the first stage of ``all``'s plan holding the
+final passages ends, the best any speculation from those stages can do (``earliest-fine``: the
+same on a plan of many equal stages), and ``all``'s share of its gain.
 
 The sweep's index has SQ8 lists (``--kind``, one byte a dimension) by default. Search and prefill
 share the machine's memory: a flat scan streams four times the bytes and slowed the prefill on
@@ -44,6 +47,7 @@ import argparse
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -72,7 +76,7 @@ from bench.e2e.runner import (
     ttft_of,
 )
 from bench.e2e.workload import TraceQuery, generate
-from bench.pipeline.ideal import ideal_records
+from bench.pipeline.ideal import earliest_records, ideal_records
 from specrag.controller.config import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import KVEventSource, parse_cpus
@@ -82,7 +86,7 @@ from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES
+from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
 from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
@@ -101,8 +105,14 @@ EF_SEARCH_RANGE = (64, 16384)
 CALIBRATION_QUERIES = 4
 # An idle trace spaces arrivals this many times one query's expected search + prefill apart.
 IDLE_GAP_FACTOR = 2.0
-# The measured bound's run (bench.pipeline.ideal) among a point's results.
+# The measured bounds' runs (bench.pipeline.ideal) among a point's results: the final prompt from
+# the search's start, and from the end of the first stage holding it on all's plan and on a fine one.
 IDEAL = "ideal"
+EARLIEST = "earliest"
+EARLIEST_FINE = "earliest-fine"
+BOUNDS = (IDEAL, EARLIEST, EARLIEST_FINE)
+# earliest-fine's plan: equal stages of about a thirty-second of the search each.
+FINE_STAGES = 32
 
 
 @dataclass(frozen=True)
@@ -376,7 +386,9 @@ async def run_all(
     the other on the whole trace, the first configuration and the last were a minute apart.
 
     With ``ideal`` (idle points: queries one at a time), each half ends with
-    :func:`~bench.pipeline.ideal.ideal_records` on serial's prompts of that half (result ``ideal``).
+    :func:`~bench.pipeline.ideal.ideal_records` on serial's prompts of that half (result ``ideal``)
+    and :func:`~bench.pipeline.ideal.earliest_records` on ``all``'s plan and on a fine one
+    (``earliest``, ``earliest-fine``).
     """
     nprobe = set_search_ratio(index, point.knob) if point.kind == "ivf" else 0
     await search_times_ms(index, np.stack([index.embed_query(query.query) for query in trace]), point.k)
@@ -397,16 +409,38 @@ async def run_all(
             result.prompts.update({i + first: prompt for i, prompt in prompts.items()})
             result.wall_s += wall
         if ideal:
-            serial = results["serial"]
-            answered = {r["i"]: r for r in _ok(serial.records)}
-            started = time.perf_counter()
-            found = await ideal_records(stack.engine, index, half, first, point.k, answered, serial.prompts)
-            bound = results.setdefault(
-                IDEAL, RunResult(Configuration(IDEAL, IDEAL, "pipeline", math.nan), [], 0.0, nprobe)
-            )
-            bound.records.extend(found)
-            bound.wall_s += time.perf_counter() - started
+            await run_bounds(stack, index, point, half, first, results)
     return results
+
+
+async def run_bounds(
+    stack: Stack,
+    index: VectorIndex,
+    point: Point,
+    half: Sequence[TraceQuery],
+    first: int,
+    results: dict[str, RunResult],
+) -> None:
+    """The measured bounds (:data:`BOUNDS`) on serial's answered queries of ``half``, into ``results``."""
+    serial = results["serial"]
+    answered = {r["i"]: r for r in _ok(serial.records)}
+    plans = {
+        EARLIEST: index.stage_plan(stack.base.num_stages, DEFAULT_SCHEDULE),
+        EARLIEST_FINE: index.stage_plan(FINE_STAGES, Schedule.EQUAL),
+    }
+    for name in BOUNDS:
+        started = time.perf_counter()
+        if name == IDEAL:
+            found = await ideal_records(stack.engine, index, half, first, point.k, answered, serial.prompts)
+        else:
+            found = await earliest_records(
+                stack.engine, index, half, first, point.k, answered, serial.prompts, plans[name]
+            )
+        bound = results.setdefault(
+            name, RunResult(Configuration(name, name, "pipeline", math.nan), [], 0.0, serial.nprobe)
+        )
+        bound.records.extend(found)
+        bound.wall_s += time.perf_counter() - started
 
 
 def idle_trace(
@@ -422,8 +456,13 @@ def point_summary(point: Point, results: dict[str, RunResult], index: VectorInde
     fused, as the service does) or dense only, so that points are compared like for like."""
     serial = results["serial"].records
     ideal = results[IDEAL].records if IDEAL in results else []
-    runs = {name: run for name, run in results.items() if name != IDEAL}
+    runs = {name: run for name, run in results.items() if name not in BOUNDS}
     rows = {name: overlap(serial, run.records, ideal) for name, run in runs.items() if name != "serial"}
+    earliest = {
+        name: earliest_summary(serial, results[name].records, ideal)
+        for name in (EARLIEST, EARLIEST_FINE)
+        if name in results
+    }
     return {
         "kind": point.kind,
         "search": "hybrid" if index.hybrid else "dense",
@@ -439,6 +478,7 @@ def point_summary(point: Point, results: dict[str, RunResult], index: VectorInde
         "summaries": {name: summarize(run, {}, math.inf) for name, run in runs.items()},
         "phases": {name: phase_summary(run.records) for name, run in runs.items()},
         **({"ideal": ideal_summary(ideal)} if ideal else {}),
+        **({"earliest": earliest} if earliest else {}),
     }
 
 
@@ -447,6 +487,19 @@ def ideal_summary(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {
         f"{figure}_mean": float(np.mean([r[figure] for r in records]))
         for figure in ("ttft_ms", "search_ms", "prefill_beside_search_ms")
+    }
+
+
+def earliest_summary(
+    serial: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]], ideal: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """An ``earliest`` run as a configuration's row (:func:`overlap`), with when it submitted:
+    the mean time from the search's start and how many queries submitted at each stage."""
+    by_stage = Counter(r["stage"] for r in records)
+    return {
+        **overlap(serial, records, ideal),
+        "submitted_ms": float(np.mean([r["submitted_ms"] for r in records])),
+        "queries_by_stage": {str(stage): by_stage[stage] for stage in sorted(by_stage)},
     }
 
 
@@ -746,6 +799,13 @@ def print_point(summary: dict[str, Any], label: str) -> None:
             f" search {ideal['search_ms_mean']:.0f} ms,"
             f" prefill beside it {ideal['prefill_beside_search_ms_mean']:.0f} ms"
         )
+    for name, bound in summary.get("earliest", {}).items():
+        print(
+            f"    {name} (final prompt from the first stage holding it, {bound['submitted_ms']:.0f} ms in):"
+            f" TTFT {bound['config_ttft_ms']:.0f} ms, overlap_fraction {bound['overlap_fraction']:.2f},"
+            f" of ideal {bound.get('overlap_fraction_of_ideal', math.nan):.2f};"
+            f" queries by stage {bound['queries_by_stage']}"
+        )
     for name, row in rows.items():
         print(
             f"    {name:<16} TTFT {row['config_ttft_ms']:7.0f} ms"
@@ -848,6 +908,7 @@ def extra_point(summary: dict[str, Any]) -> dict[str, float]:
         "ratio": round(row["ratio"], 3),
         "overlap_fraction": round(row["overlap_fraction"], 3),
         **of_ideal(row),
+        **of_earliest(summary),
         "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
         "phases": {name: phase_medians(summary, name) for name in ("serial", "all")},
     }
@@ -866,6 +927,20 @@ def of_ideal(row: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def of_earliest(point: dict[str, Any]) -> dict[str, float]:
+    """Each earliest run's overlap and ``all``'s share of its gain, where the point ran them."""
+    row = point["configurations"]["all"]
+    result = {}
+    for name, bound in point.get("earliest", {}).items():
+        key = name.replace("-", "_")
+        gain = bound["serial_ttft_ms"] - bound["config_ttft_ms"]
+        result[f"{key}_overlap_fraction"] = round(bound["overlap_fraction"], 3)
+        result[f"all_share_of_{key}"] = (
+            round((row["serial_ttft_ms"] - row["config_ttft_ms"]) / gain, 3) if gain > 0 else math.nan
+        )
+    return result
+
+
 def idle_row(point: dict[str, Any]) -> dict[str, Any]:
     """One idle point's figures for ``all`` (speculation priced) beside ``all-always``."""
     row, always = point["configurations"]["all"], point["configurations"]["all-always"]
@@ -880,6 +955,7 @@ def idle_row(point: dict[str, Any]) -> dict[str, Any]:
         "overlap_fraction": round(row["overlap_fraction"], 3),
         "overlap_fraction_always": round(always["overlap_fraction"], 3),
         **of_ideal(row),
+        **of_earliest(point),
         "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
         "speculations_per_query": {
             name: round(
@@ -909,6 +985,7 @@ def near_r1(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "ratio": round(row["ratio"], 3),
         "overlap_fraction": round(row["overlap_fraction"], 3),
         **of_ideal(row),
+        **of_earliest(point),
         "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
         "above_bound_ms": round(above, 1),
         # What the search the answer's prefill did not overlap leaves unexplained: time lost after

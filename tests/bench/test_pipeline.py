@@ -1,5 +1,5 @@
 """bench.pipeline's arithmetic (the overlap bound from serial timelines, point choice, waste) and its
-ideal run on the simulated engine."""
+ideal and earliest runs on the simulated engine."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from bench.e2e.workload import TraceQuery
 from bench.pipeline.__main__ import (
     PHASES,
+    earliest_summary,
     halves,
     headline,
     nearest_point,
@@ -20,10 +21,10 @@ from bench.pipeline.__main__ import (
     sweep_points,
     wasted_share,
 )
-from bench.pipeline.ideal import ideal_records
+from bench.pipeline.ideal import earliest_records, ideal_records
 from specrag.service.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import A, scripted_index
+from tests.helpers import A, B, scripted_index
 
 
 def record(
@@ -159,6 +160,12 @@ def test_the_headline_sorts_points_by_ratio_and_adds_the_extra_points() -> None:
         "ivf_flat": point(0.9, 0.6),
     }
     line = headline(result)
+    assert "earliest_overlap_fraction" not in line["hnsw"]
+    # An earliest run that gained 80 of serial's 300 ms: all's 50 ms gain is five eighths of it.
+    earliest = {"earliest": {"serial_ttft_ms": 300.0, "config_ttft_ms": 220.0, "overlap_fraction": 0.8}}
+    with_bound = headline({**result, "hnsw": {**point(1.1, 0.97), "earliest": earliest}})["hnsw"]
+    assert with_bound["earliest_overlap_fraction"] == 0.8
+    assert with_bound["all_share_of_earliest"] == pytest.approx(50 / 80, abs=1e-3)
     assert [row["ratio"] for row in line["idle"]] == [0.5, 2.0]
     assert {key: line["ivf_flat"][key] for key in ("ratio", "overlap_fraction")} == {
         "ratio": 0.9,
@@ -261,3 +268,37 @@ async def test_the_ideal_run_times_each_answered_query_s_prompt_beside_its_searc
     assert record["ttft_ms"] == pytest.approx(
         2.0 + max(record["search_ms"], record["prefill_beside_search_ms"])
     )
+
+
+@pytest.mark.parametrize(
+    ("stages", "expected_stage"),
+    [([B, A, A], 2), ([A, B, A], 1), ([B, B, A], 3)],
+    ids=["settles-at-2", "right-at-1-then-wrong", "only-the-last"],
+)
+async def test_the_earliest_run_submits_as_the_first_stage_holding_the_final_passages_ends(
+    tiny_assets: Assets, stages: list[list[int]], expected_stage: int
+) -> None:
+    """The final prompt goes in at the end of the first stage whose top-k is the final one (even
+    one a later stage undoes: no speculation could submit the right prompt earlier); the TTFT is
+    serial's embedding plus the later of the search's end and the first token."""
+    delay_s = 0.03
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    index = scripted_index(tiny_assets, stages, delay_s)
+    trace = [TraceQuery(0.0, "what is a list"), TraceQuery(1.0, "what is a dict")]
+    serial = {0: {"embed_ms": 2.0}, 1: {"embed_ms": 3.0}}
+    records = await earliest_records(
+        engine, index, trace, 0, 4, serial, {0: (1, 2, 3) * 40, 1: (4, 5, 6) * 40}, index.stage_plan()
+    )
+    await engine.close()
+    assert [r["stage"] for r in records] == [expected_stage] * 2
+    for found in records:
+        assert found["submitted_ms"] >= expected_stage * delay_s * 1000
+        assert found["search_ms"] >= len(stages) * delay_s * 1000
+        answer_ms = found["submitted_ms"] + found["prefill_beside_search_ms"]
+        assert found["ttft_ms"] == pytest.approx(found["embed_ms"] + max(found["search_ms"], answer_ms))
+        assert found["non_overlapped_retrieval_ms"] == pytest.approx(
+            found["embed_ms"] + found["submitted_ms"]
+        )
+    summary = earliest_summary([record(r["i"], 500, 90, r["embed_ms"], 90) for r in records], records, [])
+    assert summary["queries_by_stage"] == {str(expected_stage): 2}
+    assert summary["submitted_ms"] == pytest.approx(sum(r["submitted_ms"] for r in records) / 2)
