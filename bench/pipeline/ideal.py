@@ -81,8 +81,8 @@ async def earliest_records(
     its time from the search's start, and ``non_overlapped_retrieval_ms`` (from the embedding's
     start, as a timeline counts it) the search before it.
 
-    Its searches teach the index's stage statistics as each configuration's do: the same
-    queries' outcomes once more.
+    Its searches leave the index's stage statistics as they were: the configurations that
+    run after it learn from their own searches only.
     """
     await engine.reset_prefix_cache()
     records = []
@@ -93,7 +93,7 @@ async def earliest_records(
         started = now()
         first_token: asyncio.Future[float] | None = None
         stage_number, submitted = 0, 0.0
-        async for stage in index.search_staged(vector, k, plan, query_text=query.query):
+        async for stage in index.search_staged(vector, k, plan, query_text=query.query, learn=False):
             if first_token is None and set(index.ranked_rows(stage.ids)[:k]) == final:
                 submitted = now()
                 stage_number = stage.stage
@@ -131,6 +131,6 @@ def _answered(
 
 async def _search_end(index: VectorIndex, vector: Any, k: int, text: str) -> float:
     """When serial's search (one stage, on the index's search thread) of this query ends."""
-    async for _ in index.search_staged(vector, k, index.stage_plan(1), query_text=text):
+    async for _ in index.search_staged(vector, k, index.stage_plan(1), query_text=text, learn=False):
         pass
     return now()

@@ -255,13 +255,15 @@ class VectorIndex:
         *,
         query_text: str | Sequence[str] | None = None,
         batch: bool = False,
+        learn: bool = True,
     ) -> StagedSearch:
         """A staged search cut by ``plan`` (None: the index kind's, :meth:`stage_plan`), not started
         yet: ``for`` runs it in the calling thread, ``async for`` on the search threads.
 
         ``queries``, ``query_text`` and ``batch`` are as for :meth:`search`, whose result the last
         stage holds. A single query's search run on the search threads teaches
-        the index's stage statistics, which its :meth:`StagedSearch.outlook` reads.
+        the index's stage statistics, which its :meth:`StagedSearch.outlook` reads, unless
+        ``learn`` is false (a measurement beside the service's searches that must not sway them).
         """
         matrix = prepare_queries(self._shaped(queries, batch), self.dim, self.searcher.ntotal, k)
         resolved = plan or self.stage_plan()
@@ -270,7 +272,7 @@ class VectorIndex:
             return self._stages(matrix, k, resolved, self._texts(query_text, batch))
 
         key = self._plan_key(k, resolved)
-        return StagedSearch(self, stages, self._stage_stats, key, single=not batch)
+        return StagedSearch(self, stages, self._stage_stats, key, single=not batch, learn=learn)
 
     @staticmethod
     def _shaped(queries: np.ndarray, batch: bool) -> np.ndarray:
@@ -398,12 +400,14 @@ class StagedSearch:
         stats: StageStatistics,
         key: PlanKey,
         single: bool,
+        learn: bool,
     ) -> None:
         self._index = index  # whose search threads run an ``async for``, as they are then
         self._stages = stages  # batch-shaped stages, computed when called
         self._stats = stats
         self._key = key
         self._single = single  # a batch's results are 2-D and not learned from
+        self._learn = learn
         self._running: AsyncGenerator[StageResult, None] | None = None
 
     def __iter__(self) -> Iterator[StageResult]:
@@ -428,7 +432,8 @@ class StagedSearch:
                     yield stage
                     continue
                 seen.append(stage.for_query(0))
-                if stage.done:  # learned before the caller sees the end (it may stop reading there)
+                # Learned before the caller sees the end (it may stop reading there).
+                if stage.done and self._learn:
                     self._stats.record(self._key, seen)
                 yield seen[-1]
 
