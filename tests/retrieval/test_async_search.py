@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.search_runner import SEARCH_NICENESS, SearchRunner
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.stages import DEFAULT_STAGES, StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
@@ -116,6 +117,48 @@ async def test_worker_failures_are_raised_in_the_consumer() -> None:
 def test_runner_rejects_unknown_cores() -> None:
     with pytest.raises(InvalidInputError, match="cpu set"):
         SearchRunner(cpus=[10_000])
+
+
+@pytest.mark.parametrize("niceness", [-1, 20])
+def test_runner_rejects_a_niceness_out_of_linux_s_range(niceness: int) -> None:
+    with pytest.raises(InvalidInputError, match="niceness"):
+        SearchRunner(niceness=niceness)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+@pytest.mark.parametrize("niceness", [None, 0, 3])
+async def test_search_threads_run_below_the_event_loop_s_priority(niceness: int | None) -> None:
+    """A search thread at the event loop's priority kept the shared core for its time slice
+    while the woken loop waited to submit a speculation; the loop's own priority stays."""
+    process = os.getpriority(os.PRIO_PROCESS, 0)
+    runner = SearchRunner() if niceness is None else SearchRunner(niceness=niceness)
+    seen: list[int] = []
+
+    def probe() -> Iterator[StageResult]:
+        seen.append(os.getpriority(os.PRIO_PROCESS, 0))
+        yield StageResult(1, np.zeros(1), np.zeros(1), True, 0.0)
+
+    async for _ in runner.stream(probe):
+        pass
+    runner.shutdown()
+    raised = SEARCH_NICENESS if niceness is None else niceness
+    assert seen == [min(19, process + raised)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == process
+
+
+async def test_a_search_told_not_to_learn_leaves_the_stage_statistics_alone(
+    ivf: StagedIVF, queries: np.ndarray
+) -> None:
+    index = make_index(ivf)
+    plan = StagePlan(3, "equal")
+    quiet = index.search_staged(queries[0], 10, plan, learn=False)
+    async for _ in quiet:
+        pass
+    assert quiet.outlook(1, 0.0).observed == 0
+    taught = index.search_staged(queries[0], 10, plan)
+    async for _ in taught:
+        pass
+    assert taught.outlook(1, 0.0).observed == 1
 
 
 async def search_thread_settings(runner: SearchRunner) -> tuple[int, set[int]]:
