@@ -1,4 +1,4 @@
-"""Running staged searches off the event loop, on pinned cores, at a lower priority, with
+"""Running staged searches off the event loop, on pinned cores, at idle priority, with
 cancellation.
 
 faiss and the numba HNSW kernel release the GIL, so a search in a worker thread leaves the event
@@ -6,12 +6,15 @@ loop free to drive speculative prefill. The worker runs ahead of the consumer (a
 waits for the controller to handle a stage) and checks a cancel flag between stages, so leaving
 the ``async for`` or cancelling its task stops the search after the stage in flight.
 
-The search threads run at a higher nice value than the event loop (:data:`SEARCH_NICENESS`). Where
-the two share a core, a search thread at equal priority keeps it until its time slice ends, so
-the event loop, woken by a stage, submitted the speculation that stage made possible a time slice
-late: that delay is prefill the search no longer hides (docs/pipelining.md, "The search's time
-slice"). At a lower priority the event loop's short bursts go first, and the search still gets
-every cycle they leave: it ends when it would have, having done the same work on the same core.
+On Linux the search threads run under the ``SCHED_IDLE`` policy. Where they share a core with
+the event loop (``--search-cpus`` pins the whole service there), a search thread of normal
+policy keeps the core until its time slice ends, so the event loop, woken by a stage, submitted
+the speculation that stage made possible a slice late: prefill the search no longer hides. A
+higher nice value did not help (the kernel lets the running thread finish its slice whatever
+its weight); a thread of idle policy is preempted at once by any other that wakes. The search
+still gets every cycle the event loop leaves, so it ends when it would have, having done the
+same work on the same core; what it gives up is its share while a normal thread is always
+runnable on its cores (docs/pipelining.md, "The search's time slice").
 """
 
 from __future__ import annotations
@@ -30,14 +33,7 @@ import faiss
 from specrag.errors import InvalidInputError
 from specrag.retrieval.stages import StageResult
 
-__all__ = ["SEARCH_NICENESS", "SearchRunner", "pin_current_thread"]
-
-# How much higher the search threads' nice value is than the process's: enough that a woken event
-# loop preempts a search at once, yet a search beside a busy event loop still gets a tenth of
-# the core under Linux's weights (not the hundredth of the lowest priority).
-SEARCH_NICENESS = 10
-# Linux's highest nice value.
-_MAX_NICE = 19
+__all__ = ["SearchRunner", "pin_current_thread"]
 
 
 def _checked_cpus(cpus: Collection[int]) -> frozenset[int]:
@@ -61,21 +57,20 @@ def pin_current_thread(cpus: Collection[int] | None) -> None:
         raise InvalidInputError(f"cannot pin to cores {sorted(cpus)}: {error}") from error
 
 
-def _lower_current_thread_priority(niceness: int) -> None:
-    """Raise the calling thread's nice value by ``niceness`` (up to Linux's highest).
-
-    On Linux a thread's nice value is its own, so this leaves the event loop's thread as it was;
-    elsewhere ``setpriority`` would lower the whole process, so it does nothing there.
-    """
-    if niceness and sys.platform == "linux":
-        current = os.getpriority(os.PRIO_PROCESS, 0)
-        os.setpriority(os.PRIO_PROCESS, 0, min(_MAX_NICE, current + niceness))
+def _yield_to_other_threads() -> None:
+    """Put the calling thread under ``SCHED_IDLE`` (Linux, where a thread's policy is its own;
+    elsewhere it would apply to the whole process, so nothing is done). A kernel that refuses
+    leaves it at normal policy: the search then runs as it did before."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-def _prepare_search_thread(cpus: frozenset[int] | None, threads: int, niceness: int) -> None:
-    """Pin the calling search thread, lower its priority and set its own faiss thread count."""
+def _prepare_search_thread(cpus: frozenset[int] | None, threads: int, idle: bool) -> None:
+    """Pin the calling search thread, set its policy and its own faiss thread count."""
     pin_current_thread(cpus)
-    _lower_current_thread_priority(niceness)
+    if idle:
+        _yield_to_other_threads()
     faiss.omp_set_num_threads(threads)
 
 
@@ -99,8 +94,8 @@ class SearchRunner:
     one pinned core; on the 2-core machine such a search took 2-3x as long (1M-vector IVF index,
     half its lists: 20 ms with one thread, 40 ms in one stage, 60 ms in four).
 
-    ``niceness`` is how much lower than the process's the pool threads' priority is (the module's
-    docstring says why; 0 keeps them equal).
+    ``idle``: the pool threads run under ``SCHED_IDLE`` (the module's docstring says why); false
+    keeps them at the process's policy, for cores the search must share with other busy work.
     """
 
     def __init__(
@@ -108,12 +103,10 @@ class SearchRunner:
         threads: int | None = None,
         cpus: Collection[int] | None = None,
         workers: int = 1,
-        niceness: int = SEARCH_NICENESS,
+        idle: bool = True,
     ) -> None:
         if threads is not None and threads < 1:
             raise InvalidInputError(f"threads must be at least 1, got {threads}")
-        if not 0 <= niceness <= _MAX_NICE:
-            raise InvalidInputError(f"niceness must be within 0..{_MAX_NICE}, got {niceness}")
         chosen = None if cpus is None else _checked_cpus(cpus)
         if threads is None:
             threads = 1 if chosen is None else len(chosen)
@@ -121,7 +114,7 @@ class SearchRunner:
             max_workers=workers,
             thread_name_prefix="specrag-search",
             initializer=_prepare_search_thread,
-            initargs=(chosen, threads, niceness),
+            initargs=(chosen, threads, idle),
         )
 
     def shutdown(self) -> None:

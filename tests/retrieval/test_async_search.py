@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.search_runner import SEARCH_NICENESS, SearchRunner
+from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.stages import DEFAULT_STAGES, StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
@@ -119,31 +119,27 @@ def test_runner_rejects_unknown_cores() -> None:
         SearchRunner(cpus=[10_000])
 
 
-@pytest.mark.parametrize("niceness", [-1, 20])
-def test_runner_rejects_a_niceness_out_of_linux_s_range(niceness: int) -> None:
-    with pytest.raises(InvalidInputError, match="niceness"):
-        SearchRunner(niceness=niceness)
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
-@pytest.mark.parametrize("niceness", [None, 0, 3])
-async def test_search_threads_run_below_the_event_loop_s_priority(niceness: int | None) -> None:
-    """A search thread at the event loop's priority kept the shared core for its time slice
-    while the woken loop waited to submit a speculation; the loop's own priority stays."""
-    process = os.getpriority(os.PRIO_PROCESS, 0)
-    runner = SearchRunner() if niceness is None else SearchRunner(niceness=niceness)
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is Linux's")
+@pytest.mark.parametrize(
+    ("idle", "policy"), [(None, os.SCHED_IDLE), (True, os.SCHED_IDLE), (False, os.SCHED_OTHER)]
+)
+async def test_search_threads_give_way_to_the_event_loop(idle: bool | None, policy: int) -> None:
+    """A search thread of normal policy kept the shared core for its time slice while the woken
+    event loop waited to submit a speculation; one of idle policy yields at once. The event loop's
+    own thread keeps its policy."""
+    loop_policy = os.sched_getscheduler(0)
+    runner = SearchRunner() if idle is None else SearchRunner(idle=idle)
     seen: list[int] = []
 
     def probe() -> Iterator[StageResult]:
-        seen.append(os.getpriority(os.PRIO_PROCESS, 0))
+        seen.append(os.sched_getscheduler(0))
         yield StageResult(1, np.zeros(1), np.zeros(1), True, 0.0)
 
     async for _ in runner.stream(probe):
         pass
     runner.shutdown()
-    raised = SEARCH_NICENESS if niceness is None else niceness
-    assert seen == [min(19, process + raised)]
-    assert os.getpriority(os.PRIO_PROCESS, 0) == process
+    assert seen == [policy]
+    assert os.sched_getscheduler(0) == loop_policy
 
 
 async def test_a_search_told_not_to_learn_leaves_the_stage_statistics_alone(
