@@ -84,12 +84,18 @@ async def earliest_records(
     Its searches leave the index's stage statistics as they were: the configurations that
     run after it learn from their own searches only.
     """
+    answered = list(_answered(trace, first, serial, prompts))
+    vectors = {i: index.embed_query(query.query) for i, query in answered}
+    # What to wait for, searched untimed before any query is timed: searched just before its own
+    # timed search, a query would find its index lists warm, as no configuration's search does.
+    finals = {
+        i: set(index.ranked_rows(index.search(vectors[i], k, query_text=query.query)[1])[:k])
+        for i, query in answered
+    }
     await engine.reset_prefix_cache()
     records = []
-    for i, query in _answered(trace, first, serial, prompts):
-        vector = index.embed_query(query.query)
-        _, final_ids = index.search(vector, k, query_text=query.query)  # untimed: what to wait for
-        final = set(index.ranked_rows(final_ids)[:k])
+    for i, query in answered:
+        vector, final = vectors[i], finals[i]
         started = now()
         first_token: asyncio.Future[float] | None = None
         stage_number, submitted = 0, 0.0
