@@ -6,7 +6,7 @@ loop free to drive speculative prefill. The worker runs ahead of the consumer (a
 waits for the controller to handle a stage) and checks a cancel flag between stages, so leaving
 the ``async for`` or cancelling its task stops the search after the stage in flight.
 
-On Linux the search threads run under the ``SCHED_IDLE`` policy. Where they share a core with
+Pinned search threads run under Linux's ``SCHED_IDLE`` policy. Where they share a core with
 the event loop (``--search-cpus`` pins the whole service there), a search thread of normal
 policy keeps the core until its time slice ends, so the event loop, woken by a stage, submitted
 the speculation that stage made possible a slice late: prefill the search no longer hides. A
@@ -14,7 +14,9 @@ higher nice value did not help (the kernel lets the running thread finish its sl
 its weight); a thread of idle policy is preempted at once by any other that wakes. The search
 still gets every cycle the event loop leaves, so it ends when it would have, having done the
 same work on the same core; what it gives up is its share while a normal thread is always
-runnable on its cores (docs/pipelining.md, "The search's time slice").
+runnable on its cores (docs/pipelining.md, "The search's time slice"). Unpinned threads keep the
+process's policy: they may share cores with anything, an engine that spins while it waits
+included, beside which an idle-policy search would hardly run.
 """
 
 from __future__ import annotations
@@ -94,8 +96,9 @@ class SearchRunner:
     one pinned core; on the 2-core machine such a search took 2-3x as long (1M-vector IVF index,
     half its lists: 20 ms with one thread, 40 ms in one stage, 60 ms in four).
 
-    ``idle``: the pool threads run under ``SCHED_IDLE`` (the module's docstring says why); false
-    keeps them at the process's policy, for cores the search must share with other busy work.
+    ``idle``: the pool threads run under ``SCHED_IDLE`` (the module's docstring says why); by
+    default they do when pinned to ``cpus`` (cores given to the service) and keep the process's
+    policy when not.
     """
 
     def __init__(
@@ -103,7 +106,7 @@ class SearchRunner:
         threads: int | None = None,
         cpus: Collection[int] | None = None,
         workers: int = 1,
-        idle: bool = True,
+        idle: bool | None = None,
     ) -> None:
         if threads is not None and threads < 1:
             raise InvalidInputError(f"threads must be at least 1, got {threads}")
@@ -114,7 +117,7 @@ class SearchRunner:
             max_workers=workers,
             thread_name_prefix="specrag-search",
             initializer=_prepare_search_thread,
-            initargs=(chosen, threads, idle),
+            initargs=(chosen, threads, chosen is not None if idle is None else idle),
         )
 
     def shutdown(self) -> None:

@@ -121,14 +121,24 @@ def test_runner_rejects_unknown_cores() -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is Linux's")
 @pytest.mark.parametrize(
-    ("idle", "policy"), [(None, os.SCHED_IDLE), (True, os.SCHED_IDLE), (False, os.SCHED_OTHER)]
+    ("cpus", "idle", "policy"),
+    [
+        ([0], None, os.SCHED_IDLE),
+        (None, None, os.SCHED_OTHER),
+        (None, True, os.SCHED_IDLE),
+        ([0], False, os.SCHED_OTHER),
+    ],
+    ids=["pinned", "unpinned", "told-idle", "told-not"],
 )
-async def test_search_threads_give_way_to_the_event_loop(idle: bool | None, policy: int) -> None:
-    """A search thread of normal policy kept the shared core for its time slice while the woken
-    event loop waited to submit a speculation; one of idle policy yields at once. The event loop's
-    own thread keeps its policy."""
+async def test_pinned_search_threads_give_way_to_the_event_loop(
+    cpus: list[int] | None, idle: bool | None, policy: int
+) -> None:
+    """A pinned search thread of normal policy kept the core it shares with the event loop for its
+    time slice while the woken loop waited to submit a speculation; one of idle policy yields at
+    once. Unpinned, it keeps the process's policy (an engine spinning on its cores would starve an
+    idle-policy search). The event loop's own thread keeps its policy."""
     loop_policy = os.sched_getscheduler(0)
-    runner = SearchRunner() if idle is None else SearchRunner(idle=idle)
+    runner = SearchRunner(cpus=cpus, idle=idle)
     seen: list[int] = []
 
     def probe() -> Iterator[StageResult]:
