@@ -76,7 +76,7 @@ from bench.e2e.runner import (
     ttft_of,
 )
 from bench.e2e.workload import TraceQuery, generate
-from bench.pipeline.ideal import earliest_records, ideal_records
+from bench.pipeline.ideal import bound_records
 from specrag.controller.config import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import KVEventSource, parse_cpus
@@ -385,10 +385,9 @@ async def run_all(
     on every configuration alike, serial (whose timelines set the bound) included: run one after
     the other on the whole trace, the first configuration and the last were a minute apart.
 
-    With ``ideal`` (idle points: queries one at a time), each half ends with
-    :func:`~bench.pipeline.ideal.ideal_records` on serial's prompts of that half (result ``ideal``)
-    and :func:`~bench.pipeline.ideal.earliest_records` on ``all``'s plan and on a fine one
-    (``earliest``, ``earliest-fine``).
+    With ``ideal`` (idle points: queries one at a time), each half ends with the measured bounds
+    (:func:`~bench.pipeline.ideal.bound_records`) on serial's prompts of that half: ``ideal``, and
+    ``earliest`` on ``all``'s plan and ``earliest-fine`` on a fine one.
     """
     nprobe = set_search_ratio(index, point.knob) if point.kind == "ivf" else 0
     await search_times_ms(index, np.stack([index.embed_query(query.query) for query in trace]), point.k)
@@ -425,17 +424,15 @@ async def run_bounds(
     serial = results["serial"]
     answered = {r["i"]: r for r in _ok(serial.records)}
     plans = {
+        IDEAL: None,
         EARLIEST: index.stage_plan(stack.base.num_stages, DEFAULT_SCHEDULE),
         EARLIEST_FINE: index.stage_plan(FINE_STAGES, Schedule.EQUAL),
     }
     for name in BOUNDS:
         started = time.perf_counter()
-        if name == IDEAL:
-            found = await ideal_records(stack.engine, index, half, first, point.k, answered, serial.prompts)
-        else:
-            found = await earliest_records(
-                stack.engine, index, half, first, point.k, answered, serial.prompts, plans[name]
-            )
+        found = await bound_records(
+            stack.engine, index, half, first, point.k, answered, serial.prompts, plans[name]
+        )
         bound = results.setdefault(
             name, RunResult(Configuration(name, name, "pipeline", math.nan), [], 0.0, serial.nprobe)
         )

@@ -18,13 +18,14 @@ holds the final passages; it submits there only if it never guesses wrong. ``ear
 that: the staged search of a plan runs as the controller runs it, and serial's final prompt is
 submitted the moment the first stage holding the final passages reaches the event loop. No
 policy that speculates from that plan's stages does better, whatever it knows of the odds; the
-gap between ``earliest`` and ``ideal`` is what the search itself does not reveal in time.
+gap between ``earliest`` and ``ideal`` is what the search itself does not reveal in time. Both are
+one measurement, :func:`bound_records`, that differs only in when the prompt goes in.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from bench.e2e.runner import ttft_of
@@ -33,10 +34,10 @@ from specrag.pipeline.engine import Engine, now
 from specrag.retrieval.stages import StagePlan
 from specrag.retrieval.vector_index import VectorIndex
 
-__all__ = ["earliest_records", "ideal_records"]
+__all__ = ["bound_records"]
 
 
-async def ideal_records(
+async def bound_records(
     engine: Engine,
     index: VectorIndex,
     trace: Sequence[TraceQuery],
@@ -44,63 +45,42 @@ async def ideal_records(
     k: int,
     serial: dict[int, dict[str, Any]],
     prompts: dict[int, tuple[int, ...]],
+    plan: StagePlan | None,
 ) -> list[dict[str, Any]]:
-    """One record per query of ``trace`` (numbered from ``first``) that serial answered: ``ttft_ms``
-    as above, ``search_ms`` and ``prefill_beside_search_ms`` (submission to first token)."""
-    await engine.reset_prefix_cache()
-    records = []
-    for i, query in _answered(trace, first, serial, prompts):
-        vector = index.embed_query(query.query)
-        started = now()
-        search = asyncio.ensure_future(_search_end(index, vector, k, query.query))
-        prefill_s = await ttft_of(engine, prompts[i])  # its clock starts as the search's task is made
-        search_s = await search - started
-        records.append(
-            {
-                "i": i,
-                "ttft_ms": serial[i]["embed_ms"] + max(search_s, prefill_s) * 1000,
-                "search_ms": search_s * 1000,
-                "prefill_beside_search_ms": prefill_s * 1000,
-            }
-        )
-    return records
-
-
-async def earliest_records(
-    engine: Engine,
-    index: VectorIndex,
-    trace: Sequence[TraceQuery],
-    first: int,
-    k: int,
-    serial: dict[int, dict[str, Any]],
-    prompts: dict[int, tuple[int, ...]],
-    plan: StagePlan,
-) -> list[dict[str, Any]]:
-    """As :func:`ideal_records`, with serial's prompt submitted as the first stage of ``plan``
-    whose top-k holds the final passages ends; ``stage`` is that stage (from 1), ``submitted_ms``
-    its time from the search's start, and ``non_overlapped_retrieval_ms`` (from the embedding's
-    start, as a timeline counts it) the search before it.
+    """One record per query of ``trace`` (numbered from ``first``) that serial answered, its
+    ``prompts`` entry submitted beside the query's search: with ``plan`` None (``ideal``) as
+    serial's one-shot search starts, else (``earliest``) as the first stage of ``plan`` whose top-k
+    holds the final passages ends. ``ttft_ms`` as above; ``stage`` is the stage it went in after
+    (from 1; 0: the search's start), ``submitted_ms`` its time from the search's start,
+    ``prefill_beside_search_ms`` submission to first token, and ``non_overlapped_retrieval_ms``
+    (from the embedding's start, as a timeline counts it) the search before the submission.
 
     Its searches leave the index's stage statistics as they were: the configurations that
     run after it learn from their own searches only.
     """
-    answered = list(_answered(trace, first, serial, prompts))
+    numbered = ((first + n, query) for n, query in enumerate(trace))
+    answered = [(i, query) for i, query in numbered if i in prompts and i in serial]
     vectors = {i: index.embed_query(query.query) for i, query in answered}
-    # What to wait for, searched untimed before any query is timed: searched just before its own
-    # timed search, a query would find its index lists warm, as no configuration's search does.
+    # What ``earliest`` waits for, searched untimed before any query is timed: searched just before
+    # its own timed search, a query would find its index lists warm, as no configuration's does.
     finals = {
         i: set(index.ranked_rows(index.search(vectors[i], k, query_text=query.query)[1])[:k])
         for i, query in answered
+        if plan is not None
     }
     await engine.reset_prefix_cache()
     records = []
     for i, query in answered:
-        vector, final = vectors[i], finals[i]
         started = now()
         first_token: asyncio.Future[float] | None = None
-        stage_number, submitted = 0, 0.0
-        async for stage in index.search_staged(vector, k, plan, query_text=query.query, learn=False):
-            if first_token is None and set(index.ranked_rows(stage.ids)[:k]) == final:
+        if plan is None:  # ideal: the prompt goes in as the search starts
+            first_token = asyncio.ensure_future(ttft_of(engine, prompts[i], started))
+        stage_number, submitted = 0, started
+        search = index.search_staged(
+            vectors[i], k, plan or index.stage_plan(1), query_text=query.query, learn=False
+        )
+        async for stage in search:
+            if first_token is None and set(index.ranked_rows(stage.ids)[:k]) == finals[i]:
                 submitted = now()
                 stage_number = stage.stage
                 first_token = asyncio.ensure_future(ttft_of(engine, prompts[i], submitted))
@@ -121,22 +101,3 @@ async def earliest_records(
             }
         )
     return records
-
-
-def _answered(
-    trace: Sequence[TraceQuery],
-    first: int,
-    serial: dict[int, dict[str, Any]],
-    prompts: dict[int, tuple[int, ...]],
-) -> Iterator[tuple[int, TraceQuery]]:
-    """The queries of ``trace`` (numbered from ``first``) that serial answered, with their numbers."""
-    for number, query in enumerate(trace):
-        if first + number in prompts and first + number in serial:
-            yield first + number, query
-
-
-async def _search_end(index: VectorIndex, vector: Any, k: int, text: str) -> float:
-    """When serial's search (one stage, on the index's search thread) of this query ends."""
-    async for _ in index.search_staged(vector, k, index.stage_plan(1), query_text=text, learn=False):
-        pass
-    return now()

@@ -21,7 +21,7 @@ from bench.pipeline.__main__ import (
     sweep_points,
     wasted_share,
 )
-from bench.pipeline.ideal import earliest_records, ideal_records
+from bench.pipeline.ideal import bound_records
 from specrag.service.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import A, B, scripted_index
@@ -260,7 +260,7 @@ async def test_the_ideal_run_times_each_answered_query_s_prompt_beside_its_searc
     index = scripted_index(tiny_assets, [A], 0.05)
     trace = [TraceQuery(0.0, "what is a list"), TraceQuery(1.0, "what is a dict")]
     serial = {5: {"embed_ms": 2.0}}
-    records = await ideal_records(engine, index, trace, 5, 4, serial, {5: (1, 2, 3) * 20, 6: (4, 5, 6)})
+    records = await bound_records(engine, index, trace, 5, 4, serial, {5: (1, 2, 3) * 20, 6: (4, 5, 6)}, None)
     await engine.close()
     assert [r["i"] for r in records] == [5]
     record = records[0]
@@ -286,7 +286,7 @@ async def test_the_earliest_run_submits_as_the_first_stage_holding_the_final_pas
     index = scripted_index(tiny_assets, stages, delay_s)
     trace = [TraceQuery(0.0, "what is a list"), TraceQuery(1.0, "what is a dict")]
     serial = {0: {"embed_ms": 2.0}, 1: {"embed_ms": 3.0}}
-    records = await earliest_records(
+    records = await bound_records(
         engine, index, trace, 0, 4, serial, {0: (1, 2, 3) * 40, 1: (4, 5, 6) * 40}, index.stage_plan()
     )
     await engine.close()
