@@ -113,11 +113,13 @@ class SearchRunner:
         chosen = None if cpus is None else _checked_cpus(cpus)
         if threads is None:
             threads = 1 if chosen is None else len(chosen)
+        if idle is None:
+            idle = chosen is not None  # pinned: cores given to the service
         self._executor = ThreadPoolExecutor(
             max_workers=workers,
             thread_name_prefix="specrag-search",
             initializer=_prepare_search_thread,
-            initargs=(chosen, threads, chosen is not None if idle is None else idle),
+            initargs=(chosen, threads, idle),
         )
 
     def shutdown(self) -> None:
