@@ -156,3 +156,16 @@ def bootstrap_mean_ci(values: np.ndarray, rng: np.random.Generator) -> list[floa
     picks = rng.integers(0, len(values), size=(BOOTSTRAP_SAMPLES, len(values)))
     low, high = np.percentile(values[picks].mean(axis=1), [2.5, 97.5])
     return [float(low), float(high)]
+
+
+def bootstrap_ratio_ci(
+    numerator: np.ndarray, denominator: np.ndarray, rng: np.random.Generator
+) -> list[float]:
+    """A 95 % bootstrap interval of ``sum(numerator) / sum(denominator)``, resampling the pairs
+    together (one pair a question or a block of requests), so a share of a gain measured on the
+    same questions keeps their pairing."""
+    picks = rng.integers(0, len(numerator), size=(BOOTSTRAP_SAMPLES, len(numerator)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = numerator[picks].sum(axis=1) / denominator[picks].sum(axis=1)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return [float(low), float(high)]

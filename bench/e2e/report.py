@@ -10,10 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import save_figure
+from bench.common import bootstrap_ratio_ci, save_figure
 from bench.e2e.runner import RunResult
 
-BOOTSTRAP_SAMPLES = 2000
 BLOCK_REQUESTS = 4
 """Requests of a trace resampled together: neighbours in one queueing trace are not independent
 (a slow request delays the next ones), so the bootstrap draws runs of consecutive requests."""
@@ -130,11 +129,8 @@ def paired_ratio_ci(
     if not blocks:
         return float("nan"), float("nan"), float("nan")
     sums = np.array([np.sum(pairs, axis=0) for pairs in blocks.values()])  # per block: (base, other)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(sums), size=(BOOTSTRAP_SAMPLES, len(sums)))
-    ratios = sums[picks, 1].sum(axis=1) / sums[picks, 0].sum(axis=1)
-    low, high = np.percentile(ratios, [2.5, 97.5])
-    return float(sums[:, 1].sum() / sums[:, 0].sum()), float(low), float(high)
+    low, high = bootstrap_ratio_ci(sums[:, 1], sums[:, 0], np.random.default_rng(seed))
+    return float(sums[:, 1].sum() / sums[:, 0].sum()), low, high
 
 
 def plot_ttft_cdf(runs: Sequence[RunResult], path: Path, title: str) -> None:

@@ -4,8 +4,8 @@ Overlapping the search with the answer's prefill can at best hide the shorter of
 query the **overlap bound** is ``embed + max(search, prefill)``, taken from the serial
 configuration's own timeline (prefill = serial TTFT - embed - search). Each configuration's share
 of the possible gain is ``overlap_fraction = (serial - config) / (serial - bound)`` over the
-means, and ``non_overlapped_over_search`` is its mean non-overlapped search time over serial's
-mean search time.
+means, with a 95 % bootstrap interval over the queries, and ``non_overlapped_over_search`` is its
+mean non-overlapped search time over serial's mean search time.
 
 The sweep sets r by the IVF probe share (nprobe) of a padded index and by the prompt size k, chosen
 from a calibration of one search per probe share and one prefill per k; r is then *measured* from
@@ -57,6 +57,7 @@ import numpy as np
 
 from bench.common import (
     add_model_option,
+    bootstrap_ratio_ci,
     machine,
     pin_apart,
     plot_path,
@@ -256,7 +257,7 @@ def _ok(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def overlap(
     serial: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]], ideal: Sequence[dict[str, Any]] = ()
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """The bound from serial's timelines and ``other``'s share of the gain, over the same queries;
     with ``ideal`` (:mod:`bench.pipeline.ideal`) over the queries all three answered, also the
     share of the gain the ideal run measured on this machine."""
@@ -283,6 +284,7 @@ def overlap(
             "overlap_fraction_of_ideal": (
                 float((serial_ttft.mean() - config_ttft.mean()) / ideal_gain) if ideal_gain > 0 else math.nan
             ),
+            "overlap_fraction_of_ideal_ci": share_ci(serial_ttft - config_ttft, serial_ttft - ideal_ttft),
             # The mean loss against the ideal, and the part of it from queries whose speculated
             # top-k went stale (a guess no policy can know is wrong when it is made).
             "loss_vs_ideal_ms": float(loss.mean()),
@@ -299,12 +301,21 @@ def overlap(
         "config_ttft_ms": float(config_ttft.mean()),
         "bound_ttft_ms": float(bound.mean()),
         "overlap_fraction": float((serial_ttft.mean() - config_ttft.mean()) / gain) if gain > 0 else math.nan,
+        "overlap_fraction_ci": share_ci(serial_ttft - config_ttft, serial_ttft - bound),
         # The timeline counts from the embedding's start; the search starts after it.
         "non_overlapped_over_search": float(
             np.mean([max(0.0, o["non_overlapped_retrieval_ms"] - embed_ms(o)) for _, o in paired])
             / search.mean()
         ),
     }
+
+
+def share_ci(gains: np.ndarray, possible: np.ndarray) -> list[float]:
+    """A 95 % interval of a share of the possible gain, ``sum(gains) / sum(possible)``, resampling
+    the queries (each query's two gains together); NaN where the possible gain is none."""
+    if len(gains) == 0 or possible.sum() <= 0:
+        return [math.nan, math.nan]
+    return [round(end, 3) for end in bootstrap_ratio_ci(gains, possible, np.random.default_rng(0))]
 
 
 def replaced_guess(record: dict[str, Any]) -> bool:
@@ -799,20 +810,25 @@ def print_point(summary: dict[str, Any], label: str) -> None:
     for name, bound in summary.get("earliest", {}).items():
         print(
             f"    {name} (final prompt from the first stage holding it, {bound['submitted_ms']:.0f} ms in):"
-            f" TTFT {bound['config_ttft_ms']:.0f} ms, overlap_fraction {bound['overlap_fraction']:.2f},"
+            f" TTFT {bound['config_ttft_ms']:.0f} ms, overlap_fraction {bound['overlap_fraction']:.2f}"
+            f" {interval(bound['overlap_fraction_ci'])},"
             f" of ideal {bound.get('overlap_fraction_of_ideal', math.nan):.2f};"
             f" queries by stage {bound['queries_by_stage']}"
         )
     for name, row in rows.items():
         print(
             f"    {name:<16} TTFT {row['config_ttft_ms']:7.0f} ms"
-            f"  overlap_fraction {row['overlap_fraction']:6.2f}"
+            f"  overlap_fraction {row['overlap_fraction']:6.2f} {interval(row['overlap_fraction_ci'])}"
             f"  of ideal {row.get('overlap_fraction_of_ideal', math.nan):6.2f}"
             f"  stale guesses {row.get('queries_with_stale_guesses', '-')}"
             f"  non-overlapped / search {row['non_overlapped_over_search']:.2f}"
         )
     print_phases(summary["phases"])
     print(flush=True)
+
+
+def interval(ends: Sequence[float]) -> str:
+    return f"[{ends[0]:.2f}, {ends[1]:.2f}]"
 
 
 def print_phases(phases: dict[str, dict[str, Any]]) -> None:
@@ -898,12 +914,13 @@ def plot(
     return path
 
 
-def extra_point(summary: dict[str, Any]) -> dict[str, float]:
+def extra_point(summary: dict[str, Any]) -> dict[str, Any]:
     """``all``'s figures at one extra idle point."""
     row = summary["configurations"]["all"]
     return {
         "ratio": round(row["ratio"], 3),
         "overlap_fraction": round(row["overlap_fraction"], 3),
+        "overlap_fraction_ci": row["overlap_fraction_ci"],
         **of_ideal(row),
         **of_earliest(summary),
         "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),
@@ -911,20 +928,21 @@ def extra_point(summary: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def of_ideal(row: dict[str, Any]) -> dict[str, float]:
+def of_ideal(row: dict[str, Any]) -> dict[str, Any]:
     """A configuration's ideal TTFT and its share of the ideal's gain, where the point ran one."""
     if "ideal_ttft_ms" not in row:
         return {}
     return {
         "ideal_ttft_ms": round(row["ideal_ttft_ms"], 1),
         "overlap_fraction_of_ideal": round(row["overlap_fraction_of_ideal"], 3),
+        "overlap_fraction_of_ideal_ci": row["overlap_fraction_of_ideal_ci"],
         "loss_vs_ideal_ms": round(row["loss_vs_ideal_ms"], 1),
         "loss_vs_ideal_from_stale_guesses_ms": round(row["loss_vs_ideal_from_stale_guesses_ms"], 1),
         "queries_with_stale_guesses": row["queries_with_stale_guesses"],
     }
 
 
-def of_earliest(point: dict[str, Any]) -> dict[str, float]:
+def of_earliest(point: dict[str, Any]) -> dict[str, Any]:
     """Each earliest run's overlap and ``all``'s share of its gain, where the point ran them."""
     row = point["configurations"]["all"]
     result = {}
@@ -932,6 +950,7 @@ def of_earliest(point: dict[str, Any]) -> dict[str, float]:
         key = name.replace("-", "_")
         gain = bound["serial_ttft_ms"] - bound["config_ttft_ms"]
         result[f"{key}_overlap_fraction"] = round(bound["overlap_fraction"], 3)
+        result[f"{key}_overlap_fraction_ci"] = bound["overlap_fraction_ci"]
         result[f"all_share_of_{key}"] = (
             round((row["serial_ttft_ms"] - row["config_ttft_ms"]) / gain, 3) if gain > 0 else math.nan
         )
@@ -950,6 +969,7 @@ def idle_row(point: dict[str, Any]) -> dict[str, Any]:
         "all_always_over_serial": round(always["config_ttft_ms"] / row["serial_ttft_ms"], 3),
         "bound_ttft_ms": round(row["bound_ttft_ms"], 1),
         "overlap_fraction": round(row["overlap_fraction"], 3),
+        "overlap_fraction_ci": row["overlap_fraction_ci"],
         "overlap_fraction_always": round(always["overlap_fraction"], 3),
         **of_ideal(row),
         **of_earliest(point),
@@ -981,6 +1001,7 @@ def near_r1(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "ratio": round(row["ratio"], 3),
         "overlap_fraction": round(row["overlap_fraction"], 3),
+        "overlap_fraction_ci": row["overlap_fraction_ci"],
         **of_ideal(row),
         **of_earliest(point),
         "non_overlapped_over_search": round(row["non_overlapped_over_search"], 3),

@@ -3,8 +3,10 @@ ideal and earliest runs on the simulated engine."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bench.e2e.workload import TraceQuery
@@ -18,6 +20,7 @@ from bench.pipeline.__main__ import (
     phase_summary,
     saturation_rps,
     search_ms,
+    share_ci,
     sweep_points,
     wasted_share,
 )
@@ -59,6 +62,24 @@ def test_overlap_fraction_is_the_share_of_the_gain_the_bound_allows() -> None:
     assert full["non_overlapped_over_search"] == pytest.approx(0.0)
     assert overlap(serial, halfway)["overlap_fraction"] == pytest.approx(0.5)
     assert overlap(serial, serial)["overlap_fraction"] == pytest.approx(0.0)
+    # Every query gained the same share: the interval is that share alone.
+    assert full["overlap_fraction_ci"] == pytest.approx([1.0, 1.0])
+    assert overlap(serial, halfway)["overlap_fraction_ci"] == pytest.approx([0.5, 0.5])
+
+
+def test_the_overlap_interval_resamples_queries_and_keeps_each_querys_gains_paired() -> None:
+    # Serial 320 ms and bound 220 ms for every query; half the queries reach the bound, half gain
+    # nothing: the share is 0.5, and resampling 16 queries spreads it well inside [0, 1].
+    serial = [record(i, 320, 100, 20, 100) for i in range(16)]
+    mixed = [record(i, 220 if i % 2 else 320, 100, 20, 0 if i % 2 else 100) for i in range(16)]
+    low, high = overlap(serial, mixed)["overlap_fraction_ci"]
+    assert 0.1 < low < 0.5 < high < 0.9
+    # A query twice as slow in serial (so twice the possible gain) that reaches its bound weighs
+    # twice in the share, in every resample: pairing keeps the interval at the share when all reach it.
+    slow = [record(i, 320 + 200 * (i % 2), 100 + 100 * (i % 2), 20, 100) for i in range(16)]
+    reaching = [record(i, 220 + 100 * (i % 2), 100, 20, 0) for i in range(16)]
+    assert overlap(slow, reaching)["overlap_fraction_ci"] == pytest.approx([1.0, 1.0])
+    assert all(math.isnan(end) for end in share_ci(np.array([]), np.array([])))
 
 
 def test_the_ideal_run_measures_the_gain_this_machine_allows() -> None:
@@ -127,6 +148,7 @@ def point(ratio: float, overlap_fraction: float) -> dict[str, Any]:
         "config_ttft_ms": 250.0,
         "bound_ttft_ms": 200.0,
         "overlap_fraction": overlap_fraction,
+        "overlap_fraction_ci": [overlap_fraction - 0.1, overlap_fraction + 0.1],
         "non_overlapped_over_search": 0.1,
         "search_ms": 100.0,
     }
@@ -162,9 +184,19 @@ def test_the_headline_sorts_points_by_ratio_and_adds_the_extra_points() -> None:
     line = headline(result)
     assert "earliest_overlap_fraction" not in line["hnsw"]
     # An earliest run that gained 80 of serial's 300 ms: all's 50 ms gain is five eighths of it.
-    earliest = {"earliest": {"serial_ttft_ms": 300.0, "config_ttft_ms": 220.0, "overlap_fraction": 0.8}}
+    earliest = {
+        "earliest": {
+            "serial_ttft_ms": 300.0,
+            "config_ttft_ms": 220.0,
+            "overlap_fraction": 0.8,
+            "overlap_fraction_ci": [0.7, 0.9],
+        }
+    }
     with_bound = headline({**result, "hnsw": {**point(1.1, 0.97), "earliest": earliest}})["hnsw"]
     assert with_bound["earliest_overlap_fraction"] == 0.8
+    assert with_bound["earliest_overlap_fraction_ci"] == [0.7, 0.9]
+    assert line["hnsw"]["overlap_fraction_ci"] == pytest.approx([0.87, 1.07])
+    assert line["idle"][0]["overlap_fraction_ci"] == pytest.approx([0.85, 1.05])
     assert with_bound["all_share_of_earliest"] == pytest.approx(50 / 80, abs=1e-3)
     assert [row["ratio"] for row in line["idle"]] == [0.5, 2.0]
     assert {key: line["ivf_flat"][key] for key in ("ratio", "overlap_fraction")} == {
