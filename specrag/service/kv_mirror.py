@@ -170,18 +170,25 @@ class KVMirror:
         """If degraded, reset the engine's prefix cache and the tree; True if the engine did.
 
         The mirror becomes exact only when the reset's ``AllBlocksCleared`` arrives through the
-        stream: batches published before the reset may still be on their way.
+        stream: batches published before the reset may still be on their way. It waits for that
+        event from before it asks: vLLM publishes the event with the engine's next step, which a
+        query running meanwhile can take before the reset's reply reaches this coroutine. Marked
+        only after the reply, an event applied in between was followed by a wait for one that
+        had already come, and the mirror stayed degraded for good.
         """
         if self._degraded in (None, WAITING_FOR_CLEAR) or self._reset_engine is None:
             return False
+        reason, self._degraded = self._degraded, WAITING_FOR_CLEAR
         try:
             await self._reset_engine()
         except EngineError as error:  # requests held blocks the whole time: try again later
             logger.info("KV mirror %s: the engine did not reset its prefix cache yet: %s", self.name, error)
+            if self._degraded == WAITING_FOR_CLEAR:  # unless something else degraded it meanwhile
+                self._degraded = reason
             return False
         self._recoveries += 1
-        self.tree.engine_cache_cleared()
-        self._degraded = WAITING_FOR_CLEAR
+        if self._degraded == WAITING_FOR_CLEAR:  # the clear is still due: forget the engine's blocks now
+            self.tree.engine_cache_cleared()
         logger.info("KV mirror %s: reset the engine's prefix cache to become exact again", self.name)
         return True
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from specrag.cache import AllBlocksCleared, KnowledgeTree
@@ -24,7 +25,7 @@ class Resets:
             raise EngineError("requests hold blocks")
 
 
-def mirror(resets: Resets | None = None) -> KVMirror:
+def mirror(resets: Callable[[], Awaitable[None]] | None = None) -> KVMirror:
     tree = KnowledgeTree(SYSTEM, block_size=BLOCK)
     return KVMirror(tree, KVEventSource("ipc:///unused"), name="r1", reset_engine=resets)
 
@@ -58,6 +59,39 @@ async def test_a_degraded_mirror_resets_the_idle_engine_and_is_exact_after_its_c
     assert not await kv.recover() and resets.calls == 2  # no second reset while its event is due
     kv.target.apply([AllBlocksCleared()])
     assert kv.status.exact
+
+
+async def test_a_clear_event_that_arrives_before_the_resets_reply_makes_the_mirror_exact() -> None:
+    """vLLM publishes the reset's AllBlocksCleared with its next step: a query running meanwhile
+    can bring it, and the blocks that query stores, before the reset's reply comes back."""
+
+    async def reset_whose_event_overtakes_its_reply() -> None:
+        assert kv.status.reason == WAITING_FOR_CLEAR  # waiting before asking
+        assert not await kv.recover()  # a second recovery does not reset again meanwhile
+        kv.target.apply([AllBlocksCleared(), *FakeEngine().serve(layout((1,)))])
+
+    kv = mirror(reset_whose_event_overtakes_its_reply)
+    kv.target.reset()
+    kv.target.degrade("lost KV event batches 3..4")
+    assert await kv.recover()
+    assert kv.status.exact and kv.status.recoveries == 1
+    assert kv.tree.system_prompt_resident()  # what was stored after the clear is kept
+
+
+async def test_a_refused_reset_keeps_the_reason_and_one_that_came_meanwhile_wins() -> None:
+    losses = iter(["", "KV event batch 9 could not be applied"])
+
+    async def refused() -> None:
+        loss_meanwhile = next(losses)
+        if loss_meanwhile:
+            kv.target.degrade(loss_meanwhile)
+        raise EngineError("requests hold blocks")
+
+    kv = mirror(refused)
+    kv.target.reset()
+    kv.target.degrade("lost KV event batches 3..4")
+    assert not await kv.recover() and kv.status.reason == "lost KV event batches 3..4"
+    assert not await kv.recover() and kv.status.reason == "KV event batch 9 could not be applied"
 
 
 async def test_without_a_reset_the_mirror_stays_degraded() -> None:
