@@ -278,9 +278,20 @@ class Placement:
     ) -> None:
         """Forever (run as a task): exclude a replica whose engine knows it failed or that stalled,
         so what waits on it is retried elsewhere, and bring back an excluded replica once its
-        engine answers."""
+        engine answers.
+
+        A check that comes late by more than its interval finds this process itself was paused
+        (its event loop blocked, or the machine did not run it): the first tokens that arrived
+        meanwhile are not seen yet, so every replica would look silent. It judges no stall then and
+        counts each replica's silence from that moment.
+        """
+        loop = asyncio.get_running_loop()
         while True:
+            due = loop.time() + every_s
             await asyncio.sleep(every_s)
+            if loop.time() - due > every_s:
+                for replica in self.replicas:
+                    replica.excuse_pause()
             for replica in self.replicas:
                 if replica.excluded is None:
                     if (failure := replica.engine.known_failure()) is not None:

@@ -70,6 +70,7 @@ class Replica:
         self._pending: dict[str, _Pending] = {}
         self._streaming: dict[str, Callable[[EngineError], None]] = {}  # past their first token
         self._last_first_token = now()  # progress, as the stall check sees it
+        self._watched_since = self._last_first_token  # silence before this is not the replica's
         # Run on every rejoin, e.g. to resubscribe a KV-event mirror to a restarted engine.
         self.rejoin_hooks: list[Callable[[], Awaitable[None]]] = []
 
@@ -154,10 +155,16 @@ class Replica:
             return None
         at = now()
         oldest = min(self._pending.values(), key=lambda pending: pending.submitted_at)
-        quiet = at - max(self._last_first_token, oldest.submitted_at)
-        late = at - oldest.submitted_at - oldest.predicted_s
+        quiet = at - max(self._last_first_token, oldest.submitted_at, self._watched_since)
+        late = at - max(oldest.submitted_at + oldest.predicted_s, self._watched_since)
         over = min(quiet, late) - timeout_s
         return over if over > 0 else None
+
+    def excuse_pause(self) -> None:
+        """Count the replica's silence from now: this process itself did not run for a while (its
+        event loop blocked, or the machine descheduled it), so no first token could be seen, and
+        that silence says nothing of the engine."""
+        self._watched_since = now()
 
     def exclude(self, reason: str) -> None:
         """Take the replica out of routing, forget its cache, fail what waits on it (module doc)."""

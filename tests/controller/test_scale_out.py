@@ -7,6 +7,7 @@ Simulated replicas (each with its own tree fed by its own KV events); the engine
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -110,6 +111,29 @@ async def test_a_stalled_replica_is_excluded_and_rejoins_when_it_steps_again(
         assert pool[0].excluded is not None and reason in pool[0].excluded
         engine.resume()
         await wait_until(lambda: pool[0].excluded is None, within_s=5)
+    await close(pool, controller)
+
+
+async def test_a_pause_of_the_service_itself_is_not_blamed_on_its_replicas(tiny_assets: Assets) -> None:
+    """The event loop blocked (a long synchronous call, a collection, a descheduled VM) while both
+    replicas held requests: when it runs again the watchdog's check is due before any first token
+    that came meanwhile is seen. Only the replica that is still stalled afterwards is excluded."""
+    pool = simulated_pool(tiny_assets, 2)
+    controller = pool_controller(pool, tiny_assets, scripted_index(tiny_assets, [[1, 2, 3]], 0.0))
+    engines = [replica.engine for replica in pool if isinstance(replica.engine, SimulatedEngine)]
+    assert len(engines) == 2
+    for engine in engines:
+        engine.stall()
+    async with health_checks(controller.placement, every_s=0.05, stall_timeout_s=0.5):
+        queries = [asyncio.create_task(ask(controller)) for _ in range(4)]
+        await wait_until(lambda: all(replica.pending > 0 for replica in pool), within_s=5, every_s=0.001)
+        time.sleep(0.8)  # noqa: ASYNC251 (on purpose: the service does not run; its check falls due)
+        engines[1].resume()
+        timelines = await asyncio.wait_for(asyncio.gather(*queries), 30)
+        assert pool[1].excluded is None
+        assert pool[0].excluded is not None and "stalled" in pool[0].excluded
+        assert all(routes(timeline)[-1] == "r1" for timeline in timelines)
+        engines[0].resume()
     await close(pool, controller)
 
 
