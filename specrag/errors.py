@@ -22,6 +22,7 @@ __all__ = [
     "OverloadedError",
     "SpecragError",
     "TooLargeError",
+    "WritesSuspendedError",
     "check_choice",
     "echo",
     "values",
@@ -68,6 +69,15 @@ class ConflictError(SpecragError):
 
 class OverloadedError(SpecragError):
     """The service is at its admission limit; the caller should retry after a pause."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class WritesSuspendedError(SpecragError):
+    """The corpus takes no writes until it has replayed a change it could not apply (HTTP 503);
+    searches go on, and the write succeeds once the replay is done."""
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)

@@ -44,6 +44,7 @@ from specrag.errors import (
     NotFoundError,
     OverloadedError,
     TooLargeError,
+    WritesSuspendedError,
     echo,
 )
 
@@ -106,6 +107,8 @@ def describe_error(error: BaseException) -> ErrorInfo:
         return ErrorInfo(409, str(error), "conflict_error", "conflict")
     if isinstance(error, OverloadedError):
         return ErrorInfo(429, str(error), "overloaded_error", "overloaded", error.retry_after_s)
+    if isinstance(error, WritesSuspendedError):
+        return ErrorInfo(503, str(error), "writes_suspended", "writes_suspended", error.retry_after_s)
     if isinstance(error, EngineUnavailableError):
         return ErrorInfo(503, str(error), "engine_unavailable", "engine_unavailable", ENGINE_RETRY_AFTER_S)
     if isinstance(error, EngineTimeoutError):
