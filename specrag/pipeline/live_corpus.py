@@ -2,17 +2,25 @@
 
 A change is made in this order, under one lock (one writer at a time):
 
-1. each new version is tokenized as its prompt segment (its own row's label) and embedded;
+1. each new version is tokenized as its prompt segment (its own row's label) and embedded, and
+   everything that can fail on it is checked and worked out for the index (its vectors, its rows,
+   each text's terms: :meth:`~specrag.retrieval.vector_index.VectorIndex.prepare_changes`);
 2. the changes are committed to the store's log, fsynced (:class:`~specrag.pipeline.live_store.LiveStore`):
    from here on the change survives a crash;
 3. the index appends the new rows and hides the replaced or deleted ones in one swap
-   (:meth:`~specrag.retrieval.vector_index.VectorIndex.apply_changes`): a search that starts
+   (:meth:`~specrag.retrieval.vector_index.VectorIndex.apply_prepared`): a search that starts
    afterwards sees the new versions only, one that started before sees the old ones only.
 
-Only then is the change acknowledged. At start :meth:`LiveCorpus.replayed` replays the log onto
-the loaded index: the logged vectors and texts, not embedded again.
+Only then is the change acknowledged. Should step 3 fail all the same, the change is durable and
+is not reported failed: it is acknowledged as not visible yet (:attr:`Written.visible` false), kept
+pending, and the corpus takes no write (:class:`~specrag.errors.WritesSuspendedError`, and
+:attr:`LiveCorpus.suspended` says why) until :meth:`LiveCorpus.catch_up` has applied it; each step
+of the apply skips what it did already, so the retry completes it.
 
-Hidden rows stay in the index's lists, scanned and filtered, until a compaction drops them: once
+At start :meth:`LiveCorpus.replayed` replays the log onto the loaded index: the logged vectors and
+texts, not embedded again.
+
+Hidden rows stay in the index's lists, skipped by every search, until a compaction drops them: once
 they reach :data:`COMPACT_SHARE` of the rows it holds, a background thread copies the lists
 without them (same centroids and codes) and swaps the copy in. Searches run on throughout (one in
 flight finishes on the lists it started on); changes wait for the swap, as they would for
@@ -30,19 +38,26 @@ graph over the rows kept, and never re-trained.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from specrag.errors import ArtifactError, InvalidInputError, NotFoundError, TooLargeError
+from specrag.errors import (
+    ArtifactError,
+    InvalidInputError,
+    NotFoundError,
+    TooLargeError,
+    WritesSuspendedError,
+)
 from specrag.pipeline.live_store import BASE_VERSION, Change, LiveStore
 from specrag.pipeline.store import TokenizeBatch, render_segment
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.live_index import Retrainable
 from specrag.retrieval.text import normalize_text
-from specrag.retrieval.vector_index import VectorIndex
+from specrag.retrieval.vector_index import PreparedChanges, VectorIndex
 
 __all__ = [
     "COMPACT_SHARE",
@@ -74,6 +89,8 @@ RETRAIN_DRIFT = 1.15
 # Rows of the index read to learn how far its own rows lie from their centroids.
 _REFERENCE_SAMPLE = 2000
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Document:
@@ -87,11 +104,13 @@ class Document:
 
 @dataclass(frozen=True)
 class Written:
-    """The outcome of one document's write: its new version, and whether the id was new."""
+    """The outcome of one document's write: its new version, whether the id was new, and whether
+    searches see it yet (false: logged durably, applied once the corpus has caught up)."""
 
     id: str
     version: int
     created: bool
+    visible: bool = True
 
 
 def check_document(passage_id: object, title: object, text: object) -> Passage:
@@ -145,6 +164,9 @@ class LiveCorpus:
         self._reference_distance: float | None = None  # of the index's own rows; None: not read yet
         self._added_distance = 0.0  # summed over the documents added since the last training
         self._added = 0
+        # Changes logged but not applied to the index yet (its apply failed), in log order, and why.
+        self._pending: list[PreparedChanges] = []
+        self._suspended: str | None = None
 
     @classmethod
     def replayed(
@@ -175,12 +197,26 @@ class LiveCorpus:
         return cls(store, index, tokenize_batch, compact_share)
 
     def get(self, passage_id: str) -> Document:
-        """The current version of ``passage_id``; NotFoundError when unknown or deleted."""
-        row = self.store.row_of(passage_id)
-        passage = self.store.passage(row)
-        version = self.store.version_of(passage_id)
-        assert version is not None
-        return Document(passage.id, passage.title, passage.text, version.version)
+        """The current version of ``passage_id``; NotFoundError when unknown or deleted.
+
+        One read of where the id stands (row and version together), then that row's passage: a
+        write racing the read gives the old document or the new, never a mix of the two."""
+        current = self.store.version_of(passage_id)
+        if current is None or current.row is None:
+            raise NotFoundError(f"unknown document id {passage_id!r}")
+        passage = self.store.passage(current.row)
+        return Document(passage.id, passage.title, passage.text, current.version)
+
+    @property
+    def suspended(self) -> str | None:
+        """Why the corpus takes no writes now (a logged change it could not apply yet), or None."""
+        return self._suspended
+
+    def catch_up(self) -> bool:
+        """Apply the changes logged but not applied yet, in order; True once none is pending (the
+        corpus takes writes again), False when one failed again (:attr:`suspended` says why)."""
+        with self._lock:
+            return self._catch_up()
 
     def put(self, passages: Sequence[Passage]) -> list[Written]:
         """Add or replace each of ``passages`` (ids distinct), all visible at once when this returns."""
@@ -196,6 +232,7 @@ class LiveCorpus:
         texts = [_indexed_text(passage) for passage in passages]
         vectors = np.asarray(embedder.embed(texts), dtype=np.float32)
         with self._lock:
+            self._take_writes()
             first = self.store.next_row
             rows = range(first, first + len(passages))
             template = self.store.info.segment_template
@@ -212,19 +249,22 @@ class LiveCorpus:
                     retired.append(before.row)
                 changes.append(Change(passage.id, version, row, passage, tuple(token_ids), vector))
                 written.append(Written(passage.id, version, before is None or before.row is None))
+            prepared = self._prepared([p.id for p in passages], vectors, texts, retired)
             self.store.commit(changes)
-            self.index.apply_changes([p.id for p in passages], vectors, texts, retired)
-            self._watch_drift(vectors)
+            if not self._applied(prepared):
+                return [Written(w.id, w.version, w.created, visible=False) for w in written]
         self._compact_when_due()
         return written
 
-    def delete(self, passage_ids: Sequence[str]) -> None:
-        """Delete each of ``passage_ids``; NotFoundError (and nothing deleted) if one is unknown."""
+    def delete(self, passage_ids: Sequence[str]) -> bool:
+        """Delete each of ``passage_ids``; NotFoundError (and nothing deleted) if one is unknown.
+        Returns whether searches see the deletion yet (false: logged, applied once caught up)."""
         if not passage_ids:
             raise InvalidInputError("no document ids given")
         if len(passage_ids) > MAX_BATCH_DOCUMENTS:
             raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {len(passage_ids)}")
         with self._lock:
+            self._take_writes()
             changes, retired = [], []
             for passage_id in dict.fromkeys(passage_ids):
                 before = self.store.version_of(passage_id)
@@ -232,14 +272,61 @@ class LiveCorpus:
                     raise NotFoundError(f"unknown document id {passage_id!r}")
                 retired.append(before.row)
                 changes.append(Change(passage_id, before.version + 1))
+            prepared = self._prepared([], np.zeros((0, self.index.dim), dtype=np.float32), [], retired)
             self.store.commit(changes)
-            self.index.apply_changes([], np.zeros((0, self.index.dim), dtype=np.float32), [], retired)
+            if not self._applied(prepared):
+                return False
         self._compact_when_due()
+        return True
+
+    def _take_writes(self) -> None:
+        """Catch up first if changes are pending; WritesSuspendedError while that fails (under the lock)."""
+        if self._pending and not self._catch_up():
+            raise WritesSuspendedError(
+                f"the corpus takes no writes until it has applied a logged change: {self._suspended}"
+            )
+
+    def _prepared(
+        self, ids: Sequence[str], vectors: np.ndarray, texts: Sequence[str], retired: Sequence[int]
+    ) -> PreparedChanges:
+        """The change checked and worked out for the index, before it is logged (under the lock)."""
+        prepared = self.index.prepare_changes(ids, vectors, texts, retired)
+        if prepared.first_row != self.store.next_row:
+            raise ArtifactError(
+                f"the index shows {prepared.first_row} rows, the store {self.store.next_row}: "
+                "restart to replay the log"
+            )
+        return prepared
+
+    def _applied(self, prepared: PreparedChanges) -> bool:
+        """Apply a logged change to the index; on failure keep it pending and stop taking writes
+        (under the lock). Returns whether it was applied."""
+        self._pending.append(prepared)
+        return self._catch_up()
+
+    def _catch_up(self) -> bool:
+        """Apply the pending changes in order, stopping at the first that fails (under the lock)."""
+        while self._pending:
+            prepared = self._pending[0]
+            try:
+                self.index.apply_prepared(prepared)
+            except Exception as error:  # the change is logged: it must be applied, not dropped
+                self._suspended = f"applying the change to the index failed: {error!r}"
+                logger.exception("a logged change could not be applied to the index; writes suspended")
+                return False
+            self._pending.pop(0)
+            try:
+                self._watch_drift(prepared.vectors)
+            except Exception:  # a statistic: missing it must not fail a write that was applied
+                logger.exception("the drift of added documents could not be measured")
+        self._suspended = None
+        return True
 
     def compact(self, retrain: bool = False) -> int:
         """Drop the hidden rows from the index now, training new centroids when ``retrain``
         (changes wait, searches do not); returns how many rows were dropped."""
         with self._lock:
+            self._take_writes()
             dropped = self.index.compact(retrain)
             if retrain:
                 self._reference_distance, self._added_distance, self._added = None, 0.0, 0
@@ -279,6 +366,8 @@ class LiveCorpus:
         """Start a background compaction once hidden rows pass their share, or a re-training
         once added documents drifted (one at a time)."""
         if self._compact_share is None or (self._compacting is not None and self._compacting.is_alive()):
+            return
+        if self._pending:  # the index is part-applied: compaction waits for the catch-up
             return
         held = self.index.searcher.ntotal
         drift = self.drift

@@ -7,6 +7,10 @@ called again to continue. To return the same neighbours as faiss, the candidate 
 result heap reproduce faiss's heap operations and tie rules (value, then id) step for step.
 Distances are "smaller is better": squared L2, or the negated inner product.
 
+A search may be limited to some nodes (``allowed``, a bitmap as faiss's ``IDSelectorBitmap`` reads
+it, used when ``filtered``): as faiss does with a selector, it still walks through every node but
+offers only the allowed ones to its results, so hidden nodes lead to their neighbours.
+
 State layout: ``state = [queue size, valid entries in queue, expansions so far, finished]``.
 """
 
@@ -150,9 +154,18 @@ def _queue_push(state, queue_dis, queue_ids, ident, val):  # type: ignore[no-unt
     state[QUEUE_VALID] += 1
 
 
+@njit(cache=True, inline="always")
+def _is_allowed(allowed, filtered, ident):  # type: ignore[no-untyped-def]
+    """faiss ``IDSelectorBitmap::is_member``: bit ``ident % 8`` of byte ``ident // 8``, none past the end."""
+    if not filtered:
+        return True
+    byte = ident >> 3
+    return byte < allowed.shape[0] and (allowed[byte] >> (ident & 7)) & 1 == 1
+
+
 @njit(cache=True)
-def _offer_result(result_dis, result_ids, val, ident):  # type: ignore[no-untyped-def]
-    if result_dis[0] > val:
+def _offer_result(result_dis, result_ids, val, ident, allowed, filtered):  # type: ignore[no-untyped-def]
+    if result_dis[0] > val and _is_allowed(allowed, filtered, ident):
         _heap_replace_top(result_dis.shape[0], result_dis, result_ids, val, ident)
 
 
@@ -199,6 +212,8 @@ def enter(  # type: ignore[no-untyped-def]
     result_dis,
     result_ids,
     state,
+    allowed,
+    filtered,
 ):
     """Greedy descent to level 1, then seed the level-0 queue and results with the nearest node."""
     nearest = entry_point
@@ -218,7 +233,7 @@ def enter(  # type: ignore[no-untyped-def]
             if nearest == previous:
                 break
     _queue_push(state, queue_dis, queue_ids, nearest, d_nearest)
-    _offer_result(result_dis, result_ids, d_nearest, nearest)
+    _offer_result(result_dis, result_ids, d_nearest, nearest, allowed, filtered)
     visited[nearest] = 1
 
 
@@ -238,6 +253,8 @@ def expand(  # type: ignore[no-untyped-def]
     result_ids,
     state,
     budget,
+    allowed,
+    filtered,
 ):
     """Expand at most ``budget`` level-0 nodes; return True once the search has finished.
 
@@ -270,7 +287,7 @@ def expand(  # type: ignore[no-untyped-def]
             count += 1
         _distances(query, vectors, pending, count, pending_dis, inner_product)
         for i in range(count):
-            _offer_result(result_dis, result_ids, pending_dis[i], pending[i])
+            _offer_result(result_dis, result_ids, pending_dis[i], pending[i], allowed, filtered)
             _queue_push(state, queue_dis, queue_ids, pending[i], pending_dis[i])
         expanded += 1
         state[EXPANSIONS] += 1

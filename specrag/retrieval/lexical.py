@@ -120,12 +120,16 @@ class LexicalIndex:
             terms += self.terms(identifier) * (identifier_weight - 1)
         return terms
 
-    def search(self, text: str, depth: int, identifier_weight: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, text: str, depth: int, identifier_weight: int = 1, allowed: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The (at most) ``depth`` best passages containing a query term: (rows, scores), best first.
 
         The identifiers the query names weigh ``identifier_weight`` times their words. Ties are
         broken by row so the ranking is deterministic; a query with no known term finds nothing
-        (empty arrays), which leaves a hybrid search to its dense channel.
+        (empty arrays), which leaves a hybrid search to its dense channel. With ``allowed`` (a flag
+        per passage) only the passages flagged are ranked: a live index's hidden ones are skipped
+        before the ranking is cut, so they cannot push the visible ones out of it.
         """
         if depth < 1:
             raise InvalidInputError(f"depth must be at least 1, got {depth}")
@@ -133,7 +137,7 @@ class LexicalIndex:
         if not term_ids:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
         scores = np.asarray(self._retriever.get_scores_from_ids(term_ids), dtype=np.float32)
-        matching = np.flatnonzero(scores > 0)
+        matching = np.flatnonzero(scores > 0 if allowed is None else (scores > 0) & allowed[: len(scores)])
         if len(matching) > depth:
             matching = matching[np.argpartition(-scores[matching], depth - 1)[:depth]]
         order = np.lexsort((matching, -scores[matching]))

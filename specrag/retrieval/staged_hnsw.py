@@ -26,7 +26,7 @@ import numpy as np
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval import hnsw_kernels
-from specrag.retrieval.live_index import ReadWriteLock
+from specrag.retrieval.live_index import ReadWriteLock, Visibility, bitmap_selector
 from specrag.retrieval.progress import add_in_chunks
 from specrag.retrieval.stages import (
     UNBOUNDED,
@@ -43,18 +43,24 @@ CALIBRATION_QUERIES = 32
 # faiss's bundled stubs lack SearchParametersHNSW.
 _FAISS: Any = faiss
 _WORST = np.finfo(np.float32).max
+_ALL = np.zeros(0, dtype=np.uint8)  # the kernels' bitmap when a search is not filtered
 
 
 class _BeamSearch:
     """The arrays of one query's search in progress (positions in the graph, not row numbers).
 
     Its calls read the searcher's graph and vectors as they are then: the caller holds the
-    searcher's lock for reading across each (see :meth:`StagedHNSW.add`).
+    searcher's lock for reading across each (see :meth:`StagedHNSW.add`). ``allowed`` (a bitmap
+    over graph positions, None: all) limits the results, not the walk.
     """
 
-    def __init__(self, searcher: StagedHNSW, query: np.ndarray, k: int) -> None:
+    def __init__(
+        self, searcher: StagedHNSW, query: np.ndarray, k: int, allowed: np.ndarray | None = None
+    ) -> None:
         self.searcher = searcher
         self.query = query
+        self.allowed = _ALL if allowed is None else allowed
+        self.filtered = allowed is not None
         ef = max(searcher.ef_search, k)
         self.visited = np.zeros(searcher.ntotal, dtype=np.uint8)
         self.queue_dis = np.empty(ef, dtype=np.float32)
@@ -67,6 +73,7 @@ class _BeamSearch:
             query, searcher.vectors, graph.neighbors, graph.offsets, graph.cum_neighbors,
             graph.entry_point, graph.max_level, searcher.inner_product,
             self.visited, self.queue_dis, self.queue_ids, self.result_dis, self.result_ids, self.state,
+            self.allowed, self.filtered,
         )  # fmt: skip
 
     @property
@@ -89,7 +96,7 @@ class _BeamSearch:
                 self.query, self.searcher.vectors, graph.neighbors, graph.offsets, graph.cum_neighbors,
                 self.searcher.ef_search, self.searcher.inner_product,
                 self.visited, self.queue_dis, self.queue_ids, self.result_dis, self.result_ids, self.state,
-                budget,
+                budget, self.allowed, self.filtered,
             )
         )  # fmt: skip
 
@@ -139,6 +146,9 @@ class StagedHNSW(FaissBacked):
         self._next_row = index.ntotal if next_row is None else next_row
         # An insert moves the arrays a search reads: it waits for the searches in flight, they for it.
         self._graph_lock = ReadWriteLock()
+        # The last visibility a search was limited to, as a bitmap over graph positions (a
+        # compacted graph's positions are not its rows): one per snapshot, not one per search.
+        self._allowed: tuple[Visibility, int, np.ndarray] | None = None
         self._read_graph()
         self.expected_expansions = self._calibrate()
 
@@ -193,6 +203,11 @@ class StagedHNSW(FaissBacked):
             "ef_search": self.ef_search,
         }
 
+    @property
+    def next_row(self) -> int:
+        """The row the next :meth:`add` must start at."""
+        return self._next_row
+
     def add(self, vectors: np.ndarray, first_row: int) -> None:
         """Insert ``vectors`` as rows ``first_row``, ``first_row + 1``, ... into the graph, as a
         build inserts its own; a search in flight waits for at most one insert."""
@@ -231,23 +246,55 @@ class StagedHNSW(FaissBacked):
             return positions
         return np.where(positions >= 0, rows[np.maximum(positions, 0)], -1)
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """One-shot faiss search at this searcher's ``efSearch``: (distances, ids), shape (n, k)."""
+    def _allowed_positions(self, visibility: Visibility | None) -> np.ndarray | None:
+        """The graph positions ``visibility`` shows, as a bitmap (None: all): its own bitmap when
+        positions are rows, else mapped through the positions' rows (cached per snapshot)."""
+        if visibility is None:
+            return None
+        rows = self._rows
+        if rows is None:
+            return visibility.bitmap
+        cached = self._allowed
+        if cached is not None and cached[0] is visibility and cached[1] == len(rows):
+            return cached[2]
+        visible = visibility.visible
+        shown = np.zeros(len(rows), dtype=bool)
+        inside = rows < len(visible)  # rows added after the snapshot are hidden from it
+        shown[inside] = visible[rows[inside]]
+        bitmap = np.packbits(shown, bitorder="little")
+        self._allowed = (visibility, len(rows), bitmap)
+        return bitmap
+
+    def search(
+        self, queries: np.ndarray, k: int, visibility: Visibility | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One-shot faiss search at this searcher's ``efSearch``: (distances, ids), shape (n, k);
+        only rows ``visibility`` shows, when given (the graph is still walked through the others)."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
+        params = _FAISS.SearchParametersHNSW()
+        params.efSearch = self.ef_search
+        allowed = self._allowed_positions(visibility)  # alive while faiss reads it
+        selector = None if allowed is None else bitmap_selector(allowed)
+        if selector is not None:
+            params.sel = selector
         with self._graph_lock.reading():
-            distances, positions = self.index.search(
-                matrix, k, params=_FAISS.SearchParametersHNSW(efSearch=self.ef_search)
-            )
+            distances, positions = self.index.search(matrix, k, params=params)
         return distances, self._row_numbers(positions)
 
-    def stages(self, queries: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
-        """Expand the beams of all queries stage by stage; each stage yields the running top-k."""
+    def stages(
+        self, queries: np.ndarray, k: int, plan: StagePlan, visibility: Visibility | None = None
+    ) -> Iterator[StageResult]:
+        """Expand the beams of all queries stage by stage; each stage yields the running top-k
+        (only rows ``visibility`` shows, when given)."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
-        return self._stages(matrix, k, plan)
+        return self._stages(matrix, k, plan, visibility)
 
-    def _stages(self, matrix: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
+    def _stages(
+        self, matrix: np.ndarray, k: int, plan: StagePlan, visibility: Visibility | None
+    ) -> Iterator[StageResult]:
         with self._graph_lock.reading():
-            beams = [_BeamSearch(self, query, k) for query in matrix]
+            allowed = self._allowed_positions(visibility)
+            beams = [_BeamSearch(self, query, k, allowed) for query in matrix]
 
         def advance(units: int) -> bool:
             with self._graph_lock.reading():

@@ -17,7 +17,7 @@ import faiss
 import numpy as np
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.live_index import ReadWriteLock
+from specrag.retrieval.live_index import ReadWriteLock, Visibility, bitmap_selector
 from specrag.retrieval.progress import add_in_chunks
 from specrag.retrieval.stages import (
     FaissBacked,
@@ -80,7 +80,9 @@ class StagedIVF(FaissBacked):
 
     kind = "ivf"
 
-    def __init__(self, index: faiss.Index, nprobe: int | None = None) -> None:
+    def __init__(self, index: faiss.Index, nprobe: int | None = None, next_row: int | None = None) -> None:
+        """``next_row`` is the row the next :meth:`add` must start at (None: the number of rows
+        held): a compacted index holds rows with gaps between them."""
         # The downcast proxy does not own the C++ object: keep the owner alive alongside it.
         self.owner = index
         # Any: faiss's bundled stubs omit the low-level SWIG methods used here.
@@ -92,6 +94,7 @@ class StagedIVF(FaissBacked):
         # Adding vectors may move a list's storage; a scan must never read it mid-move, so an add
         # waits for the scans in flight (one stage's slice each) and scans wait for it (:meth:`add`).
         self._lists_lock = ReadWriteLock()
+        self._next_row = int(index.ntotal) if next_row is None else next_row
         if self.nprobe == 1:
             logger.warning(
                 "this IVF index searches one list (nlist %d, nprobe 1): a search is a single stage, so "
@@ -168,13 +171,22 @@ class StagedIVF(FaissBacked):
             return "sq8"
         return "flat"
 
+    @property
+    def next_row(self) -> int:
+        """The row the next :meth:`add` must start at."""
+        return self._next_row
+
     def add(self, vectors: np.ndarray, first_row: int) -> None:
-        """Add ``vectors`` as rows ``first_row``, ``first_row + 1``, ... to the lists of their
-        nearest centroids, as a build adds its own; a search in flight waits for at most one add."""
+        """Add ``vectors`` as rows ``first_row`` (:attr:`next_row`), ``first_row + 1``, ... to the
+        lists of their nearest centroids, as a build adds its own; a search in flight waits for at
+        most one add. Any other first row is refused: the lists' ids must stay the index's rows."""
         matrix = self.vectors_to_add(vectors)
+        if first_row != self._next_row:
+            raise InvalidInputError(f"added rows must start at row {self._next_row}, got {first_row}")
         rows = np.arange(first_row, first_row + len(matrix), dtype=np.int64)
         with self._lists_lock.writing():
             self.owner.add_with_ids(matrix, rows)
+            self._next_row += len(matrix)
 
     def compacted(self, keep: np.ndarray) -> StagedIVF:
         """A copy holding only the rows ``r`` with ``keep[r]``: the same centroids and codes, the
@@ -201,7 +213,7 @@ class StagedIVF(FaissBacked):
                     kept += len(kept_ids)
         faiss.extract_index_ivf(compact).ntotal = kept
         compact.ntotal = kept
-        return StagedIVF(compact, self.nprobe)
+        return StagedIVF(compact, self.nprobe, len(keep))
 
     def centroid_distance(self, vectors: np.ndarray) -> np.ndarray:
         """How far each of ``vectors`` lies from its nearest centroid (1 - inner product for the
@@ -239,27 +251,44 @@ class StagedIVF(FaissBacked):
         )
         fresh.owner.add_with_ids(np.ascontiguousarray(vectors), np.ascontiguousarray(rows, dtype=np.int64))
         fresh.nprobe = min(self.nprobe, fresh.index.nlist)
+        fresh._next_row = len(keep)
         return fresh
 
-    def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
+    @staticmethod
+    def _params(nprobe: int, selector: Any) -> faiss.SearchParametersIVF:
+        """faiss's parameters for a scan of ``nprobe`` lists; only the rows ``selector`` selects
+        (a :func:`~specrag.retrieval.live_index.bitmap_selector`, None: all) are scored."""
         params = faiss.SearchParametersIVF()
         params.nprobe = nprobe
+        if selector is not None:
+            params.sel = selector
         return params
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """One-shot faiss search at this searcher's ``nprobe``: (distances, ids), shape (n, k)."""
+    def search(
+        self, queries: np.ndarray, k: int, visibility: Visibility | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One-shot faiss search at this searcher's ``nprobe``: (distances, ids), shape (n, k);
+        only rows ``visibility`` shows, when given."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
+        bitmap = None if visibility is None else visibility.bitmap  # alive while faiss reads it
+        selector = None if bitmap is None else bitmap_selector(bitmap)
         with self._lists_lock.reading():
-            distances, ids = self.index.search(matrix, k, params=self._params(self.nprobe))
+            distances, ids = self.index.search(matrix, k, params=self._params(self.nprobe, selector))
         return distances, ids
 
-    def stages(self, queries: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
-        """Scan the probe list in slices; each stage yields the running top-k of every query."""
+    def stages(
+        self, queries: np.ndarray, k: int, plan: StagePlan, visibility: Visibility | None = None
+    ) -> Iterator[StageResult]:
+        """Scan the probe list in slices; each stage yields the running top-k of every query
+        (only rows ``visibility`` shows, when given)."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
-        return self._stages(matrix, k, plan)
+        return self._stages(matrix, k, plan, None if visibility is None else visibility.bitmap)
 
-    def _stages(self, matrix: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
+    def _stages(
+        self, matrix: np.ndarray, k: int, plan: StagePlan, bitmap: np.ndarray | None
+    ) -> Iterator[StageResult]:
         started = time.perf_counter()
+        selector = None if bitmap is None else bitmap_selector(bitmap)
         num = matrix.shape[0]
         coarse_distances, coarse_lists = self.index.quantizer.search(matrix, self.nprobe)
         top = RunningTopK(num, k, keep_max=self.index.metric_type == faiss.METRIC_INNER_PRODUCT)
@@ -282,7 +311,7 @@ class StagedIVF(FaissBacked):
                     faiss.swig_ptr(distances),
                     faiss.swig_ptr(ids),
                     False,
-                    self._params(end - scanned),
+                    self._params(end - scanned, selector),
                     None,
                 )
             top.add(distances, ids)

@@ -15,7 +15,10 @@ their ids are passage positions (real rows) and their ``distances`` are fused sc
 
 A live corpus (:mod:`specrag.retrieval.live_index`) appends rows and hides others while searches
 run (:meth:`VectorIndex.apply_changes`); each search reads which rows are visible once, at its
-start, so all its stages and both channels see the corpus in one state.
+start, so all its stages and both channels see the corpus in one state. A change is checked and
+worked out first (:meth:`VectorIndex.prepare_changes`, before the live corpus logs it), then
+applied (:meth:`VectorIndex.apply_prepared`) in steps that each skip what they already did, so an
+apply cut short by a failure is completed by running it again, without a row twice or out of place.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from specrag.errors import InvalidInputError
+from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.embedders import Embedder
 from specrag.retrieval.fusion import FusionConfig, fuse
 from specrag.retrieval.identifiers import named_identifiers
@@ -37,7 +41,25 @@ from specrag.retrieval.stage_stats import PlanKey, StageOutlook, StageStatistics
 from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries, stage_plan
 from specrag.retrieval.text import normalize_text
 
-__all__ = ["StagedSearch", "VectorIndex"]
+__all__ = ["PreparedChanges", "StagedSearch", "VectorIndex"]
+
+
+@dataclass(frozen=True)
+class PreparedChanges:
+    """One change to an index, checked and worked out before it is logged: rows ``first_row``,
+    ``first_row + 1``, ... for ``ids`` (their ``vectors``, and each text's term counts for the
+    lexical channel, empty without one), and the passages ``retired``."""
+
+    ids: tuple[str, ...]
+    vectors: np.ndarray
+    terms: tuple[dict[str, int], ...]
+    retired: tuple[int, ...]
+    first_row: int
+
+    @property
+    def rows(self) -> range:
+        """The rows the change adds."""
+        return range(self.first_row, self.first_row + len(self.ids))
 
 
 class VectorIndex:
@@ -81,13 +103,16 @@ class VectorIndex:
         self._runner = runner
         # How each stage's top-k turned out, learned from every single-query staged search.
         self._stage_stats = StageStatistics()
-        # Row -> passage, with a trailing -1 so that padding ids (-1) map to -1 by plain indexing;
-        # replaced as a whole when the corpus changes (apply_changes).
-        self._visibility = Visibility(np.concatenate([np.arange(len(passage_ids)), sources, [-1]]), 0)
+        # Row -> passage, with a trailing -1 so that padding ids (-1) map to -1 by plain indexing,
+        # and the added documents' BM25; replaced as a whole when the corpus changes (apply_changes).
+        self._visibility = Visibility(
+            np.concatenate([np.arange(len(passage_ids)), sources, [-1]]),
+            0,
+            AddedLexical(lexical) if lexical is not None else None,
+        )
         # The rows a search may meet: the visibility's, and while apply_changes adds, the new ones
         # the searcher holds before their visibility is swapped in.
         self._rows_held = len(self._visibility.row_to_passage) - 1
-        self._added_lexical = AddedLexical(lexical) if lexical is not None else None
 
     @property
     def dim(self) -> int:
@@ -141,25 +166,74 @@ class VectorIndex:
         channel) and hide the rows of the passages ``retired``, visible to searches that start
         after the call returns, all at once; returns the new rows.
 
-        The caller (:mod:`specrag.pipeline.live_corpus`) makes one change at a time. New rows are
-        passages of their own, so the index must not be padded.
+        :meth:`prepare_changes` then :meth:`apply_prepared`: a caller that logs the change
+        (:mod:`specrag.pipeline.live_corpus`) does so between the two. The caller makes one
+        change at a time. New rows are passages of their own, so the index must not be padded.
         """
+        return self.apply_prepared(self.prepare_changes(ids, vectors, texts, retired))
+
+    def prepare_changes(
+        self, ids: Sequence[str], vectors: np.ndarray, texts: Sequence[str], retired: Sequence[int]
+    ) -> PreparedChanges:
+        """Check a change and do the work of it that can fail on its input (the vectors' shape and
+        values, the rows, each text's terms) without changing anything: InvalidInputError says
+        what is wrong, before the caller commits to the change."""
         if not len(ids) == len(vectors) == len(texts):
             raise InvalidInputError(f"{len(ids)} ids, {len(vectors)} vectors and {len(texts)} texts")
         current = self._visibility
         start = len(current.row_to_passage) - 1
-        if len(vectors):
+        matrix = np.zeros((0, self.dim), dtype=np.float32)
+        if len(ids):
             self.check_growable()
             assert isinstance(self.searcher, Growable)
-            self._rows_held = start + len(vectors)
-            self.searcher.add(np.asarray(vectors, dtype=np.float32), start)
-        added = list(range(start, start + len(vectors)))
-        for row, passage_id, text in zip(added, ids, texts, strict=True):
-            self.passage_ids.append(passage_id)  # row -> id; an id's current row is the live corpus's
-            if self._added_lexical is not None:
-                self._added_lexical.add(row, text)
-        self._visibility = current.changed(added, retired)
-        return added
+            matrix = np.ascontiguousarray(vectors, dtype=np.float32)
+            if matrix.ndim != 2 or matrix.shape[1] != self.dim:
+                raise InvalidInputError(f"expected vectors of dimension {self.dim}, got shape {matrix.shape}")
+            if not np.isfinite(matrix).all():
+                raise InvalidInputError("document vectors contain NaN or infinite values")
+            if self.searcher.next_row != start or len(self.passage_ids) != start:
+                raise ArtifactError(
+                    f"the index shows {start} rows but its searcher holds rows up to "
+                    f"{self.searcher.next_row} and it names {len(self.passage_ids)}: a change is half applied"
+                )
+        end = start + len(ids)  # a replay retires rows it adds itself
+        outside = [row for row in retired if not 0 <= row < end]
+        if outside:
+            raise InvalidInputError(f"retired rows {outside} outside the index's [0, {end})")
+        lexical = current.lexical
+        terms = tuple(lexical.counted(text) for text in texts) if lexical is not None else ()
+        return PreparedChanges(tuple(ids), matrix, terms, tuple(int(row) for row in retired), start)
+
+    def apply_prepared(self, change: PreparedChanges) -> list[int]:
+        """Apply a prepared change: the searcher's rows, the rows' ids, then one swap of the
+        visibility and the lexical channel with it; returns the new rows.
+
+        Each step skips what it holds already, so after a failure part-way, running the same
+        change again completes it, and running a completed one again changes nothing.
+        """
+        rows = change.rows
+        current = self._visibility
+        shown = len(current.row_to_passage) - 1
+        if len(rows) and shown == rows.stop:  # swapped in already
+            return list(rows)
+        if shown != rows.start:
+            raise InvalidInputError(f"the change adds rows from {rows.start}, the index shows {shown} rows")
+        if len(rows):
+            searcher = self.searcher
+            assert isinstance(searcher, Growable)
+            self._rows_held = max(self._rows_held, rows.stop)  # a search may meet them from now on
+            held = searcher.next_row
+            if not rows.start <= held <= rows.stop:
+                raise ArtifactError(f"the searcher holds rows up to {held}, the change adds rows {rows}")
+            if held < rows.stop:
+                searcher.add(change.vectors[held - rows.start :], held)
+            named = len(self.passage_ids) - rows.start  # row -> id; an id's current row is the corpus's
+            self.passage_ids.extend(change.ids[named:])
+        lexical = current.lexical
+        if lexical is not None:
+            lexical = lexical.changed(dict(zip(rows, change.terms, strict=True)), change.retired)
+        self._visibility = replace(current.changed(list(rows), change.retired), lexical=lexical)
+        return list(rows)
 
     def check_growable(self) -> None:
         """Raise InvalidInputError unless this index can take new documents while it serves."""
@@ -189,8 +263,10 @@ class VectorIndex:
         searcher = self.searcher
         if not isinstance(searcher, Growable):
             raise InvalidInputError(f"a {searcher.kind} index cannot be compacted while it serves")
-        dropped = self.removable_rows
         visible = self._visibility.visible
+        if searcher.next_row != len(visible):
+            raise InvalidInputError("a change is half applied: apply it again before compacting")
+        dropped = self.removable_rows
         replacement: Growable
         if not retrain:
             replacement = searcher.compacted(visible)
@@ -240,10 +316,10 @@ class VectorIndex:
         visibility = self._visibility
         lexical = self._lexical_rankings(self._texts(query_text, batch), len(matrix), visibility)
         if lexical is None:
-            found = self.searcher.search(matrix, self._depth(k, visibility))
+            found = self._dense_search(matrix, self._depth(k, visibility), visibility)
             distances, ids = self._visible_top(*found, k, visibility)
         else:
-            _, rows = self.searcher.search(matrix, self.fusion.dense_depth(k))
+            _, rows = self._dense_search(matrix, self.fusion.dense_depth(k), visibility)
             ids, distances = self._fused(lexical, rows, k, visibility)
         return (distances, ids) if batch else (distances[0], ids[0])
 
@@ -293,8 +369,29 @@ class VectorIndex:
         return [query_text]
 
     def _depth(self, k: int, visibility: Visibility) -> int:
-        """How deep a dense-only search reads for a top-k: k, or deeper while rows are hidden."""
-        return k if not visibility.hidden else self.fusion.dense_depth(k)
+        """How deep a dense-only search reads for a top-k: k, or deeper while rows are hidden and
+        the searcher cannot skip them itself."""
+        skips = not visibility.hidden or isinstance(self.searcher, Growable)
+        return k if skips else self.fusion.dense_depth(k)
+
+    def _dense_search(
+        self, matrix: np.ndarray, depth: int, visibility: Visibility
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The searcher's one-shot search, skipping hidden rows at the source when it can (a
+        growable searcher): old versions then never crowd the current ones out of its top."""
+        searcher = self.searcher
+        if visibility.hidden and isinstance(searcher, Growable):
+            return searcher.search(matrix, depth, visibility)
+        return searcher.search(matrix, depth)
+
+    def _dense_stages(
+        self, matrix: np.ndarray, depth: int, plan: StagePlan, visibility: Visibility
+    ) -> Iterator[StageResult]:
+        """The searcher's stages, skipping hidden rows as :meth:`_dense_search` does."""
+        searcher = self.searcher
+        if visibility.hidden and isinstance(searcher, Growable):
+            return searcher.stages(matrix, depth, plan, visibility)
+        return searcher.stages(matrix, depth, plan)
 
     @staticmethod
     def _visible_top(
@@ -314,15 +411,21 @@ class VectorIndex:
         return kept_distances, kept_ids
 
     def _lexical_ranking(self, text: str, visibility: Visibility) -> np.ndarray:
-        """A query's lexical ranking of visible passages, the base's and the added documents' merged."""
-        assert self.lexical is not None and self._added_lexical is not None
+        """A query's lexical ranking of visible passages, the base's and the added documents' merged.
+
+        Both skip hidden rows before they cut their ranking (the base by the visibility's flags,
+        the added documents hold only their current versions), so each ranks ``depth`` visible ones.
+        """
+        added_lexical = visibility.lexical
+        assert self.lexical is not None and added_lexical is not None
         depth, weight = self.fusion.depth, self.fusion.identifier_weight
-        if not visibility.hidden and not len(self._added_lexical):
+        if not visibility.hidden and not len(added_lexical):
             return self.lexical.search(text, depth, weight)[0]
-        base = self.lexical.search(text, depth + min(visibility.hidden, 4 * depth), weight)
-        added = self._added_lexical.search(self.lexical.query_terms(text, weight), depth)
-        rows, _ = merge_rankings(base, added, len(base[0]) + len(added[0]))
-        return rows[visibility.alive(rows)][:depth]
+        allowed = visibility.visible if visibility.hidden else None
+        base = self.lexical.search(text, depth, weight, allowed)
+        added = added_lexical.search(self.lexical.query_terms(text, weight), depth)
+        rows, _ = merge_rankings(base, added, depth)
+        return rows[visibility.alive(rows)]
 
     def _lexical_rankings(
         self, texts: Sequence[str] | None, num_queries: int, visibility: Visibility
@@ -348,12 +451,12 @@ class VectorIndex:
         visibility = self._visibility
         lexical = self._lexical_rankings(texts, len(matrix), visibility)
         if lexical is None:
-            for stage in self.searcher.stages(matrix, self._depth(k, visibility), plan):
+            for stage in self._dense_stages(matrix, self._depth(k, visibility), plan, visibility):
                 distances, ids = self._visible_top(stage.distances, stage.ids, k, visibility)
                 yield StageResult(stage.stage, ids, distances, stage.done, stage.elapsed_s)
             return
         lexical_s = time.perf_counter() - started
-        for stage in self.searcher.stages(matrix, self.fusion.dense_depth(k), plan):
+        for stage in self._dense_stages(matrix, self.fusion.dense_depth(k), plan, visibility):
             ids, scores = self._fused(lexical, stage.ids, k, visibility)
             elapsed_s = stage.elapsed_s + (lexical_s if stage.stage == 1 else 0.0)
             yield StageResult(stage.stage, ids, scores, stage.done, elapsed_s)

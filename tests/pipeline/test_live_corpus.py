@@ -22,7 +22,7 @@ from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, RETRAIN_DRIFT, Liv
 from specrag.pipeline.live_store import LiveStore
 from specrag.pipeline.store import build_store
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.index_store import load_index
+from specrag.retrieval.index_store import TFIDF_SVD, IndexConfig, build_index, load_index
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.stages import StagedSearcher
@@ -163,7 +163,7 @@ def test_a_kill_9_right_after_an_acknowledged_write_loses_nothing(
         from specrag.pipeline.live_store import LiveStore
         from specrag.pipeline.tokenizer import Tokenizer
         from specrag.retrieval.corpus import Passage
-        from specrag.retrieval.index_store import load_index
+        from specrag.retrieval.index_store import TFIDF_SVD, IndexConfig, build_index, load_index
 
         store = Path({str(tiny_assets.store.path)!r})
         index = load_index(store.parent.parent / "index")
@@ -268,3 +268,26 @@ def test_an_hnsw_index_takes_drifted_documents_is_compacted_and_never_retrained(
     assert index.search(index.embed_query("vec:4400"), 1)[1][0] == corpus.store.row_of("n400")
     with pytest.raises(InvalidInputError, match="no centroids"):
         corpus.compact(retrain=True)
+
+
+def made_up_words(count: int, seed: int) -> list[str]:
+    """``count`` distinct pronounceable non-words (no stop words, no stems of each other)."""
+    rng = np.random.default_rng(seed)
+    consonants, vowels = "bdfgklmnprstvz", "aeiou"
+    words: dict[str, None] = {}
+    while len(words) < count:
+        words["".join(rng.choice(list(consonants)) + rng.choice(list(vowels)) for _ in range(3))] = None
+    return list(words)
+
+
+def text_corpus(tmp_path: Path, kind: str, compact_share: float | None = None) -> LiveCorpus:
+    """A live hybrid corpus (TF-IDF vectors and BM25) of 800 documents ``t<i>`` of made-up words,
+    on an index of ``kind`` ("ivf" or "hnsw"), tokenized one token a document."""
+    words = made_up_words(400, seed=3)
+    rng = np.random.default_rng(4)
+    passages = [Passage(f"t{i}", "", " ".join(rng.choice(words, 12))) for i in range(800)]
+    build_store(tmp_path / "store.sqlite", passages, one_token_each, "stand-in")
+    config = IndexConfig(kind=kind, embedder=TFIDF_SVD, nlist=16, hnsw_m=16, ef_search=48, embedding_dim=64)
+    index = build_index(passages, config)
+    store = LiveStore(tmp_path / "store.sqlite")
+    return LiveCorpus.replayed(store, index, one_token_each, compact_share=compact_share)
