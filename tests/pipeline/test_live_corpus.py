@@ -291,3 +291,23 @@ def text_corpus(tmp_path: Path, kind: str, compact_share: float | None = None) -
     index = build_index(passages, config)
     store = LiveStore(tmp_path / "store.sqlite")
     return LiveCorpus.replayed(store, index, one_token_each, compact_share=compact_share)
+
+
+def test_get_racing_a_write_returns_one_version_whole(
+    corpus: LiveCorpus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replacement lands while GET reads: it answers the old version or the new, never the old
+    text under the new version number."""
+    corpus.put([NEW_FACT])
+    store, read = corpus.store, corpus.store.passage
+    replaced = Passage(NEW_FACT.id, NEW_FACT.title, "The quokka module now counts wombats.")
+
+    def write_then_read(row: int) -> Passage:
+        monkeypatch.setattr(store, "passage", read)
+        corpus.put([replaced])  # the racing write, between GET's reads
+        return read(row)
+
+    monkeypatch.setattr(store, "passage", write_then_read)
+    document = corpus.get(NEW_FACT.id)
+    assert (document.text, document.version) == (NEW_FACT.text, 1)
+    assert (corpus.get(NEW_FACT.id).text, corpus.get(NEW_FACT.id).version) == (replaced.text, 2)

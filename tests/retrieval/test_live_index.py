@@ -13,6 +13,7 @@ from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.live_index import Growable, ReadWriteLock, Visibility
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.stages import StagePlan
 from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
 
@@ -273,3 +274,24 @@ def test_retraining_needs_flat_lists(vectors: np.ndarray) -> None:
     index = VectorIndex(StagedIVF.build(vectors, nlist=64, codes="sq8"), [f"p{i}" for i in range(6000)])
     with pytest.raises(InvalidInputError, match="flat lists"):
         index.compact(retrain=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("compacted", [False, True])
+def test_hidden_rows_are_skipped_at_the_source_and_the_last_stage_is_the_one_shot_search(
+    vectors: np.ndarray, queries: np.ndarray, kind: str, compacted: bool
+) -> None:
+    """Half the rows hidden (on a compacted graph, its positions are not its rows): the searcher
+    itself returns k visible rows, each stage's search and the one-shot search the same ones."""
+    index = live_index(vectors, kind=kind)
+    if compacted:
+        index.apply_changes([], vectors[:0], [], retired=list(range(0, 6000, 7)))
+        index.compact()
+    index.apply_changes([], vectors[:0], [], retired=list(range(1, 6000, 2)))
+    visibility = index._visibility
+    searcher = index.searcher
+    assert isinstance(searcher, Growable)
+    _, ids = searcher.search(queries[:50], 10, visibility)
+    last = list(searcher.stages(queries[:50], 10, StagePlan(4, "equal"), visibility))[-1]
+    np.testing.assert_array_equal(last.ids, ids)
+    assert (ids >= 0).all() and visibility.visible[ids].all()
