@@ -167,6 +167,10 @@ class LiveCorpus:
         # Changes logged but not applied to the index yet (its apply failed), in log order, and why.
         self._pending: list[PreparedChanges] = []
         self._suspended: str | None = None
+        #: The most tokens a document's prompt segment may have (None: no limit), set by whoever
+        #: knows the engine's context (:meth:`~specrag.pipeline.prompt.PromptBuilder.document_token_limit`): a
+        #: longer document would fit no prompt, and every query that retrieved it would fail.
+        self.segment_token_limit: int | None = None
 
     @classmethod
     def replayed(
@@ -239,6 +243,7 @@ class LiveCorpus:
             tokens = self._tokenize_batch(
                 [render_segment(row, passage, template) for row, passage in zip(rows, passages, strict=True)]
             )
+            self._check_lengths(passages, tokens)
             changes: list[Change] = []
             retired: list[int] = []
             written: list[Written] = []
@@ -278,6 +283,19 @@ class LiveCorpus:
                 return False
         self._compact_when_due()
         return True
+
+    def _check_lengths(self, passages: Sequence[Passage], tokens: Sequence[Sequence[int]]) -> None:
+        """TooLargeError naming the first document whose segment is over :attr:`segment_token_limit`."""
+        limit = self.segment_token_limit
+        if limit is None:
+            return
+        for passage, token_ids in zip(passages, tokens, strict=True):
+            if len(token_ids) > limit:
+                raise TooLargeError(
+                    f"document {passage.id!r} is {len(token_ids)} tokens long; at most {limit} fit the "
+                    "model's context beside the system prompt, a question and the answer: split it "
+                    "into several documents"
+                )
 
     def _take_writes(self) -> None:
         """Catch up first if changes are pending; WritesSuspendedError while that fails (under the lock)."""

@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_QUESTION_TEMPLATE",
     "DEFAULT_SYSTEM_PROMPT",
     "MAX_QUESTION_CHARS",
+    "QUESTION_RESERVE_TOKENS",
     "PromptBuilder",
 ]
 
@@ -40,6 +41,10 @@ DEFAULT_QUESTION_TEMPLATE = "Question: {question}\nAnswer:"
 CHAT_QUESTION_TEMPLATE = "Question: {question}"
 """A chat model's question: its template opens the answer, so no ``Answer:`` cue."""
 MAX_QUESTION_CHARS = 4000
+# Tokens a prompt keeps for the question and the order hint when the longest document a live
+# corpus takes is worked out: a typical question fits; a longer one beside the longest document
+# is refused with advice (specrag.controller.fitting).
+QUESTION_RESERVE_TOKENS = 256
 
 
 class PromptBuilder:
@@ -132,6 +137,13 @@ class PromptBuilder:
         """
         ended = not self._turn_end or tuple(history[-len(self._turn_end) :]) == self._turn_end
         return (*history, *(() if ended else self._turn_end), *self._next_turn)
+
+    def document_token_limit(self, max_model_len: int, answer_tokens: int) -> int:
+        """The longest document segment that fits a prompt of its own in ``max_model_len`` tokens:
+        less the system prompt, :data:`QUESTION_RESERVE_TOKENS`, the answer's ``answer_tokens`` and
+        one block of padding (a segment is padded to the engine's blocks)."""
+        fixed = len(self.system_layout_tokens()) + QUESTION_RESERVE_TOKENS + answer_tokens
+        return max_model_len - fixed - (self.block_size or 0)
 
     def system_layout(self) -> PromptLayout:
         """The system prompt alone, laid out as it starts every prompt (for warm-up)."""

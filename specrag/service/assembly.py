@@ -183,6 +183,9 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
                 try:
                     app = _application(controller, options, pool.mirrors, served_model_name(assets.model_dir))
                     if assets.corpus is not None:
+                        assets.corpus.segment_token_limit = builder.document_token_limit(
+                            engines[0].engine.max_model_len, options.controller.max_tokens_default
+                        )
                         add_document_routes(app, assets.corpus, options.writer_tokens)
                     yield Service(app, controller, pool.placement, pool.mirrors)
                 finally:

@@ -311,3 +311,18 @@ def test_get_racing_a_write_returns_one_version_whole(
     document = corpus.get(NEW_FACT.id)
     assert (document.text, document.version) == (NEW_FACT.text, 1)
     assert (corpus.get(NEW_FACT.id).text, corpus.get(NEW_FACT.id).version) == (replaced.text, 2)
+
+
+def test_a_document_longer_than_the_segment_limit_is_refused_naming_the_limit(corpus: LiveCorpus) -> None:
+    """A document that fits no prompt would make every query retrieving it fail: 413 before the log."""
+    short = len(corpus._tokenize_batch([f"[Doc 9999] {NEW_FACT.title}\n{NEW_FACT.text}\n\n"])[0])
+    corpus.segment_token_limit = limit = 2 * short
+    logged = len(list(corpus.store.logged()))
+    long = Passage("long-1", "Long", " ".join(["marsupial counting on Rottnest island"] * 20))
+    with pytest.raises(TooLargeError, match=rf"'long-1' is \d+ tokens long; at most {limit} fit"):
+        corpus.put([NEW_FACT, long])
+    assert len(list(corpus.store.logged())) == logged  # nothing of the batch was written
+    with pytest.raises(NotFoundError):
+        corpus.get("fact-1")
+    (written,) = corpus.put([NEW_FACT])  # a short one still fits
+    assert written.version == 1

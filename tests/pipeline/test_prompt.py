@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline.prompt import MAX_QUESTION_CHARS, PromptBuilder
+from specrag.pipeline.prompt import MAX_QUESTION_CHARS, QUESTION_RESERVE_TOKENS, PromptBuilder
 from specrag.pipeline.store import DocumentStore, build_store
 from specrag.pipeline.tokenizer import Tokenizer
 from specrag.retrieval.corpus import Passage
@@ -85,3 +85,13 @@ def test_a_store_of_another_tokenizer_is_refused(tmp_path: Path, tokenizer: Toke
     build_store(path, [Passage("a", "t", "text")], tokenizer.encode_batch, tokenizer_fingerprint="other")
     with pytest.raises(ArtifactError, match="built for tokenizer other"):
         PromptBuilder(tokenizer, DocumentStore(path))
+
+
+def test_the_document_token_limit_leaves_room_for_system_question_answer_and_padding(
+    tokenizer: Tokenizer, store: DocumentStore
+) -> None:
+    builder = PromptBuilder(tokenizer, store, block_size=16)
+    system = len(builder.system_layout_tokens())
+    assert builder.document_token_limit(1024, 64) == 1024 - system - QUESTION_RESERVE_TOKENS - 64 - 16
+    unpadded = PromptBuilder(tokenizer, store)
+    assert unpadded.document_token_limit(1024, 64) == 1024 - len(unpadded.system_layout_tokens()) - 256 - 64
