@@ -89,11 +89,14 @@ class Document:
 
 @dataclass(frozen=True)
 class Written:
-    """The outcome of one document's write: its new version, and whether the id was new."""
+    """The outcome of one document's write: its new version, whether the id was new, and whether
+    searches see it yet."""
 
     id: str
     version: int
     created: bool
+    visible: bool = True
+    """False when the change is durable but the index could not apply it yet (searches do not see it)."""
 
 
 def check_document(passage_id: object, title: object, text: object) -> Passage:

@@ -225,7 +225,12 @@ async def test_the_documents_command_changes_a_running_service(
     try:
         async with serving(app, access_log=False) as url:
             assert await asyncio.to_thread(main, ["documents", "add", str(documents), "--url", url]) == 0
-            assert json.loads(capsys.readouterr().out) == {"id": "quokka", "version": 1, "created": True}
+            assert json.loads(capsys.readouterr().out) == {
+                "id": "quokka",
+                "version": 1,
+                "created": True,
+                "visible": True,
+            }
             assert assets.corpus.get("quokka").text == FACT
             assert await asyncio.to_thread(main, ["documents", "delete", "quokka", "--url", url]) == 0
             assert await asyncio.to_thread(main, ["documents", "get", "quokka", "--url", url]) == 2
