@@ -354,13 +354,16 @@ class AsyncClient(_AsyncClosing):
         await self._read("DELETE", f"/v1/sessions/{quote(session_id, safe='')}")
 
     async def put_document(self, document_id: str, text: str, title: str = "") -> dict[str, Any]:
-        """Add or replace one document: ``{"id", "version"}`` once it is durable and searchable."""
+        """Add or replace one document: ``{"id", "version"}`` once it is durable and searchable;
+        ``{"id", "version", "visible": False}`` when it is durable but not searchable yet (202: the
+        service replays it, and takes no other write until it has)."""
         path = f"/v1/documents/{quote(document_id, safe='')}"
         result: dict[str, Any] = await self._read("PUT", path, {"title": title, "text": text})
         return result
 
     async def put_documents(self, documents: Sequence[dict[str, str]]) -> list[dict[str, Any]]:
-        """Add or replace several documents (``{"id", "title", "text"}`` each) at once."""
+        """Add or replace several documents (``{"id", "title", "text"}`` each) at once: one
+        ``{"id", "version", "created", "visible"}`` each, in the order given."""
         result = await self._read("POST", "/v1/documents", {"documents": list(documents)})
         return list(result["documents"])
 

@@ -76,6 +76,8 @@ __all__ = [
 # swap, held under the writer's lock while it is embedded.
 MAX_BATCH_DOCUMENTS = 1000
 MAX_ID_CHARS = 256
+# Ids a URL path segment cannot carry: clients and proxies resolve them as "this" and "parent".
+_UNREACHABLE_IDS = frozenset({".", ".."})
 MAX_TEXT_CHARS = 100_000
 # Compact the index once this share of the rows it holds is hidden (replaced or deleted): each
 # hidden row costs every search that scans its list, and compaction copies every list once.
@@ -114,20 +116,47 @@ class Written:
 
 
 def check_document(passage_id: object, title: object, text: object) -> Passage:
-    """The passage a write names, or InvalidInputError saying what is wrong with it."""
+    """The passage a write names, or InvalidInputError saying what is wrong with it.
+
+    An id must be reachable as one segment of a URL path (``/v1/documents/{id}``, which the
+    client quotes whole, ``/`` included): ``.`` and ``..`` are not, a URL resolves them away, and
+    an id with blanks around it would be told apart from the trimmed one by invisible characters.
+    Every field must be UTF-8 text: JSON can carry a lone surrogate (``"\\ud800"``), which the
+    tokenizer and the log cannot store.
+    """
     if not isinstance(passage_id, str) or not passage_id.strip() or len(passage_id) > MAX_ID_CHARS:
         raise InvalidInputError(
             f"a document id must be a non-empty string of at most {MAX_ID_CHARS} characters"
         )
+    _check_unicode(passage_id, f"document id {passage_id!r}")
     if any(not character.isprintable() for character in passage_id):
         raise InvalidInputError(f"document id {passage_id!r} holds unprintable characters")
+    if passage_id != passage_id.strip():
+        raise InvalidInputError(f"document id {passage_id!r} starts or ends with a blank")
+    if passage_id in _UNREACHABLE_IDS:
+        raise InvalidInputError(
+            f"document id {passage_id!r} cannot be named in a URL (/v1/documents/{passage_id} "
+            "resolves to another path): choose another"
+        )
     if not isinstance(title, str):
         raise InvalidInputError(f"document {passage_id!r}: 'title' must be a string")
+    _check_unicode(title, f"document {passage_id!r}: 'title'")
     if not isinstance(text, str) or not text.strip():
         raise InvalidInputError(f"document {passage_id!r}: 'text' must be a non-empty string")
+    _check_unicode(text, f"document {passage_id!r}: 'text'")
     if len(title) + len(text) > MAX_TEXT_CHARS:
         raise TooLargeError(f"document {passage_id!r} is longer than {MAX_TEXT_CHARS} characters")
     return Passage(passage_id, title, text)
+
+
+def _check_unicode(value: str, what: str) -> None:
+    """InvalidInputError unless ``value`` encodes as UTF-8 (a lone surrogate does not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidInputError(
+            f"{what} is not valid Unicode text: a lone surrogate at character {error.start}"
+        ) from None
 
 
 def _indexed_text(passage: Passage) -> str:

@@ -5,6 +5,11 @@ which serves each change as soon as it answers. Without, it changes the data dir
 itself: the change is logged beside the document store (:mod:`specrag.pipeline.live_store`) and the
 next ``specrag serve`` replays it. Offline writes are for a data directory no service is serving:
 a service notices another writer's changes at its next write and refuses it (409).
+
+``add`` prints one JSON line per document written. A file of more than
+:data:`~specrag.pipeline.live_corpus.MAX_BATCH_DOCUMENTS` documents goes in batches, each its own
+transaction: when one fails, the lines printed are exactly the documents committed, and standard
+error says how many and from which line of the file to add again (exit status 2).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from specrag.client import AsyncClient
 from specrag.errors import InvalidInputError
@@ -25,7 +30,7 @@ from specrag.retrieval.corpus import Passage
 from specrag.service.assets import ensure_assets
 from specrag.service.handlers import _api_token
 
-__all__ = ["documents_command", "read_documents", "register"]
+__all__ = ["Line", "documents_command", "read_documents", "register"]
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -58,7 +63,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         parser.set_defaults(handler=documents_command)
 
 
-def read_documents(path: str) -> list[Passage]:
+class Line(NamedTuple):
+    """A document of a JSONL file and the line it is on."""
+
+    number: int
+    passage: Passage
+
+
+def read_documents(path: str) -> list[Line]:
     """The documents of a JSONL file, each checked (InvalidInputError names the bad line)."""
     try:
         lines = (
@@ -76,60 +88,95 @@ def read_documents(path: str) -> list[Passage]:
             record = json.loads(line)
             if not isinstance(record, dict):
                 raise InvalidInputError("expected a JSON object")
-            documents.append(check_document(record.get("id"), record.get("title", ""), record.get("text")))
+            passage = check_document(record.get("id"), record.get("title", ""), record.get("text"))
         except (json.JSONDecodeError, InvalidInputError) as error:
             raise InvalidInputError(f"{path}, line {number}: {error}") from None
+        documents.append(Line(number, passage))
     if not documents:
         raise InvalidInputError(f"{path} holds no document")
     return documents
 
 
-def _batches(documents: list[Passage]) -> Iterator[list[Passage]]:
+def _batches(documents: list[Line]) -> Iterator[list[Passage]]:
     for start in range(0, len(documents), MAX_BATCH_DOCUMENTS):
-        yield documents[start : start + MAX_BATCH_DOCUMENTS]
+        yield [line.passage for line in documents[start : start + MAX_BATCH_DOCUMENTS]]
+
+
+def _print(lines: list[dict[str, Any]]) -> None:
+    """Each of ``lines`` as JSON on standard output, there before anything later on standard error."""
+    for line in lines:
+        print(json.dumps(line, ensure_ascii=False))
+    sys.stdout.flush()
+
+
+def _report_partial(path: str, documents: list[Line], committed: int) -> None:
+    """On standard error, what an import of several batches that failed part-way left committed
+    (each batch is one transaction: the JSON lines printed are exactly those committed). Nothing
+    for an import of one batch: its error says it all."""
+    if len(documents) <= MAX_BATCH_DOCUMENTS:
+        return
+    batches = -(-len(documents) // MAX_BATCH_DOCUMENTS)
+    failed = documents[committed].number
+    print(
+        f"specrag documents add: {committed} of {len(documents)} documents committed (printed "
+        f"above); batch {committed // MAX_BATCH_DOCUMENTS + 1} of {batches}, from {path} line "
+        f"{failed}, failed and nothing after it was sent: add again from line {failed} on "
+        "(adding a document again makes a new version)",
+        file=sys.stderr,
+    )
 
 
 def documents_command(args: argparse.Namespace) -> int:
     documents = read_documents(args.file) if args.action == "add" else []
     if args.url is not None:
-        for line in asyncio.run(_online(args, documents)):
-            print(json.dumps(line, ensure_ascii=False))
+        asyncio.run(_online(args, documents))
         return 0
     assets = ensure_assets(DataLayout(resolve_data_dir(args.data_dir)), args.model)
     assert assets.corpus is not None
-    for line in _offline(args, assets.corpus, documents):
-        print(json.dumps(line, ensure_ascii=False))
+    _offline(args, assets.corpus, documents)
     return 0
 
 
-async def _online(args: argparse.Namespace, documents: list[Passage]) -> list[dict[str, Any]]:
+async def _online(args: argparse.Namespace, documents: list[Line]) -> None:
     async with AsyncClient(args.url, api_token=_api_token(args.api_token_env)) as client:
         if args.action == "get":
-            return [await client.get_document(args.id)]
+            _print([await client.get_document(args.id)])
+            return
         if args.action == "delete":
             for document_id in args.ids:
                 await client.delete_document(document_id)
-            return [{"deleted": document_id} for document_id in args.ids]
-        written = []
-        for batch in _batches(documents):
-            written += await client.put_documents(
-                [{"id": one.id, "title": one.title, "text": one.text} for one in batch]
-            )
-        return written
+            _print([{"deleted": document_id} for document_id in args.ids])
+            return
+        committed = 0
+        try:
+            for batch in _batches(documents):
+                written = await client.put_documents(
+                    [{"id": one.id, "title": one.title, "text": one.text} for one in batch]
+                )
+                _print(written)
+                committed += len(written)
+        except BaseException:  # an interrupt too: say what went in before it
+            _report_partial(args.file, documents, committed)
+            raise
 
 
-def _offline(args: argparse.Namespace, corpus: LiveCorpus, documents: list[Passage]) -> list[dict[str, Any]]:
+def _offline(args: argparse.Namespace, corpus: LiveCorpus, documents: list[Line]) -> None:
     if args.action == "get":
         document = corpus.get(args.id)
-        return [
-            {"id": document.id, "title": document.title, "text": document.text, "version": document.version}
-        ]
+        _print(
+            [{"id": document.id, "title": document.title, "text": document.text, "version": document.version}]
+        )
+        return
     if args.action == "delete":
         corpus.delete(args.ids)
-        return [{"deleted": document_id} for document_id in args.ids]
-    written = []
-    for batch in _batches(documents):
-        written += [
-            {"id": one.id, "version": one.version, "created": one.created} for one in corpus.put(batch)
-        ]
-    return written
+        _print([{"deleted": document_id} for document_id in args.ids])
+        return
+    committed = 0
+    try:
+        for batch in _batches(documents):
+            written = corpus.put(batch)
+            _print([{"id": one.id, "version": one.version, "created": one.created} for one in written])
+            committed += len(written)
+    except BaseException:  # an interrupt too: say what went in before it
+        _report_partial(args.file, documents, committed)
+        raise

@@ -2,42 +2,135 @@
 
 ``PUT /v1/documents/{id}`` (``{"title", "text"}``: 201 when new, 200 when replaced, ``{"id",
 "version"}``), ``POST /v1/documents`` (``{"documents": [{"id", "title", "text"}, ...]}``, at most
-:data:`~specrag.pipeline.live_corpus.MAX_BATCH_DOCUMENTS`, 413 beyond), ``DELETE
-/v1/documents/{id}`` (204, 404 when unknown) and ``GET /v1/documents/{id}``. A write is answered
-only once it is on disk and visible to every search that starts afterwards
-(:mod:`specrag.pipeline.live_corpus`).
+:data:`~specrag.pipeline.live_corpus.MAX_BATCH_DOCUMENTS`, 413 beyond; 200 with ``{"documents":
+[{"id", "version", "created", "visible"}, ...]}``), ``DELETE /v1/documents/{id}`` (204, 404 when
+unknown) and ``GET /v1/documents/{id}``. A write is answered only once it is on disk and visible
+to every search that starts afterwards (:mod:`specrag.pipeline.live_corpus`), with one exception:
+a change that is durable but that the index could not apply yet is answered 202 (PUT ``{"id",
+"version", "visible": false}``, POST with ``"visible": false`` per document); searches see it once
+the corpus has replayed it. Until then writes are 503 with Retry-After
+(:class:`~specrag.errors.WritesSuspendedError`).
 
-With tokens configured, reading stays open to every accepted token and a change needs a writer's
-token (``--writer-tokens-file``): 403 otherwise. Writer tokens are accepted for reading too.
+Who may write: with tokens configured, reading stays open to every accepted token and a change
+needs a writer's token (``--writer-tokens-file``; writer tokens are accepted for reading too).
+Without tokens, only a request from this machine to this service may change documents
+(:func:`~specrag.service.auth.local_refusal`: a loopback peer and a ``Host`` header naming this
+service): anything else is 403, so that neither the network (a bind beyond loopback) nor a web
+page in a local browser (DNS rebinding) can change the corpus.
+
+Writes run one at a time on a thread of their own (:class:`WriteQueue`), never on the threads
+queries need; at most :data:`MAX_WAITING_WRITES` wait for it, and a write beyond is 429 with
+Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
-from specrag.errors import InvalidInputError, TooLargeError
-from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, Document, LiveCorpus, check_document
+from specrag.errors import InvalidInputError, OverloadedError, TooLargeError
+from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, Document, Written, check_document
+from specrag.retrieval.corpus import Passage
 from specrag.service.admission import STATE
+from specrag.service.auth import local_refusal, matching_token
 from specrag.service.bodies import check_fields
 from specrag.service.wire import parse_json_object, read_body
 
-__all__ = ["CORPUS", "DOCUMENT_FIELDS", "WRITERS", "add_document_routes"]
+__all__ = [
+    "CORPUS",
+    "DOCUMENT_FIELDS",
+    "MAX_WAITING_WRITES",
+    "WRITERS",
+    "WRITES",
+    "DocumentCorpus",
+    "WriteQueue",
+    "add_document_routes",
+]
 
-CORPUS = web.AppKey("specrag_corpus", LiveCorpus)
+# Writes that may wait for the writer's thread (besides the one it runs): a write holds the
+# corpus's lock while it embeds and commits, and a compaction holds it longer, so a burst beyond
+# this would only grow a queue of callers waiting for their timeouts. Beyond it: 429.
+MAX_WAITING_WRITES = 16
+# How long a refused writer should wait: about one write's time, the queue moves by one.
+_WRITE_RETRY_AFTER_S = 1.0
+
+Result = TypeVar("Result")
+
+
+class DocumentCorpus(Protocol):
+    """What the document API needs of a corpus (:class:`~specrag.pipeline.live_corpus.LiveCorpus`)."""
+
+    def get(self, passage_id: str) -> Document: ...
+
+    def put(self, passages: Sequence[Passage]) -> list[Written]: ...
+
+    def delete(self, passage_ids: Sequence[str]) -> None: ...
+
+
+class WriteQueue:
+    """The corpus's writes, on one thread of their own, with at most ``max_waiting`` waiting.
+
+    One thread is enough: the corpus takes one writer at a time. Its own thread keeps writers
+    that wait for the corpus's lock (a compaction holds it) off the default executor, whose
+    threads queries need. A write whose caller goes away before it starts never runs.
+    """
+
+    def __init__(self, max_waiting: int = MAX_WAITING_WRITES) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrag-writer")
+        self._limit = max_waiting + 1  # the one running and those waiting
+        self._pending = 0
+        self._lock = threading.Lock()  # _pending drops on the writer's thread
+
+    async def run(self, call: Callable[..., Result], *args: Any) -> Result:
+        """``call(*args)`` on the writer's thread, or :class:`OverloadedError` when the queue is full."""
+        with self._lock:
+            if self._pending >= self._limit:
+                raise OverloadedError(
+                    f"{self._pending - 1} document writes are waiting, the limit is {self._limit - 1}",
+                    _WRITE_RETRY_AFTER_S,
+                )
+            self._pending += 1
+        try:
+            future = self._executor.submit(call, *args)
+        except BaseException:
+            self._done(None)
+            raise
+        future.add_done_callback(self._done)  # run, failed or cancelled before it started
+        return await asyncio.wrap_future(future)
+
+    @property
+    def pending(self) -> int:
+        """The writes running or waiting for the writer's thread."""
+        return self._pending
+
+    def _done(self, _: Future[Any] | None) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def close(self) -> None:
+        """Finish the write in progress; those still waiting do not run."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+CORPUS = web.AppKey("specrag_corpus", DocumentCorpus)
 WRITERS = web.AppKey("specrag_writer_tokens", tuple)
+WRITES = web.AppKey("specrag_writes", WriteQueue)
 DOCUMENT_FIELDS = frozenset({"title", "text"})
 _BATCH_FIELDS = frozenset({"documents"})
 _BATCH_DOCUMENT_FIELDS = frozenset({"id", "title", "text"})
 
 
-def add_document_routes(app: web.Application, corpus: LiveCorpus, writer_tokens: Sequence[str] = ()) -> None:
+def add_document_routes(
+    app: web.Application, corpus: DocumentCorpus, writer_tokens: Sequence[str] = ()
+) -> None:
     """Serve ``corpus``'s document API on ``app`` (made by :func:`~specrag.service.server.create_app`);
-    ``writer_tokens`` may change documents (and are accepted for reading as well)."""
+    ``writer_tokens`` may change documents (and are accepted for reading as well). The writer's
+    thread stops when the application is cleaned up."""
     state = app[STATE]
     writers = tuple(writer_tokens)
     if not all(token and isinstance(token, str) for token in writers) or len(set(writers)) < len(writers):
@@ -47,21 +140,36 @@ def add_document_routes(app: web.Application, corpus: LiveCorpus, writer_tokens:
     state.tokens = (*state.tokens, *writers)
     app[CORPUS] = corpus
     app[WRITERS] = writers
+    app[WRITES] = WriteQueue()
+    app.on_cleanup.append(_close_writes)
     app.router.add_put("/v1/documents/{document_id}", _put)
     app.router.add_post("/v1/documents", _post)
     app.router.add_get("/v1/documents/{document_id}", _get)
     app.router.add_delete("/v1/documents/{document_id}", _delete)
 
 
+async def _close_writes(app: web.Application) -> None:
+    await asyncio.to_thread(app[WRITES].close)  # waits for the write in progress: not on the loop
+
+
 def _check_writer(request: web.Request) -> None:
-    """403 unless tokens are off or the request's token is a writer's (the auth middleware has
-    already checked that it is an accepted token)."""
-    if not request.app[STATE].tokens:
+    """403 unless the request may change documents: with tokens, it carries a writer's (the auth
+    middleware has already checked that it is an accepted token); without, it comes from this
+    machine to this service."""
+    state = request.app[STATE]
+    if state.tokens:
+        writers: tuple[str, ...] = request.app[WRITERS]
+        if matching_token(request.headers.get("Authorization"), writers) is None:
+            raise web.HTTPForbidden(
+                text="this token may not change documents: use a writer's token (--writer-tokens-file)"
+            )
         return
-    provided = request.headers.get("Authorization", "").partition(" ")[2].strip().encode()
-    if not any([hmac.compare_digest(provided, token.encode()) for token in request.app[WRITERS]]):
+    refusal = local_refusal(request, state.trust_forwarded_for)
+    if refusal is not None:
         raise web.HTTPForbidden(
-            text="this token may not change documents: use a writer's token (--writer-tokens-file)"
+            text=f"without a writer's token only this machine may change documents, and this request "
+            f"does not come from it: {refusal}. Serve with --writer-tokens-file to change documents "
+            "from elsewhere"
         )
 
 
@@ -80,8 +188,9 @@ async def _put(request: web.Request) -> web.Response:
     body = await _body(request)
     check_fields(body, DOCUMENT_FIELDS, "unknown fields in the document")
     passage = check_document(request.match_info["document_id"], body.get("title", ""), body.get("text"))
-    corpus = request.app[CORPUS]
-    (written,) = await asyncio.get_running_loop().run_in_executor(None, corpus.put, [passage])
+    (written,) = await request.app[WRITES].run(request.app[CORPUS].put, [passage])
+    if not written.visible:
+        return web.json_response({"id": written.id, "version": written.version, "visible": False}, status=202)
     return web.json_response(
         {"id": written.id, "version": written.version}, status=201 if written.created else 200
     )
@@ -102,10 +211,15 @@ async def _post(request: web.Request) -> web.Response:
             raise InvalidInputError("each of 'documents' must be an object with 'id', 'title' and 'text'")
         check_fields(document, _BATCH_DOCUMENT_FIELDS, "unknown fields in a document")
         passages.append(check_document(document.get("id"), document.get("title", ""), document.get("text")))
-    corpus = request.app[CORPUS]
-    written = await asyncio.get_running_loop().run_in_executor(None, corpus.put, passages)
+    written = await request.app[WRITES].run(request.app[CORPUS].put, passages)
     return web.json_response(
-        {"documents": [{"id": one.id, "version": one.version, "created": one.created} for one in written]}
+        {
+            "documents": [
+                {"id": one.id, "version": one.version, "created": one.created, "visible": one.visible}
+                for one in written
+            ]
+        },
+        status=200 if all(one.visible for one in written) else 202,
     )
 
 
@@ -116,6 +230,5 @@ async def _get(request: web.Request) -> web.Response:
 
 async def _delete(request: web.Request) -> web.Response:
     _check_writer(request)
-    corpus = request.app[CORPUS]
-    await asyncio.get_running_loop().run_in_executor(None, corpus.delete, [request.match_info["document_id"]])
+    await request.app[WRITES].run(request.app[CORPUS].delete, [request.match_info["document_id"]])
     return web.Response(status=204)

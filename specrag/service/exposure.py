@@ -3,6 +3,9 @@
 Without a token, anyone who reaches the port can query, open sessions (whose per-client bound and
 ownership then go by address) and read ``/metrics``. On loopback that is the machine's users; on
 any other address it is the network, which an operator should hear about at start, not find out.
+Document writes are not the network's even then: without a writer's token they are taken only
+from this machine (:mod:`specrag.service.documents`), which the warning says, so that an operator
+who meant to change documents from elsewhere learns at start what to configure.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ def warn_if_exposed(host: str, has_token: bool) -> bool:
         return False
     logger.warning(
         "serving on %s without an API token: anyone who can reach this port can query, open "
-        "sessions and read /metrics; set --api-token-env or --api-tokens-file, or serve on 127.0.0.1",
+        "sessions and read /metrics; set --api-token-env or --api-tokens-file, or serve on 127.0.0.1. "
+        "Document writes (PUT, POST, DELETE /v1/documents) are refused except from this machine; "
+        "set --writer-tokens-file to allow them from elsewhere",
         host or "every interface",
     )
     return True

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from specrag.cli import main
+from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout
+from specrag.pipeline.live_corpus import LiveCorpus, Written
+from specrag.retrieval.corpus import Passage
 from specrag.service.assets import Assets, ensure_assets
 
 
@@ -61,3 +65,39 @@ def test_a_bad_documents_file_names_its_line(tmp_path: Path, capsys: pytest.Capt
     documents.write_text('{"id": "a", "text": "fine"}\n{"id": "b"}\n')
     assert main(["--data-dir", str(tmp_path), "documents", "add", str(documents)]) == 2
     assert "line 2" in capsys.readouterr().err
+
+
+def test_an_offline_import_failing_part_way_prints_what_was_committed(
+    tiny_assets: Assets,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Batches of 2 (each one transaction); the second fails: the first stays, and is reported."""
+    monkeypatch.setattr("specrag.service.document_commands.MAX_BATCH_DOCUMENTS", 2)
+    put = LiveCorpus.put
+    calls = []
+
+    def failing_second(corpus: LiveCorpus, passages: Sequence[Passage]) -> list[Written]:
+        calls.append(len(passages))
+        if len(calls) == 2:
+            raise InvalidInputError("the second batch fails")
+        return put(corpus, passages)
+
+    monkeypatch.setattr(LiveCorpus, "put", failing_second)
+    data = copied_data_dir(tiny_assets, tmp_path / "data")
+    documents = tmp_path / "five.jsonl"
+    documents.write_text(
+        "\n".join(json.dumps({"id": f"new{i}", "text": f"new text {i}"}) for i in range(5)) + "\n"
+    )
+    common = ["--data-dir", str(data)]
+    model = ["--model", str(tiny_model_dir)]
+    assert main([*common, "documents", "add", str(documents), *model]) == 2
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["id"] for line in out.splitlines()] == ["new0", "new1"]
+    assert "2 of 5 documents committed (printed above); batch 2 of 3" in err
+    assert "line 3" in err and "the second batch fails" in err
+    monkeypatch.setattr(LiveCorpus, "put", put)
+    assert main([*common, "documents", "get", "new1", *model]) == 0
+    assert main([*common, "documents", "get", "new2", *model]) == 2

@@ -161,6 +161,15 @@ async def test_bad_document_requests_get_their_status(tiny_assets: Assets, tmp_p
                     {"documents": [{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]},
                     400,
                 ),
+                # JSON carries lone surrogates, which neither the tokenizer nor the log can store.
+                ("PUT", "/v1/documents/a", {"text": "half of a pair: \ud800"}, 400),
+                ("PUT", "/v1/documents/a", {"title": "\udfff", "text": "x"}, 400),
+                ("POST", "/v1/documents", {"documents": [{"id": "\ud800", "text": "x"}]}, 400),
+                # Ids no URL can name, or told apart by blanks alone.
+                ("POST", "/v1/documents", {"documents": [{"id": ".", "text": "x"}]}, 400),
+                ("POST", "/v1/documents", {"documents": [{"id": "..", "text": "x"}]}, 400),
+                ("PUT", "/v1/documents/%20a", {"text": "x"}, 400),
+                ("POST", "/v1/documents", {"documents": [{"id": "a ", "text": "x"}]}, 400),
                 ("GET", "/v1/documents/never-was", None, 404),
                 ("DELETE", "/v1/documents/never-was", None, 404),
             ]
@@ -216,7 +225,12 @@ async def test_the_documents_command_changes_a_running_service(
     try:
         async with serving(app, access_log=False) as url:
             assert await asyncio.to_thread(main, ["documents", "add", str(documents), "--url", url]) == 0
-            assert json.loads(capsys.readouterr().out) == {"id": "quokka", "version": 1, "created": True}
+            assert json.loads(capsys.readouterr().out) == {
+                "id": "quokka",
+                "version": 1,
+                "created": True,
+                "visible": True,
+            }
             assert assets.corpus.get("quokka").text == FACT
             assert await asyncio.to_thread(main, ["documents", "delete", "quokka", "--url", url]) == 0
             assert await asyncio.to_thread(main, ["documents", "get", "quokka", "--url", url]) == 2

@@ -118,6 +118,8 @@ def test_serve_warns_when_it_listens_beyond_loopback_without_a_token(
         if r.levelno == logging.WARNING and "API token" in r.getMessage()
     ]
     assert bool(warnings) is warned
+    assert all("Document writes (PUT, POST, DELETE /v1/documents)" in warning for warning in warnings)
+    assert all("--writer-tokens-file" in warning for warning in warnings)
     assert beyond_loopback(host) is (host == "0.0.0.0")
 
 
