@@ -139,6 +139,7 @@ class _Prepared:
     current: list[tuple[str, Version]]
     retired: list[int]
     next_row: int
+    retired_segments: list[bytes]  # the retired rows' tokens, where there is a document-KV store
 
 
 def _checksum(
@@ -197,14 +198,18 @@ class LiveStore(DocumentStore):
         self._commits = 0
         self._write_lock = threading.Lock()
         where = data_dir or self.log_path.parent
-        self._release = hold_writer_lock(
-            self.log_path,
-            lambda pid: (
-                f"another process (pid {pid}) is writing the documents of the data directory {where} "
-                f"(it holds the lock of {self.log_path}): change documents through the service that "
-                "serves them (`specrag documents --url URL ...`), or stop it first"
-            ),
-        )
+        try:
+            self._release = hold_writer_lock(
+                self.log_path,
+                lambda pid: (
+                    f"another process (pid {pid}) is writing the documents of the data directory {where} "
+                    f"(it holds the lock of {self.log_path}): change documents through the service that "
+                    "serves them (`specrag documents --url URL ...`), or stop it first"
+                ),
+            )
+        except OSError as error:  # a read-only data directory: no log can be written there either
+            super().close()
+            raise ArtifactError(f"cannot lock the document log {self.log_path}: {error}") from error
         try:
             self._log = self._open_log()
             self._check_other_logs()
@@ -558,6 +563,8 @@ class LiveStore(DocumentStore):
             self._commits += 1
             if any(change.row is None for change in changes) or self._commits % WAL_TRUNCATE_EVERY == 0:
                 self._truncate_wal()  # a deleted text leaves the WAL at once, a replaced one soon
+        # At once, and again when the row leaves memory (a query in flight may have stored it anew).
+        self._purge_document_kv(prepared.retired_segments)
         self.drop_retired()
 
     def _prepare(self, changes: Sequence[Change], next_row: int) -> _Prepared:
@@ -570,7 +577,16 @@ class LiveStore(DocumentStore):
                 assert change.passage is not None
                 rows.append((change.row, _LiveRow(change.passage, change.tokens, change.version)))
             current.append((change.id, Version(change.row, change.version)))
-        return _Prepared(rows, current, retired, next_row)
+        segments = [self._segment(row) for row in retired] if self.document_kv_dir is not None else []
+        return _Prepared(rows, current, retired, next_row, [segment for segment in segments if segment])
+
+    def _segment(self, row: int) -> bytes:
+        """The token bytes of ``row``'s segment (what its document-KV entry is keyed by), or none
+        when it cannot be read (then there is no entry to find either)."""
+        try:
+            return np.asarray(self.tokens(row), dtype=_TOKEN_DTYPE).tobytes()
+        except (InvalidInputError, ArtifactError):
+            return b""
 
     def _check_no_other_writer(self, changes: Sequence[Change]) -> None:
         """ConflictError unless the log is as this store left it (inside the write transaction)."""
@@ -624,16 +640,16 @@ class LiveStore(DocumentStore):
         the document-KV store; returns how many. Run after each commit (so memory holds what the
         last grace period before the last write retired), or by a caller that wants them gone."""
         now = time.monotonic() if now is None else now
-        keys: list[bytes] = []
+        segments: list[bytes] = []
         dropped = 0
         with self._write_lock:
             while self._retired and now - self._retired[0][0] >= self._grace_s:
                 _, row = self._retired.popleft()
-                with contextlib.suppress(InvalidInputError, ArtifactError):  # unreadable: no KV to find
-                    keys.append(np.asarray(self.tokens(row), dtype=_TOKEN_DTYPE).tobytes())
+                if self.document_kv_dir is not None:
+                    segments.append(self._segment(row))
                 self._rows.pop(row, None)
                 dropped += 1
-        self._purge_document_kv(keys)
+        self._purge_document_kv([segment for segment in segments if segment])
         return dropped
 
     def _purge_document_kv(self, token_blobs: Sequence[bytes]) -> None:

@@ -15,8 +15,8 @@ import pytest
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError
 from specrag.pipeline.document_kv import SUFFIX, segment_key
 from specrag.pipeline.live_corpus import LiveCorpus
-from specrag.pipeline.live_store import Change, LiveStore
-from specrag.pipeline.store import build_store
+from specrag.pipeline.live_store import Change, LiveStore, live_log_path
+from specrag.pipeline.store import DocumentStore, build_store
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.synthetic import GaussianMixture
@@ -227,3 +227,58 @@ def test_a_failure_after_the_commit_reads_the_store_again_from_the_log(
     corpus.index.apply_changes(["d2"], TABLE[[1001]], ["vec:1001"], [row - 1])  # what the corpus does
     (written,) = corpus.put([Passage("d4", "", "vec:1002")])
     assert store.row_of("d4") == row + 1 == len(corpus.index.passage_ids) - 1 and written.version == 2
+
+
+def test_a_replaced_versions_kv_goes_at_once_while_its_row_stays_for_the_grace(tmp_path: Path) -> None:
+    kv_dir = tmp_path / "document-kv"
+    corpus = open_corpus(tmp_path, kv_dir=kv_dir, grace_s=3600.0)
+    corpus.put([Passage("n1", "", "vec:1000")])
+    row = corpus.store.row_of("n1")
+    entry = kv_entry(kv_dir, corpus.store.tokens(row))
+    corpus.put([Passage("n1", "", "vec:1001")])
+    assert not entry.exists()
+    assert corpus.store.passage(row) == Passage("n1", "", "vec:1000")  # a query in flight reads it
+    assert corpus.store.drop_retired(now=float("inf")) == 1
+    with pytest.raises(InvalidInputError, match="retired"):
+        corpus.store.passage(row)
+
+
+def test_a_log_of_the_first_schema_is_given_checksums_and_replayed(tmp_path: Path) -> None:
+    store = base_store(tmp_path)
+    info, log = DocumentStore(store).info, live_log_path(store)
+
+    def version(row: int, number: int, text: str) -> tuple[object, ...]:
+        tokens = np.asarray([len(f"[Doc {row}] \n{text}\n\n")], dtype="<u4").tobytes()
+        vector = np.asarray(TABLE[int(text[4:])], dtype="<f4").tobytes()
+        return ("n1", number, row, "", text, tokens, vector)
+
+    with sqlite3.connect(log) as connection:
+        connection.executescript(
+            """
+            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            CREATE TABLE changes (seq INTEGER PRIMARY KEY, id TEXT NOT NULL, version INTEGER NOT NULL,
+                row INTEGER, title TEXT, text TEXT, tokens BLOB, vector BLOB);
+            """
+        )
+        meta = {
+            "schema_version": "1",
+            "corpus_checksum": info.corpus_checksum,
+            "tokenizer_fingerprint": info.tokenizer_fingerprint,
+            "segment_template": info.segment_template,
+        }
+        connection.executemany("INSERT INTO meta VALUES (?, ?)", meta.items())
+        rows = [
+            version(BASE, 1, "vec:1000"),
+            version(BASE + 1, 2, "vec:1001"),
+            ("d0", 2, None, None, None, None, None),
+        ]
+        connection.executemany("INSERT INTO changes VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)", rows)
+    corpus = open_corpus(tmp_path)
+    assert corpus.get("n1").version == 2 and corpus.store.row_of("n1") == BASE
+    assert corpus.index.search(corpus.index.embed_query("vec:1001"), 1)[1][0] == BASE
+    assert corpus.store.version_of("d0") is not None and corpus.store.version_of("d0").row is None  # type: ignore[union-attr]
+    with sqlite3.connect(log) as connection:
+        assert connection.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)
+        assert connection.execute("SELECT count(*) FROM changes WHERE checksum IS NOT NULL").fetchone() == (
+            2,
+        )
