@@ -20,13 +20,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specrag.errors import ArtifactError
+from specrag.errors import ArtifactError, ConflictError
 
-__all__ = ["lock_file_of", "writer_lock"]
+__all__ = ["hold_writer_lock", "lock_file_of", "writer_lock"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,3 +109,43 @@ def writer_lock(artefact: Path, timeout_s: float | None = None) -> Iterator[None
             if held.depth == 0 and held.fd is not None:
                 os.close(held.fd)  # closing the descriptor releases the flock
                 held.fd = None
+
+
+def hold_writer_lock(artefact: Path, refusal: Callable[[str], str]) -> Callable[[], None]:
+    """Take ``artefact``'s writer lock until the returned function is called: for a writer that
+    holds it for its whole life (a live document log), not around one step.
+
+    Another process's hold is met at once, not waited for: a serving process holds it as long as it
+    serves, so waiting would hang. ``refusal(holder's pid)`` is then raised as
+    :class:`ConflictError`. Re-entrant within a process, like :func:`writer_lock`; the holder's pid
+    is written into the lock file so that the refusal can name it.
+    """
+    lock_file = lock_file_of(artefact)
+    held = _held(lock_file)
+    with held.guard:
+        if held.depth == 0:
+            lock_file.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                holder = lock_file.read_text(encoding="ascii", errors="replace").strip() or "unknown"
+                raise ConflictError(refusal(holder)) from None
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+            held.fd = fd
+        held.depth += 1
+    released = threading.Event()
+
+    def release() -> None:
+        with held.guard:
+            if released.is_set():
+                return
+            released.set()
+            held.depth -= 1
+            if held.depth == 0 and held.fd is not None:
+                os.close(held.fd)  # closing the descriptor releases the flock
+                held.fd = None
+
+    return release

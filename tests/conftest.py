@@ -70,4 +70,7 @@ async def vllm_engine(tiny_engine_config: EngineConfig) -> AsyncIterator[VllmEng
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Assets:
     """Default corpus, store and index, with the tiny model's tokenizer (built once per session)."""
-    return ensure_assets(DataLayout(tmp_path_factory.mktemp("data")), model=tiny_model_dir)
+    assets = ensure_assets(DataLayout(tmp_path_factory.mktemp("data")), model=tiny_model_dir)
+    assert assets.corpus is not None
+    assets.corpus.store.stop_writing()  # a test's `specrag serve` writes its log, not the session
+    return assets

@@ -23,6 +23,13 @@ would for documents of the same kind; the documents carry their vector (a table 
 stand-in tokenizer gives each one token, so the throughput is that of the log and the index, not
 of an embedding model or a tokenizer. Search latency is the retrieval's, not an answer's TTFT.
 
+5. history: ``HISTORY_DOCUMENTS`` documents of a small corpus (``HISTORY_PASSAGES``) replaced
+   ``HISTORY_REPLACEMENTS`` times in all, in batches of all of them; after the first batch and after
+   the last, the log's bytes (file and WAL), and a start in a fresh process (open the store and
+   replay its log, :meth:`LiveCorpus.replayed`): its time, its RSS, and the log's bytes after the
+   start's checkpoint. A bounded history gives the same start after either (``--history-only``
+   measures this alone).
+
 Results: ``bench/out/updates.json`` and ``bench/out/updates.png``; the last line is the JSON
 summary with ``recall_at5_fresh_build``, ``recall_at5_after_updates``,
 ``query_p99_ratio_updating_over_idle`` and the throughput figures. docs/updates.md quotes it.
@@ -31,7 +38,10 @@ summary with ``recall_at5_fresh_build``, ``recall_at5_after_updates``,
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -43,9 +53,9 @@ import faiss
 import numpy as np
 from matplotlib import pyplot as plt
 
-from bench.common import bootstrap_mean_ci, machine, print_summary, save_figure, write_report
+from bench.common import bootstrap_mean_ci, machine, print_summary, save_figure, write_json, write_report
 from specrag.pipeline.live_corpus import LiveCorpus
-from specrag.pipeline.live_store import LiveStore
+from specrag.pipeline.live_store import LiveStore, live_log_path
 from specrag.pipeline.store import build_store
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.staged_ivf import StagedIVF
@@ -55,6 +65,11 @@ from specrag.retrieval.vector_index import VectorIndex
 K = 5
 REPLACED_SHARE = 0.2
 DRIFTED_SHARE = 0.15
+HISTORY_PASSAGES = 2000
+HISTORY_DOCUMENTS = 100
+HISTORY_REPLACEMENTS = 10_000
+# A replacement's text: about a kilobyte of words, then the ``vec:<n>`` that names its vector.
+HISTORY_WORDS = "the words of a document that is replaced again and again " * 18
 
 
 class TableEmbedder:
@@ -250,6 +265,86 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
 
+def history_index(dim: int, seed: int, passages: int, replacements: int) -> VectorIndex:
+    """The history measurement's index over ``passages`` documents, its embedder's table holding a
+    vector for each replacement too (seeded: a start in another process draws the same)."""
+    table = GaussianMixture(dim, num_clusters=64, seed=seed + 11).sample(passages + replacements)
+    searcher = StagedIVF.build(table[:passages], nlist=64, seed=seed)
+    return VectorIndex(searcher, [f"d{i}" for i in range(passages)], embedder=TableEmbedder(table))
+
+
+def log_bytes(store_path: Path) -> int:
+    """The live log's bytes on disk: its file and its WAL."""
+    log = live_log_path(store_path)
+    return sum(path.stat().st_size for path in (log, log.with_name(log.name + "-wal")) if path.exists())
+
+
+def rss_mb() -> float:
+    """This process's resident memory, in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def start_up(store_path: str, dim: int, seed: int, passages: int, replacements: int) -> None:
+    """A start in this (fresh) process: the index built first, then the store opened and its log
+    replayed, timed; prints the figures as JSON (run by :func:`measure_history` in a subprocess)."""
+    index = history_index(dim, seed, passages, replacements)
+    before = rss_mb()
+    started = time.perf_counter()
+    corpus = LiveCorpus.replayed(LiveStore(Path(store_path)), index, stand_in_tokens, compact_share=None)
+    replay_s = time.perf_counter() - started
+    after = rss_mb()
+    corpus.store.close()
+    print(json.dumps({"start_up_s": replay_s, "rss_mb": after, "rss_replay_mb": after - before}))
+
+
+def measured_start(shape: tuple[int, int, int, int], store_path: Path, serving_bytes: int) -> dict[str, Any]:
+    """The log's bytes while it was written (``serving_bytes``) and after a start, and the start's
+    figures (in a fresh process)."""
+    code = f"from bench.updates.__main__ import start_up; start_up({str(store_path)!r}, *{shape!r})"
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
+    )
+    return {
+        "log_bytes": serving_bytes,
+        **json.loads(child.stdout.splitlines()[-1]),
+        "log_bytes_after_start": log_bytes(store_path),
+    }
+
+
+def measure_history(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Log bytes, RSS and start-up after the first batch of replacements and after all of them."""
+    store_path = workdir / "history" / "store.sqlite"
+    # What a start in another process needs to draw the same index: dim, seed, passages, replacements.
+    shape = (args.dim, args.seed, HISTORY_PASSAGES, HISTORY_REPLACEMENTS)
+    passages = [Passage(f"d{i}", "", f"vec:{i}") for i in range(HISTORY_PASSAGES)]
+    build_store(store_path, passages, stand_in_tokens, "stand-in")
+    written = 0
+    result: dict[str, Any] = {
+        "passages": HISTORY_PASSAGES,
+        "documents": HISTORY_DOCUMENTS,
+        "replacements": HISTORY_REPLACEMENTS,
+    }
+    for name, until in (("after_first", HISTORY_DOCUMENTS), ("after_all", HISTORY_REPLACEMENTS)):
+        corpus = LiveCorpus.replayed(
+            LiveStore(store_path), history_index(*shape), stand_in_tokens, compact_share=None
+        )
+        while written < until:
+            corpus.put(
+                [
+                    Passage(f"d{i}", "", f"{HISTORY_WORDS}vec:{HISTORY_PASSAGES + written + i}")
+                    for i in range(HISTORY_DOCUMENTS)
+                ]
+            )
+            written += HISTORY_DOCUMENTS
+        serving_bytes = log_bytes(store_path)  # before the close checkpoints the WAL
+        corpus.store.close()
+        result[name] = measured_start(shape, store_path, serving_bytes)
+    return result
+
+
 def measure_drift(
     args: argparse.Namespace,
     corpus: LiveCorpus,
@@ -335,6 +430,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     save_figure(figure, path)
 
 
+def history_summary(history: dict[str, Any]) -> dict[str, Any]:
+    """The history figures of the summary line: after the first batch, then after all of them."""
+    return {
+        f"history_{figure}_{when}": round(history[when][figure], 3)
+        for when in ("after_first", "after_all")
+        for figure in ("log_bytes", "log_bytes_after_start", "start_up_s", "rss_mb")
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.updates", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="100,000 passages, 200 queries, 2 rounds")
@@ -349,6 +453,9 @@ def main() -> None:
     parser.add_argument("--singles", type=int, default=500, help="replacements timed one at a time")
     parser.add_argument("--batch", type=int, default=500, help="documents a batch for the batched figure")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--history-only", action="store_true", help="measure only the history: log bytes, RSS, start-up"
+    )
     args = parser.parse_args()
     args.passages = args.passages or (100_000 if args.quick else 300_000)
     args.queries = args.queries or (200 if args.quick else 500)
@@ -356,7 +463,13 @@ def main() -> None:
     if args.passages < 1000 or args.dim < 2 or args.rate <= 0 or args.batch < 1 or args.singles < 1:
         parser.error("--passages >= 1000, --dim >= 2, --rate > 0, --batch and --singles >= 1")
     with tempfile.TemporaryDirectory(prefix="specrag-updates-") as workdir:
+        history = measure_history(args, Path(workdir))
+        if args.history_only:
+            path = write_json("updates-history", {"history": history, "machine": machine()})
+            print_summary({**history_summary(history), "report": [str(path)]}, "bench.updates --history-only")
+            return
         result = measure(args, Path(workdir))
+    result["history"] = history
     result["machine"] = machine()
     json_path, png_path = write_report("updates", result, lambda path: plot(result, path))
     idle, updating = result["query_ms"]["idle"], result["query_ms"]["updating"]
@@ -379,6 +492,7 @@ def main() -> None:
         "recall_at5_drifted_retrained": round(result["recall_at5_drifted_retrained"], 4),
         "recall_at5_drifted_fresh_build": round(result["recall_at5_drifted_fresh_build"], 4),
         "retraining_s": round(result["retraining_s"], 2),
+        **history_summary(history),
         "report": [str(json_path), str(png_path)],
     }
     print_summary(summary, "bench.updates --quick   (full: drop --quick)")

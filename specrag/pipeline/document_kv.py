@@ -40,6 +40,7 @@ __all__ = [
     "TURBO_CACHE_SALT",
     "DocumentKVStore",
     "model_fingerprint",
+    "purge_segments",
     "segment_key",
     "store_namespace",
     "vllm_version",
@@ -122,6 +123,28 @@ def _verify_entry(data: bytes) -> None:
 def store_namespace(fingerprint: str, dtype: torch.dtype, block_size: int) -> str:
     """The directory name of one (model, compute dtype, block size) inside a store root."""
     return f"{fingerprint}-{str(dtype).removeprefix('torch.')}-bs{block_size}"
+
+
+def purge_segments(root: Path, keys: Iterable[str]) -> int:
+    """Remove the entries of ``keys`` from every namespace under ``root``; returns how many.
+
+    For a document version that was replaced or deleted: its segment's KV is of no further use and
+    holds what the document said. A key names the segment's tokens whatever the model, so it is
+    removed from every namespace (a namespace of another tokenizer cannot hold it but by a hash
+    collision, and then loses only a cache entry).
+    """
+    if not root.is_dir():
+        return 0
+    removed = 0
+    namespaces = [path for path in root.iterdir() if path.is_dir() and not path.name.startswith(".")]
+    for key in keys:
+        for namespace in namespaces:
+            try:
+                (namespace / key[:2] / f"{key}{SUFFIX}").unlink()
+                removed += 1
+            except FileNotFoundError:
+                continue
+    return removed
 
 
 class DocumentKVStore:

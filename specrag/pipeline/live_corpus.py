@@ -209,13 +209,15 @@ class LiveCorpus:
         tokenize_batch: TokenizeBatch,
         compact_share: float | None = COMPACT_SHARE,
     ) -> LiveCorpus:
-        """The live corpus over a freshly loaded base index: the store's logged changes applied to it."""
+        """The live corpus over a freshly loaded base index: the store's logged changes applied to it
+        (its log checkpointed first: only current versions are replayed)."""
+        logged = store.checkpoint(tokenize_batch, index.embedder, _indexed_text)
         ids: list[str] = []
         vectors: list[np.ndarray] = []
         texts: list[str] = []
         retired: list[int] = []
         current: dict[str, int | None] = {}
-        for change in store.logged():
+        for change in logged:
             previous = current[change.id] if change.id in current else store.base_row(change.id)
             if previous is not None:
                 retired.append(previous)

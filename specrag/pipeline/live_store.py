@@ -3,37 +3,99 @@
 The built store stays the base, untouched. Every change after it is one row of a SQLite log in WAL
 mode with ``synchronous=FULL``, so a committed change is on disk (the WAL fsynced) before the call
 returns: the service answers a write only after that commit, and a ``kill -9`` at any moment
-loses no acknowledged change. At start the log is replayed (:meth:`LiveStore.logged`) onto the
-loaded base: its own rows here, its vectors and texts onto the index
-(:mod:`specrag.pipeline.live_corpus`), without tokenizing or embedding anything again.
+loses no acknowledged change.
 
 A new or replaced document gets a new row, appended after the base's and every earlier change's,
-and rows never change: a row names exactly one version of one document. Everything keyed by row
-(the knowledge tree through the row label in each segment, batch plans, conversations) or by a
-segment's tokens (the document-KV store) therefore never mistakes one version for another.
+and rows never change while a process serves: a row names exactly one version of one document.
+Everything keyed by row (the knowledge tree through the row label in each segment, batch plans,
+conversations) or by a segment's tokens (the document-KV store) therefore never mistakes one
+version for another.
+
+History is bounded. The log holds each id's current version only, or a tombstone (id and version,
+no text) once it was deleted, so that a version number is never given twice: a commit deletes the
+rows it supersedes (``secure_delete``: their bytes are zeroed, not just freed) and the WAL, which
+still holds the old pages, is truncated right after a deletion and every
+:data:`WAL_TRUNCATE_EVERY` commits. A retired version stays in memory for :data:`RETIRED_GRACE_S`,
+for a query whose search ran before the write and still reads its row, then leaves memory and
+the document-KV store. At start, before the replay, :meth:`LiveStore.checkpoint` reads the log
+once, numbers the kept rows anew right after the base's (nothing refers to a row yet: the index
+is the base's) and re-tokenizes the rows that moved, so a start costs time and memory in
+proportion to the live corpus, not to its history.
+
+One process writes at a time: the one that opens the log holds its writer lock
+(:func:`specrag.locking.hold_writer_lock`) until it closes it, and another meets it at once. A
+commit checks too that nobody else wrote (the log's last sequence number and each id's last
+version are what this store holds), for a writer that the lock cannot see. Each log row carries a
+checksum (:func:`specrag.pipeline.store_check.row_checksum`, as the base's rows), checked at
+start; the embedder that made the logged vectors is recorded and checked against the index's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError
-from specrag.pipeline.store import DocumentStore
+from specrag.locking import hold_writer_lock
+from specrag.pipeline.store import DocumentStore, TokenizeBatch, render_segment
+from specrag.pipeline.store_check import row_checksum
 from specrag.retrieval.corpus import Passage
 
-__all__ = ["BASE_VERSION", "LOG_SCHEMA_VERSION", "Change", "LiveStore", "Version", "live_log_path"]
+if TYPE_CHECKING:
+    from specrag.retrieval.embedders import Embedder
 
-LOG_SCHEMA_VERSION = "1"
+__all__ = [
+    "BASE_VERSION",
+    "EMBEDDER_AGREEMENT",
+    "LOG_SCHEMA_VERSION",
+    "RETIRED_GRACE_S",
+    "WAL_TRUNCATE_EVERY",
+    "Change",
+    "LiveStore",
+    "Version",
+    "live_log_path",
+]
+
+logger = logging.getLogger(__name__)
+
+# 2: checksummed rows, one row per id (history purged), the embedder recorded.
+LOG_SCHEMA_VERSION = "2"
 # Every document of the built corpus is version 1; each change to an id counts on from there.
 BASE_VERSION = 1
+# How long a retired version's row stays readable: a query reads the rows its search found while it
+# builds its prompts, which ends well within its first token's deadline (60 s by default). Counted
+# in time, not in writes, since a burst of writes can pass within one query.
+RETIRED_GRACE_S = 300.0
+# Commits between two truncations of the WAL (which holds the superseded rows' old pages).
+WAL_TRUNCATE_EVERY = 64
+# The least cosine between a logged vector and the same text embedded again by the index's
+# embedder: the same embedder agrees up to rounding, another one (even of the same kind and
+# dimension, fitted on another corpus) lies far off.
+EMBEDDER_AGREEMENT = 0.99
 _TOKEN_DTYPE = np.dtype("<u4")
 _VECTOR_DTYPE = np.dtype("<f4")
+_TOKENIZE_BATCH = 256
+_BASE_META = ("schema_version", "corpus_checksum", "tokenizer_fingerprint", "segment_template")
+_CREATE_CHANGES = """
+    CREATE TABLE IF NOT EXISTS changes (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL, version INTEGER NOT NULL,
+        row INTEGER, title TEXT, text TEXT, tokens BLOB, vector BLOB, checksum BLOB NOT NULL)
+"""
+_COLUMNS = "seq, id, version, row, title, text, tokens, vector, checksum"
+_INSERT = (
+    "INSERT INTO changes (id, version, row, title, text, tokens, vector, checksum) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
 
 
 def live_log_path(store_path: Path) -> Path:
@@ -69,38 +131,135 @@ class _LiveRow:
     version: int
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """What a commit installs in memory once it is durable, all computed before the SQL COMMIT."""
+
+    rows: list[tuple[int, _LiveRow]]
+    current: list[tuple[str, Version]]
+    retired: list[int]
+    next_row: int
+    retired_segments: list[bytes]  # the retired rows' tokens, where there is a document-KV store
+
+
+def _checksum(
+    passage_id: str, version: int, row: int | None, title: str, text: str, tokens: bytes, vector: bytes
+) -> bytes:
+    """The base store's row digest over a log row: the version, tokens and vector are its payload,
+    each length-prefixed (a tombstone has row -1 and an empty payload but its version)."""
+    payload = b"".join((version.to_bytes(8, "little"), len(tokens).to_bytes(8, "little"), tokens, vector))
+    return row_checksum(-1 if row is None else row, passage_id, title, text, payload)
+
+
+def _record(change: Change) -> tuple[Any, ...]:
+    """The log row of ``change`` (the columns of :data:`_INSERT`)."""
+    passage = change.passage
+    title, text = ("", "") if passage is None else (passage.title, passage.text)
+    tokens = b"" if change.row is None else np.asarray(change.tokens, dtype=_TOKEN_DTYPE).tobytes()
+    vector = b"" if change.vector is None else np.asarray(change.vector, dtype=_VECTOR_DTYPE).tobytes()
+    checksum = _checksum(change.id, change.version, change.row, title, text, tokens, vector)
+    if change.row is None:
+        return (change.id, change.version, None, None, None, None, None, checksum)
+    return (change.id, change.version, change.row, title, text, tokens, vector, checksum)
+
+
 class LiveStore(DocumentStore):
     """A built store and its log of changes, read as one store: rows past the base are the log's.
 
-    Reads are safe from any thread; writes (:meth:`commit`) come from one writer at a time (the
-    live corpus holds its lock around them).
+    Opening it takes the log's writer lock (:class:`ConflictError` at once while another process
+    holds it); :meth:`checkpoint` then loads the log (:meth:`LiveCorpus.replayed
+    <specrag.pipeline.live_corpus.LiveCorpus.replayed>` calls it). Reads are safe from any thread;
+    writes (:meth:`commit`) come from one writer at a time (the live corpus holds its lock around
+    them).
     """
 
-    def __init__(self, path: Path, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        log_path: Path | None = None,
+        *,
+        data_dir: Path | None = None,
+        document_kv_dir: Path | None = None,
+        retired_grace_s: float = RETIRED_GRACE_S,
+    ) -> None:
+        """``data_dir`` is what the refusal of a second writer names (default: the log's directory);
+        ``document_kv_dir`` is the document-KV store whose entries of retired versions are removed."""
         super().__init__(path)
         self.log_path = log_path or live_log_path(path)
+        self.document_kv_dir = document_kv_dir
+        self._grace_s = retired_grace_s
         self._base_rows = self.info.passages
         self._rows: dict[int, _LiveRow] = {}
         self._current: dict[str, Version] = {}
         self._next_row = self._base_rows
+        self._last_seq = 0
+        self._loaded = False
+        self._retired: deque[tuple[float, int]] = deque()
+        self._commits = 0
         self._write_lock = threading.Lock()
+        where = data_dir or self.log_path.parent
         try:
-            self._log = sqlite3.connect(self.log_path, check_same_thread=False, isolation_level=None)
-            self._log.execute("PRAGMA journal_mode=WAL")
-            self._log.execute("PRAGMA synchronous=FULL")
-            self._log.executescript(
-                """
-                CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-                CREATE TABLE IF NOT EXISTS changes (
-                    seq INTEGER PRIMARY KEY, id TEXT NOT NULL, version INTEGER NOT NULL, row INTEGER,
-                    title TEXT, text TEXT, tokens BLOB, vector BLOB);
-                """
+            self._release = hold_writer_lock(
+                self.log_path,
+                lambda pid: (
+                    f"another process (pid {pid}) is writing the documents of the data directory {where} "
+                    f"(it holds the lock of {self.log_path}): change documents through the service that "
+                    "serves them (`specrag documents --url URL ...`), or stop it first"
+                ),
             )
+        except OSError as error:  # a read-only data directory: no log can be written there either
+            super().close()
+            raise ArtifactError(f"cannot lock the document log {self.log_path}: {error}") from error
+        try:
+            self._log = self._open_log()
+            self._check_other_logs()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_log(self) -> sqlite3.Connection:
+        try:
+            log = sqlite3.connect(self.log_path, check_same_thread=False, isolation_level=None)
+            self._log = log
+            log.execute("PRAGMA journal_mode=WAL")
+            log.execute("PRAGMA synchronous=FULL")
+            log.execute("PRAGMA secure_delete=ON")  # a purged row's bytes are zeroed, not just freed
+            log.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            if self._meta().get("schema_version") == "1":
+                self._migrate_v1()
+            log.execute(_CREATE_CHANGES)
+            log.execute("CREATE INDEX IF NOT EXISTS changes_by_id ON changes (id)")
             self._check_meta()
         except sqlite3.DatabaseError as error:
             raise ArtifactError(f"the document log {self.log_path} is unreadable: {error}") from error
-        for change in self.logged():
-            self._remember(change)
+        return log
+
+    def _meta(self) -> dict[str, str]:
+        return dict(self._log.execute("SELECT key, value FROM meta").fetchall())
+
+    def _migrate_v1(self) -> None:
+        """Give a log of the first schema (unchecked rows, every version kept) its checksums: the
+        next checkpoint then drops its history."""
+        found = self._log.execute(
+            "SELECT seq, id, version, row, title, text, tokens, vector FROM changes ORDER BY seq"
+        ).fetchall()
+        self._log.execute("BEGIN IMMEDIATE")
+        try:
+            self._log.execute("DROP TABLE changes")
+            self._log.execute(_CREATE_CHANGES)
+            self._log.executemany(
+                "INSERT INTO changes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (seq, *_record(_change_of(passage_id, version, row, title, text, tokens, vector)))
+                    for seq, passage_id, version, row, title, text, tokens, vector in found
+                ],
+            )
+            self._log.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (LOG_SCHEMA_VERSION,))
+            self._log.execute("COMMIT")
+        except BaseException:
+            self._log.execute("ROLLBACK")
+            raise
+        logger.info("the document log %s: %d changes given checksums (schema 2)", self.log_path, len(found))
 
     def _check_meta(self) -> None:
         """Record what the log's changes apply to, or refuse a log written over another base."""
@@ -110,8 +269,8 @@ class LiveStore(DocumentStore):
             "tokenizer_fingerprint": self.info.tokenizer_fingerprint,
             "segment_template": self.info.segment_template,
         }
-        found = dict(self._log.execute("SELECT key, value FROM meta").fetchall())
-        if found == expected:
+        found = self._meta()
+        if all(found.get(key) == expected[key] for key in _BASE_META):
             return
         (changes,) = self._log.execute("SELECT count(*) FROM changes").fetchone()
         if not changes:  # nothing logged over the old base (a corpus rebuilt on purpose): start anew
@@ -126,23 +285,215 @@ class LiveStore(DocumentStore):
             f"({', '.join(different)} differ): move it aside to serve the rebuilt corpus without them"
         )
 
-    def logged(self) -> Iterator[Change]:
-        """Every change in the log, in the order it was committed (what a start replays)."""
-        rows = self._log.execute(
-            "SELECT id, version, row, title, text, tokens, vector FROM changes ORDER BY seq"
-        ).fetchall()
-        for passage_id, version, row, title, text, tokens, vector in rows:
-            if row is None:
-                yield Change(passage_id, version)
+    def _check_other_logs(self) -> None:
+        """Refuse to serve while another tokenizer's log beside this one holds changes: the store,
+        and so its log, is per tokenizer, and a ``--model`` switch would hide them silently."""
+        for other in sorted(self.log_path.parent.glob("*.live.sqlite")):
+            if other.resolve() == self.log_path.resolve():
                 continue
-            yield Change(
-                passage_id,
-                version,
-                row,
-                Passage(passage_id, title, text),
-                tuple(int(token) for token in np.frombuffer(tokens, dtype=_TOKEN_DTYPE)),
-                np.frombuffer(vector, dtype=_VECTOR_DTYPE),
+            try:
+                with contextlib.closing(sqlite3.connect(f"file:{other}?mode=ro", uri=True)) as connection:
+                    (changes,) = connection.execute("SELECT count(*) FROM changes").fetchone()
+            except sqlite3.DatabaseError as error:
+                changes = f"an unreadable number of ({error})"
+            if changes:
+                raise ArtifactError(
+                    f"the documents changed live in {other.parent} are in {other} ({changes} changes), "
+                    f"the log of another model's tokenizer: serving this model (its log {self.log_path}) "
+                    "would hide them. Serve with the model that wrote them (--model), or move that log "
+                    "aside to serve the built corpus without its changes"
+                )
+
+    def checkpoint(
+        self,
+        tokenize_batch: TokenizeBatch,
+        embedder: Embedder | None = None,
+        indexed_text: Callable[[Passage], str] | None = None,
+    ) -> list[Change]:
+        """Read the log once, keep each id's last change only, number the kept rows anew right after
+        the base's (re-tokenizing the rows that moved, as :meth:`LiveCorpus.put` tokenizes), check
+        that ``embedder`` made the logged vectors (``indexed_text`` is what it embeds of a passage),
+        and load the result; returns the changes to replay, in row order.
+
+        Run at start, before anything refers to a row of the log (the index holds the base's).
+        """
+        with self._write_lock:
+            kept: dict[str, tuple[Any, ...]] = {}
+            dropped: list[bytes] = []  # the tokens of superseded rows: their KV is of no further use
+            for found in self._log.execute(f"SELECT {_COLUMNS} FROM changes ORDER BY seq"):
+                previous = kept.get(found[1])
+                if previous is not None and previous[6]:
+                    dropped.append(previous[6])
+                kept[found[1]] = found
+            logged = sorted(kept.values(), key=lambda found: found[0])
+            changes = [self._verified(found) for found in logged]
+            identity = self._check_embedder(changes, embedder, indexed_text)
+            changes, moved = self._renumbered(changes, tokenize_batch)
+            self._rewrite(
+                [(seq, change) for (seq, *_), change in zip(logged, changes, strict=True)], moved, identity
             )
+            dropped += [old for old, _ in moved.values()]
+            self._rows = {
+                change.row: _LiveRow(change.passage, change.tokens, change.version)
+                for change in changes
+                if change.row is not None and change.passage is not None
+            }
+            self._current = {change.id: Version(change.row, change.version) for change in changes}
+            self._next_row = self._base_rows + len(self._rows)
+            (last,) = self._log.execute("SELECT MAX(seq) FROM changes").fetchone()
+            self._last_seq = last or 0
+            self._loaded = True
+        self._purge_document_kv(dropped)
+        return [change for change in changes if change.row is not None] + [
+            change for change in changes if change.row is None
+        ]
+
+    def _verified(self, found: tuple[Any, ...]) -> Change:
+        """The change a log row holds, checked against its checksum first."""
+        seq, passage_id, version, row, title, text, tokens, vector, checksum = found
+        try:
+            intact = checksum == _checksum(
+                passage_id, version, row, title or "", text or "", tokens or b"", vector or b""
+            )
+        except (TypeError, AttributeError, OverflowError):  # a field of the wrong type
+            intact = False
+        if not intact or (row is not None and (title is None or text is None or not tokens or not vector)):
+            raise ArtifactError(
+                f"the document log {self.log_path}: change {seq} (document {passage_id!r}, version "
+                f"{version}) does not match its checksum (the file is damaged); restore the log from a "
+                "backup, or move it aside to serve the built corpus without its changes"
+            )
+        return _change_of(passage_id, version, row, title, text, tokens, vector)
+
+    def _check_embedder(
+        self,
+        changes: Sequence[Change],
+        embedder: Embedder | None,
+        indexed_text: Callable[[Passage], str] | None,
+    ) -> dict[str, str]:
+        """The identity of ``embedder`` to record; ArtifactError if it did not make the logged vectors."""
+        if embedder is None:
+            return {}
+        identity = {"embedder_kind": str(getattr(embedder, "kind", type(embedder).__name__))}
+        identity["embedder_dim"] = str(embedder.dim)
+        live = [change for change in changes if change.row is not None]
+        if not live:
+            return identity
+        recorded = self._meta()
+        if any(recorded.get(key, value) != value for key, value in identity.items()):
+            why = (
+                f"were made by the embedder {recorded.get('embedder_kind')} "
+                f"({recorded.get('embedder_dim')} dimensions), the index's is {identity['embedder_kind']} "
+                f"({identity['embedder_dim']} dimensions)"
+            )
+        else:
+            probe = live[-1]
+            assert probe.passage is not None and probe.vector is not None and indexed_text is not None
+            again = np.asarray(embedder.embed([indexed_text(probe.passage)]), dtype=np.float32)[0]
+            norms = float(np.linalg.norm(again) * np.linalg.norm(probe.vector))
+            agreement = (
+                float(again @ probe.vector) / norms if again.shape == probe.vector.shape and norms else 0.0
+            )
+            if agreement >= EMBEDDER_AGREEMENT:
+                return identity
+            why = (
+                f"are not what the index's embedder ({identity['embedder_kind']}) makes: document "
+                f"{probe.id!r} embedded again agrees with its logged vector to a cosine of {agreement:.3f}"
+            )
+        raise ArtifactError(
+            f"the vectors of the {len(live)} documents in the document log {self.log_path} {why}: the "
+            "index was rebuilt with another embedder since they were written. Serve the index they were "
+            "written for, or move the log aside and add its documents again (`specrag documents add`)"
+        )
+
+    def _renumbered(
+        self, changes: list[Change], tokenize_batch: TokenizeBatch
+    ) -> tuple[list[Change], dict[int, tuple[bytes, Change]]]:
+        """``changes`` with the live ones on the rows right after the base's, in log order, and the
+        moved ones (by their index in ``changes``: their old tokens and the change)."""
+        template = self.info.segment_template
+        new_rows = self._live_positions(changes)
+        moving = [
+            (position, changes[position])
+            for position, row in new_rows.items()
+            if changes[position].row != row
+        ]
+        renumbered = list(changes)
+        moved: dict[int, tuple[bytes, Change]] = {}
+        for start in range(0, len(moving), _TOKENIZE_BATCH):
+            batch = moving[start : start + _TOKENIZE_BATCH]
+            segments = []
+            for position, change in batch:
+                assert change.passage is not None
+                segments.append(render_segment(new_rows[position], change.passage, template))
+            for (position, change), tokens in zip(batch, tokenize_batch(segments), strict=True):
+                new = Change(
+                    change.id,
+                    change.version,
+                    new_rows[position],
+                    change.passage,
+                    tuple(tokens),
+                    change.vector,
+                )
+                renumbered[position] = new
+                moved[position] = (np.asarray(change.tokens, dtype=_TOKEN_DTYPE).tobytes(), new)
+        return renumbered, moved
+
+    def _live_positions(self, changes: Sequence[Change]) -> dict[int, int]:
+        """The row each live change gets, by its index in ``changes``: the next after the base's."""
+        positions: dict[int, int] = {}
+        row = self._base_rows
+        for position, change in enumerate(changes):
+            if change.row is not None:
+                positions[position] = row
+                row += 1
+        return positions
+
+    def _rewrite(
+        self, kept: list[tuple[int, Change]], moved: dict[int, tuple[bytes, Change]], identity: dict[str, str]
+    ) -> None:
+        """Drop every row but the kept ones, store the moved rows' new numbers and tokens, record the
+        embedder; then truncate the WAL (and shrink the file if much of it is free)."""
+        self._log.execute("BEGIN IMMEDIATE")
+        try:
+            cursor = self._log.execute(
+                "DELETE FROM changes WHERE seq NOT IN (SELECT MAX(seq) FROM changes GROUP BY id)"
+            )
+            dropped = cursor.rowcount
+            for position, (_, change) in moved.items():
+                seq = kept[position][0]
+                record = _record(change)
+                self._log.execute(
+                    "UPDATE changes SET row = ?, tokens = ?, checksum = ? WHERE seq = ?",
+                    (change.row, record[5], record[7], seq),
+                )
+            self._log.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", identity.items())
+            self._log.execute("COMMIT")
+        except BaseException:
+            self._log.execute("ROLLBACK")
+            raise
+        if dropped or moved:
+            (free,) = self._log.execute("PRAGMA freelist_count").fetchone()
+            (pages,) = self._log.execute("PRAGMA page_count").fetchone()
+            if free * 4 > pages:
+                self._log.execute("VACUUM")
+            self._truncate_wal()
+            logger.info(
+                "checkpointed the document log %s: %d superseded changes dropped, %d rows renumbered",
+                self.log_path,
+                dropped,
+                len(moved),
+            )
+
+    def logged(self) -> Iterator[Change]:
+        """Each id's last change in the log (its current version, or a tombstone once deleted), in
+        the order they were committed, each checked against its checksum."""
+        found = self._log.execute(
+            f"SELECT {_COLUMNS} FROM changes WHERE seq IN (SELECT MAX(seq) FROM changes GROUP BY id) "
+            "ORDER BY seq"
+        ).fetchall()
+        for one in found:
+            yield self._verified(one)
 
     @property
     def next_row(self) -> int:
@@ -167,62 +518,165 @@ class LiveStore(DocumentStore):
     def commit(self, changes: Sequence[Change]) -> None:
         """Write ``changes`` in one transaction, durable (fsynced) when this returns, then serve them.
 
-        Each new version's row must be the next one (:attr:`next_row`, counting on within the batch).
+        Each new version's row must be the next one (:attr:`next_row`, counting on within the batch)
+        and each version the one after the id's current one. Everything that can be checked is
+        checked, and everything memory takes is built, before the SQL COMMIT; after it, memory takes
+        it by plain assignments, and should even that fail it is read again from the log.
         """
+        if not self._loaded:
+            raise InvalidInputError(
+                f"the document log {self.log_path} is written after its checkpoint, never after stop_writing"
+            )
         expected = self._next_row
         for change in changes:
+            before = self.version_of(change.id)
+            version = BASE_VERSION if before is None else before.version + 1
+            if change.version != version:
+                raise InvalidInputError(
+                    f"change {change.id!r}: version {change.version}, the next version is {version}"
+                )
             if change.row is not None:
                 if change.row != expected or change.passage is None or change.vector is None:
                     raise InvalidInputError(
                         f"change {change.id!r}: row {change.row}, the next row is {expected}"
                     )
                 expected += 1
-        records = [
-            (
-                change.id,
-                change.version,
-                change.row,
-                None if change.passage is None else change.passage.title,
-                None if change.passage is None else change.passage.text,
-                None if change.row is None else np.asarray(change.tokens, dtype=_TOKEN_DTYPE).tobytes(),
-                None if change.vector is None else np.asarray(change.vector, dtype=_VECTOR_DTYPE).tobytes(),
-            )
-            for change in changes
-        ]
+        records = [_record(change) for change in changes]
+        prepared = self._prepare(changes, expected)
         with self._write_lock:
             self._log.execute("BEGIN IMMEDIATE")
             try:
-                (last,) = self._log.execute("SELECT MAX(row) FROM changes").fetchone()
-                if last is not None and last + 1 != self._next_row:
-                    raise ConflictError(
-                        f"another process wrote to the document log {self.log_path}: change documents "
-                        "through the service that serves them, or offline while none does"
-                    )
-                self._log.executemany(
-                    "INSERT INTO changes (id, version, row, title, text, tokens, vector) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    records,
-                )
+                self._check_no_other_writer(changes)
+                self._log.executemany("DELETE FROM changes WHERE id = ?", [(c.id,) for c in changes])
+                self._log.executemany(_INSERT, records)
+                (last,) = self._log.execute("SELECT MAX(seq) FROM changes").fetchone()
                 self._log.execute("COMMIT")
             except BaseException:
-                self._log.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.Error):  # a COMMIT that failed may have rolled back
+                    self._log.execute("ROLLBACK")
                 raise
-            for change in changes:
-                self._remember(change)
+            try:
+                self._install(prepared, last)
+            except Exception:
+                logger.exception("installing a committed change in memory failed: reading the log again")
+                self._refresh(prepared.next_row, [row for _, row in self._retired] + prepared.retired)
+            self._commits += 1
+            if any(change.row is None for change in changes) or self._commits % WAL_TRUNCATE_EVERY == 0:
+                self._truncate_wal()  # a deleted text leaves the WAL at once, a replaced one soon
+        # At once, and again when the row leaves memory (a query in flight may have stored it anew).
+        self._purge_document_kv(prepared.retired_segments)
+        self.drop_retired()
 
-    def _remember(self, change: Change) -> None:
-        if change.row is not None:
-            assert change.passage is not None
-            self._rows[change.row] = _LiveRow(change.passage, change.tokens, change.version)
-            self._next_row = max(self._next_row, change.row + 1)
-        self._current[change.id] = Version(change.row, change.version)
+    def _prepare(self, changes: Sequence[Change], next_row: int) -> _Prepared:
+        rows, current, retired = [], [], []
+        for change in changes:
+            before = self.version_of(change.id)
+            if before is not None and before.row is not None:
+                retired.append(before.row)
+            if change.row is not None:
+                assert change.passage is not None
+                rows.append((change.row, _LiveRow(change.passage, change.tokens, change.version)))
+            current.append((change.id, Version(change.row, change.version)))
+        segments = [self._segment(row) for row in retired] if self.document_kv_dir is not None else []
+        return _Prepared(rows, current, retired, next_row, [segment for segment in segments if segment])
+
+    def _segment(self, row: int) -> bytes:
+        """The token bytes of ``row``'s segment (what its document-KV entry is keyed by), or none
+        when it cannot be read (then there is no entry to find either)."""
+        try:
+            return np.asarray(self.tokens(row), dtype=_TOKEN_DTYPE).tobytes()
+        except (InvalidInputError, ArtifactError):
+            return b""
+
+    def _check_no_other_writer(self, changes: Sequence[Change]) -> None:
+        """ConflictError unless the log is as this store left it (inside the write transaction)."""
+        (last,) = self._log.execute("SELECT MAX(seq) FROM changes").fetchone()
+        written = (last or 0) != self._last_seq
+        for change in changes if not written else ():
+            found = self._log.execute(
+                "SELECT version FROM changes WHERE id = ? ORDER BY seq DESC LIMIT 1", (change.id,)
+            ).fetchone()
+            held = self._current.get(change.id)
+            written = (None if found is None else found[0]) != (None if held is None else held.version)
+            if written:
+                break
+        if written:
+            raise ConflictError(
+                f"another process wrote to the document log {self.log_path}: change documents "
+                "through the service that serves them, or offline while none does"
+            )
+
+    def _install(self, prepared: _Prepared, last_seq: int) -> None:
+        """Memory takes a committed change: plain assignments of what :meth:`_prepare` built."""
+        for row, entry in prepared.rows:
+            self._rows[row] = entry
+        for passage_id, version in prepared.current:
+            self._current[passage_id] = version
+        now = time.monotonic()
+        self._retired.extend((now, row) for row in prepared.retired)
+        self._next_row = prepared.next_row
+        self._last_seq = last_seq
+
+    def _refresh(self, next_row: int, retired: list[int]) -> None:
+        """Memory read again from the log, after a committed change failed to install: the log is
+        the truth. Rows retired meanwhile stay readable for their grace period, counted from now."""
+        found = self._log.execute("SELECT id, version, row, title, text, tokens FROM changes").fetchall()
+        still = set(retired)
+        rows = {row: entry for row, entry in self._rows.items() if row in still}
+        current: dict[str, Version] = {}
+        for passage_id, version, row, title, text, tokens in found:
+            current[passage_id] = Version(row, version)
+            if row is not None:
+                token_ids = tuple(int(token) for token in np.frombuffer(tokens, dtype=_TOKEN_DTYPE))
+                rows[row] = _LiveRow(Passage(passage_id, title, text), token_ids, version)
+        (last,) = self._log.execute("SELECT MAX(seq) FROM changes").fetchone()
+        now = time.monotonic()
+        self._rows, self._current = rows, current
+        self._retired = deque((now, row) for row in dict.fromkeys(retired))
+        self._next_row, self._last_seq = next_row, last or 0
+
+    def drop_retired(self, now: float | None = None) -> int:
+        """Drop the versions retired over :data:`RETIRED_GRACE_S` ago from memory and their KV from
+        the document-KV store; returns how many. Run after each commit (so memory holds what the
+        last grace period before the last write retired), or by a caller that wants them gone."""
+        now = time.monotonic() if now is None else now
+        segments: list[bytes] = []
+        dropped = 0
+        with self._write_lock:
+            while self._retired and now - self._retired[0][0] >= self._grace_s:
+                _, row = self._retired.popleft()
+                if self.document_kv_dir is not None:
+                    segments.append(self._segment(row))
+                self._rows.pop(row, None)
+                dropped += 1
+        self._purge_document_kv([segment for segment in segments if segment])
+        return dropped
+
+    def _purge_document_kv(self, token_blobs: Sequence[bytes]) -> None:
+        """Remove the document-KV entries of these segments (retired versions), where there is a store."""
+        if self.document_kv_dir is None or not token_blobs:
+            return
+        from specrag.pipeline.document_kv import purge_segments, segment_key  # torch: only when used
+
+        keys = [segment_key(np.frombuffer(blob, dtype=_TOKEN_DTYPE).tolist()) for blob in token_blobs]
+        try:
+            purge_segments(self.document_kv_dir, keys)
+        except OSError as error:
+            logger.warning("could not remove retired documents' KV from %s: %s", self.document_kv_dir, error)
+
+    def _truncate_wal(self) -> None:
+        """Copy the WAL into the log and empty it: the superseded rows' old pages leave the disk."""
+        try:
+            self._log.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as error:  # the commit is durable: a later truncation does it
+            logger.warning("could not truncate the WAL of %s: %s", self.log_path, error)
 
     def __len__(self) -> int:
         return self._next_row
 
     def _check_row(self, row: int) -> None:
         if row not in self._rows and not 0 <= row < self._base_rows:
-            raise InvalidInputError(f"passage row {row} out of range [0, {self._next_row})")
+            raise InvalidInputError(f"passage row {row} out of range [0, {self._next_row}) or retired")
 
     def tokens(self, row: int) -> tuple[int, ...]:  # type: ignore[override]  # the base's is cached
         live = self._rows.get(row)
@@ -239,6 +693,39 @@ class LiveStore(DocumentStore):
             raise NotFoundError(f"unknown document id {passage_id!r}")
         return found.row
 
+    def stop_writing(self) -> None:
+        """Close the log and let another writer in while reads go on (a process that loaded the
+        corpus only to read it: a test session's shared assets); commits are refused from here on."""
+        with self._write_lock:
+            self._loaded = False
+            self._log.close()
+            self._release()
+
     def close(self) -> None:
-        self._log.close()
+        """Close the log and let another writer in (idempotent)."""
+        log = getattr(self, "_log", None)
+        if log is not None:
+            log.close()
+        self._release()
         super().close()
+
+
+def _change_of(
+    passage_id: str,
+    version: int,
+    row: int | None,
+    title: str | None,
+    text: str | None,
+    tokens: bytes | None,
+    vector: bytes | None,
+) -> Change:
+    if row is None:
+        return Change(passage_id, version)
+    return Change(
+        passage_id,
+        version,
+        row,
+        Passage(passage_id, title or "", text or ""),
+        tuple(int(token) for token in np.frombuffer(tokens or b"", dtype=_TOKEN_DTYPE)),
+        np.frombuffer(vector or b"", dtype=_VECTOR_DTYPE),
+    )

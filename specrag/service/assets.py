@@ -190,7 +190,8 @@ def ensure_assets(
     base = ensure_store(layout, passages, tokenizer, accept_corpus_change)
     base.close()
     index = ensure_index(layout, passages)
-    corpus = LiveCorpus.replayed(LiveStore(base.path), index, tokenizer.encode_batch)
+    store = LiveStore(base.path, data_dir=layout.root, document_kv_dir=layout.document_kv_dir)
+    corpus = LiveCorpus.replayed(store, index, tokenizer.encode_batch)
     logger.debug("assets ready: %d passages, model %s", len(passages), resolved_model)
     return Assets(
         passages=passages,
