@@ -23,12 +23,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from specrag.client import AsyncClient
+from specrag.controller.config import ControllerConfig
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus, check_document
+from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.service.assets import ensure_assets
 from specrag.service.handlers import _api_token
+from specrag.service.options import default_context_length
 
 __all__ = ["Line", "documents_command", "read_documents", "register"]
 
@@ -133,6 +136,11 @@ def documents_command(args: argparse.Namespace) -> int:
         return 0
     assets = ensure_assets(DataLayout(resolve_data_dir(args.data_dir)), args.model)
     assert assets.corpus is not None
+    # As a default `serve` would limit them; the engine's block padding is not known offline.
+    builder = PromptBuilder(assets.tokenizer, assets.store)
+    assets.corpus.segment_token_limit = builder.document_token_limit(
+        default_context_length(assets.model_dir), ControllerConfig.max_tokens_default
+    )
     _offline(args, assets.corpus, documents)
     return 0
 

@@ -7,9 +7,9 @@
 unknown) and ``GET /v1/documents/{id}``. A write is answered only once it is on disk and visible
 to every search that starts afterwards (:mod:`specrag.pipeline.live_corpus`), with one exception:
 a change that is durable but that the index could not apply yet is answered 202 (PUT ``{"id",
-"version", "visible": false}``, POST with ``"visible": false`` per document); searches see it once
-the corpus has replayed it. Until then writes are 503 with Retry-After
-(:class:`~specrag.errors.WritesSuspendedError`).
+"version", "visible": false}``, POST with ``"visible": false`` per document, DELETE with no body);
+searches see it once the corpus has replayed it. Until then writes are 503 with Retry-After
+(:class:`~specrag.errors.WritesSuspendedError`) and ``/health`` says why (:func:`documents_health`).
 
 Who may write: with tokens configured, reading stays open to every accepted token and a change
 needs a writer's token (``--writer-tokens-file``; writer tokens are accepted for reading too).
@@ -50,6 +50,7 @@ __all__ = [
     "DocumentCorpus",
     "WriteQueue",
     "add_document_routes",
+    "documents_health",
 ]
 
 # Writes that may wait for the writer's thread (besides the one it runs): a write holds the
@@ -69,7 +70,12 @@ class DocumentCorpus(Protocol):
 
     def put(self, passages: Sequence[Passage]) -> list[Written]: ...
 
-    def delete(self, passage_ids: Sequence[str]) -> None: ...
+    def delete(self, passage_ids: Sequence[str]) -> bool: ...
+
+    @property
+    def suspended(self) -> str | None: ...
+
+    def catch_up(self) -> bool: ...
 
 
 class WriteQueue:
@@ -86,8 +92,14 @@ class WriteQueue:
         self._pending = 0
         self._lock = threading.Lock()  # _pending drops on the writer's thread
 
-    async def run(self, call: Callable[..., Result], *args: Any) -> Result:
-        """``call(*args)`` on the writer's thread, or :class:`OverloadedError` when the queue is full."""
+    def submit(self, call: Callable[[], Any]) -> None:
+        """Run ``call`` on the writer's thread, not waited for (its failure stays the caller's
+        to see elsewhere); refused like a write when the queue is full."""
+        future = self._reserve(call)
+        future.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    def _reserve(self, call: Callable[..., Result], *args: Any) -> Future[Result]:
+        """``call(*args)`` submitted to the writer's thread, counted while it runs or waits."""
         with self._lock:
             if self._pending >= self._limit:
                 raise OverloadedError(
@@ -101,7 +113,11 @@ class WriteQueue:
             self._done(None)
             raise
         future.add_done_callback(self._done)  # run, failed or cancelled before it started
-        return await asyncio.wrap_future(future)
+        return future
+
+    async def run(self, call: Callable[..., Result], *args: Any) -> Result:
+        """``call(*args)`` on the writer's thread, or :class:`OverloadedError` when the queue is full."""
+        return await asyncio.wrap_future(self._reserve(call, *args))
 
     @property
     def pending(self) -> int:
@@ -230,5 +246,18 @@ async def _get(request: web.Request) -> web.Response:
 
 async def _delete(request: web.Request) -> web.Response:
     _check_writer(request)
-    await request.app[WRITES].run(request.app[CORPUS].delete, [request.match_info["document_id"]])
-    return web.Response(status=204)
+    visible = await request.app[WRITES].run(request.app[CORPUS].delete, [request.match_info["document_id"]])
+    return web.Response(status=204 if visible else 202)
+
+
+def documents_health(app: web.Application) -> dict[str, Any]:
+    """What ``/health`` says of the document API: whether the corpus takes writes and, when it
+    does not, why; a replay of the pending change is started on the writer's thread (one at a
+    time), so a corpus whose apply failed recovers without waiting for the next write."""
+    corpus, writes = app[CORPUS], app[WRITES]
+    reason = corpus.suspended
+    if reason is None:
+        return {"documents": {"writes": "open", "waiting": writes.pending}}
+    if not writes.pending:
+        writes.submit(corpus.catch_up)
+    return {"documents": {"writes": "suspended", "reason": reason, "waiting": writes.pending}}

@@ -149,15 +149,18 @@ def _check_distinct(flag: str, values: Sequence[str]) -> None:
         raise InvalidInputError(f"{flag} given twice for the same engine: {', '.join(repeated)}")
 
 
-def base_engine_config(model_dir: Path, options: ServiceOptions) -> EngineConfig:
-    """The in-process engines' settings (each replica of a pool derives its own from them).
-
-    The context is the default's, or the model's own when it is shorter (vLLM refuses more).
-    """
+def default_context_length(model_dir: Path) -> int:
+    """The context an in-process engine serves ``model_dir`` with: the default's, or the model's
+    own when it is shorter (vLLM refuses more)."""
     default = EngineConfig.max_model_len
+    return min(default, model_context_length(model_dir) or default)
+
+
+def base_engine_config(model_dir: Path, options: ServiceOptions) -> EngineConfig:
+    """The in-process engines' settings (each replica of a pool derives its own from them)."""
     return EngineConfig(
         model=str(model_dir),
-        max_model_len=min(default, model_context_length(model_dir) or default),
+        max_model_len=default_context_length(model_dir),
         enforce_eager=options.eager,
         omp_threads_bind=options.engine_cpus,
         document_kv_dir=options.document_kv_dir,

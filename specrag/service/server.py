@@ -60,6 +60,7 @@ from specrag.service.bodies import (
     rag_request,
     required,
 )
+from specrag.service.documents import CORPUS, documents_health
 from specrag.service.framing import ChatFraming, Framing, RagFraming, rag_body, usage
 from specrag.service.metrics import ServiceMetrics, mode_label
 from specrag.service.middleware import bearer_tokens, errors_as_json
@@ -204,6 +205,8 @@ async def _health(request: web.Request) -> web.Response:
     }
     if (startup := request.app.get(STARTUP)) is not None:
         replicas["startup"] = startup.to_dict()  # how long each start-up phase took
+    if CORPUS in request.app:
+        replicas.update(documents_health(request.app))
     if not health.serving:
         return web.json_response(
             {"status": "unavailable", "reason": health.reason, **supervision, **replicas}, status=503

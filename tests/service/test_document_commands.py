@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,3 +102,17 @@ def test_an_offline_import_failing_part_way_prints_what_was_committed(
     monkeypatch.setattr(LiveCorpus, "put", put)
     assert main([*common, "documents", "get", "new1", *model]) == 0
     assert main([*common, "documents", "get", "new2", *model]) == 2
+
+
+def test_an_offline_document_longer_than_the_model_context_is_refused_naming_the_limit(
+    tiny_assets: Assets, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = copied_data_dir(tiny_assets, tmp_path / "data")
+    documents = tmp_path / "long.jsonl"
+    text = " ".join(f"m{number} c" for number in range(9000))  # under the character limit
+    documents.write_text(json.dumps({"id": "long", "text": text}) + "\n")
+    common = ["--data-dir", str(data), "documents"]
+    model = ["--model", str(tiny_model_dir)]
+    assert main([*common, "add", str(documents), *model]) == 2
+    assert re.search(r"'long' is \d+ tokens long; at most \d+ fit", capsys.readouterr().err)
+    assert main([*common, "get", "long", *model]) == 2

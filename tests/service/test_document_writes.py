@@ -49,6 +49,8 @@ class StandInCorpus:
         self.failure: Exception | None = None
         self.fail_at_call: int | None = None
         self.calls = 0
+        self.suspended: str | None = None
+        self.catch_ups = threading.Event()
 
     def get(self, passage_id: str) -> Document:
         if passage_id not in self.documents:
@@ -70,10 +72,16 @@ class StandInCorpus:
             written.append(Written(passage.id, version, before is None, self.visible))
         return written
 
-    def delete(self, passage_ids: Sequence[str]) -> None:
+    def delete(self, passage_ids: Sequence[str]) -> bool:
         for passage_id in passage_ids:
             self.get(passage_id)
             del self.documents[passage_id]
+        return self.visible
+
+    def catch_up(self) -> bool:
+        self.catch_ups.set()
+        self.suspended = None
+        return True
 
 
 @dataclass
@@ -352,3 +360,26 @@ async def test_an_import_failing_part_way_prints_what_was_committed_and_where_to
     assert f"3 of 7 documents committed (printed above); batch 2 of 3, from {documents} line 5," in err
     assert "add again from line 5 on" in err
     assert "503" in err  # and the error itself, after
+
+
+async def test_a_durable_delete_the_index_has_not_applied_is_202(open_service: Service) -> None:
+    open_service.corpus.documents["a"] = Document("a", "", "text", 1)
+    open_service.corpus.visible = False
+    async with aiohttp.ClientSession() as http:
+        status, _ = await _status(http, "DELETE", f"{open_service.url}/v1/documents/a")
+    assert status == 202
+
+
+async def test_health_says_writes_are_suspended_and_starts_the_replay(open_service: Service) -> None:
+    corpus = open_service.corpus
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{open_service.url}/health") as response:
+            assert (await response.json())["documents"] == {"writes": "open", "waiting": 0}
+        corpus.suspended = "the vector index failed: injected"
+        async with http.get(f"{open_service.url}/health") as response:
+            documents = (await response.json())["documents"]
+        assert documents["writes"] == "suspended" and "injected" in documents["reason"]
+        assert await asyncio.to_thread(corpus.catch_ups.wait, 10.0)  # replayed on the writer's thread
+        await wait_until(lambda: open_service.app[WRITES].pending == 0)
+        async with http.get(f"{open_service.url}/health") as response:
+            assert (await response.json())["documents"]["writes"] == "open"
