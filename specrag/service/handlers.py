@@ -209,7 +209,9 @@ def serve_command(args: argparse.Namespace) -> int:
     tokens = _api_tokens(args.api_tokens_file)
     if token is not None and token in tokens:
         raise InvalidInputError("--api-token-env: that token is also in --api-tokens-file")
-    warn_if_exposed(args.host, token is not None or bool(tokens))
+    writer_tokens = _api_tokens(args.writer_tokens_file, "--writer-tokens-file")
+    # Writer tokens alone make every endpoint but /health need a token (docs/updates.md).
+    warn_if_exposed(args.host, token is not None or bool(tokens) or bool(writer_tokens))
     config = _controller_config(args)
     document_kv = config.document_kv is DocumentKv.TURBO
     options = ServiceOptions(
@@ -219,7 +221,7 @@ def serve_command(args: argparse.Namespace) -> int:
         eager=args.eager,
         api_token=token,
         api_tokens=tokens,
-        writer_tokens=_api_tokens(args.writer_tokens_file, "--writer-tokens-file"),
+        writer_tokens=writer_tokens,
         trust_forwarded_for=args.trust_forwarded_for,
         max_queries=args.max_queries,
         max_queries_per_client=args.max_queries_per_client,

@@ -142,3 +142,15 @@ def test_an_engine_server_s_kv_events_bind_loopback_unless_told(tmp_path: Path) 
     default, told = printed(), printed("--kv-events-host", "0.0.0.0")
     assert f"[::ffff:127.0.0.1]:{port}" in default and f"*:{port}" not in default
     assert f"*:{port}" in told
+
+
+def test_writer_tokens_alone_count_as_tokens_for_the_exposure_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Writer tokens alone make every endpoint but /health need a token: no warning then."""
+    caplog.set_level(logging.WARNING)
+    writers = tmp_path / "writers.txt"
+    writers.write_text("a-writer-token\n")
+    argv = ["serve", "--host", "0.0.0.0", "--port", "0", "--writer-tokens-file", str(writers)]
+    assert main(["--data-dir", str(tmp_path), *argv, "--inter-token-timeout", "0"]) == 2
+    assert not [record for record in caplog.records if "API token" in record.getMessage()]
