@@ -4,7 +4,8 @@ With ``--url`` the command talks to that service (``/v1/documents``, :mod:`specr
 which serves each change as soon as it answers. Without, it changes the data directory's corpus
 itself: the change is logged beside the document store (:mod:`specrag.pipeline.live_store`) and the
 next ``specrag serve`` replays it. Offline writes are for a data directory no service is serving:
-a service notices another writer's changes at its next write and refuses it (409).
+the serving process holds the log's lock, and an offline command meets it at once
+and stops, saying so (:mod:`specrag.pipeline.live_store`).
 
 ``add`` prints one JSON line per document written. A file of more than
 :data:`~specrag.pipeline.live_corpus.MAX_BATCH_DOCUMENTS` documents goes in batches, each its own

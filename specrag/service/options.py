@@ -18,7 +18,7 @@ from specrag.pipeline.config import EngineConfig, KVEventSource, model_context_l
 from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT
 from specrag.service.supervisor import SupervisorPolicy
 
-__all__ = ["DocumentKvStore", "ServiceOptions", "base_engine_config"]
+__all__ = ["DocumentKvStore", "ServiceOptions", "base_engine_config", "default_context_length"]
 
 
 class DocumentKvStore(enum.StrEnum):
