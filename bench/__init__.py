@@ -16,6 +16,8 @@ Each family's main benchmark runs as ``python -m bench.<family>``, its other scr
 - ``bench.e2e``: the whole system on the real engine;
 - ``bench.scale``: routers over many replicas.
 
-``bench.common`` holds what every benchmark shares (output, machine facts, pinning, the run-and-
-report tail) and ``bench.traces`` the document-ID traces and the one reader of trace files.
+``bench.common`` holds what every benchmark shares (output, machine facts, pinning and the
+engine's processes, the run-and-report tail), ``bench.indexes`` the indexes several families
+search (padded, on one thread) and ``bench.traces`` the document-ID traces and the one reader of
+JSONL files.
 """

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
 import random
 import signal
 from collections.abc import Callable, Collection, Coroutine
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -145,6 +147,11 @@ def pin_apart(engine_cpus: Collection[int], service_cpus: Collection[int]) -> li
     """
     pin_threads(psutil.Process(), service_cpus)
     return pin_engine_processes(engine_cpus)
+
+
+def engine_cores() -> list[BaseProcess]:
+    """vLLM's engine-core child processes (one per running engine; dead ones are reaped here)."""
+    return [child for child in multiprocessing.active_children() if "EngineCore" in child.name]
 
 
 BOOTSTRAP_SAMPLES = 2000

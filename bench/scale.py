@@ -46,9 +46,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bench.common import machine, plot_path, print_summary, save_figure, stop_cleanly_on_sigterm, write_json
+from bench.common import (
+    engine_cores,
+    machine,
+    plot_path,
+    print_summary,
+    save_figure,
+    stop_cleanly_on_sigterm,
+    write_json,
+)
 from bench.e2e.workload import arrivals
-from bench.faults.__main__ import engine_cores
 from bench.traces import TraceRequest, bursty_trace, multiturn_trace
 from specrag.cache.events import BlockStored
 from specrag.cache.layout import DocId, PromptLayout, build_layout

@@ -51,6 +51,7 @@ from bench.e2e.runner import (
     ttft_of,
 )
 from bench.e2e.workload import TraceQuery, generate, load_trace, save_trace
+from bench.indexes import scaled_index
 from bench.traces import WORKLOADS
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES, get_mode
@@ -60,12 +61,10 @@ from specrag.pipeline.engine import Engine
 from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import ServiceOptions, open_engine, prompt_builder
-from specrag.service.assets import Assets, ensure_assets, ensure_index
+from specrag.service.assets import ensure_assets
 
 RATIOS = (0.125, 0.25, 0.5, 1.0)
 
@@ -121,19 +120,6 @@ def parse_args() -> argparse.Namespace:
     args.requests = args.requests or (12 if args.quick else 32)
     args.seeds = args.seeds or 2
     return args
-
-
-def scaled_index(layout: DataLayout, assets: Assets, size: int, nlist: int, kind: str = "ivf") -> VectorIndex:
-    """The real passages' vectors padded with synthetic ones (each mapped to a passage) to ``size``.
-
-    ``kind`` is an IVF kind of index_store.KINDS; its directory is named after it (flat IVF's keeps
-    the name it has always had, so indexes built before remain in use).
-    """
-    codes = "" if kind == "ivf" else f"-{kind}"
-    directory = layout.root / f"index-scaled{codes}-{size}-{nlist}-p{PADDING_VERSION}"
-    print(f"padded {kind} index ({size:,} vectors) in {directory}: built if missing or stale (minutes)")
-    config = IndexConfig(kind=kind, nlist=nlist, pad_to=size)
-    return ensure_index(layout, assets.passages, config, directory)
 
 
 # The speculating modes again with every speculation launched unpriced (``speculation="always"``,

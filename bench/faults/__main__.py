@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing
 import os
 import signal
 import statistics
@@ -46,13 +45,12 @@ import traceback
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench.common import machine, plot_path, save_figure, stop_cleanly_on_sigterm, write_json
+from bench.common import engine_cores, machine, plot_path, save_figure, stop_cleanly_on_sigterm, write_json
 from bench.faults.inputs import BAD_REQUESTS, QUESTION, send
 from specrag.client import (
     AsyncClient,
@@ -120,11 +118,6 @@ class Run:
 
 
 # ---------------------------------------------------------------------------------------- engine core
-
-
-def engine_cores() -> list[BaseProcess]:
-    """vLLM's engine-core child processes (one per running engine; dead ones are reaped here)."""
-    return [child for child in multiprocessing.active_children() if "EngineCore" in child.name]
 
 
 def only_engine_core() -> int:

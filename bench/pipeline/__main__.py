@@ -65,7 +65,6 @@ from bench.common import (
     run_measurement,
     write_json,
 )
-from bench.e2e.__main__ import scaled_index
 from bench.e2e.report import summarize
 from bench.e2e.runner import (
     Configuration,
@@ -77,6 +76,7 @@ from bench.e2e.runner import (
     ttft_of,
 )
 from bench.e2e.workload import TraceQuery, generate
+from bench.indexes import scaled_index
 from bench.pipeline.ideal import bound_records
 from specrag.controller.config import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir

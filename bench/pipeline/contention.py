@@ -50,8 +50,8 @@ from bench.common import (
     save_figure,
     write_report,
 )
-from bench.e2e.__main__ import scaled_index
 from bench.e2e.runner import search_times_ms, set_search_ratio, ttft_of
+from bench.indexes import scaled_index
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.config import parse_cpus
 from specrag.pipeline.engine import Engine, Sampling

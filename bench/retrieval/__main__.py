@@ -20,21 +20,20 @@ the default index's recall under other fusion settings (``rrf_k`` × depth). Res
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 from matplotlib import pyplot as plt
 
 from bench.common import machine, plot_path, print_summary, save_figure, write_json
+from bench.indexes import distinct_passages, one_search_thread
 from specrag.retrieval.corpus import Passage, load_passages
 from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.fusion import FusionConfig
@@ -81,31 +80,6 @@ def load_queries(path: Path) -> list[Query]:
 
 def belongs(passage_id: str, answer_id: str) -> bool:
     return passage_id == answer_id or passage_id.startswith(answer_id + "#")
-
-
-def distinct_passages(index: VectorIndex, ids: np.ndarray) -> list[str]:
-    """Passage ids of a stage's result in rank order, padding and repeats dropped."""
-    seen: list[str] = []
-    for passage_id in index.passage_ids_of(ids):
-        if passage_id not in seen:
-            seen.append(passage_id)
-    return seen
-
-
-@contextlib.contextmanager
-def one_search_thread() -> Iterator[None]:
-    """Queries on one faiss thread, as the service's search runner runs them.
-
-    A single query gains nothing from OpenMP, and on a small shared machine the idle threads'
-    spin-waiting competes with the query itself: 2 threads made a 1 ms search take 10-40 ms
-    whenever other jobs ran. Builds keep every core.
-    """
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    try:
-        yield
-    finally:
-        faiss.omp_set_num_threads(threads)
 
 
 def evaluate(index: VectorIndex, queries: list[Query], hybrid: bool) -> dict[str, Any]:

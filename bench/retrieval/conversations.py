@@ -37,7 +37,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 from bench.common import bootstrap_mean_ci, machine, print_summary, save_figure, write_report
-from bench.retrieval.__main__ import distinct_passages, one_search_thread
+from bench.indexes import distinct_passages, one_search_thread
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.retrieval.conversational import PREVIOUS_QUESTION_WEIGHT, conversation_query
 from specrag.retrieval.corpus import Passage
