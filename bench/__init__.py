@@ -10,9 +10,10 @@ Each family's main benchmark runs as ``python -m bench.<family>``, its other scr
   search's cost and stability;
 - ``bench.faults``: the service under kills, hangs, overload, disconnects and bad input
   (``inputs``, the malformed-request catalogue the tests share);
-- ``bench.pipeline``: TTFT against the search-to-prefill ratio, and the prefill around it:
-  ``prefill`` (cold against cached), ``contention`` (search and prefill side by side), ``abort``
-  (what a wrong speculation costs), ``turbo`` (prefill from stored document KV);
+- ``bench.pipeline``: TTFT against the search-to-prefill ratio (pipelining), ``contention``
+  (search and prefill side by side), ``abort`` (what a wrong speculation costs); and the engine
+  of the inference side alone: ``prefill`` (cold against cached), ``turbo`` (prefill from stored
+  document KV), ``startup`` (what a start costs);
 - ``bench.e2e``: the whole system on the real engine;
 - ``bench.scale``: routers over many replicas.
 

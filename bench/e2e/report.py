@@ -18,7 +18,7 @@ BLOCK_REQUESTS = 4
 (a slow request delays the next ones), so the bootstrap draws runs of consecutive requests."""
 
 
-def _ok(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def answered(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if "error" not in r and r.get("ttft_ms") is not None]
 
 
@@ -60,7 +60,7 @@ def first_request_cold(run: RunResult) -> bool | None:
 
 def summarize(run: RunResult, oracle_ms: dict[int, float], slo_ms: float) -> dict[str, Any]:
     """The issue's metrics for one configuration's run."""
-    ok = _ok(run.records)
+    ok = answered(run.records)
     ttft = np.array([r["ttft_ms"] for r in ok]) if ok else np.array([np.nan])
     e2e = np.array([r["e2e_ms"] for r in ok]) if ok else np.array([np.nan])
     prompt_tokens = sum(r["prompt_tokens"] for r in ok)
@@ -120,9 +120,9 @@ def paired_ratio_ci(
     single requests of one queueing trace. Requests that failed in either run are not paired:
     their count is reported beside the ratio by the caller.
     """
-    base = {r["i"]: r["ttft_ms"] for r in _ok(baseline)}
+    base = {r["i"]: r["ttft_ms"] for r in answered(baseline)}
     blocks: dict[tuple[Any, int], list[tuple[float, float]]] = {}
-    for r in _ok(other):
+    for r in answered(other):
         if r["i"] in base:
             trace, index = r["i"]
             blocks.setdefault((trace, index // BLOCK_REQUESTS), []).append((base[r["i"]], r["ttft_ms"]))
@@ -138,7 +138,7 @@ def plot_ttft_cdf(runs: Sequence[RunResult], path: Path, title: str) -> None:
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for run in runs:
-        values = np.sort([r["ttft_ms"] for r in _ok(run.records)])
+        values = np.sort([r["ttft_ms"] for r in answered(run.records)])
         if len(values):
             axis.step(
                 values,
@@ -197,7 +197,7 @@ def plot_timeline_strip(records: Sequence[dict[str, Any]], path: Path, title: st
     """A few requests on one time axis: search span, stages, speculations, aborts, first token."""
     import matplotlib.pyplot as plt
 
-    chosen = [r for r in _ok(records) if r.get("events")][:count]
+    chosen = [r for r in answered(records) if r.get("events")][:count]
     figure, axis = plt.subplots(figsize=(10, 0.6 * len(chosen) + 1.5))
     seen: set[str] = set()
     for row, record in enumerate(chosen):

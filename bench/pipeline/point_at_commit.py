@@ -23,16 +23,34 @@ import sys
 from typing import Any
 
 
-def checkout_pipeline() -> Any:
-    """The checkout's bench.pipeline, not necessarily this tree's: a module before bench/ was split
-    by family, the package's ``__main__`` after."""
+def checkout_modules() -> list[Any]:
+    """The checkout's bench.pipeline, not necessarily this tree's, first its command: a module
+    before bench/ was split by family, the package's ``__main__`` after, and since that was split
+    too, with the modules it imports (calibration, points, analysis, report)."""
     try:
-        return importlib.import_module("bench.pipeline.__main__")
+        command = importlib.import_module("bench.pipeline.__main__")
     except ModuleNotFoundError:  # bench.pipeline is a module there, not a package
-        return importlib.import_module("bench.pipeline")
+        command = importlib.import_module("bench.pipeline")
+    others = [module for name, module in sorted(sys.modules.items()) if name.startswith("bench.pipeline.")]
+    return [command, *(module for module in others if module is not command)]
 
 
-PIPELINE = checkout_pipeline()
+MODULES = checkout_modules()
+PIPELINE = MODULES[0]
+
+
+def held(name: str) -> Any:
+    """What the checkout's modules call ``name``, wherever it is defined."""
+    return next(getattr(module, name) for module in MODULES if hasattr(module, name))
+
+
+def replace_everywhere(name: str, value: Any) -> None:
+    """``name`` replaced in every module of the checkout that holds it (defines or imports it)."""
+    for module in MODULES:
+        if hasattr(module, name):
+            setattr(module, name, value)
+
+
 CONFIGURATIONS = ("serial", "all")
 FIGURES = (
     "ratio",
@@ -59,28 +77,28 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
 
 
 def narrowed(args: argparse.Namespace) -> None:
-    """Replace the sweep's choices in the checkout's module: one point, two configurations."""
-    every = PIPELINE.configurations
+    """Replace the sweep's choices in the checkout's modules: one point, two configurations."""
+    every = held("configurations")
 
     def configurations(search_share: float) -> list[Any]:
         return [c for c in every(search_share) if c.name in CONFIGURATIONS]
 
     def sweep_points(search_ms: dict[float, float], prefill_ms: dict[int, float], *_: Any) -> list[Any]:
         if args.share is None or args.k is None:
-            return [PIPELINE.nearest_point("ivf", search_ms, prefill_ms, args.ratio)]
+            return [held("nearest_point")("ivf", search_ms, prefill_ms, args.ratio)]
         share, k = args.share, args.k
         return [
-            PIPELINE.Point("ivf", share, k, search_ms[share] / prefill_ms[k], search_ms[share], prefill_ms[k])
+            held("Point")("ivf", share, k, search_ms[share] / prefill_ms[k], search_ms[share], prefill_ms[k])
         ]
 
     async def no_loaded_run(*_: Any, **__: Any) -> tuple[None, dict[str, Any]]:
         return None, {}
 
-    PIPELINE.configurations = configurations
-    PIPELINE.sweep_points = sweep_points
-    PIPELINE.loaded_run = no_loaded_run
-    PIPELINE.plot = lambda *_, **__: None
-    PIPELINE.headline = figures
+    replace_everywhere("configurations", configurations)
+    replace_everywhere("sweep_points", sweep_points)
+    replace_everywhere("loaded_run", no_loaded_run)
+    replace_everywhere("plot", lambda *_, **__: None)
+    replace_everywhere("headline", figures)
 
 
 def figures(result: dict[str, Any]) -> dict[str, Any]:

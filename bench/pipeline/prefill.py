@@ -1,5 +1,8 @@
 """Cold vs cached prefill of the engine, by prompt length: the figures docs/architecture.md quotes.
 
+Not a benchmark of pipelining itself: the engine's prefill alone (``specrag.pipeline``), the
+cost the overlap hides and the P of the ratio r = S / P that ``bench.pipeline`` sweeps.
+
 Rerun: ``.venv/bin/python -m bench.pipeline.prefill`` (``--quick`` for fewer lengths and repeats,
 ``--model DIR`` for any Hugging Face model directory). Writes bench/out/prefill.json and .png.
 

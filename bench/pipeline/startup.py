@@ -1,5 +1,8 @@
 """Engine start-up against speed, per compilation setting: what a start costs and what it buys.
 
+Not a benchmark of pipelining (the overlap of search and prefill): it measures the inference
+side's engine (``specrag.pipeline``) alone, which is why it lives in this family.
+
 Rerun: ``.venv/bin/python -m bench.pipeline.startup`` (``--configs eager,cached`` for some of
 them, ``--model DIR`` for another model). Writes bench/out/startup.json and .png.
 

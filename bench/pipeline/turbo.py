@@ -1,6 +1,10 @@
 """TurboRAG on the in-process vLLM engine: cold TTFT of full prefill against document KV loaded
 from the store, the store's load time, and whether the loaded KV is right.
 
+Not a benchmark of pipelining (the overlap of search and prefill): it measures the inference
+side alone, ``specrag.pipeline``'s document KV, which shortens the prefill the overlap hides;
+hence its place in this family (:mod:`bench.pipeline`).
+
 Rerun: ``.venv/bin/python -m bench.pipeline.turbo`` (``--quick``: fewer TTFT prompts and repeats; ``--model``
 a model name or any Hugging Face model directory). Writes bench/out/turbo.json and .png; the last line printed
 is JSON with ``cold_full_ttft_ms``, ``turbo_ttft_ms``, ``ttft_turbo_over_full``, ``kv_rel_err_max``,

@@ -10,21 +10,20 @@ import numpy as np
 import pytest
 
 from bench.e2e.workload import TraceQuery
-from bench.pipeline.__main__ import (
+from bench.pipeline.analysis import (
     PHASES,
     earliest_summary,
-    halves,
-    headline,
-    nearest_point,
     overlap,
     phase_summary,
     saturation_rps,
     search_ms,
     share_ci,
-    sweep_points,
     wasted_share,
 )
+from bench.pipeline.calibration import nearest_point, sweep_points, with_ef_search
 from bench.pipeline.ideal import bound_records
+from bench.pipeline.points import halves
+from bench.pipeline.report import headline
 from specrag.service.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import A, B, scripted_index
@@ -227,7 +226,6 @@ def test_a_trace_splits_into_two_halves_numbered_as_in_the_whole_and_arriving_fr
 def test_an_hnsw_point_searches_hybrid_like_the_ivf_points() -> None:
     """with_ef_search retunes the graph's search and keeps the BM25 channel: HNSW and IVF points
     are searched the same way, and their summaries say which."""
-    from bench.pipeline.__main__ import with_ef_search
     from specrag.retrieval.corpus import Passage
     from specrag.retrieval.index_store import IndexConfig, build_index
 
