@@ -148,10 +148,10 @@ def document_trace(workload: str, n: int, *, corpus: int, seed: int = 0) -> list
 def read_trace_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """The JSON object of every line of a JSONL trace file, with its line number.
 
-    The one reader of trace files (document-ID traces, emitted orders, the end-to-end query
-    traces): blank lines are skipped, and a file that cannot be read or a line that is not a JSON
-    object is an InvalidInputError naming the file and the line. What a record must hold is the
-    caller's to check.
+    The one reader of JSONL files in bench/ (document-ID traces, emitted orders, the end-to-end
+    query traces, the retrieval benchmark's queries): blank lines are skipped, and a file that
+    cannot be read or a line that is not a JSON object is an InvalidInputError naming the file
+    and the line. What a record must hold is the caller's to check.
     """
     try:
         text = path.read_text(encoding="utf-8")

@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from bench.common import random_prompt as bench_random_prompt
 from specrag.cache import BlockRemoved, BlockStored, DocId, KnowledgeTree, KVEvent, PromptLayout, build_layout
 from specrag.cache.residency import chain_block_keys
 from specrag.controller.controller import AnswerDone, ControllerConfig, RagController, RagRequest
@@ -132,9 +133,8 @@ async def assert_engine_idle(engine: Engine, controller: RagController, within_s
 
 
 def random_prompt(seed: int, length: int) -> list[int]:
-    """Token ids of a prompt nothing else shares (ids 3-999: inside every test model's vocabulary)."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(length)]
+    """Token ids of a prompt nothing else shares: the benchmarks' random prompt, drawn from ``seed``."""
+    return bench_random_prompt(random.Random(seed), length)
 
 
 async def run_prompt(

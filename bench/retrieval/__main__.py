@@ -34,6 +34,8 @@ from matplotlib import pyplot as plt
 
 from bench.common import machine, plot_path, print_summary, save_figure, write_json
 from bench.indexes import distinct_passages, one_search_thread
+from bench.traces import read_trace_lines
+from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage, load_passages
 from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.fusion import FusionConfig
@@ -63,14 +65,13 @@ class Method:
 
 
 def load_queries(path: Path) -> list[Query]:
+    try:
+        lines = read_trace_lines(path)
+    except InvalidInputError as error:
+        raise SystemExit(str(error)) from None
     queries = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if not isinstance(record, dict) or not all(
-            isinstance(record.get(f), str) for f in ("query", "answer_id")
-        ):
+    for number, record in lines:
+        if not all(isinstance(record.get(f), str) for f in ("query", "answer_id")):
             raise SystemExit(f'{path}:{number}: expected {{"query": str, "answer_id": str}}')
         queries.append(Query(record["query"], record["answer_id"]))
     if not queries:

@@ -1,4 +1,4 @@
-"""The service against hostile or careless clients (issue 17), on the simulated engine over real
+"""The service against hostile or careless clients, on the simulated engine over real
 loopback sockets: every catalogue request gets its 4xx and nothing is logged at ERROR, sessions
 survive other clients and refuse concurrent turns, OpenAI's sampling fields and model list work,
 half-sent requests end at the read timeouts, and the warm-up counter is the controller's own."""

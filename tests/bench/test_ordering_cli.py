@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from bench.traces import read_trace
+
 ROOT = Path(__file__).resolve().parents[2]
 TRACE: list[dict[str, Any]] = [
     {"docs": [3, 1, 2], "rid": "a"},
@@ -37,12 +39,12 @@ def test_emit_writes_every_request_once_with_its_documents_permuted(
     out = tmp_path / "out.jsonl"
     result = run("--trace", str(trace), "--policy", policy, "--emit", str(out))
     assert result.returncode == 0, result.stderr
-    emitted = [json.loads(line) for line in out.read_text().splitlines()]
+    emitted = read_trace(out)
     expected_rids = ["a", 1, 7, "d"]  # a missing rid is the line's index
-    assert sorted(map(str, (e["rid"] for e in emitted))) == sorted(map(str, expected_rids))
+    assert sorted(map(str, (e.rid for e in emitted))) == sorted(map(str, expected_rids))
     by_rid = {str(rid): r["docs"] for rid, r in zip(expected_rids, TRACE, strict=True)}
     for e in emitted:
-        assert sorted(map(str, e["docs"])) == sorted(map(str, by_rid[str(e["rid"])]))
+        assert sorted(map(str, e.docs)) == sorted(map(str, by_rid[str(e.rid)]))
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["policy"] == policy and summary["requests"] == 4
     for cache in ("unlimited", "lru10"):
@@ -50,14 +52,13 @@ def test_emit_writes_every_request_once_with_its_documents_permuted(
     assert summary["emitted_from"] == "lru10"
     assert set(summary["independent"]) == {"unlimited", "lru"}
     if policy == "retrieval":
-        assert [e["docs"] for e in emitted] == [r["docs"] for r in TRACE]
+        assert [list(e.docs) for e in emitted] == [r["docs"] for r in TRACE]
 
 
 def test_exact_reorders_the_last_request_onto_the_cached_path(trace: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     assert run("--trace", str(trace), "--policy", "exact", "--emit", str(out)).returncode == 0
-    last = json.loads(out.read_text().splitlines()[-1])
-    assert last["docs"][:2] == [3, 1]  # request "a" served 3, 1, 2 first
+    assert read_trace(out)[-1].docs[:2] == (3, 1)  # request "a" served 3, 1, 2 first
 
 
 @pytest.mark.parametrize(
@@ -82,7 +83,7 @@ def test_bad_input_fails_clearly(tmp_path: Path, content: str | None, args: list
 
 
 def emitted_rids(path: Path) -> list[object]:
-    return [json.loads(line)["rid"] for line in path.read_text().splitlines()]
+    return [request.rid for request in read_trace(path)]
 
 
 def test_window_replays_the_traces_arrival_times_and_emits_in_execution_order(tmp_path: Path) -> None:
@@ -99,17 +100,17 @@ def test_window_replays_the_traces_arrival_times_and_emits_in_execution_order(tm
     args = ("--trace", str(path), "--policy", "window", "--emit", str(out), "--emit-cache", "unlimited")
     result = run(*args)
     assert result.returncode == 0, result.stderr
-    assert [json.loads(line)["rid"] for line in out.read_text().splitlines()] == [
+    assert emitted_rids(out) == [
         "first",
         "sibling",
         "stranger",
     ]
-    assert json.loads(out.read_text().splitlines()[1])["docs"] == [1, 2, 3]
+    assert read_trace(out)[1].docs == (1, 2, 3)
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["emitted_from"] == "unlimited" and summary["independent"]["unlimited"] == 3 / 9
     fifo = run("--trace", str(path), "--policy", "window", "--window", "1", "--emit", str(out))
     assert fifo.returncode == 0, fifo.stderr
-    assert [json.loads(line)["rid"] for line in out.read_text().splitlines()] == [
+    assert emitted_rids(out) == [
         "first",
         "stranger",
         "sibling",
