@@ -19,7 +19,12 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 def target(on_events: Callable[[Sequence[KVEvent]], None], notes: list[str] | None = None) -> MirrorTarget:
     """A mirror target applying with ``on_events`` and noting resets and degradations."""
     noted = notes if notes is not None else []
-    return MirrorTarget(on_events, lambda: noted.append("reset"), lambda reason: noted.append(reason))
+    return MirrorTarget(
+        on_events,
+        lambda: noted.append("reset"),
+        noted.append,
+        lambda reason: noted.append(f"unsure: {reason}"),
+    )
 
 
 def batch(seq: int) -> bytes:
@@ -45,9 +50,10 @@ def batch(seq: int) -> bytes:
 
 
 class Publisher:
-    """PUB + ROUTER replay, like vLLM's ZmqEventPublisher, but able to drop batches on purpose."""
+    """PUB + ROUTER replay, like vLLM's ZmqEventPublisher, but able to drop batches on purpose, and
+    to answer the n-th replay request ``delays[n]`` seconds late (what it holds then)."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *, delays: Sequence[float] = ()) -> None:
         self.endpoint = f"ipc://{tmp_path}/pub"
         self.replay_endpoint = f"ipc://{tmp_path}/replay"
         self.context = zmq.asyncio.Context()
@@ -57,6 +63,8 @@ class Publisher:
         self.router.bind(self.replay_endpoint)
         self.sent: dict[int, bytes] = {}
         self.replays = 0
+        self.delays = list(delays)
+        self.late: set[asyncio.Task[None]] = set()
         self.server = asyncio.create_task(self._serve_replay())
 
     async def publish(self, seq: int, *, drop: bool = False) -> None:
@@ -67,13 +75,25 @@ class Publisher:
     async def _serve_replay(self) -> None:
         while True:
             client, _, start = await self.router.recv_multipart()
+            delay = self.delays[self.replays] if self.replays < len(self.delays) else 0.0
             self.replays += 1
-            for seq in sorted(s for s in self.sent if s >= int.from_bytes(start, "big")):
-                await self.router.send_multipart((client, b"", b"kv", seq.to_bytes(8, "big"), self.sent[seq]))
-            await self.router.send_multipart((client, b"", b"", END_SEQ, b""))
+            answer = self._answer(client, int.from_bytes(start, "big"), delay)
+            if delay:
+                task = asyncio.create_task(answer)
+                self.late.add(task)
+                task.add_done_callback(self.late.discard)
+            else:
+                await answer
+
+    async def _answer(self, client: bytes, start: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        for seq in sorted(s for s in self.sent if s >= start):
+            await self.router.send_multipart((client, b"", b"kv", seq.to_bytes(8, "big"), self.sent[seq]))
+        await self.router.send_multipart((client, b"", b"", END_SEQ, b""))
 
     async def close(self) -> None:
-        self.server.cancel()
+        for task in (self.server, *self.late):
+            task.cancel()
         self.pub.close(linger=0)
         self.router.close(linger=0)
         self.context.term()
@@ -152,8 +172,46 @@ async def test_subscriber_converts_orders_and_replays_missed_batches(tmp_path: P
 @pytest.mark.timeout(60)
 async def test_without_catch_up_history_is_not_replayed_but_later_gaps_are(tmp_path: Path) -> None:
     subscriber, publisher, received = await replay_scenario(tmp_path, catch_up=False)
-    assert subscriber.sequence.lost == 0 and publisher.replays == 1 and subscriber.sequence.replayed == 1
+    # The start-up replay only tells where the history ends; the one after batch 3 fills batch 2.
+    assert subscriber.sequence.lost == 0 and publisher.replays == 2 and subscriber.sequence.replayed == 1
     assert received[0] == [BlockStored((1,), 0, (1, 1, 1, 1), 4, medium="GPU")] and len(received) == 5
+
+
+@pytest.mark.timeout(60)
+async def test_the_answer_to_a_replay_that_timed_out_never_answers_a_later_one(tmp_path: Path) -> None:
+    """The first replay is answered after its timeout: its end marker, arriving late, must not end
+    a later replay before that one's batches came (they would be counted lost)."""
+    publisher = Publisher(tmp_path, delays=(0.5,))
+    received: list[list[KVEvent]] = []
+    done = asyncio.Event()
+
+    def on_events(events: Sequence[KVEvent]) -> None:
+        received.append(list(events))
+        if len(received) == 7:
+            done.set()
+
+    await publisher.publish(0)  # before anyone listens: only a replay brings it
+    subscriber = KVEventSubscriber(
+        publisher.endpoint, publisher.replay_endpoint, "kv", target(on_events), replay_timeout_s=0.3
+    )
+    await subscriber.start()
+    try:
+        await asyncio.sleep(0.4)  # joined; the first replay timed out
+        await publisher.publish(1)
+        await publisher.publish(2, drop=True)
+        await publisher.publish(3)
+        await asyncio.sleep(0.6)  # the first replay's late answer has come by now
+        await publisher.publish(4, drop=True)
+        await publisher.publish(5, drop=True)
+        await publisher.publish(6)
+        async with asyncio.timeout(5):
+            await done.wait()
+    finally:
+        await subscriber.stop()
+        await publisher.close()
+    assert subscriber.sequence.lost == 0 and subscriber.sequence.replayed == 4
+    assert received[0] == [BlockStored((0,), None, (0, 0, 0, 0), 4, medium="GPU")]
+    assert received[5] == [AllBlocksCleared()]
 
 
 @pytest.mark.timeout(60)
@@ -256,7 +314,7 @@ def test_an_unreadable_or_failing_batch_degrades_the_mirror() -> None:
     sequence.missing_before(6)
     sequence.deliver(6, batch(6))
     assert (sequence.undecodable, sequence.callback_errors, sequence.batches) == (1, 1, 1)
-    assert notes == ["KV event batch 5 could not be read", "KV event batch 6 could not be applied"]
+    assert notes == ["reset", "KV event batch 5 could not be read", "KV event batch 6 could not be applied"]
 
 
 def test_group_and_medium_are_kept() -> None:

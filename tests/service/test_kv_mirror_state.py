@@ -8,7 +8,7 @@ from pathlib import Path
 from specrag.cache import AllBlocksCleared, KnowledgeTree
 from specrag.errors import EngineError
 from specrag.pipeline.config import KVEventSource
-from specrag.service.kv_mirror import WAITING_FOR_CLEAR, KVMirror
+from specrag.service.kv_mirror import WAITING_FOR_CLEAR, WAITING_FOR_JOIN, KVMirror
 from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout
 
 
@@ -32,7 +32,7 @@ def mirror(resets: Callable[[], Awaitable[None]] | None = None) -> KVMirror:
 
 def test_exact_from_the_publishers_first_batch_until_a_loss() -> None:
     kv = mirror()
-    assert not kv.status.exact and kv.status.reason == "no KV event batch received yet"
+    assert not kv.status.exact and kv.status.reason == WAITING_FOR_JOIN
     target = kv.target
     target.reset()  # the publisher's batch 0: the engine's cache was empty then
     target.apply(FakeEngine().serve(layout((1, 2))))
