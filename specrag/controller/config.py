@@ -12,11 +12,17 @@ from specrag.controller.speculation_policy import SpeculationSetting
 from specrag.errors import InvalidInputError, check_choice
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule
 
-__all__ = ["DEFAULT_INTER_TOKEN_TIMEOUT_S", "FALLBACK_BATCHED_TOKEN_BUDGET", "Admission", "ControllerConfig"]
+__all__ = [
+    "DEFAULT_INTER_TOKEN_TIMEOUT_S",
+    "FALLBACK_BATCHED_TOKEN_BUDGET",
+    "ControllerConfig",
+    "PrefillOrder",
+]
 
 
-class Admission(enum.StrEnum):
-    """How final requests waiting for the prefill pool are admitted (see :mod:`specrag.controller.gate`)."""
+class PrefillOrder(enum.StrEnum):
+    """The order in which final requests waiting for the prefill pool get a slot (see
+    :mod:`specrag.controller.gate`)."""
 
     RATIO = "ratio"
     WINDOW = "window"
@@ -76,11 +82,11 @@ class ControllerConfig:
     #: Caps the uncomputed prompt tokens of speculations in flight (:mod:`specrag.controller.gate`);
     #: None is one engine step per replica.
     speculative_token_budget: int | None = None
-    #: How final requests waiting for the prefill pool are admitted: ``"ratio"`` (RAGCache's
-    #: cached/compute queue) or ``"window"`` (request and document order chosen together over the
-    #: oldest ``window_requests``; one engine only).
-    admission: Admission = Admission.RATIO
-    #: The requests a ``"window"`` admission plans over at once.
+    #: The order in which final requests waiting for the prefill pool get a slot: ``"ratio"``
+    #: (RAGCache's cached/compute queue) or ``"window"`` (request and document order chosen
+    #: together over the oldest ``window_requests``; one engine only).
+    prefill_order: PrefillOrder = PrefillOrder.RATIO
+    #: The requests a ``"window"`` order plans over at once.
     window_requests: int = 16
     #: Sessions open at once, all clients (the three session bounds are checked by the session store).
     max_sessions: int = 1000
@@ -145,6 +151,6 @@ _CHOICES: dict[str, type[enum.StrEnum]] = {
     "ordering_policy": PolicyName,
     "mode": ModeName,
     "document_kv": DocumentKv,
-    "admission": Admission,
+    "prefill_order": PrefillOrder,
     "speculation": SpeculationSetting,
 }

@@ -290,7 +290,7 @@ class QueryRun:
         return self._shared.builder.build_with_question_tokens(ordered, self.checked.question_token_ids, hint)
 
     def _reordered(self, placed: Placed, rows: list[int], order: Sequence[DocId]) -> Placed:
-        """The final prompt in the document order window admission chose when it admitted it."""
+        """The final prompt in the document order the window order chose when the gate let it in."""
         layout = self._layout(rows, order)
         return replace(placed, layout=layout, predicted_cached=placed.replica.tree.prompt_hit(layout))
 

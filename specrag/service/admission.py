@@ -17,7 +17,7 @@ from specrag.errors import ECHO_LIMIT, OverloadedError
 from specrag.service.metrics import ServiceMetrics
 from specrag.service.wire import BodyLimits
 
-__all__ = ["CLIENT", "STATE", "ServiceState", "admit", "client_key", "release"]
+__all__ = ["CLIENT", "STATE", "ServiceState", "claim_in_flight", "client_key", "release_in_flight"]
 
 
 @dataclass
@@ -58,7 +58,7 @@ def client_key(request: web.Request) -> str:
     return request.remote or "unknown"
 
 
-def admit(state: ServiceState, client: str, mode: str, count: int = 1) -> None:
+def claim_in_flight(state: ServiceState, client: str, mode: str, count: int = 1) -> None:
     """Take ``count`` places among the queries in flight, or :class:`OverloadedError` (counted)."""
     if state.queries + count > state.max_queries:
         state.metrics.count_unfinished(mode, "overloaded", count)
@@ -73,7 +73,7 @@ def admit(state: ServiceState, client: str, mode: str, count: int = 1) -> None:
     state.per_client[client] = state.per_client.get(client, 0) + count
 
 
-def release(state: ServiceState, client: str, count: int = 1) -> None:
+def release_in_flight(state: ServiceState, client: str, count: int = 1) -> None:
     state.queries -= count
     state.per_client[client] -= count
     if not state.per_client[client]:
