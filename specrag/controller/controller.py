@@ -170,9 +170,9 @@ class RagController:
         # Rejects over-long questions before any work; the tokens serve every prompt of the query.
         question_token_ids = tuple(self.builder.question_tokens(request.question))
         document_kv = self._document_kv(request, session)
-        speculate = mode.speculation and self.speculation.speculates
+        speculation = self.speculation.for_query(mode.speculation)
         return CheckedRequest(
-            request, k, mode, sampling, session, question_token_ids, speculate, document_kv=document_kv
+            request, k, mode, sampling, session, question_token_ids, speculation, document_kv=document_kv
         )
 
     def _document_kv(self, request: RagRequest, session: Session | None) -> bool:
@@ -266,7 +266,6 @@ class RagController:
             self._warmer,
             self._hints,
             self._turn_prompts,
-            self.speculation,
         )
 
     # ------------------------------------------------------------------ the rest of the facade

@@ -101,7 +101,9 @@ class QueryRun:
             timeline.add("conversation", now(), questions=query.joined)
         timeline.search_start = now()
         config = shared.config
-        plan = shared.index.stage_plan(config.num_stages if checked.speculate else 1, config.stage_schedule)
+        plan = shared.index.stage_plan(
+            config.num_stages if checked.speculation.speculates else 1, config.stage_schedule
+        )
         # The query's text feeds the lexical channel of a hybrid index.
         search = shared.index.search_staged(query.vector, checked.k, plan, query_text=query.text)
         self._speculating.search = search
