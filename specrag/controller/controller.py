@@ -152,9 +152,7 @@ class RagController:
             request.question.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate (JSON allows "\ud800"); tokenizers reject it
             raise InvalidInputError("the question is not valid Unicode text") from None
-        k = self.config.k_default if request.k is None else request.k
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.config.k_max:
-            raise InvalidInputError(f"k must be an integer between 1 and {self.config.k_max}, got {echo(k)}")
+        k = self.config.check_k(self.config.k_default if request.k is None else request.k)
         mode = get_mode(self.config.mode if request.mode is None else request.mode)
         max_tokens = self.config.max_tokens_default if request.max_tokens is None else request.max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
