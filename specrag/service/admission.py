@@ -13,11 +13,19 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from specrag.controller.facade import QueryCore
-from specrag.errors import ECHO_LIMIT, OverloadedError
+from specrag.errors import ECHO_LIMIT, InvalidInputError, OverloadedError
 from specrag.service.metrics import ServiceMetrics
 from specrag.service.wire import BodyLimits
 
-__all__ = ["CLIENT", "STATE", "ServiceState", "claim_in_flight", "client_key", "release_in_flight"]
+__all__ = [
+    "CLIENT",
+    "STATE",
+    "ServiceState",
+    "check_query_limits",
+    "claim_in_flight",
+    "client_key",
+    "release_in_flight",
+]
 
 
 @dataclass
@@ -56,6 +64,17 @@ def client_key(request: web.Request) -> str:
         if hops:
             return hops[-1][:ECHO_LIMIT]
     return request.remote or "unknown"
+
+
+def check_query_limits(
+    max_queries: int,
+    max_queries_per_client: int,
+    names: tuple[str, str] = ("max_queries", "max_queries_per_client"),
+) -> None:
+    """The one check of the bounds on queries in flight (at least one each), its error naming them
+    as the caller spelled them (``names``): ``serve``'s options check them before any engine starts."""
+    if max_queries < 1 or max_queries_per_client < 1:
+        raise InvalidInputError(f"{names[0]} and {names[1]} must be at least 1")
 
 
 def claim_in_flight(state: ServiceState, client: str, mode: str, count: int = 1) -> None:

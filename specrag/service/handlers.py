@@ -179,8 +179,6 @@ def serve_command(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
     if not args.shutdown_timeout >= 0:  # written so that NaN fails too
         raise InvalidInputError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
-    if args.max_queries < 1 or args.max_queries_per_client < 1:
-        raise InvalidInputError("--max-queries and --max-queries-per-client must be at least 1")
     token = _api_token(args.api_token_env)
     tokens = _api_tokens(args.api_tokens_file)
     if token is not None and token in tokens:

@@ -48,7 +48,14 @@ from specrag.errors import (
     TooLargeError,
     echo,
 )
-from specrag.service.admission import STATE, ServiceState, claim_in_flight, client_key, release_in_flight
+from specrag.service.admission import (
+    STATE,
+    ServiceState,
+    check_query_limits,
+    claim_in_flight,
+    client_key,
+    release_in_flight,
+)
 from specrag.service.auth import AUTHENTICATED
 from specrag.service.bodies import (
     BATCH_FIELDS,
@@ -366,8 +373,9 @@ def create_app(
     tokens = (*([api_token] if api_token is not None else []), *api_tokens)
     if not all(token and isinstance(token, str) for token in tokens) or len(set(tokens)) < len(tokens):
         raise InvalidInputError("the API tokens must be non-empty strings, each given once")
-    if max_body_bytes < 1 or max_queries < 1 or max_queries_per_client < 1:
-        raise InvalidInputError("max_body_bytes, max_queries and max_queries_per_client must be positive")
+    if max_body_bytes < 1:
+        raise InvalidInputError("max_body_bytes must be positive")
+    check_query_limits(max_queries, max_queries_per_client)
     if not (header_timeout_s > 0 and body_timeout_s > 0):  # written so that NaN fails too
         raise InvalidInputError("header_timeout_s and body_timeout_s must be positive")
     state = ServiceState(
