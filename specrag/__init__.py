@@ -6,7 +6,7 @@ Packages, one concern each; imports point only down this list (docs/architecture
 - ``specrag.cache``: the knowledge tree that mirrors the engine's prefix cache, ordering, scheduling.
 - ``specrag.pipeline``: the document store, prompts as token IDs, engine adapters (in-process vLLM,
   HTTP).
-- ``specrag.controller``: the query core: staged search, speculation, adoption, admission.
+- ``specrag.controller``: the query core: staged search, speculation, adoption, the prefill gate.
 - ``specrag.service``: the aiohttp service, its assembly, engine supervision, the KV mirror, metrics.
 - ``specrag.client``: the async client; imports nothing of the above.
 - ``specrag.sim``: the simulated engine, its replicas and virtual time, for benchmarks and tests;

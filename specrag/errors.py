@@ -110,7 +110,7 @@ def check_choice(what: str, value: object, choices: type[Choice]) -> Choice:
     """``value`` as a member of ``choices``, else :class:`InvalidInputError` naming them.
 
     The one check of every closed setting (modes, document KV, speculation, ordering policies,
-    routers, admissions, stage schedules): each is a :class:`enum.StrEnum` whose values are the
+    routers, prefill orders, stage schedules): each is a :class:`enum.StrEnum` whose values are the
     spellings users write, so JSON, the command line and Python accept the same strings. ``what``
     names the setting as the user wrote it (a JSON field, a flag).
     """

@@ -130,7 +130,7 @@ def test_the_closed_choices_are_enums() -> None:
         "ModeName",
         "DocumentKv",
         "SpeculationSetting",
-        "Admission",
+        "PrefillOrder",
         "Schedule",
         "PolicyName",
         "Router",

@@ -46,7 +46,7 @@ def test_corpus_build_writes_jsonl_into_the_data_dir(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["demo", "-k", "0"], "-k must be between 1 and"),
+        (["demo", "-k", "0"], "-k must be an integer between 1 and"),
         (["demo", "--max-tokens", "0"], "--max-tokens must be at least 1"),
         (["corpus", "build", "--words", "3"], "target_words must be at least"),
     ],

@@ -6,7 +6,7 @@ the prefill profile gives for its uncached tokens behind its cached ones, so reu
 queue. Who goes next when the slot frees:
 
 - ``fifo``: arrival order; documents ordered by ``exact`` when the request is admitted;
-- ``ratio``: RAGCache's queue (:class:`AdmissionQueue`): cached/compute ratio as predicted when
+- ``ratio``: RAGCache's queue (:class:`RatioQueue`): cached/compute ratio as predicted when
   the request arrived, with the starvation window;
 - ``window``: :class:`WindowScheduler`: request and document order chosen together over the
   oldest waiting requests, against the tree at admission, with the same starvation window.
@@ -24,8 +24,8 @@ from typing import Literal, Protocol
 import numpy as np
 
 from bench.traces import TraceRequest
-from specrag.cache import AdmissionQueue, DocId, KnowledgeTree, PrefillProfile, get_policy
-from specrag.cache.admission import WindowScheduler
+from specrag.cache import DocId, KnowledgeTree, PrefillProfile, RatioQueue, get_policy
+from specrag.cache.prefill_queue import WindowScheduler
 from specrag.errors import InvalidInputError
 
 Admission = Literal["fifo", "ratio", "window"]
@@ -132,7 +132,7 @@ def replay(
     """Serve the trace through one prefill slot; ``server`` records the execution order."""
     clock = _Clock()
     exact = get_policy("exact")
-    queue: AdmissionQueue[int] = AdmissionQueue(starvation_window_s, clock=clock)
+    queue: RatioQueue[int] = RatioQueue(starvation_window_s, clock=clock)
     scheduler: WindowScheduler[int] = WindowScheduler(
         starvation_window_s, window_requests=window.requests, window_s=window.seconds, clock=clock
     )

@@ -4,12 +4,11 @@ Owns no KV and talks to no network or engine; depends on nothing else of specrag
 controller orders every prompt with a policy over a :class:`KnowledgeTree`, builds it with
 :func:`build_layout`, reports what was served (:meth:`KnowledgeTree.record_served`) and what the
 engine evicted (:meth:`KnowledgeTree.apply_events`) and queues requests with
-:class:`AdmissionQueue` (or chooses request and document order together over the waiting ones
+:class:`RatioQueue` (or chooses request and document order together over the waiting ones
 with :class:`WindowScheduler`). :func:`plan_batch` orders a batch known in advance (the ordering
 benchmark's offline plan).
 """
 
-from specrag.cache.admission import AdmissionQueue, WindowScheduler
 from specrag.cache.batch import BatchPlan, plan_batch
 from specrag.cache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 from specrag.cache.hints import Dedup, HintConfig, order_hint
@@ -17,11 +16,11 @@ from specrag.cache.layout import DocId, PromptLayout, Segment, build_layout
 from specrag.cache.ordering import POLICY_NAMES, Ordering, OrderingPolicy, get_policy
 from specrag.cache.pgdsf import PrefillProfile
 from specrag.cache.prefill_estimator import PrefillEstimator
+from specrag.cache.prefill_queue import RatioQueue, WindowScheduler
 from specrag.cache.tree import KnowledgeTree, PrefixMatch
 
 __all__ = [
     "POLICY_NAMES",
-    "AdmissionQueue",
     "AllBlocksCleared",
     "BatchPlan",
     "BlockHash",
@@ -38,6 +37,7 @@ __all__ = [
     "PrefillProfile",
     "PrefixMatch",
     "PromptLayout",
+    "RatioQueue",
     "Segment",
     "WindowScheduler",
     "build_layout",

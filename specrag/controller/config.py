@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import InitVar, dataclass
+from dataclasses import InitVar, dataclass, field, fields
 
 from specrag.cache.ordering import PolicyName
 from specrag.controller.modes import DocumentKv, ModeName
 from specrag.controller.speculation_policy import SpeculationSetting
-from specrag.errors import InvalidInputError, check_choice
-from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule
+from specrag.errors import InvalidInputError, check_choice, echo
+from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
 
-__all__ = ["DEFAULT_INTER_TOKEN_TIMEOUT_S", "FALLBACK_BATCHED_TOKEN_BUDGET", "Admission", "ControllerConfig"]
+__all__ = [
+    "DEFAULT_INTER_TOKEN_TIMEOUT_S",
+    "FALLBACK_BATCHED_TOKEN_BUDGET",
+    "ControllerConfig",
+    "PrefillOrder",
+    "ServeFlag",
+    "serve_flags",
+]
 
 
-class Admission(enum.StrEnum):
-    """How final requests waiting for the prefill pool are admitted (see :mod:`specrag.controller.gate`)."""
+class PrefillOrder(enum.StrEnum):
+    """The order in which final requests waiting for the prefill pool get a slot (see
+    :mod:`specrag.controller.gate`)."""
 
     RATIO = "ratio"
     WINDOW = "window"
@@ -30,6 +38,27 @@ FALLBACK_BATCHED_TOKEN_BUDGET = 512
 
 
 @dataclass(frozen=True)
+class ServeFlag:
+    """How ``specrag serve`` spells a setting on its command line. The parser adds a flag for
+    every field that carries one (its type, choices and default from the field) and the config's
+    errors name it, so a new serve setting is one edit: its field here."""
+
+    name: str
+    help: str
+    metavar: str | None = None
+    limit: bool = False
+    """Listed among the limits beyond which a query is turned away (else with the query options)."""
+
+
+_FLAG = "serve_flag"
+
+
+def _flag(flag: ServeFlag) -> dict[str, ServeFlag]:
+    """The metadata of a field ``specrag serve`` takes as ``flag``."""
+    return {_FLAG: flag}
+
+
+@dataclass(frozen=True)
 class ControllerConfig:
     """Controller settings; every field can be overridden per service (checked once, when made)."""
 
@@ -38,21 +67,55 @@ class ControllerConfig:
     #: The largest ``k`` a request may ask for.
     k_max: int = 50
     #: Search stages (speculation points); None: the index kind's default.
-    num_stages: int | None = None
+    num_stages: int | None = field(
+        default=None,
+        metadata=_flag(
+            ServeFlag(
+                "--stages",
+                "search stages (speculation points) (default: by index kind, "
+                + ", ".join(f"{stages} for {kind.upper()}" for kind, stages in DEFAULT_STAGES.items())
+                + ")",
+            )
+        ),
+    )
     #: How the stages cut the search; with ``num_stages`` None, the index kind's (retrieval/stages.py).
-    stage_schedule: Schedule = DEFAULT_SCHEDULE
+    stage_schedule: Schedule = field(
+        default=DEFAULT_SCHEDULE,
+        metadata=_flag(
+            ServeFlag(
+                "--stage-schedule",
+                "how the stages cut the search: equal slices, or geometric (1/32, 1/16, 1/8, 1/4, 1/2, "
+                "1 of it for 6 stages: the first speculation starts early) (default: %(default)s)",
+            )
+        ),
+    )
     #: Final prompts the prefill pool holds per engine; None follows from ``batched_token_budget``.
-    max_prefill_bs: int | None = None
+    max_prefill_bs: int | None = field(
+        default=None,
+        metadata=_flag(ServeFlag("--max-prefill-bs", "prefill pool size (default: from the token budget)")),
+    )
     #: How long a final request may wait in the pool's queue before it goes first (RAGCache 5.2).
     starvation_window_s: float = 2.0
     #: How a prompt's documents are ordered for the prefix cache (:mod:`specrag.cache.ordering`).
     ordering_policy: PolicyName = PolicyName.EXACT
     #: RAGBoost's order hint (the retrieval ranking, in words) on a prompt whose documents ordering
     #: moved; off because the default model answered less often right with it (docs/quality.md).
-    order_hint: bool = False
+    order_hint: bool = field(
+        default=False,
+        metadata=_flag(
+            ServeFlag(
+                "--order-hint",
+                "when ordering for the prefix cache changed the documents' order, tell the model their "
+                "retrieval ranking (RAGBoost's order hint); off by default: it cost the default model "
+                "accuracy (docs/quality.md)",
+            )
+        ),
+    )
     #: The optimisation mode of a request that names none (:mod:`specrag.controller.modes`); a mode's
     #: name is accepted too (experiments keep tables of them) and becomes its member when checked.
-    mode: ModeName | str = ModeName.ALL
+    mode: ModeName | str = field(
+        default=ModeName.ALL, metadata=_flag(ServeFlag("--mode", "default optimisation mode"))
+    )
     #: The document KV of a request that names none.
     document_kv: DocumentKv = DocumentKv.FULL
     #: Tokens generated for a request that names no ``max_tokens``.
@@ -62,13 +125,44 @@ class ControllerConfig:
     #: No first token this long after the answer's prompt went to the engine: the query fails. It
     #: is retried only on another replica or an engine its supervisor replaced (it had hung); a
     #: working engine that did not finish the prefill in time is not asked again.
-    first_token_timeout_s: float = 60.0
+    first_token_timeout_s: float = field(
+        default=60.0,
+        metadata=_flag(
+            ServeFlag(
+                "--first-token-timeout",
+                "no first token this long after the prompt went to the engine: 504; retried only on another "
+                "or a restarted engine, never on the same working one (default %(default)s)",
+                metavar="SECONDS",
+                limit=True,
+            )
+        ),
+    )
     #: No next token for this long: the stream has stalled; its engine request is aborted and the
     #: answer moves to another replica (or a recovered engine) like one whose engine died, or ends
     #: with an error. A few times the longest engine step measured here (docs/reliability.md).
-    inter_token_timeout_s: float = DEFAULT_INTER_TOKEN_TIMEOUT_S
+    inter_token_timeout_s: float = field(
+        default=DEFAULT_INTER_TOKEN_TIMEOUT_S,
+        metadata=_flag(
+            ServeFlag(
+                "--inter-token-timeout",
+                "no next token of an answer by then: the stream moves to another replica or a "
+                "recovered engine, or ends with an error event (default %(default)s)",
+                metavar="SECONDS",
+                limit=True,
+            )
+        ),
+    )
     #: Final requests that may wait for the prefill pool; more are turned away.
-    max_queue: int = 256
+    max_queue: int = field(
+        default=256,
+        metadata=_flag(
+            ServeFlag(
+                "--max-queue",
+                "final prompts waiting for the engine's prefill pool (default %(default)s)",
+                limit=True,
+            )
+        ),
+    )
     #: Prompt tokens the engine computes per step, from which the default ``max_prefill_bs``
     #: follows; None reads it from the engine, which an HTTP server does not report: then
     #: :data:`FALLBACK_BATCHED_TOKEN_BUDGET` is assumed and logged.
@@ -76,11 +170,11 @@ class ControllerConfig:
     #: Caps the uncomputed prompt tokens of speculations in flight (:mod:`specrag.controller.gate`);
     #: None is one engine step per replica.
     speculative_token_budget: int | None = None
-    #: How final requests waiting for the prefill pool are admitted: ``"ratio"`` (RAGCache's
-    #: cached/compute queue) or ``"window"`` (request and document order chosen together over the
-    #: oldest ``window_requests``; one engine only).
-    admission: Admission = Admission.RATIO
-    #: The requests a ``"window"`` admission plans over at once.
+    #: The order in which final requests waiting for the prefill pool get a slot: ``"ratio"``
+    #: (RAGCache's cached/compute queue) or ``"window"`` (request and document order chosen
+    #: together over the oldest ``window_requests``; one engine only).
+    prefill_order: PrefillOrder = PrefillOrder.RATIO
+    #: The requests a ``"window"`` order plans over at once.
     window_requests: int = 16
     #: Sessions open at once, all clients (the three session bounds are checked by the session store).
     max_sessions: int = 1000
@@ -91,7 +185,17 @@ class ControllerConfig:
     #: Whether a mode that speculates prices each speculative prefill and warm-up first
     #: (``"auto"``), launches them whenever the gate has room (``"always"``, the behaviour before
     #: pricing) or never speculates (``"never"``); see :mod:`specrag.controller.speculation_policy`.
-    speculation: SpeculationSetting = SpeculationSetting.AUTO
+    speculation: SpeculationSetting = field(
+        default=SpeculationSetting.AUTO,
+        metadata=_flag(
+            ServeFlag(
+                "--speculation",
+                "speculative prefill on a running top-k: auto launches one (or a system-prompt warm-up) "
+                "only when its expected gain, from measured figures, exceeds its expected cost; always "
+                "whenever the prefill pool has room; never (default: %(default)s; see docs/speculation.md)",
+            )
+        ),
+    )
     #: The questions one batch may hold (:mod:`specrag.controller.batch`).
     max_batch_queries: int = 32
 
@@ -135,6 +239,23 @@ class ControllerConfig:
         if not self.starvation_window_s >= 0:
             raise InvalidInputError(f"{name('starvation_window_s')} cannot be negative")
 
+    def check_k(self, k: object, name: str = "k") -> int:
+        """``k`` when it is an integer from 1 to ``k_max``, else :class:`InvalidInputError` naming
+        it ``name``: the one check of the range, for a request and for a command line that wants
+        to fail before it starts a service."""
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.k_max:
+            raise InvalidInputError(f"{name} must be an integer between 1 and {self.k_max}, got {echo(k)}")
+        return k
+
+
+def serve_flags() -> dict[str, ServeFlag]:
+    """The settings ``specrag serve`` takes, by field name, in the fields' order."""
+    return {
+        setting.name: setting.metadata[_FLAG]
+        for setting in fields(ControllerConfig)
+        if _FLAG in setting.metadata
+    }
+
 
 # Settings that Python callers have always seen named in words (the retrieval and cache packages' own names).
 _SPOKEN = {"stage_schedule": "stage schedule", "ordering_policy": "ordering policy"}
@@ -145,6 +266,6 @@ _CHOICES: dict[str, type[enum.StrEnum]] = {
     "ordering_policy": PolicyName,
     "mode": ModeName,
     "document_kv": DocumentKv,
-    "admission": Admission,
+    "prefill_order": PrefillOrder,
     "speculation": SpeculationSetting,
 }

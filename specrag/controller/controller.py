@@ -20,10 +20,10 @@ from collections.abc import AsyncGenerator, Sequence
 from specrag.cache.hints import HintConfig
 from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.controller.batch import BatchAnswers, run_batch
-from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, Admission, ControllerConfig
+from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, ControllerConfig, PrefillOrder
 from specrag.controller.conversation import TurnPrompts
 from specrag.controller.facade import CoreLoad, EngineHealth, ReplicaFacts
-from specrag.controller.gate import PrefillGate, WindowAdmission, default_max_prefill_bs
+from specrag.controller.gate import OrderingWindow, PrefillGate, default_max_prefill_bs
 from specrag.controller.modes import DocumentKv, get_mode
 from specrag.controller.placement import Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
@@ -104,10 +104,12 @@ class RagController:
         )
         replicas = len(self.placement.replicas)
         window = None
-        if self.config.admission is Admission.WINDOW:
+        if self.config.prefill_order is PrefillOrder.WINDOW:
             if replicas > 1:
-                raise InvalidInputError("window admission orders against one engine's tree: use one replica")
-            window = WindowAdmission(first.tree, self.config.window_requests)
+                raise InvalidInputError(
+                    "the window prefill order plans against one engine's tree: use one replica"
+                )
+            window = OrderingWindow(first.tree, self.config.window_requests)
         self.gate = PrefillGate(
             max_bs * replicas,
             self.config.starvation_window_s,
@@ -150,9 +152,7 @@ class RagController:
             request.question.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate (JSON allows "\ud800"); tokenizers reject it
             raise InvalidInputError("the question is not valid Unicode text") from None
-        k = self.config.k_default if request.k is None else request.k
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.config.k_max:
-            raise InvalidInputError(f"k must be an integer between 1 and {self.config.k_max}, got {echo(k)}")
+        k = self.config.check_k(self.config.k_default if request.k is None else request.k)
         mode = get_mode(self.config.mode if request.mode is None else request.mode)
         max_tokens = self.config.max_tokens_default if request.max_tokens is None else request.max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
@@ -163,14 +163,14 @@ class RagController:
         session = (
             self.sessions.get(request.session_id, request.client) if request.session_id is not None else None
         )
-        if session is not None:  # told before admission; stream() claims the session
+        if session is not None:  # told before it is let in; stream() claims the session
             self.sessions.ensure_idle(session)
         # Rejects over-long questions before any work; the tokens serve every prompt of the query.
         question_token_ids = tuple(self.builder.question_tokens(request.question))
         document_kv = self._document_kv(request, session)
-        speculate = mode.speculation and self.speculation.speculates
+        speculation = self.speculation.for_query(mode.speculation)
         return CheckedRequest(
-            request, k, mode, sampling, session, question_token_ids, speculate, document_kv=document_kv
+            request, k, mode, sampling, session, question_token_ids, speculation, document_kv=document_kv
         )
 
     def _document_kv(self, request: RagRequest, session: Session | None) -> bool:
@@ -264,7 +264,6 @@ class RagController:
             self._warmer,
             self._hints,
             self._turn_prompts,
-            self.speculation,
         )
 
     # ------------------------------------------------------------------ the rest of the facade

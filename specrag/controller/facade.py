@@ -61,7 +61,7 @@ class QueryCore(Protocol):
         ...
 
     def check(self, request: RagRequest) -> CheckedRequest:
-        """The request checked (cheap, before admission), or a 4xx-worthy error."""
+        """The request checked (cheap, before it takes a place in flight), or a 4xx-worthy error."""
         ...
 
     def stream(self, request: RagRequest | CheckedRequest) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
@@ -69,7 +69,7 @@ class QueryCore(Protocol):
         ...
 
     def check_batch(self, requests: Sequence[RagRequest]) -> list[CheckedRequest]:
-        """A batch's requests checked (cheap, before admission), or a 4xx-worthy error."""
+        """A batch's requests checked (cheap, before it takes a place in flight), or a 4xx-worthy error."""
         ...
 
     async def answer_batch(self, requests: Sequence[CheckedRequest]) -> BatchAnswers:

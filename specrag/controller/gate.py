@@ -4,8 +4,8 @@ The pool is the number of our requests, speculative and final, across all querie
 admitted to the engine and have not yet produced their first token. A slot is taken before a
 request is submitted and released at its first token (or when it is aborted or fails), so the
 count never lags the engine. A final request that finds the pool full waits in a queue ordered by
-cached/compute tokens with a starvation window (RAGCache §5.2), or, with window admission
-(``ControllerConfig.admission = "window"``, one engine), by a :class:`WindowScheduler`, which
+cached/compute tokens with a starvation window (RAGCache §5.2), or, with the window order
+(``ControllerConfig.prefill_order = "window"``, one engine), by a :class:`WindowScheduler`, which
 chooses among the oldest waiting requests the next one *and* its document order against the tree
 at the moment a slot frees (the slot carries that order; the run rebuilds its prompt with it).
 
@@ -31,13 +31,13 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specrag.cache.admission import AdmissionQueue, WindowScheduler
 from specrag.cache.layout import DocId
 from specrag.cache.ordering import Ordering
+from specrag.cache.prefill_queue import RatioQueue, WindowScheduler
 from specrag.cache.tree import KnowledgeTree
 from specrag.errors import InvalidInputError
 
-__all__ = ["PrefillGate", "Slot", "WindowAdmission", "default_max_prefill_bs"]
+__all__ = ["OrderingWindow", "PrefillGate", "Slot", "default_max_prefill_bs"]
 
 
 def default_max_prefill_bs(batched_token_budget: int, expected_prompt_tokens: int) -> int:
@@ -95,8 +95,8 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class WindowAdmission:
-    """Window admission's settings: the tree (of the one engine) waiting requests are ordered
+class OrderingWindow:
+    """What the window order needs: the tree (of the one engine) waiting requests are ordered
     against, and how many of the oldest are compared."""
 
     tree: KnowledgeTree
@@ -111,7 +111,7 @@ class PrefillGate:
         max_prefill_bs: int,
         starvation_window_s: float,
         speculative_token_budget: int | None = None,
-        window: WindowAdmission | None = None,
+        window: OrderingWindow | None = None,
     ) -> None:
         if max_prefill_bs < 1:
             raise InvalidInputError(f"max_prefill_bs must be at least 1, got {max_prefill_bs}")
@@ -121,10 +121,10 @@ class PrefillGate:
             )
         self.max_prefill_bs = max_prefill_bs
         self.speculative_token_budget = speculative_token_budget
-        self._queue: AdmissionQueue[asyncio.Future[Slot]] | WindowScheduler[asyncio.Future[Slot]]
+        self._queue: RatioQueue[asyncio.Future[Slot]] | WindowScheduler[asyncio.Future[Slot]]
         self._window_tree = window.tree if window is not None else None
         if window is None:
-            self._queue = AdmissionQueue(starvation_window_s)
+            self._queue = RatioQueue(starvation_window_s)
         else:
             self._queue = WindowScheduler(starvation_window_s, window_requests=window.window_requests)
         self._pool = 0
@@ -169,7 +169,7 @@ class PrefillGate:
         """A slot for a final request, waiting by priority (cached / compute) if the pool is full.
 
         A full pool first gives up its newest preemptible speculation. ``documents`` (retrieval
-        rank) let window admission choose the request's document order: the slot's ``ordering``.
+        rank) let the window order choose the request's document order: the slot's ``ordering``.
         """
         if not self._queue and self._pool < self.max_prefill_bs:
             return self._take()

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from specrag.cache.layout import PromptLayout
 from specrag.controller.modes import Mode
 from specrag.controller.sessions import Session
+from specrag.controller.speculation_policy import NO_SPECULATION, QuerySpeculation
 from specrag.controller.timeline import Timeline
 from specrag.pipeline.engine import Sampling
 
@@ -72,9 +73,9 @@ class CheckedRequest:
     session: Session | None
     #: The question's tokens, which serve every prompt of the query.
     question_token_ids: tuple[int, ...]
-    #: Whether the query speculates: its mode does, and the service's speculation setting is not
-    #: ``never`` (the one answer to "speculate now?" that a run reads).
-    speculate: bool = False
+    #: Whether the query speculates and how its launches are priced: the speculation policy's
+    #: answer for this query (the one answer to "speculate now?" that a run reads).
+    speculation: QuerySpeculation = NO_SPECULATION
     planned: Planned | None = None
     #: Load the system prompt's and documents' KV from the engine's store (TurboRAG).
     document_kv: bool = False

@@ -12,7 +12,6 @@ from specrag.controller.conversation import TurnPrompts
 from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import Placement
 from specrag.controller.sessions import SessionStore
-from specrag.controller.speculation_policy import SpeculationPolicy
 from specrag.controller.warmup import SystemPromptWarmer
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
@@ -34,4 +33,3 @@ class QueryShared:
     warmer: SystemPromptWarmer
     hints: HintConfig
     turn_prompts: TurnPrompts
-    speculation: SpeculationPolicy

@@ -101,7 +101,9 @@ class QueryRun:
             timeline.add("conversation", now(), questions=query.joined)
         timeline.search_start = now()
         config = shared.config
-        plan = shared.index.stage_plan(config.num_stages if checked.speculate else 1, config.stage_schedule)
+        plan = shared.index.stage_plan(
+            config.num_stages if checked.speculation.speculates else 1, config.stage_schedule
+        )
         # The query's text feeds the lexical channel of a hybrid index.
         search = shared.index.search_staged(query.vector, checked.k, plan, query_text=query.text)
         self._speculating.search = search
@@ -290,7 +292,7 @@ class QueryRun:
         return self._shared.builder.build_with_question_tokens(ordered, self.checked.question_token_ids, hint)
 
     def _reordered(self, placed: Placed, rows: list[int], order: Sequence[DocId]) -> Placed:
-        """The final prompt in the document order window admission chose when it admitted it."""
+        """The final prompt in the document order the window order chose when the gate let it in."""
         layout = self._layout(rows, order)
         return replace(placed, layout=layout, predicted_cached=placed.replica.tree.prompt_hit(layout))
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.retrieval.stage_stats import StageOutlook
 
-__all__ = ["Price", "SpeculationPolicy", "SpeculationSetting"]
+__all__ = ["NO_SPECULATION", "Price", "QuerySpeculation", "SpeculationPolicy", "SpeculationSetting"]
 
 
 class SpeculationSetting(enum.StrEnum):
@@ -101,23 +101,51 @@ class Price:
         }
 
 
+@dataclass(frozen=True)
+class QuerySpeculation:
+    """The policy's answer for one query, given once when the query is checked: whether it
+    speculates on running top-ks, and the price each of its launches waits for.
+
+    The run asks this object and never the setting, so the setting is read in one place
+    (:meth:`SpeculationPolicy.for_query`). A price of None means "not priced": launch whenever
+    the gate has room (``always``, and warm-ups under ``never``).
+    """
+
+    speculates: bool
+    pricing: SpeculationPolicy | None = None  # None: launches wait for no price
+
+    def speculation(
+        self, outlook: StageOutlook, ordered: bool, cached_tokens: int, computed_tokens: int, waiting: int
+    ) -> Price | None:
+        """The price of speculating on a stage's prompt (:meth:`SpeculationPolicy.speculation`)."""
+        if self.pricing is None:
+            return None
+        return self.pricing.speculation(outlook, ordered, cached_tokens, computed_tokens, waiting)
+
+    def warmup(self, outlook: StageOutlook, system_tokens: int, waiting: int) -> Price | None:
+        """The price of warming the system prompt now (:meth:`SpeculationPolicy.warmup`)."""
+        return None if self.pricing is None else self.pricing.warmup(outlook, system_tokens, waiting)
+
+
+NO_SPECULATION = QuerySpeculation(speculates=False)
+"""A query that speculates on nothing and prices nothing (a request not yet checked)."""
+
+
 class SpeculationPolicy:
-    """Prices speculations and warm-ups from measured figures; ``setting`` says whether to ask it."""
+    """Prices speculations and warm-ups from measured figures; ``setting`` says, through
+    :meth:`for_query`, which queries speculate and whether their launches are priced."""
 
     def __init__(self, setting: SpeculationSetting, estimator: PrefillEstimator, step_tokens: int) -> None:
         self.setting = setting
         self._estimator = estimator
         self._step_tokens = step_tokens  # prompt tokens the engine computes in one step, at most
 
-    @property
-    def priced(self) -> bool:
-        """Whether launches wait for a price that pays (``auto``)."""
-        return self.setting is SpeculationSetting.AUTO
-
-    @property
-    def speculates(self) -> bool:
-        """Whether a mode that speculates may speculate at all (not ``never``)."""
-        return self.setting is not SpeculationSetting.NEVER
+    def for_query(self, mode_speculates: bool) -> QuerySpeculation:
+        """The answer for a query whose mode speculates (``mode_speculates``) or not: it
+        speculates unless the setting is ``never``; its launches (and warm-ups) are priced only
+        under ``auto``."""
+        pricing = self if self.setting is SpeculationSetting.AUTO else None
+        return QuerySpeculation(mode_speculates and self.setting is not SpeculationSetting.NEVER, pricing)
 
     def speculation(
         self, outlook: StageOutlook, ordered: bool, cached_tokens: int, computed_tokens: int, waiting: int

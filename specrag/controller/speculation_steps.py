@@ -68,7 +68,7 @@ class SpeculationSteps:
         A running top-k may make a longer prompt than the final one: if it does not fit the
         model, it is not speculated on, and the query goes on (only the final prompt must fit).
         """
-        if not self._checked.speculate:
+        if not self._checked.speculation.speculates:
             return
         placed = self._run.place(rows, final=False)
         speculation = self.live
@@ -124,11 +124,11 @@ class SpeculationSteps:
         if not self._checked.mode.warmup or not shared.warmer.needed():
             return
         detail: dict[str, float | int] = {}
-        if shared.speculation.priced:
-            system_tokens = len(shared.builder.system_layout_tokens())
-            price = shared.speculation.warmup(
-                self._outlook(stage), system_tokens, self._waiting(shared.placement.replicas)
-            )
+        system_tokens = len(shared.builder.system_layout_tokens())
+        price = self._checked.speculation.warmup(
+            self._outlook(stage), system_tokens, self._waiting(shared.placement.replicas)
+        )
+        if price is not None:
             detail = price.detail()
             if not price.pays:
                 timeline.warmups_priced_out += 1
@@ -140,13 +140,10 @@ class SpeculationSteps:
 
     def _price(self, placed: Placed, stage: int) -> Price | None:
         """What speculating on this stage's prompt is expected to gain and cost (None: not priced)."""
-        policy = self._shared.speculation
-        if not policy.priced:
-            return None
         cached = placed.predicted_cached
         computed = len(placed.layout.token_ids) - cached
         ordered = self._checked.mode.ordering  # the tree orders the documents: any order of them will do
-        return policy.speculation(
+        return self._checked.speculation.speculation(
             self._outlook(stage), ordered, cached, computed, self._waiting((placed.replica,))
         )
 

@@ -52,8 +52,8 @@ class TimelineEvent:
       price's figures (:meth:`~specrag.controller.speculation_policy.Price.detail`);
     - ``history_dropped``: a conversation's oldest turns left the context;
     - ``adopt``: the final prompt was the speculation's, whose stream becomes the answer;
-    - ``queued``: the final prompt waits for a prefill slot; ``reordered``: window admission
-      chose another document order when it admitted it;
+    - ``queued``: the final prompt waits for a prefill slot; ``reordered``: the window order
+      chose another document order when it gave it a slot;
     - ``final_submit``, ``route`` (which replica, and why);
     - ``retry``: the answer's request failed before its first token and was submitted again;
       ``migrate``: it failed after it (or stalled: no token for the inter-token timeout), and

@@ -13,11 +13,19 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from specrag.controller.facade import QueryCore
-from specrag.errors import ECHO_LIMIT, OverloadedError
+from specrag.errors import ECHO_LIMIT, InvalidInputError, OverloadedError
 from specrag.service.metrics import ServiceMetrics
 from specrag.service.wire import BodyLimits
 
-__all__ = ["CLIENT", "STATE", "ServiceState", "admit", "client_key", "release"]
+__all__ = [
+    "CLIENT",
+    "STATE",
+    "ServiceState",
+    "check_query_limits",
+    "claim_in_flight",
+    "client_key",
+    "release_in_flight",
+]
 
 
 @dataclass
@@ -58,7 +66,18 @@ def client_key(request: web.Request) -> str:
     return request.remote or "unknown"
 
 
-def admit(state: ServiceState, client: str, mode: str, count: int = 1) -> None:
+def check_query_limits(
+    max_queries: int,
+    max_queries_per_client: int,
+    names: tuple[str, str] = ("max_queries", "max_queries_per_client"),
+) -> None:
+    """The one check of the bounds on queries in flight (at least one each), its error naming them
+    as the caller spelled them (``names``): ``serve``'s options check them before any engine starts."""
+    if max_queries < 1 or max_queries_per_client < 1:
+        raise InvalidInputError(f"{names[0]} and {names[1]} must be at least 1")
+
+
+def claim_in_flight(state: ServiceState, client: str, mode: str, count: int = 1) -> None:
     """Take ``count`` places among the queries in flight, or :class:`OverloadedError` (counted)."""
     if state.queries + count > state.max_queries:
         state.metrics.count_unfinished(mode, "overloaded", count)
@@ -73,7 +92,7 @@ def admit(state: ServiceState, client: str, mode: str, count: int = 1) -> None:
     state.per_client[client] = state.per_client.get(client, 0) + count
 
 
-def release(state: ServiceState, client: str, count: int = 1) -> None:
+def release_in_flight(state: ServiceState, client: str, count: int = 1) -> None:
     state.queries -= count
     state.per_client[client] -= count
     if not state.per_client[client]:

@@ -6,19 +6,18 @@ What each command does once its line is parsed is :mod:`specrag.service.handlers
 from __future__ import annotations
 
 import argparse
+import enum
+import typing
+from typing import Any
 
-from specrag.controller.controller import ControllerConfig
+from specrag.controller.config import ControllerConfig, serve_flags
 from specrag.controller.modes import ModeName
 from specrag.controller.placement import Router
-from specrag.controller.speculation_policy import SpeculationSetting
 from specrag.errors import values
 from specrag.pipeline.commands import add_kv_cache_tokens
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
-from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
 from specrag.service.handlers import (
-    MAX_BATCH,
-    MAX_K,
     batch_command,
     demo_command,
     prepare_command,
@@ -93,12 +92,6 @@ def _register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
     serve.add_argument(
-        "--mode",
-        choices=values(ModeName),
-        default=ControllerConfig().mode,
-        help="default optimisation mode",
-    )
-    serve.add_argument(
         "--document-kv",
         choices=values(DocumentKvStore),
         default=DocumentKvStore.OFF,
@@ -144,39 +137,29 @@ def _add_client_options(serve: argparse.ArgumentParser) -> None:
 
 def _add_query_options(serve: argparse.ArgumentParser) -> None:
     """How each query searches, speculates and builds its prompt."""
-    serve.add_argument(
-        "--max-prefill-bs", type=int, help="prefill pool size (default: from the token budget)"
-    )
-    serve.add_argument(
-        "--stages",
-        type=int,
-        help="search stages (speculation points) (default: by index kind, "
-        + ", ".join(f"{stages} for {kind.upper()}" for kind, stages in DEFAULT_STAGES.items())
-        + ")",
-    )
-    serve.add_argument(
-        "--stage-schedule",
-        choices=values(Schedule),
-        default=DEFAULT_SCHEDULE,
-        help="how the stages cut the search: equal slices, or geometric (1/32, 1/16, 1/8, 1/4, 1/2, "
-        "1 of it for 6 stages: the first speculation starts early) (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--speculation",
-        choices=values(SpeculationSetting),
-        default=ControllerConfig().speculation,
-        help="speculative prefill on a running top-k: auto launches one (or a system-prompt warm-up) "
-        "only when its expected gain, from measured figures, exceeds its expected cost; always "
-        "whenever the prefill pool has room; never (default: %(default)s; see docs/speculation.md)",
-    )
-    serve.add_argument(
-        "--order-hint",
-        action=argparse.BooleanOptionalAction,
-        default=ControllerConfig().order_hint,
-        help="when ordering for the prefix cache changed the documents' order, tell the model their "
-        "retrieval ranking (RAGBoost's order hint); off by default: it cost the default model "
-        "accuracy (docs/quality.md)",
-    )
+    _add_controller_flags(serve, limit=False)
+
+
+def _add_controller_flags(parser: argparse._ActionsContainer, limit: bool) -> None:
+    """The controller settings ``serve`` takes (:func:`~specrag.controller.config.serve_flags`):
+    the limits among them (``limit``) or the others, each typed, chosen and defaulted by its field;
+    the value lands under the field's name."""
+    hints = typing.get_type_hints(ControllerConfig)
+    defaults = ControllerConfig()
+    for setting, flag in serve_flags().items():
+        if flag.limit is not limit:
+            continue
+        default = getattr(defaults, setting)
+        extra: dict[str, Any]
+        if isinstance(default, enum.StrEnum):
+            extra = {"choices": values(type(default))}
+        elif isinstance(default, bool):
+            extra = {"action": argparse.BooleanOptionalAction}
+        else:  # the metavar the flag's own name gives, as if the value landed under it
+            hint = hints[setting]
+            (kind,) = [kind for kind in typing.get_args(hint) or (hint,) if kind is not type(None)]
+            extra = {"type": kind, "metavar": flag.metavar or flag.name.lstrip("-").replace("-", "_").upper()}
+        parser.add_argument(flag.name, dest=setting, default=default, help=flag.help, **extra)
 
 
 def _add_engine_options(serve: argparse.ArgumentParser) -> None:
@@ -251,12 +234,6 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         help="queries in flight from one client (default %(default)s)",
     )
     limits.add_argument(
-        "--max-queue",
-        type=int,
-        default=ControllerConfig().max_queue,
-        help="final prompts waiting for the engine's prefill pool (default %(default)s)",
-    )
-    limits.add_argument(
         "--shutdown-timeout",
         type=float,
         default=SHUTDOWN_GRACE_S,
@@ -264,22 +241,7 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         help="on SIGINT/SIGTERM, answers in flight have this long to finish before they are "
         "aborted (default %(default)s)",
     )
-    limits.add_argument(
-        "--first-token-timeout",
-        type=float,
-        default=ControllerConfig().first_token_timeout_s,
-        metavar="SECONDS",
-        help="no first token this long after the prompt went to the engine: 504; retried only on another "
-        "or a restarted engine, never on the same working one (default %(default)s)",
-    )
-    limits.add_argument(
-        "--inter-token-timeout",
-        type=float,
-        default=ControllerConfig().inter_token_timeout_s,
-        metavar="SECONDS",
-        help="no next token of an answer by then: the stream moves to another replica or a "
-        "recovered engine, or ends with an error event (default %(default)s)",
-    )
+    _add_controller_flags(limits, limit=True)
 
 
 def _register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -290,7 +252,10 @@ def _register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         "-q", "--question", action="append", help="a question (repeatable; default: three built in)"
     )
     demo.add_argument(
-        "-k", type=int, default=5, help=f"passages per prompt (1..{MAX_K}) (default: %(default)s)"
+        "-k",
+        type=int,
+        default=5,
+        help=f"passages per prompt (1..{ControllerConfig.k_max}) (default: %(default)s)",
     )
     demo.add_argument(
         "--max-tokens", type=int, default=48, help="tokens to generate per answer (default: %(default)s)"
@@ -313,9 +278,14 @@ def _register_batch(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     batch.add_argument("--url", help="a running specrag service (default: start the embedded one)")
     batch.add_argument("--api-token-env", metavar="VAR", help="the service's bearer token is in $VAR")
     batch.add_argument(
-        "--batch-size", type=int, default=MAX_BATCH, help=f"questions per batch (1..{MAX_BATCH})"
+        "--batch-size",
+        type=int,
+        default=ControllerConfig.max_batch_queries,
+        help=f"questions per batch (1..{ControllerConfig.max_batch_queries})",
     )
-    batch.add_argument("-k", type=int, help=f"passages per prompt (1..{MAX_K}; default: the service's)")
+    batch.add_argument(
+        "-k", type=int, help=f"passages per prompt (1..{ControllerConfig.k_max}; default: the service's)"
+    )
     batch.add_argument("--mode", choices=values(ModeName), help="optimisation mode (default: the service's)")
     batch.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per answer")
     batch.set_defaults(handler=batch_command)

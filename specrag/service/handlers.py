@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from specrag.client import AsyncClient
-from specrag.controller.controller import ControllerConfig
+from specrag.controller.config import ControllerConfig, serve_flags
 from specrag.controller.modes import DocumentKv
 from specrag.errors import InvalidInputError, check_choice
 from specrag.paths import DataLayout, resolve_data_dir
@@ -36,17 +36,12 @@ from specrag.service.server import serving
 from specrag.service.startup import Phase, StartupProgress, bind_listener
 
 __all__ = [
-    "MAX_BATCH",
-    "MAX_K",
     "answer_file",
     "batch_command",
     "demo_command",
     "prepare_command",
     "serve_command",
 ]
-
-MAX_K = ControllerConfig().k_max
-MAX_BATCH = ControllerConfig().max_batch_queries
 
 
 def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | None]:
@@ -168,33 +163,14 @@ def _api_tokens(path: str | None, flag: str = "--api-tokens-file") -> tuple[str,
     return tokens
 
 
-# The ``serve`` flag behind each controller setting, so that an error names the flag the user typed.
-_FLAG_OF_SETTING = {
-    "num_stages": "--stages",
-    "stage_schedule": "--stage-schedule",
-    "max_prefill_bs": "--max-prefill-bs",
-    "max_queue": "--max-queue",
-    "first_token_timeout_s": "--first-token-timeout",
-    "inter_token_timeout_s": "--inter-token-timeout",
-    "speculation": "--speculation",
-    "mode": "--mode",
-    "document_kv": "--document-kv",
-}
-
-
 def _controller_config(args: argparse.Namespace) -> ControllerConfig:
+    """The controller settings ``serve`` was given, each under its field's name (commands.py),
+    its errors naming the flags."""
+    flags = serve_flags()
     return ControllerConfig(
-        mode=args.mode,
+        **{setting: getattr(args, setting) for setting in flags},
         document_kv=check_choice("--document-kv", args.document_kv, DocumentKvStore).request_default,
-        num_stages=args.stages,
-        stage_schedule=args.stage_schedule,
-        max_prefill_bs=args.max_prefill_bs,
-        max_queue=args.max_queue,
-        first_token_timeout_s=args.first_token_timeout,
-        inter_token_timeout_s=args.inter_token_timeout,
-        speculation=args.speculation,
-        order_hint=args.order_hint,
-        names=_FLAG_OF_SETTING,
+        names={setting: flag.name for setting, flag in flags.items()},
     )
 
 
@@ -203,8 +179,6 @@ def serve_command(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
     if not args.shutdown_timeout >= 0:  # written so that NaN fails too
         raise InvalidInputError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
-    if args.max_queries < 1 or args.max_queries_per_client < 1:
-        raise InvalidInputError("--max-queries and --max-queries-per-client must be at least 1")
     token = _api_token(args.api_token_env)
     tokens = _api_tokens(args.api_tokens_file)
     if token is not None and token in tokens:
@@ -259,8 +233,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    if not 1 <= args.k <= MAX_K:
-        raise InvalidInputError(f"-k must be between 1 and {MAX_K}, got {args.k}")
+    ControllerConfig().check_k(args.k, "-k")  # the demo's service runs with the default settings
     if args.max_tokens < 1:
         raise InvalidInputError(f"--max-tokens must be at least 1, got {args.max_tokens}")
 
@@ -315,8 +288,9 @@ async def answer_file(client: AsyncClient, questions: Sequence[str], batch_size:
 
 
 def batch_command(args: argparse.Namespace) -> int:
-    if not 1 <= args.batch_size <= MAX_BATCH:
-        raise InvalidInputError(f"--batch-size must be between 1 and {MAX_BATCH}, got {args.batch_size}")
+    limit = ControllerConfig.max_batch_queries
+    if not 1 <= args.batch_size <= limit:
+        raise InvalidInputError(f"--batch-size must be between 1 and {limit}, got {args.batch_size}")
     questions = _questions(args.file)
     options: dict[str, Any] = {"max_tokens": args.max_tokens}
     options.update({name: value for name, value in (("k", args.k), ("mode", args.mode)) if value is not None})

@@ -15,6 +15,7 @@ from specrag.controller.modes import DocumentKv
 from specrag.controller.placement import Router
 from specrag.errors import InvalidInputError, check_choice
 from specrag.pipeline.config import EngineConfig, KVEventSource, model_context_length, parse_cpus
+from specrag.service.admission import check_query_limits
 from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT
 from specrag.service.supervisor import SupervisorPolicy
 
@@ -72,6 +73,9 @@ class ServiceOptions:
         object.__setattr__(self, "router", check_choice("--router", self.router, Router))
         if self.replicas < 1:
             raise InvalidInputError(f"--replicas must be at least 1, got {self.replicas}")
+        check_query_limits(
+            self.max_queries, self.max_queries_per_client, ("--max-queries", "--max-queries-per-client")
+        )
         if self.engine_urls and self.ray_address is not None:
             raise InvalidInputError("--ray and --engine-url exclude each other (Ray starts its own engines)")
         if self.engine_urls and self.replicas > 1:

@@ -20,8 +20,8 @@ Design points, each for a reason:
   it forwarded for. Per-client limits (queries in flight, sessions) count by that key
   (:mod:`specrag.service.admission`).
 - The service talks to the query core only through :class:`~specrag.controller.facade.QueryCore`
-  (answer, load, health, sessions); a request is checked once, before admission, and the checked
-  request is what runs.
+  (answer, load, health, sessions); a request is checked once, before it takes a place in flight,
+  and the checked request is what runs.
 """
 
 from __future__ import annotations
@@ -48,7 +48,14 @@ from specrag.errors import (
     TooLargeError,
     echo,
 )
-from specrag.service.admission import STATE, ServiceState, admit, client_key, release
+from specrag.service.admission import (
+    STATE,
+    ServiceState,
+    check_query_limits,
+    claim_in_flight,
+    client_key,
+    release_in_flight,
+)
 from specrag.service.auth import AUTHENTICATED
 from specrag.service.bodies import (
     BATCH_FIELDS,
@@ -109,7 +116,8 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
 async def _answer_events(
     state: ServiceState, request: RagRequest, client: str
 ) -> AsyncGenerator[AnswerDelta | AnswerDone, None]:
-    """The query core's stream with admission and accounting; closing it aborts the query."""
+    """The query core's stream with its place among the queries in flight and its accounting;
+    closing it aborts the query."""
     request = dataclasses.replace(request, client=client)  # a session answers to its owner only
     try:
         checked = state.core.check(request)  # bad input gets its 4xx even when the service is full
@@ -117,7 +125,7 @@ async def _answer_events(
         state.metrics.count_unfinished(mode_label(request.mode, state.core.default_mode), "rejected")
         raise
     mode = checked.mode.name
-    admit(state, client, mode)
+    claim_in_flight(state, client, mode)
     outcome = "disconnected"  # what it is when the consumer stops before the end
     try:
         async with contextlib.aclosing(state.core.stream(checked)) as events:
@@ -133,7 +141,7 @@ async def _answer_events(
         outcome = "error"
         raise
     finally:
-        release(state, client)
+        release_in_flight(state, client)
         if outcome != "ok":
             state.metrics.count_unfinished(mode, outcome)
 
@@ -254,7 +262,7 @@ async def _rag_batch(request: web.Request) -> web.Response:
     except InvalidInputError:
         state.metrics.count_unfinished(mode, "rejected", max(len(rags), 1))
         raise
-    admit(state, client, mode, len(checked))
+    claim_in_flight(state, client, mode, len(checked))
     outcome = "disconnected"
     try:
         result = await state.core.answer_batch(checked)
@@ -263,7 +271,7 @@ async def _rag_batch(request: web.Request) -> web.Response:
         outcome = "error"
         raise
     finally:
-        release(state, client, len(checked))
+        release_in_flight(state, client, len(checked))
         if outcome != "ok":
             state.metrics.count_unfinished(mode, outcome, len(checked))
     for done in result.answers:
@@ -365,8 +373,9 @@ def create_app(
     tokens = (*([api_token] if api_token is not None else []), *api_tokens)
     if not all(token and isinstance(token, str) for token in tokens) or len(set(tokens)) < len(tokens):
         raise InvalidInputError("the API tokens must be non-empty strings, each given once")
-    if max_body_bytes < 1 or max_queries < 1 or max_queries_per_client < 1:
-        raise InvalidInputError("max_body_bytes, max_queries and max_queries_per_client must be positive")
+    if max_body_bytes < 1:
+        raise InvalidInputError("max_body_bytes must be positive")
+    check_query_limits(max_queries, max_queries_per_client)
     if not (header_timeout_s > 0 and body_timeout_s > 0):  # written so that NaN fails too
         raise InvalidInputError("header_timeout_s and body_timeout_s must be positive")
     state = ServiceState(

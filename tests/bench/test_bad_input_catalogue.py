@@ -128,7 +128,7 @@ BAD_COMMANDS = (
         ("serve", "--engine-url", "http://127.0.0.1:1", "--engine-kv-events", "tcp://127.0.0.1:65535"),
         "(PORT 1..65534)",
     ),
-    BadCommand("k above the limit", ("demo", "-k", "51"), "-k must be between 1 and 50"),
+    BadCommand("k above the limit", ("demo", "-k", "51"), "-k must be an integer between 1 and 50"),
     BadCommand("k not a number", ("demo", "-k", "ten"), "invalid int value: 'ten'"),
     BadCommand(
         "missing corpus file", ("index", "build", "--corpus", "{tmp}/none.jsonl"), "corpus file not found"

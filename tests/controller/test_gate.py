@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from specrag.controller.gate import PrefillGate, WindowAdmission
+from specrag.controller.gate import OrderingWindow, PrefillGate
 from specrag.errors import InvalidInputError
 from tests.helpers import served_tree
 
@@ -82,9 +82,9 @@ def test_bad_settings_are_refused() -> None:
         PrefillGate(1, 1.0, speculative_token_budget=0)
 
 
-async def test_window_admission_picks_the_request_and_its_document_order_when_a_slot_frees() -> None:
+async def test_the_window_order_picks_the_request_and_its_document_order_when_a_slot_frees() -> None:
     tree, _ = served_tree((1, 2, 3))
-    gate = PrefillGate(max_prefill_bs=1, starvation_window_s=10.0, window=WindowAdmission(tree, 4))
+    gate = PrefillGate(max_prefill_bs=1, starvation_window_s=10.0, window=OrderingWindow(tree, 4))
     held = await gate.admit(cached_tokens=0, compute_tokens=100)
     cold = asyncio.create_task(gate.admit(0, 200, documents=(7, 8)))
     warm = asyncio.create_task(gate.admit(0, 200, documents=(3, 9, 1, 2)))
@@ -99,7 +99,7 @@ async def test_window_admission_picks_the_request_and_its_document_order_when_a_
 
 async def test_a_cancelled_waiter_leaves_the_window() -> None:
     tree, _ = served_tree((1, 2, 3))
-    gate = PrefillGate(max_prefill_bs=1, starvation_window_s=10.0, window=WindowAdmission(tree, 4))
+    gate = PrefillGate(max_prefill_bs=1, starvation_window_s=10.0, window=OrderingWindow(tree, 4))
     held = await gate.admit(cached_tokens=0, compute_tokens=100)
     leaving = asyncio.create_task(gate.admit(0, 200, documents=(1, 2, 3)))
     staying = asyncio.create_task(gate.admit(0, 200, documents=(7, 8)))

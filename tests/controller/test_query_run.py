@@ -227,10 +227,12 @@ async def test_an_adopted_speculation_is_never_preempted(tiny_assets: Assets) ->
     await engine.close()
 
 
-async def test_window_admission_answers_every_query_from_its_own_documents(tiny_assets: Assets) -> None:
+async def test_the_window_prefill_order_answers_every_query_from_its_own_documents(
+    tiny_assets: Assets,
+) -> None:
     engine = SimulatedEngine(time_scale=0.05, max_model_len=4096)
     index = scripted_index(tiny_assets, [B], 0.01)
-    controller = make_controller(engine, tiny_assets, index, max_prefill_bs=1, admission="window")
+    controller = make_controller(engine, tiny_assets, index, max_prefill_bs=1, prefill_order="window")
     requests = [RagRequest(QUESTION, k=4, mode="all", max_tokens=2) for _ in range(5)]
     results = await asyncio.gather(*(controller.answer(r) for r in requests))
     assert all(sorted(r.prompt.document_ids()) == sorted(B) for r in results)
@@ -240,9 +242,11 @@ async def test_window_admission_answers_every_query_from_its_own_documents(tiny_
     await engine.close()
 
 
-def test_window_admission_needs_a_single_engine(tiny_assets: Assets) -> None:
+def test_the_window_prefill_order_needs_a_single_engine(tiny_assets: Assets) -> None:
     with pytest.raises(InvalidInputError, match="one replica"):
-        pool_controller(simulated_pool(tiny_assets, 2), tiny_assets, tiny_assets.index, admission="window")
+        pool_controller(
+            simulated_pool(tiny_assets, 2), tiny_assets, tiny_assets.index, prefill_order="window"
+        )
 
 
 async def test_with_speculation_on_the_first_stage_speculates_instead_of_warming_up(

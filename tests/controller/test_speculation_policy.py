@@ -108,8 +108,10 @@ def test_a_warm_up_pays_when_the_search_left_exceeds_a_request_s_overhead() -> N
 def test_an_unknown_setting_is_refused() -> None:
     with pytest.raises(InvalidInputError, match="auto, always, never"):
         policy("sometimes")
-    assert policy("always").speculates and not policy("always").priced
-    assert not policy("never").speculates
+    always = policy("always")
+    assert always.for_query(True).speculates and always.for_query(True).pricing is None
+    assert not policy("never").for_query(True).speculates
+    assert not policy("auto").for_query(False).speculates
 
 
 def stage(number: int, ids: list[int], done: bool, elapsed_s: float) -> StageResult:

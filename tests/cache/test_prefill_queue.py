@@ -2,14 +2,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specrag.cache import AdmissionQueue, get_policy
-from specrag.cache.admission import WindowScheduler
+from specrag.cache import RatioQueue, get_policy
+from specrag.cache.prefill_queue import WindowScheduler
 from specrag.errors import InvalidInputError
 from tests.helpers import Clock, layout, served_tree
 
 
 def test_highest_cached_to_compute_ratio_goes_first() -> None:
-    queue: AdmissionQueue[str] = AdmissionQueue(starvation_window_s=10.0, clock=Clock())
+    queue: RatioQueue[str] = RatioQueue(starvation_window_s=10.0, clock=Clock())
     queue.push("cold", cached_tokens=0, compute_tokens=1000)
     queue.push("warm", cached_tokens=900, compute_tokens=100)
     queue.push("half", cached_tokens=500, compute_tokens=500)
@@ -21,7 +21,7 @@ def test_highest_cached_to_compute_ratio_goes_first() -> None:
 
 def test_a_request_waiting_past_the_window_is_served_next() -> None:
     clock = Clock()
-    queue: AdmissionQueue[str] = AdmissionQueue(starvation_window_s=5.0, clock=clock)
+    queue: RatioQueue[str] = RatioQueue(starvation_window_s=5.0, clock=clock)
     queue.push("cold", 0, 1000)
     clock.now = 1.0
     for i in range(3):
@@ -35,7 +35,7 @@ def test_a_request_waiting_past_the_window_is_served_next() -> None:
 
 def test_starved_requests_are_not_served_twice() -> None:
     clock = Clock()
-    queue: AdmissionQueue[int] = AdmissionQueue(starvation_window_s=0.0, clock=clock)
+    queue: RatioQueue[int] = RatioQueue(starvation_window_s=0.0, clock=clock)
     for i in range(200):
         queue.push(i, cached_tokens=i, compute_tokens=1)
     clock.now = 1.0

@@ -1,12 +1,12 @@
-"""Cache-aware admission order for requests waiting for the engine (RAGCache §5.2).
+"""The order in which final requests waiting for the engine's prefill pool get a slot (RAGCache §5.2).
 
 When more requests wait than the engine's prefill pool takes, serving those with much cached
 prefix and little to compute first raises the hit rate: their KV is reused before it can be
 evicted, and short computations displace little. Ratio order alone can starve a request with
 nothing cached, so a request that has waited longer than the starvation window goes next.
 
-:class:`AdmissionQueue` ranks by the ratio predicted when a request was queued;
-:class:`WindowScheduler` decides at admission time, against the tree as it is then, which of the
+:class:`RatioQueue` ranks by the ratio predicted when a request was queued;
+:class:`WindowScheduler` decides when a slot frees, against the tree as it is then, which of the
 oldest waiting requests goes next and in which document order, so that the requests after it
 find what it leaves cached.
 """
@@ -26,7 +26,7 @@ from specrag.cache.ordering import ExactOrder, Ordering
 from specrag.cache.tree import KnowledgeTree
 from specrag.errors import InvalidInputError
 
-__all__ = ["AdmissionQueue", "WindowScheduler"]
+__all__ = ["RatioQueue", "WindowScheduler"]
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ class _Entry(Generic[T]):
     taken: bool = field(default=False, compare=False)
 
 
-class AdmissionQueue(Generic[T]):
+class RatioQueue(Generic[T]):
     """Pop the highest cached/compute ratio, unless the oldest waited past ``starvation_window_s``.
 
     Ties go to the earlier request. ``clock`` is injectable so tests need not sleep.
@@ -71,7 +71,7 @@ class AdmissionQueue(Generic[T]):
     def pop(self) -> T:
         """The next request to admit; IndexError when empty."""
         if not self._len:
-            raise IndexError("pop from an empty admission queue")
+            raise IndexError("pop from an empty prefill queue")
         while self._fifo[0].taken:
             self._fifo.popleft()
         oldest = self._fifo[0]
@@ -110,7 +110,7 @@ class WindowScheduler(Generic[T]):
     prefix also hold, then the most common among those holding both, and so on (the offline
     plan's shared-prefix tree, built over what is waiting), so the requests admitted next find
     those documents cached. A request that has waited past ``starvation_window_s`` goes next,
-    as in :class:`AdmissionQueue`.
+    as in :class:`RatioQueue`.
     """
 
     def __init__(
