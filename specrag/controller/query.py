@@ -17,7 +17,7 @@ from specrag.cache.layout import PromptLayout
 from specrag.controller.modes import Mode
 from specrag.controller.sessions import Session
 from specrag.controller.timeline import Timeline
-from specrag.pipeline.engine import Sampling
+from specrag.pipeline.engines.protocol import Sampling
 
 __all__ = ["AnswerDelta", "AnswerDone", "CheckedRequest", "Planned", "RagRequest", "Source"]
 

@@ -13,8 +13,8 @@ from specrag.controller.placement import Router
 from specrag.controller.speculation_policy import SpeculationSetting
 from specrag.errors import values
 from specrag.pipeline.commands import add_kv_cache_tokens
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
 from specrag.service.handlers import (
     MAX_BATCH,

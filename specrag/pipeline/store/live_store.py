@@ -26,7 +26,7 @@ One process writes at a time: the one that opens the log holds its writer lock
 (:func:`specrag.locking.hold_writer_lock`) until it closes it, and another meets it at once. A
 commit checks too that nobody else wrote (the log's last sequence number and each id's last
 version are what this store holds), for a writer that the lock cannot see. Each log row carries a
-checksum (:func:`specrag.pipeline.store_check.row_checksum`, as the base's rows), checked at
+checksum (:func:`specrag.pipeline.store.checksums.row_checksum`, as the base's rows), checked at
 start; the embedder that made the logged vectors is recorded and checked against the index's.
 """
 
@@ -47,8 +47,8 @@ import numpy as np
 
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError
 from specrag.locking import hold_writer_lock
-from specrag.pipeline.store import DocumentStore, TokenizeBatch, render_segment
-from specrag.pipeline.store_check import row_checksum
+from specrag.pipeline.store.checksums import row_checksum
+from specrag.pipeline.store.document_store import DocumentStore, TokenizeBatch, render_segment
 from specrag.retrieval.corpus import Passage
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class LiveStore(DocumentStore):
 
     Opening it takes the log's writer lock (:class:`ConflictError` at once while another process
     holds it); :meth:`checkpoint` then loads the log (:meth:`LiveCorpus.replayed
-    <specrag.pipeline.live_corpus.LiveCorpus.replayed>` calls it). Reads are safe from any thread;
+    <specrag.pipeline.store.live_corpus.LiveCorpus.replayed>` calls it). Reads are safe from any thread;
     writes (:meth:`commit`) come from one writer at a time (the live corpus holds its lock around
     them).
     """
@@ -656,7 +656,7 @@ class LiveStore(DocumentStore):
         """Remove the document-KV entries of these segments (retired versions), where there is a store."""
         if self.document_kv_dir is None or not token_blobs:
             return
-        from specrag.pipeline.document_kv import purge_segments, segment_key  # torch: only when used
+        from specrag.pipeline.document_kv.store import purge_segments, segment_key  # torch: only when used
 
         keys = [segment_key(np.frombuffer(blob, dtype=_TOKEN_DTYPE).tolist()) for blob in token_blobs]
         try:
