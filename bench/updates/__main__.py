@@ -56,7 +56,8 @@ from matplotlib import pyplot as plt
 from bench.common import bootstrap_mean_ci, machine, print_summary, save_figure, write_json, write_report
 from specrag.pipeline.store.document_store import build_store
 from specrag.pipeline.store.live_corpus import LiveCorpus
-from specrag.pipeline.store.live_store import LiveStore, live_log_path
+from specrag.pipeline.store.live_log import live_log_path
+from specrag.pipeline.store.live_store import LiveStore
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.synthetic import GaussianMixture, queries_near

@@ -16,7 +16,8 @@ from specrag.errors import ArtifactError, ConflictError, InvalidInputError
 from specrag.pipeline.document_kv.store import SUFFIX, segment_key
 from specrag.pipeline.store.document_store import DocumentStore, build_store
 from specrag.pipeline.store.live_corpus import LiveCorpus
-from specrag.pipeline.store.live_store import Change, LiveStore, live_log_path
+from specrag.pipeline.store.live_log import Change, live_log_path
+from specrag.pipeline.store.live_store import LiveStore
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.synthetic import GaussianMixture

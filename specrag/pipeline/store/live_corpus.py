@@ -53,7 +53,8 @@ from specrag.errors import (
     WritesSuspendedError,
 )
 from specrag.pipeline.store.document_store import TokenizeBatch, render_segment
-from specrag.pipeline.store.live_store import BASE_VERSION, Change, LiveStore
+from specrag.pipeline.store.live_log import Change
+from specrag.pipeline.store.live_store import BASE_VERSION, LiveStore
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.live_index import Retrainable
 from specrag.retrieval.text import normalize_text

@@ -17,17 +17,19 @@ rows it supersedes (``secure_delete``: their bytes are zeroed, not just freed) a
 still holds the old pages, is truncated right after a deletion and every
 :data:`WAL_TRUNCATE_EVERY` commits. A retired version stays in memory for :data:`RETIRED_GRACE_S`,
 for a query whose search ran before the write and still reads its row, then leaves memory and
-the document-KV store. At start, before the replay, :meth:`LiveStore.checkpoint` reads the log
-once, numbers the kept rows anew right after the base's (nothing refers to a row yet: the index
-is the base's) and re-tokenizes the rows that moved, so a start costs time and memory in
-proportion to the live corpus, not to its history.
+the document-KV store. At start, before the replay, :meth:`LiveStore.checkpoint`
+(:mod:`specrag.pipeline.store.live_checkpoint`) reads the log once, numbers the kept rows anew
+right after the base's (nothing refers to a row yet: the index is the base's) and re-tokenizes the
+rows that moved, so a start costs time and memory in proportion to the live corpus, not to its
+history.
 
 One process writes at a time: the one that opens the log holds its writer lock
 (:func:`specrag.locking.hold_writer_lock`) until it closes it, and another meets it at once. A
 commit checks too that nobody else wrote (the log's last sequence number and each id's last
 version are what this store holds), for a writer that the lock cannot see. Each log row carries a
-checksum (:func:`specrag.pipeline.store.checksums.row_checksum`, as the base's rows), checked at
-start; the embedder that made the logged vectors is recorded and checked against the index's.
+checksum, as the base's rows, checked at start (the log's format:
+:mod:`specrag.pipeline.store.live_log`); the embedder that made the logged vectors is recorded and
+checked against the index's.
 """
 
 from __future__ import annotations
@@ -41,35 +43,35 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError
 from specrag.locking import hold_writer_lock
-from specrag.pipeline.store.checksums import row_checksum
-from specrag.pipeline.store.document_store import DocumentStore, TokenizeBatch, render_segment
+from specrag.pipeline.store.document_store import DocumentStore, TokenizeBatch
+from specrag.pipeline.store.live_checkpoint import checkpoint_log
+from specrag.pipeline.store.live_log import (
+    COLUMNS,
+    INSERT,
+    TOKEN_DTYPE,
+    Change,
+    check_other_logs,
+    live_log_path,
+    open_log,
+    record_of,
+    truncate_wal,
+    verified_change,
+)
 from specrag.retrieval.corpus import Passage
 
 if TYPE_CHECKING:
     from specrag.retrieval.embedders import Embedder
 
-__all__ = [
-    "BASE_VERSION",
-    "EMBEDDER_AGREEMENT",
-    "LOG_SCHEMA_VERSION",
-    "RETIRED_GRACE_S",
-    "WAL_TRUNCATE_EVERY",
-    "Change",
-    "LiveStore",
-    "Version",
-    "live_log_path",
-]
+__all__ = ["BASE_VERSION", "RETIRED_GRACE_S", "WAL_TRUNCATE_EVERY", "LiveStore", "Version"]
 
 logger = logging.getLogger(__name__)
 
-# 2: checksummed rows, one row per id (history purged), the embedder recorded.
-LOG_SCHEMA_VERSION = "2"
 # Every document of the built corpus is version 1; each change to an id counts on from there.
 BASE_VERSION = 1
 # How long a retired version's row stays readable: a query reads the rows its search found while it
@@ -78,29 +80,6 @@ BASE_VERSION = 1
 RETIRED_GRACE_S = 300.0
 # Commits between two truncations of the WAL (which holds the superseded rows' old pages).
 WAL_TRUNCATE_EVERY = 64
-# The least cosine between a logged vector and the same text embedded again by the index's
-# embedder: the same embedder agrees up to rounding, another one (even of the same kind and
-# dimension, fitted on another corpus) lies far off.
-EMBEDDER_AGREEMENT = 0.99
-_TOKEN_DTYPE = np.dtype("<u4")
-_VECTOR_DTYPE = np.dtype("<f4")
-_TOKENIZE_BATCH = 256
-_BASE_META = ("schema_version", "corpus_checksum", "tokenizer_fingerprint", "segment_template")
-_CREATE_CHANGES = """
-    CREATE TABLE IF NOT EXISTS changes (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL, version INTEGER NOT NULL,
-        row INTEGER, title TEXT, text TEXT, tokens BLOB, vector BLOB, checksum BLOB NOT NULL)
-"""
-_COLUMNS = "seq, id, version, row, title, text, tokens, vector, checksum"
-_INSERT = (
-    "INSERT INTO changes (id, version, row, title, text, tokens, vector, checksum) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-)
-
-
-def live_log_path(store_path: Path) -> Path:
-    """Where the changes to the store at ``store_path`` are logged (beside it, one per base store)."""
-    return store_path.with_name(f"{store_path.stem}.live.sqlite")
 
 
 @dataclass(frozen=True)
@@ -109,19 +88,6 @@ class Version:
 
     row: int | None
     version: int
-
-
-@dataclass(frozen=True)
-class Change:
-    """One logged change: a document's new version (a row, its passage, prompt tokens and vector)
-    or its deletion (no row)."""
-
-    id: str
-    version: int
-    row: int | None = None
-    passage: Passage | None = None
-    tokens: tuple[int, ...] = ()
-    vector: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -140,27 +106,6 @@ class _Prepared:
     retired: list[int]
     next_row: int
     retired_segments: list[bytes]  # the retired rows' tokens, where there is a document-KV store
-
-
-def _checksum(
-    passage_id: str, version: int, row: int | None, title: str, text: str, tokens: bytes, vector: bytes
-) -> bytes:
-    """The base store's row digest over a log row: the version, tokens and vector are its payload,
-    each length-prefixed (a tombstone has row -1 and an empty payload but its version)."""
-    payload = b"".join((version.to_bytes(8, "little"), len(tokens).to_bytes(8, "little"), tokens, vector))
-    return row_checksum(-1 if row is None else row, passage_id, title, text, payload)
-
-
-def _record(change: Change) -> tuple[Any, ...]:
-    """The log row of ``change`` (the columns of :data:`_INSERT`)."""
-    passage = change.passage
-    title, text = ("", "") if passage is None else (passage.title, passage.text)
-    tokens = b"" if change.row is None else np.asarray(change.tokens, dtype=_TOKEN_DTYPE).tobytes()
-    vector = b"" if change.vector is None else np.asarray(change.vector, dtype=_VECTOR_DTYPE).tobytes()
-    checksum = _checksum(change.id, change.version, change.row, title, text, tokens, vector)
-    if change.row is None:
-        return (change.id, change.version, None, None, None, None, None, checksum)
-    return (change.id, change.version, change.row, title, text, tokens, vector, checksum)
 
 
 class LiveStore(DocumentStore):
@@ -211,98 +156,11 @@ class LiveStore(DocumentStore):
             super().close()
             raise ArtifactError(f"cannot lock the document log {self.log_path}: {error}") from error
         try:
-            self._log = self._open_log()
-            self._check_other_logs()
+            self._log = open_log(self.log_path, self.info)
+            check_other_logs(self.log_path)
         except BaseException:
             self.close()
             raise
-
-    def _open_log(self) -> sqlite3.Connection:
-        try:
-            log = sqlite3.connect(self.log_path, check_same_thread=False, isolation_level=None)
-            self._log = log
-            log.execute("PRAGMA journal_mode=WAL")
-            log.execute("PRAGMA synchronous=FULL")
-            log.execute("PRAGMA secure_delete=ON")  # a purged row's bytes are zeroed, not just freed
-            log.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-            if self._meta().get("schema_version") == "1":
-                self._migrate_v1()
-            log.execute(_CREATE_CHANGES)
-            log.execute("CREATE INDEX IF NOT EXISTS changes_by_id ON changes (id)")
-            self._check_meta()
-        except sqlite3.DatabaseError as error:
-            raise ArtifactError(f"the document log {self.log_path} is unreadable: {error}") from error
-        return log
-
-    def _meta(self) -> dict[str, str]:
-        return dict(self._log.execute("SELECT key, value FROM meta").fetchall())
-
-    def _migrate_v1(self) -> None:
-        """Give a log of the first schema (unchecked rows, every version kept) its checksums: the
-        next checkpoint then drops its history."""
-        found = self._log.execute(
-            "SELECT seq, id, version, row, title, text, tokens, vector FROM changes ORDER BY seq"
-        ).fetchall()
-        self._log.execute("BEGIN IMMEDIATE")
-        try:
-            self._log.execute("DROP TABLE changes")
-            self._log.execute(_CREATE_CHANGES)
-            self._log.executemany(
-                "INSERT INTO changes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (seq, *_record(_change_of(passage_id, version, row, title, text, tokens, vector)))
-                    for seq, passage_id, version, row, title, text, tokens, vector in found
-                ],
-            )
-            self._log.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (LOG_SCHEMA_VERSION,))
-            self._log.execute("COMMIT")
-        except BaseException:
-            self._log.execute("ROLLBACK")
-            raise
-        logger.info("the document log %s: %d changes given checksums (schema 2)", self.log_path, len(found))
-
-    def _check_meta(self) -> None:
-        """Record what the log's changes apply to, or refuse a log written over another base."""
-        expected = {
-            "schema_version": LOG_SCHEMA_VERSION,
-            "corpus_checksum": self.info.corpus_checksum,
-            "tokenizer_fingerprint": self.info.tokenizer_fingerprint,
-            "segment_template": self.info.segment_template,
-        }
-        found = self._meta()
-        if all(found.get(key) == expected[key] for key in _BASE_META):
-            return
-        (changes,) = self._log.execute("SELECT count(*) FROM changes").fetchone()
-        if not changes:  # nothing logged over the old base (a corpus rebuilt on purpose): start anew
-            self._log.execute("BEGIN IMMEDIATE")
-            self._log.execute("DELETE FROM meta")
-            self._log.executemany("INSERT INTO meta VALUES (?, ?)", expected.items())
-            self._log.execute("COMMIT")
-            return
-        different = sorted(key for key in expected if found.get(key) != expected[key])
-        raise ArtifactError(
-            f"the document log {self.log_path} holds {changes} changes written over another base store "
-            f"({', '.join(different)} differ): move it aside to serve the rebuilt corpus without them"
-        )
-
-    def _check_other_logs(self) -> None:
-        """Refuse to serve while another tokenizer's log beside this one holds changes: the store,
-        and so its log, is per tokenizer, and a ``--model`` switch would hide them silently."""
-        for other in sorted(self.log_path.parent.glob("*.live.sqlite")):
-            if other.resolve() == self.log_path.resolve():
-                continue
-            try:
-                with contextlib.closing(sqlite3.connect(f"file:{other}?mode=ro", uri=True)) as connection:
-                    (changes,) = connection.execute("SELECT count(*) FROM changes").fetchone()
-            except sqlite3.DatabaseError as error:
-                changes = f"an unreadable number of ({error})"
-            if changes:
-                raise ArtifactError(
-                    f"the documents changed live in {other.parent} are in {other} ({changes} changes), "
-                    f"the log of another model's tokenizer: serving this model (its log {self.log_path}) "
-                    "would hide them. Serve with the model that wrote them (--model), or move that log "
-                    "aside to serve the built corpus without its changes"
-                )
 
     def checkpoint(
         self,
@@ -318,21 +176,16 @@ class LiveStore(DocumentStore):
         Run at start, before anything refers to a row of the log (the index holds the base's).
         """
         with self._write_lock:
-            kept: dict[str, tuple[Any, ...]] = {}
-            dropped: list[bytes] = []  # the tokens of superseded rows: their KV is of no further use
-            for found in self._log.execute(f"SELECT {_COLUMNS} FROM changes ORDER BY seq"):
-                previous = kept.get(found[1])
-                if previous is not None and previous[6]:
-                    dropped.append(previous[6])
-                kept[found[1]] = found
-            logged = sorted(kept.values(), key=lambda found: found[0])
-            changes = [self._verified(found) for found in logged]
-            identity = self._check_embedder(changes, embedder, indexed_text)
-            changes, moved = self._renumbered(changes, tokenize_batch)
-            self._rewrite(
-                [(seq, change) for (seq, *_), change in zip(logged, changes, strict=True)], moved, identity
+            checkpointed = checkpoint_log(
+                self._log,
+                self.log_path,
+                self._base_rows,
+                self.info.segment_template,
+                tokenize_batch,
+                embedder,
+                indexed_text,
             )
-            dropped += [old for old, _ in moved.values()]
+            changes, dropped = checkpointed.changes, checkpointed.dropped
             self._rows = {
                 change.row: _LiveRow(change.passage, change.tokens, change.version)
                 for change in changes
@@ -348,152 +201,15 @@ class LiveStore(DocumentStore):
             change for change in changes if change.row is None
         ]
 
-    def _verified(self, found: tuple[Any, ...]) -> Change:
-        """The change a log row holds, checked against its checksum first."""
-        seq, passage_id, version, row, title, text, tokens, vector, checksum = found
-        try:
-            intact = checksum == _checksum(
-                passage_id, version, row, title or "", text or "", tokens or b"", vector or b""
-            )
-        except (TypeError, AttributeError, OverflowError):  # a field of the wrong type
-            intact = False
-        if not intact or (row is not None and (title is None or text is None or not tokens or not vector)):
-            raise ArtifactError(
-                f"the document log {self.log_path}: change {seq} (document {passage_id!r}, version "
-                f"{version}) does not match its checksum (the file is damaged); restore the log from a "
-                "backup, or move it aside to serve the built corpus without its changes"
-            )
-        return _change_of(passage_id, version, row, title, text, tokens, vector)
-
-    def _check_embedder(
-        self,
-        changes: Sequence[Change],
-        embedder: Embedder | None,
-        indexed_text: Callable[[Passage], str] | None,
-    ) -> dict[str, str]:
-        """The identity of ``embedder`` to record; ArtifactError if it did not make the logged vectors."""
-        if embedder is None:
-            return {}
-        identity = {"embedder_kind": str(getattr(embedder, "kind", type(embedder).__name__))}
-        identity["embedder_dim"] = str(embedder.dim)
-        live = [change for change in changes if change.row is not None]
-        if not live:
-            return identity
-        recorded = self._meta()
-        if any(recorded.get(key, value) != value for key, value in identity.items()):
-            why = (
-                f"were made by the embedder {recorded.get('embedder_kind')} "
-                f"({recorded.get('embedder_dim')} dimensions), the index's is {identity['embedder_kind']} "
-                f"({identity['embedder_dim']} dimensions)"
-            )
-        else:
-            probe = live[-1]
-            assert probe.passage is not None and probe.vector is not None and indexed_text is not None
-            again = np.asarray(embedder.embed([indexed_text(probe.passage)]), dtype=np.float32)[0]
-            norms = float(np.linalg.norm(again) * np.linalg.norm(probe.vector))
-            agreement = (
-                float(again @ probe.vector) / norms if again.shape == probe.vector.shape and norms else 0.0
-            )
-            if agreement >= EMBEDDER_AGREEMENT:
-                return identity
-            why = (
-                f"are not what the index's embedder ({identity['embedder_kind']}) makes: document "
-                f"{probe.id!r} embedded again agrees with its logged vector to a cosine of {agreement:.3f}"
-            )
-        raise ArtifactError(
-            f"the vectors of the {len(live)} documents in the document log {self.log_path} {why}: the "
-            "index was rebuilt with another embedder since they were written. Serve the index they were "
-            "written for, or move the log aside and add its documents again (`specrag documents add`)"
-        )
-
-    def _renumbered(
-        self, changes: list[Change], tokenize_batch: TokenizeBatch
-    ) -> tuple[list[Change], dict[int, tuple[bytes, Change]]]:
-        """``changes`` with the live ones on the rows right after the base's, in log order, and the
-        moved ones (by their index in ``changes``: their old tokens and the change)."""
-        template = self.info.segment_template
-        new_rows = self._live_positions(changes)
-        moving = [
-            (position, changes[position])
-            for position, row in new_rows.items()
-            if changes[position].row != row
-        ]
-        renumbered = list(changes)
-        moved: dict[int, tuple[bytes, Change]] = {}
-        for start in range(0, len(moving), _TOKENIZE_BATCH):
-            batch = moving[start : start + _TOKENIZE_BATCH]
-            segments = []
-            for position, change in batch:
-                assert change.passage is not None
-                segments.append(render_segment(new_rows[position], change.passage, template))
-            for (position, change), tokens in zip(batch, tokenize_batch(segments), strict=True):
-                new = Change(
-                    change.id,
-                    change.version,
-                    new_rows[position],
-                    change.passage,
-                    tuple(tokens),
-                    change.vector,
-                )
-                renumbered[position] = new
-                moved[position] = (np.asarray(change.tokens, dtype=_TOKEN_DTYPE).tobytes(), new)
-        return renumbered, moved
-
-    def _live_positions(self, changes: Sequence[Change]) -> dict[int, int]:
-        """The row each live change gets, by its index in ``changes``: the next after the base's."""
-        positions: dict[int, int] = {}
-        row = self._base_rows
-        for position, change in enumerate(changes):
-            if change.row is not None:
-                positions[position] = row
-                row += 1
-        return positions
-
-    def _rewrite(
-        self, kept: list[tuple[int, Change]], moved: dict[int, tuple[bytes, Change]], identity: dict[str, str]
-    ) -> None:
-        """Drop every row but the kept ones, store the moved rows' new numbers and tokens, record the
-        embedder; then truncate the WAL (and shrink the file if much of it is free)."""
-        self._log.execute("BEGIN IMMEDIATE")
-        try:
-            cursor = self._log.execute(
-                "DELETE FROM changes WHERE seq NOT IN (SELECT MAX(seq) FROM changes GROUP BY id)"
-            )
-            dropped = cursor.rowcount
-            for position, (_, change) in moved.items():
-                seq = kept[position][0]
-                record = _record(change)
-                self._log.execute(
-                    "UPDATE changes SET row = ?, tokens = ?, checksum = ? WHERE seq = ?",
-                    (change.row, record[5], record[7], seq),
-                )
-            self._log.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", identity.items())
-            self._log.execute("COMMIT")
-        except BaseException:
-            self._log.execute("ROLLBACK")
-            raise
-        if dropped or moved:
-            (free,) = self._log.execute("PRAGMA freelist_count").fetchone()
-            (pages,) = self._log.execute("PRAGMA page_count").fetchone()
-            if free * 4 > pages:
-                self._log.execute("VACUUM")
-            self._truncate_wal()
-            logger.info(
-                "checkpointed the document log %s: %d superseded changes dropped, %d rows renumbered",
-                self.log_path,
-                dropped,
-                len(moved),
-            )
-
     def logged(self) -> Iterator[Change]:
         """Each id's last change in the log (its current version, or a tombstone once deleted), in
         the order they were committed, each checked against its checksum."""
         found = self._log.execute(
-            f"SELECT {_COLUMNS} FROM changes WHERE seq IN (SELECT MAX(seq) FROM changes GROUP BY id) "
+            f"SELECT {COLUMNS} FROM changes WHERE seq IN (SELECT MAX(seq) FROM changes GROUP BY id) "
             "ORDER BY seq"
         ).fetchall()
         for one in found:
-            yield self._verified(one)
+            yield verified_change(self.log_path, one)
 
     @property
     def next_row(self) -> int:
@@ -541,14 +257,14 @@ class LiveStore(DocumentStore):
                         f"change {change.id!r}: row {change.row}, the next row is {expected}"
                     )
                 expected += 1
-        records = [_record(change) for change in changes]
+        records = [record_of(change) for change in changes]
         prepared = self._prepare(changes, expected)
         with self._write_lock:
             self._log.execute("BEGIN IMMEDIATE")
             try:
                 self._check_no_other_writer(changes)
                 self._log.executemany("DELETE FROM changes WHERE id = ?", [(c.id,) for c in changes])
-                self._log.executemany(_INSERT, records)
+                self._log.executemany(INSERT, records)
                 (last,) = self._log.execute("SELECT MAX(seq) FROM changes").fetchone()
                 self._log.execute("COMMIT")
             except BaseException:
@@ -562,7 +278,8 @@ class LiveStore(DocumentStore):
                 self._refresh(prepared.next_row, [row for _, row in self._retired] + prepared.retired)
             self._commits += 1
             if any(change.row is None for change in changes) or self._commits % WAL_TRUNCATE_EVERY == 0:
-                self._truncate_wal()  # a deleted text leaves the WAL at once, a replaced one soon
+                # A deleted text leaves the WAL at once, a replaced one soon.
+                truncate_wal(self._log, self.log_path)
         # At once, and again when the row leaves memory (a query in flight may have stored it anew).
         self._purge_document_kv(prepared.retired_segments)
         self.drop_retired()
@@ -584,7 +301,7 @@ class LiveStore(DocumentStore):
         """The token bytes of ``row``'s segment (what its document-KV entry is keyed by), or none
         when it cannot be read (then there is no entry to find either)."""
         try:
-            return np.asarray(self.tokens(row), dtype=_TOKEN_DTYPE).tobytes()
+            return np.asarray(self.tokens(row), dtype=TOKEN_DTYPE).tobytes()
         except (InvalidInputError, ArtifactError):
             return b""
 
@@ -627,7 +344,7 @@ class LiveStore(DocumentStore):
         for passage_id, version, row, title, text, tokens in found:
             current[passage_id] = Version(row, version)
             if row is not None:
-                token_ids = tuple(int(token) for token in np.frombuffer(tokens, dtype=_TOKEN_DTYPE))
+                token_ids = tuple(int(token) for token in np.frombuffer(tokens, dtype=TOKEN_DTYPE))
                 rows[row] = _LiveRow(Passage(passage_id, title, text), token_ids, version)
         (last,) = self._log.execute("SELECT MAX(seq) FROM changes").fetchone()
         now = time.monotonic()
@@ -658,18 +375,11 @@ class LiveStore(DocumentStore):
             return
         from specrag.pipeline.document_kv.store import purge_segments, segment_key  # torch: only when used
 
-        keys = [segment_key(np.frombuffer(blob, dtype=_TOKEN_DTYPE).tolist()) for blob in token_blobs]
+        keys = [segment_key(np.frombuffer(blob, dtype=TOKEN_DTYPE).tolist()) for blob in token_blobs]
         try:
             purge_segments(self.document_kv_dir, keys)
         except OSError as error:
             logger.warning("could not remove retired documents' KV from %s: %s", self.document_kv_dir, error)
-
-    def _truncate_wal(self) -> None:
-        """Copy the WAL into the log and empty it: the superseded rows' old pages leave the disk."""
-        try:
-            self._log.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as error:  # the commit is durable: a later truncation does it
-            logger.warning("could not truncate the WAL of %s: %s", self.log_path, error)
 
     def __len__(self) -> int:
         return self._next_row
@@ -708,24 +418,3 @@ class LiveStore(DocumentStore):
             log.close()
         self._release()
         super().close()
-
-
-def _change_of(
-    passage_id: str,
-    version: int,
-    row: int | None,
-    title: str | None,
-    text: str | None,
-    tokens: bytes | None,
-    vector: bytes | None,
-) -> Change:
-    if row is None:
-        return Change(passage_id, version)
-    return Change(
-        passage_id,
-        version,
-        row,
-        Passage(passage_id, title or "", text or ""),
-        tuple(int(token) for token in np.frombuffer(tokens or b"", dtype=_TOKEN_DTYPE)),
-        np.frombuffer(vector or b"", dtype=_VECTOR_DTYPE),
-    )
