@@ -15,8 +15,8 @@ forced by what the server says on the wire:
   allows (see :class:`~specrag.pipeline.engines.protocol.EngineOutput`); a server that never reports it
   leaves it None throughout, and :meth:`HttpEngine.warm` then reports 0 cached tokens. A request
   aborted before it finishes never learns its count.
-- **Abort** closes the request's connection: vLLM aborts a request within ~65 ms of the
-  disconnect (docs/vllm-cpu.md). As with ``AsyncLLM`` the stream then ends with an
+- **Abort** closes the request's connection: vLLM aborts a request soon after the disconnect
+  (docs/vllm-cpu.md measures how soon). As with ``AsyncLLM`` the stream then ends with an
   empty output whose ``finish_reason`` is ``"abort"``.
 - **Block size**: from the ``vllm:cache_config_info`` metric when the server exports it, else
   the constructor argument, else 16 (GPU vLLM's default; CPU vLLM defaults to 128, and specrag

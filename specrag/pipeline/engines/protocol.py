@@ -13,7 +13,7 @@ The adapters share their request bookkeeping through
 adapter only talks to its engine.
 
 Supervision is an optional capability, asked for through :attr:`Engine.supervision` rather than by
-the engine's class: an engine that something keeps alive (the service's supervisor) returns its
+the engine's class: an engine that something keeps alive (the supervisor beside the adapters) returns its
 :class:`Supervision`; a bare adapter returns None.
 """
 
@@ -205,7 +205,7 @@ class Supervision(Protocol):
 class Engine(ABC):
     """An inference engine with automatic prefix caching, driven by token IDs: the one contract
     every engine fulfils (the adapters through :class:`~specrag.pipeline.engines.base.EngineBase`,
-    the service's supervisor by wrapping one)."""
+    the supervisor by wrapping one)."""
 
     @property
     @abstractmethod

@@ -5,7 +5,8 @@ worker start method to ``spawn`` inside the actor by itself). :class:`RayEngine`
 :class:`~specrag.pipeline.engines.protocol.Engine` the controller sees on the caller's side:
 
 - **Streaming**: the actor's ``generate`` is an async generator; the caller iterates the
-  streaming ``ObjectRefGenerator`` and awaits each output (a few ms per request, ~0.5 ms per token).
+  streaming ``ObjectRefGenerator`` and awaits each output (its cost per request and per token:
+  docs/scale-out.md).
 - **Aborts** are explicit: dropping the caller's generator does *not* stop the request in the
   actor, so leaving a stream early calls the actor's ``abort`` (as every adapter does).
 - **Placement**: a GPU per replica when the cluster has them; otherwise a CPU, and the replica's
