@@ -27,8 +27,8 @@ import matplotlib
 import numpy as np
 import psutil
 
-from specrag.pipeline.config import cpu_has_native_bf16
-from specrag.pipeline.model_catalog import MODEL_NAMES
+from specrag.pipeline.models.catalog import MODEL_NAMES
+from specrag.pipeline.models.dtype import cpu_has_native_bf16
 from specrag.service.pinning import pin_engine_processes, pin_threads
 
 matplotlib.use("Agg")

@@ -69,12 +69,12 @@ from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import ROUTERS, Placed, Placement, health_checks
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError
-from specrag.pipeline.engine import Sampling, now
+from specrag.pipeline.engines.protocol import Sampling, now
 from specrag.sim import virtual_time
 from specrag.sim.replicas import simulated_replica
 
 if TYPE_CHECKING:  # annotations only: the real pair imports the service side when it runs
-    from specrag.pipeline.prompt import PromptBuilder
+    from specrag.pipeline.store.prompt import PromptBuilder
     from specrag.service.assets import Assets
 
 POLICY = get_policy("exact")
@@ -392,12 +392,12 @@ async def real_replicas(
     Yields the replicas, the assets, and each replica's engine-core process id (for the kill).
     """
     from specrag.paths import DataLayout, resolve_data_dir
-    from specrag.pipeline.config import EngineConfig
-    from specrag.pipeline.random_model import RANDOM_MODEL_NAME
-    from specrag.pipeline.vllm_engine import VllmEngine
+    from specrag.pipeline.engines.config import EngineConfig
+    from specrag.pipeline.engines.vllm_engine import VllmEngine
+    from specrag.pipeline.kv_mirror.mirror import KVMirror
+    from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
     from specrag.service.assembly import prompt_builder
     from specrag.service.assets import ensure_assets
-    from specrag.service.kv_mirror import KVMirror
 
     layout = DataLayout(resolve_data_dir(data_dir))
     assets = ensure_assets(layout, RANDOM_MODEL_NAME)

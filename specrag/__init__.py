@@ -4,10 +4,11 @@ Packages, one concern each; imports point only down this list (docs/architecture
 
 - ``specrag.retrieval``: corpus, embedders, staged IVF/HNSW search.
 - ``specrag.cache``: the knowledge tree that mirrors the engine's prefix cache, ordering, scheduling.
-- ``specrag.pipeline``: the document store, prompts as token IDs, engine adapters (in-process vLLM,
-  HTTP).
-- ``specrag.controller``: the query core: staged search, speculation, adoption, the prefill gate.
-- ``specrag.service``: the aiohttp service, its assembly, engine supervision, the KV mirror, metrics.
+- ``specrag.pipeline``: the inference side, in rooms: engines (adapters, settings, supervisor),
+  the KV mirror, models, the document store and prompts as token IDs, document KV.
+- ``specrag.controller``: the query core: staged search, speculation, adoption, the prefill gate;
+  the pipelining (search overlapped with prefill) is its.
+- ``specrag.service``: the aiohttp service, its assembly, the engine pools, metrics.
 - ``specrag.client``: the async client; imports nothing of the above.
 - ``specrag.sim``: the simulated engine, its replicas and virtual time, for benchmarks and tests;
   nothing above imports it.

@@ -9,10 +9,10 @@ import pytest
 import pytest_asyncio
 
 from specrag.paths import DataLayout
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.gguf_model import convert_gguf
-from specrag.pipeline.random_model import make_random_model
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.models.gguf import convert_gguf
+from specrag.pipeline.models.random_model import make_random_model
 from specrag.retrieval.corpus import Passage, build_default_corpus
 from specrag.service.assets import Assets, ensure_assets
 from tests.helpers import TINY_MODEL_SPEC, write_llama_gguf

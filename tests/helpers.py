@@ -32,7 +32,7 @@ from specrag.controller.controller import AnswerDone, ControllerConfig, RagContr
 from specrag.controller.placement import Placement, Router
 from specrag.controller.replicas import Replica
 from specrag.pipeline.commands import engine_server_config
-from specrag.pipeline.engine import (
+from specrag.pipeline.engines.protocol import (
     Engine,
     EngineCounts,
     EngineOutput,
@@ -41,16 +41,16 @@ from specrag.pipeline.engine import (
     SupervisionStatus,
     WarmResult,
 )
-from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.random_model import RandomModelSpec
-from specrag.pipeline.store import DocumentStore, build_store
-from specrag.pipeline.tokenizer import Tokenizer
+from specrag.pipeline.engines.supervisor import SupervisedEngine, SupervisorPolicy
+from specrag.pipeline.models.random_model import RandomModelSpec
+from specrag.pipeline.models.tokenizer import Tokenizer
+from specrag.pipeline.store.document_store import DocumentStore, build_store
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.stages import StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
 from specrag.service.server import create_app, serving
-from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.sim.engine import KVEventCallback, SimulatedEngine
 from specrag.sim.replicas import simulated_replica
 

@@ -17,7 +17,7 @@ import pytest
 
 from specrag.cli import build_parser, main
 from specrag.paths import DataLayout
-from specrag.pipeline.document_kv import SUFFIX as KV_SUFFIX
+from specrag.pipeline.document_kv.store import SUFFIX as KV_SUFFIX
 from specrag.retrieval.corpus import Passage, write_passages
 from specrag.service.assets import Assets
 from specrag.service.handlers import _controller_config

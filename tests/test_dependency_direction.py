@@ -1,7 +1,8 @@
 """The dependency direction (docs/architecture.md), read from the source: service -> controller -> pipeline ->
 cache, retrieval; the leaf modules (atomic, errors, locking, paths) serve everyone; the client needs only
-errors; the simulator (sim) sits beside the product, which never imports it. Function-level imports
-count too: an import that runs back up is one, wherever it sits."""
+errors; the simulator (sim) sits beside the product, which never imports it. Inside the pipeline its rooms
+point one way too: models <- document_kv <- engines <- kv_mirror, and store beside the engines. Function-level
+imports count too: an import that runs back up is one, wherever it sits."""
 
 from __future__ import annotations
 
@@ -20,18 +21,35 @@ ALLOWED = {
     "sim": LEAVES | {"sim", "controller", "pipeline", "cache", "retrieval"},
 }
 
+# The pipeline's rooms (specrag/pipeline/<room>/): what each may import besides the leaves. Model files know
+# no engine and no passage; the document KV needs only the model's weights digest; the engines load models
+# and document KV but know nothing of passages, prompts or the knowledge tree; the KV mirror follows an
+# engine's events into the tree; the store (passages, live corpus, prompts) never starts or asks an engine.
+PIPELINE_ROOMS = {
+    "models": LEAVES | {"pipeline.models"},
+    "document_kv": LEAVES | {"pipeline.document_kv", "pipeline.models"},
+    "engines": LEAVES | {"pipeline.engines", "pipeline.models", "pipeline.document_kv"},
+    "kv_mirror": LEAVES | {"pipeline.kv_mirror", "pipeline.engines", "cache"},
+    "store": LEAVES | {"pipeline.store", "pipeline.models", "pipeline.document_kv", "cache", "retrieval"},
+}
+# What the pipeline keeps outside its rooms: the package doc and its command-line sub-commands.
+PIPELINE_TOP = {"__init__.py", "commands.py"}
+
+
+def imported_names(source: Path) -> set[str]:
+    """Every module of specrag this file imports (``from a import b`` counts ``a``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text(), str(source))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return {name for name in names if name.startswith("specrag.")}
+
 
 def imported_parts(source: Path) -> set[str]:
     """The first component under ``specrag`` of every module this file imports."""
-    parts: set[str] = set()
-    for node in ast.walk(ast.parse(source.read_text(), str(source))):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        parts |= {name.split(".")[1] for name in names if name.startswith("specrag.")}
-    return parts
+    return {name.split(".")[1] for name in imported_names(source)}
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -43,6 +61,34 @@ def test_a_package_imports_only_what_lies_below_it(package: str) -> None:
         for source in sources
     }
     assert {name: parts for name, parts in wrong.items() if parts} == {}
+
+
+def imported_rooms(source: Path) -> set[str]:
+    """As :func:`imported_parts`, an import of the pipeline named by its room (``pipeline.engines``)."""
+    rooms: set[str] = set()
+    for name in imported_names(source):
+        parts = name.split(".")
+        rooms.add(".".join(parts[1:3]) if parts[1] == "pipeline" else parts[1])
+    return rooms
+
+
+@pytest.mark.parametrize("room", sorted(PIPELINE_ROOMS))
+def test_a_pipeline_room_imports_only_the_rooms_below_it(room: str) -> None:
+    sources = sorted((PACKAGE / "pipeline" / room).rglob("*.py"))
+    assert sources
+    wrong = {
+        str(source.relative_to(PACKAGE)): sorted(imported_rooms(source) - PIPELINE_ROOMS[room])
+        for source in sources
+    }
+    assert {name: rooms for name, rooms in wrong.items() if rooms} == {}
+
+
+def test_every_pipeline_module_lives_in_a_room() -> None:
+    """A new module goes into the room whose rule it keeps, so the rules above cover all of it."""
+    pipeline = PACKAGE / "pipeline"
+    assert {path.name for path in pipeline.glob("*.py")} == PIPELINE_TOP
+    rooms = {path.name for path in pipeline.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert rooms == set(PIPELINE_ROOMS)
 
 
 def test_only_the_simulator_imports_the_simulator() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from specrag.controller.config import ControllerConfig
-from specrag.pipeline.model_catalog import SERVED_NAME
+from specrag.pipeline.models.catalog import SERVED_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -56,10 +56,10 @@ from bench.traces import WORKLOADS
 from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import MODE_NAMES, get_mode
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import parse_cpus
-from specrag.pipeline.engine import Engine
-from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.engines.config import parse_cpus
+from specrag.pipeline.engines.protocol import Engine
+from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex

@@ -23,12 +23,12 @@ import numpy as np
 from bench.e2e.workload import TraceQuery
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
 from specrag.controller.modes import ModeName
-from specrag.pipeline.config import KVEventSource
-from specrag.pipeline.engine import Engine, Sampling, now
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.engines.config import KVEventSource
+from specrag.pipeline.engines.protocol import Engine, Sampling, now
+from specrag.pipeline.kv_mirror.mirror import MirrorFaults
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import open_controller
-from specrag.service.kv_mirror import MirrorFaults
 
 
 @dataclass(frozen=True)

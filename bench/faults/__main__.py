@@ -60,11 +60,11 @@ from specrag.client import (
 )
 from specrag.controller.controller import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.random_model import RANDOM_MODEL_NAME
+from specrag.pipeline.engines.supervisor import SupervisorPolicy
+from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.service.assembly import Service, ServiceOptions, open_service
 from specrag.service.assets import Assets, ensure_assets
 from specrag.service.server import create_app, serving
-from specrag.service.supervisor import SupervisorPolicy
 
 TOKEN = "bench-faults-token"
 # The outcome of a request its client abandoned on purpose (nginx's "client closed request").

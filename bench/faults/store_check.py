@@ -35,9 +35,9 @@ import numpy as np
 from bench.common import machine, print_summary, save_figure, write_report
 from specrag.atomic import sha256_file
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, ensure_named_model
-from specrag.pipeline.store import DocumentStore, build_store
-from specrag.pipeline.tokenizer import Tokenizer
+from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME, ensure_named_model
+from specrag.pipeline.models.tokenizer import Tokenizer
+from specrag.pipeline.store.document_store import DocumentStore, build_store
 from specrag.retrieval.corpus import Passage, build_default_corpus
 
 __all__ = ["main"]

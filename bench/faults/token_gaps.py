@@ -42,7 +42,7 @@ from bench.common import (
     write_report,
 )
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.engine import Engine, Sampling
+from specrag.pipeline.engines.protocol import Engine, Sampling
 from specrag.service.assets import ensure_assets
 from specrag.service.options import ServiceOptions, base_engine_config
 
@@ -90,7 +90,7 @@ def summarise(gaps: Sequence[float], rng: np.random.Generator) -> dict[str, Any]
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from specrag.pipeline.vllm_engine import VllmEngine  # importing vLLM takes seconds
+    from specrag.pipeline.engines.vllm_engine import VllmEngine  # importing vLLM takes seconds
 
     assets = ensure_assets(DataLayout(resolve_data_dir(args.data_dir)), None, None)
     config = base_engine_config(assets.model_dir, ServiceOptions(eager=args.eager)).validate()

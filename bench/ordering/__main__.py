@@ -5,7 +5,7 @@ are keyed by chained content, a request reuses its leading cached blocks, and th
 either unlimited or an LRU of 10 % of the blocks the trace would store without any reuse. The
 simulated engine publishes BlockStored / BlockRemoved events and the knowledge tree follows
 them, exactly as it follows vLLM's. Prompts are laid out as the service lays them out
-(``specrag.pipeline.prompt``): 32-token KV blocks, the system prompt and every document padded to
+(``specrag.pipeline.store.prompt``): 32-token KV blocks, the system prompt and every document padded to
 a block multiple. Documents get deterministic synthetic tokens (24-199 before padding, as this
 benchmark always used, so that overhead figures compare across versions; the default corpus'
 passages are longer, ~240), generated already padded so that the simulated engine's
@@ -246,7 +246,7 @@ class Server:
         return tuple(range(start, start + QUESTION_LEN))
 
     def layout(self, docs: Sequence[DocId], question: Sequence[int]) -> PromptLayout:
-        """The prompt as the service lays it out (``specrag.pipeline.prompt.PromptBuilder``)."""
+        """The prompt as the service lays it out (``specrag.pipeline.store.prompt.PromptBuilder``)."""
         return build_layout(
             SYSTEM_TOKENS,
             [(d, doc_tokens(d)) for d in docs],

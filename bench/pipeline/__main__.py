@@ -73,8 +73,8 @@ from bench.pipeline.points import Stack, flat_point, graph_point, idle_sweep, lo
 from bench.pipeline.report import headline, plot
 from specrag.controller.config import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import parse_cpus
-from specrag.pipeline.random_model import RANDOM_MODEL_NAME
+from specrag.pipeline.engines.config import parse_cpus
+from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES
 from specrag.service.assembly import ServiceOptions, open_engine, prompt_builder

@@ -42,10 +42,10 @@ from bench.common import (
 )
 from bench.e2e.runner import ttft_of
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import EngineConfig, parse_cpus
-from specrag.pipeline.engine import Engine, Sampling
-from specrag.pipeline.random_model import RANDOM_MODEL_NAME
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.config import EngineConfig, parse_cpus
+from specrag.pipeline.engines.protocol import Engine, Sampling
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.service.assets import ensure_assets
 
 DEFAULT_THRESHOLD = 256

@@ -18,8 +18,8 @@ import numpy as np
 
 from bench.e2e.runner import one_search_ms, search_times_ms, set_search_ratio, ttft_of
 from specrag.paths import DataLayout
-from specrag.pipeline.engine import Engine
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.engines.protocol import Engine
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.synthetic import PADDING_VERSION

@@ -53,9 +53,9 @@ from bench.common import (
 from bench.e2e.runner import search_times_ms, set_search_ratio, ttft_of
 from bench.indexes import scaled_index
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import parse_cpus
-from specrag.pipeline.engine import Engine, Sampling
-from specrag.pipeline.random_model import RANDOM_MODEL_NAME
+from specrag.pipeline.engines.config import parse_cpus
+from specrag.pipeline.engines.protocol import Engine, Sampling
+from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.index_store import IVF_KINDS
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex

@@ -34,9 +34,9 @@ from bench.pipeline.ideal import bound_records
 from bench.pipeline.report import print_loaded, print_point
 from specrag.controller.config import ControllerConfig
 from specrag.paths import DataLayout
-from specrag.pipeline.config import KVEventSource
-from specrag.pipeline.engine import Engine
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.engines.config import KVEventSource
+from specrag.pipeline.engines.protocol import Engine
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule

@@ -30,11 +30,11 @@ from bench.common import (
     write_report,
 )
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.engine import Sampling, now
-from specrag.pipeline.model_catalog import resolve_model
-from specrag.pipeline.random_model import RANDOM_MODEL_NAME
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.engines.protocol import Sampling, now
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.models.catalog import resolve_model
+from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 
 FULL_LENGTHS = (512, 1024, 2048, 4096, 8000)
 QUICK_LENGTHS = (1024, 4096)

@@ -48,10 +48,10 @@ from bench.common import (
     write_report,
 )
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.engine import Sampling, now
-from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, resolve_model
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.engines.protocol import Sampling, now
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME, resolve_model
 
 CONFIGS = {
     "aot": ({"VLLM_USE_AOT_COMPILE": "1"}, False),

@@ -60,13 +60,13 @@ from specrag.cache.layout import PromptLayout, build_layout
 from specrag.controller.controller import ControllerConfig, RagRequest
 from specrag.controller.modes import ModeName
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.document_kv import DocumentKVStore, segment_key
-from specrag.pipeline.engine import Sampling, now
-from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME
-from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.rope import RopeSpec
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.document_kv.rope import RopeSpec
+from specrag.pipeline.document_kv.store import DocumentKVStore, segment_key
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.engines.protocol import Sampling, now
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assembly import open_controller, prompt_builder
 from specrag.service.assets import ensure_assets

@@ -51,11 +51,11 @@ from specrag.controller.controller import ControllerConfig, RagController, RagRe
 from specrag.controller.modes import ModeName
 from specrag.controller.query import AnswerDelta, AnswerDone
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import KVEventSource
-from specrag.pipeline.engine import Engine, Sampling
-from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME
-from specrag.pipeline.model_dir import served_model_name
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.engines.config import KVEventSource
+from specrag.pipeline.engines.protocol import Engine, Sampling
+from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME
+from specrag.pipeline.models.directory import served_model_name
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.service.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
 from specrag.service.assets import Assets, ensure_assets
 

@@ -2,7 +2,7 @@
 
 ``python -m bench.updates --quick`` builds a staged IVF index (the service's default kind and
 settings) over ``--passages`` synthetic documents (100,000 with ``--quick``), opens it as a live
-corpus (:mod:`specrag.pipeline.live_corpus`: the durable log, fsynced per change, and the index
+corpus (:mod:`specrag.pipeline.store.live_corpus`: the durable log, fsynced per change, and the index
 following) and measures, in one run:
 
 1. update throughput, documents a second: replacements one at a time, then in batches of
@@ -54,9 +54,10 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 from bench.common import bootstrap_mean_ci, machine, print_summary, save_figure, write_json, write_report
-from specrag.pipeline.live_corpus import LiveCorpus
-from specrag.pipeline.live_store import LiveStore, live_log_path
-from specrag.pipeline.store import build_store
+from specrag.pipeline.store.document_store import build_store
+from specrag.pipeline.store.live_corpus import LiveCorpus
+from specrag.pipeline.store.live_log import live_log_path
+from specrag.pipeline.store.live_store import LiveStore
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.synthetic import GaussianMixture, queries_near

@@ -34,8 +34,8 @@ from specrag.controller.sessions import Session, SessionStore
 from specrag.controller.speculation_policy import SpeculationPolicy
 from specrag.controller.warmup import SystemPromptWarmer, WarmupRecord
 from specrag.errors import EngineError, InvalidInputError, TooLargeError, check_choice, echo
-from specrag.pipeline.engine import Engine
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.engines.protocol import Engine
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 
 __all__ = [

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from specrag.cache.hints import HintConfig, split_repeated
 from specrag.cache.layout import PromptLayout
 from specrag.controller.sessions import Session, Turn
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.store.prompt import PromptBuilder
 
 __all__ = ["TurnPrompt", "TurnPrompts"]
 

@@ -15,7 +15,7 @@ from typing import Protocol
 from specrag.controller.batch import BatchAnswers
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
 from specrag.controller.warmup import WarmupRecord
-from specrag.pipeline.engine import SupervisionStatus
+from specrag.pipeline.engines.protocol import SupervisionStatus
 
 __all__ = ["CoreLoad", "EngineHealth", "QueryCore", "ReplicaFacts"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specrag.errors import InvalidInputError
-from specrag.pipeline.engine import Sampling
-from specrag.pipeline.engine_base import check_prompt_fits, prompt_fits
+from specrag.pipeline.engines.base import check_prompt_fits, prompt_fits
+from specrag.pipeline.engines.protocol import Sampling
 
 __all__ = ["check_final_prompt_fits"]
 

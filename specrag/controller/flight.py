@@ -19,7 +19,7 @@ from dataclasses import replace
 from specrag.controller.gate import Slot
 from specrag.controller.placement import Placed, Placement
 from specrag.errors import EngineError, EngineTimeoutError, EngineUnavailableError
-from specrag.pipeline.engine import EngineOutput, Sampling, latest_cached_tokens, now
+from specrag.pipeline.engines.protocol import EngineOutput, Sampling, latest_cached_tokens, now
 
 __all__ = ["Flight", "Resubmit", "RetriedFlight"]
 

@@ -46,7 +46,7 @@ from specrag.cache.ordering import OrderingPolicy, PolicyName, get_policy
 from specrag.cache.residency import chain_block_keys
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError, check_choice
-from specrag.pipeline.engine import Engine
+from specrag.pipeline.engines.protocol import Engine
 
 __all__ = [
     "DEFAULT_IMBALANCE_BOUND",

@@ -18,7 +18,7 @@ from specrag.controller.modes import Mode
 from specrag.controller.sessions import Session
 from specrag.controller.speculation_policy import NO_SPECULATION, QuerySpeculation
 from specrag.controller.timeline import Timeline
-from specrag.pipeline.engine import Sampling
+from specrag.pipeline.engines.protocol import Sampling
 
 __all__ = ["AnswerDelta", "AnswerDone", "CheckedRequest", "Planned", "RagRequest", "Source"]
 

@@ -13,7 +13,7 @@ from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import Placement
 from specrag.controller.sessions import SessionStore
 from specrag.controller.warmup import SystemPromptWarmer
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 
 __all__ = ["QueryShared"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from specrag.cache.pgdsf import PrefillProfile
 from specrag.cache.tree import KnowledgeTree
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import Engine, now
+from specrag.pipeline.engines.protocol import Engine, now
 
 __all__ = ["Replica"]
 

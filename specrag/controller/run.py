@@ -48,7 +48,7 @@ from specrag.controller.query_shared import QueryShared
 from specrag.controller.speculation_steps import SpeculationSteps
 from specrag.controller.timeline import Timeline
 from specrag.errors import EngineError, OverloadedError
-from specrag.pipeline.engine import EngineOutput, latest_cached_tokens, now
+from specrag.pipeline.engines.protocol import EngineOutput, latest_cached_tokens, now
 from specrag.retrieval.conversational import conversation_query
 
 __all__ = ["QueryRun"]

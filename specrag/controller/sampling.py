@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from specrag.controller.query import RagRequest
 from specrag.errors import InvalidInputError, echo
-from specrag.pipeline.engine import Sampling
+from specrag.pipeline.engines.protocol import Sampling
 
 __all__ = ["MAX_SEED", "MAX_STOP_CHARS", "MAX_STOP_SEQUENCES", "MAX_TEMPERATURE", "check_sampling"]
 

@@ -27,8 +27,8 @@ from specrag.controller.query_shared import QueryShared
 from specrag.controller.replicas import Replica
 from specrag.controller.speculation_policy import Price
 from specrag.controller.timeline import Timeline
-from specrag.pipeline.engine import now
-from specrag.pipeline.engine_base import prompt_fits
+from specrag.pipeline.engines.base import prompt_fits
+from specrag.pipeline.engines.protocol import now
 from specrag.retrieval.stage_stats import StageOutlook
 from specrag.retrieval.vector_index import StagedSearch
 

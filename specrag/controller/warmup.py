@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from specrag.controller.gate import PrefillGate, Slot
 from specrag.controller.replicas import Replica
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.store.prompt import PromptBuilder
 
 __all__ = ["SystemPromptWarmer", "WarmupRecord"]
 

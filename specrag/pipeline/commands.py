@@ -11,9 +11,9 @@ from pathlib import Path
 
 from specrag.errors import InvalidInputError, values
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
-from specrag.pipeline.random_model import (
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
+from specrag.pipeline.models.random_model import (
     RANDOM_MODEL_NAME,
     ModelSize,
     RandomModelSpec,

@@ -167,7 +167,7 @@ class VectorIndex:
         after the call returns, all at once; returns the new rows.
 
         :meth:`prepare_changes` then :meth:`apply_prepared`: a caller that logs the change
-        (:mod:`specrag.pipeline.live_corpus`) does so between the two. The caller makes one
+        (:mod:`specrag.pipeline.store.live_corpus`) does so between the two. The caller makes one
         change at a time. New rows are passages of their own, so the index must not be padded.
         """
         return self.apply_prepared(self.prepare_changes(ids, vectors, texts, retired))

@@ -29,15 +29,16 @@ from aiohttp import web
 from specrag.controller.controller import ControllerConfig, RagController
 from specrag.controller.placement import Placement
 from specrag.errors import InvalidInputError
-from specrag.pipeline.config import KVEventSource, parse_cpus
-from specrag.pipeline.engine import Engine
-from specrag.pipeline.model_dir import served_model_name
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.engines.config import KVEventSource, parse_cpus
+from specrag.pipeline.engines.protocol import Engine
+from specrag.pipeline.engines.supervisor import SupervisedEngine
+from specrag.pipeline.kv_mirror.mirror import KVMirror
+from specrag.pipeline.models.directory import served_model_name
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.assets import Assets
 from specrag.service.documents import add_document_routes
-from specrag.service.kv_mirror import KVMirror
 from specrag.service.metrics import ServiceMetrics
 from specrag.service.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
 from specrag.service.options import ServiceOptions, base_engine_config
@@ -52,7 +53,6 @@ from specrag.service.pools import (
     starter,
 )
 from specrag.service.server import create_app
-from specrag.service.supervisor import SupervisedEngine
 
 __all__ = ["Service", "open_controller", "open_engine", "open_service", "prompt_builder", "searching_on"]
 

@@ -6,7 +6,7 @@ idempotent and a second run starts at once. Each step holds its artefact's write
 check to the write, so a second ``prepare`` or ``serve`` on the same data directory waits and then
 finds the artefact built. A corpus that differs from the one the artefacts were built from is
 said at WARNING, and one that lost passages is refused unless accepted
-(:mod:`specrag.service.corpus_change`). Lives in the service because it combines retrieval
+(:mod:`specrag.retrieval.corpus_change`). Lives in the service because it combines retrieval
 (corpus, index) with the pipeline (model, tokenizer, store).
 """
 
@@ -21,12 +21,18 @@ from tqdm import tqdm
 from specrag.errors import ArtifactError
 from specrag.locking import writer_lock
 from specrag.paths import DataLayout
-from specrag.pipeline.live_corpus import LiveCorpus
-from specrag.pipeline.live_store import LiveStore
-from specrag.pipeline.model_catalog import resolve_model
-from specrag.pipeline.store import DEFAULT_SEGMENT_TEMPLATE, DocumentStore, build_store, corpus_checksum
-from specrag.pipeline.tokenizer import Tokenizer
+from specrag.pipeline.models.catalog import resolve_model
+from specrag.pipeline.models.tokenizer import Tokenizer
+from specrag.pipeline.store.document_store import (
+    DEFAULT_SEGMENT_TEMPLATE,
+    DocumentStore,
+    build_store,
+    corpus_checksum,
+)
+from specrag.pipeline.store.live_corpus import LiveCorpus
+from specrag.pipeline.store.live_store import LiveStore
 from specrag.retrieval.corpus import Passage, build_default_corpus, load_passages, write_passages
+from specrag.retrieval.corpus_change import CorpusShrunkError, check_corpus_change
 from specrag.retrieval.index_store import (
     IndexConfig,
     build_index,
@@ -37,7 +43,6 @@ from specrag.retrieval.index_store import (
     save_index,
 )
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.corpus_change import CorpusShrunkError, check_corpus_change
 
 __all__ = ["Assets", "ensure_assets", "ensure_corpus", "ensure_index", "ensure_store"]
 
@@ -181,7 +186,7 @@ def ensure_assets(
     """Corpus, model, tokenizer, store and index, each built only if missing or stale.
 
     ``model`` is a model name (None: the default, SmolLM2-135M-Instruct) or a model directory
-    (:func:`specrag.pipeline.model_catalog.resolve_model`). A corpus that lost passages since the
+    (:func:`specrag.pipeline.models.catalog.resolve_model`). A corpus that lost passages since the
     store and index were built is refused unless ``accept_corpus_change``.
     """
     passages = ensure_corpus(layout, corpus_file, accept_corpus_change)

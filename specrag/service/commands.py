@@ -15,8 +15,8 @@ from specrag.controller.modes import ModeName
 from specrag.controller.placement import Router
 from specrag.errors import values
 from specrag.pipeline.commands import add_kv_cache_tokens
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.model_catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
 from specrag.service.handlers import (
     batch_command,
     demo_command,

@@ -2,13 +2,13 @@
 
 With ``--url`` the command talks to that service (``/v1/documents``, :mod:`specrag.service.documents`),
 which serves each change as soon as it answers. Without, it changes the data directory's corpus
-itself: the change is logged beside the document store (:mod:`specrag.pipeline.live_store`) and the
+itself: the change is logged beside the document store (:mod:`specrag.pipeline.store.live_store`) and the
 next ``specrag serve`` replays it. Offline writes are for a data directory no service is serving:
 the serving process holds the log's lock, and an offline command meets it at once
-and stops, saying so (:mod:`specrag.pipeline.live_store`).
+and stops, saying so (:mod:`specrag.pipeline.store.live_store`).
 
 ``add`` prints one JSON line per document written. A file of more than
-:data:`~specrag.pipeline.live_corpus.MAX_BATCH_DOCUMENTS` documents goes in batches, each its own
+:data:`~specrag.pipeline.store.live_corpus.MAX_BATCH_DOCUMENTS` documents goes in batches, each its own
 transaction: when one fails, the lines printed are exactly the documents committed, and standard
 error says how many and from which line of the file to add again (exit status 2).
 """
@@ -27,8 +27,8 @@ from specrag.client import AsyncClient
 from specrag.controller.config import ControllerConfig
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus, check_document
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus, check_document
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.service.assets import ensure_assets
 from specrag.service.handlers import _api_token

@@ -2,10 +2,10 @@
 
 ``PUT /v1/documents/{id}`` (``{"title", "text"}``: 201 when new, 200 when replaced, ``{"id",
 "version"}``), ``POST /v1/documents`` (``{"documents": [{"id", "title", "text"}, ...]}``, at most
-:data:`~specrag.pipeline.live_corpus.MAX_BATCH_DOCUMENTS`, 413 beyond; 200 with ``{"documents":
+:data:`~specrag.pipeline.store.live_corpus.MAX_BATCH_DOCUMENTS`, 413 beyond; 200 with ``{"documents":
 [{"id", "version", "created", "visible"}, ...]}``), ``DELETE /v1/documents/{id}`` (204, 404 when
 unknown) and ``GET /v1/documents/{id}``. A write is answered only once it is on disk and visible
-to every search that starts afterwards (:mod:`specrag.pipeline.live_corpus`), with one exception:
+to every search that starts afterwards (:mod:`specrag.pipeline.store.live_corpus`), with one exception:
 a change that is durable but that the index could not apply yet is answered 202 (PUT ``{"id",
 "version", "visible": false}``, POST with ``"visible": false`` per document, DELETE with no body);
 searches see it once the corpus has replayed it. Until then writes are 503 with Retry-After
@@ -34,7 +34,7 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import web
 
 from specrag.errors import InvalidInputError, OverloadedError, TooLargeError
-from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, Document, Written, check_document
+from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, Document, Written, check_document
 from specrag.retrieval.corpus import Passage
 from specrag.service.admission import STATE
 from specrag.service.auth import local_refusal, matching_token
@@ -64,7 +64,7 @@ Result = TypeVar("Result")
 
 
 class DocumentCorpus(Protocol):
-    """What the document API needs of a corpus (:class:`~specrag.pipeline.live_corpus.LiveCorpus`)."""
+    """What the document API needs of a corpus (:class:`~specrag.pipeline.store.live_corpus.LiveCorpus`)."""
 
     def get(self, passage_id: str) -> Document: ...
 

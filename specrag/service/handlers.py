@@ -19,7 +19,7 @@ from specrag.controller.config import ControllerConfig, serve_flags
 from specrag.controller.modes import DocumentKv
 from specrag.errors import InvalidInputError, check_choice
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.random_model import RANDOM_MODEL_NAME
+from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.service.assembly import (
     Service,
     ServiceOptions,
@@ -70,7 +70,7 @@ def prepare_command(args: argparse.Namespace) -> int:
 
 async def _fill_document_kv(assets: Assets, kv_dir: Path, max_gib: float) -> int:
     """Start the in-process engine with the store and fill it with the system prompt and every passage."""
-    from specrag.pipeline.vllm_engine import VllmEngine
+    from specrag.pipeline.engines.vllm_engine import VllmEngine
 
     options = ServiceOptions(document_kv_dir=str(kv_dir), document_kv_max_gib=max_gib)
     config = base_engine_config(assets.model_dir, options).validate()

@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from specrag.service.kv_mirror import KVMirror
+from specrag.pipeline.kv_mirror.mirror import KVMirror
 
 __all__ = ["MIRROR_HEALTH", "MirrorCollector", "MirrorHealth", "mirror_health"]
 

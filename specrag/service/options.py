@@ -14,10 +14,11 @@ from specrag.controller.config import ControllerConfig
 from specrag.controller.modes import DocumentKv
 from specrag.controller.placement import Router
 from specrag.errors import InvalidInputError, check_choice
-from specrag.pipeline.config import EngineConfig, KVEventSource, model_context_length, parse_cpus
+from specrag.pipeline.engines.config import EngineConfig, KVEventSource, parse_cpus
+from specrag.pipeline.engines.supervisor import SupervisorPolicy
+from specrag.pipeline.models.directory import model_context_length
 from specrag.service.admission import check_query_limits
 from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT
-from specrag.service.supervisor import SupervisorPolicy
 
 __all__ = ["DocumentKvStore", "ServiceOptions", "base_engine_config", "default_context_length"]
 

@@ -2,7 +2,7 @@
 
 A pool is N in-process vLLM engines (each pinned to its own core, each publishing its own KV
 events), N separate engine servers (one URL each), or N vLLM replicas as Ray actors
-(:mod:`specrag.pipeline.ray_engine`). One engine is a pool of one: whatever their kind and
+(:mod:`specrag.pipeline.engines.ray_engine`). One engine is a pool of one: whatever their kind and
 number, :func:`open_pool` gives each engine its replica (its own tree fed by its own KV events,
 its restart hook) and puts them behind the router of :mod:`specrag.controller.placement`, whose
 health checks bring an excluded engine back.
@@ -23,12 +23,12 @@ from specrag.cache.tree import KnowledgeTree
 from specrag.controller.placement import Placement, Router, health_checks
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError
-from specrag.pipeline.config import EngineConfig, KVEventSource
-from specrag.pipeline.engine import Engine
-from specrag.service.kv_mirror import KVMirror
+from specrag.pipeline.engines.config import EngineConfig, KVEventSource
+from specrag.pipeline.engines.protocol import Engine
+from specrag.pipeline.engines.supervisor import SupervisedEngine
+from specrag.pipeline.kv_mirror.mirror import KVMirror
 from specrag.service.options import ServiceOptions
 from specrag.service.pinning import descendant_pids, pin_engine_processes
-from specrag.service.supervisor import SupervisedEngine
 
 __all__ = [
     "Pool",
@@ -46,7 +46,7 @@ __all__ = [
 
 def connector(url: str) -> Callable[[], Awaitable[Engine]]:
     """Connects to the engine server at ``url`` (again on every supervisor restart)."""
-    from specrag.pipeline.http_engine import HttpEngine
+    from specrag.pipeline.engines.http_engine import HttpEngine
 
     async def connect() -> Engine:
         return await HttpEngine.connect(url)
@@ -60,7 +60,7 @@ def starter(config: EngineConfig, pin_to: frozenset[int] | None = None) -> Calla
     With ``pin_to``, every thread of the engine's processes is pinned there once it runs (see
     specrag.service.pinning: vLLM's own binding reaches only the model worker's compute threads).
     """
-    from specrag.pipeline.vllm_engine import VllmEngine
+    from specrag.pipeline.engines.vllm_engine import VllmEngine
 
     async def start() -> Engine:
         if pin_to is None:
@@ -254,7 +254,7 @@ async def open_ray_engines(base: EngineConfig, options: ServiceOptions) -> Async
     """
     import ray
 
-    from specrag.pipeline.ray_engine import RayEngine, replica_config, subscriber_config
+    from specrag.pipeline.engines.ray_engine import RayEngine, replica_config, subscriber_config
 
     started_ray = not ray.is_initialized()
     if started_ray:

@@ -50,8 +50,8 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from specrag.cache.residency import ROOT_KEY, BlockPool, chain_block_keys
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import EngineCounts, EngineOutput, Sampling, now
-from specrag.pipeline.engine_base import EngineBase
+from specrag.pipeline.engines.base import EngineBase
+from specrag.pipeline.engines.protocol import EngineCounts, EngineOutput, Sampling, now
 from specrag.sim.requests import SimRequest, TimeModel, synthetic_answer
 
 __all__ = ["KVEventCallback", "SimulatedEngine"]
@@ -65,14 +65,14 @@ KVEventCallback = Callable[[Sequence[KVEvent]], None]
 
 
 class SimulatedEngine(EngineBase):
-    """:class:`specrag.pipeline.engine.Engine` simulated in the event loop (see the module doc).
+    """:class:`specrag.pipeline.engines.protocol.Engine` simulated in the event loop (see the module doc).
 
     Fault injection for reliability tests: :meth:`fail_next`, :meth:`stall` / :meth:`resume`,
     :meth:`hang` and :meth:`die`. ``on_kv_events`` receives each step's BlockStored /
     BlockRemoved / AllBlocksCleared events, keyed by content key (the parent of a first block is
     None), so the knowledge tree can mirror this engine exactly as it mirrors vLLM.
 
-    The scheduling knobs default to :class:`specrag.pipeline.config.EngineConfig`'s; the pool
+    The scheduling knobs default to :class:`specrag.pipeline.engines.config.EngineConfig`'s; the pool
     holds ``capacity_blocks`` blocks and must fit one ``max_model_len`` request, as vLLM requires.
     """
 

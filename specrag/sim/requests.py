@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from specrag.cache.pgdsf import PrefillProfile
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import EngineOutput, Sampling
+from specrag.pipeline.engines.protocol import EngineOutput, Sampling
 
 __all__ = ["SimRequest", "TimeModel", "synthetic_answer"]
 

@@ -12,7 +12,7 @@ block in its selector waiting for the next timer, it polls the selector without 
 and, if nothing is ready, advances the counter to that timer. Real I/O and thread wake-ups still
 work (they are polled), but the clock does not wait for them: work in a thread takes whatever
 virtual time the loop's timers skip meanwhile, so simulate only code whose timing lives on the
-loop (the simulated engine, the routers, the replay). :func:`specrag.pipeline.engine.now` reads
+loop (the simulated engine, the routers, the replay). :func:`specrag.pipeline.engines.protocol.now` reads
 the same counter while :func:`run` runs (:func:`clock`), so timelines, queues and first-token times agree with
 the engines' sleeps.
 """
@@ -25,7 +25,7 @@ import selectors
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-from specrag.pipeline import engine
+from specrag.pipeline.engines import protocol
 
 __all__ = ["VirtualTimeLoop", "clock", "run"]
 
@@ -64,22 +64,23 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 @contextlib.contextmanager
 def clock(source: Callable[[], float]) -> Iterator[None]:
-    """Make :func:`specrag.pipeline.engine.now` read ``source`` while the block runs.
+    """Make :func:`specrag.pipeline.engines.protocol.now` read ``source`` while the block runs.
 
     Why: a simulation in virtual time must stamp first tokens, queues and timelines on the same
     clock its engines sleep on, or machine load would leak into its results through the gap
-    between the two clocks. The swap lives here, not in the engine module, so that the product's
+    between the two clocks. The swap lives here, not in the protocol module, so that the product's
     ``now()`` stays one plain call that nothing on the real path ever changes.
     """
-    previous, engine._clock = engine._clock, source
+    previous, protocol._clock = protocol._clock, source
     try:
         yield
     finally:
-        engine._clock = previous
+        protocol._clock = previous
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main`` to completion in virtual time, with :func:`~specrag.pipeline.engine.now` on it."""
+    """Run ``main`` to completion in virtual time, with
+    :func:`~specrag.pipeline.engines.protocol.now` on it."""
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         loop = runner.get_loop()
         with clock(loop.time):

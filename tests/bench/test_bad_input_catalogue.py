@@ -30,9 +30,9 @@ from specrag.cli import main
 from specrag.client import AsyncClient, SpecragConnectionError, SpecragHTTPError
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.store import DocumentStore
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.store.document_store import DocumentStore
 from specrag.retrieval.corpus import load_passages
 from specrag.retrieval.index_store import load_index
 from specrag.service.assets import Assets

@@ -14,9 +14,9 @@ from bench.e2e.runner import Configuration, RunResult, oracle_ttfts, run_configu
 from bench.e2e.workload import arrivals, generate, load_trace, save_trace
 from specrag.controller.controller import ControllerConfig
 from specrag.errors import InvalidInputError
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.service.assets import Assets
 

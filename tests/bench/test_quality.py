@@ -10,8 +10,8 @@ import pytest
 from bench.quality.__main__ import by_gold_position, headline, run_conversations, run_single_turn, summarize
 from bench.quality.questions import build_conversations, build_questions, score
 from bench.quality.questions import main as questions_main
-from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.service.assets import Assets
 

@@ -23,8 +23,8 @@ from bench.scale import (
 from bench.traces import TraceRequest
 from specrag.controller.placement import ROUTERS, Placement
 from specrag.controller.replicas import Replica
-from specrag.pipeline.engine import Sampling
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.engines.protocol import Sampling
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.service.assets import Assets
 from specrag.sim import virtual_time
 from specrag.sim.engine import SimulatedEngine

@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from bench.faults.inputs import BAD_REQUESTS, BadRequest, send, send_wire
 from specrag.controller.controller import RagController
-from specrag.pipeline.engine import EngineOutput, Sampling
+from specrag.pipeline.engines.protocol import EngineOutput, Sampling
 from specrag.service.assets import Assets
 from specrag.service.server import create_app, serving
 from specrag.sim.engine import SimulatedEngine

@@ -28,11 +28,11 @@ from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import ControllerConfig, RagController
 from specrag.controller.placement import Placement
 from specrag.controller.replicas import Replica
-from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.supervisor import SupervisedEngine, SupervisorPolicy
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.service.assets import Assets
 from specrag.service.server import create_app, serving
-from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import assert_engine_idle, make_controller
 

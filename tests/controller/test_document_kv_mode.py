@@ -11,7 +11,7 @@ from specrag.controller.controller import ControllerConfig
 from specrag.controller.modes import DocumentKv
 from specrag.controller.query import RagRequest
 from specrag.errors import InvalidInputError, check_choice
-from specrag.pipeline.engine import EngineOutput, Sampling
+from specrag.pipeline.engines.protocol import EngineOutput, Sampling
 from specrag.service.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import QUESTION, make_controller

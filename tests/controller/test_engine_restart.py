@@ -21,13 +21,13 @@ import pytest
 
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
 from specrag.errors import EngineError
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.engine import Engine
-from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.engines.protocol import Engine
+from specrag.pipeline.engines.supervisor import SupervisedEngine, SupervisorPolicy
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.service.assembly import open_controller
 from specrag.service.assets import Assets
-from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.engine

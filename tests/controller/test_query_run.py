@@ -12,7 +12,7 @@ import pytest
 
 from specrag.controller.controller import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import InvalidInputError
-from specrag.pipeline.engine import EngineOutput, Sampling
+from specrag.pipeline.engines.protocol import EngineOutput, Sampling
 from specrag.retrieval.stages import DEFAULT_STAGES
 from specrag.service.assets import Assets
 from specrag.sim.engine import SimulatedEngine

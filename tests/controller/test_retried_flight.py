@@ -19,7 +19,7 @@ from specrag.controller.gate import PrefillGate
 from specrag.controller.placement import Placed, Placement
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, EngineUnavailableError
-from specrag.pipeline.engine import EngineOutput, Sampling
+from specrag.pipeline.engines.protocol import EngineOutput, Sampling
 from specrag.sim.engine import SimulatedEngine
 from specrag.sim.replicas import simulated_replica
 from tests.helpers import random_prompt

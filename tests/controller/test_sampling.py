@@ -9,7 +9,7 @@ import pytest
 from specrag.controller.query import RagRequest
 from specrag.controller.sampling import check_sampling
 from specrag.errors import InvalidInputError
-from specrag.pipeline.engine import Sampling
+from specrag.pipeline.engines.protocol import Sampling
 
 
 def test_the_defaults_are_greedy_and_set_fields_pass_through() -> None:

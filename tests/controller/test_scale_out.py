@@ -18,7 +18,7 @@ from specrag.controller.controller import RagController, RagRequest
 from specrag.controller.placement import health_checks
 from specrag.controller.replicas import Replica
 from specrag.controller.timeline import Timeline, TimelineEvent
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.service.assets import Assets
 from specrag.service.metrics import ServiceMetrics
 from specrag.sim.engine import SimulatedEngine

@@ -13,7 +13,7 @@ import pytest_asyncio
 from specrag.controller.controller import AnswerDelta, AnswerDone, RagController, RagRequest
 from specrag.controller.sessions import SessionStore
 from specrag.errors import ConflictError, EngineError, NotFoundError, OverloadedError
-from specrag.pipeline.prompt import PromptBuilder
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.service.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import (

@@ -20,7 +20,7 @@ from specrag.controller.config import ControllerConfig
 from specrag.controller.controller import RagController
 from specrag.controller.query import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from specrag.service.handlers import _controller_config
 from specrag.sim.engine import SimulatedEngine

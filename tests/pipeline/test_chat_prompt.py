@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from specrag.errors import ArtifactError
-from specrag.pipeline.chat_format import chat_frame
-from specrag.pipeline.engine import Sampling
-from specrag.pipeline.prompt import PromptBuilder
-from specrag.pipeline.store import DocumentStore
-from specrag.pipeline.tokenizer import Tokenizer
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.protocol import Sampling
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.models.chat_format import chat_frame
+from specrag.pipeline.models.tokenizer import Tokenizer
+from specrag.pipeline.store.document_store import DocumentStore
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from tests.helpers import run_prompt, store_of
 

@@ -19,8 +19,8 @@ COMPILED_AGAIN = "Compiling model again"
 START_AND_STOP = """
 import asyncio
 
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 
 
 async def main() -> None:

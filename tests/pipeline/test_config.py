@@ -11,13 +11,9 @@ import pytest
 
 from specrag.errors import InvalidInputError
 from specrag.pipeline.commands import engine_server_config
-from specrag.pipeline.config import (
-    VLLM_ENVIRONMENT_DEFAULTS,
-    EngineConfig,
-    cpu_has_native_bf16,
-    model_context_length,
-    resolve_dtype,
-)
+from specrag.pipeline.engines.config import VLLM_ENVIRONMENT_DEFAULTS, EngineConfig
+from specrag.pipeline.models.directory import model_context_length
+from specrag.pipeline.models.dtype import cpu_has_native_bf16, resolve_dtype
 from specrag.service.options import ServiceOptions, base_engine_config
 from specrag.service.pools import free_port_pair
 

@@ -12,9 +12,15 @@ import pytest
 import torch
 
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline import document_kv, weights_digest
-from specrag.pipeline.document_kv import DocumentKVStore, model_fingerprint, segment_key, store_namespace
-from specrag.pipeline.weights_digest import RECORD_NAME
+from specrag.pipeline.document_kv import store as document_kv
+from specrag.pipeline.document_kv.store import (
+    DocumentKVStore,
+    model_fingerprint,
+    segment_key,
+    store_namespace,
+)
+from specrag.pipeline.models import weights_digest
+from specrag.pipeline.models.weights_digest import RECORD_NAME
 
 
 def entry(tokens: int, seed: int = 0) -> torch.Tensor:

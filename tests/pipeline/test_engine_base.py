@@ -8,8 +8,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import pytest
 
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import Engine, EngineCounts, EngineOutput, Sampling, now
-from specrag.pipeline.engine_base import EngineBase
+from specrag.pipeline.engines.base import EngineBase
+from specrag.pipeline.engines.protocol import Engine, EngineCounts, EngineOutput, Sampling, now
 
 
 class ScriptedEngine(EngineBase):
@@ -179,7 +179,7 @@ async def test_a_refused_reset_is_retried_until_the_engine_does_it() -> None:
 
 
 async def test_a_reset_the_engine_keeps_refusing_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("specrag.pipeline.engine_base.RESET_TIMEOUT_S", 0.2)
+    monkeypatch.setattr("specrag.pipeline.engines.base.RESET_TIMEOUT_S", 0.2)
     engine = ScriptedEngine()
     engine.refusals = 10**6
     with pytest.raises(EngineError, match="refused to reset"):

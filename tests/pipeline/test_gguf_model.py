@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 from specrag.errors import ArtifactError
 from specrag.paths import DataLayout
-from specrag.pipeline import model_catalog
-from specrag.pipeline.gguf_model import convert_gguf, is_converted_from
-from specrag.pipeline.model_dir import MANIFEST_NAME, check_model_dir, served_model_name
-from specrag.pipeline.tokenizer import Tokenizer
+from specrag.pipeline.models import catalog as model_catalog
+from specrag.pipeline.models.directory import MANIFEST_NAME, check_model_dir, served_model_name
+from specrag.pipeline.models.gguf import convert_gguf, is_converted_from
+from specrag.pipeline.models.tokenizer import Tokenizer
 
 SOURCE = {"wheel": "test", "version": "0"}
 

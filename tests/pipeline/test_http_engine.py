@@ -13,8 +13,8 @@ import pytest_asyncio
 from aiohttp import web
 
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import Engine, Sampling
-from specrag.pipeline.http_engine import HttpEngine, HttpTimeouts
+from specrag.pipeline.engines.http_engine import HttpEngine, HttpTimeouts
+from specrag.pipeline.engines.protocol import Engine, Sampling
 from tests.helpers import EngineServer, close_stream, free_port, random_prompt, run_prompt
 
 METRICS = """\

@@ -11,7 +11,12 @@ import zmq.asyncio
 from vllm.distributed import kv_events as vllm_events
 
 from specrag.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from specrag.pipeline.kv_events import EventSequence, KVEventSubscriber, MirrorTarget, convert_event
+from specrag.pipeline.kv_mirror.subscriber import (
+    EventSequence,
+    KVEventSubscriber,
+    MirrorTarget,
+    convert_event,
+)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

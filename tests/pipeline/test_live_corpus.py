@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError, TooLargeError
-from specrag.pipeline.document_kv import segment_key
-from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, RETRAIN_DRIFT, LiveCorpus
-from specrag.pipeline.live_store import LiveStore
-from specrag.pipeline.store import build_store
+from specrag.pipeline.document_kv.store import segment_key
+from specrag.pipeline.store.document_store import build_store
+from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, RETRAIN_DRIFT, LiveCorpus
+from specrag.pipeline.store.live_store import LiveStore
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import TFIDF_SVD, IndexConfig, build_index, load_index
 from specrag.retrieval.staged_hnsw import StagedHNSW
@@ -164,9 +164,9 @@ def test_a_kill_9_right_after_an_acknowledged_write_loses_nothing(
         f"""
         import sys, time
         from pathlib import Path
-        from specrag.pipeline.live_corpus import LiveCorpus
-        from specrag.pipeline.live_store import LiveStore
-        from specrag.pipeline.tokenizer import Tokenizer
+        from specrag.pipeline.store.live_corpus import LiveCorpus
+        from specrag.pipeline.store.live_store import LiveStore
+        from specrag.pipeline.models.tokenizer import Tokenizer
         from specrag.retrieval.corpus import Passage
         from specrag.retrieval.index_store import TFIDF_SVD, IndexConfig, build_index, load_index
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specrag.errors import WritesSuspendedError
-from specrag.pipeline.live_corpus import LiveCorpus
+from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.live_index import AddedLexical, Growable, Visibility
 from tests.pipeline.test_live_corpus import made_up_words, text_corpus

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specrag.pipeline.live_corpus import LiveCorpus
+from specrag.pipeline.store.live_corpus import LiveCorpus
 from tests.pipeline.test_live_corpus import text_corpus
 
 REPLACEMENTS = 500

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specrag.pipeline.live_corpus import COMPACT_SHARE, LiveCorpus
+from specrag.pipeline.store.live_corpus import COMPACT_SHARE, LiveCorpus
 from specrag.retrieval.corpus import Passage
 from tests.pipeline.test_live_corpus import text_corpus
 from tests.pipeline.test_live_corpus_faults import new_passages

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError
-from specrag.pipeline.document_kv import SUFFIX, segment_key
-from specrag.pipeline.live_corpus import LiveCorpus
-from specrag.pipeline.live_store import Change, LiveStore, live_log_path
-from specrag.pipeline.store import DocumentStore, build_store
+from specrag.pipeline.document_kv.store import SUFFIX, segment_key
+from specrag.pipeline.store.document_store import DocumentStore, build_store
+from specrag.pipeline.store.live_corpus import LiveCorpus
+from specrag.pipeline.store.live_log import Change, live_log_path
+from specrag.pipeline.store.live_store import LiveStore
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.synthetic import GaussianMixture
@@ -127,7 +128,7 @@ def test_a_second_process_meets_the_writer_lock_at_once(tmp_path: Path) -> None:
         f"""
         from pathlib import Path
         from specrag.errors import ConflictError
-        from specrag.pipeline.live_store import LiveStore
+        from specrag.pipeline.store.live_store import LiveStore
         try:
             LiveStore(Path({str(corpus.store.path)!r}), data_dir=Path("/the/data/dir"))
         except ConflictError as error:

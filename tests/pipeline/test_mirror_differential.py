@@ -38,9 +38,9 @@ from specrag.cache.layout import PromptLayout, build_layout
 from specrag.cache.residency import CopyKey
 from specrag.cache.tree import KnowledgeTree
 from specrag.errors import EngineError
-from specrag.pipeline.config import KVEventSource
-from specrag.pipeline.kv_events import EventSequence
-from specrag.service.kv_mirror import KVMirror
+from specrag.pipeline.engines.config import KVEventSource
+from specrag.pipeline.kv_mirror.mirror import KVMirror
+from specrag.pipeline.kv_mirror.subscriber import EventSequence
 
 BLOCK = 4
 POOL_BLOCKS = 48  # small: a handful of running prompts fill it, so allocation evicts

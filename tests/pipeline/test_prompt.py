@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline.prompt import MAX_QUESTION_CHARS, QUESTION_RESERVE_TOKENS, PromptBuilder
-from specrag.pipeline.store import DocumentStore, build_store
-from specrag.pipeline.tokenizer import Tokenizer
+from specrag.pipeline.models.tokenizer import Tokenizer
+from specrag.pipeline.store.document_store import DocumentStore, build_store
+from specrag.pipeline.store.prompt import MAX_QUESTION_CHARS, QUESTION_RESERVE_TOKENS, PromptBuilder
 from specrag.retrieval.corpus import Passage
 from tests.helpers import store_of
 

@@ -9,13 +9,13 @@ import pytest
 from safetensors import safe_open
 
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline.random_model import (
+from specrag.pipeline.models.random_model import (
     RandomModelSpec,
     check_model_dir,
     is_current_random_model,
     make_random_model,
 )
-from specrag.pipeline.tokenizer import Tokenizer, tokenizer_fingerprint
+from specrag.pipeline.models.tokenizer import Tokenizer, tokenizer_fingerprint
 from tests.helpers import TINY_MODEL_SPEC
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.engines.config import EngineConfig
 
 pytest.importorskip("ray")
 
@@ -14,7 +14,7 @@ pytest.importorskip("ray")
 def test_a_replicas_kv_events_bind_its_node_not_every_interface(tmp_path: Path) -> None:
     """The actor binds its node's address (written the way vLLM's publisher binds rather than
     connects: IPv4-mapped) and the caller subscribes there; never ``*``."""
-    from specrag.pipeline.ray_engine import on_node, replica_config, subscriber_config
+    from specrag.pipeline.engines.ray_engine import on_node, replica_config, subscriber_config
 
     config = replica_config(EngineConfig(model=str(tmp_path)), 1, 5600, cpus=2)
     assert config.kv_events_endpoint == "tcp://*:5600"  # open until the actor knows its node

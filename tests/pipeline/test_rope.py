@@ -8,7 +8,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from specrag.errors import InvalidInputError
-from specrag.pipeline.rope import RopeSpec
+from specrag.pipeline.document_kv.rope import RopeSpec
 
 HEAD_DIM, THETA = 64, 100000.0  # the real default model's (SmolLM2-135M)
 

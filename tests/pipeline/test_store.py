@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline.store import (
+from specrag.pipeline.store.document_store import (
     DEFAULT_SEGMENT_TEMPLATE,
     DocumentStore,
     build_store,

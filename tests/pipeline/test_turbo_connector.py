@@ -6,8 +6,8 @@ import pytest
 import torch
 from vllm import _custom_ops as ops
 
-from specrag.pipeline.document_kv import segment_key
-from specrag.pipeline.turbo_connector import BlockLayout, claim_plan
+from specrag.pipeline.document_kv.connector import BlockLayout, claim_plan
+from specrag.pipeline.document_kv.store import segment_key
 
 TOKENS = list(range(100, 200))  # system 0-32, doc A 32-64, doc B 64-96, question 96-100
 SPANS = [[0, 32], [32, 64], [64, 96]]

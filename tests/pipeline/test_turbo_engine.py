@@ -15,11 +15,11 @@ import pytest_asyncio
 import torch
 
 from specrag.errors import InvalidInputError
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.document_kv import segment_key
-from specrag.pipeline.engine import Sampling
-from specrag.pipeline.rope import RopeSpec
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.document_kv.rope import RopeSpec
+from specrag.pipeline.document_kv.store import segment_key
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.engines.protocol import Sampling
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from tests.helpers import random_prompt, run_prompt, wait_until
 
 pytestmark = pytest.mark.engine

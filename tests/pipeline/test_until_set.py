@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from specrag.errors import EngineError
-from specrag.pipeline.vllm_engine import until_set
+from specrag.pipeline.engines.vllm_engine import until_set
 
 
 async def items_then_silence(items: list[int], silent: asyncio.Event) -> AsyncIterator[int]:

@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 from specrag.errors import InvalidInputError
-from specrag.pipeline.engine import Engine, EngineOutput, Sampling
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.protocol import Engine, EngineOutput, Sampling
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from tests.helpers import close_stream, engine_idle, random_prompt, run_prompt, wait_until
 
 pytestmark = pytest.mark.engine

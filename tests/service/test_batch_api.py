@@ -20,7 +20,7 @@ import pytest_asyncio
 from specrag.cli import main
 from specrag.client import AsyncClient, SpecragHTTPError
 from specrag.controller.controller import RagController
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from tests.helpers import assert_engine_idle, make_controller, metric, running
 

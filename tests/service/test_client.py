@@ -20,7 +20,7 @@ from specrag.client import (
 )
 from specrag.controller.controller import RagController
 from specrag.errors import SpecragError
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from specrag.service.server import serving
 from tests.helpers import QUESTION, TOKEN, assert_engine_idle, free_port, make_controller, metric, running

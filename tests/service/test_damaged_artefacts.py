@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from specrag.pipeline.store import DocumentStore
+from specrag.pipeline.store.document_store import DocumentStore
 from specrag.service.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import QUESTION, A, make_controller, running, scripted_index, store_of

@@ -8,7 +8,7 @@ import pytest
 
 from specrag.client import AsyncClient
 from specrag.paths import DataLayout
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.service.assets import ensure_assets
 from specrag.service.demo import run_demo
 from specrag.service.server import create_app, serving

@@ -13,7 +13,7 @@ import pytest
 from specrag.cli import main
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout
-from specrag.pipeline.live_corpus import LiveCorpus, Written
+from specrag.pipeline.store.live_corpus import LiveCorpus, Written
 from specrag.retrieval.corpus import Passage
 from specrag.service.assets import Assets, ensure_assets
 

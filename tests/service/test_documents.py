@@ -17,9 +17,9 @@ import pytest
 from specrag.cli import main
 from specrag.client import AsyncClient, SpecragHTTPError
 from specrag.controller.query import RagRequest
-from specrag.pipeline.engine import EngineOutput, Sampling
-from specrag.pipeline.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus
-from specrag.pipeline.live_store import LiveStore
+from specrag.pipeline.engines.protocol import EngineOutput, Sampling
+from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus
+from specrag.pipeline.store.live_store import LiveStore
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import load_index
 from specrag.service.assets import Assets

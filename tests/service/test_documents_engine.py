@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specrag.client import AsyncClient
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from specrag.service.documents import add_document_routes
 from specrag.service.server import create_app, serving

@@ -18,13 +18,13 @@ import pytest
 from specrag.client import AsyncClient
 from specrag.controller.controller import RagController, RagRequest
 from specrag.controller.placement import Placement
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.supervisor import SupervisedEngine
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.kv_mirror.mirror import WAITING_FOR_CLEAR, KVMirror
 from specrag.service.assembly import Service, ServiceOptions, open_service
 from specrag.service.assets import Assets
-from specrag.service.kv_mirror import WAITING_FOR_CLEAR, KVMirror
 from specrag.service.pools import free_port_pair
 from specrag.service.server import serving
-from specrag.service.supervisor import SupervisedEngine
 from tests.helpers import QUESTION, EngineServer, scripted_index, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]

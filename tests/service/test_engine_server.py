@@ -14,9 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specrag.controller.controller import RagRequest
-from specrag.pipeline.http_engine import HttpTimeouts
-from specrag.pipeline.model_dir import served_model_name
-from specrag.pipeline.random_model import RANDOM_MODEL_NAME
+from specrag.pipeline.engines.http_engine import HttpTimeouts
+from specrag.pipeline.models.directory import served_model_name
+from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.service.assembly import ServiceOptions, open_service
 from specrag.service.assets import Assets
 from specrag.service.pools import free_port_pair

@@ -13,8 +13,8 @@ import pytest_asyncio
 from specrag.controller.config import ControllerConfig
 from specrag.controller.controller import RagRequest
 from specrag.controller.query import AnswerDone
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.service.assembly import open_controller, prompt_builder
 from specrag.service.assets import Assets
 from tests.helpers import wait_until

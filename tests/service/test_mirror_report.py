@@ -5,9 +5,9 @@ from __future__ import annotations
 import aiohttp
 
 from specrag.cache import BlockRemoved, KnowledgeTree
-from specrag.pipeline.config import KVEventSource
+from specrag.pipeline.engines.config import KVEventSource
+from specrag.pipeline.kv_mirror.mirror import KVMirror
 from specrag.service.assets import Assets
-from specrag.service.kv_mirror import KVMirror
 from specrag.service.metrics import ServiceMetrics
 from specrag.service.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
 from specrag.service.server import create_app, serving

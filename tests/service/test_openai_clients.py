@@ -27,7 +27,7 @@ from langchain_openai import ChatOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 from pydantic import SecretStr
 
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from specrag.service.server import create_app, serving
 from tests.helpers import QUESTION, make_controller

@@ -12,7 +12,7 @@ import pytest
 
 from specrag.controller.controller import RagController, RagRequest
 from specrag.errors import EngineError
-from specrag.pipeline.config import EngineConfig
+from specrag.pipeline.engines.config import EngineConfig
 from specrag.service.assets import Assets
 from specrag.service.options import ServiceOptions
 from specrag.service.pools import open_pool, open_ray_engines
@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 async def test_two_ray_replicas_answer_queries_and_a_killed_one_is_routed_around(
     tiny_assets: Assets, tiny_engine_config: EngineConfig
 ) -> None:
-    from specrag.pipeline.prompt import PromptBuilder
-    from specrag.pipeline.ray_engine import RayEngine
+    from specrag.pipeline.engines.ray_engine import RayEngine
+    from specrag.pipeline.store.prompt import PromptBuilder
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from tests.helpers import make_controller, running
 

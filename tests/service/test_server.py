@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from specrag.controller.controller import RagController, RagRequest
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.service.assets import Assets
 from tests.helpers import (
     QUESTION,

@@ -11,8 +11,8 @@ import pytest
 from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from specrag.cache.residency import BlockPool, chain_block_keys
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import Engine, EngineOutput, Sampling
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.protocol import Engine, EngineOutput, Sampling
+from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.sim.engine import SimulatedEngine
 from specrag.sim.requests import TimeModel
 from tests.helpers import close_stream, engine_idle, random_prompt, run_prompt, wait_until

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from specrag.pipeline.engine import Sampling, now
+from specrag.pipeline.engines.protocol import Sampling, now
 from specrag.sim import virtual_time
 from specrag.sim.engine import SimulatedEngine
 from specrag.sim.requests import TimeModel

@@ -1,6 +1,6 @@
 """Keep an engine alive: detect a dead or hung engine, replace it, tell whoever mirrors its cache.
 
-:class:`SupervisedEngine` is an :class:`~specrag.pipeline.engine.Engine` that delegates to the
+:class:`SupervisedEngine` is an :class:`~specrag.pipeline.engines.protocol.Engine` that delegates to the
 engine it started. When a request fails with :class:`EngineError` (the engine died, errored or
 produced no token in time), it probes the engine with a one-token request under a deadline; if
 that fails too, it closes the engine (bounded in time) and starts a new one: a restart of the
@@ -13,7 +13,7 @@ waiting as soon as a start has failed. ``on_restart`` callbacks run once the new
 (its prefix cache is empty: the knowledge tree must forget what it believed resident).
 :meth:`begin_shutdown` says the service is stopping: the engine's failures from then on are the
 shutdown's doing, so they are neither probed nor repaired, and they answer 503. It offers itself
-as the engine's :class:`~specrag.pipeline.engine.Supervision`, so the controller and the service
+as the engine's :class:`~specrag.pipeline.engines.protocol.Supervision`, so the controller and the service
 ask the engine for supervision instead of checking its class.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from specrag.errors import EngineError, EngineUnavailableError
-from specrag.pipeline.engine import (
+from specrag.pipeline.engines.protocol import (
     Engine,
     EngineCounts,
     EngineLoad,

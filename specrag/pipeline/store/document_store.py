@@ -7,7 +7,7 @@ every prefix-cache block after it. Token IDs depend on the tokenizer, so the sto
 tokenizer's fingerprint and the segment template and refuses to serve another tokenizer.
 
 Rows are positional: row ``i`` is passage ``i`` of the corpus, the same integer the vector index
-returns. Every row carries a checksum that each read verifies (:mod:`specrag.pipeline.store_check`):
+returns. Every row carries a checksum that each read verifies (:mod:`specrag.pipeline.store.checksums`):
 a damaged row is an :class:`ArtifactError` naming the file, never different tokens in a prompt.
 This module knows nothing of models: the tokenizer is a function handed in.
 """
@@ -26,7 +26,7 @@ import numpy as np
 
 from specrag.atomic import atomic_file
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline.store_check import damaged_row, row_checksum, verify_row
+from specrag.pipeline.store.checksums import damaged_row, row_checksum, verify_row
 from specrag.retrieval.corpus import Passage
 
 __all__ = [

@@ -2,8 +2,9 @@
 
 TurboRAG's offline half. A segment (a document as the prompt builder lays it out, or the system
 prompt) is prefilled once with nothing before it, starting at position 0, and its KV kept here; at
-query time :mod:`specrag.pipeline.turbo_connector` writes it into a request's KV blocks wherever the
-segment sits in the prompt, rotating the keys to their new positions (:mod:`specrag.pipeline.rope`).
+query time :mod:`specrag.pipeline.document_kv.connector` writes it into a request's KV blocks
+wherever the segment sits in the prompt, rotating the keys to their new positions
+(:mod:`specrag.pipeline.document_kv.rope`).
 
 Entries are keyed by what makes KV reusable: the model (a fingerprint of its config, its whole
 weights and the vLLM version), the dtype the engine computes in, the KV block size (a namespace
@@ -31,7 +32,7 @@ import torch
 
 from specrag.atomic import atomic_write_bytes
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline.weights_digest import weights_digests
+from specrag.pipeline.models.weights_digest import weights_digests
 
 __all__ = [
     "LOADED_KEY",
@@ -78,7 +79,7 @@ def model_fingerprint(model_dir: Path) -> str:
 
     KV depends on every weight and on the kernels that computed it, so all of them are in the
     key. The weights are hashed whole once and the digests recorded beside them
-    (:mod:`specrag.pipeline.weights_digest`), so a start reads only their record.
+    (:mod:`specrag.pipeline.models.weights_digest`), so a start reads only their record.
     """
     config = model_dir / "config.json"
     if not config.is_file():

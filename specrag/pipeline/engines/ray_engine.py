@@ -2,10 +2,11 @@
 
 Each replica is an async Ray actor running the unchanged :class:`VllmEngine` (vLLM switches its
 worker start method to ``spawn`` inside the actor by itself). :class:`RayEngine` is the
-:class:`~specrag.pipeline.engine.Engine` the controller sees on the caller's side:
+:class:`~specrag.pipeline.engines.protocol.Engine` the controller sees on the caller's side:
 
 - **Streaming**: the actor's ``generate`` is an async generator; the caller iterates the
-  streaming ``ObjectRefGenerator`` and awaits each output (a few ms per request, ~0.5 ms per token).
+  streaming ``ObjectRefGenerator`` and awaits each output (its cost per request and per token:
+  docs/scale-out.md).
 - **Aborts** are explicit: dropping the caller's generator does *not* stop the request in the
   actor, so leaving a stream early calls the actor's ``abort`` (as every adapter does).
 - **Placement**: a GPU per replica when the cluster has them; otherwise a CPU, and the replica's
@@ -37,9 +38,9 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 
 from specrag.errors import EngineError
-from specrag.pipeline.config import EngineConfig, KVEventSource
-from specrag.pipeline.engine import EngineCounts, EngineOutput, EngineShape, Sampling, now
-from specrag.pipeline.engine_base import DescribedEngine
+from specrag.pipeline.engines.base import DescribedEngine
+from specrag.pipeline.engines.config import EngineConfig, KVEventSource
+from specrag.pipeline.engines.protocol import EngineCounts, EngineOutput, EngineShape, Sampling, now
 
 __all__ = ["EngineActor", "RayEngine", "ReplicaInfo", "on_node", "replica_config", "subscriber_config"]
 
@@ -68,7 +69,7 @@ class EngineActor:
     async def _ready(self) -> Any:
         async with self._starting:
             if self._engine is None:
-                from specrag.pipeline.vllm_engine import VllmEngine
+                from specrag.pipeline.engines.vllm_engine import VllmEngine
 
                 config = on_node(self._config, ray.util.get_node_ip_address())
                 self._engine = await VllmEngine.start(config)
@@ -121,7 +122,7 @@ class EngineActor:
 
 
 class RayEngine(DescribedEngine):
-    """:class:`~specrag.pipeline.engine.Engine` over one replica actor (module doc)."""
+    """:class:`~specrag.pipeline.engines.protocol.Engine` over one replica actor (module doc)."""
 
     _info: ReplicaInfo
 

@@ -1,6 +1,6 @@
 """The digest of a model's whole weights, computed once and recorded beside them.
 
-Document KV (:mod:`specrag.pipeline.document_kv`) depends on every weight, so its key must change
+Document KV (:mod:`specrag.pipeline.document_kv.store`) depends on every weight, so its key must change
 when any weight does; hashing gigabytes at every start is too slow. The digest of each weights
 file is therefore recorded in ``specrag-weights.json`` in the model directory: when specrag makes
 a model (conversion, random model) at the time it writes it, otherwise at first use. A recorded

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from specrag.cache import AllBlocksCleared, KnowledgeTree
 from specrag.errors import EngineError
-from specrag.pipeline.config import KVEventSource
-from specrag.service.kv_mirror import WAITING_FOR_CLEAR, WAITING_FOR_JOIN, KVMirror
+from specrag.pipeline.engines.config import KVEventSource
+from specrag.pipeline.kv_mirror.mirror import WAITING_FOR_CLEAR, WAITING_FOR_JOIN, KVMirror
 from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout
 
 

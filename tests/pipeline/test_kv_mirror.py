@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from specrag.controller.controller import RagRequest
-from specrag.pipeline.config import EngineConfig
-from specrag.pipeline.vllm_engine import VllmEngine
+from specrag.pipeline.engines.config import EngineConfig
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.kv_mirror.mirror import KVMirror
 from specrag.service.assets import Assets
-from specrag.service.kv_mirror import KVMirror
 from tests.helpers import make_controller, scripted_index, wait_until
 
 pytestmark = pytest.mark.engine

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from specrag.errors import ArtifactError
-from specrag.pipeline.chat_format import ChatFrame, Messages, chat_frame
+from specrag.pipeline.models.chat_format import ChatFrame, Messages, chat_frame
 
 __all__ = ["Tokenizer", "tokenizer_fingerprint"]
 

@@ -9,11 +9,11 @@ their first token (:meth:`Engine.load`); the speculation gate does not read that
 prefill pool itself (``specrag.controller.gate``), so the two can be checked against each other.
 
 The adapters share their request bookkeeping through
-:class:`~specrag.pipeline.engine_base.EngineBase`: the base validates and tracks requests, each
+:class:`~specrag.pipeline.engines.base.EngineBase`: the base validates and tracks requests, each
 adapter only talks to its engine.
 
 Supervision is an optional capability, asked for through :attr:`Engine.supervision` rather than by
-the engine's class: an engine that something keeps alive (the service's supervisor) returns its
+the engine's class: an engine that something keeps alive (the supervisor beside the adapters) returns its
 :class:`Supervision`; a bare adapter returns None.
 """
 
@@ -204,8 +204,8 @@ class Supervision(Protocol):
 
 class Engine(ABC):
     """An inference engine with automatic prefix caching, driven by token IDs: the one contract
-    every engine fulfils (the adapters through :class:`~specrag.pipeline.engine_base.EngineBase`,
-    the service's supervisor by wrapping one)."""
+    every engine fulfils (the adapters through :class:`~specrag.pipeline.engines.base.EngineBase`,
+    the supervisor by wrapping one)."""
 
     @property
     @abstractmethod

@@ -65,7 +65,7 @@ def engine_stamp(output: Any, name: str) -> float | None:
     its own process; on Linux that is CLOCK_MONOTONIC, the clock ``time.perf_counter()`` reads
     here too (both system-wide), so the stamps compare directly with our timelines. The
     statistics exist only with vLLM's stat logging on, which the in-process engine turns on
-    (:mod:`specrag.pipeline.vllm_engine`).
+    (:mod:`specrag.pipeline.engines.vllm_engine`).
     """
     metrics = getattr(output, "metrics", None)
     stamp = getattr(metrics, name, 0.0) if metrics is not None else 0.0

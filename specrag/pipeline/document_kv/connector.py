@@ -8,12 +8,12 @@ Scheduler side: a request whose ``kv_transfer_params`` name its document spans
 hit, every token up to the end of its last span, provided each span from the hit on is in the store
 and they leave no gap. vLLM then prefills only what follows (the question). A request marked
 ``{"specrag_turbo": {"save": true}}`` (a segment prefilled alone, see
-:meth:`specrag.pipeline.vllm_engine.VllmEngine.fill_document_kv`) has its whole prompt's KV saved
+:meth:`specrag.pipeline.engines.vllm_engine.VllmEngine.fill_document_kv`) has its whole prompt's KV saved
 (with spans too: a turbo prompt's KV as loaded and computed, for checking the load).
 
 Worker side: before the forward pass of the step that admits a request, each claimed span's
 stored KV is written into the request's blocks with the keys rotated from their stored positions
-(0, 1, ...) to their prompt positions (:mod:`specrag.pipeline.rope`), using the attention
+(0, 1, ...) to their prompt positions (:mod:`specrag.pipeline.document_kv.rope`), using the attention
 backend's own cache-write op, so the backend's internal block layout (the CPU backend stores keys
 transposed per block, and packs them differently per instruction set) never has to be known for
 writing. Saving must read that layout: :class:`BlockLayout` learns it by writing coded keys
@@ -22,7 +22,7 @@ load error; vLLM then recomputes those blocks (``kv_load_failure_policy="recompu
 
 The blocks a turbo request fills are approximations of a full prefill (each document saw only
 itself), so turbo requests run under their own prefix-cache salt: a full-prefill request never
-reuses them (:data:`specrag.pipeline.document_kv.TURBO_CACHE_SALT`).
+reuses them (:data:`specrag.pipeline.document_kv.store.TURBO_CACHE_SALT`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from specrag.errors import ArtifactError
-from specrag.pipeline.document_kv import LOADED_KEY, PARAMS_KEY, DocumentKVStore, segment_key, store_namespace
-from specrag.pipeline.rope import RopeSpec
+from specrag.pipeline.document_kv.rope import RopeSpec
+from specrag.pipeline.document_kv.store import (
+    LOADED_KEY,
+    PARAMS_KEY,
+    DocumentKVStore,
+    segment_key,
+    store_namespace,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

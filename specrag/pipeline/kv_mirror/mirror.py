@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 from specrag.cache.events import AllBlocksCleared, KVEvent
 from specrag.cache.tree import KnowledgeTree
 from specrag.errors import EngineError
-from specrag.pipeline.config import KVEventSource
+from specrag.pipeline.engines.config import KVEventSource
 
 if TYPE_CHECKING:
-    from specrag.pipeline.kv_events import KVEventSubscriber, MirrorTarget
+    from specrag.pipeline.kv_mirror.subscriber import KVEventSubscriber, MirrorTarget
 
 __all__ = ["WAITING_FOR_CLEAR", "WAITING_FOR_JOIN", "KVMirror", "MirrorFaults", "MirrorStatus"]
 
@@ -115,7 +115,7 @@ class KVMirror:
     @property
     def target(self) -> MirrorTarget:
         """What an event stream feeds (the subscriber, or a test driving one by hand)."""
-        from specrag.pipeline.kv_events import MirrorTarget
+        from specrag.pipeline.kv_mirror.subscriber import MirrorTarget
 
         return MirrorTarget(self._apply, self._publisher_started, self._degrade, self._unsure)
 
@@ -172,7 +172,7 @@ class KVMirror:
 
     async def _subscribe(self, catch_up: bool) -> KVEventSubscriber:
         # The subscriber decodes with vLLM's own classes: import it only when events are on.
-        from specrag.pipeline.kv_events import KVEventSubscriber
+        from specrag.pipeline.kv_mirror.subscriber import KVEventSubscriber
 
         self._degraded, self._lost = WAITING_FOR_JOIN, False
         subscriber = KVEventSubscriber(

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from specrag.cache import KnowledgeTree
-from specrag.pipeline.config import KVEventSource
-from specrag.service.kv_mirror import WAITING_FOR_JOIN, KVMirror
+from specrag.pipeline.engines.config import KVEventSource
+from specrag.pipeline.kv_mirror.mirror import WAITING_FOR_JOIN, KVMirror
 from tests.helpers import wait_until
 from tests.pipeline.test_kv_events import Publisher
-from tests.service.test_kv_mirror_state import Resets
+from tests.pipeline.test_kv_mirror_state import Resets
 
 pytestmark = pytest.mark.timeout(60)
 

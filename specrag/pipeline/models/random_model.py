@@ -2,7 +2,7 @@
 
 Its weights are random (fixed seed), so its answers are noise, but its prefill and decode costs are
 those of a real transformer run by the real engine: every latency measured on it is real. It stays
-beside the real default model (:mod:`specrag.pipeline.model_catalog`) for experiments that need
+beside the real default model (:mod:`specrag.pipeline.models.catalog`) for experiments that need
 to set the prefill cost, such as the pipelining sweep, where search and prefill must cost about the
 same.
 The tokenizer is a byte-level BPE trained on the bundled corpus, so passages tokenize to a
@@ -24,9 +24,9 @@ from typing import Any
 
 from specrag.atomic import atomic_directory
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.pipeline.config import Dtype, cpu_has_native_bf16
-from specrag.pipeline.model_dir import MANIFEST_NAME, check_model_dir
-from specrag.pipeline.weights_digest import record_weights
+from specrag.pipeline.models.directory import MANIFEST_NAME, check_model_dir
+from specrag.pipeline.models.dtype import Dtype, cpu_has_native_bf16
+from specrag.pipeline.models.weights_digest import record_weights
 
 __all__ = [
     "RANDOM_MODEL_NAME",

@@ -21,7 +21,6 @@ Why these defaults (docs/vllm-cpu.md gives the measurements behind each):
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import socket
@@ -31,27 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from specrag.errors import InvalidInputError, values
+from specrag.pipeline.models.dtype import Dtype, resolve_dtype
 
 __all__ = [
     "VLLM_ENVIRONMENT_DEFAULTS",
-    "Dtype",
     "EngineConfig",
     "KVEventSource",
     "apply_environment",
-    "cpu_has_native_bf16",
-    "model_context_length",
     "parse_cpus",
-    "resolve_dtype",
 ]
-
-
-class Dtype(enum.StrEnum):
-    """The compute dtypes vLLM may be started with (``auto``: the model's own, see :func:`resolve_dtype`)."""
-
-    AUTO = "auto"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-    FLOAT32 = "float32"
 
 
 @dataclass(frozen=True)
@@ -96,23 +83,6 @@ def parse_cpus(spec: str, flag: str) -> frozenset[int]:
     if not cores or not all(0 <= core < count for core in cores):
         raise InvalidInputError(f"{flag} {spec!r} is not within this machine's cores 0..{count - 1}")
     return frozenset(cores)
-
-
-# Where Hugging Face configs keep a model's context length, by architecture family.
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-
-def model_context_length(model_dir: Path) -> int | None:
-    """The context length a Hugging Face model directory's config.json declares (the shortest, if
-    it names several), or None."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    lengths = [config[key] for key in _CONTEXT_KEYS if isinstance(config.get(key), int) and config[key] > 0]
-    return min(lengths) if lengths else None
 
 
 # vLLM settings of ours that a user may still override from the environment (docs/vllm-cpu.md):
@@ -162,8 +132,8 @@ class EngineConfig:
     kv_events_topic: str = "kv"
     #: How long the engine may take to start before it counts as failed.
     startup_timeout_s: float = 300.0
-    #: TurboRAG: the document KV store's directory (:mod:`specrag.pipeline.document_kv`); set, the
-    #: engine loads :mod:`specrag.pipeline.turbo_connector` as vLLM's KV connector. None: off.
+    #: TurboRAG: the document KV store's directory (:mod:`specrag.pipeline.document_kv.store`); set, the
+    #: engine loads :mod:`specrag.pipeline.document_kv.connector` as vLLM's KV connector. None: off.
     document_kv_dir: str | None = None
     #: The document KV store's size bound; least recently used entries go.
     document_kv_max_gib: float = 4.0
@@ -270,7 +240,7 @@ class EngineConfig:
     def engine_arguments(self, on_cpu: bool) -> dict[str, Any]:
         """vLLM's engine arguments for this config, the one source for both ways of running vLLM.
 
-        :class:`~specrag.pipeline.vllm_engine.VllmEngine` passes them to ``AsyncEngineArgs``;
+        :class:`~specrag.pipeline.engines.vllm_engine.VllmEngine` passes them to ``AsyncEngineArgs``;
         :meth:`server_command` turns them into the OpenAI server's flags, so an engine started as a
         separate server runs with exactly the settings specrag relies on.
         """
@@ -304,13 +274,13 @@ class EngineConfig:
 
     def document_kv_transfer_config(self) -> dict[str, Any]:
         """vLLM's ``kv_transfer_config`` that loads our TurboRAG connector from its module path."""
-        from specrag.pipeline.document_kv import model_fingerprint
+        from specrag.pipeline.document_kv.store import model_fingerprint
 
         if self.document_kv_dir is None:
             raise InvalidInputError("engine config: document KV needs document_kv_dir")
         return {
             "kv_connector": "TurboConnector",
-            "kv_connector_module_path": "specrag.pipeline.turbo_connector",
+            "kv_connector_module_path": "specrag.pipeline.document_kv.connector",
             "kv_role": "kv_both",
             # A document evicted between claim and load is recomputed, not failed.
             "kv_load_failure_policy": "recompute",
@@ -376,33 +346,3 @@ def _publisher_address(host: str) -> str:
 def apply_environment(config: EngineConfig) -> None:
     """Export :meth:`EngineConfig.process_environment` before the engine spawns its core process."""
     os.environ.update(config.process_environment())
-
-
-# CPU flags (x86 /proc/cpuinfo "flags", aarch64 "Features") that mean bfloat16 matrix products run
-# natively. Without them PyTorch emulates bfloat16, many times slower than float32 (docs/vllm-cpu.md).
-_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU computes in bfloat16 natively (``cpuinfo``: the text of /proc/cpuinfo)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return True  # not Linux: leave the choice to vLLM
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features") and _NATIVE_BF16_FLAGS & set(value.split()):
-            return True
-    return False
-
-
-def resolve_dtype(dtype: str, on_cpu: bool, cpuinfo: str | None = None) -> str:
-    """The dtype to start vLLM with: ``auto`` becomes float32 on a CPU without native bfloat16.
-
-    vLLM's ``auto`` takes the model's own dtype (bfloat16 for the default model and most models
-    on the hub), which such a CPU can only emulate. An explicit dtype is always kept.
-    """
-    if dtype == Dtype.AUTO and on_cpu and not cpu_has_native_bf16(cpuinfo):
-        return Dtype.FLOAT32
-    return dtype

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.config import EngineConfig, apply_environment
-from specrag.pipeline.document_kv import (
+from specrag.pipeline.document_kv.store import (
     LOADED_KEY,
     PARAMS_KEY,
     TURBO_CACHE_SALT,
@@ -28,9 +27,15 @@ from specrag.pipeline.document_kv import (
     segment_key,
     store_namespace,
 )
-from specrag.pipeline.engine import EngineCounts, EngineOutput, Sampling, now
-from specrag.pipeline.engine_base import EngineBase
-from specrag.pipeline.vllm_stats import SchedulerSnapshot, engine_stamp, scheduled_at, stat_logger_factory
+from specrag.pipeline.engines.base import EngineBase
+from specrag.pipeline.engines.config import EngineConfig, apply_environment
+from specrag.pipeline.engines.protocol import EngineCounts, EngineOutput, Sampling, now
+from specrag.pipeline.engines.vllm_stats import (
+    SchedulerSnapshot,
+    engine_stamp,
+    scheduled_at,
+    stat_logger_factory,
+)
 
 __all__ = [
     "ENGINE_STOP_TIMEOUT_S",
@@ -73,7 +78,7 @@ def _engine_args(config: EngineConfig) -> Any:
 
 
 class VllmEngine(EngineBase):
-    """:class:`specrag.pipeline.engine.Engine` over an in-process vLLM ``AsyncLLM``."""
+    """:class:`specrag.pipeline.engines.protocol.Engine` over an in-process vLLM ``AsyncLLM``."""
 
     def __init__(self, llm: Any, config: EngineConfig, snapshot: SchedulerSnapshot) -> None:
         super().__init__()
@@ -376,7 +381,7 @@ def document_kv_tokens(output: Any) -> int | None:
 def _document_kv_store(vllm_config: Any) -> DocumentKVStore | None:
     """The store the connector of this engine uses, from the settings vLLM runs with."""
     transfer = vllm_config.kv_transfer_config
-    if transfer is None or transfer.kv_connector_module_path != "specrag.pipeline.turbo_connector":
+    if transfer is None or transfer.kv_connector_module_path != "specrag.pipeline.document_kv.connector":
         return None
     extra = transfer.kv_connector_extra_config
     namespace = store_namespace(

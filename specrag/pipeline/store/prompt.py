@@ -4,7 +4,7 @@ The system prompt and the question are tokenized here (once for the system promp
 never re-tokenized: their segments come from the store, in the order the cache layer chose, and
 :func:`specrag.cache.layout.build_layout` lays them out, padding to KV-block multiples if asked.
 
-A model with a chat template gets its own format (:mod:`specrag.pipeline.chat_format`): the
+A model with a chat template gets its own format (:mod:`specrag.pipeline.models.chat_format`): the
 template's text before the documents ends the system segment, its text after the question ends
 the question segment, and a later turn opens with the text between an answer and the next
 question. Every fixed piece is tokenized once, so document segments stay where they were and two
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from specrag.cache.layout import PromptLayout, build_layout
 from specrag.errors import InvalidInputError
-from specrag.pipeline.store import DocumentStore
-from specrag.pipeline.tokenizer import Tokenizer
+from specrag.pipeline.models.tokenizer import Tokenizer
+from specrag.pipeline.store.document_store import DocumentStore
 
 __all__ = [
     "CHAT_QUESTION_TEMPLATE",

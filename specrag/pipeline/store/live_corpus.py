@@ -5,8 +5,8 @@ A change is made in this order, under one lock (one writer at a time):
 1. each new version is tokenized as its prompt segment (its own row's label) and embedded, and
    everything that can fail on it is checked and worked out for the index (its vectors, its rows,
    each text's terms: :meth:`~specrag.retrieval.vector_index.VectorIndex.prepare_changes`);
-2. the changes are committed to the store's log, fsynced (:class:`~specrag.pipeline.live_store.LiveStore`):
-   from here on the change survives a crash;
+2. the changes are committed to the store's log, fsynced
+   (:class:`~specrag.pipeline.store.live_store.LiveStore`): from here on the change survives a crash;
 3. the index appends the new rows and hides the replaced or deleted ones in one swap
    (:meth:`~specrag.retrieval.vector_index.VectorIndex.apply_prepared`): a search that starts
    afterwards sees the new versions only, one that started before sees the old ones only.
@@ -52,8 +52,9 @@ from specrag.errors import (
     TooLargeError,
     WritesSuspendedError,
 )
-from specrag.pipeline.live_store import BASE_VERSION, Change, LiveStore
-from specrag.pipeline.store import TokenizeBatch, render_segment
+from specrag.pipeline.store.document_store import TokenizeBatch, render_segment
+from specrag.pipeline.store.live_log import Change
+from specrag.pipeline.store.live_store import BASE_VERSION, LiveStore
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.live_index import Retrainable
 from specrag.retrieval.text import normalize_text
@@ -197,8 +198,9 @@ class LiveCorpus:
         self._pending: list[PreparedChanges] = []
         self._suspended: str | None = None
         #: The most tokens a document's prompt segment may have (None: no limit), set by whoever
-        #: knows the engine's context (:meth:`~specrag.pipeline.prompt.PromptBuilder.document_token_limit`): a
-        #: longer document would fit no prompt, and every query that retrieved it would fail.
+        #: knows the engine's context
+        #: (:meth:`~specrag.pipeline.store.prompt.PromptBuilder.document_token_limit`): a longer
+        #: document would fit no prompt, and every query that retrieved it would fail.
         self.segment_token_limit: int | None = None
 
     @classmethod

@@ -14,7 +14,14 @@ from typing import Any
 
 from specrag.errors import ArtifactError
 
-__all__ = ["MANIFEST_NAME", "REQUIRED_FILES", "check_model_dir", "read_manifest", "served_model_name"]
+__all__ = [
+    "MANIFEST_NAME",
+    "REQUIRED_FILES",
+    "check_model_dir",
+    "model_context_length",
+    "read_manifest",
+    "served_model_name",
+]
 
 MANIFEST_NAME = "specrag-model.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -46,3 +53,20 @@ def served_model_name(model_dir: Path) -> str:
     manifest = read_manifest(model_dir) or {}
     name = manifest.get("name")
     return name if isinstance(name, str) and name else model_dir.resolve().name
+
+
+# Where Hugging Face configs keep a model's context length, by architecture family.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def model_context_length(model_dir: Path) -> int | None:
+    """The context length a Hugging Face model directory's config.json declares (the shortest, if
+    it names several), or None."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    lengths = [config[key] for key in _CONTEXT_KEYS if isinstance(config.get(key), int) and config[key] > 0]
+    return min(lengths) if lengths else None
