@@ -18,6 +18,7 @@ from specrag.retrieval.corpus import (
 )
 from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.index_store import FITTED_EMBEDDERS, KINDS, IndexConfig, build_index, save_index
+from specrag.retrieval.pgvector.flags import add_arguments as add_pgvector_arguments
 
 __all__ = ["BROUGHT_EMBEDDERS", "register"]
 
@@ -72,6 +73,10 @@ def _index_build(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     passages = load_passages(corpus)
+    if args.backend == "pgvector":  # into a PostgreSQL table instead of the index directory
+        from specrag.retrieval.pgvector.assembly import build_table
+
+        return build_table(args, passages, config, brought)
     index = build_index(passages, config, embedder=brought, progress=True)
     save_index(index, output)
     print(
@@ -138,4 +143,5 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     index_build.add_argument(
         "--seed", type=int, default=defaults.seed, help="seed of SVD, k-means and padding"
     )
+    add_pgvector_arguments(index_build, building=True)
     index_build.set_defaults(handler=_index_build)

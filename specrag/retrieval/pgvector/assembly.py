@@ -1,0 +1,122 @@
+"""From command-line arguments to a loaded table or a served :class:`VectorIndex`.
+
+``specrag index build --backend pgvector`` loads the corpus into a table (:func:`build_table`);
+``specrag serve --backend pgvector`` searches one (:func:`open_index`): the table's rows are the
+passages, the query embedder is fitted on their texts as the build fitted it (or is the one the
+user brings, for a table embedded by their own model), and specrag's BM25 over the same texts is
+the lexical channel. The :class:`VectorIndex` around the searcher is the in-process one, so the
+speculation policy, stage plan, timeline and hybrid fusion are the same on both backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Sequence
+
+from specrag.errors import InvalidInputError
+from specrag.retrieval.corpus import Passage
+from specrag.retrieval.embedders import Embedder
+from specrag.retrieval.index_store import IndexConfig
+from specrag.retrieval.lexical import LexicalIndex
+from specrag.retrieval.pgvector.config import DEFAULT_POOL_SIZE, Columns, PgSettings, StageMode, resolve_dsn
+from specrag.retrieval.pgvector.database import Database
+from specrag.retrieval.pgvector.searcher import PgVectorSearcher
+from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
+from specrag.retrieval.progress import embed_in_batches
+from specrag.retrieval.stages import DEFAULT_STAGES
+from specrag.retrieval.text import normalize_text
+from specrag.retrieval.vector_index import VectorIndex
+
+__all__ = ["build_table", "open_index", "settings_from"]
+
+logger = logging.getLogger(__name__)
+
+
+def settings_from(args: argparse.Namespace) -> PgSettings:
+    """The table's settings from the flags (the DSN from ``$SPECRAG_PG_DSN`` when not given)."""
+    return PgSettings(
+        dsn=resolve_dsn(args.pg_dsn),
+        table=args.pg_table,
+        columns=Columns.parse(args.pg_columns),
+        statement_timeout_s=args.pg_statement_timeout,
+        pool_size=getattr(args, "pg_pool_size", DEFAULT_POOL_SIZE),
+    )
+
+
+def _texts(passages: Sequence[Passage]) -> list[str]:
+    return [normalize_text(f"{passage.title}\n{passage.text}") for passage in passages]
+
+
+def build_table(
+    args: argparse.Namespace, passages: Sequence[Passage], config: IndexConfig, embedder: Embedder | None
+) -> int:
+    """Embed ``passages`` as the in-process build would and load them into the table."""
+    settings = settings_from(args)
+    started = time.perf_counter()
+    texts = _texts(passages)
+    if embedder is None:
+        _, vectors = config.fit_and_embed(texts, progress=True)
+    else:
+        vectors = embed_in_batches(embedder, texts, show=True)
+    layout = load_table(
+        settings,
+        passages,
+        vectors,
+        metric=args.pg_metric or "ip",
+        nlist=config.nlist,
+        replace=args.pg_replace,
+        progress=True,
+    )
+    print(
+        f"loaded {len(passages)} passages ({layout.dim} dims, IVFFlat {layout.lists} lists, {layout.metric}) "
+        f"into {settings.where} in {time.perf_counter() - started:.1f}s"
+    )
+    return 0
+
+
+def open_index(
+    args: argparse.Namespace, embedder: Embedder | None = None, lexical: bool = True
+) -> tuple[VectorIndex, list[Passage]]:
+    """The table as a :class:`VectorIndex` and its rows as passages (row i = passage i).
+
+    ``embedder`` embeds queries (a brought one: the model that embedded the table); without one,
+    WordLlama is fitted on the rows' texts as ``index build`` fitted it. The dimension, columns
+    and index are checked first: InvalidInputError names the column, DatabaseUnavailableError
+    the host (both exit 2 at start).
+    """
+    settings = settings_from(args)
+    database = Database(settings)
+    try:
+        layout = inspect_table(database, None, args.pg_metric)
+        passages = read_passages(database)
+        texts = _texts(passages)
+        if embedder is None:
+            from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
+
+            embedder = WordLlamaEmbedder.fit(texts)
+        if embedder.dim != layout.dim:
+            raise InvalidInputError(
+                f"column {settings.columns.embedding!r} of {settings.table} holds vector({layout.dim}), "
+                f"the query embedder gives {embedder.dim} dimensions: use the model that embedded the table"
+            )
+        searcher = PgVectorSearcher(
+            database,
+            layout,
+            [passage.id for passage in passages],
+            probes=getattr(args, "nprobe", None),
+            mode=getattr(args, "pg_stage_mode", StageMode.PARALLEL),
+        )
+    except BaseException:
+        database.close()
+        raise
+    index = VectorIndex(
+        searcher,
+        [passage.id for passage in passages],
+        embedder=embedder,
+        lexical=LexicalIndex.build(texts) if lexical else None,
+        default_stages=DEFAULT_STAGES["ivf"],
+    )
+    logger.info("serving %d passages from %s: %s", len(passages), settings.where, searcher.settings)
+    return index, passages

@@ -1,0 +1,165 @@
+"""Where the table lives and how its columns are named, and saying where without the password.
+
+A DSN may hold a password, so it comes from ``--pg-dsn`` or, better, ``$SPECRAG_PG_DSN`` (not on
+the command line, where ``ps`` shows it), and is never echoed: every message names the server by
+:func:`describe_dsn` (host, port, database, user), the DSN itself is kept out of ``repr`` and
+:func:`scrub` removes the password from any text a driver produced before it is shown.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from dataclasses import dataclass, field, fields
+
+from specrag.errors import InvalidInputError
+
+__all__ = [
+    "DEFAULT_POOL_SIZE",
+    "DEFAULT_STATEMENT_TIMEOUT_S",
+    "DSN_ENV",
+    "METRICS",
+    "Columns",
+    "PgSettings",
+    "StageMode",
+    "describe_dsn",
+    "resolve_dsn",
+    "scrub",
+]
+
+DSN_ENV = "SPECRAG_PG_DSN"
+# Every statement is cut off after this long: a stuck database must not hold a search thread (and
+# the query behind it) for longer than a first token may take.
+DEFAULT_STATEMENT_TIMEOUT_S = 5.0
+# Connections the service holds at most: a staged search takes two at a time (docs/backends.md).
+DEFAULT_POOL_SIZE = 8
+# pgvector's operator classes by the metric they rank with, and the operator each one orders by.
+METRICS = {
+    "ip": ("vector_ip_ops", "<#>"),
+    "cosine": ("vector_cosine_ops", "<=>"),
+    "l2": ("vector_l2_ops", "<->"),
+}
+
+
+class StageMode(enum.StrEnum):
+    """How the stages of one search share connections (:mod:`~specrag.retrieval.pgvector.searcher`)."""
+
+    PARALLEL = "parallel"
+    SEQUENTIAL = "sequential"
+
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
+
+
+@dataclass(frozen=True)
+class Columns:
+    """The table's columns holding each passage's id, title, text and embedding."""
+
+    id: str = "id"
+    title: str = "title"
+    text: str = "text"
+    embedding: str = "embedding"
+
+    def __post_init__(self) -> None:
+        for name in fields(self):
+            value = getattr(self, name.name)
+            if not _IDENTIFIER.match(value):
+                raise InvalidInputError(f"--pg-columns: {name.name}={value!r} is not a plain column name")
+
+    @classmethod
+    def parse(cls, spec: str | None) -> Columns:
+        """``id=doc_id,embedding=vec`` (the ones not named keep their defaults)."""
+        if not spec:
+            return cls()
+        known = {item.name for item in fields(cls)}
+        chosen: dict[str, str] = {}
+        for part in spec.split(","):
+            key, sep, value = part.strip().partition("=")
+            if not sep or key not in known or not value:
+                raise InvalidInputError(
+                    f"--pg-columns: expected ROLE=COLUMN with ROLE one of {', '.join(sorted(known))}, "
+                    f"got {part.strip()!r}"
+                )
+            chosen[key] = value.strip()
+        return cls(**chosen)
+
+
+def _table_parts(table: str) -> tuple[str, ...]:
+    parts = tuple(table.split("."))
+    if not 1 <= len(parts) <= 2 or not all(_IDENTIFIER.match(part) for part in parts):
+        raise InvalidInputError(f"--pg-table: {table!r} is not TABLE or SCHEMA.TABLE")
+    return parts
+
+
+@dataclass(frozen=True)
+class PgSettings:
+    """A table to search and how: connection string, table, columns, limits."""
+
+    dsn: str = field(repr=False)
+    table: str = "specrag_passages"
+    columns: Columns = field(default_factory=Columns)
+    statement_timeout_s: float = DEFAULT_STATEMENT_TIMEOUT_S
+    pool_size: int = DEFAULT_POOL_SIZE
+
+    def __post_init__(self) -> None:
+        _table_parts(self.table)
+        if not self.statement_timeout_s > 0:
+            raise InvalidInputError(
+                f"--pg-statement-timeout must be positive, got {self.statement_timeout_s}"
+            )
+        if self.pool_size < 2:
+            raise InvalidInputError(
+                f"--pg-pool-size must be at least 2 (a staged search takes two), got {self.pool_size}"
+            )
+
+    @property
+    def table_parts(self) -> tuple[str, ...]:
+        """The table's name as (schema, table) or (table,), for ``psycopg.sql.Identifier``."""
+        return _table_parts(self.table)
+
+    @property
+    def where(self) -> str:
+        """The server and table, for messages: never the password."""
+        return f"table {self.table} on {describe_dsn(self.dsn)}"
+
+
+def resolve_dsn(flag: str | None) -> str:
+    """The DSN from ``--pg-dsn``, else from ``$SPECRAG_PG_DSN``."""
+    dsn = flag or os.environ.get(DSN_ENV)
+    if not dsn:
+        raise InvalidInputError(f"--backend pgvector needs --pg-dsn DSN or ${DSN_ENV}")
+    return dsn
+
+
+def describe_dsn(dsn: str) -> str:
+    """ "host H port P database D user U" for the parts the DSN names; never its password."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        parts = conninfo_to_dict(dsn)
+    except Exception:
+        return "a server (the DSN does not parse)"
+    named = [
+        f"{label} {parts[key]}"
+        for key, label in (("host", "host"), ("port", "port"), ("dbname", "database"), ("user", "user"))
+        if parts.get(key)
+    ]
+    return " ".join(named) or "the default local server"
+
+
+def scrub(text: str, dsn: str) -> str:
+    """``text`` with the DSN and its password (if any) replaced by ``***``."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    secrets = [dsn]
+    try:
+        password = conninfo_to_dict(dsn).get("password")
+    except Exception:
+        password = None
+    if password:
+        secrets.append(str(password))
+    for secret in sorted(secrets, key=len, reverse=True):
+        if secret:
+            text = text.replace(secret, "***")
+    return text

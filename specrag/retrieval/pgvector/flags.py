@@ -1,0 +1,65 @@
+"""The ``--backend`` and ``--pg-*`` flags of ``index build`` and ``serve``.
+
+Apart from the rest of the package so that registering the flags needs no database driver:
+the driver is imported only when ``--backend pgvector`` is chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specrag.retrieval.pgvector.config import (
+    DEFAULT_POOL_SIZE,
+    DEFAULT_STATEMENT_TIMEOUT_S,
+    DSN_ENV,
+    METRICS,
+    StageMode,
+)
+
+__all__ = ["BACKENDS", "add_arguments"]
+
+# Where the vectors live: specrag's own index directory, or a PostgreSQL table with pgvector.
+BACKENDS = ("local", "pgvector")
+
+
+def add_arguments(parser: argparse.ArgumentParser, building: bool) -> None:
+    """The ``--backend`` and ``--pg-*`` flags (``building``: the index build's, else serve's)."""
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default="local", help="where the vectors live (default: local)"
+    )
+    parser.add_argument(
+        "--pg-dsn",
+        help=f"PostgreSQL connection string (else ${DSN_ENV}, which keeps a password off the command line)",
+    )
+    parser.add_argument(
+        "--pg-table", default="specrag_passages", help="table [SCHEMA.]NAME (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--pg-columns",
+        help="the table's columns as id=…,title=…,text=…,embedding=… (default: those names)",
+    )
+    parser.add_argument(
+        "--pg-metric",
+        choices=tuple(METRICS),
+        default=None,
+        help="the IVFFlat index's metric (default: ip to build, "
+        "checked against the table's index to serve when given)",
+    )
+    parser.add_argument(
+        "--pg-statement-timeout",
+        type=float,
+        default=DEFAULT_STATEMENT_TIMEOUT_S,
+        help="seconds a query may take",
+    )
+    if building:
+        parser.add_argument("--pg-replace", action="store_true", help="drop the table first if it exists")
+        return
+    parser.add_argument(
+        "--pg-pool-size", type=int, default=DEFAULT_POOL_SIZE, help="connections held at most"
+    )
+    parser.add_argument(
+        "--pg-stage-mode",
+        choices=[str(mode) for mode in StageMode],
+        default=str(StageMode.PARALLEL),
+        help="parallel: the final query on its own connection (not delayed); sequential: one connection",
+    )

@@ -1,0 +1,249 @@
+"""Staged search of a pgvector table by nested IVFFlat probes, all stages in one snapshot.
+
+No database streams a running top-k from one query, but IVFFlat probes the ``ivfflat.probes``
+lists nearest the query and scores their rows exactly, so a query at more probes scans a superset
+of the rows a query at fewer probes scanned: its top-k refines the other's. A stage is therefore
+a whole query at the stage's share of the final probes (the stage plan's share, as the
+in-process IVF scans that share of its probe list), and the last stage is the one-shot query
+itself. Every stage reads one ``REPEATABLE READ`` snapshot, so a writer committing meanwhile
+cannot make a later stage disagree with an earlier one.
+
+The stages run as separate queries, so they cost more database time than the one-shot query
+(the geometric plan's shares sum to about 2). Run one after the other on one connection
+(``sequential``), the final result arrives after all of them; ``parallel`` runs the final query
+on one connection, which exports its snapshot, and the earlier stages one after the other on a
+second connection that imports it, so the final result arrives about when a one-shot query's
+would (docs/backends.md has the figures). A stage that arrives after the final one is dropped.
+
+Scores are similarities, higher first, as the in-process indexes give for unit vectors: the
+inner product (``ip``), 1 - the cosine distance (``cosine``), or minus the squared L2 distance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import psycopg
+from psycopg import sql
+
+from specrag.errors import InvalidInputError
+from specrag.retrieval.pgvector.config import METRICS, StageMode
+from specrag.retrieval.pgvector.database import Database, DatabaseUnavailableError
+from specrag.retrieval.pgvector.table import TableLayout
+from specrag.retrieval.staged_ivf import default_nprobe
+from specrag.retrieval.stages import DEFAULT_STAGES, Schedule, StagePlan, StageResult, prepare_queries
+
+__all__ = ["PgVectorSearcher", "stage_probes"]
+
+_PAD_SCORE = -np.finfo(np.float32).max
+
+
+def stage_probes(plan: StagePlan, probes: int) -> list[int]:
+    """Each stage's ``ivfflat.probes``, strictly growing, the last ``probes``: the plan's share of
+    the work per stage. A time-budget plan is cut as the IVF kind's default count (a database
+    query cannot be stopped at a time and resumed)."""
+    if plan.stage_budget_s is not None:
+        plan = StagePlan(DEFAULT_STAGES["ivf"], Schedule.GEOMETRIC)
+    chosen: list[int] = []
+    for stage in range(1, plan.num_stages + 1):
+        count = probes if stage == plan.num_stages else max(1, math.floor(probes * plan.done_fraction(stage)))
+        if not chosen or count > chosen[-1]:
+            chosen.append(min(count, probes))
+    return chosen
+
+
+@contextlib.contextmanager
+def _snapshot(connection: psycopg.Connection, imported: str | None = None) -> Iterator[None]:
+    """A read-only REPEATABLE READ transaction, on the snapshot ``imported`` when given."""
+    connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+    try:
+        if imported is not None:
+            connection.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(imported)))
+        # Every stage must scan the IVFFlat index: a sequential scan (exact) in one stage and an
+        # index scan in another would not nest.
+        connection.execute("SET LOCAL enable_seqscan = off")
+        yield
+    finally:
+        if not connection.broken:
+            connection.execute("ROLLBACK")
+
+
+class PgVectorSearcher:
+    """A :class:`~specrag.retrieval.stages.StagedSearcher` over a pgvector table; row ``i`` is the
+    ``i``-th of ``row_ids`` (the table's ids as text, read once at start)."""
+
+    kind = "pgvector"
+    owner: Any = None  # nothing to save: the table is the index
+
+    def __init__(
+        self,
+        database: Database,
+        layout: TableLayout,
+        row_ids: Sequence[str],
+        probes: int | None = None,
+        mode: StageMode | str = StageMode.PARALLEL,
+    ) -> None:
+        self.database = database
+        self.layout = layout
+        self.mode = StageMode(mode)
+        self.probes = min(layout.lists, default_nprobe(layout.lists) if probes is None else probes)
+        if self.probes < 1:
+            raise InvalidInputError(f"--nprobe must be at least 1, got {self.probes}")
+        self._row_of = {row_id: row for row, row_id in enumerate(row_ids)}
+        self._ntotal = len(row_ids)
+        columns, operator = database.settings.columns, METRICS[layout.metric][1]
+        self._query = sql.SQL(
+            "SELECT {id}::text, {emb} {op} %(q)s FROM {table} ORDER BY {emb} {op} %(q)s LIMIT %(k)s"
+        ).format(
+            id=sql.Identifier(columns.id),
+            emb=sql.Identifier(columns.embedding),
+            op=sql.SQL(operator),
+            table=sql.Identifier(*database.settings.table_parts),
+        )
+        # Two threads a search (its final query and its earlier stages), as many searches as the
+        # pool has pairs of connections for.
+        self._threads = ThreadPoolExecutor(
+            max_workers=database.settings.pool_size, thread_name_prefix="pg-stage"
+        )
+
+    @property
+    def dim(self) -> int:
+        return self.layout.dim
+
+    @property
+    def ntotal(self) -> int:
+        return self._ntotal
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What the stage statistics key a search's figures by (never the DSN)."""
+        return {
+            "kind": self.kind,
+            "table": self.database.settings.table,
+            "metric": self.layout.metric,
+            "lists": self.layout.lists,
+            "probes": self.probes,
+            "stage_mode": str(self.mode),
+        }
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        self.database.close()
+
+    def _score(self, raw: float) -> float:
+        metric = self.layout.metric
+        if metric == "ip":
+            return -raw
+        if metric == "cosine":
+            return 1.0 - raw
+        return -raw * raw
+
+    def _run(
+        self, connection: psycopg.Connection, matrix: np.ndarray, k: int, probes: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows) of every query at ``probes``, inside the caller's transaction."""
+        connection.execute(f"SET LOCAL ivfflat.probes = {int(probes)}")
+        ids = np.full((len(matrix), k), -1, dtype=np.int64)
+        scores = np.full((len(matrix), k), _PAD_SCORE, dtype=np.float32)
+        for position, vector in enumerate(matrix):
+            found = connection.execute(self._query, {"q": vector, "k": k}).fetchall()
+            slot = 0
+            for row_id, raw in found:
+                row = self._row_of.get(row_id)
+                if row is None:  # added by another writer since the ids were read
+                    continue
+                ids[position, slot], scores[position, slot] = row, self._score(float(raw))
+                slot += 1
+        return scores, ids
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One query per row at the final probes: (scores, rows), shape (n, k)."""
+        matrix = prepare_queries(queries, self.dim, self.ntotal, k)
+        with self.database.connection() as connection, _snapshot(connection):
+            return self._run(connection, matrix, k, self.probes)
+
+    def stages(self, queries: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
+        """The running top-k at each stage's probes (:func:`stage_probes`), the last one the one-shot."""
+        matrix = prepare_queries(queries, self.dim, self.ntotal, k)
+        probes = stage_probes(plan, self.probes)
+        if self.mode is StageMode.SEQUENTIAL or len(probes) == 1:
+            return self._sequential(matrix, k, probes)
+        return self._parallel(matrix, k, probes)
+
+    def _sequential(self, matrix: np.ndarray, k: int, probes: list[int]) -> Iterator[StageResult]:
+        started = time.perf_counter()
+        with self.database.connection() as connection, _snapshot(connection):
+            for number, count in enumerate(probes, start=1):
+                scores, ids = self._run(connection, matrix, k, count)
+                now = time.perf_counter()
+                yield StageResult(number, ids, scores, number == len(probes), now - started)
+                started = now
+
+    def _parallel(self, matrix: np.ndarray, k: int, probes: list[int]) -> Iterator[StageResult]:
+        started = time.perf_counter()
+        results: queue.SimpleQueue[tuple[int, tuple[np.ndarray, np.ndarray]] | BaseException] = (
+            queue.SimpleQueue()
+        )
+        snapshot: Future[str] = Future()
+        imported, stop = threading.Event(), threading.Event()
+        final = len(probes) - 1
+        wait_s = self.database.settings.statement_timeout_s * (len(probes) + 2)
+
+        def lead() -> None:
+            try:
+                with self.database.connection() as connection, _snapshot(connection):
+                    exported = connection.execute("SELECT pg_export_snapshot()").fetchone()
+                    assert exported is not None
+                    snapshot.set_result(str(exported[0]))
+                    results.put((final, self._run(connection, matrix, k, probes[final])))
+                    imported.wait(wait_s)  # the snapshot lives while this transaction does
+            except BaseException as error:
+                if not snapshot.done():
+                    snapshot.set_exception(error)
+                results.put(error)
+
+        def earlier() -> None:
+            try:
+                exported = snapshot.result(wait_s)
+                with self.database.connection() as connection, _snapshot(connection, exported):
+                    imported.set()
+                    for number, count in enumerate(probes[:-1]):
+                        if stop.is_set():
+                            return
+                        results.put((number, self._run(connection, matrix, k, count)))
+            except BaseException as error:
+                results.put(error)
+            finally:
+                imported.set()
+
+        self._threads.submit(lead)
+        self._threads.submit(earlier)
+        shown = -1
+        try:
+            while True:
+                try:
+                    item = results.get(timeout=wait_s)
+                except queue.Empty:
+                    raise DatabaseUnavailableError(
+                        f"a staged search on {self.database.settings.where} gave no stage in {wait_s:g}s"
+                    ) from None
+                if isinstance(item, BaseException):
+                    raise item
+                number, (scores, ids) = item
+                if number <= shown:
+                    continue  # an earlier stage that came after a later one: stale already
+                now = time.perf_counter()
+                yield StageResult(number + 1, ids, scores, number == final, now - started)
+                started, shown = now, number
+                if number == final:
+                    return
+        finally:
+            stop.set()

@@ -1,0 +1,209 @@
+"""Loading a corpus into a table with an IVFFlat index, and checking a table before serving it.
+
+A table specrag builds holds each passage's id, title, text and embedding (specrag's embedder's
+vectors), and an IVFFlat index with as many lists as specrag's own IVF build would train
+(:func:`~specrag.retrieval.staged_ivf.choose_nlist`), so the two backends are compared at the same
+list count. A user's existing table is searched as it is: :func:`inspect_table` reads its
+columns and its vector index and refuses (``InvalidInputError``, exit 2) what cannot be searched
+in stages, naming the column.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from psycopg import sql
+from tqdm import tqdm
+
+from specrag.errors import InvalidInputError
+from specrag.retrieval.corpus import Passage
+from specrag.retrieval.pgvector.config import METRICS, PgSettings
+from specrag.retrieval.pgvector.database import Database, connect_once
+from specrag.retrieval.staged_ivf import DEFAULT_NLIST, choose_nlist
+
+__all__ = ["TableLayout", "inspect_table", "load_table", "read_passages"]
+
+_COPY_CHUNK = 2000
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """What serving a table needs to know of it: its vectors' dimension, the metric and list count
+    of its IVFFlat index."""
+
+    dim: int
+    metric: str
+    lists: int
+    index_name: str
+
+
+def _table(settings: PgSettings) -> sql.Identifier:
+    return sql.Identifier(*settings.table_parts)
+
+
+def load_table(
+    settings: PgSettings,
+    passages: Sequence[Passage],
+    vectors: np.ndarray,
+    *,
+    metric: str = "ip",
+    nlist: int = DEFAULT_NLIST,
+    replace: bool = False,
+    progress: bool = False,
+) -> TableLayout:
+    """Create the table (``replace`` drops one that exists), copy the passages and their vectors in,
+    and build the IVFFlat index; returns what :func:`inspect_table` would read back."""
+    if len(passages) != len(vectors) or not len(passages):
+        raise InvalidInputError(f"{len(passages)} passages and {len(vectors)} vectors: need as many, not 0")
+    if metric not in METRICS:
+        raise InvalidInputError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    matrix = np.ascontiguousarray(vectors, dtype=np.float32)
+    dim = matrix.shape[1]
+    columns = settings.columns
+    table = _table(settings)
+    lists = choose_nlist(len(matrix), nlist)
+    with connect_once(settings) as connection:
+        if replace:
+            connection.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
+        connection.execute(
+            sql.SQL(
+                "CREATE TABLE {} ({} text PRIMARY KEY, {} text NOT NULL, {} text NOT NULL, {} vector({}))"
+            ).format(
+                table,
+                sql.Identifier(columns.id),
+                sql.Identifier(columns.title),
+                sql.Identifier(columns.text),
+                sql.Identifier(columns.embedding),
+                sql.Literal(dim),
+            )
+        )
+        copy_sql = sql.SQL("COPY {} ({}, {}, {}, {}) FROM STDIN WITH (FORMAT BINARY)").format(
+            table,
+            *(sql.Identifier(name) for name in (columns.id, columns.title, columns.text, columns.embedding)),
+        )
+        with (
+            tqdm(total=len(matrix), desc="copying rows", unit="row", disable=not progress) as bar,
+            connection.cursor() as cursor,
+            cursor.copy(copy_sql) as copy,
+        ):
+            copy.set_types(["text", "text", "text", "vector"])
+            for position, passage in enumerate(passages):
+                copy.write_row((passage.id, passage.title, passage.text, matrix[position]))
+                if (position + 1) % _COPY_CHUNK == 0:
+                    bar.update(_COPY_CHUNK)
+            bar.update(len(matrix) % _COPY_CHUNK)
+        started = time.perf_counter()
+        if progress:
+            print(f"building the IVFFlat index ({lists} lists) ...", flush=True)
+        connection.execute("SET maintenance_work_mem = '512MB'")
+        index_name = f"{settings.table_parts[-1]}_{columns.embedding}_ivfflat"
+        connection.execute(
+            sql.SQL("CREATE INDEX {} ON {} USING ivfflat ({} {}) WITH (lists = {})").format(
+                sql.Identifier(index_name),
+                table,
+                sql.Identifier(columns.embedding),
+                sql.SQL(METRICS[metric][0]),
+                sql.Literal(lists),
+            )
+        )
+        connection.execute(sql.SQL("ANALYZE {}").format(table))
+        connection.commit()
+        if progress:
+            print(f"built the IVFFlat index in {time.perf_counter() - started:.1f}s", flush=True)
+    return TableLayout(dim, metric, lists, index_name)
+
+
+def inspect_table(
+    database: Database, expected_dim: int | None = None, metric: str | None = None
+) -> TableLayout:
+    """Check that the table has the columns named, that the embedding column is a ``vector`` of
+    ``expected_dim`` (the query embedder's) with an IVFFlat index (of ``metric``, when given):
+    ``InvalidInputError`` naming the column otherwise."""
+    settings = database.settings
+    columns = settings.columns
+    with database.connection() as connection:
+        oid = connection.execute("SELECT to_regclass(%s)::oid", (settings.table,)).fetchone()
+        if oid is None or oid[0] is None:
+            raise InvalidInputError(f"no {settings.where}")
+        types = dict(
+            connection.execute(
+                "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+                "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped",
+                (oid[0],),
+            ).fetchall()
+        )
+        for role in ("id", "title", "text", "embedding"):
+            name = getattr(columns, role)
+            if name not in types:
+                raise InvalidInputError(
+                    f"column {name!r} ({role}) is not in {settings.table}: it has "
+                    f"{', '.join(sorted(types))}; map it with --pg-columns"
+                )
+        kind = types[columns.embedding]
+        if not kind.startswith("vector("):
+            raise InvalidInputError(
+                f"column {columns.embedding!r} of {settings.table} is {kind}, "
+                "not a vector(DIM) with its dimension"
+            )
+        dim = int(kind[len("vector(") : -1])
+        if expected_dim is not None and dim != expected_dim:
+            raise InvalidInputError(
+                f"column {columns.embedding!r} of {settings.table} holds vector({dim}), the query embedder "
+                f"gives {expected_dim} dimensions: embed queries with the model that embedded the table"
+            )
+        indexes = connection.execute(
+            "SELECT i.relname, am.amname, opc.opcname, coalesce(array_to_string(i.reloptions, ','), '') "
+            "FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_am am ON am.oid = i.relam "
+            "JOIN pg_opclass opc ON opc.oid = x.indclass[0] JOIN pg_attribute a "
+            "ON a.attrelid = x.indrelid AND a.attnum = x.indkey[0] WHERE x.indrelid = %s AND a.attname = %s",
+            (oid[0], columns.embedding),
+        ).fetchall()
+    ivfflat = [row for row in indexes if row[1] == "ivfflat"]
+    if not ivfflat:
+        found = ", ".join(f"{name} ({method})" for name, method, _, _ in indexes) or "none"
+        raise InvalidInputError(
+            f"column {columns.embedding!r} of {settings.table} has no IVFFlat index (found: {found}); staged "
+            "search nests IVFFlat probes, an HNSW search does not nest: CREATE INDEX ... USING ivfflat"
+        )
+    name, _, opclass, options = ivfflat[0]
+    found_metric = next((key for key, (ops, _) in METRICS.items() if ops == opclass), None)
+    if found_metric is None:
+        raise InvalidInputError(
+            f"column {columns.embedding!r}: IVFFlat operator class {opclass} is not supported"
+        )
+    if metric is not None and metric != found_metric:
+        raise InvalidInputError(
+            f"column {columns.embedding!r} of {settings.table} is indexed for {found_metric} ({opclass}), "
+            f"not {metric}"
+        )
+    lists = next((int(part.split("=")[1]) for part in options.split(",") if part.startswith("lists=")), 100)
+    return TableLayout(dim, found_metric, lists, name)
+
+
+def read_passages(database: Database) -> list[Passage]:
+    """Every row's id, title and text, in the order that numbers the rows for the searcher (ids
+    sorted bytewise), so row i of a search is ``passages[i]``."""
+    settings = database.settings
+    columns = settings.columns
+    query = sql.SQL(
+        "SELECT {}::text, coalesce({}::text, ''), {}::text FROM {} ORDER BY {}::text COLLATE \"C\""
+    ).format(
+        sql.Identifier(columns.id),
+        sql.Identifier(columns.title),
+        sql.Identifier(columns.text),
+        _table(settings),
+        sql.Identifier(columns.id),
+    )
+    with database.connection() as connection:
+        connection.execute("SET statement_timeout = 0")  # a full read: bounded by the table, not the limit
+        try:
+            rows = connection.execute(query).fetchall()
+        finally:
+            connection.execute(f"SET statement_timeout = {int(settings.statement_timeout_s * 1000)}")
+    if not rows:
+        raise InvalidInputError(f"{settings.table} has no rows")
+    passages = [Passage(id=row[0], title=row[1], text=row[2] or "") for row in rows]
+    return passages

@@ -1,0 +1,182 @@
+"""Column mapping, bad configurations and a database killed and restarted, on a real server."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psycopg
+import pytest
+
+from specrag.cli import main
+from specrag.errors import InvalidInputError
+from specrag.retrieval.pgvector.assembly import open_index
+from specrag.retrieval.pgvector.config import Columns, PgSettings, describe_dsn
+from specrag.retrieval.pgvector.database import Database, DatabaseUnavailableError
+from specrag.retrieval.pgvector.local_server import LocalPostgres
+from specrag.retrieval.pgvector.searcher import PgVectorSearcher
+from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
+from tests.retrieval.pgvector.conftest import DIM, passages_for
+
+SECRET = "hunter2-not-a-real-password"
+
+
+class FixedEmbedder:
+    """The user's own model, as far as the table's vectors go: it embeds nothing here."""
+
+    kind = "fixed"
+
+    def __init__(self, dim: int) -> None:
+        self._dim = dim
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return np.zeros((len(texts), self._dim), dtype=np.float32)
+
+    def save(self, directory: Path) -> dict[str, Any]:
+        return {}
+
+
+def serve_args(dsn: str, table: str, **extra: Any) -> argparse.Namespace:
+    values = {
+        "pg_dsn": dsn,
+        "pg_table": table,
+        "pg_columns": None,
+        "pg_metric": None,
+        "pg_statement_timeout": 5.0,
+        "pg_pool_size": 4,
+        "pg_stage_mode": "parallel",
+        "nprobe": None,
+    }
+    return argparse.Namespace(**{**values, **extra})
+
+
+@pytest.fixture(scope="module")
+def users_table(postgres: LocalPostgres, pg_vectors: np.ndarray) -> str:
+    """A table another application made: its own names, integer ids, a cosine index."""
+    with psycopg.connect(postgres.dsn, autocommit=True) as connection:
+        connection.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        connection.execute("DROP TABLE IF EXISTS docs")
+        connection.execute(
+            f"CREATE TABLE docs (doc_id bigint PRIMARY KEY, heading text, body text, vec vector({DIM}))"
+        )
+        with connection.cursor() as cursor, cursor.copy("COPY docs FROM STDIN") as copy:
+            for row, vector in enumerate(pg_vectors[:2000]):
+                copy.write_row((row, f"heading {row}", f"body {row}", "[" + ",".join(map(str, vector)) + "]"))
+        connection.execute("CREATE INDEX ON docs USING ivfflat (vec vector_cosine_ops) WITH (lists = 20)")
+        connection.execute("CREATE TABLE docs_hnsw (id text, title text, text text, embedding vector(32))")
+        connection.execute("CREATE INDEX ON docs_hnsw USING hnsw (embedding vector_ip_ops)")
+    return "docs"
+
+
+def test_a_users_table_is_searched_through_the_column_mapping(
+    postgres: LocalPostgres, users_table: str, pg_vectors: np.ndarray
+) -> None:
+    args = serve_args(postgres.dsn, users_table, pg_columns="id=doc_id,title=heading,text=body,embedding=vec")
+    index, passages = open_index(args, embedder=FixedEmbedder(DIM), lexical=False)
+    try:
+        assert passages[0].title.startswith("heading") and len(passages) == 2000
+        query = pg_vectors[7]
+        _, rows = index.search(query, 5)
+        found = index.passage_ids_of(rows)
+        assert found[0] == "7"  # the row itself, under the table's own id
+        assert index.searcher.settings["metric"] == "cosine"
+        assert "dsn" not in str(index.searcher.settings).lower() and postgres.dsn not in str(
+            index.searcher.settings
+        )
+    finally:
+        index.searcher.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"pg_columns": "id=doc_id,title=heading,text=body"}, "'embedding'"),  # no such column
+        ({"pg_columns": "id=doc_id,title=nope,text=body,embedding=vec"}, "'nope'"),
+        ({"pg_columns": "id=doc_id,title=heading,text=body,embedding=vec", "pg_metric": "ip"}, "'vec'"),
+        ({"pg_table": "docs_hnsw"}, "'embedding'"),  # HNSW only: no IVFFlat to stage
+        ({"pg_table": "no_such_table"}, "no_such_table"),
+    ],
+)
+def test_a_bad_configuration_is_refused_naming_the_column(
+    postgres: LocalPostgres, users_table: str, extra: dict[str, Any], named: str
+) -> None:
+    args = serve_args(postgres.dsn, extra.pop("pg_table", users_table), **extra)
+    with pytest.raises(InvalidInputError, match=named):
+        open_index(args, embedder=FixedEmbedder(DIM), lexical=False)
+
+
+def test_a_dimension_mismatch_names_the_column(postgres: LocalPostgres, users_table: str) -> None:
+    args = serve_args(postgres.dsn, users_table, pg_columns="id=doc_id,title=heading,text=body,embedding=vec")
+    with pytest.raises(InvalidInputError, match=r"'vec'.*vector\(32\).*16"):
+        open_index(args, embedder=FixedEmbedder(16), lexical=False)
+
+
+def test_column_specs_are_checked() -> None:
+    assert Columns.parse("embedding=vec").embedding == "vec"
+    for bad in ("vector=vec", "id", "id=a b", "id="):
+        with pytest.raises(InvalidInputError, match="--pg-columns"):
+            Columns.parse(bad)
+
+
+def test_an_unreachable_server_names_the_host_never_the_password(tmp_path: Path) -> None:
+    dsn = f"host={tmp_path} port=5999 user=someone dbname=things password={SECRET}"
+    settings = PgSettings(dsn, table="t")
+    assert SECRET not in repr(settings) and SECRET not in describe_dsn(dsn)
+    with pytest.raises(DatabaseUnavailableError) as caught:
+        Database(settings, open_timeout_s=1.0)
+    assert str(tmp_path) in str(caught.value) and SECRET not in str(caught.value)
+
+
+def test_the_cli_exits_2_without_echoing_the_password(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "text": "some words here"}\n')
+    assert main(["index", "build", "--backend", "pgvector", "--corpus", str(corpus)]) == 2
+    assert "SPECRAG_PG_DSN" in capsys.readouterr().err
+    monkeypatch.setenv("SPECRAG_PG_DSN", f"host={tmp_path} port=5999 password={SECRET}")
+    code = main(
+        [
+            "index",
+            "build",
+            "--backend",
+            "pgvector",
+            "--corpus",
+            str(corpus),
+            "--embedder",
+            "tfidf-svd",
+            "--dim",
+            "4",
+        ]
+    )
+    error = capsys.readouterr().err
+    assert code == 2 and str(tmp_path) in error and SECRET not in error
+
+
+def test_a_killed_database_fails_queries_clearly_and_recovers(pg_vectors: np.ndarray) -> None:
+    with LocalPostgres() as server:
+        dsn = f"{server.dsn} password={SECRET}"  # trust auth ignores it; it must still never show
+        settings = PgSettings(dsn, table="t", statement_timeout_s=2.0, pool_size=2)
+        load_table(settings, passages_for(pg_vectors[:1000]), pg_vectors[:1000], nlist=16)
+        database = Database(settings)
+        layout = inspect_table(database, DIM)
+        searcher = PgVectorSearcher(database, layout, [p.id for p in read_passages(database)])
+        try:
+            query = pg_vectors[3][None, :]
+            _, before = searcher.search(query, 5)
+            server.kill()
+            with pytest.raises(DatabaseUnavailableError) as caught:
+                searcher.search(query, 5)
+            assert str(server.root) in str(caught.value) and SECRET not in str(caught.value)
+            server.start()
+            _, after = searcher.search(query, 5)  # the pool replaced its dead connections
+            np.testing.assert_array_equal(after, before)
+        finally:
+            searcher.close()

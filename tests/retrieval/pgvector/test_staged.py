@@ -1,0 +1,109 @@
+"""Staged search on a real server: stages nest, the final one is the one-shot, one snapshot."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import psycopg
+import pytest
+
+from specrag.retrieval.pgvector.config import PgSettings, StageMode
+from specrag.retrieval.pgvector.database import Database
+from specrag.retrieval.pgvector.searcher import PgVectorSearcher, stage_probes
+from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
+from specrag.retrieval.stages import StagePlan
+from tests.retrieval.pgvector.conftest import DIM, LISTS, PROBES, passages_for
+
+K = 10
+PLAN = StagePlan(6, "geometric")
+
+
+def open_searcher(settings: PgSettings, mode: StageMode) -> PgVectorSearcher:
+    database = Database(settings)
+    layout = inspect_table(database, DIM)
+    ids = [passage.id for passage in read_passages(database)]
+    return PgVectorSearcher(database, layout, ids, probes=PROBES, mode=mode)
+
+
+@pytest.fixture(params=list(StageMode), ids=str)
+def searcher(request: pytest.FixtureRequest, pg_table: PgSettings) -> Iterator[PgVectorSearcher]:
+    opened = open_searcher(pg_table, request.param)
+    yield opened
+    opened.close()
+
+
+def test_the_stage_probes_grow_to_the_final_count() -> None:
+    assert stage_probes(PLAN, PROBES) == [1, 3, 6, 12, 24]
+    assert stage_probes(StagePlan(3, "equal"), 1) == [1]
+    assert stage_probes(StagePlan.budget(0.01), 64)[-1] == 64
+
+
+def test_the_table_reads_back_as_built(pg_table: PgSettings) -> None:
+    database = Database(pg_table)
+    try:
+        layout = inspect_table(database, DIM)
+        assert (layout.dim, layout.metric, layout.lists) == (DIM, "ip", LISTS)
+    finally:
+        database.close()
+
+
+def test_each_stage_refines_the_last_and_the_final_is_the_one_shot(
+    searcher: PgVectorSearcher, pg_queries: np.ndarray, pg_vectors: np.ndarray
+) -> None:
+    finals_differ_from_first = 0
+    for query in pg_queries:
+        one_shot_scores, one_shot_ids = searcher.search(query[None, :], K)
+        stages = list(searcher.stages(query[None, :], K, PLAN))
+        assert stages[-1].done and not any(stage.done for stage in stages[:-1])
+        assert [stage.stage for stage in stages] == sorted({stage.stage for stage in stages})
+        np.testing.assert_array_equal(stages[-1].ids, one_shot_ids)
+        np.testing.assert_allclose(stages[-1].distances, one_shot_scores, rtol=1e-6)
+        for before, after in itertools.pairwise(stages):
+            # A superset of rows scanned: the i-th best can only get better.
+            assert (after.distances >= before.distances - 1e-6).all()
+        # The scores are the inner products of the rows returned, best first.
+        row_ids = one_shot_ids[0]
+        np.testing.assert_allclose(one_shot_scores[0], pg_vectors[row_ids] @ query, rtol=1e-4, atol=1e-5)
+        finals_differ_from_first += not np.array_equal(stages[0].ids, stages[-1].ids)
+    if searcher.mode is StageMode.SEQUENTIAL:
+        # Every stage arrives; the early ones are not all final already (else nothing is tested).
+        assert finals_differ_from_first > 0
+
+
+def test_a_batch_stages_every_query(searcher: PgVectorSearcher, pg_queries: np.ndarray) -> None:
+    _, ids = searcher.search(pg_queries[:5], K)
+    final = list(searcher.stages(pg_queries[:5], K, PLAN))[-1]
+    assert final.ids.shape == (5, K)
+    np.testing.assert_array_equal(final.ids, ids)
+
+
+@pytest.fixture
+def writable(postgres: object, pg_table: PgSettings, pg_vectors: np.ndarray) -> PgSettings:
+    settings = PgSettings(pg_table.dsn, table="staged_written")
+    load_table(settings, passages_for(pg_vectors), pg_vectors, nlist=LISTS, replace=True)
+    return settings
+
+
+@pytest.mark.parametrize("mode", list(StageMode), ids=str)
+def test_all_stages_read_one_snapshot_while_a_writer_commits(
+    writable: PgSettings, pg_queries: np.ndarray, mode: StageMode
+) -> None:
+    searcher = open_searcher(writable, mode)
+    try:
+        query = pg_queries[0][None, :]
+        _, before = searcher.search(query, K)
+        best = f"p{int(before[0, 0]):05d}"
+        stages = searcher.stages(query, K, PLAN)
+        seen = [next(stages)]
+        # Another application deletes the best row and commits while the search runs.
+        with psycopg.connect(writable.dsn, autocommit=True) as writer:
+            writer.execute(f"DELETE FROM {writable.table} WHERE id = %s", (best,))
+        seen += list(stages)
+        assert seen[-1].done
+        np.testing.assert_array_equal(seen[-1].ids, before)  # the search's snapshot still holds it
+        _, after = searcher.search(query, K)
+        assert int(before[0, 0]) not in after[0].tolist()  # the next search sees the delete
+    finally:
+        searcher.close()
