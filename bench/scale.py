@@ -75,7 +75,7 @@ from specrag.sim.replicas import simulated_replica
 
 if TYPE_CHECKING:  # annotations only: the real pair imports the service side when it runs
     from specrag.pipeline.prompt import PromptBuilder
-    from specrag.service.assets import Assets
+    from specrag.service.run.assets import Assets
 
 POLICY = get_policy("exact")
 BLOCK = 32
@@ -395,9 +395,9 @@ async def real_replicas(
     from specrag.pipeline.config import EngineConfig
     from specrag.pipeline.random_model import RANDOM_MODEL_NAME
     from specrag.pipeline.vllm_engine import VllmEngine
-    from specrag.service.assembly import prompt_builder
-    from specrag.service.assets import ensure_assets
     from specrag.service.kv_mirror import KVMirror
+    from specrag.service.run.assembly import prompt_builder
+    from specrag.service.run.assets import ensure_assets
 
     layout = DataLayout(resolve_data_dir(data_dir))
     assets = ensure_assets(layout, RANDOM_MODEL_NAME)
@@ -454,7 +454,7 @@ def real_replay(builder: PromptBuilder, assets: Assets, seed: int) -> Replay:
 async def real(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every router on the real pair, then the kill (under ``specrag``)."""
     async with real_replicas(args.data_dir, args.eager) as (replicas, assets, cores):
-        from specrag.service.assembly import prompt_builder
+        from specrag.service.run.assembly import prompt_builder
 
         replay = real_replay(prompt_builder(assets, replicas[0].engine), assets, args.seed)
         n = args.real_queries

@@ -14,7 +14,7 @@ from specrag.pipeline.gguf_model import convert_gguf
 from specrag.pipeline.random_model import make_random_model
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import Passage, build_default_corpus
-from specrag.service.assets import Assets, ensure_assets
+from specrag.service.run.assets import Assets, ensure_assets
 from tests.helpers import TINY_MODEL_SPEC, write_llama_gguf
 
 

@@ -48,8 +48,9 @@ from specrag.pipeline.tokenizer import Tokenizer
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.stages import StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.sim.engine import KVEventCallback, SimulatedEngine
 from specrag.sim.replicas import simulated_replica
@@ -326,10 +327,13 @@ class EngineServer:
 
 
 @contextlib.asynccontextmanager
-async def running(controller: RagController, **options: Any) -> AsyncIterator[str]:
-    """The service for ``controller`` on a free loopback port, closed (queries aborted) on exit."""
+async def running(
+    controller: RagController, access: Access | None = None, **options: Any
+) -> AsyncIterator[str]:
+    """The service for ``controller`` on a free loopback port, closed (queries aborted) on exit;
+    ``access`` and ``options`` are :func:`create_app`'s."""
     try:
-        async with serving(create_app(controller, **options)) as url:
+        async with serving(create_app(controller, access or Access(), **options)) as url:
             yield url
     finally:
         await controller.close()

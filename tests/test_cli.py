@@ -19,8 +19,8 @@ from specrag.cli import build_parser, main
 from specrag.paths import DataLayout
 from specrag.pipeline.document_kv import SUFFIX as KV_SUFFIX
 from specrag.retrieval.corpus import Passage, write_passages
-from specrag.service.assets import Assets
-from specrag.service.handlers import _controller_config
+from specrag.service.cli.commands import _controller_config
+from specrag.service.run.assets import Assets
 from tests.helpers import QUESTION, free_port
 
 

@@ -1,7 +1,8 @@
-"""The dependency direction (docs/architecture.md), read from the source: service -> controller -> pipeline ->
-cache, retrieval; the leaf modules (atomic, errors, locking, paths) serve everyone; the client needs only
-errors; the simulator (sim) sits beside the product, which never imports it. Function-level imports
-count too: an import that runs back up is one, wherever it sits."""
+"""The dependency direction (docs/architecture.md), read from the source: service -> controller ->
+pipeline -> cache, retrieval, and inside the service cli -> run -> http; the leaf modules (atomic,
+errors, locking, paths) serve everyone; the client needs only errors; the simulator (sim) sits
+beside the product, which never imports it. Function-level imports count too: an import that runs
+back up is one, wherever it sits."""
 
 from __future__ import annotations
 
@@ -20,18 +21,28 @@ ALLOWED = {
     "sim": LEAVES | {"sim", "controller", "pipeline", "cache", "retrieval"},
 }
 
+# Inside the service, the rooms a room must not import: the command line sits on top, the start and
+# run of a service below it, the HTTP application at the bottom.
+SERVICE_ROOMS_ABOVE = {
+    "http": {"cli", "run"},
+    "run": {"cli"},
+}
+
+
+def imported_names(source: Path) -> set[str]:
+    """Every module this file imports from (``from a import b`` counts ``a``), wherever the import sits."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text(), str(source))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
 
 def imported_parts(source: Path) -> set[str]:
     """The first component under ``specrag`` of every module this file imports."""
-    parts: set[str] = set()
-    for node in ast.walk(ast.parse(source.read_text(), str(source))):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        parts |= {name.split(".")[1] for name in names if name.startswith("specrag.")}
-    return parts
+    return {name.split(".")[1] for name in imported_names(source) if name.startswith("specrag.")}
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -43,6 +54,22 @@ def test_a_package_imports_only_what_lies_below_it(package: str) -> None:
         for source in sources
     }
     assert {name: parts for name, parts in wrong.items() if parts} == {}
+
+
+def imported_service_rooms(source: Path) -> set[str]:
+    """The rooms of ``specrag.service`` (``http``, ``run``, ``cli``, ...) this file imports from."""
+    return {name.split(".")[2] for name in imported_names(source) if name.startswith("specrag.service.")}
+
+
+@pytest.mark.parametrize("room", sorted(SERVICE_ROOMS_ABOVE))
+def test_a_service_room_imports_no_room_above_it(room: str) -> None:
+    sources = sorted((PACKAGE / "service" / room).rglob("*.py"))
+    assert sources
+    wrong = {
+        str(source.relative_to(PACKAGE)): sorted(imported_service_rooms(source) & SERVICE_ROOMS_ABOVE[room])
+        for source in sources
+    }
+    assert {name: rooms for name, rooms in wrong.items() if rooms} == {}
 
 
 def test_only_the_simulator_imports_the_simulator() -> None:

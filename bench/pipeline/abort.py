@@ -46,7 +46,7 @@ from specrag.pipeline.config import EngineConfig, parse_cpus
 from specrag.pipeline.engine import Engine, Sampling
 from specrag.pipeline.random_model import RANDOM_MODEL_NAME
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assets import ensure_assets
+from specrag.service.run.assets import ensure_assets
 
 DEFAULT_THRESHOLD = 256
 

@@ -35,8 +35,9 @@ from specrag.pipeline.store import DocumentStore
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import load_passages
 from specrag.retrieval.index_store import load_index
-from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
 from tests.helpers import free_port, make_controller
 
 pytestmark = pytest.mark.engine
@@ -57,7 +58,7 @@ class Service:
 async def service(vllm_engine: VllmEngine, tiny_assets: Assets) -> AsyncIterator[Service]:
     controller = make_controller(vllm_engine, tiny_assets)
     try:
-        app = create_app(controller, api_token=TOKEN, header_timeout_s=2.0, body_timeout_s=2.0)
+        app = create_app(controller, Access(tokens=(TOKEN,)), header_timeout_s=2.0, body_timeout_s=2.0)
         async with serving(app, access_log=False) as url:
             # The store sits at DATA_DIR/store/<file>: the data directory tiny_assets was built in.
             store = tiny_assets.store.path

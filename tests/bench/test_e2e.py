@@ -18,7 +18,7 @@ from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import Passage
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 
 
 @pytest.mark.parametrize("workload", ["zipf", "bursty", "multiturn"])

@@ -25,7 +25,7 @@ from specrag.controller.placement import ROUTERS, Placement
 from specrag.controller.replicas import Replica
 from specrag.pipeline.engine import Sampling
 from specrag.pipeline.prompt import PromptBuilder
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim import virtual_time
 from specrag.sim.engine import SimulatedEngine
 from specrag.sim.replicas import simulated_replica

@@ -30,8 +30,9 @@ from specrag.controller.placement import Placement
 from specrag.controller.replicas import Replica
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import assert_engine_idle, make_controller
@@ -215,9 +216,7 @@ async def test_thousands_of_requests_leave_nothing_behind(tiny_assets: Assets) -
     controller = RagController(placement, tiny_assets.index, builder, config)
     app = create_app(
         controller,
-        api_token=TOKEN,
-        max_queries=20,
-        max_queries_per_client=16,
+        Access(tokens=(TOKEN,), max_queries=20, max_queries_per_client=16),
         body_timeout_s=BODY_TIMEOUT_S,
     )
     soak = Soak("", soak_questions(tiny_assets), random.Random(2024), max_tokens=6)
@@ -258,9 +257,7 @@ async def test_disconnects_on_the_real_engine_leave_its_queues_empty(
     controller = make_controller(vllm_engine, tiny_assets, max_prefill_bs=2, max_queue=4)
     app = create_app(
         controller,
-        api_token=TOKEN,
-        max_queries=8,
-        max_queries_per_client=6,
+        Access(tokens=(TOKEN,), max_queries=8, max_queries_per_client=6),
         body_timeout_s=BODY_TIMEOUT_S,
     )
     soak = Soak("", soak_questions(tiny_assets, 40), random.Random(11), max_tokens=3)

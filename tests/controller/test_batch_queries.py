@@ -16,7 +16,7 @@ import pytest
 from specrag.controller.controller import RagController, RagRequest
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, InvalidInputError, TooLargeError
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import pool_controller, simulated_pool
 

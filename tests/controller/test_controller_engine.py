@@ -13,7 +13,7 @@ import pytest_asyncio
 from specrag.controller.controller import AnswerDelta, RagRequest
 from specrag.errors import InvalidInputError, NotFoundError
 from specrag.pipeline.engine import Engine
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import (
     QUESTION,

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest_asyncio
 
 from specrag.controller.controller import RagRequest
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import make_controller
 

@@ -25,8 +25,8 @@ from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.engine import Engine
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assembly import open_controller
-from specrag.service.assets import Assets
+from specrag.service.run.assembly import open_controller
+from specrag.service.run.assets import Assets
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 from tests.helpers import wait_until
 

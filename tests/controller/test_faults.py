@@ -15,7 +15,7 @@ import pytest
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import RagController, RagRequest
 from specrag.errors import EngineError, EngineUnavailableError
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import (

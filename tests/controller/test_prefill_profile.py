@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specrag.controller.controller import RagRequest
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import make_controller, questions
 

@@ -14,7 +14,7 @@ from specrag.controller.controller import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engine import EngineOutput, Sampling
 from specrag.retrieval.stages import DEFAULT_STAGES
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import (
     QUESTION,

@@ -19,8 +19,8 @@ from specrag.controller.placement import health_checks
 from specrag.controller.replicas import Replica
 from specrag.controller.timeline import Timeline, TimelineEvent
 from specrag.pipeline.prompt import PromptBuilder
-from specrag.service.assets import Assets
-from specrag.service.metrics import ServiceMetrics
+from specrag.service.http.metrics import ServiceMetrics
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import metric, pool_controller, running, scripted_index, simulated_pool, wait_until
 

@@ -14,7 +14,7 @@ from specrag.controller.controller import AnswerDelta, AnswerDone, RagController
 from specrag.controller.sessions import SessionStore
 from specrag.errors import ConflictError, EngineError, NotFoundError, OverloadedError
 from specrag.pipeline.prompt import PromptBuilder
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import (
     QUESTION,

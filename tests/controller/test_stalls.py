@@ -21,8 +21,8 @@ from specrag.controller.controller import RagController
 from specrag.controller.query import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
-from specrag.service.handlers import _controller_config
+from specrag.service.cli.commands import _controller_config
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import (
     QUESTION,

@@ -18,8 +18,8 @@ from specrag.pipeline.config import (
     model_context_length,
     resolve_dtype,
 )
-from specrag.service.options import ServiceOptions, base_engine_config
-from specrag.service.pools import free_port_pair
+from specrag.service.run.options import ServiceOptions, base_engine_config
+from specrag.service.run.pools import free_port_pair
 
 
 def test_defaults_validate_for_an_existing_model_dir(tmp_path: Path) -> None:

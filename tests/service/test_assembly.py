@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import pytest_asyncio
 
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
-from specrag.service.assembly import open_controller, prompt_builder
-from specrag.service.assets import Assets
-from specrag.service.pools import PoolEngine, open_pool
+from specrag.service.run.assembly import open_controller, prompt_builder
+from specrag.service.run.assets import Assets
+from specrag.service.run.pools import PoolEngine, open_pool
 from specrag.service.supervisor import SupervisedEngine
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import QUESTION, random_prompt, run_prompt, supervised, wait_until

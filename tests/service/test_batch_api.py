@@ -21,7 +21,7 @@ from specrag.cli import main
 from specrag.client import AsyncClient, SpecragHTTPError
 from specrag.controller.controller import RagController
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from tests.helpers import assert_engine_idle, make_controller, metric, running
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]

@@ -13,8 +13,8 @@ from specrag.paths import DataLayout
 from specrag.pipeline.store import corpus_checksum
 from specrag.retrieval.corpus import Passage, write_passages
 from specrag.retrieval.index_store import built_corpus_checksum, built_passage_ids
-from specrag.service.assets import ensure_assets
 from specrag.service.corpus_change import CorpusChange, CorpusShrunkError
+from specrag.service.run.assets import ensure_assets
 
 
 def corpus(passages: list[Passage], path: Path) -> Path:

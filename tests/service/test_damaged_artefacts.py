@@ -11,7 +11,7 @@ import aiohttp
 import numpy as np
 
 from specrag.pipeline.store import DocumentStore
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import QUESTION, A, make_controller, running, scripted_index, store_of
 

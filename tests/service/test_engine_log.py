@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from specrag.cli import _sub_parsers, build_parser
-from specrag.service.assets import Assets
-from specrag.service.engine_log import engine_output_to
+from specrag.service.cli.engine_log import engine_output_to
+from specrag.service.run.assets import Assets
 from tests.helpers import QUESTION
 
 

@@ -19,11 +19,11 @@ from specrag.client import AsyncClient
 from specrag.controller.controller import RagController, RagRequest
 from specrag.controller.placement import Placement
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assembly import Service, ServiceOptions, open_service
-from specrag.service.assets import Assets
+from specrag.service.http.app import serving
 from specrag.service.kv_mirror import WAITING_FOR_CLEAR, KVMirror
-from specrag.service.pools import free_port_pair
-from specrag.service.server import serving
+from specrag.service.run.assembly import Service, ServiceOptions, open_service
+from specrag.service.run.assets import Assets
+from specrag.service.run.pools import free_port_pair
 from specrag.service.supervisor import SupervisedEngine
 from tests.helpers import QUESTION, EngineServer, scripted_index, wait_until
 

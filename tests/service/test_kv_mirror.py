@@ -7,8 +7,8 @@ import pytest
 from specrag.controller.controller import RagRequest
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
 from specrag.service.kv_mirror import KVMirror
+from specrag.service.run.assets import Assets
 from tests.helpers import make_controller, scripted_index, wait_until
 
 pytestmark = pytest.mark.engine

@@ -15,8 +15,8 @@ from specrag.controller.controller import RagRequest
 from specrag.controller.query import AnswerDone
 from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assembly import open_controller, prompt_builder
-from specrag.service.assets import Assets
+from specrag.service.run.assembly import open_controller, prompt_builder
+from specrag.service.run.assets import Assets
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.engine

@@ -6,11 +6,11 @@ import aiohttp
 
 from specrag.cache import BlockRemoved, KnowledgeTree
 from specrag.pipeline.config import KVEventSource
-from specrag.service.assets import Assets
+from specrag.service.http.app import create_app, serving
+from specrag.service.http.metrics import ServiceMetrics
+from specrag.service.http.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
 from specrag.service.kv_mirror import KVMirror
-from specrag.service.metrics import ServiceMetrics
-from specrag.service.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
-from specrag.service.server import create_app, serving
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers import BLOCK, SYSTEM, A, FakeEngine, layout, make_controller, scripted_index
 

@@ -28,8 +28,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from pydantic import SecretStr
 
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
 from tests.helpers import QUESTION, make_controller
 
 pytestmark = pytest.mark.engine
@@ -47,7 +48,7 @@ async def urls(vllm_engine: VllmEngine, tiny_assets: Assets) -> AsyncIterator[tu
     controller = make_controller(vllm_engine, tiny_assets)
     try:
         async with (
-            serving(create_app(controller, api_token=TOKEN), access_log=False) as with_token,
+            serving(create_app(controller, Access(tokens=(TOKEN,))), access_log=False) as with_token,
             serving(create_app(controller), access_log=False) as open_url,
         ):
             yield with_token, open_url

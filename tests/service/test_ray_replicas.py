@@ -13,9 +13,9 @@ import pytest
 from specrag.controller.controller import RagController, RagRequest
 from specrag.errors import EngineError
 from specrag.pipeline.config import EngineConfig
-from specrag.service.assets import Assets
-from specrag.service.options import ServiceOptions
-from specrag.service.pools import open_pool, open_ray_engines
+from specrag.service.run.assets import Assets
+from specrag.service.run.options import ServiceOptions
+from specrag.service.run.pools import open_pool, open_ray_engines
 from tests.helpers import random_prompt, run_prompt, scripted_index, wait_until
 
 ray = pytest.importorskip("ray")

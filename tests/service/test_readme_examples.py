@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from specrag.pipeline.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from tests.helpers import make_controller, running
 
 pytestmark = pytest.mark.engine

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from tests.helpers import QUESTION, free_port
 
 pytestmark = pytest.mark.engine

@@ -9,8 +9,8 @@ import aiohttp
 import pytest_asyncio
 
 from specrag.controller.controller import RagController
-from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
 from tests.helpers import (
     QUESTION,
     A,
