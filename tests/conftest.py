@@ -15,7 +15,7 @@ from specrag.pipeline.random_model import make_random_model
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.retrieval.corpus import Passage, build_default_corpus
 from specrag.service.run.assets import Assets, ensure_assets
-from tests.helpers import TINY_MODEL_SPEC, write_llama_gguf
+from tests.helpers.models import TINY_MODEL_SPEC, write_llama_gguf
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,8 @@ from specrag.pipeline.document_kv import SUFFIX as KV_SUFFIX
 from specrag.retrieval.corpus import Passage, write_passages
 from specrag.service.cli.commands import _controller_config
 from specrag.service.run.assets import Assets
-from tests.helpers import QUESTION, free_port
+from tests.helpers.builders import QUESTION
+from tests.helpers.http import free_port
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

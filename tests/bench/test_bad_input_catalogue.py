@@ -38,7 +38,8 @@ from specrag.retrieval.index_store import load_index
 from specrag.service.http.access import Access
 from specrag.service.http.app import create_app, serving
 from specrag.service.run.assets import Assets
-from tests.helpers import free_port, make_controller
+from tests.helpers.builders import make_controller
+from tests.helpers.http import free_port
 
 pytestmark = pytest.mark.engine
 

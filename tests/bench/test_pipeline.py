@@ -26,7 +26,7 @@ from bench.pipeline.points import halves
 from bench.pipeline.report import headline
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import A, B, scripted_index
+from tests.helpers.builders import A, B, scripted_index
 
 
 def record(

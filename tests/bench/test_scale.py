@@ -29,7 +29,7 @@ from specrag.service.run.assets import Assets
 from specrag.sim import virtual_time
 from specrag.sim.engine import SimulatedEngine
 from specrag.sim.replicas import simulated_replica
-from tests.helpers import wait_until
+from tests.helpers.waiting import wait_until
 
 
 def pool(n: int) -> list[Replica]:

@@ -23,16 +23,10 @@ from specrag.service.http.access import Access
 from specrag.service.http.app import create_app, serving
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import (
-    QUESTION,
-    A,
-    HeldWarmEngine,
-    assert_engine_idle,
-    make_controller,
-    metric,
-    scripted_index,
-    sse_events,
-)
+from tests.helpers.builders import QUESTION, A, make_controller, scripted_index
+from tests.helpers.engines import HeldWarmEngine
+from tests.helpers.http import metric, sse_events
+from tests.helpers.waiting import assert_engine_idle
 
 TOKEN = "hostile-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

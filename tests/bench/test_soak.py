@@ -35,7 +35,8 @@ from specrag.service.http.app import create_app, serving
 from specrag.service.run.assets import Assets
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import assert_engine_idle, make_controller
+from tests.helpers.builders import make_controller
+from tests.helpers.waiting import assert_engine_idle
 
 TOKEN = "soak-token"
 # Statuses a soak request may legitimately get; anything else (a 5xx above all) fails the soak.

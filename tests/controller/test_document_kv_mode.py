@@ -14,7 +14,7 @@ from specrag.errors import InvalidInputError, check_choice
 from specrag.pipeline.engine import EngineOutput, Sampling
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import QUESTION, make_controller
+from tests.helpers.builders import QUESTION, make_controller
 
 
 class StoreEngine(SimulatedEngine):

@@ -28,7 +28,7 @@ from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.run.assembly import open_controller
 from specrag.service.run.assets import Assets
 from specrag.service.supervisor import SupervisedEngine, SupervisorPolicy
-from tests.helpers import wait_until
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -22,7 +22,9 @@ from specrag.pipeline.prompt import PromptBuilder
 from specrag.service.http.metrics import ServiceMetrics
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import metric, pool_controller, running, scripted_index, simulated_pool, wait_until
+from tests.helpers.builders import pool_controller, scripted_index, simulated_pool
+from tests.helpers.http import metric, running
+from tests.helpers.waiting import wait_until
 
 QUESTION = "What does the assert statement do?"
 

@@ -16,16 +16,8 @@ from specrag.errors import ConflictError, EngineError, NotFoundError, Overloaded
 from specrag.pipeline.prompt import PromptBuilder
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import (
-    QUESTION,
-    A,
-    B,
-    Clock,
-    assert_engine_idle,
-    make_controller,
-    run_conversation,
-    scripted_index,
-)
+from tests.helpers.builders import QUESTION, A, B, Clock, make_controller, run_conversation, scripted_index
+from tests.helpers.waiting import assert_engine_idle
 
 SECOND = "And how is the loop closed?"
 

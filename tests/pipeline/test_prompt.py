@@ -11,7 +11,7 @@ from specrag.pipeline.prompt import MAX_QUESTION_CHARS, QUESTION_RESERVE_TOKENS,
 from specrag.pipeline.store import DocumentStore, build_store
 from specrag.pipeline.tokenizer import Tokenizer
 from specrag.retrieval.corpus import Passage
-from tests.helpers import store_of
+from tests.helpers.models import store_of
 
 
 @pytest.fixture(scope="module")

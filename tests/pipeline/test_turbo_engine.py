@@ -20,7 +20,8 @@ from specrag.pipeline.document_kv import segment_key
 from specrag.pipeline.engine import Sampling
 from specrag.pipeline.rope import RopeSpec
 from specrag.pipeline.vllm_engine import VllmEngine
-from tests.helpers import random_prompt, run_prompt, wait_until
+from tests.helpers.engines import random_prompt, run_prompt
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

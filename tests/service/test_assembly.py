@@ -19,7 +19,9 @@ from specrag.service.run.assets import Assets
 from specrag.service.run.pools import PoolEngine, open_pool
 from specrag.service.supervisor import SupervisedEngine
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import QUESTION, random_prompt, run_prompt, supervised, wait_until
+from tests.helpers.builders import QUESTION
+from tests.helpers.engines import random_prompt, run_prompt, supervised
+from tests.helpers.waiting import wait_until
 
 
 @dataclass

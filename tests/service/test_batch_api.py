@@ -22,7 +22,9 @@ from specrag.client import AsyncClient, SpecragHTTPError
 from specrag.controller.controller import RagController
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.run.assets import Assets
-from tests.helpers import assert_engine_idle, make_controller, metric, running
+from tests.helpers.builders import make_controller
+from tests.helpers.http import metric, running
+from tests.helpers.waiting import assert_engine_idle
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

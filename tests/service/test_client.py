@@ -24,7 +24,9 @@ from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.http.access import Access
 from specrag.service.http.app import serving
 from specrag.service.run.assets import Assets
-from tests.helpers import QUESTION, TOKEN, assert_engine_idle, free_port, make_controller, metric, running
+from tests.helpers.builders import QUESTION, make_controller
+from tests.helpers.http import TOKEN, free_port, metric, running
+from tests.helpers.waiting import assert_engine_idle
 
 pytestmark = pytest.mark.engine
 

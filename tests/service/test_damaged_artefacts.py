@@ -13,7 +13,9 @@ import numpy as np
 from specrag.pipeline.store import DocumentStore
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import QUESTION, A, make_controller, running, scripted_index, store_of
+from tests.helpers.builders import QUESTION, A, make_controller, scripted_index
+from tests.helpers.http import running
+from tests.helpers.models import store_of
 
 
 def damage_row(path: Path, row: int) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.cli.demo import run_demo
 from specrag.service.http.app import create_app, serving
 from specrag.service.run.assets import ensure_assets
-from tests.helpers import make_controller
+from tests.helpers.builders import make_controller
 
 pytestmark = pytest.mark.engine
 

@@ -32,7 +32,9 @@ from specrag.service.http.auth import local_refusal
 from specrag.service.http.documents import MAX_WAITING_WRITES, WRITES
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import TOKEN, make_controller, wait_until
+from tests.helpers.builders import make_controller
+from tests.helpers.http import TOKEN
+from tests.helpers.waiting import wait_until
 
 WRITER = "writer-token-789"
 HELD_S = 30.0  # the longest a held write waits for its release: a test that forgets it still ends

@@ -26,7 +26,8 @@ from specrag.service.http.access import Access
 from specrag.service.http.app import create_app, serving
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import TOKEN, make_controller
+from tests.helpers.builders import make_controller
+from tests.helpers.http import TOKEN
 
 WRITER = "writer-token-456"
 QUESTION = "How does the quokka module count marsupials?"

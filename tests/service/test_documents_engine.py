@@ -11,7 +11,7 @@ from specrag.client import AsyncClient
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.http.app import create_app, serving
 from specrag.service.run.assets import Assets
-from tests.helpers import make_controller
+from tests.helpers.builders import make_controller
 from tests.service.test_documents import FACT, QUESTION, live_assets
 
 pytestmark = pytest.mark.engine

@@ -15,7 +15,7 @@ import pytest
 from specrag.cli import _sub_parsers, build_parser
 from specrag.service.cli.engine_log import engine_output_to
 from specrag.service.run.assets import Assets
-from tests.helpers import QUESTION
+from tests.helpers.builders import QUESTION
 
 
 def test_a_child_process_and_the_libraries_write_to_the_log_and_specrag_to_the_terminal(

@@ -25,7 +25,9 @@ from specrag.service.run.assembly import Service, ServiceOptions, open_service
 from specrag.service.run.assets import Assets
 from specrag.service.run.pools import free_port_pair
 from specrag.service.supervisor import SupervisedEngine
-from tests.helpers import QUESTION, EngineServer, scripted_index, wait_until
+from tests.helpers.builders import QUESTION, scripted_index
+from tests.helpers.http import EngineServer
+from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

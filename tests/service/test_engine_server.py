@@ -21,7 +21,9 @@ from specrag.service.http.app import serving
 from specrag.service.run.assembly import ServiceOptions, open_service
 from specrag.service.run.assets import Assets
 from specrag.service.run.pools import free_port_pair
-from tests.helpers import QUESTION, A, EngineServer, scripted_index, wait_until
+from tests.helpers.builders import QUESTION, A, scripted_index
+from tests.helpers.http import EngineServer
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -21,14 +21,9 @@ from specrag.service.http.access import Access
 from specrag.service.http.app import create_app, serving
 from specrag.service.run.assets import Assets
 from specrag.service.run.exposure import beyond_loopback
-from tests.helpers import (
-    A,
-    StandInSupervision,
-    SupervisedSimulation,
-    free_port,
-    make_controller,
-    scripted_index,
-)
+from tests.helpers.builders import A, make_controller, scripted_index
+from tests.helpers.engines import StandInSupervision, SupervisedSimulation
+from tests.helpers.http import free_port
 
 TOKEN = "exposure-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -9,7 +9,8 @@ from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.kv_mirror import KVMirror
 from specrag.service.run.assets import Assets
-from tests.helpers import make_controller, scripted_index, wait_until
+from tests.helpers.builders import make_controller, scripted_index
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -25,7 +25,8 @@ from specrag.service.run.assembly import ServiceOptions, open_service
 from specrag.service.run.assets import Assets
 from specrag.service.supervisor import SupervisedEngine
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import QUESTION, metric, pool_controller, running, scripted_index, simulated_pool
+from tests.helpers.builders import QUESTION, pool_controller, scripted_index, simulated_pool
+from tests.helpers.http import metric, running
 
 MAX_TOKENS = 60
 

@@ -17,7 +17,7 @@ from specrag.pipeline.config import EngineConfig
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.run.assembly import open_controller, prompt_builder
 from specrag.service.run.assets import Assets
-from tests.helpers import wait_until
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -12,7 +12,8 @@ from specrag.service.http.mirror_report import MIRROR_HEALTH, MirrorCollector, m
 from specrag.service.kv_mirror import KVMirror
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import BLOCK, SYSTEM, A, FakeEngine, layout, make_controller, scripted_index
+from tests.helpers.builders import A, make_controller, scripted_index
+from tests.helpers.tree import BLOCK, SYSTEM, FakeEngine, layout
 
 
 def mirror(name: str) -> KVMirror:

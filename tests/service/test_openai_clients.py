@@ -31,7 +31,7 @@ from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.http.access import Access
 from specrag.service.http.app import create_app, serving
 from specrag.service.run.assets import Assets
-from tests.helpers import QUESTION, make_controller
+from tests.helpers.builders import QUESTION, make_controller
 
 pytestmark = pytest.mark.engine
 

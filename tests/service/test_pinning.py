@@ -16,7 +16,7 @@ from specrag.controller.controller import RagRequest
 from specrag.service.run.assembly import ServiceOptions, open_service
 from specrag.service.run.assets import Assets
 from specrag.service.run.pinning import descendant_pids, pin_engine_processes
-from tests.helpers import QUESTION
+from tests.helpers.builders import QUESTION
 
 # A process that starts a process of its own, as vLLM's engine core starts its model worker.
 # The grandchild runs a second thread, as vLLM's processes run I/O threads beside their main one.

@@ -16,7 +16,9 @@ from specrag.pipeline.config import EngineConfig
 from specrag.service.run.assets import Assets
 from specrag.service.run.options import ServiceOptions
 from specrag.service.run.pools import open_pool, open_ray_engines
-from tests.helpers import random_prompt, run_prompt, scripted_index, wait_until
+from tests.helpers.builders import scripted_index
+from tests.helpers.engines import random_prompt, run_prompt
+from tests.helpers.waiting import wait_until
 
 ray = pytest.importorskip("ray")
 

@@ -18,7 +18,8 @@ import pytest_asyncio
 
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.run.assets import Assets
-from tests.helpers import make_controller, running
+from tests.helpers.builders import make_controller
+from tests.helpers.http import running
 
 pytestmark = pytest.mark.engine
 

@@ -15,18 +15,9 @@ from specrag.controller.controller import RagController, RagRequest
 from specrag.pipeline.vllm_engine import VllmEngine
 from specrag.service.http.access import Access
 from specrag.service.run.assets import Assets
-from tests.helpers import (
-    QUESTION,
-    TOKEN,
-    A,
-    B,
-    assert_engine_idle,
-    make_controller,
-    metric,
-    running,
-    scripted_index,
-    sse_events,
-)
+from tests.helpers.builders import QUESTION, A, B, make_controller, scripted_index
+from tests.helpers.http import TOKEN, metric, running, sse_events
+from tests.helpers.waiting import assert_engine_idle
 
 pytestmark = pytest.mark.engine
 

@@ -17,7 +17,7 @@ from specrag.service.http.access import Access
 from specrag.service.http.app import create_app, serving
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import QUESTION, A, make_controller, scripted_index
+from tests.helpers.builders import QUESTION, A, make_controller, scripted_index
 
 TOKENS = ("token-of-a", "token-of-b")
 AS_A = {"Authorization": f"Bearer {TOKENS[0]}"}
