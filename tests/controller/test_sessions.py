@@ -1,4 +1,4 @@
-"""Conversations that survive failure (issue 17): a session changes only when a turn is recorded,
+"""Conversations that survive failure: a session changes only when a turn is recorded,
 runs one turn at a time, stays inside the model's context, and is bounded per client. The store
 is tested alone; the controller on the simulated engine (the real engine: test_controller_engine)."""
 

@@ -1,4 +1,4 @@
-"""Every spelling of a question retrieves what its plain spelling does (issue 29): fullwidth
+"""Every spelling of a question retrieves what its plain spelling does: fullwidth
 letters, a zero-width space inside a word, decomposed accents; and an index built by an earlier
 version, from text not normalised, is rebuilt rather than searched with normalised questions."""
 

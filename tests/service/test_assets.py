@@ -41,7 +41,7 @@ ensure_index(layout, load_passages(Path(sys.argv[2])), config)
 
 
 def test_two_prepares_at_once_build_the_index_once(tmp_path: Path) -> None:
-    """Issue 35: the second waits for the first's lock, then finds the index built and loads it."""
+    """the second waits for the first's lock, then finds the index built and loads it."""
     import os
     import subprocess
     import sys

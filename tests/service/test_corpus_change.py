@@ -1,5 +1,4 @@
-"""A changed corpus is said at WARNING, and one that lost passages replaces nothing unless accepted
-(issue 35, item 2)."""
+"""A changed corpus is said at WARNING, and one that lost passages replaces nothing unless accepted."""
 
 from __future__ import annotations
 

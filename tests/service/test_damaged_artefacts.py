@@ -1,5 +1,5 @@
 """A damaged document store row reaches no prompt: the query gets a clear 503, never a 500 nor
-an answer computed from different tokens (issue 35, item 1). Simulated engine: milliseconds."""
+an answer computed from different tokens. Simulated engine: milliseconds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""serve's and demo's terminal (issue 29): specrag's own lines there, what the engine, its
+"""serve's and demo's terminal: specrag's own lines there, what the engine, its
 processes and the libraries print in the log file; ``--help`` in plain text."""
 
 from __future__ import annotations

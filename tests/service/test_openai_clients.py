@@ -1,4 +1,4 @@
-"""The client libraries users bring, against a live service on the real engine (issue 29): the
+"""The client libraries users bring, against a live service on the real engine: the
 official ``openai`` SDK (sync, async, streamed with ``include_usage``) and LangChain's
 ``ChatOpenAI`` (invoke, stream, batch, async); and every ``curl`` and Python block of
 docs/clients.md, run as pasted but for the service's address.
