@@ -1,10 +1,9 @@
 """The operator's two endpoints: ``GET /health`` (is it serving, and if not why) and ``GET /metrics``
 (what it has counted, in Prometheus' text format).
 
-``/health`` is open to load balancers without a token (:mod:`specrag.service.http.middleware`) and
-then says only ready or not: the engine's last error and the replicas' details are for the
-operator, not for whoever can reach the port. What the counters are is
-:mod:`specrag.service.http.metrics`'; these handlers only answer with them.
+``/health`` is the one path open without a token (:mod:`specrag.service.http.middleware`), for
+load balancers. What the counters are is :mod:`specrag.service.http.metrics`'; what the mirrors
+report, :mod:`specrag.service.http.mirror_report`'s; these handlers only answer with them.
 """
 
 from __future__ import annotations
