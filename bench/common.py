@@ -5,7 +5,7 @@ shuts vLLM down), :func:`write_report` writes ``bench/out/<name>.json`` and ``<n
 :func:`print_summary` prints how to rerun it and, as the last line, the JSON summary the docs quote.
 
 The benchmarks pin the engine and the search apart with the service's own
-``specrag.service.pinning``.
+``specrag.service.run.pinning``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import psutil
 
 from specrag.pipeline.models.catalog import MODEL_NAMES
 from specrag.pipeline.models.dtype import cpu_has_native_bf16
-from specrag.service.pinning import pin_engine_processes, pin_threads
+from specrag.service.run.pinning import pin_engine_processes, pin_threads
 
 matplotlib.use("Agg")
 

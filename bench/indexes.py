@@ -17,7 +17,7 @@ from specrag.paths import DataLayout
 from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assets import Assets, ensure_index
+from specrag.service.run.assets import Assets, ensure_index
 
 
 def scaled_index(layout: DataLayout, assets: Assets, size: int, nlist: int, kind: str = "ivf") -> VectorIndex:

@@ -75,7 +75,7 @@ from specrag.sim.replicas import simulated_replica
 
 if TYPE_CHECKING:  # annotations only: the real pair imports the service side when it runs
     from specrag.pipeline.store.prompt import PromptBuilder
-    from specrag.service.assets import Assets
+    from specrag.service.run.assets import Assets
 
 POLICY = get_policy("exact")
 BLOCK = 32
@@ -396,8 +396,8 @@ async def real_replicas(
     from specrag.pipeline.engines.vllm_engine import VllmEngine
     from specrag.pipeline.kv_mirror.mirror import KVMirror
     from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
-    from specrag.service.assembly import prompt_builder
-    from specrag.service.assets import ensure_assets
+    from specrag.service.run.assembly import prompt_builder
+    from specrag.service.run.assets import ensure_assets
 
     layout = DataLayout(resolve_data_dir(data_dir))
     assets = ensure_assets(layout, RANDOM_MODEL_NAME)
@@ -454,7 +454,7 @@ def real_replay(builder: PromptBuilder, assets: Assets, seed: int) -> Replay:
 async def real(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every router on the real pair, then the kill (under ``specrag``)."""
     async with real_replicas(args.data_dir, args.eager) as (replicas, assets, cores):
-        from specrag.service.assembly import prompt_builder
+        from specrag.service.run.assembly import prompt_builder
 
         replay = real_replay(prompt_builder(assets, replicas[0].engine), assets, args.seed)
         n = args.real_queries

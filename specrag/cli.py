@@ -1,7 +1,8 @@
 """The ``specrag`` console command.
 
 Each package contributes its own sub-commands through a ``register(subparsers)`` function in its
-``commands`` module, so a newcomer finds a command next to the code it drives.
+``commands`` module (the service's in ``service/cli/parser.py`` and
+``service/cli/document_commands.py``), so a newcomer finds a command next to the code it drives.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ __all__ = ["COMMAND_MODULES", "build_parser", "main"]
 COMMAND_MODULES = (
     "specrag.retrieval.commands",
     "specrag.pipeline.commands",
-    "specrag.service.commands",
-    "specrag.service.document_commands",
+    "specrag.service.cli.parser",
+    "specrag.service.cli.document_commands",
 )
 
 

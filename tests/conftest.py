@@ -14,8 +14,8 @@ from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.models.gguf import convert_gguf
 from specrag.pipeline.models.random_model import make_random_model
 from specrag.retrieval.corpus import Passage, build_default_corpus
-from specrag.service.assets import Assets, ensure_assets
-from tests.helpers import TINY_MODEL_SPEC, write_llama_gguf
+from specrag.service.run.assets import Assets, ensure_assets
+from tests.helpers.models import TINY_MODEL_SPEC, write_llama_gguf
 
 
 @pytest.fixture(scope="session")

@@ -156,7 +156,7 @@ def _read_whole(target: Path) -> bool:
 
 
 def test_two_writers_and_a_reader_never_fail_nor_see_an_incomplete_artefact(tmp_path: Path) -> None:
-    """Issue 35: 2 writers and a reader over 600 writes, 0 failed writes, 0 incomplete reads."""
+    """2 writers and a reader over 600 writes, 0 failed writes, 0 incomplete reads."""
     target = tmp_path / "artefact"
     env = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
     writers = [

@@ -19,9 +19,10 @@ from specrag.cli import build_parser, main
 from specrag.paths import DataLayout
 from specrag.pipeline.document_kv.store import SUFFIX as KV_SUFFIX
 from specrag.retrieval.corpus import Passage, write_passages
-from specrag.service.assets import Assets
-from specrag.service.handlers import _controller_config
-from tests.helpers import QUESTION, free_port
+from specrag.service.cli.commands import _controller_config
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import QUESTION
+from tests.helpers.http import free_port
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -1,8 +1,9 @@
-"""The dependency direction (docs/architecture.md), read from the source: service -> controller -> pipeline ->
-cache, retrieval; the leaf modules (atomic, errors, locking, paths) serve everyone; the client needs only
-errors; the simulator (sim) sits beside the product, which never imports it. Inside the pipeline its rooms
-point one way too: models <- document_kv <- engines <- kv_mirror, and store beside the engines. Function-level
-imports count too: an import that runs back up is one, wherever it sits."""
+"""The dependency direction (docs/architecture.md), read from the source: service -> controller ->
+pipeline -> cache, retrieval; inside the service cli -> run -> http; inside the pipeline models <-
+document_kv <- engines <- kv_mirror, and store beside the engines. The leaf modules (atomic, errors,
+locking, paths) serve everyone; the client needs only errors; the simulator (sim) sits beside the
+product, which never imports it. Function-level imports count too: an import that runs back up is
+one, wherever it sits."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ PIPELINE_ROOMS = {
 }
 # What the pipeline keeps outside its rooms: the package doc and its command-line sub-commands.
 PIPELINE_TOP = {"__init__.py", "commands.py"}
+
+# Inside the service, the rooms a room must not import: the command line sits on top, the start and
+# run of a service below it, the HTTP application at the bottom.
+SERVICE_ROOMS_ABOVE = {
+    "http": {"cli", "run"},
+    "run": {"cli"},
+}
 
 
 def imported_names(source: Path) -> set[str]:
@@ -72,12 +80,28 @@ def imported_rooms(source: Path) -> set[str]:
     return rooms
 
 
+def imported_service_rooms(source: Path) -> set[str]:
+    """The rooms of ``specrag.service`` (``http``, ``run``, ``cli``, ...) this file imports from."""
+    return {name.split(".")[2] for name in imported_names(source) if name.startswith("specrag.service.")}
+
+
 @pytest.mark.parametrize("room", sorted(PIPELINE_ROOMS))
 def test_a_pipeline_room_imports_only_the_rooms_below_it(room: str) -> None:
     sources = sorted((PACKAGE / "pipeline" / room).rglob("*.py"))
     assert sources
     wrong = {
         str(source.relative_to(PACKAGE)): sorted(imported_rooms(source) - PIPELINE_ROOMS[room])
+        for source in sources
+    }
+    assert {name: rooms for name, rooms in wrong.items() if rooms} == {}
+
+
+@pytest.mark.parametrize("room", sorted(SERVICE_ROOMS_ABOVE))
+def test_a_service_room_imports_no_room_above_it(room: str) -> None:
+    sources = sorted((PACKAGE / "service" / room).rglob("*.py"))
+    assert sources
+    wrong = {
+        str(source.relative_to(PACKAGE)): sorted(imported_service_rooms(source) & SERVICE_ROOMS_ABOVE[room])
         for source in sources
     }
     assert {name: rooms for name, rooms in wrong.items() if rooms} == {}

@@ -63,8 +63,8 @@ from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assembly import ServiceOptions, open_engine, prompt_builder
-from specrag.service.assets import ensure_assets
+from specrag.service.run.assembly import ServiceOptions, open_engine, prompt_builder
+from specrag.service.run.assets import ensure_assets
 
 RATIOS = (0.125, 0.25, 0.5, 1.0)
 

@@ -28,7 +28,7 @@ from specrag.pipeline.engines.protocol import Engine, Sampling, now
 from specrag.pipeline.kv_mirror.mirror import MirrorFaults
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assembly import open_controller
+from specrag.service.run.assembly import open_controller
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ async def reset_confirmed(engine: Engine, served_prefix: Sequence[int]) -> bool:
     """Reset the prefix cache and check with the engine that ``served_prefix`` is no longer cached.
 
     The reset raises if the engine refuses it; the probe puts the prefix back, so the caller
-    resets again (as :func:`~specrag.service.assembly.open_controller` does with ``empty_cache``).
+    resets again (as :func:`~specrag.service.run.assembly.open_controller` does with ``empty_cache``).
     """
     await engine.reset_prefix_cache()
     probe = await engine.warm(served_prefix, "reset-probe-" + uuid.uuid4().hex)

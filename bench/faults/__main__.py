@@ -62,9 +62,10 @@ from specrag.controller.controller import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.engines.supervisor import SupervisorPolicy
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
-from specrag.service.assembly import Service, ServiceOptions, open_service
-from specrag.service.assets import Assets, ensure_assets
-from specrag.service.server import create_app, serving
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assembly import Service, ServiceOptions, open_service
+from specrag.service.run.assets import Assets, ensure_assets
 
 TOKEN = "bench-faults-token"
 # The outcome of a request its client abandoned on purpose (nginx's "client closed request").
@@ -242,8 +243,10 @@ async def fault_scenario(
 async def overload(service: Service, url: str, client: AsyncClient, run: Run, burst: int) -> None:
     """Bursts past each admission limit; 429s must carry Retry-After."""
     limited = {
-        "max_queries": create_app(service.controller, api_token=TOKEN, max_queries=3),
-        "max_queries_per_client": create_app(service.controller, api_token=TOKEN, max_queries_per_client=2),
+        "max_queries": create_app(service.controller, Access(tokens=(TOKEN,), max_queries=3)),
+        "max_queries_per_client": create_app(
+            service.controller, Access(tokens=(TOKEN,), max_queries_per_client=2)
+        ),
     }
     report: dict[str, Any] = {}
 
@@ -362,7 +365,7 @@ async def real_service(assets: Assets, run_dir: Path) -> AsyncIterator[tuple[Ser
     options = ServiceOptions(
         controller=ControllerConfig(first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S, max_queue=6),
         eager=True,
-        api_token=TOKEN,
+        access=Access(tokens=(TOKEN,)),
         supervisor=SupervisorPolicy(probe_timeout_s=3.0, close_timeout_s=20.0, backoff_s=1.0),
     )
     async with (

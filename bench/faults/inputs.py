@@ -212,7 +212,7 @@ BAD_REQUESTS: tuple[BadRequest, ...] = (
     ),
     BadRequest("unknown model", "/v1/models/gpt-4o", 404, "unknown model 'gpt-4o'", method="GET"),
     # What an HTTP client library would not send. aiohttp's parser answers these itself, in plain
-    # text (specrag.service.wire); only its log line is specrag's.
+    # text (specrag.service.http.wire); only its log line is specrag's.
     _wire(
         "bad chunk size",
         b"POST /v1/rag HTTP/1.1\r\nHost: specrag\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",

@@ -43,8 +43,8 @@ from bench.common import (
 )
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.engines.protocol import Engine, Sampling
-from specrag.service.assets import ensure_assets
-from specrag.service.options import ServiceOptions, base_engine_config
+from specrag.service.run.assets import ensure_assets
+from specrag.service.run.options import ServiceOptions, base_engine_config
 
 NAME = "token_gaps"
 

@@ -45,7 +45,7 @@ from bench.common import machine, print_summary, run_measurement, write_report
 from bench.quality.questions import build_questions
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.retrieval.corpus import load_passages
-from specrag.service.pools import free_port_pair
+from specrag.service.run.pools import free_port_pair
 
 CACHE_TOKENS = 16384
 START_TIMEOUT_S = 900.0

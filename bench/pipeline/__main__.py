@@ -77,8 +77,8 @@ from specrag.pipeline.engines.config import parse_cpus
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES
-from specrag.service.assembly import ServiceOptions, open_engine, prompt_builder
-from specrag.service.assets import ensure_assets
+from specrag.service.run.assembly import ServiceOptions, open_engine, prompt_builder
+from specrag.service.run.assets import ensure_assets
 
 # IVF kinds (index_store.KINDS) the sweep can run on.
 SWEEP_KINDS = ("ivf-sq8", "ivf", "ivf-pq")

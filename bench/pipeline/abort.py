@@ -46,7 +46,7 @@ from specrag.pipeline.engines.config import EngineConfig, parse_cpus
 from specrag.pipeline.engines.protocol import Engine, Sampling
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
-from specrag.service.assets import ensure_assets
+from specrag.service.run.assets import ensure_assets
 
 DEFAULT_THRESHOLD = 256
 

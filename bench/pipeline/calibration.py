@@ -24,7 +24,7 @@ from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assets import Assets, ensure_index
+from specrag.service.run.assets import Assets, ensure_index
 
 # 0.05: the low-r point, where search hides little of the prefill and a speculation rarely pays.
 TARGET_RATIOS = (0.05, 0.25, 0.5, 1.0, 2.0)

@@ -59,8 +59,8 @@ from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.index_store import IVF_KINDS
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assembly import ServiceOptions, open_engine
-from specrag.service.assets import ensure_assets
+from specrag.service.run.assembly import ServiceOptions, open_engine
+from specrag.service.run.assets import ensure_assets
 
 # A single-threaded matrix multiplication, forever: compute on one core and nothing else.
 MATMUL_LOOP = (

@@ -41,8 +41,8 @@ from specrag.retrieval.corpus import Passage
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assembly import open_controller
-from specrag.service.assets import Assets
+from specrag.service.run.assembly import open_controller
+from specrag.service.run.assets import Assets
 
 # An idle trace spaces arrivals this many times one query's expected search + prefill apart.
 IDLE_GAP_FACTOR = 2.0

@@ -68,8 +68,8 @@ from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assembly import open_controller, prompt_builder
-from specrag.service.assets import ensure_assets
+from specrag.service.run.assembly import open_controller, prompt_builder
+from specrag.service.run.assets import ensure_assets
 
 K = 6
 QUESTIONS = (

@@ -56,8 +56,8 @@ from specrag.pipeline.engines.protocol import Engine, Sampling
 from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME
 from specrag.pipeline.models.directory import served_model_name
 from specrag.pipeline.store.prompt import PromptBuilder
-from specrag.service.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
-from specrag.service.assets import Assets, ensure_assets
+from specrag.service.run.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
+from specrag.service.run.assets import Assets, ensure_assets
 
 METRICS = ("accuracy", "exact_match", "f1")
 # (name, mode, controller overrides): the single-turn configurations run through the controller.

@@ -42,7 +42,7 @@ from specrag.paths import DataLayout, resolve_data_dir
 from specrag.retrieval.conversational import PREVIOUS_QUESTION_WEIGHT, conversation_query
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assets import ensure_corpus, ensure_index
+from specrag.service.run.assets import ensure_corpus, ensure_index
 
 KS = (1, 5, 10)
 WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)

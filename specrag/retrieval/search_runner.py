@@ -93,8 +93,7 @@ class SearchRunner:
     OpenMP thread on a busy core holds up the others at every barrier. OpenMP keeps the count per
     thread, so each pool thread sets its own: set only by the thread that creates the pool, it
     never reached the pool's threads, which then ran one OpenMP thread per machine core on their
-    one pinned core; on the 2-core machine such a search took 2-3x as long (1M-vector IVF index,
-    half its lists: 20 ms with one thread, 40 ms in one stage, 60 ms in four).
+    one pinned core, and a search took several times as long (docs/pipelining.md has the figures).
 
     ``idle``: the pool threads run under ``SCHED_IDLE`` (the module's docstring says why); by
     default they do when pinned to ``cpus`` (cores given to the service) and keep the process's

@@ -3,7 +3,8 @@
 Scanning the ``nprobe`` nearest inverted lists in order, a slice at a time, and merging each
 slice's top-k gives the same final answer as one ``search`` call, while every slice boundary
 offers a running top-k to speculate on. The per-slice cost is one extra ``search_preassigned``
-call (~25 µs), which is noise once a search takes more than a few milliseconds.
+call, which is noise once a search takes more than a few milliseconds (docs/staged-search.md
+has the figures).
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ MIN_DEFAULT_NPROBE = 32
 # How an IVF index stores its vectors in the lists: exact float32 ("flat"), product-quantized
 # ("pq": pq_m bytes a vector), or one byte a dimension ("sq8": a quarter of flat's memory). A
 # scan reads its lists once, so the codes set how much memory bandwidth a search takes from an
-# engine on the same machine (docs/vllm-cpu.md: on the 2-core VM a flat scan slowed a prefill on
-# the other core by 17-41 %, an SQ8 scan by 2 %, over two runs).
+# engine on the same machine (docs/vllm-cpu.md: a flat scan slows a prefill on the other core
+# many times as much as an SQ8 scan).
 IVF_CODES = ("flat", "pq", "sq8")
 
 
@@ -69,8 +70,7 @@ def default_nprobe(nlist: int) -> int:
 
     A quarter keeps recall near 1 on large indexes and leaves enough lists to cut into stages.
     A small corpus has few lists (rows / 39), where a quarter of them misses true neighbours
-    (dense recall@5 0.62 against 0.66 exact on 1,364 passages in 34 lists) while scanning
-    them all costs next to nothing.
+    (docs/retrieval.md has the figures) while scanning them all costs next to nothing.
     """
     return max(1, min(nlist, max(nlist // 4, MIN_DEFAULT_NPROBE)))
 

@@ -50,9 +50,10 @@ class Schedule(enum.StrEnum):
     GEOMETRIC = "geometric"
 
 
-# The schedule that measured best (bench/retrieval/search.py: the running top-k final earliest at
-# <= 1.10x a single-stage search's cost): geometric stages, so that the first speculation starts
-# after a small share of the search. How many (how small the first) depends on the index kind, below.
+# The schedule that measured best (bench/retrieval/search.py: the running top-k final earliest
+# within docs/retrieval.md's bound on the cost of staging): geometric stages, so that the first
+# speculation starts after a small share of the search. How many (how small the first) depends on
+# the index kind, below.
 DEFAULT_SCHEDULE = Schedule.GEOMETRIC
 # How many stages a search of each index kind is cut into unless told otherwise (stage_plan).
 # Geometric stages start with 1/2^(S-1) of the work, so S sets how early the first speculation

@@ -35,9 +35,11 @@ from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.store.document_store import DocumentStore
 from specrag.retrieval.corpus import load_passages
 from specrag.retrieval.index_store import load_index
-from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
-from tests.helpers import free_port, make_controller
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import make_controller
+from tests.helpers.http import free_port
 
 pytestmark = pytest.mark.engine
 
@@ -57,7 +59,7 @@ class Service:
 async def service(vllm_engine: VllmEngine, tiny_assets: Assets) -> AsyncIterator[Service]:
     controller = make_controller(vllm_engine, tiny_assets)
     try:
-        app = create_app(controller, api_token=TOKEN, header_timeout_s=2.0, body_timeout_s=2.0)
+        app = create_app(controller, Access(tokens=(TOKEN,)), header_timeout_s=2.0, body_timeout_s=2.0)
         async with serving(app, access_log=False) as url:
             # The store sits at DATA_DIR/store/<file>: the data directory tiny_assets was built in.
             store = tiny_assets.store.path

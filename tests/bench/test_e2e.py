@@ -18,7 +18,7 @@ from specrag.pipeline.engines.config import EngineConfig
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 
 
 @pytest.mark.parametrize("workload", ["zipf", "bursty", "multiturn"])

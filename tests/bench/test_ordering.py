@@ -8,7 +8,7 @@ from bench.ordering.oracle import MyopicOracleOrder
 from specrag.cache import POLICY_NAMES, KnowledgeTree, get_policy
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
-from tests.helpers import BLOCK, FakeEngine, layout, served_tree
+from tests.helpers.tree import BLOCK, FakeEngine, layout, served_tree
 
 DOCS = range(7)
 served_orders = st.lists(

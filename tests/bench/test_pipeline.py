@@ -24,9 +24,9 @@ from bench.pipeline.calibration import nearest_point, sweep_points, with_ef_sear
 from bench.pipeline.ideal import bound_records
 from bench.pipeline.points import halves
 from bench.pipeline.report import headline
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import A, B, scripted_index
+from tests.helpers.builders import A, B, scripted_index
 
 
 def record(

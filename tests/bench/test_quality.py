@@ -13,7 +13,7 @@ from bench.quality.questions import main as questions_main
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 
 
 def test_questions_are_reproducible_and_answered_by_their_passage(default_corpus: list[Passage]) -> None:

@@ -25,11 +25,11 @@ from specrag.controller.placement import ROUTERS, Placement
 from specrag.controller.replicas import Replica
 from specrag.pipeline.engines.protocol import Sampling
 from specrag.pipeline.store.prompt import PromptBuilder
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim import virtual_time
 from specrag.sim.engine import SimulatedEngine
 from specrag.sim.replicas import simulated_replica
-from tests.helpers import wait_until
+from tests.helpers.waiting import wait_until
 
 
 def pool(n: int) -> list[Replica]:

@@ -19,19 +19,14 @@ import pytest_asyncio
 from bench.faults.inputs import BAD_REQUESTS, BadRequest, send, send_wire
 from specrag.controller.controller import RagController
 from specrag.pipeline.engines.protocol import EngineOutput, Sampling
-from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import (
-    QUESTION,
-    A,
-    HeldWarmEngine,
-    assert_engine_idle,
-    make_controller,
-    metric,
-    scripted_index,
-    sse_events,
-)
+from tests.helpers.builders import QUESTION, A, make_controller, scripted_index
+from tests.helpers.engines import HeldWarmEngine
+from tests.helpers.http import metric, sse_events
+from tests.helpers.waiting import assert_engine_idle
 
 TOKEN = "hostile-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -65,7 +60,7 @@ async def service(tiny_assets: Assets) -> AsyncIterator[Service]:
     engine = SamplingRecorder()
     controller = make_controller(engine, tiny_assets)  # the real index: k = 50 retrieves 50 passages
     app = create_app(
-        controller, api_token=TOKEN, header_timeout_s=READ_TIMEOUT_S, body_timeout_s=READ_TIMEOUT_S
+        controller, Access(tokens=(TOKEN,)), header_timeout_s=READ_TIMEOUT_S, body_timeout_s=READ_TIMEOUT_S
     )
     try:
         async with serving(app, access_log=False) as url:
@@ -269,7 +264,7 @@ async def test_clients_are_told_apart_by_token_and_a_flood_evicts_only_its_own(t
     engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
     controller = make_controller(engine, tiny_assets, max_sessions=4, max_sessions_per_client=3)
     try:
-        async with serving(create_app(controller, api_tokens=TOKENS), access_log=False) as url:
+        async with serving(create_app(controller, Access(tokens=TOKENS)), access_log=False) as url:
             async with as_client(TOKENS[0]) as alice, alice.post(f"{url}/v1/sessions") as response:
                 assert response.status == 201
                 kept = (await response.json())["session_id"]
@@ -300,7 +295,7 @@ async def test_a_trusted_proxys_forwarded_address_tells_clients_apart(
     engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
     controller = make_controller(engine, tiny_assets)
     try:
-        app = create_app(controller, trust_forwarded_for=trusted)
+        app = create_app(controller, Access(trust_forwarded_for=trusted))
         async with serving(app, access_log=False) as url:
             for forwarded in ("203.0.113.9, 10.0.0.1", "10.0.0.2", "10.0.0.2"):
                 async with (

@@ -31,10 +31,12 @@ from specrag.controller.replicas import Replica
 from specrag.pipeline.engines.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.store.prompt import PromptBuilder
-from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import assert_engine_idle, make_controller
+from tests.helpers.builders import make_controller
+from tests.helpers.waiting import assert_engine_idle
 
 TOKEN = "soak-token"
 # Statuses a soak request may legitimately get; anything else (a 5xx above all) fails the soak.
@@ -215,9 +217,7 @@ async def test_thousands_of_requests_leave_nothing_behind(tiny_assets: Assets) -
     controller = RagController(placement, tiny_assets.index, builder, config)
     app = create_app(
         controller,
-        api_token=TOKEN,
-        max_queries=20,
-        max_queries_per_client=16,
+        Access(tokens=(TOKEN,), max_queries=20, max_queries_per_client=16),
         body_timeout_s=BODY_TIMEOUT_S,
     )
     soak = Soak("", soak_questions(tiny_assets), random.Random(2024), max_tokens=6)
@@ -258,9 +258,7 @@ async def test_disconnects_on_the_real_engine_leave_its_queues_empty(
     controller = make_controller(vllm_engine, tiny_assets, max_prefill_bs=2, max_queue=4)
     app = create_app(
         controller,
-        api_token=TOKEN,
-        max_queries=8,
-        max_queries_per_client=6,
+        Access(tokens=(TOKEN,), max_queries=8, max_queries_per_client=6),
         body_timeout_s=BODY_TIMEOUT_S,
     )
     soak = Soak("", soak_questions(tiny_assets, 40), random.Random(11), max_tokens=3)

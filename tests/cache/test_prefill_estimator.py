@@ -8,7 +8,7 @@ import pytest
 
 from specrag.cache import KnowledgeTree, PrefillEstimator, PrefillProfile
 from specrag.errors import InvalidInputError
-from tests.helpers import BLOCK, SYSTEM, layout
+from tests.helpers.tree import BLOCK, SYSTEM, layout
 
 FALLBACK = PrefillProfile()
 

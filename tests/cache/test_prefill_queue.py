@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 from specrag.cache import RatioQueue, get_policy
 from specrag.cache.prefill_queue import WindowScheduler
 from specrag.errors import InvalidInputError
-from tests.helpers import Clock, layout, served_tree
+from tests.helpers.builders import Clock
+from tests.helpers.tree import layout, served_tree
 
 
 def test_highest_cached_to_compute_ratio_goes_first() -> None:

@@ -9,7 +9,7 @@ from specrag.cache import tree as tree_module
 from specrag.cache.layout import PromptLayout, build_layout
 from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
-from tests.helpers import BLOCK, QUESTION_TOKENS, SYSTEM, FakeEngine, doc_tokens, layout, served_tree
+from tests.helpers.tree import BLOCK, QUESTION_TOKENS, SYSTEM, FakeEngine, doc_tokens, layout, served_tree
 
 
 def test_cold_tree_knows_nothing_is_cached() -> None:

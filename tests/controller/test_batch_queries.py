@@ -16,9 +16,9 @@ import pytest
 from specrag.controller.controller import RagController, RagRequest
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, InvalidInputError, TooLargeError
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import pool_controller, simulated_pool
+from tests.helpers.builders import pool_controller, simulated_pool
 
 # Two pairs of questions, each pair retrieving the same passages, asked interleaved.
 QUESTIONS = (

@@ -13,18 +13,10 @@ import pytest_asyncio
 from specrag.controller.controller import AnswerDelta, RagRequest
 from specrag.errors import InvalidInputError, NotFoundError
 from specrag.pipeline.engines.protocol import Engine
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import (
-    QUESTION,
-    A,
-    B,
-    assert_engine_idle,
-    make_controller,
-    run_conversation,
-    scripted_index,
-    wait_until,
-)
+from tests.helpers.builders import QUESTION, A, B, make_controller, run_conversation, scripted_index
+from tests.helpers.waiting import assert_engine_idle, wait_until
 
 
 @pytest_asyncio.fixture(loop_scope="session")

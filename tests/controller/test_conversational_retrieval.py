@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 import pytest_asyncio
 
 from specrag.controller.controller import RagRequest
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import make_controller
+from tests.helpers.builders import make_controller
 
 FIRST = "What is the class `BaseHTTPRequestHandler` of the module `http.server` for?"
 FOLLOW_UP = "And which of its methods adds the response header?"

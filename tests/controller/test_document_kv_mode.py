@@ -12,9 +12,9 @@ from specrag.controller.modes import DocumentKv
 from specrag.controller.query import RagRequest
 from specrag.errors import InvalidInputError, check_choice
 from specrag.pipeline.engines.protocol import EngineOutput, Sampling
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import QUESTION, make_controller
+from tests.helpers.builders import QUESTION, make_controller
 
 
 class StoreEngine(SimulatedEngine):

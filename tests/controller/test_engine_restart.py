@@ -26,9 +26,9 @@ from specrag.pipeline.engines.protocol import Engine
 from specrag.pipeline.engines.supervisor import SupervisedEngine, SupervisorPolicy
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.store.prompt import PromptBuilder
-from specrag.service.assembly import open_controller
-from specrag.service.assets import Assets
-from tests.helpers import wait_until
+from specrag.service.run.assembly import open_controller
+from specrag.service.run.assets import Assets
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -16,16 +16,11 @@ from specrag.cache.tree import KnowledgeTree
 from specrag.controller.controller import RagController, RagRequest
 from specrag.errors import EngineError, EngineUnavailableError
 from specrag.pipeline.engines.supervisor import SupervisedEngine, SupervisorPolicy
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import (
-    FAST_POLICY,
-    assert_engine_idle,
-    make_controller,
-    scripted_index,
-    supervised,
-    wait_until,
-)
+from tests.helpers.builders import make_controller, scripted_index
+from tests.helpers.engines import FAST_POLICY, supervised
+from tests.helpers.waiting import assert_engine_idle, wait_until
 
 QUESTION = "What does the assert statement do?"
 

@@ -8,7 +8,7 @@ import pytest
 
 from specrag.controller.gate import OrderingWindow, PrefillGate
 from specrag.errors import InvalidInputError
-from tests.helpers import served_tree
+from tests.helpers.tree import served_tree
 
 
 def test_speculation_uses_only_an_idle_pool() -> None:

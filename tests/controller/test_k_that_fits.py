@@ -8,9 +8,9 @@ import pytest
 
 from specrag.controller.controller import RagRequest
 from specrag.errors import InvalidInputError
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import make_controller
+from tests.helpers.builders import make_controller
 
 QUESTION = "How does asyncio.run close the loop?"
 

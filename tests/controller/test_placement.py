@@ -16,7 +16,9 @@ from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError
 from specrag.sim.engine import SimulatedEngine
 from specrag.sim.replicas import simulated_replica
-from tests.helpers import BLOCK, SYSTEM, layout, run_prompt, wait_until
+from tests.helpers.engines import run_prompt
+from tests.helpers.tree import BLOCK, SYSTEM, layout
+from tests.helpers.waiting import wait_until
 
 EXACT = get_policy("exact")
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from specrag.controller.controller import RagRequest
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import make_controller, questions
+from tests.helpers.builders import make_controller, questions
 
 
 async def test_served_answers_replace_the_default_profile_in_the_tree(tiny_assets: Assets) -> None:

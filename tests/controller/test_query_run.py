@@ -14,23 +14,20 @@ from specrag.controller.controller import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engines.protocol import EngineOutput, Sampling
 from specrag.retrieval.stages import DEFAULT_STAGES
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import (
+from tests.helpers.builders import (
     QUESTION,
     A,
     B,
-    HeldWarmEngine,
-    StandInSupervision,
-    SupervisedSimulation,
-    assert_engine_idle,
     count_question_tokenizations,
     make_controller,
     pool_controller,
     scripted_index,
     simulated_pool,
-    wait_until,
 )
+from tests.helpers.engines import HeldWarmEngine, StandInSupervision, SupervisedSimulation
+from tests.helpers.waiting import assert_engine_idle, wait_until
 
 
 class RecordingEngine(SimulatedEngine):

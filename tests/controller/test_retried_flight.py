@@ -22,7 +22,7 @@ from specrag.errors import EngineError, EngineUnavailableError
 from specrag.pipeline.engines.protocol import EngineOutput, Sampling
 from specrag.sim.engine import SimulatedEngine
 from specrag.sim.replicas import simulated_replica
-from tests.helpers import random_prompt
+from tests.helpers.engines import random_prompt
 
 SYSTEM = tuple(range(3, 67))  # two blocks of 32
 

@@ -19,10 +19,12 @@ from specrag.controller.placement import health_checks
 from specrag.controller.replicas import Replica
 from specrag.controller.timeline import Timeline, TimelineEvent
 from specrag.pipeline.store.prompt import PromptBuilder
-from specrag.service.assets import Assets
-from specrag.service.metrics import ServiceMetrics
+from specrag.service.http.metrics import ServiceMetrics
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import metric, pool_controller, running, scripted_index, simulated_pool, wait_until
+from tests.helpers.builders import pool_controller, scripted_index, simulated_pool
+from tests.helpers.http import metric, running
+from tests.helpers.waiting import wait_until
 
 QUESTION = "What does the assert statement do?"
 

@@ -1,4 +1,4 @@
-"""Conversations that survive failure (issue 17): a session changes only when a turn is recorded,
+"""Conversations that survive failure: a session changes only when a turn is recorded,
 runs one turn at a time, stays inside the model's context, and is bounded per client. The store
 is tested alone; the controller on the simulated engine (the real engine: test_controller_engine)."""
 
@@ -14,18 +14,10 @@ from specrag.controller.controller import AnswerDelta, AnswerDone, RagController
 from specrag.controller.sessions import SessionStore
 from specrag.errors import ConflictError, EngineError, NotFoundError, OverloadedError
 from specrag.pipeline.store.prompt import PromptBuilder
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import (
-    QUESTION,
-    A,
-    B,
-    Clock,
-    assert_engine_idle,
-    make_controller,
-    run_conversation,
-    scripted_index,
-)
+from tests.helpers.builders import QUESTION, A, B, Clock, make_controller, run_conversation, scripted_index
+from tests.helpers.waiting import assert_engine_idle
 
 SECOND = "And how is the loop closed?"
 

@@ -14,10 +14,10 @@ from specrag.controller.speculation_policy import Price, SpeculationPolicy, Spec
 from specrag.errors import InvalidInputError, check_choice
 from specrag.retrieval.stage_stats import WINDOW, PlanKey, StageOutlook, StageStatistics
 from specrag.retrieval.stages import Schedule, StageResult
-from specrag.service.assets import Assets
-from specrag.service.metrics import ServiceMetrics
+from specrag.service.http.metrics import ServiceMetrics
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import QUESTION, A, B, make_controller, scripted_index
+from tests.helpers.builders import QUESTION, A, B, make_controller, scripted_index
 
 # One second per 1000 prompt tokens, no fixed cost: prices that are easy to check by hand.
 LINEAR = PrefillProfile([(0, 0.0), (1000, 1.0)])

@@ -21,19 +21,13 @@ from specrag.controller.controller import RagController
 from specrag.controller.query import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
-from specrag.service.handlers import _controller_config
+from specrag.service.cli.commands import _controller_config
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import (
-    QUESTION,
-    A,
-    assert_engine_idle,
-    make_controller,
-    running,
-    scripted_index,
-    sse_events,
-    supervised,
-)
+from tests.helpers.builders import QUESTION, A, make_controller, scripted_index
+from tests.helpers.engines import supervised
+from tests.helpers.http import running, sse_events
+from tests.helpers.waiting import assert_engine_idle
 
 INTER_TOKEN_S = 0.3
 FIRST_TOKEN_S = 0.5

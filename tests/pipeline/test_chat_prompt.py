@@ -18,7 +18,8 @@ from specrag.pipeline.models.tokenizer import Tokenizer
 from specrag.pipeline.store.document_store import DocumentStore
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
-from tests.helpers import run_prompt, store_of
+from tests.helpers.engines import run_prompt
+from tests.helpers.models import store_of
 
 SYSTEM = "Answer from the passages."
 BLOCK = 32

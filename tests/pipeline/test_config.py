@@ -14,8 +14,8 @@ from specrag.pipeline.commands import engine_server_config
 from specrag.pipeline.engines.config import VLLM_ENVIRONMENT_DEFAULTS, EngineConfig
 from specrag.pipeline.models.directory import model_context_length
 from specrag.pipeline.models.dtype import cpu_has_native_bf16, resolve_dtype
-from specrag.service.options import ServiceOptions, base_engine_config
-from specrag.service.pools import free_port_pair
+from specrag.service.run.options import ServiceOptions, base_engine_config
+from specrag.service.run.pools import free_port_pair
 
 
 def test_defaults_validate_for_an_existing_model_dir(tmp_path: Path) -> None:

@@ -128,7 +128,7 @@ def document_kv_bytes(kv: torch.Tensor) -> bytes:
 def test_a_flipped_byte_in_an_entry_never_reaches_a_prompt(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 35: one flipped bit in an entry's tensor data is found by its checksum; the entry is
+    """one flipped bit in an entry's tensor data is found by its checksum; the entry is
     dropped at WARNING (its caller recomputes it) rather than loaded as different KV."""
     kv_store = store(tmp_path)
     key = segment_key([4, 2])
@@ -157,7 +157,7 @@ def test_an_entry_without_a_checksum_is_not_trusted(tmp_path: Path) -> None:
 def test_the_fingerprint_covers_the_whole_weights_and_the_vllm_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 35: a weight changed in the middle of a file (neither its header nor its last MiB)
+    """a weight changed in the middle of a file (neither its header nor its last MiB)
     changes the key, and so does another vLLM; the digest is recorded once, beside the weights."""
     (tmp_path / "config.json").write_text("{}")
     weights = tmp_path / "model.safetensors"

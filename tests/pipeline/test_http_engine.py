@@ -15,7 +15,8 @@ from aiohttp import web
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.engines.http_engine import HttpEngine, HttpTimeouts
 from specrag.pipeline.engines.protocol import Engine, Sampling
-from tests.helpers import EngineServer, close_stream, free_port, random_prompt, run_prompt
+from tests.helpers.engines import close_stream, random_prompt, run_prompt
+from tests.helpers.http import EngineServer, free_port
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

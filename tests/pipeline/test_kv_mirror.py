@@ -8,8 +8,9 @@ from specrag.controller.controller import RagRequest
 from specrag.pipeline.engines.config import EngineConfig
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.kv_mirror.mirror import KVMirror
-from specrag.service.assets import Assets
-from tests.helpers import make_controller, scripted_index, wait_until
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import make_controller, scripted_index
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

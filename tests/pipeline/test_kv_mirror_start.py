@@ -12,7 +12,7 @@ import pytest
 from specrag.cache import KnowledgeTree
 from specrag.pipeline.engines.config import KVEventSource
 from specrag.pipeline.kv_mirror.mirror import WAITING_FOR_JOIN, KVMirror
-from tests.helpers import wait_until
+from tests.helpers.waiting import wait_until
 from tests.pipeline.test_kv_events import Publisher
 from tests.pipeline.test_kv_mirror_state import Resets
 

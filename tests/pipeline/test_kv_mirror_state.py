@@ -9,7 +9,7 @@ from specrag.cache import AllBlocksCleared, KnowledgeTree
 from specrag.errors import EngineError
 from specrag.pipeline.engines.config import KVEventSource
 from specrag.pipeline.kv_mirror.mirror import WAITING_FOR_CLEAR, WAITING_FOR_JOIN, KVMirror
-from tests.helpers import BLOCK, SYSTEM, FakeEngine, layout
+from tests.helpers.tree import BLOCK, SYSTEM, FakeEngine, layout
 
 
 class Resets:

@@ -28,7 +28,7 @@ from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.stages import StagedSearcher
 from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 
 NEW_FACT = Passage("fact-1", "Quokka module", "The quokka module counts marsupials on Rottnest island.")
 

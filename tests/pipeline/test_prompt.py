@@ -11,7 +11,7 @@ from specrag.pipeline.models.tokenizer import Tokenizer
 from specrag.pipeline.store.document_store import DocumentStore, build_store
 from specrag.pipeline.store.prompt import MAX_QUESTION_CHARS, QUESTION_RESERVE_TOKENS, PromptBuilder
 from specrag.retrieval.corpus import Passage
-from tests.helpers import store_of
+from tests.helpers.models import store_of
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from specrag.pipeline.models.random_model import (
     make_random_model,
 )
 from specrag.pipeline.models.tokenizer import Tokenizer, tokenizer_fingerprint
-from tests.helpers import TINY_MODEL_SPEC
+from tests.helpers.models import TINY_MODEL_SPEC
 
 
 def test_model_dir_is_a_llama_checkpoint_matching_its_spec(tiny_model_dir: Path) -> None:

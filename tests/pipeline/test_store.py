@@ -108,7 +108,7 @@ def flip_byte_of(path: Path, needle: bytes, offset: int = 0) -> None:
 
 
 def test_a_flipped_byte_in_a_rows_tokens_never_reaches_a_prompt(store_path: Path) -> None:
-    """Issue 35: the store opens, but the damaged row is an error naming the file and the command,
+    """the store opens, but the damaged row is an error naming the file and the command,
     never different tokens."""
     segment = render_segment(3, PASSAGES[3]).encode("utf-8")
     token_bytes = b"".join(byte.to_bytes(4, "little") for byte in segment[:12])

@@ -20,7 +20,8 @@ from specrag.pipeline.document_kv.store import segment_key
 from specrag.pipeline.engines.config import EngineConfig
 from specrag.pipeline.engines.protocol import Sampling
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from tests.helpers import random_prompt, run_prompt, wait_until
+from tests.helpers.engines import random_prompt, run_prompt
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

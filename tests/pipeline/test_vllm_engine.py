@@ -10,7 +10,8 @@ import pytest
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engines.protocol import Engine, EngineOutput, Sampling
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from tests.helpers import close_stream, engine_idle, random_prompt, run_prompt, wait_until
+from tests.helpers.engines import close_stream, random_prompt, run_prompt
+from tests.helpers.waiting import engine_idle, wait_until
 
 pytestmark = pytest.mark.engine
 

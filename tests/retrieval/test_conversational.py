@@ -7,7 +7,7 @@ import pytest
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.conversational import conversation_query, question_weights
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 
 FIRST = "What is the module `zipfile` for?"
 SECOND = "And which of its functions reads the archive?"

@@ -144,7 +144,7 @@ for _ in range(writes):
 def test_an_index_rewritten_by_another_process_always_loads_whole(
     passages: list[Passage], tmp_path: Path
 ) -> None:
-    """Issue 35: a load (a `serve` starting) while another process replaces the index never finds
+    """a load (a `serve` starting) while another process replaces the index never finds
     it missing or half written, so it never rebuilds it for that reason."""
     import os
     import subprocess

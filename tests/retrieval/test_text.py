@@ -1,4 +1,4 @@
-"""Every spelling of a question retrieves what its plain spelling does (issue 29): fullwidth
+"""Every spelling of a question retrieves what its plain spelling does: fullwidth
 letters, a zero-width space inside a word, decomposed accents; and an index built by an earlier
 version, from text not normalised, is rebuilt rather than searched with normalised questions."""
 
@@ -17,7 +17,7 @@ from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import MANIFEST_FILE, VERSION, IndexConfig, build_index, save_index
 from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assets import ensure_index
+from specrag.service.run.assets import ensure_index
 
 ASSERT = "What does the assert statement do?"
 SQLITE = "Who wrote the sqlite3 module, Gerhard Häring?"  # the corpus spells it in NFC

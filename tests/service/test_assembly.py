@@ -15,11 +15,13 @@ import pytest_asyncio
 
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
 from specrag.pipeline.engines.supervisor import SupervisedEngine
-from specrag.service.assembly import open_controller, prompt_builder
-from specrag.service.assets import Assets
-from specrag.service.pools import PoolEngine, open_pool
+from specrag.service.run.assembly import open_controller, prompt_builder
+from specrag.service.run.assets import Assets
+from specrag.service.run.pools import PoolEngine, open_pool
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import QUESTION, random_prompt, run_prompt, supervised, wait_until
+from tests.helpers.builders import QUESTION
+from tests.helpers.engines import random_prompt, run_prompt, supervised
+from tests.helpers.waiting import wait_until
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from specrag.paths import DataLayout
 from specrag.retrieval.corpus import Passage, write_passages
-from specrag.service.assets import ensure_corpus
+from specrag.service.run.assets import ensure_corpus
 
 
 def test_a_users_corpus_is_kept_for_later_commands_without_corpus(tmp_path: Path) -> None:
@@ -31,7 +31,7 @@ from pathlib import Path
 from specrag.paths import DataLayout
 from specrag.retrieval.corpus import load_passages
 from specrag.retrieval.index_store import IndexConfig
-from specrag.service.assets import ensure_index
+from specrag.service.run.assets import ensure_index
 
 logging.basicConfig(level=logging.DEBUG, format="%(message)s")
 layout = DataLayout(Path(sys.argv[1]))
@@ -41,7 +41,7 @@ ensure_index(layout, load_passages(Path(sys.argv[2])), config)
 
 
 def test_two_prepares_at_once_build_the_index_once(tmp_path: Path) -> None:
-    """Issue 35: the second waits for the first's lock, then finds the index built and loads it."""
+    """the second waits for the first's lock, then finds the index built and loads it."""
     import os
     import subprocess
     import sys

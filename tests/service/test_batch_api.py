@@ -21,8 +21,10 @@ from specrag.cli import main
 from specrag.client import AsyncClient, SpecragHTTPError
 from specrag.controller.controller import RagController
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
-from tests.helpers import assert_engine_idle, make_controller, metric, running
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import make_controller
+from tests.helpers.http import metric, running
+from tests.helpers.waiting import assert_engine_idle
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

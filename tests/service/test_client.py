@@ -21,9 +21,12 @@ from specrag.client import (
 from specrag.controller.controller import RagController
 from specrag.errors import SpecragError
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
-from specrag.service.server import serving
-from tests.helpers import QUESTION, TOKEN, assert_engine_idle, free_port, make_controller, metric, running
+from specrag.service.http.access import Access
+from specrag.service.http.app import serving
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import QUESTION, make_controller
+from tests.helpers.http import TOKEN, free_port, metric, running
+from tests.helpers.waiting import assert_engine_idle
 
 pytestmark = pytest.mark.engine
 
@@ -31,7 +34,7 @@ pytestmark = pytest.mark.engine
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def service(vllm_engine: VllmEngine, tiny_assets: Assets) -> AsyncIterator[tuple[str, RagController]]:
     controller = make_controller(vllm_engine, tiny_assets)
-    async with running(controller, api_token=TOKEN) as url:
+    async with running(controller, Access(tokens=(TOKEN,))) as url:
         yield url, controller
 
 

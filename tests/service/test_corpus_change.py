@@ -1,5 +1,4 @@
-"""A changed corpus is said at WARNING, and one that lost passages replaces nothing unless accepted
-(issue 35, item 2)."""
+"""A changed corpus is said at WARNING, and one that lost passages replaces nothing unless accepted."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from specrag.pipeline.store.document_store import corpus_checksum
 from specrag.retrieval.corpus import Passage, write_passages
 from specrag.retrieval.corpus_change import CorpusChange, CorpusShrunkError
 from specrag.retrieval.index_store import built_corpus_checksum, built_passage_ids
-from specrag.service.assets import ensure_assets
+from specrag.service.run.assets import ensure_assets
 
 
 def corpus(passages: list[Passage], path: Path) -> Path:

@@ -1,5 +1,5 @@
 """A damaged document store row reaches no prompt: the query gets a clear 503, never a 500 nor
-an answer computed from different tokens (issue 35, item 1). Simulated engine: milliseconds."""
+an answer computed from different tokens. Simulated engine: milliseconds."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import aiohttp
 import numpy as np
 
 from specrag.pipeline.store.document_store import DocumentStore
-from specrag.service.assets import Assets
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import QUESTION, A, make_controller, running, scripted_index, store_of
+from tests.helpers.builders import QUESTION, A, make_controller, scripted_index
+from tests.helpers.http import running
+from tests.helpers.models import store_of
 
 
 def damage_row(path: Path, row: int) -> tuple[int, ...]:

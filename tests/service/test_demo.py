@@ -9,10 +9,10 @@ import pytest
 from specrag.client import AsyncClient
 from specrag.paths import DataLayout
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from specrag.service.assets import ensure_assets
-from specrag.service.demo import run_demo
-from specrag.service.server import create_app, serving
-from tests.helpers import make_controller
+from specrag.service.cli.demo import run_demo
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import ensure_assets
+from tests.helpers.builders import make_controller
 
 pytestmark = pytest.mark.engine
 

@@ -15,7 +15,7 @@ from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout
 from specrag.pipeline.store.live_corpus import LiveCorpus, Written
 from specrag.retrieval.corpus import Passage
-from specrag.service.assets import Assets, ensure_assets
+from specrag.service.run.assets import Assets, ensure_assets
 
 
 def copied_data_dir(assets: Assets, target: Path) -> Path:
@@ -76,7 +76,7 @@ def test_an_offline_import_failing_part_way_prints_what_was_committed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Batches of 2 (each one transaction); the second fails: the first stays, and is reported."""
-    monkeypatch.setattr("specrag.service.document_commands.MAX_BATCH_DOCUMENTS", 2)
+    monkeypatch.setattr("specrag.service.cli.document_commands.MAX_BATCH_DOCUMENTS", 2)
     put = LiveCorpus.put
     calls = []
 

@@ -26,12 +26,15 @@ from specrag.controller.controller import RagController
 from specrag.errors import InvalidInputError, NotFoundError, WritesSuspendedError
 from specrag.pipeline.store.live_corpus import Document, Written, check_document
 from specrag.retrieval.corpus import Passage
-from specrag.service.assets import Assets
-from specrag.service.auth import local_refusal
-from specrag.service.documents import MAX_WAITING_WRITES, WRITES, add_document_routes
-from specrag.service.server import create_app, serving
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.http.auth import local_refusal
+from specrag.service.http.documents import MAX_WAITING_WRITES, WRITES
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import TOKEN, make_controller, wait_until
+from tests.helpers.builders import make_controller
+from tests.helpers.http import TOKEN
+from tests.helpers.waiting import wait_until
 
 WRITER = "writer-token-789"
 HELD_S = 30.0  # the longest a held write waits for its release: a test that forgets it still ends
@@ -105,8 +108,7 @@ async def controller(tiny_assets: Assets) -> AsyncIterator[RagController]:
 async def open_service(controller: RagController) -> AsyncIterator[Service]:
     """The document API without tokens, on 127.0.0.1."""
     corpus = StandInCorpus()
-    app = create_app(controller)
-    add_document_routes(app, corpus)
+    app = create_app(controller, corpus=corpus)
     async with serving(app, access_log=False) as url:
         yield Service(url, int(url.rsplit(":", 1)[1]), app, corpus)
         corpus.release.set()
@@ -159,8 +161,7 @@ async def test_without_tokens_only_a_request_naming_this_service_on_loopback_may
 
 async def test_a_writer_s_token_writes_from_any_host(controller: RagController) -> None:
     corpus = StandInCorpus()
-    app = create_app(controller, api_token=TOKEN)
-    add_document_routes(app, corpus, [WRITER])
+    app = create_app(controller, Access(tokens=(TOKEN,), writer_tokens=(WRITER,)), corpus=corpus)
     async with serving(app, access_log=False) as url, aiohttp.ClientSession() as http:
         foreign = {"Host": "attacker.example", "X-Forwarded-For": "203.0.113.7"}
         writer = {"Authorization": f"Bearer {WRITER}", **foreign}
@@ -175,8 +176,7 @@ async def test_a_writer_s_token_writes_from_any_host(controller: RagController) 
 async def test_behind_a_trusted_proxy_a_loopback_peer_is_the_proxy_and_may_not_write(
     controller: RagController,
 ) -> None:
-    app = create_app(controller, trust_forwarded_for=True)
-    add_document_routes(app, StandInCorpus())
+    app = create_app(controller, Access(trust_forwarded_for=True), corpus=StandInCorpus())
     async with serving(app, access_log=False) as url, aiohttp.ClientSession() as http:
         status, text = await _status(http, "PUT", f"{url}/v1/documents/doc", {"text": "x"})
         assert status == 403 and "through a proxy" in text
@@ -324,8 +324,7 @@ def writer_threads(before: set[threading.Thread]) -> list[threading.Thread]:
 
 async def test_the_writer_s_thread_ends_with_the_service(controller: RagController) -> None:
     before = set(threading.enumerate())
-    app = create_app(controller)
-    add_document_routes(app, StandInCorpus())
+    app = create_app(controller, corpus=StandInCorpus())
     async with serving(app, access_log=False) as url, AsyncClient(url) as client:
         await client.put_document("doc", "x")
         assert writer_threads(before)
@@ -348,7 +347,7 @@ async def test_an_import_failing_part_way_prints_what_was_committed_and_where_to
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setattr("specrag.service.document_commands.MAX_BATCH_DOCUMENTS", 3)
+    monkeypatch.setattr("specrag.service.cli.document_commands.MAX_BATCH_DOCUMENTS", 3)
     corpus = open_service.corpus
     corpus.failure, corpus.fail_at_call = WritesSuspendedError("replaying a change"), 2
     documents = _documents_file(tmp_path / "seven.jsonl", 7)

@@ -22,11 +22,12 @@ from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus
 from specrag.pipeline.store.live_store import LiveStore
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import load_index
-from specrag.service.assets import Assets
-from specrag.service.documents import add_document_routes
-from specrag.service.server import create_app, serving
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import TOKEN, make_controller
+from tests.helpers.builders import make_controller
+from tests.helpers.http import TOKEN
 
 WRITER = "writer-token-456"
 QUESTION = "How does the quokka module count marsupials?"
@@ -72,8 +73,7 @@ async def test_a_put_is_retrieved_a_replacement_prompted_alone_and_a_delete_neve
     assert assets.corpus is not None
     engine = PromptRecordingEngine()
     controller = make_controller(engine, assets)
-    app = create_app(controller)
-    add_document_routes(app, assets.corpus)
+    app = create_app(controller, corpus=assets.corpus)
     try:
         async with serving(app, access_log=False) as url, AsyncClient(url) as client:
             assert await client.put_document("quokka", FACT, title="quokka module") == {
@@ -117,8 +117,7 @@ async def test_changes_need_a_writers_token_when_tokens_are_configured(
     assets = live_assets(tiny_assets, tmp_path / "log.sqlite")
     assert assets.corpus is not None
     controller = make_controller(PromptRecordingEngine(), assets)
-    app = create_app(controller, api_token=TOKEN)
-    add_document_routes(app, assets.corpus, [WRITER])
+    app = create_app(controller, Access(tokens=(TOKEN,), writer_tokens=(WRITER,)), corpus=assets.corpus)
     try:
         async with serving(app, access_log=False) as url:
             async with AsyncClient(url, api_token=TOKEN) as reader:
@@ -144,8 +143,7 @@ async def test_bad_document_requests_get_their_status(tiny_assets: Assets, tmp_p
     assets = live_assets(tiny_assets, tmp_path / "log.sqlite")
     assert assets.corpus is not None
     controller = make_controller(PromptRecordingEngine(), assets)
-    app = create_app(controller)
-    add_document_routes(app, assets.corpus)
+    app = create_app(controller, corpus=assets.corpus)
     too_many = [{"id": f"d{i}", "title": "", "text": "x"} for i in range(MAX_BATCH_DOCUMENTS + 1)]
     try:
         async with serving(app, access_log=False) as url, aiohttp.ClientSession() as http:
@@ -218,8 +216,7 @@ async def test_the_documents_command_changes_a_running_service(
     assets = live_assets(tiny_assets, tmp_path / "log.sqlite")
     assert assets.corpus is not None
     controller = make_controller(PromptRecordingEngine(), assets)
-    app = create_app(controller)
-    add_document_routes(app, assets.corpus)
+    app = create_app(controller, corpus=assets.corpus)
     documents = tmp_path / "new.jsonl"
     documents.write_text(json.dumps({"id": "quokka", "title": "quokka module", "text": FACT}) + "\n")
     try:

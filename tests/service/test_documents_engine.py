@@ -9,10 +9,9 @@ import pytest
 
 from specrag.client import AsyncClient
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
-from specrag.service.documents import add_document_routes
-from specrag.service.server import create_app, serving
-from tests.helpers import make_controller
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import make_controller
 from tests.service.test_documents import FACT, QUESTION, live_assets
 
 pytestmark = pytest.mark.engine
@@ -24,8 +23,7 @@ async def test_put_replace_and_delete_on_the_real_engine(
     assets = live_assets(tiny_assets, tmp_path / "log.sqlite")
     assert assets.corpus is not None
     controller = make_controller(vllm_engine, assets)
-    app = create_app(controller)
-    add_document_routes(app, assets.corpus)
+    app = create_app(controller, corpus=assets.corpus)
     try:
         async with serving(app, access_log=False) as url, AsyncClient(url) as client:
             assert (await client.put_document("quokka", FACT, title="quokka module"))["version"] == 1

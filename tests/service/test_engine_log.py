@@ -1,4 +1,4 @@
-"""serve's and demo's terminal (issue 29): specrag's own lines there, what the engine, its
+"""serve's and demo's terminal: specrag's own lines there, what the engine, its
 processes and the libraries print in the log file; ``--help`` in plain text."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from specrag.cli import _sub_parsers, build_parser
-from specrag.service.assets import Assets
-from specrag.service.engine_log import engine_output_to
-from tests.helpers import QUESTION
+from specrag.service.cli.engine_log import engine_output_to
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import QUESTION
 
 
 def test_a_child_process_and_the_libraries_write_to_the_log_and_specrag_to_the_terminal(

@@ -21,11 +21,13 @@ from specrag.controller.placement import Placement
 from specrag.pipeline.engines.supervisor import SupervisedEngine
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.kv_mirror.mirror import WAITING_FOR_CLEAR, KVMirror
-from specrag.service.assembly import Service, ServiceOptions, open_service
-from specrag.service.assets import Assets
-from specrag.service.pools import free_port_pair
-from specrag.service.server import serving
-from tests.helpers import QUESTION, EngineServer, scripted_index, wait_until
+from specrag.service.http.app import serving
+from specrag.service.run.assembly import Service, ServiceOptions, open_service
+from specrag.service.run.assets import Assets
+from specrag.service.run.pools import free_port_pair
+from tests.helpers.builders import QUESTION, scripted_index
+from tests.helpers.http import EngineServer
+from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

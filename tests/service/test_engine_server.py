@@ -17,11 +17,13 @@ from specrag.controller.controller import RagRequest
 from specrag.pipeline.engines.http_engine import HttpTimeouts
 from specrag.pipeline.models.directory import served_model_name
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
-from specrag.service.assembly import ServiceOptions, open_service
-from specrag.service.assets import Assets
-from specrag.service.pools import free_port_pair
-from specrag.service.server import serving
-from tests.helpers import QUESTION, A, EngineServer, scripted_index, wait_until
+from specrag.service.http.app import serving
+from specrag.service.run.assembly import ServiceOptions, open_service
+from specrag.service.run.assets import Assets
+from specrag.service.run.pools import free_port_pair
+from tests.helpers.builders import QUESTION, A, scripted_index
+from tests.helpers.http import EngineServer
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

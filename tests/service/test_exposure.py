@@ -17,17 +17,13 @@ import pytest_asyncio
 from bench.faults.inputs import send_wire
 from specrag.cli import main
 from specrag.controller.controller import RagController
-from specrag.service.assets import Assets
-from specrag.service.exposure import beyond_loopback
-from specrag.service.server import create_app, serving
-from tests.helpers import (
-    A,
-    StandInSupervision,
-    SupervisedSimulation,
-    free_port,
-    make_controller,
-    scripted_index,
-)
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
+from specrag.service.run.exposure import beyond_loopback
+from tests.helpers.builders import A, make_controller, scripted_index
+from tests.helpers.engines import StandInSupervision, SupervisedSimulation
+from tests.helpers.http import free_port
 
 TOKEN = "exposure-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -38,7 +34,7 @@ async def service(tiny_assets: Assets) -> AsyncIterator[tuple[str, RagController
     engine = SupervisedSimulation(StandInSupervision())
     controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01))
     try:
-        async with serving(create_app(controller, api_token=TOKEN), access_log=False) as url:
+        async with serving(create_app(controller, Access(tokens=(TOKEN,))), access_log=False) as url:
             yield url, controller, engine
     finally:
         await controller.close()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specrag.errors import InvalidInputError
-from specrag.service.bodies import BATCH_FIELDS, RAG_FIELDS, chat_request, check_fields, field_hint
-from specrag.service.wire import parse_json_object
+from specrag.service.http.bodies import BATCH_FIELDS, RAG_FIELDS, chat_request, check_fields, field_hint
+from specrag.service.http.wire import parse_json_object
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 
 from specrag.errors import InvalidInputError
-from specrag.service.lifecycle import serve_until_signalled
-from specrag.service.startup import (
+from specrag.service.run.lifecycle import serve_until_signalled
+from specrag.service.run.startup import (
     STARTING_RETRY_AFTER_S,
     Phase,
     StartupProgress,

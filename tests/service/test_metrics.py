@@ -4,7 +4,7 @@ read at scrape time."""
 from __future__ import annotations
 
 from specrag.controller.timeline import Timeline
-from specrag.service.metrics import ServiceMetrics
+from specrag.service.http.metrics import ServiceMetrics
 
 
 def test_lost_kv_event_batches_and_callback_errors_are_exported() -> None:

@@ -21,11 +21,12 @@ from specrag.client import AsyncClient
 from specrag.controller.replicas import Replica
 from specrag.pipeline.engines.supervisor import SupervisedEngine
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from specrag.service.assembly import ServiceOptions, open_service
-from specrag.service.assets import Assets
-from specrag.service.server import serving
+from specrag.service.http.app import serving
+from specrag.service.run.assembly import ServiceOptions, open_service
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import QUESTION, metric, pool_controller, running, scripted_index, simulated_pool
+from tests.helpers.builders import QUESTION, pool_controller, scripted_index, simulated_pool
+from tests.helpers.http import metric, running
 
 MAX_TOKENS = 60
 

@@ -15,9 +15,9 @@ from specrag.controller.controller import RagRequest
 from specrag.controller.query import AnswerDone
 from specrag.pipeline.engines.config import EngineConfig
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from specrag.service.assembly import open_controller, prompt_builder
-from specrag.service.assets import Assets
-from tests.helpers import wait_until
+from specrag.service.run.assembly import open_controller, prompt_builder
+from specrag.service.run.assets import Assets
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

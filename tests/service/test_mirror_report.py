@@ -7,12 +7,13 @@ import aiohttp
 from specrag.cache import BlockRemoved, KnowledgeTree
 from specrag.pipeline.engines.config import KVEventSource
 from specrag.pipeline.kv_mirror.mirror import KVMirror
-from specrag.service.assets import Assets
-from specrag.service.metrics import ServiceMetrics
-from specrag.service.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
-from specrag.service.server import create_app, serving
+from specrag.service.http.app import create_app, serving
+from specrag.service.http.metrics import ServiceMetrics
+from specrag.service.http.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import BLOCK, SYSTEM, A, FakeEngine, layout, make_controller, scripted_index
+from tests.helpers.builders import A, make_controller, scripted_index
+from tests.helpers.tree import BLOCK, SYSTEM, FakeEngine, layout
 
 
 def mirror(name: str) -> KVMirror:

@@ -1,4 +1,4 @@
-"""The client libraries users bring, against a live service on the real engine (issue 29): the
+"""The client libraries users bring, against a live service on the real engine: the
 official ``openai`` SDK (sync, async, streamed with ``include_usage``) and LangChain's
 ``ChatOpenAI`` (invoke, stream, batch, async); and every ``curl`` and Python block of
 docs/clients.md, run as pasted but for the service's address.
@@ -28,9 +28,10 @@ from openai.types.chat import ChatCompletionMessageParam
 from pydantic import SecretStr
 
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
-from tests.helpers import QUESTION, make_controller
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import QUESTION, make_controller
 
 pytestmark = pytest.mark.engine
 
@@ -47,7 +48,7 @@ async def urls(vllm_engine: VllmEngine, tiny_assets: Assets) -> AsyncIterator[tu
     controller = make_controller(vllm_engine, tiny_assets)
     try:
         async with (
-            serving(create_app(controller, api_token=TOKEN), access_log=False) as with_token,
+            serving(create_app(controller, Access(tokens=(TOKEN,))), access_log=False) as with_token,
             serving(create_app(controller), access_log=False) as open_url,
         ):
             yield with_token, open_url

@@ -13,10 +13,10 @@ import psutil
 import pytest
 
 from specrag.controller.controller import RagRequest
-from specrag.service.assembly import ServiceOptions, open_service
-from specrag.service.assets import Assets
-from specrag.service.pinning import descendant_pids, pin_engine_processes
-from tests.helpers import QUESTION
+from specrag.service.run.assembly import ServiceOptions, open_service
+from specrag.service.run.assets import Assets
+from specrag.service.run.pinning import descendant_pids, pin_engine_processes
+from tests.helpers.builders import QUESTION
 
 # A process that starts a process of its own, as vLLM's engine core starts its model worker.
 # The grandchild runs a second thread, as vLLM's processes run I/O threads beside their main one.

@@ -10,7 +10,7 @@ import pytest
 
 from specrag.cli import main
 from specrag.errors import InvalidInputError
-from specrag.service.assembly import ServiceOptions
+from specrag.service.run.assembly import ServiceOptions
 
 URL_A, URL_B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
 EVENTS_A, EVENTS_B = "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5567"

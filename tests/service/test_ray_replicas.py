@@ -13,10 +13,12 @@ import pytest
 from specrag.controller.controller import RagController, RagRequest
 from specrag.errors import EngineError
 from specrag.pipeline.engines.config import EngineConfig
-from specrag.service.assets import Assets
-from specrag.service.options import ServiceOptions
-from specrag.service.pools import open_pool, open_ray_engines
-from tests.helpers import random_prompt, run_prompt, scripted_index, wait_until
+from specrag.service.run.assets import Assets
+from specrag.service.run.options import ServiceOptions
+from specrag.service.run.pools import open_pool, open_ray_engines
+from tests.helpers.builders import scripted_index
+from tests.helpers.engines import random_prompt, run_prompt
+from tests.helpers.waiting import wait_until
 
 ray = pytest.importorskip("ray")
 

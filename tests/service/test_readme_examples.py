@@ -17,8 +17,9 @@ import pytest
 import pytest_asyncio
 
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
-from tests.helpers import make_controller, running
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import make_controller
+from tests.helpers.http import running
 
 pytestmark = pytest.mark.engine
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from specrag.service.assets import Assets
-from tests.helpers import QUESTION, free_port
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import QUESTION
+from tests.helpers.http import free_port
 
 pytestmark = pytest.mark.engine
 

@@ -13,19 +13,11 @@ import pytest_asyncio
 
 from specrag.controller.controller import RagController, RagRequest
 from specrag.pipeline.engines.vllm_engine import VllmEngine
-from specrag.service.assets import Assets
-from tests.helpers import (
-    QUESTION,
-    TOKEN,
-    A,
-    B,
-    assert_engine_idle,
-    make_controller,
-    metric,
-    running,
-    scripted_index,
-    sse_events,
-)
+from specrag.service.http.access import Access
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import QUESTION, A, B, make_controller, scripted_index
+from tests.helpers.http import TOKEN, metric, running, sse_events
+from tests.helpers.waiting import assert_engine_idle
 
 pytestmark = pytest.mark.engine
 
@@ -36,7 +28,7 @@ MAX_BODY = 16 * 1024
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def service(vllm_engine: VllmEngine, tiny_assets: Assets) -> AsyncIterator[tuple[str, RagController]]:
     controller = make_controller(vllm_engine, tiny_assets)
-    async with running(controller, api_token=TOKEN, max_body_bytes=MAX_BODY) as url:
+    async with running(controller, Access(tokens=(TOKEN,)), max_body_bytes=MAX_BODY) as url:
         yield url, controller
 
 
@@ -402,7 +394,7 @@ async def test_queries_beyond_the_limit_get_429_with_retry_after(
     vllm_engine: VllmEngine, tiny_assets: Assets
 ) -> None:
     controller = make_controller(vllm_engine, tiny_assets)
-    async with running(controller, max_queries=1) as url, aiohttp.ClientSession() as http:
+    async with running(controller, Access(max_queries=1)) as url, aiohttp.ClientSession() as http:
         request = {"query": QUESTION, "k": 4, "max_tokens": 1000, "stream": True}
         async with http.post(f"{url}/v1/rag", json=request) as held:
             await held.content.readline()  # the first query is mid-answer

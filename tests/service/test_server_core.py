@@ -9,17 +9,10 @@ import aiohttp
 import pytest_asyncio
 
 from specrag.controller.controller import RagController
-from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
-from tests.helpers import (
-    QUESTION,
-    A,
-    StandInSupervision,
-    SupervisedSimulation,
-    count_question_tokenizations,
-    make_controller,
-    scripted_index,
-)
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
+from tests.helpers.builders import QUESTION, A, count_question_tokenizations, make_controller, scripted_index
+from tests.helpers.engines import StandInSupervision, SupervisedSimulation
 
 
 @pytest_asyncio.fixture(loop_scope="session")

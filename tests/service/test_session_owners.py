@@ -13,10 +13,11 @@ import pytest_asyncio
 from specrag.controller.controller import RagController
 from specrag.controller.sessions import SessionStore
 from specrag.errors import NotFoundError
-from specrag.service.assets import Assets
-from specrag.service.server import create_app, serving
+from specrag.service.http.access import Access
+from specrag.service.http.app import create_app, serving
+from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers import QUESTION, A, make_controller, scripted_index
+from tests.helpers.builders import QUESTION, A, make_controller, scripted_index
 
 TOKENS = ("token-of-a", "token-of-b")
 AS_A = {"Authorization": f"Bearer {TOKENS[0]}"}
@@ -34,7 +35,7 @@ async def service(tiny_assets: Assets) -> AsyncIterator[Service]:
     engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
     controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01))
     try:
-        async with serving(create_app(controller, api_tokens=TOKENS)) as url:
+        async with serving(create_app(controller, Access(tokens=TOKENS))) as url:
             yield Service(url, controller)
     finally:
         await controller.close()

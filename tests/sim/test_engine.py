@@ -15,7 +15,8 @@ from specrag.pipeline.engines.protocol import Engine, EngineOutput, Sampling
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.sim.engine import SimulatedEngine
 from specrag.sim.requests import TimeModel
-from tests.helpers import close_stream, engine_idle, random_prompt, run_prompt, wait_until
+from tests.helpers.engines import close_stream, random_prompt, run_prompt
+from tests.helpers.waiting import engine_idle, wait_until
 
 FAST = 0.001
 """time_scale for these tests: a 1 s simulated prefill takes 1 ms."""

@@ -9,7 +9,7 @@ import time
 from typing import Any, Protocol
 
 from specrag.controller.query import AnswerDelta, AnswerDone
-from specrag.service.wire import ErrorInfo
+from specrag.service.http.wire import ErrorInfo
 
 __all__ = ["ChatFraming", "Framing", "RagFraming", "rag_body", "sse", "usage"]
 

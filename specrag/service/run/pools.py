@@ -27,8 +27,8 @@ from specrag.pipeline.engines.config import EngineConfig, KVEventSource
 from specrag.pipeline.engines.protocol import Engine
 from specrag.pipeline.engines.supervisor import SupervisedEngine
 from specrag.pipeline.kv_mirror.mirror import KVMirror
-from specrag.service.options import ServiceOptions
-from specrag.service.pinning import descendant_pids, pin_engine_processes
+from specrag.service.run.options import ServiceOptions
+from specrag.service.run.pinning import descendant_pids, pin_engine_processes
 
 __all__ = [
     "Pool",
@@ -58,7 +58,7 @@ def starter(config: EngineConfig, pin_to: frozenset[int] | None = None) -> Calla
     """Starts an in-process vLLM engine with ``config`` (again on every supervisor restart).
 
     With ``pin_to``, every thread of the engine's processes is pinned there once it runs (see
-    specrag.service.pinning: vLLM's own binding reaches only the model worker's compute threads).
+    specrag.service.run.pinning: vLLM's own binding reaches only the model worker's compute threads).
     """
     from specrag.pipeline.engines.vllm_engine import VllmEngine
 

@@ -10,9 +10,9 @@ publishes over TCP when ``engine_kv_events`` says where); either way it is super
 dead or hung engine is replaced, and on every replacement the tree forgets what it believed
 cached and the KV mirror resubscribes.
 
-Several engines make a pool (:mod:`specrag.service.pools`); one engine is a pool of one, so
-every service goes through :func:`~specrag.service.pools.open_pool` and one :class:`Service`
-holds the result. What shapes a service is :class:`~specrag.service.options.ServiceOptions`.
+Several engines make a pool (:mod:`specrag.service.run.pools`); one engine is a pool of one, so
+every service goes through :func:`~specrag.service.run.pools.open_pool` and one :class:`Service`
+holds the result. What shapes a service is :class:`~specrag.service.run.options.ServiceOptions`.
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from specrag.pipeline.models.directory import served_model_name
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.assets import Assets
-from specrag.service.documents import add_document_routes
-from specrag.service.metrics import ServiceMetrics
-from specrag.service.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
-from specrag.service.options import ServiceOptions, base_engine_config
-from specrag.service.pinning import pin_threads
-from specrag.service.pools import (
+from specrag.service.http.app import create_app
+from specrag.service.http.metrics import ServiceMetrics
+from specrag.service.http.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
+from specrag.service.run.assets import Assets
+from specrag.service.run.options import ServiceOptions, base_engine_config
+from specrag.service.run.pinning import pin_threads
+from specrag.service.run.pools import (
     PoolEngine,
     connector,
     open_local_engines,
@@ -52,7 +52,6 @@ from specrag.service.pools import (
     open_remote_engines,
     starter,
 )
-from specrag.service.server import create_app
 
 __all__ = ["Service", "open_controller", "open_engine", "open_service", "prompt_builder", "searching_on"]
 
@@ -181,22 +180,25 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
             async with open_pool(engines, builder.system_layout_tokens(), options.router) as pool:
                 controller = RagController(pool.placement, assets.index, builder, options.controller)
                 try:
-                    app = _application(controller, options, pool.mirrors, served_model_name(assets.model_dir))
                     if assets.corpus is not None:
                         assets.corpus.segment_token_limit = builder.document_token_limit(
                             engines[0].engine.max_model_len, options.controller.max_tokens_default
                         )
-                        add_document_routes(app, assets.corpus, options.writer_tokens)
+                    app = _application(controller, options, assets, pool.mirrors)
                     yield Service(app, controller, pool.placement, pool.mirrors)
                 finally:
                     await controller.close()
 
 
 def _application(
-    controller: RagController, options: ServiceOptions, mirrors: Sequence[KVMirror], model_name: str
+    controller: RagController,
+    options: ServiceOptions,
+    assets: Assets,
+    mirrors: Sequence[KVMirror],
 ) -> web.Application:
-    """The HTTP application over ``controller``, its metrics watching the profile and the mirrors;
-    ``model_name`` is the model it answers with, as ``/v1/models`` and every response name it."""
+    """The HTTP application over ``controller``, its metrics watching the profile and the mirrors,
+    with the document routes when the assets have a live corpus; it answers with the assets'
+    model's name, as ``/v1/models`` and every response name it."""
     metrics = ServiceMetrics()
     replicas = controller.placement.replicas
     metrics.watch_prefill_profile(lambda: all(replica.tree.profile.measured for replica in replicas))
@@ -208,13 +210,10 @@ def _application(
         metrics.registry.register(MirrorCollector(mirrors))
     app = create_app(
         controller,
-        api_token=options.api_token,
-        api_tokens=options.api_tokens,
-        trust_forwarded_for=options.trust_forwarded_for,
-        max_queries=options.max_queries,
-        max_queries_per_client=options.max_queries_per_client,
+        options.access,
+        corpus=assets.corpus,
         metrics=metrics,
-        model_name=model_name,
+        model_name=served_model_name(assets.model_dir),
     )
     if mirrors:
         app[MIRROR_HEALTH] = lambda: mirror_health(mirrors)

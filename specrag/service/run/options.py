@@ -17,8 +17,8 @@ from specrag.errors import InvalidInputError, check_choice
 from specrag.pipeline.engines.config import EngineConfig, KVEventSource, parse_cpus
 from specrag.pipeline.engines.supervisor import SupervisorPolicy
 from specrag.pipeline.models.directory import model_context_length
-from specrag.service.admission import check_query_limits
-from specrag.service.server import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT
+from specrag.service.http.access import Access
+from specrag.service.http.in_flight import check_query_limits
 
 __all__ = ["DocumentKvStore", "ServiceOptions", "base_engine_config", "default_context_length"]
 
@@ -46,18 +46,12 @@ class ServiceOptions:
     engine_kv_events: tuple[str, ...] = ()
     eager: bool = False
     # Cores of the in-process engine (vLLM's OMP_THREADS_BIND form, "0" or "0-1"), and of this
-    # process with its vector search: see specrag.service.pinning. None leaves them where they are.
+    # process with its vector search: see specrag.service.run.pinning. None leaves them where they are.
     engine_cpus: str | None = None
     search_cpus: str | None = None
-    api_token: str | None = None
-    # Several bearer tokens, one per client: the token then tells clients apart (server.py).
-    api_tokens: tuple[str, ...] = ()
-    # Bearer tokens that may also change documents (specrag.service.documents).
-    writer_tokens: tuple[str, ...] = ()
-    trust_forwarded_for: bool = False
+    # Who may come in (tokens, writers, how clients are told apart) and how many queries at once.
+    access: Access = field(default_factory=Access)
     supervisor: SupervisorPolicy = field(default_factory=SupervisorPolicy)
-    max_queries: int = DEFAULT_MAX_QUERIES
-    max_queries_per_client: int = DEFAULT_MAX_QUERIES_PER_CLIENT
     # Ray: None for no Ray, "" for a local instance (or $RAY_ADDRESS), else a cluster's address.
     ray_address: str | None = None
     # In-process engines (or Ray replicas with ``ray_address``).
@@ -75,7 +69,9 @@ class ServiceOptions:
         if self.replicas < 1:
             raise InvalidInputError(f"--replicas must be at least 1, got {self.replicas}")
         check_query_limits(
-            self.max_queries, self.max_queries_per_client, ("--max-queries", "--max-queries-per-client")
+            self.access.max_queries,
+            self.access.max_queries_per_client,
+            ("--max-queries", "--max-queries-per-client"),
         )
         if self.engine_urls and self.ray_address is not None:
             raise InvalidInputError("--ray and --engine-url exclude each other (Ray starts its own engines)")

@@ -20,15 +20,26 @@ from collections.abc import Sequence
 
 from aiohttp import hdrs, web
 
-from specrag.errors import echo
+from specrag.errors import InvalidInputError, echo
 
-__all__ = ["AUTHENTICATED", "LOOPBACK_NAMES", "local_refusal", "matching_token"]
+__all__ = ["AUTHENTICATED", "LOOPBACK_NAMES", "check_tokens", "local_refusal", "matching_token"]
 
 # The names of this machine's loopback a local client puts in its Host header (URL spelling).
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
 AUTHENTICATED = web.RequestKey("specrag_authenticated", bool)
 """Whether the request carried a configured token (set for every request when tokens are)."""
+
+
+def check_tokens(tokens: Sequence[str], what: str) -> None:
+    """The one check of a set of bearer tokens, wherever it comes from (a file ``serve`` reads, the
+    application's :class:`~specrag.service.http.access.Access`): each a non-empty string, none
+    twice, since one token for two clients would count them as one. ``what`` names the set as its
+    source spells it."""
+    if not all(token and isinstance(token, str) for token in tokens):
+        raise InvalidInputError(f"{what} holds an empty token")
+    if len(set(tokens)) < len(tokens):
+        raise InvalidInputError(f"{what} holds a token twice; give each client its own")
 
 
 def matching_token(header: str | None, tokens: Sequence[str]) -> int | None:

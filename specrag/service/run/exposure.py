@@ -4,7 +4,7 @@ Without a token, anyone who reaches the port can query, open sessions (whose per
 ownership then go by address) and read ``/metrics``. On loopback that is the machine's users; on
 any other address it is the network, which an operator should hear about at start, not find out.
 Document writes are not the network's even then: without a writer's token they are taken only
-from this machine (:mod:`specrag.service.documents`), which the warning says, so that an operator
+from this machine (:mod:`specrag.service.http.documents`), which the warning says, so that an operator
 who meant to change documents from elsewhere learns at start what to configure.
 """
 

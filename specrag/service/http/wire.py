@@ -59,6 +59,7 @@ __all__ = [
     "handler_args",
     "parse_json_object",
     "read_body",
+    "read_json_object",
 ]
 
 logger = logging.getLogger(__name__)
@@ -216,6 +217,14 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidInputError("the body must be a JSON object")
     return body
+
+
+async def read_json_object(request: web.Request, limits: BodyLimits) -> dict[str, Any]:
+    """A request's body as a JSON object: 415 unless it says it is JSON, then read and parsed by
+    the rules above (every endpoint with a body reads it here)."""
+    if request.content_type != "application/json":
+        raise web.HTTPUnsupportedMediaType(text="the body must be JSON (Content-Type: application/json)")
+    return parse_json_object(await read_body(request, limits))
 
 
 def handler_args(header_timeout_s: float) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """What ``specrag prepare``, ``serve``, ``demo`` and ``batch`` do once their command line is parsed
-(:mod:`specrag.service.commands`): build the embedded default, serve it, query it."""
+(:mod:`specrag.service.cli.parser`): build the embedded default, serve it, query it."""
 
 from __future__ import annotations
 
@@ -20,20 +20,22 @@ from specrag.controller.modes import DocumentKv
 from specrag.errors import InvalidInputError, check_choice
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
-from specrag.service.assembly import (
+from specrag.service.cli.demo import DEMO_QUESTIONS, run_demo
+from specrag.service.cli.engine_log import engine_output_to
+from specrag.service.http.access import Access
+from specrag.service.http.app import serving
+from specrag.service.http.auth import check_tokens
+from specrag.service.run.assembly import (
     Service,
     ServiceOptions,
     open_service,
     prompt_builder,
 )
-from specrag.service.assets import Assets, ensure_assets
-from specrag.service.demo import DEMO_QUESTIONS, run_demo
-from specrag.service.engine_log import engine_output_to
-from specrag.service.exposure import warn_if_exposed
-from specrag.service.lifecycle import serve_until_signalled
-from specrag.service.options import DocumentKvStore, base_engine_config
-from specrag.service.server import serving
-from specrag.service.startup import Phase, StartupProgress, bind_listener
+from specrag.service.run.assets import Assets, ensure_assets
+from specrag.service.run.exposure import warn_if_exposed
+from specrag.service.run.lifecycle import serve_until_signalled
+from specrag.service.run.options import DocumentKvStore, base_engine_config
+from specrag.service.run.startup import Phase, StartupProgress, bind_listener
 
 __all__ = [
     "answer_file",
@@ -41,6 +43,7 @@ __all__ = [
     "demo_command",
     "prepare_command",
     "serve_command",
+    "token_from_env",
 ]
 
 
@@ -90,7 +93,8 @@ async def _service(
     quiet: bool = False,
     progress: StartupProgress | None = None,
 ) -> AsyncIterator[Service]:
-    """The supervised engine(s), the controller and the application over them (see assembly.py).
+    """The supervised engine(s), the controller and the application over them
+    (:mod:`specrag.service.run.assembly`).
 
     The run directory (the in-process engines' KV-event sockets) is this process's alone: it goes
     when the service stops. ``quiet`` says what starts on standard error (standard output is data).
@@ -110,8 +114,8 @@ async def _service(
 @contextlib.contextmanager
 def _engine_log(args: argparse.Namespace, quiet: bool = False) -> Iterator[None]:
     """Unless ``-v``: vLLM's and the libraries' output into ``DATA_DIR/run/COMMAND-PID.log``, the
-    terminal left to specrag's own lines (see engine_log.py); the first line says where it went,
-    on standard error when ``quiet`` (standard output is data)."""
+    terminal left to specrag's own lines (:mod:`specrag.service.cli.engine_log`); the first line
+    says where it went, on standard error when ``quiet`` (standard output is data)."""
     if args.verbose:
         yield
         return
@@ -136,7 +140,7 @@ def _starting(assets: Assets, options: ServiceOptions) -> str:
     return f"starting {engines} on {assets.model_dir}…"
 
 
-def _api_token(variable: str | None) -> str | None:
+def token_from_env(variable: str | None) -> str | None:
     """The token from an environment variable: on the command line it would show in ``ps``."""
     if variable is None:
         return None
@@ -158,14 +162,28 @@ def _api_tokens(path: str | None, flag: str = "--api-tokens-file") -> tuple[str,
     tokens = tuple(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
     if not tokens:
         raise InvalidInputError(f"{flag}: {path} holds no token")
-    if len(set(tokens)) < len(tokens):
-        raise InvalidInputError(f"{flag}: {path} holds a token twice; give each client its own")
+    check_tokens(tokens, f"{flag}: {path}")
     return tokens
 
 
+def _access(args: argparse.Namespace) -> Access:
+    """Who ``serve`` lets in and how many queries each may have in flight, as the application takes it."""
+    token = token_from_env(args.api_token_env)
+    tokens = _api_tokens(args.api_tokens_file)
+    if token is not None and token in tokens:
+        raise InvalidInputError("--api-token-env: that token is also in --api-tokens-file")
+    return Access(
+        tokens=(*([token] if token is not None else []), *tokens),
+        writer_tokens=_api_tokens(args.writer_tokens_file, "--writer-tokens-file"),
+        trust_forwarded_for=args.trust_forwarded_for,
+        max_queries=args.max_queries,
+        max_queries_per_client=args.max_queries_per_client,
+    )
+
+
 def _controller_config(args: argparse.Namespace) -> ControllerConfig:
-    """The controller settings ``serve`` was given, each under its field's name (commands.py),
-    its errors naming the flags."""
+    """The controller settings ``serve`` was given, each under its field's name
+    (:mod:`specrag.service.cli.parser`), its errors naming the flags."""
     flags = serve_flags()
     return ControllerConfig(
         **{setting: getattr(args, setting) for setting in flags},
@@ -179,13 +197,9 @@ def serve_command(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
     if not args.shutdown_timeout >= 0:  # written so that NaN fails too
         raise InvalidInputError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
-    token = _api_token(args.api_token_env)
-    tokens = _api_tokens(args.api_tokens_file)
-    if token is not None and token in tokens:
-        raise InvalidInputError("--api-token-env: that token is also in --api-tokens-file")
-    writer_tokens = _api_tokens(args.writer_tokens_file, "--writer-tokens-file")
+    access = _access(args)
     # Writer tokens alone make every endpoint but /health need a token (docs/updates.md).
-    warn_if_exposed(args.host, token is not None or bool(tokens) or bool(writer_tokens))
+    warn_if_exposed(args.host, bool(access.tokens) or bool(access.writer_tokens))
     config = _controller_config(args)
     document_kv = config.document_kv is DocumentKv.TURBO
     options = ServiceOptions(
@@ -193,12 +207,7 @@ def serve_command(args: argparse.Namespace) -> int:
         engine_urls=tuple(args.engine_url or ()),
         engine_kv_events=tuple(args.engine_kv_events or ()),
         eager=args.eager,
-        api_token=token,
-        api_tokens=tokens,
-        writer_tokens=writer_tokens,
-        trust_forwarded_for=args.trust_forwarded_for,
-        max_queries=args.max_queries,
-        max_queries_per_client=args.max_queries_per_client,
+        access=access,
         ray_address=args.ray,
         replicas=args.replicas,
         router=args.router,
@@ -294,7 +303,7 @@ def batch_command(args: argparse.Namespace) -> int:
     questions = _questions(args.file)
     options: dict[str, Any] = {"max_tokens": args.max_tokens}
     options.update({name: value for name, value in (("k", args.k), ("mode", args.mode)) if value is not None})
-    token = _api_token(args.api_token_env)
+    token = token_from_env(args.api_token_env)
 
     async def main() -> None:
         if args.url is not None:

@@ -14,8 +14,8 @@ from aiohttp import web
 
 from specrag.controller.facade import QueryCore
 from specrag.errors import ECHO_LIMIT, InvalidInputError, OverloadedError
-from specrag.service.metrics import ServiceMetrics
-from specrag.service.wire import BodyLimits
+from specrag.service.http.metrics import ServiceMetrics
+from specrag.service.http.wire import BodyLimits
 
 __all__ = [
     "CLIENT",

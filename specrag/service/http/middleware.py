@@ -1,7 +1,7 @@
 """What every request passes through before its handler: the token check, and errors as JSON.
 
 Both are aiohttp middlewares, so no handler repeats them: a handler raises, and the client gets
-``{"error": {...}}`` with the proper status (:mod:`specrag.service.wire` maps the exception);
+``{"error": {...}}`` with the proper status (:mod:`specrag.service.http.wire` maps the exception);
 ``/health`` stays open to load balancers without a token (its handler then says only ready or not).
 """
 
@@ -11,9 +11,9 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from specrag.service.admission import CLIENT, STATE
-from specrag.service.auth import AUTHENTICATED, matching_token
-from specrag.service.wire import ErrorInfo, describe_error
+from specrag.service.http.auth import AUTHENTICATED, matching_token
+from specrag.service.http.in_flight import CLIENT, STATE
+from specrag.service.http.wire import ErrorInfo, describe_error
 
 __all__ = ["OPEN_PATHS", "Handler", "bearer_tokens", "errors_as_json"]
 

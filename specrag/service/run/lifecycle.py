@@ -1,8 +1,8 @@
 """How ``specrag serve`` runs a service from its bound port to its stop.
 
 - **Bind first, hand over.** The port, bound before anything slow
-  (:func:`specrag.service.startup.bind_listener`), answers from the first second with
-  :func:`~specrag.service.startup.starting_app`; once the service is ready its application takes
+  (:func:`specrag.service.run.startup.bind_listener`), answers from the first second with
+  :func:`~specrag.service.run.startup.starting_app`; once the service is ready its application takes
   over the same socket, which stays open throughout, so no connection is refused in between.
 - **Orderly stop.** SIGINT or SIGTERM: new queries get 503 at once, the answers in flight get
   ``--shutdown-timeout`` to finish (then they are cancelled and their engine requests aborted),
@@ -21,14 +21,15 @@ from typing import Protocol
 
 from aiohttp import web
 
-from specrag.service.server import serving
-from specrag.service.startup import STARTUP, StartupProgress, starting_app
+from specrag.service.http.app import serving
+from specrag.service.http.monitoring import STARTUP
+from specrag.service.run.startup import StartupProgress, starting_app
 
 __all__ = ["RunningService", "serve_until_signalled"]
 
 
 class RunningService(Protocol):
-    """What a running service offers its command (:class:`specrag.service.assembly.Service`)."""
+    """What a running service offers its command (:class:`specrag.service.run.assembly.Service`)."""
 
     @property
     def app(self) -> web.Application: ...

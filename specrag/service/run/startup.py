@@ -5,13 +5,13 @@
   a second, and a load balancer or a user's ``curl`` gets an answer from the first second:
   ``/health`` a 503 naming the start-up phase, every other path a 503 with ``Retry-After``
   (:func:`starting_app`). When the service is ready its application takes over the same socket
-  (:func:`specrag.service.lifecycle.serve_until_signalled`); connections are never refused in
+  (:func:`specrag.service.run.lifecycle.serve_until_signalled`); connections are never refused in
   between, since the socket stays open throughout.
 - **Phases with their times.** :class:`StartupProgress` records each phase (artefacts, the
   engine's load) as it begins and ends, logs each one's duration, and ``/health`` shows
   them, while starting and once ready, so a slow start says where its time went.
 
-How the command runs a service from bind to stop is :mod:`specrag.service.lifecycle`'s.
+How the command runs a service from bind to stop is :mod:`specrag.service.run.lifecycle`'s.
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ import psutil
 from aiohttp import web
 
 from specrag.errors import InvalidInputError
-from specrag.service.wire import ErrorInfo
+from specrag.service.http.wire import ErrorInfo
 
 __all__ = [
     "STARTING_RETRY_AFTER_S",
-    "STARTUP",
     "Phase",
     "StartupProgress",
     "bind_listener",
@@ -112,9 +111,6 @@ class StartupProgress:
             "ready_s": None if self.ready_s is None else round(self.ready_s, 3),
             "phases_s": {phase.value: round(seconds, 3) for phase, seconds in self.durations_s.items()},
         }
-
-
-STARTUP = web.AppKey("specrag_startup", StartupProgress)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -1,6 +1,6 @@
 """``specrag documents``: add, replace, read and delete documents, through a running service or offline.
 
-With ``--url`` the command talks to that service (``/v1/documents``, :mod:`specrag.service.documents`),
+With ``--url`` the command talks to that service (``/v1/documents``, :mod:`specrag.service.http.documents`),
 which serves each change as soon as it answers. Without, it changes the data directory's corpus
 itself: the change is logged beside the document store (:mod:`specrag.pipeline.store.live_store`) and the
 next ``specrag serve`` replays it. Offline writes are for a data directory no service is serving:
@@ -30,9 +30,9 @@ from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus, check_document
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
-from specrag.service.assets import ensure_assets
-from specrag.service.handlers import _api_token
-from specrag.service.options import default_context_length
+from specrag.service.cli.commands import token_from_env
+from specrag.service.run.assets import ensure_assets
+from specrag.service.run.options import default_context_length
 
 __all__ = ["Line", "documents_command", "read_documents", "register"]
 
@@ -147,7 +147,7 @@ def documents_command(args: argparse.Namespace) -> int:
 
 
 async def _online(args: argparse.Namespace, documents: list[Line]) -> None:
-    async with AsyncClient(args.url, api_token=_api_token(args.api_token_env)) as client:
+    async with AsyncClient(args.url, api_token=token_from_env(args.api_token_env)) as client:
         if args.action == "get":
             _print([await client.get_document(args.id)])
             return

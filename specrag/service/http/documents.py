@@ -14,7 +14,7 @@ searches see it once the corpus has replayed it. Until then writes are 503 with 
 Who may write: with tokens configured, reading stays open to every accepted token and a change
 needs a writer's token (``--writer-tokens-file``; writer tokens are accepted for reading too).
 Without tokens, only a request from this machine to this service may change documents
-(:func:`~specrag.service.auth.local_refusal`: a loopback peer and a ``Host`` header naming this
+(:func:`~specrag.service.http.auth.local_refusal`: a loopback peer and a ``Host`` header naming this
 service): anything else is 403, so that neither the network (a bind beyond loopback) nor a web
 page in a local browser (DNS rebinding) can change the corpus.
 
@@ -36,10 +36,10 @@ from aiohttp import web
 from specrag.errors import InvalidInputError, OverloadedError, TooLargeError
 from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, Document, Written, check_document
 from specrag.retrieval.corpus import Passage
-from specrag.service.admission import STATE
-from specrag.service.auth import local_refusal, matching_token
-from specrag.service.bodies import check_fields
-from specrag.service.wire import parse_json_object, read_body
+from specrag.service.http.auth import check_tokens, local_refusal, matching_token
+from specrag.service.http.bodies import check_fields
+from specrag.service.http.in_flight import STATE
+from specrag.service.http.wire import read_json_object
 
 __all__ = [
     "CORPUS",
@@ -49,8 +49,12 @@ __all__ = [
     "WRITES",
     "DocumentCorpus",
     "WriteQueue",
-    "add_document_routes",
+    "attach_corpus",
+    "delete_document",
     "documents_health",
+    "get_document",
+    "post_documents",
+    "put_document",
 ]
 
 # Writes that may wait for the writer's thread (besides the one it runs): a write holds the
@@ -141,16 +145,14 @@ _BATCH_FIELDS = frozenset({"documents"})
 _BATCH_DOCUMENT_FIELDS = frozenset({"id", "title", "text"})
 
 
-def add_document_routes(
-    app: web.Application, corpus: DocumentCorpus, writer_tokens: Sequence[str] = ()
-) -> None:
-    """Serve ``corpus``'s document API on ``app`` (made by :func:`~specrag.service.server.create_app`);
-    ``writer_tokens`` may change documents (and are accepted for reading as well). The writer's
-    thread stops when the application is cleaned up."""
+def attach_corpus(app: web.Application, corpus: DocumentCorpus, writer_tokens: Sequence[str] = ()) -> None:
+    """Give ``app`` (being made by :func:`~specrag.service.http.app.create_app`, whose route table
+    holds the document routes) ``corpus`` and its writers: ``writer_tokens`` may change documents
+    (and are accepted for reading as well). The writer's thread stops when the application is
+    cleaned up."""
     state = app[STATE]
     writers = tuple(writer_tokens)
-    if not all(token and isinstance(token, str) for token in writers) or len(set(writers)) < len(writers):
-        raise InvalidInputError("the writer tokens must be non-empty strings, each given once")
+    check_tokens(writers, "Access.writer_tokens")
     if set(writers) & set(state.tokens):
         raise InvalidInputError("a writer token is also a reader's token: give writers their own")
     state.tokens = (*state.tokens, *writers)
@@ -158,10 +160,6 @@ def add_document_routes(
     app[WRITERS] = writers
     app[WRITES] = WriteQueue()
     app.on_cleanup.append(_close_writes)
-    app.router.add_put("/v1/documents/{document_id}", _put)
-    app.router.add_post("/v1/documents", _post)
-    app.router.add_get("/v1/documents/{document_id}", _get)
-    app.router.add_delete("/v1/documents/{document_id}", _delete)
 
 
 async def _close_writes(app: web.Application) -> None:
@@ -189,19 +187,13 @@ def _check_writer(request: web.Request) -> None:
         )
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    if request.content_type != "application/json":
-        raise web.HTTPUnsupportedMediaType(text="the body must be JSON (Content-Type: application/json)")
-    return parse_json_object(await read_body(request, request.app[STATE].limits))
-
-
 def _document_json(document: Document) -> dict[str, Any]:
     return {"id": document.id, "title": document.title, "text": document.text, "version": document.version}
 
 
-async def _put(request: web.Request) -> web.Response:
+async def put_document(request: web.Request) -> web.Response:
     _check_writer(request)
-    body = await _body(request)
+    body = await read_json_object(request, request.app[STATE].limits)
     check_fields(body, DOCUMENT_FIELDS, "unknown fields in the document")
     passage = check_document(request.match_info["document_id"], body.get("title", ""), body.get("text"))
     (written,) = await request.app[WRITES].run(request.app[CORPUS].put, [passage])
@@ -212,9 +204,9 @@ async def _put(request: web.Request) -> web.Response:
     )
 
 
-async def _post(request: web.Request) -> web.Response:
+async def post_documents(request: web.Request) -> web.Response:
     _check_writer(request)
-    body = await _body(request)
+    body = await read_json_object(request, request.app[STATE].limits)
     check_fields(body, _BATCH_FIELDS, "unknown fields in the request")
     documents = body.get("documents")
     if not isinstance(documents, list) or not documents:
@@ -239,12 +231,12 @@ async def _post(request: web.Request) -> web.Response:
     )
 
 
-async def _get(request: web.Request) -> web.Response:
+async def get_document(request: web.Request) -> web.Response:
     document = request.app[CORPUS].get(request.match_info["document_id"])
     return web.json_response(_document_json(document))
 
 
-async def _delete(request: web.Request) -> web.Response:
+async def delete_document(request: web.Request) -> web.Response:
     _check_writer(request)
     visible = await request.app[WRITES].run(request.app[CORPUS].delete, [request.match_info["document_id"]])
     return web.Response(status=204 if visible else 202)

@@ -1,6 +1,6 @@
 """The command lines of ``specrag prepare``, ``serve``, ``demo`` and ``batch``.
 
-What each command does once its line is parsed is :mod:`specrag.service.handlers`'.
+What each command does once its line is parsed is :mod:`specrag.service.cli.commands`'.
 """
 
 from __future__ import annotations
@@ -17,18 +17,15 @@ from specrag.errors import values
 from specrag.pipeline.commands import add_kv_cache_tokens
 from specrag.pipeline.engines.config import EngineConfig
 from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
-from specrag.service.handlers import (
+from specrag.service.cli.commands import (
     batch_command,
     demo_command,
     prepare_command,
     serve_command,
 )
-from specrag.service.options import DocumentKvStore, ServiceOptions
-from specrag.service.server import (
-    DEFAULT_MAX_QUERIES,
-    DEFAULT_MAX_QUERIES_PER_CLIENT,
-    SHUTDOWN_GRACE_S,
-)
+from specrag.service.http.access import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT
+from specrag.service.http.app import SHUTDOWN_GRACE_S
+from specrag.service.run.options import DocumentKvStore, ServiceOptions
 
 __all__ = ["register"]
 
