@@ -9,9 +9,8 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -22,13 +21,14 @@ from specrag.pipeline.store.document_store import build_store
 from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, RETRAIN_DRIFT, LiveCorpus
 from specrag.pipeline.store.live_store import LiveStore
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.index_store import TFIDF_SVD, IndexConfig, build_index, load_index
+from specrag.retrieval.index_store import load_index
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.stages import StagedSearcher
 from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.assets import Assets
+from tests.helpers.live_corpus import TableEmbedder, one_token_each
 
 NEW_FACT = Passage("fact-1", "Quokka module", "The quokka module counts marsupials on Rottnest island.")
 
@@ -214,26 +214,6 @@ def test_a_compaction_starts_in_the_background_once_hidden_rows_pass_the_share(
     assert found(corpus, "How does the quokka module count marsupials?")[0] == store.row_of(written.id)
 
 
-class TableEmbedder:
-    """A document's text is ``vec:<n>``: its vector is row n of the table."""
-
-    kind = "table"
-
-    def __init__(self, table: np.ndarray) -> None:
-        self.table = table
-        self.dim = table.shape[1]
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        return self.table[[int(text.rsplit(":", 1)[1]) for text in texts]]
-
-    def save(self, directory: Path) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-def one_token_each(texts: list[str]) -> list[list[int]]:
-    return [[len(text)] for text in texts]
-
-
 def table_corpus(tmp_path: Path, build: Callable[[np.ndarray], StagedSearcher]) -> LiveCorpus:
     """A live corpus of 4,000 documents (``d<i>``) of one mixture, indexed by ``build``; the
     documents ``vec:4000`` to ``vec:4999`` added later lie in another mixture (drift)."""
@@ -273,29 +253,6 @@ def test_an_hnsw_index_takes_drifted_documents_is_compacted_and_never_retrained(
     assert index.search(index.embed_query("vec:4400"), 1)[1][0] == corpus.store.row_of("n400")
     with pytest.raises(InvalidInputError, match="no centroids"):
         corpus.compact(retrain=True)
-
-
-def made_up_words(count: int, seed: int) -> list[str]:
-    """``count`` distinct pronounceable non-words (no stop words, no stems of each other)."""
-    rng = np.random.default_rng(seed)
-    consonants, vowels = "bdfgklmnprstvz", "aeiou"
-    words: dict[str, None] = {}
-    while len(words) < count:
-        words["".join(rng.choice(list(consonants)) + rng.choice(list(vowels)) for _ in range(3))] = None
-    return list(words)
-
-
-def text_corpus(tmp_path: Path, kind: str, compact_share: float | None = None) -> LiveCorpus:
-    """A live hybrid corpus (TF-IDF vectors and BM25) of 800 documents ``t<i>`` of made-up words,
-    on an index of ``kind`` ("ivf" or "hnsw"), tokenized one token a document."""
-    words = made_up_words(400, seed=3)
-    rng = np.random.default_rng(4)
-    passages = [Passage(f"t{i}", "", " ".join(rng.choice(words, 12))) for i in range(800)]
-    build_store(tmp_path / "store.sqlite", passages, one_token_each, "stand-in")
-    config = IndexConfig(kind=kind, embedder=TFIDF_SVD, nlist=16, hnsw_m=16, ef_search=48, embedding_dim=64)
-    index = build_index(passages, config)
-    store = LiveStore(tmp_path / "store.sqlite")
-    return LiveCorpus.replayed(store, index, one_token_each, compact_share=compact_share)
 
 
 def test_get_racing_a_write_returns_one_version_whole(

@@ -14,19 +14,12 @@ from specrag.errors import WritesSuspendedError
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.live_index import AddedLexical, Growable, Visibility
-from tests.pipeline.test_live_corpus import made_up_words, text_corpus
+from tests.helpers.live_corpus import new_passages, text_corpus
 
 KINDS = ["ivf", "hnsw"]
 # Where the apply fails: the lexical channel, the searcher before or after it took the vectors
 # (a half-done add), the visibility swap.
 STEPS = ["lexical", "vector", "vector-after-add", "visibility"]
-
-
-def new_passages(count: int, seed: int, prefix: str = "new") -> list[Passage]:
-    """Documents of the corpus' own words (the embedder knows no others), in new combinations."""
-    rng = np.random.default_rng(seed)
-    words = made_up_words(400, seed=3)
-    return [Passage(f"{prefix}-{seed}-{i}", "", " ".join(rng.choice(words, 12))) for i in range(count)]
 
 
 class Fault:

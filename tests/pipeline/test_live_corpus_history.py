@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specrag.pipeline.store.live_corpus import LiveCorpus
-from tests.pipeline.test_live_corpus import text_corpus
+from tests.helpers.live_corpus import text_corpus
 
 REPLACEMENTS = 500
 

@@ -12,8 +12,7 @@ import pytest
 
 from specrag.pipeline.store.live_corpus import COMPACT_SHARE, LiveCorpus
 from specrag.retrieval.corpus import Passage
-from tests.pipeline.test_live_corpus import text_corpus
-from tests.pipeline.test_live_corpus_faults import new_passages
+from tests.helpers.live_corpus import new_passages, text_corpus
 
 RUN_S = 7.0  # per index kind: hundreds of writes and thousands of searches
 

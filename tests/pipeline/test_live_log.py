@@ -22,7 +22,7 @@ from specrag.retrieval.corpus import Passage
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
-from tests.pipeline.test_live_corpus import TableEmbedder, one_token_each
+from tests.helpers.live_corpus import TableEmbedder, one_token_each
 
 BASE = 200
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,24 +135,22 @@ def test_a_second_process_meets_the_writer_lock_at_once(tmp_path: Path) -> None:
             print(error)
         """
     )
-    child = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+
+    def open_in_another_process() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+
+    child = open_in_another_process()
     assert child.returncode == 0, child.stderr
     assert f"another process (pid {os.getpid()})" in child.stdout
     assert "/the/data/dir" in child.stdout and "specrag documents --url" in child.stdout
     corpus.store.close()  # the lock goes with the writer
-    child = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    child = open_in_another_process()
     assert child.returncode == 0 and child.stdout == "", child.stderr
 
 
