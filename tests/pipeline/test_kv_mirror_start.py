@@ -5,6 +5,8 @@ subscriber's death."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,8 @@ import pytest
 from specrag.cache import KnowledgeTree
 from specrag.pipeline.engines.config import KVEventSource
 from specrag.pipeline.kv_mirror.mirror import WAITING_FOR_JOIN, KVMirror
+from tests.helpers.kv_events import Publisher, Resets
 from tests.helpers.waiting import wait_until
-from tests.pipeline.test_kv_events import Publisher
-from tests.pipeline.test_kv_mirror_state import Resets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,17 +35,30 @@ def mirror_of(tmp_path: Path, resets: Resets, *, recovery_interval_s: float = TI
     )
 
 
+@asynccontextmanager
+async def beside_a_publisher(
+    tmp_path: Path, *, recovery_interval_s: float = TICK_S
+) -> AsyncIterator[tuple[Publisher, Resets, KVMirror]]:
+    """A :class:`Publisher` in ``tmp_path``, the engine's resets and a mirror of the publisher (not
+    started yet); the mirror is stopped and the publisher closed at the end."""
+    publisher = Publisher(tmp_path)
+    resets = Resets()
+    kv = mirror_of(tmp_path, resets, recovery_interval_s=recovery_interval_s)
+    try:
+        yield publisher, resets, kv
+    finally:
+        await kv.stop()
+        await publisher.close()
+
+
 def resident(kv: KVMirror) -> set[object]:
     return {block_hash for _group, _medium, block_hash in kv.tree.resident_hashes()}
 
 
 async def test_a_mirror_beside_a_warm_engine_replays_its_history_and_never_resets_it(tmp_path: Path) -> None:
-    publisher = Publisher(tmp_path)
-    for seq in range(4):  # served before specrag started: block 1 stored, then removed by batch 3
-        await publisher.publish(seq)
-    resets = Resets()
-    kv = mirror_of(tmp_path, resets)
-    try:
+    async with beside_a_publisher(tmp_path) as (publisher, resets, kv):
+        for seq in range(4):  # served before specrag started: block 1 stored, then removed by batch 3
+            await publisher.publish(seq)
         await kv.start()
         await asyncio.sleep(10 * TICK_S)
         assert resets.calls == 0
@@ -55,37 +69,25 @@ async def test_a_mirror_beside_a_warm_engine_replays_its_history_and_never_reset
         await wait_until(lambda: kv.status.exact and resident(kv) == {0, 2, 4}, what=lambda: f"{kv.status}")
         await asyncio.sleep(10 * TICK_S)
         assert resets.calls == 0
-    finally:
-        await kv.stop()
-        await publisher.close()
 
 
 async def test_beside_a_fresh_engine_the_mirror_is_exact_once_joined(tmp_path: Path) -> None:
     """An engine that has published nothing has an empty cache: the empty replay proves the join."""
-    publisher = Publisher(tmp_path)
-    resets = Resets()
-    kv = mirror_of(tmp_path, resets)
-    try:
+    async with beside_a_publisher(tmp_path) as (publisher, resets, kv):
         await kv.start()
         await asyncio.sleep(10 * TICK_S)
         assert resets.calls == 0
         assert kv.status.exact and publisher.replays == 1
         await publisher.publish(0)
         await wait_until(lambda: resident(kv) == {0})
-    finally:
-        await kv.stop()
-        await publisher.close()
 
 
 async def test_a_history_no_longer_replayable_is_reported_and_only_a_later_loss_resets(
     tmp_path: Path,
 ) -> None:
-    publisher = Publisher(tmp_path)
-    for seq in (6, 7):  # the replay buffer no longer holds batches 0..5
-        await publisher.publish(seq)
-    resets = Resets()
-    kv = mirror_of(tmp_path, resets)
-    try:
+    async with beside_a_publisher(tmp_path) as (publisher, resets, kv):
+        for seq in (6, 7):  # the replay buffer no longer holds batches 0..5
+            await publisher.publish(seq)
         await kv.start()
         await asyncio.sleep(10 * TICK_S)
         assert resets.calls == 0
@@ -95,9 +97,6 @@ async def test_a_history_no_longer_replayable_is_reported_and_only_a_later_loss_
         del publisher.sent[8]  # lost on the wire and not replayable: a real loss
         await publisher.publish(9)
         await wait_until(lambda: resets.calls > 0, what=lambda: f"{kv.status}")
-    finally:
-        await kv.stop()
-        await publisher.close()
 
 
 async def test_without_catch_up_the_mirror_is_exact_only_once_the_subscription_joined(tmp_path: Path) -> None:
@@ -123,10 +122,8 @@ async def test_without_catch_up_the_mirror_is_exact_only_once_the_subscription_j
 
 
 async def test_a_dead_subscriber_degrades_the_mirror(tmp_path: Path) -> None:
-    publisher = Publisher(tmp_path)
-    resets = Resets()
-    kv = mirror_of(tmp_path, resets, recovery_interval_s=3600)  # nothing subscribes again here
-    try:
+    # recovery_interval_s: nothing subscribes again here
+    async with beside_a_publisher(tmp_path, recovery_interval_s=3600) as (publisher, resets, kv):
         await kv.start()
         await publisher.publish(0)
         await wait_until(lambda: kv.status.exact and resident(kv) == {0})
@@ -134,16 +131,10 @@ async def test_a_dead_subscriber_degrades_the_mirror(tmp_path: Path) -> None:
         await wait_until(lambda: not kv.status.exact)
         assert (kv.status.reason or "").startswith("the KV event subscriber stopped: ValueError")
         assert resets.calls == 0
-    finally:
-        await kv.stop()
-        await publisher.close()
 
 
 async def test_a_dead_subscriber_is_replaced_and_replays_what_it_missed(tmp_path: Path) -> None:
-    publisher = Publisher(tmp_path)
-    resets = Resets()
-    kv = mirror_of(tmp_path, resets)
-    try:
+    async with beside_a_publisher(tmp_path) as (publisher, resets, kv):
         await kv.start()
         await publisher.publish(0)
         await wait_until(lambda: resident(kv) == {0})
@@ -153,6 +144,3 @@ async def test_a_dead_subscriber_is_replaced_and_replays_what_it_missed(tmp_path
         await publisher.publish(2)
         await wait_until(lambda: resident(kv) == {0, 1, 2})
         assert resets.calls == 0 and kv.faults().lost_batches == 0
-    finally:
-        await kv.stop()
-        await publisher.close()

@@ -9,20 +9,8 @@ from specrag.cache import AllBlocksCleared, KnowledgeTree
 from specrag.errors import EngineError
 from specrag.pipeline.engines.config import KVEventSource
 from specrag.pipeline.kv_mirror.mirror import WAITING_FOR_CLEAR, WAITING_FOR_JOIN, KVMirror
+from tests.helpers.kv_events import Resets
 from tests.helpers.tree import BLOCK, SYSTEM, FakeEngine, layout
-
-
-class Resets:
-    """The engine's prefix-cache reset: refused while ``busy``."""
-
-    def __init__(self) -> None:
-        self.busy = False
-        self.calls = 0
-
-    async def __call__(self) -> None:
-        self.calls += 1
-        if self.busy:
-            raise EngineError("requests hold blocks")
 
 
 def mirror(resets: Callable[[], Awaitable[None]] | None = None) -> KVMirror:
