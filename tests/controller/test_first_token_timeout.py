@@ -14,7 +14,7 @@ import pytest
 from specrag.controller.flight import RetriedFlight
 from specrag.controller.placement import Placement
 from specrag.errors import EngineTimeoutError
-from tests.controller.test_retried_flight import Launcher, close, collect, pool, prompt, simulated
+from tests.helpers.flights import Launcher, close, collect, pool, prompt, simulated
 
 
 async def test_a_prompt_a_working_engine_did_not_prefill_in_time_is_not_asked_again() -> None:
