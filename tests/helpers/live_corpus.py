@@ -1,8 +1,10 @@
-"""Live corpora for the live-corpus tests: stand-ins for the embedder and the tokenizer, made-up
-words, a hybrid corpus of them, and new documents in those words."""
+"""Live corpora for the tests: the tiny assets with a live corpus of their own and a fact to add
+to it, stand-ins for the embedder and the tokenizer, made-up words, a hybrid corpus of them, and
+new documents in those words."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,18 @@ from specrag.pipeline.store.document_store import build_store
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.pipeline.store.live_store import LiveStore
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.index_store import TFIDF_SVD, IndexConfig, build_index
+from specrag.retrieval.index_store import TFIDF_SVD, IndexConfig, build_index, load_index
+from specrag.service.run.assets import Assets
+
+QUOKKA_QUESTION = "How does the quokka module count marsupials?"
+QUOKKA_FACT = "The quokka module counts marsupials with quokka.census() on Rottnest island."
+
+
+def live_assets(assets: Assets, log: Path) -> Assets:
+    """The tiny assets with a live corpus of their own (a fresh index copy, a log in ``log``)."""
+    index = load_index(assets.store.path.parent.parent / "index")
+    corpus = LiveCorpus.replayed(LiveStore(assets.store.path, log), index, assets.tokenizer.encode_batch)
+    return dataclasses.replace(assets, store=corpus.store, index=index, corpus=corpus)
 
 
 class TableEmbedder:

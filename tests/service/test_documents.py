@@ -6,7 +6,6 @@ The same on the real engine: tests/service/test_documents_engine.py.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -18,20 +17,17 @@ from specrag.cli import main
 from specrag.client import AsyncClient, SpecragHTTPError
 from specrag.controller.query import RagRequest
 from specrag.pipeline.engines.protocol import EngineOutput, Sampling
-from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus
-from specrag.pipeline.store.live_store import LiveStore
+from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.index_store import load_index
 from specrag.service.http.access import Access
 from specrag.service.http.app import create_app, serving
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers.builders import make_controller
 from tests.helpers.http import TOKEN
+from tests.helpers.live_corpus import QUOKKA_FACT, QUOKKA_QUESTION, live_assets
 
 WRITER = "writer-token-456"
-QUESTION = "How does the quokka module count marsupials?"
-FACT = "The quokka module counts marsupials with quokka.census() on Rottnest island."
 
 
 class PromptRecordingEngine(SimulatedEngine):
@@ -48,21 +44,14 @@ class PromptRecordingEngine(SimulatedEngine):
         return super().generate(request_id, prompt_token_ids, sampling)
 
 
-def live_assets(assets: Assets, log: Path) -> Assets:
-    """The tiny assets with a live corpus of their own (a fresh index copy, a log in ``log``)."""
-    index = load_index(assets.store.path.parent.parent / "index")
-    corpus = LiveCorpus.replayed(LiveStore(assets.store.path, log), index, assets.tokenizer.encode_batch)
-    return dataclasses.replace(assets, store=corpus.store, index=index, corpus=corpus)
-
-
 def holds(prompt: Sequence[int], segment: Sequence[int]) -> bool:
     """Whether ``segment`` occurs in ``prompt`` as a contiguous run."""
     return any(tuple(prompt[start : start + len(segment)]) == tuple(segment) for start in range(len(prompt)))
 
 
 async def ask(client: AsyncClient, engine: PromptRecordingEngine) -> tuple[list[str], tuple[int, ...]]:
-    """The documents of a serial answer to QUESTION and the prompt it was answered from."""
-    answer = await client.rag(QUESTION, k=4, mode="serial", max_tokens=2)
+    """The documents of a serial answer to QUOKKA_QUESTION and the prompt it was answered from."""
+    answer = await client.rag(QUOKKA_QUESTION, k=4, mode="serial", max_tokens=2)
     return list(answer.documents), engine.prompts[-1]
 
 
@@ -76,7 +65,7 @@ async def test_a_put_is_retrieved_a_replacement_prompted_alone_and_a_delete_neve
     app = create_app(controller, corpus=assets.corpus)
     try:
         async with serving(app, access_log=False) as url, AsyncClient(url) as client:
-            assert await client.put_document("quokka", FACT, title="quokka module") == {
+            assert await client.put_document("quokka", QUOKKA_FACT, title="quokka module") == {
                 "id": "quokka",
                 "version": 1,
             }
@@ -193,15 +182,19 @@ async def test_a_conversation_resends_a_document_that_changed_since_it_was_sent(
     assert assets.corpus is not None
     controller = make_controller(PromptRecordingEngine(), assets)
     try:
-        assets.corpus.put([Passage("quokka", "quokka module", FACT)])
+        assets.corpus.put([Passage("quokka", "quokka module", QUOKKA_FACT)])
         session_id = controller.create_session("test")
         first = await controller.answer(
-            RagRequest(QUESTION, k=4, mode="serial", max_tokens=2, session_id=session_id, client="test")
+            RagRequest(
+                QUOKKA_QUESTION, k=4, mode="serial", max_tokens=2, session_id=session_id, client="test"
+            )
         )
         assert first.timeline.documents[0] == "quokka"
         assets.corpus.put([Passage("quokka", "quokka module", "The quokka module was renamed wallaby.")])
         second = await controller.answer(
-            RagRequest(QUESTION, k=4, mode="serial", max_tokens=2, session_id=session_id, client="test")
+            RagRequest(
+                QUOKKA_QUESTION, k=4, mode="serial", max_tokens=2, session_id=session_id, client="test"
+            )
         )
         assert "quokka" in second.timeline.documents
         sent_now = second.prompt.token_ids[len(first.prompt.token_ids) :]
@@ -218,7 +211,7 @@ async def test_the_documents_command_changes_a_running_service(
     controller = make_controller(PromptRecordingEngine(), assets)
     app = create_app(controller, corpus=assets.corpus)
     documents = tmp_path / "new.jsonl"
-    documents.write_text(json.dumps({"id": "quokka", "title": "quokka module", "text": FACT}) + "\n")
+    documents.write_text(json.dumps({"id": "quokka", "title": "quokka module", "text": QUOKKA_FACT}) + "\n")
     try:
         async with serving(app, access_log=False) as url:
             assert await asyncio.to_thread(main, ["documents", "add", str(documents), "--url", url]) == 0
@@ -228,7 +221,7 @@ async def test_the_documents_command_changes_a_running_service(
                 "created": True,
                 "visible": True,
             }
-            assert assets.corpus.get("quokka").text == FACT
+            assert assets.corpus.get("quokka").text == QUOKKA_FACT
             assert await asyncio.to_thread(main, ["documents", "delete", "quokka", "--url", url]) == 0
             assert await asyncio.to_thread(main, ["documents", "get", "quokka", "--url", url]) == 2
             assert "404" in capsys.readouterr().err
