@@ -9,8 +9,7 @@ from specrag.retrieval.corpus import Passage
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
-
-DIM = 32
+from tests.helpers.vectors import DIM
 
 
 @pytest.fixture(scope="session")

@@ -11,18 +11,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from specrag.retrieval.corpus import Passage
-from specrag.retrieval.synthetic import GaussianMixture, queries_near
+from specrag.retrieval.synthetic import queries_near
 
 pytest.importorskip("psycopg", reason="the pgvector backend's driver (pip install specrag[pgvector])")
 
 from specrag.retrieval.pgvector.config import PgSettings
 from specrag.retrieval.pgvector.local_server import LocalPostgres, find_binaries
 from specrag.retrieval.pgvector.table import load_table
-
-DIM = 32
-LISTS = 64
-PROBES = 24
+from tests.helpers.vectors import LISTS, passages_for
 
 
 @pytest.fixture(scope="session")
@@ -34,23 +30,14 @@ def postgres() -> Iterator[LocalPostgres]:
 
 
 @pytest.fixture(scope="session")
-def pg_vectors() -> np.ndarray:
-    return GaussianMixture(DIM, num_clusters=40, seed=1).sample(6000)
+def pg_queries(vectors: np.ndarray) -> np.ndarray:
+    """Fewer queries than tests/retrieval's ``queries``: each is a round trip to the database."""
+    return queries_near(vectors, 40, seed=2)
 
 
 @pytest.fixture(scope="session")
-def pg_queries(pg_vectors: np.ndarray) -> np.ndarray:
-    return queries_near(pg_vectors, 40, seed=2)
-
-
-def passages_for(vectors: np.ndarray) -> list[Passage]:
-    """One passage a vector, ids sorting as the rows do (the searcher numbers rows by sorted id)."""
-    return [Passage(f"p{row:05d}", f"title {row}", f"text of passage {row}") for row in range(len(vectors))]
-
-
-@pytest.fixture(scope="session")
-def pg_table(postgres: LocalPostgres, pg_vectors: np.ndarray) -> PgSettings:
+def pg_table(postgres: LocalPostgres, vectors: np.ndarray) -> PgSettings:
     """A table of the session's vectors that no test writes to."""
     settings = PgSettings(postgres.dsn, table="staged_read_only")
-    load_table(settings, passages_for(pg_vectors), pg_vectors, nlist=LISTS)
+    load_table(settings, passages_for(vectors), vectors, nlist=LISTS)
     return settings

@@ -19,7 +19,7 @@ from specrag.retrieval.pgvector.database import Database, DatabaseUnavailableErr
 from specrag.retrieval.pgvector.local_server import LocalPostgres
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher
 from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
-from tests.retrieval.pgvector.conftest import DIM, passages_for
+from tests.helpers.vectors import DIM, passages_for
 
 SECRET = "hunter2-not-a-real-password"
 
@@ -58,7 +58,7 @@ def serve_args(dsn: str, table: str, **extra: Any) -> argparse.Namespace:
 
 
 @pytest.fixture(scope="module")
-def users_table(postgres: LocalPostgres, pg_vectors: np.ndarray) -> str:
+def users_table(postgres: LocalPostgres, vectors: np.ndarray) -> str:
     """A table another application made: its own names, integer ids, a cosine index."""
     with psycopg.connect(postgres.dsn, autocommit=True) as connection:
         connection.execute("CREATE EXTENSION IF NOT EXISTS vector")
@@ -67,7 +67,7 @@ def users_table(postgres: LocalPostgres, pg_vectors: np.ndarray) -> str:
             f"CREATE TABLE docs (doc_id bigint PRIMARY KEY, heading text, body text, vec vector({DIM}))"
         )
         with connection.cursor() as cursor, cursor.copy("COPY docs FROM STDIN") as copy:
-            for row, vector in enumerate(pg_vectors[:2000]):
+            for row, vector in enumerate(vectors[:2000]):
                 copy.write_row((row, f"heading {row}", f"body {row}", "[" + ",".join(map(str, vector)) + "]"))
         connection.execute("CREATE INDEX ON docs USING ivfflat (vec vector_cosine_ops) WITH (lists = 20)")
         connection.execute("CREATE TABLE docs_hnsw (id text, title text, text text, embedding vector(32))")
@@ -76,13 +76,13 @@ def users_table(postgres: LocalPostgres, pg_vectors: np.ndarray) -> str:
 
 
 def test_a_users_table_is_searched_through_the_column_mapping(
-    postgres: LocalPostgres, users_table: str, pg_vectors: np.ndarray
+    postgres: LocalPostgres, users_table: str, vectors: np.ndarray
 ) -> None:
     args = serve_args(postgres.dsn, users_table, pg_columns="id=doc_id,title=heading,text=body,embedding=vec")
     index, passages = open_index(args, embedder=FixedEmbedder(DIM), lexical=False)
     try:
         assert passages[0].title.startswith("heading") and len(passages) == 2000
-        query = pg_vectors[7]
+        query = vectors[7]
         _, rows = index.search(query, 5)
         found = index.passage_ids_of(rows)
         assert found[0] == "7"  # the row itself, under the table's own id
@@ -160,16 +160,16 @@ def test_the_cli_exits_2_without_echoing_the_password(
     assert code == 2 and str(tmp_path) in error and SECRET not in error
 
 
-def test_a_killed_database_fails_queries_clearly_and_recovers(pg_vectors: np.ndarray) -> None:
+def test_a_killed_database_fails_queries_clearly_and_recovers(vectors: np.ndarray) -> None:
     with LocalPostgres() as server:
         dsn = f"{server.dsn} password={SECRET}"  # trust auth ignores it; it must still never show
         settings = PgSettings(dsn, table="t", statement_timeout_s=2.0, pool_size=2)
-        load_table(settings, passages_for(pg_vectors[:1000]), pg_vectors[:1000], nlist=16)
+        load_table(settings, passages_for(vectors[:1000]), vectors[:1000], nlist=16)
         database = Database(settings)
         layout = inspect_table(database, DIM)
         searcher = PgVectorSearcher(database, layout, [p.id for p in read_passages(database)])
         try:
-            query = pg_vectors[3][None, :]
+            query = vectors[3][None, :]
             _, before = searcher.search(query, 5)
             server.kill()
             with pytest.raises(DatabaseUnavailableError) as caught:

@@ -14,7 +14,7 @@ from specrag.retrieval.pgvector.database import Database
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher, stage_probes
 from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
 from specrag.retrieval.stages import StagePlan
-from tests.retrieval.pgvector.conftest import DIM, LISTS, PROBES, passages_for
+from tests.helpers.vectors import DIM, LISTS, PROBES, passages_for
 
 K = 10
 PLAN = StagePlan(6, "geometric")
@@ -50,7 +50,7 @@ def test_the_table_reads_back_as_built(pg_table: PgSettings) -> None:
 
 
 def test_each_stage_refines_the_last_and_the_final_is_the_one_shot(
-    searcher: PgVectorSearcher, pg_queries: np.ndarray, pg_vectors: np.ndarray
+    searcher: PgVectorSearcher, pg_queries: np.ndarray, vectors: np.ndarray
 ) -> None:
     finals_differ_from_first = 0
     for query in pg_queries:
@@ -65,7 +65,7 @@ def test_each_stage_refines_the_last_and_the_final_is_the_one_shot(
             assert (after.distances >= before.distances - 1e-6).all()
         # The scores are the inner products of the rows returned, best first.
         row_ids = one_shot_ids[0]
-        np.testing.assert_allclose(one_shot_scores[0], pg_vectors[row_ids] @ query, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(one_shot_scores[0], vectors[row_ids] @ query, rtol=1e-4, atol=1e-5)
         finals_differ_from_first += not np.array_equal(stages[0].ids, stages[-1].ids)
     if searcher.mode is StageMode.SEQUENTIAL:
         # Every stage arrives; the early ones are not all final already (else nothing is tested).
@@ -80,9 +80,9 @@ def test_a_batch_stages_every_query(searcher: PgVectorSearcher, pg_queries: np.n
 
 
 @pytest.fixture
-def writable(postgres: object, pg_table: PgSettings, pg_vectors: np.ndarray) -> PgSettings:
+def writable(postgres: object, pg_table: PgSettings, vectors: np.ndarray) -> PgSettings:
     settings = PgSettings(pg_table.dsn, table="staged_written")
-    load_table(settings, passages_for(pg_vectors), pg_vectors, nlist=LISTS, replace=True)
+    load_table(settings, passages_for(vectors), vectors, nlist=LISTS, replace=True)
     return settings
 
 
