@@ -20,7 +20,7 @@ from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.index_store import FITTED_EMBEDDERS, KINDS, IndexConfig, build_index, save_index
 from specrag.retrieval.pgvector.flags import add_arguments as add_pgvector_arguments
 
-__all__ = ["BROUGHT_EMBEDDERS", "register"]
+__all__ = ["BROUGHT_EMBEDDERS", "brought_embedder", "register"]
 
 # Embedders a user brings: a model directory, or a server speaking OpenAI's /v1/embeddings.
 BROUGHT_EMBEDDERS = ("sentence-transformers", "openai")
