@@ -20,7 +20,7 @@ from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.index_store import FITTED_EMBEDDERS, KINDS, IndexConfig, build_index, save_index
 from specrag.retrieval.pgvector.flags import add_arguments as add_pgvector_arguments
 
-__all__ = ["BROUGHT_EMBEDDERS", "register"]
+__all__ = ["BROUGHT_EMBEDDERS", "brought_embedder", "register"]
 
 # Embedders a user brings: a model directory, or a server speaking OpenAI's /v1/embeddings.
 BROUGHT_EMBEDDERS = ("sentence-transformers", "openai")
@@ -34,7 +34,7 @@ def _corpus_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _brought_embedder(args: argparse.Namespace) -> Embedder | None:
+def brought_embedder(args: argparse.Namespace) -> Embedder | None:
     """The embedder ``--embedder`` names when it is not one fitted on the corpus."""
     if args.embedder == "sentence-transformers":
         if not args.embedder_model:
@@ -50,7 +50,7 @@ def _brought_embedder(args: argparse.Namespace) -> Embedder | None:
 
 
 def _index_build(args: argparse.Namespace) -> int:
-    brought = _brought_embedder(args)  # first: a bad embedder choice fails before any work
+    brought = brought_embedder(args)  # first: a bad embedder choice fails before any work
     layout = DataLayout(resolve_data_dir(args.data_dir))
     corpus = Path(args.corpus) if args.corpus else layout.corpus_file
     if args.corpus is None and not corpus.is_file():

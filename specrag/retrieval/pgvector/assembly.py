@@ -11,7 +11,9 @@ speculation policy, stage plan, timeline and hybrid fusion are the same on both 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
+import re
 import time
 from collections.abc import Sequence
 
@@ -20,7 +22,14 @@ from specrag.retrieval.corpus import Passage
 from specrag.retrieval.embedders import Embedder
 from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.lexical import LexicalIndex
-from specrag.retrieval.pgvector.config import DEFAULT_POOL_SIZE, Columns, PgSettings, StageMode, resolve_dsn
+from specrag.retrieval.pgvector.config import (
+    DEFAULT_POOL_SIZE,
+    Columns,
+    PgSettings,
+    StageMode,
+    describe_dsn,
+    resolve_dsn,
+)
 from specrag.retrieval.pgvector.database import Database
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher
 from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
@@ -29,9 +38,23 @@ from specrag.retrieval.stages import DEFAULT_STAGES
 from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
 
-__all__ = ["build_table", "open_index", "settings_from"]
+__all__ = ["DOCUMENTS_OFF", "build_table", "close_index", "open_index", "settings_from", "store_name"]
 
 logger = logging.getLogger(__name__)
+
+# Why the documents API is off on this backend (its routes answer 501 saying so).
+DOCUMENTS_OFF = (
+    "the documents API does not write to a pgvector table yet: change the table's rows with your "
+    "own writer and restart the service (it reads the rows at start)"
+)
+
+
+def store_name(settings: PgSettings) -> str:
+    """A directory name for the table's document store: its table and a digest of where it is,
+    so that two servers' tables of one name keep two stores (never the password)."""
+    digest = hashlib.sha256(f"{describe_dsn(settings.dsn)}|{settings.table}".encode()).hexdigest()[:12]
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", settings.table)
+    return f"pgvector-{safe}-{digest}"
 
 
 def settings_from(args: argparse.Namespace) -> PgSettings:
@@ -120,3 +143,9 @@ def open_index(
     )
     logger.info("serving %d passages from %s: %s", len(passages), settings.where, searcher.settings)
     return index, passages
+
+
+def close_index(index: VectorIndex) -> None:
+    """Close the table's connections under ``index`` (one :func:`open_index` opened)."""
+    if isinstance(index.searcher, PgVectorSearcher):
+        index.searcher.close()

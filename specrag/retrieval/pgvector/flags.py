@@ -22,7 +22,7 @@ __all__ = ["BACKENDS", "add_arguments"]
 BACKENDS = ("local", "pgvector")
 
 
-def add_arguments(parser: argparse.ArgumentParser, building: bool) -> None:
+def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
     """The ``--backend`` and ``--pg-*`` flags (``building``: the index build's, else serve's)."""
     parser.add_argument(
         "--backend", choices=BACKENDS, default="local", help="where the vectors live (default: local)"
@@ -54,6 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser, building: bool) -> None:
     if building:
         parser.add_argument("--pg-replace", action="store_true", help="drop the table first if it exists")
         return
+    # The query side of a table embedded by the user's own model (index build has these already).
+    parser.add_argument(
+        "--embedder",
+        choices=("wordllama", "sentence-transformers", "openai"),
+        default="wordllama",
+        help="with --backend pgvector, what embeds queries: the model that embedded the table "
+        "(default: WordLlama fitted on its rows, as index build fits it)",
+    )
+    parser.add_argument("--embedder-model", help="model directory, or the model name a server serves")
+    parser.add_argument("--embedder-url", help="base URL of an OpenAI-compatible /v1/embeddings server")
+    parser.add_argument("--embedder-key-env", help="environment variable holding the server's API key")
     parser.add_argument(
         "--pg-pool-size", type=int, default=DEFAULT_POOL_SIZE, help="connections held at most"
     )

@@ -10,10 +10,13 @@ cannot make a later stage disagree with an earlier one.
 
 The stages run as separate queries, so they cost more database time than the one-shot query
 (the geometric plan's shares sum to about 2). Run one after the other on one connection
-(``sequential``), the final result arrives after all of them; ``parallel`` runs the final query
-on one connection, which exports its snapshot, and the earlier stages one after the other on a
-second connection that imports it, so the final result arrives about when a one-shot query's
-would (docs/backends.md has the figures). A stage that arrives after the final one is dropped.
+(``sequential``), the final result arrives after all of them; ``parallel`` runs the earlier stages
+one after the other on one connection, which exports its snapshot (so the first stage starts at
+once), and the final query on a second connection that imports it (so it waits only for the
+export, not for the stages), so the final result arrives about when a one-shot query's would on
+a table whose query is not dominated by fixed costs (docs/backends.md has the figures). Each
+transaction's opening statements and each stage's setting and query go as one pipeline.
+A stage that arrives after the final one is dropped.
 
 Scores are similarities, higher first, as the in-process indexes give for unit vectors: the
 inner product (``ip``), 1 - the cosine distance (``cosine``), or minus the squared L2 distance.
@@ -61,16 +64,29 @@ def stage_probes(plan: StagePlan, probes: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _snapshot(connection: psycopg.Connection, imported: str | None = None) -> Iterator[None]:
-    """A read-only REPEATABLE READ transaction, on the snapshot ``imported`` when given."""
-    connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+def _snapshot(
+    connection: psycopg.Connection, imported: str | None = None, export: bool = False
+) -> Iterator[str | None]:
+    """A read-only REPEATABLE READ transaction, on the snapshot ``imported`` when given; yields
+    the snapshot's name when ``export`` (else None). One round trip: the statements go as one
+    pipeline, as each of them would otherwise wait for the one before."""
+    statements = ["BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"]
+    if imported is not None:
+        statements.append(
+            sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(imported)).as_string(connection)
+        )
+    # Every stage must scan the IVFFlat index: a sequential scan (exact) in one stage and an
+    # index scan in another would not nest.
+    statements.append("SET LOCAL enable_seqscan = off")
+    exported: psycopg.Cursor[Any] | None = None
     try:
-        if imported is not None:
-            connection.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(imported)))
-        # Every stage must scan the IVFFlat index: a sequential scan (exact) in one stage and an
-        # index scan in another would not nest.
-        connection.execute("SET LOCAL enable_seqscan = off")
-        yield
+        with connection.pipeline():
+            for statement in statements:
+                connection.execute(statement)
+            if export:
+                exported = connection.execute("SELECT pg_export_snapshot()")
+        row = exported.fetchone() if exported is not None else None
+        yield None if row is None else str(row[0])
     finally:
         if not connection.broken:
             connection.execute("ROLLBACK")
@@ -150,13 +166,15 @@ class PgVectorSearcher:
         self, connection: psycopg.Connection, matrix: np.ndarray, k: int, probes: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """(scores, rows) of every query at ``probes``, inside the caller's transaction."""
-        connection.execute(f"SET LOCAL ivfflat.probes = {int(probes)}")
         ids = np.full((len(matrix), k), -1, dtype=np.int64)
         scores = np.full((len(matrix), k), _PAD_SCORE, dtype=np.float32)
-        for position, vector in enumerate(matrix):
-            found = connection.execute(self._query, {"q": vector, "k": k}).fetchall()
+        # One round trip for the setting and every query: a pipeline sends them all at once.
+        with connection.pipeline():
+            connection.execute(f"SET LOCAL ivfflat.probes = {int(probes)}")
+            cursors = [connection.execute(self._query, {"q": vector, "k": k}) for vector in matrix]
+        for position, cursor in enumerate(cursors):
             slot = 0
-            for row_id, raw in found:
+            for row_id, raw in cursor.fetchall():
                 row = self._row_of.get(row_id)
                 if row is None:  # added by another writer since the ids were read
                     continue
@@ -197,35 +215,39 @@ class PgVectorSearcher:
         final = len(probes) - 1
         wait_s = self.database.settings.statement_timeout_s * (len(probes) + 2)
 
-        def lead() -> None:
+        def earlier() -> None:
+            # Exports the snapshot, so the first stage starts at once and the final query waits
+            # only for the export, not for the earlier stages.
             try:
-                with self.database.connection() as connection, _snapshot(connection):
-                    exported = connection.execute("SELECT pg_export_snapshot()").fetchone()
+                with (
+                    self.database.connection() as connection,
+                    _snapshot(connection, export=True) as exported,
+                ):
                     assert exported is not None
-                    snapshot.set_result(str(exported[0]))
-                    results.put((final, self._run(connection, matrix, k, probes[final])))
+                    snapshot.set_result(exported)
+                    for number, count in enumerate(probes[:-1]):
+                        if stop.is_set():
+                            break
+                        results.put((number, self._run(connection, matrix, k, count)))
                     imported.wait(wait_s)  # the snapshot lives while this transaction does
             except BaseException as error:
                 if not snapshot.done():
                     snapshot.set_exception(error)
                 results.put(error)
 
-        def earlier() -> None:
+        def lead() -> None:
             try:
                 exported = snapshot.result(wait_s)
                 with self.database.connection() as connection, _snapshot(connection, exported):
                     imported.set()
-                    for number, count in enumerate(probes[:-1]):
-                        if stop.is_set():
-                            return
-                        results.put((number, self._run(connection, matrix, k, count)))
+                    results.put((final, self._run(connection, matrix, k, probes[final])))
             except BaseException as error:
                 results.put(error)
             finally:
                 imported.set()
 
-        self._threads.submit(lead)
         self._threads.submit(earlier)
+        self._threads.submit(lead)
         shown = -1
         try:
             while True:

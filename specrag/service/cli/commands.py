@@ -31,7 +31,7 @@ from specrag.service.run.assembly import (
     open_service,
     prompt_builder,
 )
-from specrag.service.run.assets import Assets, ensure_assets
+from specrag.service.run.assets import Assets, ExternalIndex, ensure_assets
 from specrag.service.run.exposure import warn_if_exposed
 from specrag.service.run.lifecycle import serve_until_signalled
 from specrag.service.run.options import DocumentKvStore, base_engine_config
@@ -41,6 +41,7 @@ __all__ = [
     "answer_file",
     "batch_command",
     "demo_command",
+    "external_index",
     "prepare_command",
     "serve_command",
     "token_from_env",
@@ -53,7 +54,34 @@ def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | Non
 
 
 def _assets(args: argparse.Namespace) -> Assets:
-    return ensure_assets(*_paths(args), accept_corpus_change=args.accept_corpus_change)
+    return ensure_assets(
+        *_paths(args), accept_corpus_change=args.accept_corpus_change, external=external_index(args)
+    )
+
+
+def external_index(args: argparse.Namespace) -> ExternalIndex | None:
+    """The table ``--backend pgvector`` names (None: the data directory's own index). The
+    database's modules are imported only here, so the local backend needs no driver."""
+    if getattr(args, "backend", "local") != "pgvector":
+        return None
+    if args.corpus:
+        raise InvalidInputError("--corpus: with --backend pgvector the table's rows are the corpus")
+    from specrag.retrieval.commands import brought_embedder
+    from specrag.retrieval.pgvector.assembly import (
+        DOCUMENTS_OFF,
+        close_index,
+        open_index,
+        settings_from,
+        store_name,
+    )
+
+    embedder = brought_embedder(args)  # first: a bad choice fails before the database is reached
+    return ExternalIndex(
+        open=lambda: open_index(args, embedder=embedder),
+        name=store_name(settings_from(args)),
+        documents_off=DOCUMENTS_OFF,
+        release=close_index,
+    )
 
 
 def prepare_command(args: argparse.Namespace) -> int:
@@ -225,8 +253,11 @@ def serve_command(args: argparse.Namespace) -> int:
     async def start() -> AsyncIterator[Service]:
         with progress.running(Phase.ARTEFACTS):
             assets = await asyncio.to_thread(_assets, args)
-        async with _service(args, assets, options, progress=progress) as service:
-            yield service
+        try:
+            async with _service(args, assets, options, progress=progress) as service:
+                yield service
+        finally:
+            assets.close()  # after the last query: a table's connections
 
     with contextlib.closing(listener), _engine_log(args):
         asyncio.run(

@@ -17,6 +17,7 @@ from specrag.errors import values
 from specrag.pipeline.commands import add_kv_cache_tokens
 from specrag.pipeline.engines.config import EngineConfig
 from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
+from specrag.retrieval.pgvector.flags import add_arguments as add_pgvector_arguments
 from specrag.service.cli.commands import (
     batch_command,
     demo_command,
@@ -98,6 +99,7 @@ def _register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     )
     _add_document_kv_bound(serve)
     add_kv_cache_tokens(serve)
+    add_pgvector_arguments(serve.add_argument_group("retrieval backend"), building=False)
     _add_client_options(serve)
     _add_query_options(serve)
     _add_engine_options(serve)

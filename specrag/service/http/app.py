@@ -40,6 +40,7 @@ from specrag.service.http.documents import (
     DocumentCorpus,
     attach_corpus,
     delete_document,
+    documents_unavailable,
     get_document,
     post_documents,
     put_document,
@@ -107,6 +108,7 @@ def create_app(
     access: Access = _OPEN,
     *,
     corpus: DocumentCorpus | None = None,
+    documents_off: str | None = None,
     model_name: str = "specrag",
     metrics: ServiceMetrics | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -117,7 +119,9 @@ def create_app(
 
     ``access`` says who may come in and how many queries each may have in flight: beyond either
     bound the answer is 429 with Retry-After, never an unbounded queue. ``corpus``, a live corpus,
-    adds the document routes, which ``access.writer_tokens`` may change. ``header_timeout_s``
+    adds the document routes, which ``access.writer_tokens`` may change; without one,
+    ``documents_off`` says why they are off (every document route answers 501 saying it; None:
+    the routes are absent). ``header_timeout_s``
     bounds the wait for a request's headers (and an idle keep-alive connection),
     ``body_timeout_s`` the wait for its body.
     """
@@ -151,12 +155,15 @@ def create_app(
     app[STATE] = state
     if corpus is not None:
         attach_corpus(app, corpus, access.writer_tokens)
+    refuse = documents_unavailable(documents_off) if documents_off is not None else None
     for route in ROUTES:
-        if corpus is not None or not route.documents:
-            if route.method == "GET":  # and HEAD, as aiohttp's add_get does
-                app.router.add_get(route.path, route.handler)
-            else:
-                app.router.add_route(route.method, route.path, route.handler)
+        handler = route.handler if corpus is not None or not route.documents else refuse
+        if handler is None:
+            continue
+        if route.method == "GET":  # and HEAD, as aiohttp's add_get does
+            app.router.add_get(route.path, handler)
+        else:
+            app.router.add_route(route.method, route.path, handler)
     return app
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -39,7 +39,7 @@ from specrag.retrieval.corpus import Passage
 from specrag.service.http.auth import check_tokens, local_refusal, matching_token
 from specrag.service.http.bodies import check_fields
 from specrag.service.http.in_flight import STATE
-from specrag.service.http.wire import read_json_object
+from specrag.service.http.wire import ErrorInfo, read_json_object
 
 __all__ = [
     "CORPUS",
@@ -52,6 +52,7 @@ __all__ = [
     "attach_corpus",
     "delete_document",
     "documents_health",
+    "documents_unavailable",
     "get_document",
     "post_documents",
     "put_document",
@@ -253,3 +254,14 @@ def documents_health(app: web.Application) -> dict[str, Any]:
     if not writes.pending:
         writes.submit(corpus.catch_up)
     return {"documents": {"writes": "suspended", "reason": reason, "waiting": writes.pending}}
+
+
+def documents_unavailable(reason: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A handler for every document route of a service whose corpus cannot change through it
+    (a database table is written by its own writers): 501 saying ``reason``, not a bare 404 that
+    would leave a client guessing whether the path or the document is wrong."""
+
+    async def refuse(request: web.Request) -> web.Response:
+        return ErrorInfo(501, reason, "not_implemented_error", "documents_unavailable").response()
+
+    return refuse

@@ -212,6 +212,7 @@ def _application(
         controller,
         options.access,
         corpus=assets.corpus,
+        documents_off=assets.documents_off,
         metrics=metrics,
         model_name=served_model_name(assets.model_dir),
     )

@@ -13,6 +13,7 @@ said at WARNING, and one that lost passages is refused unless accepted
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from specrag.retrieval.index_store import (
 )
 from specrag.retrieval.vector_index import VectorIndex
 
-__all__ = ["Assets", "ensure_assets", "ensure_corpus", "ensure_index", "ensure_store"]
+__all__ = ["Assets", "ExternalIndex", "ensure_assets", "ensure_corpus", "ensure_index", "ensure_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,16 @@ class Assets:
     index: VectorIndex
     corpus: LiveCorpus | None = None
     """The documents changed since the build (``specrag documents``, ``/v1/documents``), replayed
-    onto ``store`` and ``index``; None for assets assembled without it (a test's)."""
+    onto ``store`` and ``index``; None for assets assembled without it (a test's, a table's)."""
+    documents_off: str | None = None
+    """Why the documents API is off when ``corpus`` is None (its routes answer 501 saying so)."""
+    release: Callable[[], None] | None = None
+    """What to let go of when the service stops (a database's connections); None: nothing."""
+
+    def close(self) -> None:
+        """Let go of what the index holds outside this process (idempotent enough: called once)."""
+        if self.release is not None:
+            self.release()
 
 
 def ensure_corpus(
@@ -177,18 +187,38 @@ def _describe(index: VectorIndex, what: str) -> None:
     logger.debug("%s: %s, %d rows × %d dims", what, index.searcher.settings, index.searcher.ntotal, index.dim)
 
 
+@dataclass(frozen=True)
+class ExternalIndex:
+    """An index that lives elsewhere (a database table): how to open it, and what to say about it.
+
+    ``open`` gives the index and its rows as passages (row i = passage i); ``name`` names the
+    directory of the data directory its document store is kept in (a cache of its rows, apart from
+    the local corpus's); ``documents_off`` why the documents API cannot change it.
+    """
+
+    open: Callable[[], tuple[VectorIndex, list[Passage]]]
+    name: str
+    documents_off: str
+    release: Callable[[VectorIndex], None]
+
+
 def ensure_assets(
     layout: DataLayout,
     model: str | Path | None = None,
     corpus_file: Path | None = None,
     accept_corpus_change: bool = False,
+    external: ExternalIndex | None = None,
 ) -> Assets:
     """Corpus, model, tokenizer, store and index, each built only if missing or stale.
 
     ``model`` is a model name (None: the default, SmolLM2-135M-Instruct) or a model directory
     (:func:`specrag.pipeline.models.catalog.resolve_model`). A corpus that lost passages since the
-    store and index were built is refused unless ``accept_corpus_change``.
+    store and index were built is refused unless ``accept_corpus_change``. With ``external`` the
+    index and the passages are its (``corpus_file`` is not read): only the model and the store are
+    built, and there is no live corpus.
     """
+    if external is not None:
+        return _external_assets(layout, model, external)
     passages = ensure_corpus(layout, corpus_file, accept_corpus_change)
     resolved_model = resolve_model(layout, model, (passage.text for passage in passages))
     tokenizer = Tokenizer(resolved_model)
@@ -205,4 +235,29 @@ def ensure_assets(
         store=corpus.store,
         index=index,
         corpus=corpus,
+    )
+
+
+def _external_assets(layout: DataLayout, model: str | Path | None, external: ExternalIndex) -> Assets:
+    """The assets over an index that lives elsewhere: its passages tokenized into a store of their
+    own (``DATA_DIR/external/NAME``), so that the local corpus's store is never rebuilt for it; a
+    table that lost rows since is its owner's doing, not a mistake to refuse."""
+    index, passages = external.open()
+    try:
+        resolved_model = resolve_model(layout, model, (passage.text for passage in passages))
+        tokenizer = Tokenizer(resolved_model)
+        own = DataLayout(layout.root / "external" / external.name)
+        store = ensure_store(own, passages, tokenizer, accept_corpus_change=True)
+    except BaseException:
+        external.release(index)
+        raise
+    logger.debug("assets ready: %d passages from %s, model %s", len(passages), external.name, resolved_model)
+    return Assets(
+        passages=passages,
+        model_dir=resolved_model,
+        tokenizer=tokenizer,
+        store=store,
+        index=index,
+        documents_off=external.documents_off,
+        release=lambda: external.release(index),
     )
