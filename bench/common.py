@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 
 from specrag.pipeline.models.catalog import MODEL_NAMES
-from specrag.pipeline.models.dtype import cpu_has_native_bf16
+from specrag.pipeline.models.dtype import Dtype, cpu_has_native_bf16, engine_dtypes, resolve_dtype
 from specrag.service.run.pinning import pin_engine_processes, pin_threads
 
 matplotlib.use("Agg")
@@ -70,25 +70,45 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def debian_version() -> str | None:
+    """``/etc/debian_version`` (e.g. ``12.11``), or None off Debian: the system libraries' age."""
+    try:
+        return Path("/etc/debian_version").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on, recorded next to them.
+    """What the numbers were measured on, recorded next to them (by :func:`write_json`).
 
     Whether the CPU has native bfloat16 matters as much as its core count: it decides the default
-    model's size and dtype, and vLLM's CPU speed differs by ~10x between such machines.
+    model's size and dtype, and vLLM's CPU speed differs by ~10x between such machines. Hence
+    ``dtype_auto`` (what a CPU engine started with ``auto`` computes in here: ``auto`` is the
+    model's own, bfloat16 for the default model) and ``engine_dtypes`` (what the engines this
+    process started did compute in, as vLLM resolved it; empty where none ran in-process).
     """
     return {
         "platform": platform.platform(),
+        "debian": debian_version(),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model(),
         "native_bf16": cpu_has_native_bf16(),
+        "dtype_auto": str(resolve_dtype(Dtype.AUTO, on_cpu=True)),
+        "engine_dtypes": engine_dtypes(),
     }
 
 
 def write_json(name: str, data: dict[str, Any]) -> Path:
-    """Write ``bench/out/<name>.json`` (pretty, stable key order) and return its path."""
+    """Write ``bench/out/<name>.json`` (pretty, stable key order) and return its path.
+
+    It sets ``data["machine"]`` to :func:`machine`, taken now, after the measurement: every
+    benchmark's figures then name the machine and the engine's dtype without code of its own,
+    and a benchmark cannot record the machine before its engine settled the dtype.
+    """
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path = OUT_DIR / f"{name}.json"
+    data = {**data, "machine": machine()}
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path
 

@@ -36,6 +36,7 @@ from specrag.pipeline.engines.vllm_stats import (
     scheduled_at,
     stat_logger_factory,
 )
+from specrag.pipeline.models.dtype import note_engine_dtype
 
 __all__ = [
     "ENGINE_STOP_TIMEOUT_S",
@@ -92,6 +93,7 @@ class VllmEngine(EngineBase):
         self._batched_token_budget = int(llm.vllm_config.scheduler_config.max_num_batched_tokens)
         self._stopping = asyncio.Event()
         self._document_kv = _document_kv_store(llm.vllm_config)
+        note_engine_dtype(llm.vllm_config.model_config.dtype)
         self._fills: set[str] = set()
         self._filling: set[str] = set()  # keys of segments being filled on first use
         self._fill_tasks: set[asyncio.Task[None]] = set()

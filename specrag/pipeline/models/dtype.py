@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from pathlib import Path
 
-__all__ = ["Dtype", "cpu_has_native_bf16", "resolve_dtype"]
+__all__ = ["Dtype", "cpu_has_native_bf16", "engine_dtypes", "note_engine_dtype", "resolve_dtype"]
 
 
 class Dtype(enum.StrEnum):
@@ -21,6 +21,11 @@ class Dtype(enum.StrEnum):
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
     FLOAT32 = "float32"
+
+
+# The dtypes the engines started in this process compute in, as vLLM resolved them: what a
+# benchmark's JSON records next to its figures (bench/common.py, machine()).
+_ENGINE_DTYPES: set[str] = set()
 
 
 # CPU flags (x86 /proc/cpuinfo "flags", aarch64 "Features") that mean bfloat16 matrix products run
@@ -51,3 +56,17 @@ def resolve_dtype(dtype: str, on_cpu: bool, cpuinfo: str | None = None) -> str:
     if dtype == Dtype.AUTO and on_cpu and not cpu_has_native_bf16(cpuinfo):
         return Dtype.FLOAT32
     return dtype
+
+
+def note_engine_dtype(dtype: object) -> None:
+    """Record that an engine of this process computes in ``dtype`` (a ``torch.dtype`` or its name).
+
+    The dtype decides vLLM's CPU speed (~10x between bfloat16 emulated and float32), so figures
+    measured without it cannot be compared; the engine notes the one vLLM settled on.
+    """
+    _ENGINE_DTYPES.add(str(dtype).removeprefix("torch."))
+
+
+def engine_dtypes() -> list[str]:
+    """The dtypes noted by :func:`note_engine_dtype` in this process, sorted (empty: no engine ran)."""
+    return sorted(_ENGINE_DTYPES)

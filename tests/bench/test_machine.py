@@ -1,0 +1,62 @@
+"""Every benchmark's JSON names the machine it was measured on, and the dtype its engine used."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import bench.common as common
+from specrag.pipeline.models import dtype
+
+# /proc/cpuinfo of a CPU with AVX2 but no native bfloat16 (the issue 49 machine).
+AVX2_ONLY = "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n"
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(common, "OUT_DIR", tmp_path)
+    monkeypatch.setattr(dtype, "_ENGINE_DTYPES", set())
+    return tmp_path
+
+
+def test_the_written_json_names_the_machine_and_the_engines_dtype(out_dir: Path) -> None:
+    dtype.note_engine_dtype("torch.float32")  # as VllmEngine notes vLLM's model_config.dtype
+    path = common.write_json("anything", {"figures": [1, 2]})
+
+    written = json.loads(path.read_text())
+    assert written["figures"] == [1, 2]
+    machine = written["machine"]
+    assert machine["cpu_model"] == common.cpu_model()
+    assert machine["cpus"] >= 1
+    assert isinstance(machine["native_bf16"], bool)
+    assert machine["engine_dtypes"] == ["float32"]
+    assert machine["dtype_auto"] in {"auto", "float32"}
+    assert "debian" in machine
+
+
+def test_a_cpu_without_native_bf16_is_said_and_auto_means_float32(
+    out_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    detect = dtype.cpu_has_native_bf16
+
+    def without(cpuinfo: str | None = None) -> bool:
+        return detect(AVX2_ONLY)
+
+    monkeypatch.setattr(dtype, "cpu_has_native_bf16", without)
+    monkeypatch.setattr(common, "cpu_has_native_bf16", without)
+
+    machine = json.loads(common.write_json("x", {}).read_text())["machine"]
+    assert machine["native_bf16"] is False
+    assert machine["dtype_auto"] == "float32"
+    assert machine["engine_dtypes"] == []  # no engine ran in this process
+
+
+def test_a_benchmarks_own_machine_record_is_replaced_by_the_one_taken_at_writing(out_dir: Path) -> None:
+    """A benchmark that recorded machine() before its engine started would miss the dtype."""
+    early = common.machine()
+    dtype.note_engine_dtype("bfloat16")
+    written = json.loads(common.write_json("x", {"machine": early}).read_text())
+    assert early["engine_dtypes"] == []
+    assert written["machine"]["engine_dtypes"] == ["bfloat16"]
