@@ -13,6 +13,7 @@ from specrag.pipeline.engines.config import EngineConfig
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.models.gguf import convert_gguf
 from specrag.pipeline.models.random_model import make_random_model
+from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.retrieval.corpus import Passage, build_default_corpus
 from specrag.service.run.assets import Assets, ensure_assets
 from tests.helpers.models import TINY_MODEL_SPEC, write_llama_gguf
@@ -71,6 +72,6 @@ async def vllm_engine(tiny_engine_config: EngineConfig) -> AsyncIterator[VllmEng
 def tiny_assets(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Assets:
     """Default corpus, store and index, with the tiny model's tokenizer (built once per session)."""
     assets = ensure_assets(DataLayout(tmp_path_factory.mktemp("data")), model=tiny_model_dir)
-    assert assets.corpus is not None
+    assert isinstance(assets.corpus, LiveCorpus)
     assets.corpus.store.stop_writing()  # a test's `specrag serve` writes its log, not the session
     return assets

@@ -32,7 +32,8 @@ from specrag.retrieval.pgvector.config import (
 )
 from specrag.retrieval.pgvector.database import Database
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher
-from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
+from specrag.retrieval.pgvector.table import inspect_table, load_table, read_rows
+from specrag.retrieval.pgvector.writes import VERSION_COLUMN, add_version_column
 from specrag.retrieval.progress import embed_in_batches
 from specrag.retrieval.stages import DEFAULT_STAGES
 from specrag.retrieval.text import normalize_text
@@ -42,10 +43,10 @@ __all__ = ["DOCUMENTS_OFF", "build_table", "close_index", "open_index", "setting
 
 logger = logging.getLogger(__name__)
 
-# Why the documents API is off on this backend (its routes answer 501 saying so).
+# Why the documents API is off when the service may not write the table (its routes answer 501).
 DOCUMENTS_OFF = (
-    "the documents API does not write to a pgvector table yet: change the table's rows with your "
-    "own writer and restart the service (it reads the rows at start)"
+    "the documents API cannot write to this pgvector table: change the table's rows with your own "
+    "writer and restart the service (it reads the rows at start)"
 )
 
 
@@ -113,7 +114,9 @@ def open_index(
     database = Database(settings)
     try:
         layout = inspect_table(database, None, args.pg_metric)
-        passages = read_passages(database)
+        documents_off = add_version_column(database)
+        version_column = None if documents_off is not None else VERSION_COLUMN
+        passages, versions = read_rows(database, version_column)
         texts = _texts(passages)
         if embedder is None:
             from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
@@ -130,7 +133,10 @@ def open_index(
             [passage.id for passage in passages],
             probes=getattr(args, "nprobe", None),
             mode=getattr(args, "pg_stage_mode", StageMode.PARALLEL),
+            versions=versions,
+            version_column=version_column,
         )
+        searcher.documents_off = documents_off
     except BaseException:
         database.close()
         raise

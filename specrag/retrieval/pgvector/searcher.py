@@ -38,6 +38,7 @@ import psycopg
 from psycopg import sql
 
 from specrag.errors import InvalidInputError
+from specrag.retrieval.live_index import Visibility
 from specrag.retrieval.pgvector.config import METRICS, StageMode
 from specrag.retrieval.pgvector.database import Database, DatabaseUnavailableError
 from specrag.retrieval.pgvector.table import TableLayout
@@ -94,7 +95,13 @@ def _snapshot(
 
 class PgVectorSearcher:
     """A :class:`~specrag.retrieval.stages.StagedSearcher` over a pgvector table; row ``i`` is the
-    ``i``-th of ``row_ids`` (the table's ids as text, read once at start)."""
+    ``i``-th of ``row_ids`` (the table's ids as text, read once at start) at ``versions[i]``.
+
+    A row is named by its id and version (``version_column``; None: every row is version 1), so
+    that a version the documents API writes gets a row of its own (:meth:`map_rows`), and a
+    search whose snapshot still holds the version before finds the row that names it. A key
+    found in the table that names no row (another writer's) is skipped.
+    """
 
     kind = "pgvector"
     owner: Any = None  # nothing to save: the table is the index
@@ -106,6 +113,8 @@ class PgVectorSearcher:
         row_ids: Sequence[str],
         probes: int | None = None,
         mode: StageMode | str = StageMode.PARALLEL,
+        versions: Sequence[int] | None = None,
+        version_column: str | None = None,
     ) -> None:
         self.database = database
         self.layout = layout
@@ -113,12 +122,21 @@ class PgVectorSearcher:
         self.probes = min(layout.lists, default_nprobe(layout.lists) if probes is None else probes)
         if self.probes < 1:
             raise InvalidInputError(f"--nprobe must be at least 1, got {self.probes}")
-        self._row_of = {row_id: row for row, row_id in enumerate(row_ids)}
+        held = [1] * len(row_ids) if versions is None else list(versions)
+        if len(held) != len(row_ids):
+            raise InvalidInputError(f"{len(row_ids)} row ids and {len(held)} versions")
+        self._row_of = {key: row for row, key in enumerate(zip(row_ids, held, strict=True))}
         self._ntotal = len(row_ids)
+        self.version_column = version_column
+        #: Why the documents API may not write this table (None: it may), set by whoever opened it.
+        self.documents_off: str | None = None
+        if version_column is None:
+            self.documents_off = "the table has no version column"
         columns, operator = database.settings.columns, METRICS[layout.metric][1]
         self._query = sql.SQL(
-            "SELECT {id}::text, {emb} {op} %(q)s FROM {table} ORDER BY {emb} {op} %(q)s LIMIT %(k)s"
+            "SELECT {id}::text, {ver}, {emb} {op} %(q)s FROM {table} ORDER BY {emb} {op} %(q)s LIMIT %(k)s"
         ).format(
+            ver=sql.SQL("1") if version_column is None else sql.Identifier(version_column),
             id=sql.Identifier(columns.id),
             emb=sql.Identifier(columns.embedding),
             op=sql.SQL(operator),
@@ -137,6 +155,44 @@ class PgVectorSearcher:
     @property
     def ntotal(self) -> int:
         return self._ntotal
+
+    @property
+    def next_row(self) -> int:
+        """The row the next :meth:`map_rows` must start at (a :class:`Growable`'s)."""
+        return self._ntotal
+
+    def keys(self) -> list[tuple[str, int]]:
+        """Each row's (id, version), in row order; a row whose key was re-mapped names its last."""
+        keys: list[tuple[str, int] | None] = [None] * self._ntotal
+        for key, row in self._row_of.items():
+            keys[row] = key
+        return [key for key in keys if key is not None]
+
+    def map_rows(self, keys: Sequence[tuple[str, int]], first_row: int) -> None:
+        """Name rows ``first_row``, ``first_row + 1``, ... by the table's (id, version) ``keys``:
+        versions committed to the table (by :class:`~specrag.retrieval.pgvector.writes.TableWriter`)
+        that searches should find as these rows. The rows of the versions before stay mapped, for
+        searches whose snapshot still holds them (the index hides them from newer ones)."""
+        if first_row != self._ntotal:
+            raise InvalidInputError(f"rows are mapped from row {self._ntotal}, not {first_row}")
+        for offset, key in enumerate(keys):
+            self._row_of[(str(key[0]), int(key[1]))] = first_row + offset
+        self._ntotal = first_row + len(keys)
+
+    def add(self, vectors: np.ndarray, first_row: int) -> None:
+        """Refused: a table holds its own vectors, and its rows are named by :meth:`map_rows`
+        once committed, which the caller does before the index asks for them."""
+        raise InvalidInputError(
+            f"rows {first_row}.. of a pgvector index are mapped to committed table rows (map_rows), "
+            "not added as vectors"
+        )
+
+    def compacted(self, keep: np.ndarray) -> PgVectorSearcher:
+        """Itself: the table holds only the current versions, there is nothing to drop."""
+        return self
+
+    def stored_vectors(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise InvalidInputError("a pgvector table's vectors are not read back into the service")
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -163,9 +219,16 @@ class PgVectorSearcher:
         return -raw * raw
 
     def _run(
-        self, connection: psycopg.Connection, matrix: np.ndarray, k: int, probes: int
+        self,
+        connection: psycopg.Connection,
+        matrix: np.ndarray,
+        k: int,
+        probes: int,
+        visibility: Visibility | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, rows) of every query at ``probes``, inside the caller's transaction."""
+        """(scores, rows) of every query at ``probes``, inside the caller's transaction; rows
+        ``visibility`` hides are skipped (a version replaced since the search began)."""
+        shown = None if visibility is None else visibility.row_to_passage
         ids = np.full((len(matrix), k), -1, dtype=np.int64)
         scores = np.full((len(matrix), k), _PAD_SCORE, dtype=np.float32)
         # One round trip for the setting and every query: a pipeline sends them all at once.
@@ -174,38 +237,48 @@ class PgVectorSearcher:
             cursors = [connection.execute(self._query, {"q": vector, "k": k}) for vector in matrix]
         for position, cursor in enumerate(cursors):
             slot = 0
-            for row_id, raw in cursor.fetchall():
-                row = self._row_of.get(row_id)
-                if row is None:  # added by another writer since the ids were read
+            for row_id, version, raw in cursor.fetchall():
+                row = self._row_of.get((row_id, int(version)))
+                if row is None:  # written by another writer since the ids were read
+                    continue
+                if shown is not None and (row >= len(shown) - 1 or shown[row] < 0):
                     continue
                 ids[position, slot], scores[position, slot] = row, self._score(float(raw))
                 slot += 1
         return scores, ids
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, queries: np.ndarray, k: int, visibility: Visibility | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """One query per row at the final probes: (scores, rows), shape (n, k)."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
         with self.database.connection() as connection, _snapshot(connection):
-            return self._run(connection, matrix, k, self.probes)
+            return self._run(connection, matrix, k, self.probes, visibility)
 
-    def stages(self, queries: np.ndarray, k: int, plan: StagePlan) -> Iterator[StageResult]:
+    def stages(
+        self, queries: np.ndarray, k: int, plan: StagePlan, visibility: Visibility | None = None
+    ) -> Iterator[StageResult]:
         """The running top-k at each stage's probes (:func:`stage_probes`), the last one the one-shot."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
         probes = stage_probes(plan, self.probes)
         if self.mode is StageMode.SEQUENTIAL or len(probes) == 1:
-            return self._sequential(matrix, k, probes)
-        return self._parallel(matrix, k, probes)
+            return self._sequential(matrix, k, probes, visibility)
+        return self._parallel(matrix, k, probes, visibility)
 
-    def _sequential(self, matrix: np.ndarray, k: int, probes: list[int]) -> Iterator[StageResult]:
+    def _sequential(
+        self, matrix: np.ndarray, k: int, probes: list[int], visibility: Visibility | None
+    ) -> Iterator[StageResult]:
         started = time.perf_counter()
         with self.database.connection() as connection, _snapshot(connection):
             for number, count in enumerate(probes, start=1):
-                scores, ids = self._run(connection, matrix, k, count)
+                scores, ids = self._run(connection, matrix, k, count, visibility)
                 now = time.perf_counter()
                 yield StageResult(number, ids, scores, number == len(probes), now - started)
                 started = now
 
-    def _parallel(self, matrix: np.ndarray, k: int, probes: list[int]) -> Iterator[StageResult]:
+    def _parallel(
+        self, matrix: np.ndarray, k: int, probes: list[int], visibility: Visibility | None
+    ) -> Iterator[StageResult]:
         started = time.perf_counter()
         results: queue.SimpleQueue[tuple[int, tuple[np.ndarray, np.ndarray]] | BaseException] = (
             queue.SimpleQueue()
@@ -228,7 +301,7 @@ class PgVectorSearcher:
                     for number, count in enumerate(probes[:-1]):
                         if stop.is_set():
                             break
-                        results.put((number, self._run(connection, matrix, k, count)))
+                        results.put((number, self._run(connection, matrix, k, count, visibility)))
                     imported.wait(wait_s)  # the snapshot lives while this transaction does
             except BaseException as error:
                 if not snapshot.done():
@@ -240,7 +313,7 @@ class PgVectorSearcher:
                 exported = snapshot.result(wait_s)
                 with self.database.connection() as connection, _snapshot(connection, exported):
                     imported.set()
-                    results.put((final, self._run(connection, matrix, k, probes[final])))
+                    results.put((final, self._run(connection, matrix, k, probes[final], visibility)))
             except BaseException as error:
                 results.put(error)
             finally:

@@ -22,9 +22,10 @@ from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.pgvector.config import METRICS, PgSettings
 from specrag.retrieval.pgvector.database import Database, connect_once
+from specrag.retrieval.pgvector.writes import VERSION_COLUMN
 from specrag.retrieval.staged_ivf import DEFAULT_NLIST, choose_nlist
 
-__all__ = ["TableLayout", "inspect_table", "load_table", "read_passages"]
+__all__ = ["TableLayout", "inspect_table", "load_table", "read_passages", "read_rows"]
 
 _COPY_CHUNK = 2000
 
@@ -70,7 +71,8 @@ def load_table(
             connection.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
         connection.execute(
             sql.SQL(
-                "CREATE TABLE {} ({} text PRIMARY KEY, {} text NOT NULL, {} text NOT NULL, {} vector({}))"
+                "CREATE TABLE {} ({} text PRIMARY KEY, {} text NOT NULL, {} text NOT NULL, {} vector({}), "
+                "{} bigint NOT NULL DEFAULT 1)"
             ).format(
                 table,
                 sql.Identifier(columns.id),
@@ -78,6 +80,7 @@ def load_table(
                 sql.Identifier(columns.text),
                 sql.Identifier(columns.embedding),
                 sql.Literal(dim),
+                sql.Identifier(VERSION_COLUMN),
             )
         )
         copy_sql = sql.SQL("COPY {} ({}, {}, {}, {}) FROM STDIN WITH (FORMAT BINARY)").format(
@@ -186,14 +189,21 @@ def inspect_table(
 def read_passages(database: Database) -> list[Passage]:
     """Every row's id, title and text, in the order that numbers the rows for the searcher (ids
     sorted bytewise), so row i of a search is ``passages[i]``."""
+    return read_rows(database)[0]
+
+
+def read_rows(database: Database, version_column: str | None = None) -> tuple[list[Passage], list[int]]:
+    """:func:`read_passages` and each row's version (``version_column``; None: 1 each), read
+    together in one statement, so a row's text and version are of one version."""
     settings = database.settings
     columns = settings.columns
     query = sql.SQL(
-        "SELECT {}::text, coalesce({}::text, ''), {}::text FROM {} ORDER BY {}::text COLLATE \"C\""
+        "SELECT {}::text, coalesce({}::text, ''), {}::text, {} FROM {} ORDER BY {}::text COLLATE \"C\""
     ).format(
         sql.Identifier(columns.id),
         sql.Identifier(columns.title),
         sql.Identifier(columns.text),
+        sql.SQL("1") if version_column is None else sql.Identifier(version_column),
         _table(settings),
         sql.Identifier(columns.id),
     )
@@ -206,4 +216,4 @@ def read_passages(database: Database) -> list[Passage]:
     if not rows:
         raise InvalidInputError(f"{settings.table} has no rows")
     passages = [Passage(id=row[0], title=row[1], text=row[2] or "") for row in rows]
-    return passages
+    return passages, [int(row[3]) for row in rows]

@@ -66,6 +66,7 @@ def external_index(args: argparse.Namespace) -> ExternalIndex | None:
         return None
     if args.corpus:
         raise InvalidInputError("--corpus: with --backend pgvector the table's rows are the corpus")
+    from specrag.pipeline.store.table_corpus import open_table_corpus
     from specrag.retrieval.commands import brought_embedder
     from specrag.retrieval.pgvector.assembly import (
         DOCUMENTS_OFF,
@@ -81,6 +82,7 @@ def external_index(args: argparse.Namespace) -> ExternalIndex | None:
         name=store_name(settings_from(args)),
         documents_off=DOCUMENTS_OFF,
         release=close_index,
+        documents=open_table_corpus,
     )
 
 

@@ -136,7 +136,7 @@ def documents_command(args: argparse.Namespace) -> int:
         asyncio.run(_online(args, documents))
         return 0
     assets = ensure_assets(DataLayout(resolve_data_dir(args.data_dir)), args.model)
-    assert assets.corpus is not None
+    assert isinstance(assets.corpus, LiveCorpus)  # the data directory's own corpus: never a table
     # As a default `serve` would limit them; the engine's block padding is not known offline.
     builder = PromptBuilder(assets.tokenizer, assets.store)
     assets.corpus.segment_token_limit = builder.document_token_limit(

@@ -16,10 +16,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from specrag.errors import ArtifactError
+from specrag.errors import ArtifactError, InvalidInputError
 from specrag.locking import writer_lock
 from specrag.paths import DataLayout
 from specrag.pipeline.models.catalog import resolve_model
@@ -45,6 +46,10 @@ from specrag.retrieval.index_store import (
 )
 from specrag.retrieval.vector_index import VectorIndex
 
+if TYPE_CHECKING:  # the database's modules are imported only with --backend pgvector
+    from specrag.pipeline.store.document_store import TokenizeBatch
+    from specrag.pipeline.store.table_corpus import TableCorpus
+
 __all__ = ["Assets", "ExternalIndex", "ensure_assets", "ensure_corpus", "ensure_index", "ensure_store"]
 
 logger = logging.getLogger(__name__)
@@ -59,9 +64,10 @@ class Assets:
     tokenizer: Tokenizer
     store: DocumentStore
     index: VectorIndex
-    corpus: LiveCorpus | None = None
+    corpus: LiveCorpus | TableCorpus | None = None
     """The documents changed since the build (``specrag documents``, ``/v1/documents``), replayed
-    onto ``store`` and ``index``; None for assets assembled without it (a test's, a table's)."""
+    onto ``store`` and ``index``, or a table's documents API written through to it; None for assets
+    assembled without it (a test's, a table this user may not write)."""
     documents_off: str | None = None
     """Why the documents API is off when ``corpus`` is None (its routes answer 501 saying so)."""
     release: Callable[[], None] | None = None
@@ -193,13 +199,16 @@ class ExternalIndex:
 
     ``open`` gives the index and its rows as passages (row i = passage i); ``name`` names the
     directory of the data directory its document store is kept in (a cache of its rows, apart from
-    the local corpus's); ``documents_off`` why the documents API cannot change it.
+    the local corpus's); ``documents`` the documents API's corpus over the index and that store
+    (its own store replaces it), or InvalidInputError saying why the API cannot change it, which
+    ``documents_off`` begins.
     """
 
     open: Callable[[], tuple[VectorIndex, list[Passage]]]
     name: str
     documents_off: str
     release: Callable[[VectorIndex], None]
+    documents: Callable[[VectorIndex, DocumentStore, TokenizeBatch], TableCorpus] | None = None
 
 
 def ensure_assets(
@@ -247,7 +256,16 @@ def _external_assets(layout: DataLayout, model: str | Path | None, external: Ext
         resolved_model = resolve_model(layout, model, (passage.text for passage in passages))
         tokenizer = Tokenizer(resolved_model)
         own = DataLayout(layout.root / "external" / external.name)
-        store = ensure_store(own, passages, tokenizer, accept_corpus_change=True)
+        store: DocumentStore = ensure_store(own, passages, tokenizer, accept_corpus_change=True)
+        corpus: TableCorpus | None = None
+        documents_off: str | None = external.documents_off
+        if external.documents is not None:
+            try:
+                corpus = external.documents(index, store, tokenizer.encode_batch)
+                store, documents_off = corpus.store, None
+            except InvalidInputError as reason:
+                documents_off = f"{external.documents_off} ({reason})"
+                logger.warning("the documents API is off: %s", documents_off)
     except BaseException:
         external.release(index)
         raise
@@ -258,6 +276,7 @@ def _external_assets(layout: DataLayout, model: str | Path | None, external: Ext
         tokenizer=tokenizer,
         store=store,
         index=index,
-        documents_off=external.documents_off,
+        corpus=corpus,
+        documents_off=documents_off,
         release=lambda: external.release(index),
     )

@@ -1,5 +1,5 @@
 """``serve --backend pgvector`` as the service assembles it, on a real server and the simulated
-engine: passages come from the table, the documents API says why it is off, the database killed
+engine: passages come from the table, the documents API writes to it, the database killed
 under the service is a bounded 503 with Retry-After, and it recovers by itself."""
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ async def test_serve_pgvector_answers_from_the_table_and_survives_a_restart(
 ) -> None:
     passages = table_passages(default_corpus)
     assets = pgvector_assets(server, tmp_path, tiny_model_dir, passages)
-    assert assets.corpus is None and assets.index.searcher.kind == "pgvector"
+    assert assets.corpus is not None and assets.index.searcher.kind == "pgvector"
     engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
     controller = make_controller(engine, assets, first_token_timeout_s=10.0)
     query = {"query": passages[7].text[:80], "k": 4, "max_tokens": 2, "mode": "speculation"}
     try:
         async with (
-            running(controller, documents_off=assets.documents_off) as url,
+            running(controller, corpus=assets.corpus, documents_off=assets.documents_off) as url,
             aiohttp.ClientSession() as http,
         ):
             async with http.post(f"{url}/v1/rag", json=query) as response:
@@ -76,10 +76,14 @@ async def test_serve_pgvector_answers_from_the_table_and_survives_a_restart(
             titles = {passage.id: passage.title for passage in passages}
             assert body["documents"] and all(titles[doc].startswith("[table]") for doc in body["documents"])
 
-            async with http.put(f"{url}/v1/documents/x", json={"title": "t", "text": "x"}) as response:
-                refused = await response.json()
-                assert response.status == 501
-            assert "pgvector" in refused["error"]["message"]
+            # The documents API writes through to the table; a query that starts after the
+            # answer finds the new document.
+            document = {"title": "Quokka", "text": "The quokka plays a driftwood xylophone on Rottnest."}
+            async with http.put(f"{url}/v1/documents/quokka", json=document) as response:
+                assert response.status == 201, await response.text()
+            found = {**query, "query": document["text"]}
+            async with http.post(f"{url}/v1/rag", json=found) as response:
+                assert "quokka" in (await response.json())["documents"]
 
             server.kill()
             started = time.monotonic()

@@ -1,0 +1,311 @@
+"""The documents API over a corpus whose durable record is a PostgreSQL table (``--backend pgvector``).
+
+The live corpus (:mod:`~specrag.pipeline.store.live_corpus`) logs a change to its own SQLite log
+before it is answered; here the table is the record, so a change is written to the table in one
+transaction (:class:`~specrag.retrieval.pgvector.writes.TableWriter`) and answered only after its
+COMMIT, and there is no second log to keep in step with it. What stays the same is the rule that
+keeps every cached form right: a new version gets a new row, and a row names one version of one
+document for as long as the process serves. The new row's prompt segment is tokenized with its own
+row label (so the knowledge tree and the document-KV store, keyed by row and by tokens, never take
+one version for another); the searcher names the row by the table's (id, version)
+(:meth:`~specrag.retrieval.pgvector.searcher.PgVectorSearcher.map_rows`), so a search whose snapshot
+was taken before the COMMIT still finds the version it read, and the index hides the replaced row
+from every search that starts after (:meth:`~specrag.retrieval.vector_index.VectorIndex.apply_prepared`,
+the lexical channel with it).
+
+The live store cannot hold these rows as they are: it is its log (the writer's lock, the commit and
+the replay at start are the log's), and a table's rows are read from the table at each start, so
+the rows written since start live in memory only (:class:`TableRows`), over the store built from
+the rows read at start; a replaced version stays readable for
+:data:`~specrag.pipeline.store.live_store.RETIRED_GRACE_S` for a query that read it, as in the live
+store. A search that takes its snapshot in the instant between a COMMIT and the index's swap may
+miss the document it changed (neither version), never show two versions of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specrag.errors import (
+    ArtifactError,
+    InvalidInputError,
+    NotFoundError,
+    TooLargeError,
+    WritesSuspendedError,
+)
+from specrag.pipeline.store.document_store import DocumentStore, TokenizeBatch, render_segment
+from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, Document, Written
+from specrag.pipeline.store.live_store import BASE_VERSION, RETIRED_GRACE_S, Version
+from specrag.retrieval.corpus import Passage
+from specrag.retrieval.pgvector.searcher import PgVectorSearcher
+from specrag.retrieval.pgvector.writes import RowWrite, TableWriter
+from specrag.retrieval.text import normalize_text
+from specrag.retrieval.vector_index import PreparedChanges, VectorIndex
+
+__all__ = ["TableCorpus", "TableRows", "open_table_corpus"]
+
+logger = logging.getLogger(__name__)
+
+
+class TableRows(DocumentStore):
+    """The rows read from the table at start (a built store) and the versions written since (in
+    memory), read as one store; ``keys`` are the start rows' (id, version), in row order."""
+
+    def __init__(
+        self, path: Path, keys: Sequence[tuple[str, int]], retired_grace_s: float = RETIRED_GRACE_S
+    ) -> None:
+        super().__init__(path)
+        if len(keys) != self.info.passages:
+            raise ArtifactError(f"the store {path} has {self.info.passages} rows, the table {len(keys)}")
+        self._base_rows = self.info.passages
+        self._grace_s = retired_grace_s
+        self._current = {passage_id: Version(row, version) for row, (passage_id, version) in enumerate(keys)}
+        self._rows: dict[int, tuple[Passage, tuple[int, ...]]] = {}
+        self._next_row = self._base_rows
+        self._retired: deque[tuple[float, int]] = deque()
+        self._memory_lock = threading.Lock()
+
+    @property
+    def next_row(self) -> int:
+        return self._next_row
+
+    def version_of(self, passage_id: str) -> Version | None:
+        """Where ``passage_id`` stands (row None once deleted), None when this process never saw it."""
+        return self._current.get(passage_id)
+
+    def install(
+        self,
+        first_row: int,
+        rows: Sequence[tuple[Passage, tuple[int, ...]]],
+        current: Sequence[tuple[str, Version]],
+        retired: Sequence[int],
+    ) -> None:
+        """Take a committed change: new rows from ``first_row`` (skipped when held already), where
+        each id stands now, and the rows it retired (dropped after the grace period)."""
+        with self._memory_lock:
+            if self._next_row == first_row:
+                for offset, entry in enumerate(rows):
+                    self._rows[first_row + offset] = entry
+                self._next_row = first_row + len(rows)
+            elif self._next_row != first_row + len(rows):
+                raise ArtifactError(
+                    f"the store holds rows up to {self._next_row}, the change adds from {first_row}"
+                )
+            self._current.update(current)
+            now = time.monotonic()
+            self._retired.extend((now, row) for row in retired)
+        self.drop_retired()
+
+    def drop_retired(self, now: float | None = None) -> int:
+        """Drop the rows retired over the grace period ago from memory; returns how many."""
+        now = time.monotonic() if now is None else now
+        dropped = 0
+        with self._memory_lock:
+            while self._retired and now - self._retired[0][0] >= self._grace_s:
+                _, row = self._retired.popleft()
+                dropped += self._rows.pop(row, None) is not None
+        return dropped
+
+    def __len__(self) -> int:
+        return self._next_row
+
+    def _check_row(self, row: int) -> None:
+        if row not in self._rows and not 0 <= row < self._base_rows:
+            raise InvalidInputError(f"passage row {row} out of range [0, {self._next_row}) or retired")
+
+    def tokens(self, row: int) -> tuple[int, ...]:  # type: ignore[override]  # the base's is cached
+        live = self._rows.get(row)
+        return live[1] if live is not None else super().tokens(row)
+
+    def passage(self, row: int) -> Passage:
+        live = self._rows.get(row)
+        return live[0] if live is not None else super().passage(row)
+
+    def row_of(self, passage_id: str) -> int:
+        """The row of ``passage_id``'s current version; NotFoundError once deleted or unknown."""
+        found = self._current.get(passage_id)
+        if found is None or found.row is None:
+            raise NotFoundError(f"unknown document id {passage_id!r}")
+        return found.row
+
+
+@dataclass(frozen=True)
+class _Change:
+    """A change committed to the table, to be shown: what each layer in memory takes of it."""
+
+    prepared: PreparedChanges
+    keys: tuple[tuple[str, int], ...]
+    rows: tuple[tuple[Passage, tuple[int, ...]], ...]
+    current: tuple[tuple[str, Version], ...]
+
+
+def _indexed_text(passage: Passage) -> str:
+    """What both channels index of a passage (as the table's index was built)."""
+    return normalize_text(f"{passage.title}\n{passage.text}")
+
+
+class TableCorpus:
+    """Adds, replaces and deletes documents of a served pgvector table (the documents API's
+    :class:`~specrag.service.http.documents.DocumentCorpus`)."""
+
+    def __init__(
+        self, store: TableRows, index: VectorIndex, writer: TableWriter, tokenize_batch: TokenizeBatch
+    ) -> None:
+        if not isinstance(index.searcher, PgVectorSearcher):
+            raise InvalidInputError("a table corpus serves a pgvector index")
+        if index.embedder is None:
+            raise InvalidInputError("a table corpus embeds its documents: the index needs its embedder")
+        if len(store) != index.searcher.next_row:
+            raise ArtifactError(f"the store has {len(store)} rows and the table {index.searcher.next_row}")
+        self.store = store
+        self.index = index
+        self.searcher: PgVectorSearcher = index.searcher
+        self.writer = writer
+        self._tokenize_batch = tokenize_batch
+        self._lock = threading.Lock()
+        self._pending: list[_Change] = []  # committed, not shown yet (showing failed), in order
+        self._suspended: str | None = None
+        #: The most tokens a document's prompt segment may have (None: no limit), as the live corpus's.
+        self.segment_token_limit: int | None = None
+
+    def get(self, passage_id: str) -> Document:
+        current = self.store.version_of(passage_id)
+        if current is None or current.row is None:
+            raise NotFoundError(f"unknown document id {passage_id!r}")
+        passage = self.store.passage(current.row)
+        return Document(passage.id, passage.title, passage.text, current.version)
+
+    @property
+    def suspended(self) -> str | None:
+        """Why the corpus takes no writes now (a committed change it could not show yet), or None."""
+        return self._suspended
+
+    def catch_up(self) -> bool:
+        with self._lock:
+            return self._catch_up()
+
+    def put(self, passages: Sequence[Passage]) -> list[Written]:
+        """Write each of ``passages`` (ids distinct) to the table in one transaction; every search
+        that starts after this returns finds the new versions."""
+        if not passages:
+            raise InvalidInputError("no documents given")
+        if len(passages) > MAX_BATCH_DOCUMENTS:
+            raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {len(passages)}")
+        if len({passage.id for passage in passages}) < len(passages):
+            raise InvalidInputError("a request names each document id once")
+        embedder = self.index.embedder
+        assert embedder is not None
+        texts = [_indexed_text(passage) for passage in passages]
+        vectors = np.asarray(embedder.embed(texts), dtype=np.float32)
+        with self._lock:
+            self._take_writes()
+            first = self.store.next_row
+            template = self.store.info.segment_template
+            tokens = self._tokenize_batch(
+                [render_segment(first + at, passage, template) for at, passage in enumerate(passages)]
+            )
+            self._check_lengths(passages, tokens)
+            writes, retired, written, keys, current = [], [], [], [], []
+            for passage, vector in zip(passages, vectors, strict=True):
+                before = self.store.version_of(passage.id)
+                version = BASE_VERSION if before is None else before.version + 1
+                held = None if before is None or before.row is None else before.version
+                if before is not None and before.row is not None:
+                    retired.append(before.row)
+                writes.append(RowWrite(passage, vector, version, held))
+                written.append(Written(passage.id, version, held is None))
+                keys.append((passage.id, version))
+                current.append((passage.id, Version(first + len(keys) - 1, version)))
+            prepared = self.index.prepare_changes([p.id for p in passages], vectors, texts, retired)
+            if prepared.first_row != first:
+                raise ArtifactError(f"the index shows {prepared.first_row} rows, the store {first}")
+            self.writer.write(writes)  # committed from here on: the table is the record
+            rows = tuple((p, tuple(t)) for p, t in zip(passages, tokens, strict=True))
+            if not self._shown(_Change(prepared, tuple(keys), rows, tuple(current))):
+                return [Written(w.id, w.version, w.created, visible=False) for w in written]
+        return written
+
+    def delete(self, passage_ids: Sequence[str]) -> bool:
+        """Delete each of ``passage_ids`` from the table in one transaction; NotFoundError (and
+        nothing deleted) if one is unknown. Returns whether searches see the deletion yet."""
+        if not passage_ids:
+            raise InvalidInputError("no document ids given")
+        if len(passage_ids) > MAX_BATCH_DOCUMENTS:
+            raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {len(passage_ids)}")
+        with self._lock:
+            self._take_writes()
+            deleted, retired, current = [], [], []
+            for passage_id in dict.fromkeys(passage_ids):
+                before = self.store.version_of(passage_id)
+                if before is None or before.row is None:
+                    raise NotFoundError(f"unknown document id {passage_id!r}")
+                retired.append(before.row)
+                deleted.append((passage_id, before.version))
+                # The next version of the id is counted on from here, never given twice.
+                current.append((passage_id, Version(None, before.version + 1)))
+            prepared = self.index.prepare_changes([], np.zeros((0, self.index.dim), np.float32), [], retired)
+            self.writer.write([], deleted)
+            return self._shown(_Change(prepared, (), (), tuple(current)))
+
+    def _check_lengths(self, passages: Sequence[Passage], tokens: Sequence[Sequence[int]]) -> None:
+        limit = self.segment_token_limit
+        if limit is None:
+            return
+        for passage, token_ids in zip(passages, tokens, strict=True):
+            if len(token_ids) > limit:
+                raise TooLargeError(
+                    f"document {passage.id!r} is {len(token_ids)} tokens long; at most {limit} fit the "
+                    "model's context beside the system prompt, a question and the answer: split it "
+                    "into several documents"
+                )
+
+    def _take_writes(self) -> None:
+        if self._pending and not self._catch_up():
+            raise WritesSuspendedError(
+                f"the corpus takes no writes until it has shown a committed change: {self._suspended}"
+            )
+
+    def _shown(self, change: _Change) -> bool:
+        self._pending.append(change)
+        return self._catch_up()
+
+    def _catch_up(self) -> bool:
+        """Show the committed changes in order: the searcher's names for the new rows, the
+        store's rows, then the index's swap; each step skips what it did already."""
+        while self._pending:
+            change = self._pending[0]
+            first = change.prepared.first_row
+            try:
+                if self.searcher.next_row == first:
+                    self.searcher.map_rows(change.keys, first)
+                self.store.install(first, change.rows, change.current, change.prepared.retired)
+                self.index.apply_prepared(change.prepared)
+            except Exception as error:  # committed to the table: it must be shown, not dropped
+                self._suspended = f"showing a committed change failed: {error!r}"
+                logger.exception("a change committed to the table could not be shown; writes suspended")
+                return False
+            self._pending.pop(0)
+        self._suspended = None
+        return True
+
+
+def open_table_corpus(index: VectorIndex, store: DocumentStore, tokenize_batch: TokenizeBatch) -> TableCorpus:
+    """The documents API's corpus over ``index`` (a pgvector table's) and ``store`` (its rows read
+    at start, which the corpus's own store replaces: ``store`` is closed); InvalidInputError saying
+    why when the table cannot be written (its routes then answer 501 saying so)."""
+    searcher = index.searcher
+    if not isinstance(searcher, PgVectorSearcher):
+        raise InvalidInputError(f"a {searcher.kind} index is not a pgvector table")
+    if searcher.documents_off is not None:
+        raise InvalidInputError(searcher.documents_off)
+    rows = TableRows(store.path, searcher.keys())
+    store.close()
+    return TableCorpus(rows, index, TableWriter(searcher.database), tokenize_batch)
