@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from specrag.pipeline.store.document_store import DocumentStore, TokenizeBatch, 
 from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, Document, Written
 from specrag.pipeline.store.live_store import BASE_VERSION, RETIRED_GRACE_S, Version
 from specrag.retrieval.corpus import Passage
+from specrag.retrieval.pgvector.changes import ChangeListener, read_rows_of, read_versions
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher
 from specrag.retrieval.pgvector.writes import RowWrite, TableWriter
 from specrag.retrieval.text import normalize_text
@@ -76,6 +77,11 @@ class TableRows(DocumentStore):
     @property
     def next_row(self) -> int:
         return self._next_row
+
+    def held(self) -> dict[str, Version]:
+        """Where each id this process saw stands (a copy)."""
+        with self._memory_lock:
+            return dict(self._current)
 
     def version_of(self, passage_id: str) -> Version | None:
         """Where ``passage_id`` stands (row None once deleted), None when this process never saw it."""
@@ -173,6 +179,8 @@ class TableCorpus:
         self._lock = threading.Lock()
         self._pending: list[_Change] = []  # committed, not shown yet (showing failed), in order
         self._suspended: str | None = None
+        #: The thread that shows other writers' changes (None: they are seen at the next start).
+        self.listener: ChangeListener | None = None
         #: The most tokens a document's prompt segment may have (None: no limit), as the live corpus's.
         self.segment_token_limit: int | None = None
 
@@ -255,6 +263,57 @@ class TableCorpus:
             self.writer.write([], deleted)
             return self._shown(_Change(prepared, (), (), tuple(current)))
 
+    def apply_table_changes(self, ids: Iterable[str] | None = None) -> int:
+        """Show the rows other writers changed in the table: those of ``ids`` (heard of from the
+        change trigger), or every row whose (id, version) differs from what this process holds
+        (None: a reconcile, after a time nobody listened). Each is applied as the documents API's
+        own writes are: a new version gets a new row (its prompt segment tokenized with its own row
+        label, so no cached form is shared with the old one), the old row hidden; a row gone from
+        the table is hidden. Returns how many ids changed; WritesSuspendedError while a committed
+        change of its own could not be shown yet."""
+        with self._lock:
+            self._take_writes()
+            held = self.store.held()
+            database = self.searcher.database
+            if ids is None:
+                table = read_versions(database)
+                changed = [i for i, version in table.items() if _differs(held.get(i), version)]
+                changed += [i for i, where in held.items() if where.row is not None and i not in table]
+            else:
+                changed = list(dict.fromkeys(ids))
+            found = read_rows_of(database, changed)
+            passages, keys, retired, current = [], [], [], []
+            first = self.store.next_row
+            for passage_id in changed:
+                before = held.get(passage_id)
+                row = found.get(passage_id)
+                if row is None:
+                    if before is not None and before.row is not None:
+                        retired.append(before.row)
+                        current.append((passage_id, Version(None, before.version + 1)))
+                    continue
+                title, text, version = row
+                if not _differs(before, version):
+                    continue  # this process's own write, or one already shown
+                if before is not None and before.row is not None:
+                    retired.append(before.row)
+                passages.append(Passage(passage_id, title, text))
+                keys.append((passage_id, version))
+                current.append((passage_id, Version(first + len(keys) - 1, version)))
+            if not current:
+                return 0
+            template = self.store.info.segment_template
+            segments = [render_segment(first + at, passage, template) for at, passage in enumerate(passages)]
+            tokens = self._tokenize_batch(segments) if segments else []
+            texts = [_indexed_text(passage) for passage in passages]
+            # The table holds the vectors the searcher ranks by: the index takes none of them.
+            vectors = np.zeros((len(passages), self.index.dim), np.float32)
+            prepared = self.index.prepare_changes([p.id for p in passages], vectors, texts, retired)
+            rows = tuple((p, tuple(t)) for p, t in zip(passages, tokens, strict=True))
+            self._shown(_Change(prepared, tuple(keys), rows, tuple(current)))
+            logger.info("showed %d rows changed in the table by another writer", len(current))
+            return len(current)
+
     def _check_lengths(self, passages: Sequence[Passage], tokens: Sequence[Sequence[int]]) -> None:
         limit = self.segment_token_limit
         if limit is None:
@@ -297,6 +356,11 @@ class TableCorpus:
         return True
 
 
+def _differs(held: Version | None, version: int) -> bool:
+    """Whether the table's ``version`` of an id is not the one this process shows."""
+    return held is None or held.row is None or held.version != version
+
+
 def open_table_corpus(index: VectorIndex, store: DocumentStore, tokenize_batch: TokenizeBatch) -> TableCorpus:
     """The documents API's corpus over ``index`` (a pgvector table's) and ``store`` (its rows read
     at start, which the corpus's own store replaces: ``store`` is closed); InvalidInputError saying
@@ -308,4 +372,9 @@ def open_table_corpus(index: VectorIndex, store: DocumentStore, tokenize_batch: 
         raise InvalidInputError(searcher.documents_off)
     rows = TableRows(store.path, searcher.keys())
     store.close()
-    return TableCorpus(rows, index, TableWriter(searcher.database), tokenize_batch)
+    corpus = TableCorpus(rows, index, TableWriter(searcher.database), tokenize_batch)
+    if searcher.changes_off is None:
+        listener = ChangeListener(searcher.database.settings, corpus.apply_table_changes).start()
+        searcher.on_close.append(listener.close)
+        corpus.listener = listener
+    return corpus

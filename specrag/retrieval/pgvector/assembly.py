@@ -22,6 +22,7 @@ from specrag.retrieval.corpus import Passage
 from specrag.retrieval.embedders import Embedder
 from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.lexical import LexicalIndex
+from specrag.retrieval.pgvector.changes import install_change_trigger
 from specrag.retrieval.pgvector.config import (
     DEFAULT_POOL_SIZE,
     Columns,
@@ -137,6 +138,10 @@ def open_index(
             version_column=version_column,
         )
         searcher.documents_off = documents_off
+        if version_column is not None:
+            searcher.changes_off = install_change_trigger(database)
+            if searcher.changes_off is not None:
+                logger.warning("%s", searcher.changes_off)
     except BaseException:
         database.close()
         raise

@@ -29,7 +29,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -132,6 +132,10 @@ class PgVectorSearcher:
         self.documents_off: str | None = None
         if version_column is None:
             self.documents_off = "the table has no version column"
+        #: Why changes by other writers are not noticed while serving (None: a trigger reports them).
+        self.changes_off: str | None = "no change trigger installed"
+        #: What to stop before the connections close (a change listener), called by :meth:`close`.
+        self.on_close: list[Callable[[], None]] = []
         columns, operator = database.settings.columns, METRICS[layout.metric][1]
         self._query = sql.SQL(
             "SELECT {id}::text, {ver}, {emb} {op} %(q)s FROM {table} ORDER BY {emb} {op} %(q)s LIMIT %(k)s"
@@ -207,6 +211,8 @@ class PgVectorSearcher:
         }
 
     def close(self) -> None:
+        while self.on_close:
+            self.on_close.pop()()
         self._threads.shutdown(wait=False, cancel_futures=True)
         self.database.close()
 

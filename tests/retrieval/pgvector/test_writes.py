@@ -1,10 +1,12 @@
 """The documents API written through to a pgvector table, on a real server: each write is in the
 table (read on a connection of its own) when it is answered, searches that start afterwards find
-the new version only, and one that started before keeps the version its snapshot holds."""
+the new version only, and one that started before keeps the version its snapshot holds; rows
+another application changes are noticed (the change trigger and listener) and shown the same way."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +65,9 @@ def assets(
     served_assets = served(postgres, tmp_path, tiny_model_dir, default_corpus[:300])
     yield served_assets
     served_assets.close()
+    corpus = served_assets.corpus
+    if isinstance(corpus, TableCorpus) and corpus.listener is not None:
+        assert not corpus.listener.thread.is_alive()  # stopped with the connections
 
 
 def test_put_replace_delete_go_through_the_table(assets: Assets, postgres: LocalPostgres) -> None:
@@ -113,3 +118,78 @@ def test_a_search_begun_before_a_replacement_keeps_its_version(assets: Assets) -
     texts = [assets.store.passage(int(row)).text for row in np.atleast_1d(last.ids) if row >= 0]
     assert target.text in texts and REPLACED_TEXT not in texts
     assert REPLACED_TEXT in found_texts(assets, REPLACED_TEXT)
+
+
+OTHER_TEXT = "A wombat paints cubes of ochre on the shore of Lake Eyre each spring."
+INSERTED_TEXT = "The axolotl keeps a ledger of moonlit tides in a Mexican canal."
+WAIT_S = 10.0
+
+
+def eventually(check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, "the change was not shown within the bound"
+        time.sleep(0.1)
+
+
+def other_writer(postgres: LocalPostgres, statement: str, params: tuple[object, ...]) -> None:
+    """Another application's write: its own connection, committed."""
+    with psycopg.connect(postgres.dsn, autocommit=True) as connection:
+        connection.execute(statement, params)
+
+
+def test_another_writers_update_insert_and_delete_are_shown(assets: Assets, postgres: LocalPostgres) -> None:
+    """The change trigger numbers another application's version and notifies; the listener shows
+    it, so searches that start afterwards find the new text and never the old one."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
+    assert corpus.listener.connected.wait(WAIT_S)
+    table = corpus.searcher.database.settings.table
+    target = assets.passages[7]
+
+    other_writer(postgres, f"UPDATE {table} SET text = %s WHERE id = %s", (OTHER_TEXT, target.id))
+    assert table_row(postgres, table, target.id) == (OTHER_TEXT, 2)  # the trigger numbered it
+    eventually(lambda: OTHER_TEXT in found_texts(assets, OTHER_TEXT))
+    assert target.text not in found_texts(assets, target.text, k=20)
+    assert corpus.get(target.id).text == OTHER_TEXT and corpus.get(target.id).version == 2
+    assert assets.store.row_of(target.id) >= len(assets.passages)  # a new row: no cache shared
+
+    source = assets.passages[8]
+    other_writer(
+        postgres,
+        f"INSERT INTO {table} (id, title, text, embedding) "
+        f"SELECT %s, %s, %s, embedding FROM {table} WHERE id = %s",
+        ("axolotl", "Axolotl", INSERTED_TEXT, source.id),
+    )
+    eventually(lambda: INSERTED_TEXT in found_texts(assets, INSERTED_TEXT))
+    assert corpus.get("axolotl").version == 1
+
+    other_writer(postgres, f"DELETE FROM {table} WHERE id = %s", ("axolotl",))
+    eventually(lambda: INSERTED_TEXT not in found_texts(assets, INSERTED_TEXT, k=20))
+
+    # The documents API's own write is not numbered twice nor shown twice.
+    (written,) = corpus.put([Passage(target.id, target.title, target.text)])
+    assert written.version == 3 and table_row(postgres, table, target.id) == (target.text, 3)
+    time.sleep(1.0)
+    assert corpus.get(target.id).version == 3 and target.text in found_texts(assets, target.text)
+
+
+def test_changes_missed_while_not_listening_are_reconciled(assets: Assets, postgres: LocalPostgres) -> None:
+    """A change nobody heard of (as while the listener was disconnected) is found by comparing
+    the table's (id, version) set with what the service holds."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus)
+    table = corpus.searcher.database.settings.table
+    target = assets.passages[12]
+    with psycopg.connect(postgres.dsn, autocommit=True) as connection:
+        # Without the trigger (as while the service was down), nothing is heard of the change.
+        connection.execute(f"ALTER TABLE {table} DISABLE TRIGGER specrag_changes")
+        connection.execute(
+            f"UPDATE {table} SET text = %s, specrag_version = specrag_version + 1 WHERE id = %s",
+            (OTHER_TEXT, target.id),
+        )
+        connection.execute(f"ALTER TABLE {table} ENABLE TRIGGER specrag_changes")
+    assert corpus.apply_table_changes() == 1
+    assert OTHER_TEXT in found_texts(assets, OTHER_TEXT)
+    assert target.text not in found_texts(assets, target.text, k=20)
+    assert corpus.apply_table_changes() == 0
