@@ -42,6 +42,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -54,7 +55,7 @@ from specrag.errors import (
 )
 from specrag.pipeline.store.document_store import TokenizeBatch, render_segment
 from specrag.pipeline.store.live_log import Change
-from specrag.pipeline.store.live_store import BASE_VERSION, LiveStore
+from specrag.pipeline.store.live_store import BASE_VERSION, LiveStore, Version
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.live_index import Retrainable
 from specrag.retrieval.text import normalize_text
@@ -69,8 +70,12 @@ __all__ = [
     "RETRAIN_MIN_SHARE",
     "Document",
     "LiveCorpus",
+    "VersionedRows",
     "Written",
     "check_document",
+    "check_segment_lengths",
+    "current_document",
+    "indexed_text",
 ]
 
 # One request's documents at most (a POST beyond is 413): a batch is one transaction and one
@@ -160,9 +165,45 @@ def _check_unicode(value: str, what: str) -> None:
         ) from None
 
 
-def _indexed_text(passage: Passage) -> str:
+def indexed_text(passage: Passage) -> str:
     """What both channels index of a passage (as the index build does)."""
     return normalize_text(f"{passage.title}\n{passage.text}")
+
+
+class VersionedRows(Protocol):
+    """What :func:`current_document` reads: where an id stands, and a row's passage."""
+
+    def version_of(self, passage_id: str) -> Version | None: ...
+
+    def passage(self, row: int) -> Passage: ...
+
+
+def current_document(rows: VersionedRows, passage_id: str) -> Document:
+    """The current version of ``passage_id``; NotFoundError when unknown or deleted.
+
+    One read of where the id stands (row and version together), then that row's passage: a write
+    racing the read gives the old document or the new, never a mix of the two."""
+    current = rows.version_of(passage_id)
+    if current is None or current.row is None:
+        raise NotFoundError(f"unknown document id {passage_id!r}")
+    passage = rows.passage(current.row)
+    return Document(passage.id, passage.title, passage.text, current.version)
+
+
+def check_segment_lengths(
+    passages: Sequence[Passage], tokens: Sequence[Sequence[int]], limit: int | None
+) -> None:
+    """TooLargeError naming the first document whose prompt segment is over ``limit`` tokens (None:
+    no limit): a longer document would fit no prompt, and every query retrieving it would fail."""
+    if limit is None:
+        return
+    for passage, token_ids in zip(passages, tokens, strict=True):
+        if len(token_ids) > limit:
+            raise TooLargeError(
+                f"document {passage.id!r} is {len(token_ids)} tokens long; at most {limit} fit the "
+                "model's context beside the system prompt, a question and the answer: split it "
+                "into several documents"
+            )
 
 
 class LiveCorpus:
@@ -213,7 +254,7 @@ class LiveCorpus:
     ) -> LiveCorpus:
         """The live corpus over a freshly loaded base index: the store's logged changes applied to it
         (its log checkpointed first: only current versions are replayed)."""
-        logged = store.checkpoint(tokenize_batch, index.embedder, _indexed_text)
+        logged = store.checkpoint(tokenize_batch, index.embedder, indexed_text)
         ids: list[str] = []
         vectors: list[np.ndarray] = []
         texts: list[str] = []
@@ -228,21 +269,14 @@ class LiveCorpus:
                 assert change.passage is not None and change.vector is not None
                 ids.append(change.id)
                 vectors.append(change.vector)
-                texts.append(_indexed_text(change.passage))
+                texts.append(indexed_text(change.passage))
         matrix = np.stack(vectors) if vectors else np.zeros((0, index.dim), dtype=np.float32)
         index.apply_changes(ids, matrix, texts, retired)
         return cls(store, index, tokenize_batch, compact_share)
 
     def get(self, passage_id: str) -> Document:
-        """The current version of ``passage_id``; NotFoundError when unknown or deleted.
-
-        One read of where the id stands (row and version together), then that row's passage: a
-        write racing the read gives the old document or the new, never a mix of the two."""
-        current = self.store.version_of(passage_id)
-        if current is None or current.row is None:
-            raise NotFoundError(f"unknown document id {passage_id!r}")
-        passage = self.store.passage(current.row)
-        return Document(passage.id, passage.title, passage.text, current.version)
+        """The current version of ``passage_id`` (:func:`current_document`)."""
+        return current_document(self.store, passage_id)
 
     @property
     def suspended(self) -> str | None:
@@ -266,7 +300,7 @@ class LiveCorpus:
         self.index.check_growable()  # before anything is logged: a logged change must replay
         embedder = self.index.embedder
         assert embedder is not None
-        texts = [_indexed_text(passage) for passage in passages]
+        texts = [indexed_text(passage) for passage in passages]
         vectors = np.asarray(embedder.embed(texts), dtype=np.float32)
         with self._lock:
             self._take_writes()
@@ -276,7 +310,7 @@ class LiveCorpus:
             tokens = self._tokenize_batch(
                 [render_segment(row, passage, template) for row, passage in zip(rows, passages, strict=True)]
             )
-            self._check_lengths(passages, tokens)
+            check_segment_lengths(passages, tokens, self.segment_token_limit)
             changes: list[Change] = []
             retired: list[int] = []
             written: list[Written] = []
@@ -316,19 +350,6 @@ class LiveCorpus:
                 return False
         self._compact_when_due()
         return True
-
-    def _check_lengths(self, passages: Sequence[Passage], tokens: Sequence[Sequence[int]]) -> None:
-        """TooLargeError naming the first document whose segment is over :attr:`segment_token_limit`."""
-        limit = self.segment_token_limit
-        if limit is None:
-            return
-        for passage, token_ids in zip(passages, tokens, strict=True):
-            if len(token_ids) > limit:
-                raise TooLargeError(
-                    f"document {passage.id!r} is {len(token_ids)} tokens long; at most {limit} fit the "
-                    "model's context beside the system prompt, a question and the answer: split it "
-                    "into several documents"
-                )
 
     def _take_writes(self) -> None:
         """Catch up first if changes are pending; WritesSuspendedError while that fails (under the lock)."""

@@ -42,13 +42,19 @@ from specrag.errors import (
     WritesSuspendedError,
 )
 from specrag.pipeline.store.document_store import DocumentStore, TokenizeBatch, render_segment
-from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, Document, Written
+from specrag.pipeline.store.live_corpus import (
+    MAX_BATCH_DOCUMENTS,
+    Document,
+    Written,
+    check_segment_lengths,
+    current_document,
+    indexed_text,
+)
 from specrag.pipeline.store.live_store import BASE_VERSION, RETIRED_GRACE_S, Version
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.pgvector.changes import ChangeListener, read_rows_of, read_versions
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher
 from specrag.retrieval.pgvector.writes import RowWrite, TableWriter
-from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import PreparedChanges, VectorIndex
 
 __all__ = ["TableCorpus", "TableRows", "open_table_corpus"]
@@ -153,11 +159,6 @@ class _Change:
     current: tuple[tuple[str, Version], ...]
 
 
-def _indexed_text(passage: Passage) -> str:
-    """What both channels index of a passage (as the table's index was built)."""
-    return normalize_text(f"{passage.title}\n{passage.text}")
-
-
 class TableCorpus:
     """Adds, replaces and deletes documents of a served pgvector table (the documents API's
     :class:`~specrag.service.http.documents.DocumentCorpus`)."""
@@ -185,11 +186,7 @@ class TableCorpus:
         self.segment_token_limit: int | None = None
 
     def get(self, passage_id: str) -> Document:
-        current = self.store.version_of(passage_id)
-        if current is None or current.row is None:
-            raise NotFoundError(f"unknown document id {passage_id!r}")
-        passage = self.store.passage(current.row)
-        return Document(passage.id, passage.title, passage.text, current.version)
+        return current_document(self.store, passage_id)
 
     @property
     def suspended(self) -> str | None:
@@ -211,7 +208,7 @@ class TableCorpus:
             raise InvalidInputError("a request names each document id once")
         embedder = self.index.embedder
         assert embedder is not None
-        texts = [_indexed_text(passage) for passage in passages]
+        texts = [indexed_text(passage) for passage in passages]
         vectors = np.asarray(embedder.embed(texts), dtype=np.float32)
         with self._lock:
             self._take_writes()
@@ -220,7 +217,7 @@ class TableCorpus:
             tokens = self._tokenize_batch(
                 [render_segment(first + at, passage, template) for at, passage in enumerate(passages)]
             )
-            self._check_lengths(passages, tokens)
+            check_segment_lengths(passages, tokens, self.segment_token_limit)
             writes, retired, written, keys, current = [], [], [], [], []
             for passage, vector in zip(passages, vectors, strict=True):
                 before = self.store.version_of(passage.id)
@@ -305,7 +302,7 @@ class TableCorpus:
             template = self.store.info.segment_template
             segments = [render_segment(first + at, passage, template) for at, passage in enumerate(passages)]
             tokens = self._tokenize_batch(segments) if segments else []
-            texts = [_indexed_text(passage) for passage in passages]
+            texts = [indexed_text(passage) for passage in passages]
             # The table holds the vectors the searcher ranks by: the index takes none of them.
             vectors = np.zeros((len(passages), self.index.dim), np.float32)
             prepared = self.index.prepare_changes([p.id for p in passages], vectors, texts, retired)
@@ -313,18 +310,6 @@ class TableCorpus:
             self._shown(_Change(prepared, tuple(keys), rows, tuple(current)))
             logger.info("showed %d rows changed in the table by another writer", len(current))
             return len(current)
-
-    def _check_lengths(self, passages: Sequence[Passage], tokens: Sequence[Sequence[int]]) -> None:
-        limit = self.segment_token_limit
-        if limit is None:
-            return
-        for passage, token_ids in zip(passages, tokens, strict=True):
-            if len(token_ids) > limit:
-                raise TooLargeError(
-                    f"document {passage.id!r} is {len(token_ids)} tokens long; at most {limit} fit the "
-                    "model's context beside the system prompt, a question and the answer: split it "
-                    "into several documents"
-                )
 
     def _take_writes(self) -> None:
         if self._pending and not self._catch_up():
