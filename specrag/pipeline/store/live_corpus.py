@@ -72,7 +72,9 @@ __all__ = [
     "LiveCorpus",
     "VersionedRows",
     "Written",
+    "check_delete_batch",
     "check_document",
+    "check_put_batch",
     "check_segment_lengths",
     "current_document",
     "indexed_text",
@@ -190,6 +192,28 @@ def current_document(rows: VersionedRows, passage_id: str) -> Document:
     return Document(passage.id, passage.title, passage.text, current.version)
 
 
+def check_put_batch(passages: Sequence[Passage]) -> None:
+    """InvalidInputError or TooLargeError unless ``passages`` are one request's worth (one to
+    :data:`MAX_BATCH_DOCUMENTS`, each id once): a request is one transaction under the writer's lock."""
+    if not passages:
+        raise InvalidInputError("no documents given")
+    _check_batch_size(len(passages))
+    if len({passage.id for passage in passages}) < len(passages):
+        raise InvalidInputError("a request names each document id once")
+
+
+def check_delete_batch(passage_ids: Sequence[str]) -> None:
+    """As :func:`check_put_batch` for a deletion (an id named twice is deleted once)."""
+    if not passage_ids:
+        raise InvalidInputError("no document ids given")
+    _check_batch_size(len(passage_ids))
+
+
+def _check_batch_size(count: int) -> None:
+    if count > MAX_BATCH_DOCUMENTS:
+        raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {count}")
+
+
 def check_segment_lengths(
     passages: Sequence[Passage], tokens: Sequence[Sequence[int]], limit: int | None
 ) -> None:
@@ -291,12 +315,7 @@ class LiveCorpus:
 
     def put(self, passages: Sequence[Passage]) -> list[Written]:
         """Add or replace each of ``passages`` (ids distinct), all visible at once when this returns."""
-        if not passages:
-            raise InvalidInputError("no documents given")
-        if len(passages) > MAX_BATCH_DOCUMENTS:
-            raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {len(passages)}")
-        if len({passage.id for passage in passages}) < len(passages):
-            raise InvalidInputError("a request names each document id once")
+        check_put_batch(passages)
         self.index.check_growable()  # before anything is logged: a logged change must replay
         embedder = self.index.embedder
         assert embedder is not None
@@ -331,10 +350,7 @@ class LiveCorpus:
     def delete(self, passage_ids: Sequence[str]) -> bool:
         """Delete each of ``passage_ids``; NotFoundError (and nothing deleted) if one is unknown.
         Returns whether searches see the deletion yet (false: logged, applied once caught up)."""
-        if not passage_ids:
-            raise InvalidInputError("no document ids given")
-        if len(passage_ids) > MAX_BATCH_DOCUMENTS:
-            raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {len(passage_ids)}")
+        check_delete_batch(passage_ids)
         with self._lock:
             self._take_writes()
             changes, retired = [], []

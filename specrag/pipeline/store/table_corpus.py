@@ -38,14 +38,14 @@ from specrag.errors import (
     ArtifactError,
     InvalidInputError,
     NotFoundError,
-    TooLargeError,
     WritesSuspendedError,
 )
 from specrag.pipeline.store.document_store import DocumentStore, TokenizeBatch, render_segment
 from specrag.pipeline.store.live_corpus import (
-    MAX_BATCH_DOCUMENTS,
     Document,
     Written,
+    check_delete_batch,
+    check_put_batch,
     check_segment_lengths,
     current_document,
     indexed_text,
@@ -200,12 +200,7 @@ class TableCorpus:
     def put(self, passages: Sequence[Passage]) -> list[Written]:
         """Write each of ``passages`` (ids distinct) to the table in one transaction; every search
         that starts after this returns finds the new versions."""
-        if not passages:
-            raise InvalidInputError("no documents given")
-        if len(passages) > MAX_BATCH_DOCUMENTS:
-            raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {len(passages)}")
-        if len({passage.id for passage in passages}) < len(passages):
-            raise InvalidInputError("a request names each document id once")
+        check_put_batch(passages)
         embedder = self.index.embedder
         assert embedder is not None
         texts = [indexed_text(passage) for passage in passages]
@@ -241,10 +236,7 @@ class TableCorpus:
     def delete(self, passage_ids: Sequence[str]) -> bool:
         """Delete each of ``passage_ids`` from the table in one transaction; NotFoundError (and
         nothing deleted) if one is unknown. Returns whether searches see the deletion yet."""
-        if not passage_ids:
-            raise InvalidInputError("no document ids given")
-        if len(passage_ids) > MAX_BATCH_DOCUMENTS:
-            raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {len(passage_ids)}")
+        check_delete_batch(passage_ids)
         with self._lock:
             self._take_writes()
             deleted, retired, current = [], [], []
