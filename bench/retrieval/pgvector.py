@@ -92,7 +92,7 @@ def measure(rows: int, dim: int, num_queries: int) -> dict[str, Any]:
         database = Database(settings)
         layout = inspect_table(database, dim)
         row_ids = [passage.id for passage in read_passages(database)]
-        searcher = PgVectorSearcher(database, layout, row_ids, probes=probes)
+        searcher = PgVectorSearcher(database, layout, row_ids, nprobe=probes)
         stage_counts = stage_probes(plan, probes)
         one_shot, per_stage, equal, pg_ids = [], [], 0, []
         arrivals: dict[str, list[tuple[float, float]]] = {str(mode): [] for mode in StageMode}
@@ -104,11 +104,11 @@ def measure(rows: int, dim: int, num_queries: int) -> dict[str, Any]:
                 elapsed = time.perf_counter() - started
                 stage_times = []
                 for count in stage_counts:
-                    searcher.probes = count
+                    searcher.nprobe = count
                     started = time.perf_counter()
                     searcher.search(single, K)
                     stage_times.append(time.perf_counter() - started)
-                searcher.probes = probes
+                searcher.nprobe = probes
                 timed = {}
                 for mode in StageMode:
                     searcher.mode = mode

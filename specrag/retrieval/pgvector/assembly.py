@@ -25,9 +25,10 @@ from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.pgvector.changes import install_change_trigger
 from specrag.retrieval.pgvector.config import (
     DEFAULT_POOL_SIZE,
+    DEFAULT_STAGE_MODE,
     Columns,
     PgSettings,
-    StageMode,
+    StageQueries,
     describe_dsn,
     resolve_dsn,
 )
@@ -132,8 +133,9 @@ def open_index(
             database,
             layout,
             [passage.id for passage in passages],
-            probes=getattr(args, "nprobe", None),
-            mode=getattr(args, "pg_stage_mode", StageMode.PARALLEL),
+            nprobe=getattr(args, "nprobe", None),
+            mode=getattr(args, "pg_stage_mode", DEFAULT_STAGE_MODE),
+            queried=getattr(args, "pg_stages", StageQueries.ENDS),
             versions=versions,
             version_column=version_column,
         )

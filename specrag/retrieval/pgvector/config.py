@@ -17,12 +17,14 @@ from specrag.errors import InvalidInputError
 
 __all__ = [
     "DEFAULT_POOL_SIZE",
+    "DEFAULT_STAGE_MODE",
     "DEFAULT_STATEMENT_TIMEOUT_S",
     "DSN_ENV",
     "METRICS",
     "Columns",
     "PgSettings",
     "StageMode",
+    "StageQueries",
     "describe_dsn",
     "resolve_dsn",
     "scrub",
@@ -42,11 +44,30 @@ METRICS = {
 }
 
 
+class StageQueries(enum.StrEnum):
+    """Which stages of the plan a search queries (:func:`~specrag.retrieval.pgvector.searcher.stage_probes`).
+
+    A stage is a whole query that re-scans the lists of the one before, so every stage between
+    the first and the final costs its full share again and only gives a later chance to correct
+    a stale speculation: ``ends`` queries the plan's first stage (where speculation starts) and
+    its final one, ``every`` each stage of the plan.
+    """
+
+    ENDS = "ends"
+    EVERY = "every"
+
+
 class StageMode(enum.StrEnum):
     """How the stages of one search share connections (:mod:`~specrag.retrieval.pgvector.searcher`)."""
 
     PARALLEL = "parallel"
     SEQUENTIAL = "sequential"
+
+
+# With only the first and the final stage queried (StageQueries.ENDS), the final query on one
+# connection waits for the first stage alone, a small share of the probes; two connections cost
+# it the export's wait and a second query competing for the cores (docs/backends.md measures both).
+DEFAULT_STAGE_MODE = StageMode.SEQUENTIAL
 
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")

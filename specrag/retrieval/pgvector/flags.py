@@ -10,10 +10,12 @@ import argparse
 
 from specrag.retrieval.pgvector.config import (
     DEFAULT_POOL_SIZE,
+    DEFAULT_STAGE_MODE,
     DEFAULT_STATEMENT_TIMEOUT_S,
     DSN_ENV,
     METRICS,
     StageMode,
+    StageQueries,
 )
 
 __all__ = ["BACKENDS", "add_arguments"]
@@ -71,6 +73,13 @@ def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
     parser.add_argument(
         "--pg-stage-mode",
         choices=[str(mode) for mode in StageMode],
-        default=str(StageMode.PARALLEL),
+        default=str(DEFAULT_STAGE_MODE),
         help="parallel: the final query on its own connection (not delayed); sequential: one connection",
+    )
+    parser.add_argument(
+        "--pg-stages",
+        choices=[str(queried) for queried in StageQueries],
+        default=str(StageQueries.ENDS),
+        help="ends: query the stage plan's first and final stages only (each stage re-scans the "
+        "lists of the one before); every: each stage of the plan",
     )

@@ -8,15 +8,21 @@ in-process IVF scans that share of its probe list), and the last stage is the on
 itself. Every stage reads one ``REPEATABLE READ`` snapshot, so a writer committing meanwhile
 cannot make a later stage disagree with an earlier one.
 
-The stages run as separate queries, so they cost more database time than the one-shot query
-(the geometric plan's shares sum to about 2). Run one after the other on one connection
+The stages run as separate queries, each re-scanning the lists of the one before, so a stage
+between the first and the final costs its whole share again and only gives a later chance to
+correct a stale speculation. By default (``ends``) a search queries the plan's first stage, where
+speculation starts, and its final one: their database time is the one-shot query's and the first
+stage's share more; ``every`` queries each stage of the plan (the geometric plan's shares sum to
+about 2) for a running top-k that refines at each. Run one after the other on one connection
 (``sequential``), the final result arrives after all of them; ``parallel`` runs the earlier stages
 one after the other on one connection, which exports its snapshot (so the first stage starts at
 once), and the final query on a second connection that imports it (so it waits only for the
 export, not for the stages), so the final result arrives about when a one-shot query's would on
-a table whose query is not dominated by fixed costs (docs/backends.md has the figures). Each
-transaction's opening statements and each stage's setting and query go as one pipeline.
-A stage that arrives after the final one is dropped.
+a table whose query is not dominated by fixed costs (docs/backends.md has the figures). A stage
+is one round trip: its transaction's opening statements (on its first stage), its setting, its
+query (prepared once a connection) and, on the last, the COMMIT go as one pipeline, so the
+final query costs one round trip more than a one-shot query, the export's, and no statement of
+it waits for the one before. A stage that arrives after the final one is dropped.
 
 Scores are similarities, higher first, as the in-process indexes give for unit vectors: the
 inner product (``ip``), 1 - the cosine distance (``cosine``), or minus the squared L2 distance.
@@ -36,10 +42,11 @@ from typing import Any
 import numpy as np
 import psycopg
 from psycopg import sql
+from psycopg.pq import TransactionStatus
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.pgvector.config import METRICS, StageMode
+from specrag.retrieval.pgvector.config import DEFAULT_STAGE_MODE, METRICS, StageMode, StageQueries
 from specrag.retrieval.pgvector.database import Database, DatabaseUnavailableError
 from specrag.retrieval.pgvector.table import TableLayout
 from specrag.retrieval.staged_ivf import default_nprobe
@@ -50,10 +57,11 @@ __all__ = ["PgVectorSearcher", "stage_probes"]
 _PAD_SCORE = -np.finfo(np.float32).max
 
 
-def stage_probes(plan: StagePlan, probes: int) -> list[int]:
+def stage_probes(plan: StagePlan, probes: int, queried: StageQueries = StageQueries.ENDS) -> list[int]:
     """Each stage's ``ivfflat.probes``, strictly growing, the last ``probes``: the plan's share of
-    the work per stage. A time-budget plan is cut as the IVF kind's default count (a database
-    query cannot be stopped at a time and resumed)."""
+    the work per stage, every stage's or only the first and the last (``queried``). A time-budget
+    plan is cut as the IVF kind's default count (a database query cannot be stopped at a time and
+    resumed)."""
     if plan.stage_budget_s is not None:
         plan = StagePlan(DEFAULT_STAGES["ivf"], Schedule.GEOMETRIC)
     chosen: list[int] = []
@@ -61,16 +69,15 @@ def stage_probes(plan: StagePlan, probes: int) -> list[int]:
         count = probes if stage == plan.num_stages else max(1, math.floor(probes * plan.done_fraction(stage)))
         if not chosen or count > chosen[-1]:
             chosen.append(min(count, probes))
+    if queried is StageQueries.ENDS:
+        return sorted({chosen[0], chosen[-1]})
     return chosen
 
 
-@contextlib.contextmanager
-def _snapshot(
-    connection: psycopg.Connection, imported: str | None = None, export: bool = False
-) -> Iterator[str | None]:
-    """A read-only REPEATABLE READ transaction, on the snapshot ``imported`` when given; yields
-    the snapshot's name when ``export`` (else None). One round trip: the statements go as one
-    pipeline, as each of them would otherwise wait for the one before."""
+def _opening(connection: psycopg.Connection, imported: str | None = None) -> list[str]:
+    """The statements that open a stage's read-only REPEATABLE READ transaction, on the snapshot
+    ``imported`` when given. They are sent in the pipeline of the transaction's first query (or
+    export), not in a round trip of their own: no statement waits for the one before."""
     statements = ["BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"]
     if imported is not None:
         statements.append(
@@ -79,18 +86,33 @@ def _snapshot(
     # Every stage must scan the IVFFlat index: a sequential scan (exact) in one stage and an
     # index scan in another would not nest.
     statements.append("SET LOCAL enable_seqscan = off")
-    exported: psycopg.Cursor[Any] | None = None
+    return statements
+
+
+@contextlib.contextmanager
+def _transaction(connection: psycopg.Connection) -> Iterator[None]:
+    """Ends whatever transaction the statements inside left open; a pipeline that ended with its
+    own COMMIT (a one-shot query's, a last stage's) leaves none, and costs no round trip more.
+
+    A read-only transaction ends with COMMIT, not ROLLBACK: it changed nothing either way, but
+    psycopg forgets its prepared statements at every ROLLBACK (and deallocates them in a round
+    trip of its own), so the search query would be planned anew every search."""
     try:
-        with connection.pipeline():
-            for statement in statements:
-                connection.execute(statement)
-            if export:
-                exported = connection.execute("SELECT pg_export_snapshot()")
-        row = exported.fetchone() if exported is not None else None
-        yield None if row is None else str(row[0])
+        yield
     finally:
-        if not connection.broken:
-            connection.execute("ROLLBACK")
+        if not connection.broken and connection.info.transaction_status != TransactionStatus.IDLE:
+            connection.execute("COMMIT")
+
+
+def _export(connection: psycopg.Connection) -> str:
+    """Open the transaction and export its snapshot, in one round trip; returns the snapshot's name."""
+    with connection.pipeline():
+        for statement in _opening(connection):
+            connection.execute(statement)
+        exported = connection.execute("SELECT pg_export_snapshot()")
+    row = exported.fetchone()
+    assert row is not None
+    return str(row[0])
 
 
 class PgVectorSearcher:
@@ -111,17 +133,20 @@ class PgVectorSearcher:
         database: Database,
         layout: TableLayout,
         row_ids: Sequence[str],
-        probes: int | None = None,
-        mode: StageMode | str = StageMode.PARALLEL,
+        nprobe: int | None = None,
+        mode: StageMode | str = DEFAULT_STAGE_MODE,
         versions: Sequence[int] | None = None,
+        queried: StageQueries | str = StageQueries.ENDS,
         version_column: str | None = None,
     ) -> None:
         self.database = database
         self.layout = layout
         self.mode = StageMode(mode)
-        self.probes = min(layout.lists, default_nprobe(layout.lists) if probes is None else probes)
-        if self.probes < 1:
-            raise InvalidInputError(f"--nprobe must be at least 1, got {self.probes}")
+        self.queried = StageQueries(queried)
+        #: The final stage's ``ivfflat.probes`` (the one-shot query's), as :class:`StagedIVF` names it.
+        self.nprobe = min(layout.lists, default_nprobe(layout.lists) if nprobe is None else nprobe)
+        if self.nprobe < 1:
+            raise InvalidInputError(f"--nprobe must be at least 1, got {self.nprobe}")
         held = [1] * len(row_ids) if versions is None else list(versions)
         if len(held) != len(row_ids):
             raise InvalidInputError(f"{len(row_ids)} row ids and {len(held)} versions")
@@ -159,6 +184,11 @@ class PgVectorSearcher:
     @property
     def ntotal(self) -> int:
         return self._ntotal
+
+    @property
+    def nlist(self) -> int:
+        """The IVFFlat index's lists (what a probe share is a share of)."""
+        return self.layout.lists
 
     @property
     def next_row(self) -> int:
@@ -206,8 +236,9 @@ class PgVectorSearcher:
             "table": self.database.settings.table,
             "metric": self.layout.metric,
             "lists": self.layout.lists,
-            "probes": self.probes,
+            "probes": self.nprobe,
             "stage_mode": str(self.mode),
+            "stage_queries": str(self.queried),
         }
 
     def close(self) -> None:
@@ -231,16 +262,27 @@ class PgVectorSearcher:
         k: int,
         probes: int,
         visibility: Visibility | None = None,
+        opening: Sequence[str] = (),
+        last: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, rows) of every query at ``probes``, inside the caller's transaction; rows
-        ``visibility`` hides are skipped (a version replaced since the search began)."""
+        """(scores, rows) of every query at ``probes``, in the caller's transaction (which
+        ``opening`` opens, and which ends here when ``last``); rows ``visibility`` hides are
+        skipped (a version replaced since the search began)."""
         shown = None if visibility is None else visibility.row_to_passage
         ids = np.full((len(matrix), k), -1, dtype=np.int64)
         scores = np.full((len(matrix), k), _PAD_SCORE, dtype=np.float32)
-        # One round trip for the setting and every query: a pipeline sends them all at once.
+        # One round trip for the transaction's opening, the setting, every query and the end:
+        # a pipeline sends them all at once. The query is prepared from its first run, so the
+        # server plans it once a connection.
         with connection.pipeline():
+            for statement in opening:
+                connection.execute(statement)
             connection.execute(f"SET LOCAL ivfflat.probes = {int(probes)}")
-            cursors = [connection.execute(self._query, {"q": vector, "k": k}) for vector in matrix]
+            cursors = [
+                connection.execute(self._query, {"q": vector, "k": k}, prepare=True) for vector in matrix
+            ]
+            if last:
+                connection.execute("COMMIT")
         for position, cursor in enumerate(cursors):
             slot = 0
             for row_id, version, raw in cursor.fetchall():
@@ -258,15 +300,15 @@ class PgVectorSearcher:
     ) -> tuple[np.ndarray, np.ndarray]:
         """One query per row at the final probes: (scores, rows), shape (n, k)."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
-        with self.database.connection() as connection, _snapshot(connection):
-            return self._run(connection, matrix, k, self.probes, visibility)
+        with self.database.connection() as connection, _transaction(connection):
+            return self._run(connection, matrix, k, self.nprobe, visibility, _opening(connection), last=True)
 
     def stages(
         self, queries: np.ndarray, k: int, plan: StagePlan, visibility: Visibility | None = None
     ) -> Iterator[StageResult]:
         """The running top-k at each stage's probes (:func:`stage_probes`), the last one the one-shot."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
-        probes = stage_probes(plan, self.probes)
+        probes = stage_probes(plan, self.nprobe, self.queried)
         if self.mode is StageMode.SEQUENTIAL or len(probes) == 1:
             return self._sequential(matrix, k, probes, visibility)
         return self._parallel(matrix, k, probes, visibility)
@@ -275,9 +317,11 @@ class PgVectorSearcher:
         self, matrix: np.ndarray, k: int, probes: list[int], visibility: Visibility | None
     ) -> Iterator[StageResult]:
         started = time.perf_counter()
-        with self.database.connection() as connection, _snapshot(connection):
+        with self.database.connection() as connection, _transaction(connection):
             for number, count in enumerate(probes, start=1):
-                scores, ids = self._run(connection, matrix, k, count, visibility)
+                opening = _opening(connection) if number == 1 else ()
+                last = number == len(probes)
+                scores, ids = self._run(connection, matrix, k, count, visibility, opening, last)
                 now = time.perf_counter()
                 yield StageResult(number, ids, scores, number == len(probes), now - started)
                 started = now
@@ -298,12 +342,8 @@ class PgVectorSearcher:
             # Exports the snapshot, so the first stage starts at once and the final query waits
             # only for the export, not for the earlier stages.
             try:
-                with (
-                    self.database.connection() as connection,
-                    _snapshot(connection, export=True) as exported,
-                ):
-                    assert exported is not None
-                    snapshot.set_result(exported)
+                with self.database.connection() as connection, _transaction(connection):
+                    snapshot.set_result(_export(connection))
                     for number, count in enumerate(probes[:-1]):
                         if stop.is_set():
                             break
@@ -316,10 +356,12 @@ class PgVectorSearcher:
 
         def lead() -> None:
             try:
-                exported = snapshot.result(wait_s)
-                with self.database.connection() as connection, _snapshot(connection, exported):
-                    imported.set()
-                    results.put((final, self._run(connection, matrix, k, probes[final], visibility)))
+                # The connection is taken (and checked) while the other one exports.
+                with self.database.connection() as connection, _transaction(connection):
+                    opening = _opening(connection, snapshot.result(wait_s))
+                    found = self._run(connection, matrix, k, probes[final], visibility, opening, last=True)
+                    imported.set()  # the export's transaction may end: this one has ended too
+                    results.put((final, found))
             except BaseException as error:
                 results.put(error)
             finally:

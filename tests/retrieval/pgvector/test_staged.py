@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import psycopg
 import pytest
+from psycopg.pq import Trace
 
-from specrag.retrieval.pgvector.config import PgSettings, StageMode
+from specrag.retrieval.pgvector.config import PgSettings, StageMode, StageQueries
 from specrag.retrieval.pgvector.database import Database
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher, stage_probes
 from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
@@ -20,24 +24,31 @@ K = 10
 PLAN = StagePlan(6, "geometric")
 
 
-def open_searcher(settings: PgSettings, mode: StageMode) -> PgVectorSearcher:
+def open_searcher(
+    settings: PgSettings, mode: StageMode, queried: StageQueries = StageQueries.ENDS
+) -> PgVectorSearcher:
     database = Database(settings)
     layout = inspect_table(database, DIM)
     ids = [passage.id for passage in read_passages(database)]
-    return PgVectorSearcher(database, layout, ids, probes=PROBES, mode=mode)
+    return PgVectorSearcher(database, layout, ids, nprobe=PROBES, mode=mode, queried=queried)
 
 
-@pytest.fixture(params=list(StageMode), ids=str)
+@pytest.fixture(params=list(itertools.product(StageMode, StageQueries)), ids="-".join)
 def searcher(request: pytest.FixtureRequest, pg_table: PgSettings) -> Iterator[PgVectorSearcher]:
-    opened = open_searcher(pg_table, request.param)
+    opened = open_searcher(pg_table, *request.param)
     yield opened
     opened.close()
 
 
 def test_the_stage_probes_grow_to_the_final_count() -> None:
-    assert stage_probes(PLAN, PROBES) == [1, 3, 6, 12, 24]
+    assert stage_probes(PLAN, PROBES, StageQueries.EVERY) == [1, 3, 6, 12, 24]
+    assert stage_probes(StagePlan(3, "equal"), 1, StageQueries.EVERY) == [1]
+    assert stage_probes(StagePlan.budget(0.01), 64, StageQueries.EVERY)[-1] == 64
+
+
+def test_by_default_only_the_first_and_the_final_stage_are_queried() -> None:
+    assert stage_probes(PLAN, PROBES) == [1, 24]
     assert stage_probes(StagePlan(3, "equal"), 1) == [1]
-    assert stage_probes(StagePlan.budget(0.01), 64)[-1] == 64
 
 
 def test_the_table_reads_back_as_built(pg_table: PgSettings) -> None:
@@ -107,3 +118,58 @@ def test_all_stages_read_one_snapshot_while_a_writer_commits(
         assert int(before[0, 0]) not in after[0].tolist()  # the next search sees the delete
     finally:
         searcher.close()
+
+
+@pytest.fixture
+def round_trips(searcher: PgVectorSearcher, tmp_path: Path) -> Iterator[list[int]]:
+    """The round trips (client ``Sync`` or simple ``Query`` messages: one a pipeline or a statement)
+    of each connection
+    the searcher takes from its pool, in the order taken, read from libpq's protocol trace."""
+    counted: list[int] = []
+    taken = searcher.database.connection
+
+    @contextlib.contextmanager
+    def traced() -> Iterator[psycopg.Connection]:
+        with taken() as connection:
+            slot = len(counted)
+            counted.append(0)  # 0 until the connection goes back
+            trace = tmp_path / f"trace-{slot}"
+            with trace.open("w") as sink:
+                connection.pgconn.trace(sink.fileno())
+                connection.pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS)
+                try:
+                    yield connection
+                finally:
+                    connection.pgconn.untrace()
+            counted[slot] = sum(
+                line.split("\t")[:3:2] in (["F", "Sync"], ["F", "Query"])
+                for line in trace.read_text().splitlines()
+            )
+
+    searcher.database.connection = traced  # type: ignore[method-assign]
+    yield counted
+    searcher.database.connection = taken  # type: ignore[method-assign]
+
+
+def test_a_one_shot_query_is_one_round_trip(
+    searcher: PgVectorSearcher, round_trips: list[int], pg_queries: np.ndarray
+) -> None:
+    searcher.search(pg_queries[:2], K)
+    assert round_trips == [1]
+
+
+def test_the_final_stage_costs_one_round_trip(
+    searcher: PgVectorSearcher, round_trips: list[int], pg_queries: np.ndarray
+) -> None:
+    stages = list(searcher.stages(pg_queries[:1], K, PLAN))
+    # Both modes: a round trip a stage, the opening in the first stage's and the COMMIT in the
+    # last one's; parallel: the earlier stages' connection also exports (one) and ends (one).
+    if searcher.mode is StageMode.SEQUENTIAL:
+        assert round_trips == [len(stages)]
+    else:
+        deadline = time.monotonic() + 5  # the earlier stages' connection is returned after the final
+        while not all(round_trips) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        earlier, final = sorted(round_trips, reverse=True)
+        assert final == 1
+        assert earlier == len(stage_probes(PLAN, PROBES, searcher.queried)) - 1 + 2
