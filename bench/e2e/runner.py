@@ -55,9 +55,10 @@ class RunResult:
 
 
 def set_search_ratio(index: VectorIndex, ratio: float) -> int:
-    """Probe ``ratio`` of the IVF lists (RAGCache's "vector search ratio"); returns nprobe."""
+    """Probe ``ratio`` of the IVF lists (RAGCache's "vector search ratio"); returns nprobe. The
+    searcher is an IVF one: in-process (``StagedIVF``) or a pgvector table's IVFFlat."""
     searcher: Any = index.searcher
-    nlist = int(searcher.index.nlist)
+    nlist = int(searcher.nlist)
     searcher.nprobe = max(1, min(nlist, round(ratio * nlist)))
     return int(searcher.nprobe)
 

@@ -48,98 +48,18 @@ import math
 import time
 from typing import Any
 
-import numpy as np
-
-from bench.common import (
-    add_model_option,
-    machine,
-    pin_apart,
-    plot_path,
-    print_summary,
-    run_measurement,
-    write_json,
-)
-from bench.e2e.runner import ttft_of
+from bench.common import machine, plot_path, print_summary, run_measurement, write_json
 from bench.indexes import scaled_index
-from bench.pipeline.calibration import (
-    CALIBRATION_QUERIES,
-    PREFERRED_K,
-    PROMPT_SIZES,
-    TARGET_RATIOS,
-    calibrate,
-    sweep_points,
-)
-from bench.pipeline.points import Stack, flat_point, graph_point, idle_sweep, loaded_run
+from bench.pipeline.calibration import calibrate, calibration_queries, sweep_points
+from bench.pipeline.options import parse_args
+from bench.pipeline.pgvector_point import pgvector_point
+from bench.pipeline.points import flat_point, graph_point, idle_sweep, loaded_run, open_stack
 from bench.pipeline.report import headline, plot
-from specrag.controller.config import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.engines.config import parse_cpus
-from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES
-from specrag.service.run.assembly import ServiceOptions, open_engine, prompt_builder
 from specrag.service.run.assets import ensure_assets
-
-# IVF kinds (index_store.KINDS) the sweep can run on.
-SWEEP_KINDS = ("ivf-sq8", "ivf", "ivf-pq")
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer queries, an 8M-vector index")
-    add_model_option(
-        parser, RANDOM_MODEL_NAME, "its size is set per machine so that search and prefill can cost the same"
-    )
-    parser.add_argument(
-        "--kind", choices=SWEEP_KINDS, default="ivf-sq8", help="IVF kind of the sweep's index (lists' codes)"
-    )
-    parser.add_argument(
-        "--index-size", type=int, help="vectors in the sweep's padded IVF index (default 12M, quick 8M)"
-    )
-    parser.add_argument("--nlist", type=int, default=1024, help="IVF lists of the padded indexes")
-    parser.add_argument(
-        "--flat-size",
-        type=int,
-        default=4_000_000,
-        help="vectors in the padded flat IVF index of the extra point at r near 1 (0: none)",
-    )
-    parser.add_argument(
-        "--hnsw-size", type=int, default=200_000, help="vectors in the padded HNSW index (0: no HNSW point)"
-    )
-    parser.add_argument(
-        "--targets",
-        type=lambda text: tuple(float(value) for value in text.split(",")),
-        default=TARGET_RATIOS,
-        help="search-to-prefill ratios of the idle sweep, comma-separated (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--idle-queries", type=int, help="queries per idle configuration (default 32, quick 16)"
-    )
-    parser.add_argument(
-        "--loaded-queries", type=int, help="queries per loaded configuration (default 48, quick 20)"
-    )
-    parser.add_argument(
-        "--utilization", type=float, default=0.7, help="loaded arrival rate / saturation rate"
-    )
-    parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per answer")
-    parser.add_argument(
-        "--stages",
-        type=int,
-        help="stages per search in the speculating configurations (default: the index kind's, "
-        + ", ".join(f"{stages} for {kind.upper()}" for kind, stages in DEFAULT_STAGES.items())
-        + ")",
-    )
-    parser.add_argument("--engine-cpus", default="0", help="core(s) of the engine's model worker")
-    parser.add_argument("--search-cpus", default="1", help="core(s) of the vector search thread")
-    parser.add_argument("--eager", action="store_true", help="no graph compilation in the engine")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    args.index_size = args.index_size or (8_000_000 if args.quick else 12_000_000)
-    args.idle_queries = args.idle_queries or (16 if args.quick else 32)
-    args.loaded_queries = args.loaded_queries or (20 if args.quick else 48)
-    if not 0 < args.utilization < 1:
-        parser.error("--utilization must be between 0 and 1")
-    return args
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,28 +76,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         f"the service (event loop, vector search) on core(s) {args.search_cpus}"
     )
     print(f"{pinning}; {args.kind} index {index.searcher.ntotal:,} vectors, nlist {args.nlist}", flush=True)
-    rng = np.random.default_rng(args.seed + 99)
-    picks = rng.integers(0, len(assets.passages), CALIBRATION_QUERIES)
-    queries = [assets.passages[int(i)].text[:120] for i in picks]
-    vectors = np.stack([index.embed_query(q) for q in queries])
-    options = ServiceOptions(eager=args.eager, engine_cpus=args.engine_cpus)
+    queries, vectors = calibration_queries(assets.passages, index, args.seed)
     try:
-        async with open_engine(assets.model_dir, options, layout.root / "run" / "pipeline") as opened:
-            engine, kv_events = opened
-            pinned = pin_apart(
-                parse_cpus(args.engine_cpus, "--engine-cpus"), parse_cpus(args.search_cpus, "--search-cpus")
-            )
-            print(f"pinned to core(s) {args.engine_cpus}: {', '.join(pinned)}", flush=True)
-            builder = prompt_builder(assets, engine)
-            await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
-            base = ControllerConfig(
-                k_default=PREFERRED_K,
-                k_max=max(PROMPT_SIZES),
-                max_tokens_default=args.max_tokens,
-                num_stages=args.stages,
-            )
-            stack = Stack(engine, kv_events, builder, base, args.max_tokens)
-            search_ms, prefill_ms = await calibrate(engine, builder, index, queries, vectors)
+        async with open_stack(args, assets, layout.root / "run" / "pipeline") as stack:
+            search_ms, prefill_ms = await calibrate(stack.engine, stack.builder, index, queries, vectors)
             sweep = sweep_points(search_ms, prefill_ms, args.targets)
             idle, idle_runs = await idle_sweep(stack, index, assets.passages, sweep, args)
             nearest_one = min(
@@ -197,6 +99,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             flat_summary, flat_runs = await flat_point(
                 stack, flat, assets.passages, vectors, prefill_ms, args
             )
+            pg_summary, pg_runs = await pgvector_point(stack, assets, runner, vectors, prefill_ms, args)
     finally:
         runner.shutdown()
     facts = {
@@ -208,6 +111,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "index": {"vectors": args.index_size, "nlist": args.nlist, "kind": args.kind},
         "flat_vectors": args.flat_size,
         "hnsw_vectors": args.hnsw_size,
+        "pgvector_rows": args.pgvector_rows,
         "idle_queries": args.idle_queries,
         "loaded_queries": args.loaded_queries,
         "max_tokens": args.max_tokens,
@@ -221,9 +125,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "loaded": loaded_runs,
         **({"hnsw": hnsw_runs} if hnsw_runs else {}),
         **({"ivf_flat": flat_runs} if flat_runs else {}),
+        **({"pgvector": pg_runs} if pg_runs else {}),
     }
     raw = {key: {name: run.records for name, run in runs.items()} for key, runs in records.items()}
-    result = {"facts": facts, "idle": idle, "loaded": loaded, "hnsw": hnsw_summary, "ivf_flat": flat_summary}
+    result = {
+        "facts": facts,
+        "idle": idle,
+        "loaded": loaded,
+        "hnsw": hnsw_summary,
+        "ivf_flat": flat_summary,
+        "pgvector": pg_summary,
+    }
     write_json("pipeline", {**result, "records": raw})
     plot(idle, hnsw_summary, flat_summary, args.kind)
     return result

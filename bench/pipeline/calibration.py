@@ -20,8 +20,10 @@ from bench.e2e.runner import one_search_ms, search_times_ms, set_search_ratio, t
 from specrag.paths import DataLayout
 from specrag.pipeline.engines.protocol import Engine
 from specrag.pipeline.store.prompt import PromptBuilder
+from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.stages import StagedSearcher
 from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.assets import Assets, ensure_index
@@ -47,6 +49,16 @@ class Point:
     predicted_ratio: float
     search_ms: float
     prefill_ms: float
+
+
+def calibration_queries(
+    passages: Sequence[Passage], index: VectorIndex, seed: int
+) -> tuple[list[str], np.ndarray]:
+    """The calibration's questions (the openings of random passages) and their query vectors."""
+    rng = np.random.default_rng(seed + 99)
+    picks = rng.integers(0, len(passages), CALIBRATION_QUERIES)
+    queries = [passages[int(i)].text[:120] for i in picks]
+    return queries, np.stack([index.embed_query(query) for query in queries])
 
 
 async def prefill_ms_by_k(
@@ -90,9 +102,10 @@ async def search_ms_by_share(index: VectorIndex, vectors: np.ndarray) -> dict[fl
     for share in PROBE_SHARES:
         set_search_ratio(index, share)
         search_ms[share] = await one_search_ms(index, vectors, PREFERRED_K)
-    codes = index.searcher.settings["codes"]
+    settings = index.searcher.settings
+    lists = settings.get("codes", settings["kind"])  # pgvector's IVFFlat lists have no codes
     print(
-        f"one search (ms) by probe share, {codes} lists:",
+        f"one search (ms) by probe share, {lists} lists:",
         {f"{s:.3g}": round(v, 1) for s, v in search_ms.items()},
     )
     return search_ms
@@ -128,20 +141,31 @@ async def hnsw_index(layout: DataLayout, assets: Assets, size: int, runner: Sear
     return index
 
 
-def with_ef_search(index: VectorIndex, ef_search: int) -> VectorIndex:
-    """The same graph searched at ``ef_search`` (its stage sizes recalibrated), hybrid when the
-    index is, like the IVF points: only the dense channel's search changes."""
-    searcher: Any = index.searcher
-    retuned = type(searcher)(searcher.owner, ef_search)
+def on_searcher(
+    index: VectorIndex,
+    searcher: StagedSearcher,
+    synthetic_sources: np.ndarray | None = None,
+    default_stages: int | None = None,
+) -> VectorIndex:
+    """``index``'s passages, embedder, runner and BM25 channel over another dense ``searcher``
+    (its synthetic rows ``synthetic_sources``, else ``index``'s): only the dense search changes."""
     return VectorIndex(
-        retuned,
+        searcher,
         index.passage_ids,
-        index.synthetic_sources,
+        index.synthetic_sources if synthetic_sources is None else synthetic_sources,
         index.embedder,
         index.runner,
         index.lexical,
         index.fusion,
+        default_stages,
     )
+
+
+def with_ef_search(index: VectorIndex, ef_search: int) -> VectorIndex:
+    """The same graph searched at ``ef_search`` (its stage sizes recalibrated), hybrid when the
+    index is, like the IVF points: only the dense channel's search changes."""
+    searcher: Any = index.searcher
+    return on_searcher(index, type(searcher)(searcher.owner, ef_search))
 
 
 async def hnsw_point(

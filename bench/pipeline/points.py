@@ -9,16 +9,19 @@ a fresh controller on the one engine the run shares (:class:`Stack`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.common import pin_apart
 from bench.e2e.report import answered
-from bench.e2e.runner import Configuration, RunResult, replay, search_times_ms, set_search_ratio
+from bench.e2e.runner import Configuration, RunResult, replay, search_times_ms, set_search_ratio, ttft_of
 from bench.e2e.workload import TraceQuery, generate
 from bench.pipeline.analysis import (
     BOUNDS,
@@ -29,19 +32,27 @@ from bench.pipeline.analysis import (
     point_summary,
     saturation_rps,
 )
-from bench.pipeline.calibration import Point, hnsw_index, hnsw_point, nearest_point, search_ms_by_share
+from bench.pipeline.calibration import (
+    PREFERRED_K,
+    PROMPT_SIZES,
+    Point,
+    hnsw_index,
+    hnsw_point,
+    nearest_point,
+    search_ms_by_share,
+)
 from bench.pipeline.ideal import bound_records
 from bench.pipeline.report import print_loaded, print_point
 from specrag.controller.config import ControllerConfig
 from specrag.paths import DataLayout
-from specrag.pipeline.engines.config import KVEventSource
+from specrag.pipeline.engines.config import KVEventSource, parse_cpus
 from specrag.pipeline.engines.protocol import Engine
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.run.assembly import open_controller
+from specrag.service.run.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
 from specrag.service.run.assets import Assets
 
 # An idle trace spaces arrivals this many times one query's expected search + prefill apart.
@@ -59,6 +70,28 @@ class Stack:
     builder: PromptBuilder
     base: ControllerConfig
     max_tokens: int
+
+
+@contextlib.asynccontextmanager
+async def open_stack(args: argparse.Namespace, assets: Assets, run_dir: Path) -> AsyncIterator[Stack]:
+    """The run's one engine, its processes pinned to ``--engine-cpus`` and this process to
+    ``--search-cpus``, warmed up once (not measured), with the controller settings every
+    configuration starts from; the engine's files go to ``run_dir``."""
+    options = ServiceOptions(eager=args.eager, engine_cpus=args.engine_cpus)
+    async with open_engine(assets.model_dir, options, run_dir) as (engine, kv_events):
+        pinned = pin_apart(
+            parse_cpus(args.engine_cpus, "--engine-cpus"), parse_cpus(args.search_cpus, "--search-cpus")
+        )
+        print(f"pinned to core(s) {args.engine_cpus}: {', '.join(pinned)}", flush=True)
+        builder = prompt_builder(assets, engine)
+        await ttft_of(engine, builder.system_layout_tokens())  # one-off engine warm-up, not measured
+        base = ControllerConfig(
+            k_default=PREFERRED_K,
+            k_max=max(PROMPT_SIZES),
+            max_tokens_default=args.max_tokens,
+            num_stages=args.stages,
+        )
+        yield Stack(engine, kv_events, builder, base, args.max_tokens)
 
 
 def configurations(search_share: float) -> list[Configuration]:

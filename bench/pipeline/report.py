@@ -163,6 +163,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         },
         **({"hnsw": extra_point(result["hnsw"])} if result["hnsw"] else {}),
         **({"ivf_flat": extra_point(result["ivf_flat"])} if result["ivf_flat"] else {}),
+        **({"pgvector": extra_point(result["pgvector"])} if result.get("pgvector") else {}),
         "index": result["facts"]["index"],
         "schedule": DEFAULT_SCHEDULE,
         "stages": result["facts"]["stages"],

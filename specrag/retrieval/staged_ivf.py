@@ -156,9 +156,14 @@ class StagedIVF(FaissBacked):
         return cls(index, nprobe)
 
     @property
+    def nlist(self) -> int:
+        """The index's lists (what a probe share is a share of; the pgvector searcher's too)."""
+        return int(self.index.nlist)
+
+    @property
     def settings(self) -> dict[str, Any]:
         """What a manifest records to rebuild this searcher around the saved faiss index."""
-        return {"kind": self.kind, "codes": self.codes, "nlist": int(self.index.nlist), "nprobe": self.nprobe}
+        return {"kind": self.kind, "codes": self.codes, "nlist": self.nlist, "nprobe": self.nprobe}
 
     @property
     def codes(self) -> str:

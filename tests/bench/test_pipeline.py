@@ -212,6 +212,10 @@ def test_the_headline_sorts_points_by_ratio_and_adds_the_extra_points() -> None:
     assert line["low_r"]["speculations_per_query"] == {"all": 2.0, "all-always": 3.0}
     assert "ivf_flat" not in headline({**result, "ivf_flat": None})
     assert "hnsw" not in headline({**result, "hnsw": None})  # --hnsw-size 0
+    assert "pgvector" not in line  # a sweep without --pgvector-rows
+    with_table = headline({**result, "pgvector": point(1.7, 0.82)})["pgvector"]
+    assert (with_table["ratio"], with_table["overlap_fraction"]) == (1.7, 0.82)
+    assert with_table["phases"]["all"]["submit_to_queued_ms"] == 1.7
 
 
 def test_a_trace_splits_into_two_halves_numbered_as_in_the_whole_and_arriving_from_zero() -> None:
