@@ -13,10 +13,12 @@ the serial run's timelines. At each point, one query at a time (idle), it runs `
 ``speculation`` with equal stages, ``speculation`` with the default schedule and ``all`` (default
 schedule); at the point nearest r = 1 the same four also run loaded (Poisson arrivals at
 ``--utilization`` of the saturation rate measured from the idle serial run). Two more idle points
-near r = 1: an HNSW index (efSearch sets its search time), and a flat IVF index. Every idle point
-also runs ``ideal`` (:mod:`bench.pipeline.ideal`): serial's final prompt submitted at the search's
-start, the bound as this machine allows it, and each configuration's ``overlap_fraction_of_ideal``;
-and ``earliest``: serial's final prompt submitted as the first stage of ``all``'s plan holding the
+near r = 1: an HNSW index (efSearch sets its search time), and a flat IVF index; with
+``--pgvector-rows N`` one more, on a PostgreSQL table with pgvector
+(:mod:`bench.pipeline.pgvector_point`). Every idle point also runs ``ideal``
+(:mod:`bench.pipeline.ideal`): serial's final prompt submitted at the search's start, the bound
+as this machine allows it, and each configuration's ``overlap_fraction_of_ideal``; and
+``earliest``: serial's final prompt submitted as the first stage of ``all``'s plan holding the
 final passages ends, the best any speculation from those stages can do (``earliest-fine``: the
 same on a plan of many equal stages), and ``all``'s share of its gain.
 
