@@ -94,9 +94,11 @@ def build_table(
         nlist=config.nlist,
         replace=args.pg_replace,
         progress=True,
+        index_method=args.pg_index,
     )
+    index = "HNSW" if layout.method == "hnsw" else f"IVFFlat {layout.lists} lists"
     print(
-        f"loaded {len(passages)} passages ({layout.dim} dims, IVFFlat {layout.lists} lists, {layout.metric}) "
+        f"loaded {len(passages)} passages ({layout.dim} dims, {index}, {layout.metric}) "
         f"into {settings.where} in {time.perf_counter() - started:.1f}s"
     )
     return 0
@@ -115,7 +117,7 @@ def open_index(
     settings = settings_from(args)
     database = Database(settings)
     try:
-        layout = inspect_table(database, None, args.pg_metric)
+        layout = inspect_table(database, None, args.pg_metric, getattr(args, "pg_index", None))
         documents_off = add_version_column(database)
         version_column = None if documents_off is not None else VERSION_COLUMN
         passages, versions = read_rows(database, version_column)
@@ -133,7 +135,7 @@ def open_index(
             database,
             layout,
             [passage.id for passage in passages],
-            nprobe=getattr(args, "nprobe", None),
+            nprobe=getattr(args, "ef_search" if layout.method == "hnsw" else "nprobe", None),
             mode=getattr(args, "pg_stage_mode", DEFAULT_STAGE_MODE),
             queried=getattr(args, "pg_stages", StageQueries.ENDS),
             versions=versions,

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field, fields
 from specrag.errors import InvalidInputError
 
 __all__ = [
+    "DEFAULT_HNSW_EF_SEARCH",
     "DEFAULT_POOL_SIZE",
     "DEFAULT_STAGE_MODE",
     "DEFAULT_STATEMENT_TIMEOUT_S",
     "DSN_ENV",
+    "INDEX_METHODS",
     "METRICS",
     "Columns",
     "PgSettings",
@@ -36,6 +38,11 @@ DSN_ENV = "SPECRAG_PG_DSN"
 DEFAULT_STATEMENT_TIMEOUT_S = 5.0
 # Connections the service holds at most: a staged search takes two at a time (docs/backends.md).
 DEFAULT_POOL_SIZE = 8
+# pgvector's index methods a search is staged on, and the setting that widens a query on each:
+# more IVFFlat lists probed, or a wider HNSW candidate list (docs/backends.md).
+INDEX_METHODS = {"ivfflat": "ivfflat.probes", "hnsw": "hnsw.ef_search"}
+# An HNSW table's final hnsw.ef_search unless told: specrag's own HNSW default (IndexConfig).
+DEFAULT_HNSW_EF_SEARCH = 128
 # pgvector's operator classes by the metric they rank with, and the operator each one orders by.
 METRICS = {
     "ip": ("vector_ip_ops", "<#>"),

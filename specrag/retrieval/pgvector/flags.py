@@ -13,6 +13,7 @@ from specrag.retrieval.pgvector.config import (
     DEFAULT_STAGE_MODE,
     DEFAULT_STATEMENT_TIMEOUT_S,
     DSN_ENV,
+    INDEX_METHODS,
     METRICS,
     StageMode,
     StageQueries,
@@ -52,6 +53,14 @@ def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
         type=float,
         default=DEFAULT_STATEMENT_TIMEOUT_S,
         help="seconds a query may take",
+    )
+    parser.add_argument(
+        "--pg-index",
+        choices=tuple(INDEX_METHODS),
+        default="ivfflat" if building else None,
+        help="the vector index to build (default: ivfflat)"
+        if building
+        else "the vector index to search, checked against the table's (default: IVFFlat, else HNSW)",
     )
     if building:
         parser.add_argument("--pg-replace", action="store_true", help="drop the table first if it exists")

@@ -24,6 +24,13 @@ query (prepared once a connection) and, on the last, the COMMIT go as one pipeli
 final query costs one round trip more than a one-shot query, the export's, and no statement of
 it waits for the one before. A stage that arrives after the final one is dropped.
 
+An HNSW table is staged the same way with a growing ``hnsw.ef_search`` (at least k) in place of
+the probes. A wider candidate list is not guaranteed to find every row a narrower one found, so
+the stages of an HNSW search need not nest; the final stage is still the one-shot query, and on
+the tables measured no stage's i-th best was worse than the stage before (docs/backends.md).
+pgvector 0.8's iterative scans (``hnsw.iterative_scan``) resume a scan when filtering leaves
+fewer rows than the LIMIT; these queries filter nothing, so they change no result here.
+
 Scores are similarities, higher first, as the in-process indexes give for unit vectors: the
 inner product (``ip``), 1 - the cosine distance (``cosine``), or minus the squared L2 distance.
 """
@@ -46,7 +53,14 @@ from psycopg.pq import TransactionStatus
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.pgvector.config import DEFAULT_STAGE_MODE, METRICS, StageMode, StageQueries
+from specrag.retrieval.pgvector.config import (
+    DEFAULT_HNSW_EF_SEARCH,
+    DEFAULT_STAGE_MODE,
+    INDEX_METHODS,
+    METRICS,
+    StageMode,
+    StageQueries,
+)
 from specrag.retrieval.pgvector.database import Database, DatabaseUnavailableError
 from specrag.retrieval.pgvector.table import TableLayout
 from specrag.retrieval.staged_ivf import default_nprobe
@@ -55,6 +69,8 @@ from specrag.retrieval.stages import DEFAULT_STAGES, Schedule, StagePlan, StageR
 __all__ = ["PgVectorSearcher", "stage_probes"]
 
 _PAD_SCORE = -np.finfo(np.float32).max
+# pgvector's largest hnsw.ef_search.
+_MAX_EF_SEARCH = 1000
 
 
 def stage_probes(plan: StagePlan, probes: int, queried: StageQueries = StageQueries.ENDS) -> list[int]:
@@ -143,8 +159,13 @@ class PgVectorSearcher:
         self.layout = layout
         self.mode = StageMode(mode)
         self.queried = StageQueries(queried)
-        #: The final stage's ``ivfflat.probes`` (the one-shot query's), as :class:`StagedIVF` names it.
-        self.nprobe = min(layout.lists, default_nprobe(layout.lists) if nprobe is None else nprobe)
+        #: The final stage's ``ivfflat.probes`` (the one-shot query's), as :class:`StagedIVF` names
+        #: it; on an HNSW table, its ``hnsw.ef_search``.
+        if layout.method == "hnsw":
+            self.nprobe = min(_MAX_EF_SEARCH, DEFAULT_HNSW_EF_SEARCH if nprobe is None else nprobe)
+        else:
+            self.nprobe = min(layout.lists, default_nprobe(layout.lists) if nprobe is None else nprobe)
+        self._widen = INDEX_METHODS[layout.method]
         if self.nprobe < 1:
             raise InvalidInputError(f"--nprobe must be at least 1, got {self.nprobe}")
         held = [1] * len(row_ids) if versions is None else list(versions)
@@ -187,7 +208,7 @@ class PgVectorSearcher:
 
     @property
     def nlist(self) -> int:
-        """The IVFFlat index's lists (what a probe share is a share of)."""
+        """The IVFFlat index's lists (what a probe share is a share of); 0 on an HNSW table."""
         return self.layout.lists
 
     @property
@@ -233,6 +254,7 @@ class PgVectorSearcher:
         """What the stage statistics key a search's figures by (never the DSN)."""
         return {
             "kind": self.kind,
+            "index": self.layout.method,
             "table": self.database.settings.table,
             "metric": self.layout.metric,
             "lists": self.layout.lists,
@@ -277,7 +299,9 @@ class PgVectorSearcher:
         with connection.pipeline():
             for statement in opening:
                 connection.execute(statement)
-            connection.execute(f"SET LOCAL ivfflat.probes = {int(probes)}")
+            # HNSW returns at most ef_search rows: a stage's candidate list is never narrower than k.
+            width = max(probes, k) if self.layout.method == "hnsw" else probes
+            connection.execute(f"SET LOCAL {self._widen} = {int(width)}")
             cursors = [
                 connection.execute(self._query, {"q": vector, "k": k}, prepare=True) for vector in matrix
             ]

@@ -1,11 +1,12 @@
-"""Loading a corpus into a table with an IVFFlat index, and checking a table before serving it.
+"""Loading a corpus into a table with a vector index, and checking a table before serving it.
 
 A table specrag builds holds each passage's id, title, text and embedding (specrag's embedder's
 vectors), and an IVFFlat index with as many lists as specrag's own IVF build would train
 (:func:`~specrag.retrieval.staged_ivf.choose_nlist`), so the two backends are compared at the same
-list count. A user's existing table is searched as it is: :func:`inspect_table` reads its
-columns and its vector index and refuses (``InvalidInputError``, exit 2) what cannot be searched
-in stages, naming the column.
+list count, or (``--pg-index hnsw``) an HNSW index with pgvector's default graph settings. A
+user's existing table is searched as it is: :func:`inspect_table` reads its columns and its
+vector index and refuses (``InvalidInputError``, exit 2) what cannot be searched in stages,
+naming the column.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.pgvector.config import METRICS, PgSettings
+from specrag.retrieval.pgvector.config import INDEX_METHODS, METRICS, PgSettings
 from specrag.retrieval.pgvector.database import Database, connect_once
 from specrag.retrieval.pgvector.writes import VERSION_COLUMN
 from specrag.retrieval.staged_ivf import DEFAULT_NLIST, choose_nlist
@@ -32,13 +33,14 @@ _COPY_CHUNK = 2000
 
 @dataclass(frozen=True)
 class TableLayout:
-    """What serving a table needs to know of it: its vectors' dimension, the metric and list count
-    of its IVFFlat index."""
+    """What serving a table needs to know of it: its vectors' dimension, the metric of its vector
+    index, its method (``ivfflat`` or ``hnsw``) and an IVFFlat index's list count (0 for HNSW)."""
 
     dim: int
     metric: str
     lists: int
     index_name: str
+    method: str = "ivfflat"
 
 
 def _table(settings: PgSettings) -> sql.Identifier:
@@ -54,13 +56,17 @@ def load_table(
     nlist: int = DEFAULT_NLIST,
     replace: bool = False,
     progress: bool = False,
+    index_method: str = "ivfflat",
 ) -> TableLayout:
     """Create the table (``replace`` drops one that exists), copy the passages and their vectors in,
-    and build the IVFFlat index; returns what :func:`inspect_table` would read back."""
+    and build the IVFFlat (or HNSW, ``index_method``) index; returns what :func:`inspect_table`
+    would read back."""
     if len(passages) != len(vectors) or not len(passages):
         raise InvalidInputError(f"{len(passages)} passages and {len(vectors)} vectors: need as many, not 0")
     if metric not in METRICS:
         raise InvalidInputError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    if index_method not in INDEX_METHODS:
+        raise InvalidInputError(f"unknown index {index_method!r}; choose one of {', '.join(INDEX_METHODS)}")
     matrix = np.ascontiguousarray(vectors, dtype=np.float32)
     dim = matrix.shape[1]
     columns = settings.columns
@@ -99,32 +105,36 @@ def load_table(
                     bar.update(_COPY_CHUNK)
             bar.update(len(matrix) % _COPY_CHUNK)
         started = time.perf_counter()
+        hnsw = index_method == "hnsw"
+        described = "HNSW index" if hnsw else f"IVFFlat index ({lists} lists)"
         if progress:
-            print(f"building the IVFFlat index ({lists} lists) ...", flush=True)
+            print(f"building the {described} ...", flush=True)
         connection.execute("SET maintenance_work_mem = '512MB'")
-        index_name = f"{settings.table_parts[-1]}_{columns.embedding}_ivfflat"
+        index_name = f"{settings.table_parts[-1]}_{columns.embedding}_{index_method}"
         connection.execute(
-            sql.SQL("CREATE INDEX {} ON {} USING ivfflat ({} {}) WITH (lists = {})").format(
+            sql.SQL("CREATE INDEX {} ON {} USING {} ({} {}){}").format(
                 sql.Identifier(index_name),
                 table,
+                sql.SQL(index_method),
                 sql.Identifier(columns.embedding),
                 sql.SQL(METRICS[metric][0]),
-                sql.Literal(lists),
+                sql.SQL("") if hnsw else sql.SQL(" WITH (lists = {})").format(sql.Literal(lists)),
             )
         )
         connection.execute(sql.SQL("ANALYZE {}").format(table))
         connection.commit()
         if progress:
-            print(f"built the IVFFlat index in {time.perf_counter() - started:.1f}s", flush=True)
-    return TableLayout(dim, metric, lists, index_name)
+            print(f"built the {described} in {time.perf_counter() - started:.1f}s", flush=True)
+    return TableLayout(dim, metric, 0 if hnsw else lists, index_name, index_method)
 
 
 def inspect_table(
-    database: Database, expected_dim: int | None = None, metric: str | None = None
+    database: Database, expected_dim: int | None = None, metric: str | None = None, method: str | None = None
 ) -> TableLayout:
     """Check that the table has the columns named, that the embedding column is a ``vector`` of
-    ``expected_dim`` (the query embedder's) with an IVFFlat index (of ``metric``, when given):
-    ``InvalidInputError`` naming the column otherwise."""
+    ``expected_dim`` (the query embedder's) with an IVFFlat or HNSW index (of ``method`` and
+    ``metric``, when given; IVFFlat first when it has both): ``InvalidInputError`` naming the
+    column otherwise."""
     settings = database.settings
     columns = settings.columns
     with database.connection() as connection:
@@ -164,26 +174,32 @@ def inspect_table(
             "ON a.attrelid = x.indrelid AND a.attnum = x.indkey[0] WHERE x.indrelid = %s AND a.attname = %s",
             (oid[0], columns.embedding),
         ).fetchall()
-    ivfflat = [row for row in indexes if row[1] == "ivfflat"]
-    if not ivfflat:
-        found = ", ".join(f"{name} ({method})" for name, method, _, _ in indexes) or "none"
+    staged = sorted(
+        (row for row in indexes if row[1] in INDEX_METHODS and method in (None, row[1])),
+        key=lambda row: list(INDEX_METHODS).index(row[1]),
+    )
+    if not staged:
+        found = ", ".join(f"{name} ({kind})" for name, kind, _, _ in indexes) or "none"
+        wanted = method or "IVFFlat or HNSW"
         raise InvalidInputError(
-            f"column {columns.embedding!r} of {settings.table} has no IVFFlat index (found: {found}); staged "
-            "search nests IVFFlat probes, an HNSW search does not nest: CREATE INDEX ... USING ivfflat"
+            f"column {columns.embedding!r} of {settings.table} has no {wanted} index (found: {found}): "
+            f"CREATE INDEX ... USING {method or 'ivfflat'}, or build the table with --pg-index"
         )
-    name, _, opclass, options = ivfflat[0]
+    name, found_method, opclass, options = staged[0]
     found_metric = next((key for key, (ops, _) in METRICS.items() if ops == opclass), None)
     if found_metric is None:
         raise InvalidInputError(
-            f"column {columns.embedding!r}: IVFFlat operator class {opclass} is not supported"
+            f"column {columns.embedding!r}: {found_method} operator class {opclass} is not supported"
         )
     if metric is not None and metric != found_metric:
         raise InvalidInputError(
             f"column {columns.embedding!r} of {settings.table} is indexed for {found_metric} ({opclass}), "
             f"not {metric}"
         )
+    if found_method == "hnsw":
+        return TableLayout(dim, found_metric, 0, name, found_method)
     lists = next((int(part.split("=")[1]) for part in options.split(",") if part.startswith("lists=")), 100)
-    return TableLayout(dim, found_metric, lists, name)
+    return TableLayout(dim, found_metric, lists, name, found_method)
 
 
 def read_passages(database: Database) -> list[Passage]:

@@ -49,6 +49,7 @@ def serve_args(dsn: str, table: str, **extra: Any) -> argparse.Namespace:
         "pg_table": table,
         "pg_columns": None,
         "pg_metric": None,
+        "pg_index": None,
         "pg_statement_timeout": 5.0,
         "pg_pool_size": 4,
         "pg_stage_mode": "parallel",
@@ -100,7 +101,7 @@ def test_a_users_table_is_searched_through_the_column_mapping(
         ({"pg_columns": "id=doc_id,title=heading,text=body"}, "'embedding'"),  # no such column
         ({"pg_columns": "id=doc_id,title=nope,text=body,embedding=vec"}, "'nope'"),
         ({"pg_columns": "id=doc_id,title=heading,text=body,embedding=vec", "pg_metric": "ip"}, "'vec'"),
-        ({"pg_table": "docs_hnsw"}, "'embedding'"),  # HNSW only: no IVFFlat to stage
+        ({"pg_table": "docs_hnsw", "pg_index": "ivfflat"}, "'embedding'"),  # HNSW only, IVFFlat asked
         ({"pg_table": "no_such_table"}, "no_such_table"),
     ],
 )
@@ -180,3 +181,22 @@ def test_a_killed_database_fails_queries_clearly_and_recovers(vectors: np.ndarra
             np.testing.assert_array_equal(after, before)
         finally:
             searcher.close()
+
+
+def test_index_build_makes_an_hnsw_table_that_serve_checks(postgres: LocalPostgres, tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(
+        "".join(f'{{"id": "d{n}", "text": "passage {n} on topic {n % 5} with word{n}"}}\n' for n in range(40))
+    )
+    pg = ["--backend", "pgvector", "--pg-dsn", postgres.dsn, "--pg-table", "cli_hnsw"]
+    build = ["--data-dir", str(tmp_path), "index", "build", "--corpus", str(corpus), *pg]
+    assert main([*build, "--pg-index", "hnsw", "--embedder", "tfidf-svd", "--dim", "4"]) == 0
+    index, passages = open_index(
+        serve_args(postgres.dsn, "cli_hnsw"), embedder=FixedEmbedder(4), lexical=False
+    )
+    try:
+        assert len(passages) == 40 and index.searcher.settings["index"] == "hnsw"
+    finally:
+        index.searcher.close()  # type: ignore[attr-defined]
+    with pytest.raises(InvalidInputError, match=r"'embedding'.*no ivfflat index.*hnsw"):
+        open_index(serve_args(postgres.dsn, "cli_hnsw", pg_index="ivfflat"), embedder=FixedEmbedder(4))

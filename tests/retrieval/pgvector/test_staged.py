@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from psycopg.pq import Trace
 
+from specrag.errors import InvalidInputError
 from specrag.retrieval.pgvector.config import PgSettings, StageMode, StageQueries
 from specrag.retrieval.pgvector.database import Database
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher, stage_probes
@@ -173,3 +174,40 @@ def test_the_final_stage_costs_one_round_trip(
         earlier, final = sorted(round_trips, reverse=True)
         assert final == 1
         assert earlier == len(stage_probes(PLAN, PROBES, searcher.queried)) - 1 + 2
+
+
+@pytest.fixture(scope="module")
+def hnsw_table(postgres: object, pg_table: PgSettings, vectors: np.ndarray) -> PgSettings:
+    settings = PgSettings(pg_table.dsn, table="staged_hnsw")
+    load_table(settings, passages_for(vectors), vectors, replace=True, index_method="hnsw")
+    return settings
+
+
+@pytest.mark.parametrize("mode", list(StageMode), ids=str)
+def test_an_hnsw_table_is_staged_by_ef_search_and_its_final_is_the_one_shot(
+    hnsw_table: PgSettings, pg_queries: np.ndarray, mode: StageMode
+) -> None:
+    database = Database(hnsw_table)
+    layout = inspect_table(database, DIM)
+    assert (layout.method, layout.lists) == ("hnsw", 0)
+    ids = [passage.id for passage in read_passages(database)]
+    searcher = PgVectorSearcher(database, layout, ids, nprobe=64, mode=mode, queried=StageQueries.EVERY)
+    try:
+        assert searcher.settings["index"] == "hnsw"
+        for query in pg_queries[:10]:
+            _, one_shot = searcher.search(query[None, :], K)
+            stages = list(searcher.stages(query[None, :], K, PLAN))
+            assert stages[-1].done and (stages[-1].ids >= 0).all()  # ef_search never under k
+            np.testing.assert_array_equal(stages[-1].ids, one_shot)
+    finally:
+        searcher.close()
+
+
+def test_the_index_asked_for_must_be_the_tables(hnsw_table: PgSettings, pg_table: PgSettings) -> None:
+    for settings, method in ((hnsw_table, "ivfflat"), (pg_table, "hnsw")):
+        database = Database(settings)
+        try:
+            with pytest.raises(InvalidInputError, match=f"'embedding'.*no {method} index"):
+                inspect_table(database, DIM, method=method)
+        finally:
+            database.close()
