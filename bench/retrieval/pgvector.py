@@ -16,6 +16,8 @@ target <= 1.15), ``pg_first_stage_ratio`` (when the first running top-k arrives)
 ``pg_round_trip_ms`` (a ``SELECT 1`` on a ready connection: one round trip on this socket) and
 ``pg_staged_final_floor_ratio`` (a one-shot query and one round trip more, the parallel mode's
 export, over the one-shot: the final's floor), ``pg_staged`` (both ratios for every setting), and
+the same rows under an HNSW index staged by ``hnsw.ef_search`` (``pg_hnsw_recall_at10`` at each
+stage's width, ``pg_hnsw_stages_nested``, ``pg_hnsw_final_equals_oneshot``), and
 ``pg_overlap_fraction_near_r1``: ``all``'s overlap fraction at bench.pipeline's idle point nearest
 r = 1 (r = search / prefill) with a pgvector table as the retrieval
 (:mod:`bench.pipeline.pgvector_point`: the real engine, the random-weight model, the engine and
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import shlex
 import statistics
 import time
@@ -92,6 +95,52 @@ def _round_trip_s(database: Database, count: int) -> float:
             connection.execute("SELECT 1").fetchone()
             timings.append(time.perf_counter() - started)
     return statistics.median(timings)
+
+
+def measure_hnsw(
+    server: LocalPostgres,
+    passages: list[Passage],
+    vectors: np.ndarray,
+    queries: np.ndarray,
+    truth: np.ndarray,
+    plan: StagePlan,
+) -> dict[str, Any]:
+    """The same rows under an HNSW index, staged by a growing ``hnsw.ef_search``: recall@10 at each
+    stage's width, the share of queries whose stages nested (no rank's score worse than at the
+    stage before: not guaranteed on HNSW) and whose final stage equals a one-shot query."""
+    settings = PgSettings(server.dsn, table="bench_vectors_hnsw", pool_size=4)
+    started = time.perf_counter()
+    load_table(settings, passages, vectors, index_method="hnsw")
+    load_s = time.perf_counter() - started
+    database = Database(settings)
+    layout = inspect_table(database, vectors.shape[1])
+    searcher = PgVectorSearcher(
+        database, layout, [passage.id for passage in passages], queried=StageQueries.EVERY
+    )
+    widths = [max(K, width) for width in stage_probes(plan, searcher.nprobe, StageQueries.EVERY)]
+    found: list[list[np.ndarray]] = [[] for _ in widths]
+    nested = equal = 0
+    try:
+        for query in queries:
+            single = query[None, :]
+            stages = list(searcher.stages(single, K, plan))
+            _, one_shot = searcher.search(single, K)
+            equal += bool(np.array_equal(stages[-1].ids, one_shot))
+            nested += all(
+                (after.distances >= before.distances - 1e-6).all()
+                for before, after in itertools.pairwise(stages)
+            )
+            for number, stage in enumerate(stages):
+                found[number].append(stage.ids[0])
+    finally:
+        searcher.close()
+    return {
+        "pg_hnsw_load_and_index_s": round(load_s, 2),
+        "pg_hnsw_ef_search": widths,
+        "pg_hnsw_recall_at10": [round(_recall(np.stack(ids), truth), 4) for ids in found],
+        "pg_hnsw_stages_nested": nested / len(queries),
+        "pg_hnsw_final_equals_oneshot": equal / len(queries),
+    }
 
 
 def measure(rows: int, dim: int, num_queries: int) -> dict[str, Any]:
@@ -160,6 +209,7 @@ def measure(rows: int, dim: int, num_queries: int) -> dict[str, Any]:
                     arrivals[setting].append(pair)
         finally:
             searcher.close()
+        result.update(measure_hnsw(server, passages, vectors, queries[WARMUP:], truth[WARMUP:], plan))
     one_shot_s = statistics.median(one_shot)
     stage_ms = [statistics.median(column) * 1000 for column in zip(*per_stage, strict=True)]
     stage_sum_s = float(np.median([sum(times) for times in per_stage]))
