@@ -275,7 +275,6 @@ class ControllerConfig:
             raise InvalidInputError(f"{name} must be an integer between 1 and {self.k_max}, got {echo(k)}")
         return k
 
-
     @staticmethod
     def check_fresh(fresh: object, k: int, name: str = "document_kv_fresh") -> int:
         """``fresh`` when it is an integer from 0 to ``k`` (the documents a request has), else
