@@ -50,6 +50,7 @@ def test_corpus_build_writes_jsonl_into_the_data_dir(tmp_path: Path) -> None:
         (["demo", "-k", "0"], "-k must be an integer between 1 and"),
         (["demo", "--max-tokens", "0"], "--max-tokens must be at least 1"),
         (["corpus", "build", "--words", "3"], "target_words must be at least"),
+        (["serve", "--document-kv-fresh", "-1"], "--document-kv-fresh must be an integer between 0 and 50"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(

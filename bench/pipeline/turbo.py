@@ -1,20 +1,28 @@
-"""TurboRAG on the in-process vLLM engine: cold TTFT of full prefill against document KV loaded
-from the store, the store's load time, and whether the loaded KV is right.
+"""TurboRAG on the in-process vLLM engine: the frontier of document KV (cold TTFT against accuracy,
+for each variant and tier), the store's load time, and whether the loaded KV is right.
 
 Not a benchmark of pipelining (the overlap of search and prefill): it measures the inference
 side alone, ``specrag.pipeline``'s document KV, which shortens the prefill the overlap hides;
 hence its place in this family (:mod:`bench.pipeline`).
 
-Rerun: ``.venv/bin/python -m bench.pipeline.turbo`` (``--quick``: fewer TTFT prompts and repeats; ``--model``
-a model name or any Hugging Face model directory). Writes bench/out/turbo.json and .png; the last line printed
-is JSON with ``cold_full_ttft_ms``, ``turbo_ttft_ms``, ``ttft_turbo_over_full``, ``kv_rel_err_max``,
-``single_doc_first_token_equal`` and ``accuracy``.
+Rerun: ``.venv/bin/python -m bench.pipeline.turbo`` (``--quick``: 2 TTFT prompts, 1 repeat, against
+4 x 2; ``--questions N``, default 300, each answered 15 ways: about a minute a question on one core;
+``--tiers 0,1`` measures those M only; ``--model`` a model name or any Hugging Face model directory).
+Writes bench/out/turbo.json and .png; the last line printed is JSON with ``frontier``, ``default``,
+``cold_full_ttft_ms``, ``turbo_ttft_ms``, ``ttft_turbo_over_full`` (alone, M = 0),
+``kv_rel_err_max``, ``single_doc_first_token_equal`` and ``accuracy``.
 
-- TTFT: prompts ``system · k documents · question`` (k = 6 passages of the corpus, padded to KV
-  blocks as the service lays them out). Each is served cold both ways, prefix cache reset before
-  each: a full prefill, and turbo (the system prompt's and the documents' KV loaded from the warm
-  store, only the question prefilled). Medians over prompts x repeats; the two ways alternate.
-  No retrieval runs here: the regime is r = 0 (engine time only).
+- Frontier (:mod:`bench.pipeline.turbo_frontier`): every variant (each document's KV computed
+  ``alone`` or ``after-system``) and tier M = 0 … k (the top-M documents prefilled fresh, after the
+  loaded ones). TTFT: prompts ``system · k documents · question`` (k = 6 passages of the corpus,
+  padded to KV blocks as the service lays them out), each served cold (prefix cache reset before
+  each request) in full and at every point, from a warm store; medians over prompts x repeats, the
+  order of the ways rotating. No retrieval runs there: the regime is r = 0 (engine time only).
+  Accuracy: :func:`answer_frontier` answers ``bench.quality``'s questions through the controller as
+  ``serial`` requests, in full and at every point (k = 6, so M spans the same range; 24 tokens,
+  greedy), scored by ``bench.quality``'s ``accuracy`` (the gold name among the answer's words), each
+  point paired with full prefill question by question. The default: the fastest point whose paired
+  interval reaches 0 with a lower end >= -0.05, or a statement that none does.
 - Store load time: reading one prompt's entries and rotating their keys, in this process (the
   connector's work apart from the cache writes, which run inside the engine's worker).
 - KV error: each document of a prompt as loaded at its offset p (read back from the engine
@@ -24,21 +32,17 @@ is JSON with ``cold_full_ttft_ms``, ``turbo_ttft_ms``, ``ttft_turbo_over_full``,
   0) is the floor that vLLM's kernels and dtype alone cause; the difference is the rotation's.
 - Single document: the prompt ``document · question``, nothing before the document, served both
   ways; its first token must be the same (there the stored KV is what a full prefill computes).
-- Accuracy: :func:`answer_accuracy` answers ``bench.quality``'s questions (``--questions N``,
-  default 104; 0 skips it) through the controller as ``serial`` requests both ways, k = 4 and 24
-  tokens as ``bench.quality`` does, and scores them with its metrics (``accuracy``: the gold name
-  is among the answer's words).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import tempfile
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,15 +59,25 @@ from bench.common import (
     save_figure,
     write_report,
 )
-from bench.quality.questions import build_questions, score
+from bench.pipeline.turbo_frontier import (
+    ACCURACY_FLOOR,
+    FULL,
+    Point,
+    choose_default,
+    first_output,
+    frontier,
+    frontier_points,
+    measure_ttft,
+)
+from bench.quality.questions import QUESTION_COUNT, build_questions, score
 from specrag.cache.layout import PromptLayout, build_layout
 from specrag.controller.controller import ControllerConfig, RagRequest
-from specrag.controller.modes import ModeName
+from specrag.controller.modes import DocumentKvVariant, ModeName
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.document_kv.rope import RopeSpec
 from specrag.pipeline.document_kv.store import DocumentKVStore, segment_key
 from specrag.pipeline.engines.config import EngineConfig
-from specrag.pipeline.engines.protocol import Sampling, now
+from specrag.pipeline.engines.protocol import Sampling
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME
 from specrag.pipeline.store.prompt import PromptBuilder
@@ -82,44 +96,6 @@ QUESTIONS = (
     "How do I parse command-line options with argparse?",
     "How does itertools.groupby group consecutive items?",
 )
-
-
-async def first_output(
-    engine: VllmEngine, prompt: Sequence[int], sampling: Sampling
-) -> tuple[float, int, int]:
-    """(seconds to the first token, cached tokens, first token) of one request."""
-    started = now()
-    async for output in engine.generate(uuid.uuid4().hex, prompt, sampling):
-        if output.token_ids:
-            return output.received_at - started, output.cached_tokens or 0, output.token_ids[0]
-    raise RuntimeError("the engine returned no token")
-
-
-async def measure_ttft(engine: VllmEngine, layouts: Sequence[PromptLayout], repeats: int) -> dict[str, Any]:
-    """Cold TTFT of every prompt both ways, prefix cache reset before each request."""
-    full: list[float] = []
-    turbo: list[float] = []
-    loaded: list[int] = []
-    for repeat in range(repeats):
-        for index, layout in enumerate(layouts):
-            spans = layout.stored_spans()
-            ways = [("full", ()), ("turbo", spans)]
-            if (repeat + index) % 2:
-                ways.reverse()
-            for way, document_kv in ways:
-                await engine.reset_prefix_cache()
-                sampling = Sampling(max_tokens=1, document_kv=document_kv)
-                seconds, cached, _ = await first_output(engine, layout.token_ids, sampling)
-                (full if way == "full" else turbo).append(seconds)
-                if way == "turbo":
-                    loaded.append(cached)
-    return {
-        "full_s": full,
-        "turbo_s": turbo,
-        "turbo_loaded_tokens": loaded,
-        "prompt_tokens": [len(layout.token_ids) for layout in layouts],
-        "stored_tokens": [layout.stored_spans()[-1][1] for layout in layouts],
-    }
 
 
 def store_load_seconds(store: DocumentKVStore, rope: RopeSpec, layout: PromptLayout) -> float:
@@ -201,106 +177,133 @@ async def single_document(
     return {"row": row, **tokens, "equal": tokens["full"]["first_token"] == tokens["turbo"]["first_token"]}
 
 
-async def answer_accuracy(
+async def answer_frontier(
     engine: VllmEngine,
     builder: PromptBuilder,
     index: VectorIndex,
     pairs: Sequence[tuple[str, str]],
     k: int,
     max_tokens: int,
-) -> dict[str, Any]:
-    """The accuracy hook: (question, gold answer) pairs answered through the controller, full
-    against turbo, scored by ``bench.quality``'s metrics.
+    points: Sequence[Point],
+) -> list[dict[str, Any]]:
+    """The accuracy hook: (question, gold answer) pairs answered through the controller in full
+    and at every point, scored by ``bench.quality``'s metrics; one record a question.
 
-    Both ways run as ``serial`` requests (search, then one prompt, documents in retrieval order:
-    the same prompt both ways) with greedy decoding. Before the turbo request, its segments are
-    filled into the store, so it loads every document instead of falling back to a full prefill
-    on first use (``loaded_tokens`` says what it loaded).
+    Every way runs as a ``serial`` request (search, then one prompt, documents in retrieval order
+    but for a point's fresh ones, moved last), greedy. Before a question's turbo requests its
+    documents are stored in both variants, so each loads all it may (``loaded_tokens``).
     """
-    sums = {way: {"accuracy": 0.0, "f1": 0.0} for way in ("full", "turbo")}
-    identical = loaded = 0
     records = []
-    config = ControllerConfig(mode=ModeName.SERIAL)
-    async with open_controller(engine, None, index, builder, config) as (controller, _):
-        for question, gold in pairs:
-            full = await controller.answer(
-                RagRequest(question, k=k, max_tokens=max_tokens, document_kv="full")
-            )
-            spans = full.prompt.stored_spans()
-            await engine.fill_document_kv(full.prompt.span_tokens(spans))
-            turbo = await controller.answer(
-                RagRequest(question, k=k, max_tokens=max_tokens, document_kv="turbo")
-            )
-            loaded += turbo.timeline.document_kv_tokens
-            identical += full.text == turbo.text
-            record: dict[str, Any] = {"question": question, "gold": gold}
-            for way, done in (("full", full), ("turbo", turbo)):
-                scores = score(done.text, gold)
-                for metric in sums[way]:
-                    sums[way][metric] += scores[metric]
-                record[way] = {"answer": done.text, **scores}
-            records.append(record)
-    n = len(pairs)
-    return {
-        "questions": n,
-        "full": sums["full"]["accuracy"] / n if n else None,
-        "turbo": sums["turbo"]["accuracy"] / n if n else None,
-        **accuracy_intervals(records),
-        "f1": {way: sums[way]["f1"] / n for way in sums} if n else None,
-        "identical_answers": identical / n if n else None,
-        "turbo_loaded_tokens_mean": loaded / n if n else None,
-        "records": records,
+    configs = {
+        variant: ControllerConfig(mode=ModeName.SERIAL, document_kv_variant=variant)
+        for variant in DocumentKvVariant
     }
+    async with contextlib.AsyncExitStack() as stack:
+        controllers = {
+            variant: (await stack.enter_async_context(open_controller(engine, None, index, builder, config)))[
+                0
+            ]
+            for variant, config in configs.items()
+        }
+        first = controllers[DocumentKvVariant.ALONE]
+        for question, gold in pairs:
+            full = await first.answer(RagRequest(question, k=k, max_tokens=max_tokens, document_kv="full"))
+            for variant in DocumentKvVariant:
+                stored = Point(variant, 0).sampling(full.prompt, Sampling())
+                await engine.fill_prompt_kv(full.prompt.token_ids, stored)
+            record: dict[str, Any] = {
+                "question": question,
+                "gold": gold,
+                FULL: {"answer": full.text, **score(full.text, gold)},
+            }
+            for point in points:
+                request = RagRequest(
+                    question, k=k, max_tokens=max_tokens, document_kv="turbo", document_kv_fresh=point.fresh
+                )
+                done = await controllers[point.variant].answer(request)
+                record[point.name] = {
+                    "answer": done.text,
+                    **score(done.text, gold),
+                    "loaded_tokens": done.timeline.document_kv_tokens,
+                    "same_as_full": done.text == full.text,
+                }
+            records.append(record)
+    return records
 
 
 def _ci(interval: Sequence[float]) -> str:
     return f"[{interval[0]:.3f}, {interval[1]:.3f}]"
 
 
-def accuracy_intervals(records: Sequence[dict[str, Any]], seed: int = 0) -> dict[str, list[float]]:
-    """95 % bootstrap intervals of each way's accuracy and of the paired difference turbo − full."""
-    if not records:
-        return {}
-    rng = np.random.default_rng(seed)
-    full = np.array([r["full"]["accuracy"] for r in records])
-    turbo = np.array([r["turbo"]["accuracy"] for r in records])
-    return {
-        "full_ci": bootstrap_mean_ci(full, rng),
-        "turbo_ci": bootstrap_mean_ci(turbo, rng),
-        "delta_ci": bootstrap_mean_ci(turbo - full, rng),
-    }
-
-
 def plot(result: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
-    ttft = result["ttft"]
-    figure, axis = plt.subplots(figsize=(6, 4))
-    axis.boxplot([[s * 1000 for s in ttft["full_s"]], [s * 1000 for s in ttft["turbo_s"]]])
-    axis.set_xticks([1, 2], ["full prefill (cold)", "turbo (store warm)"])
-    axis.set_ylabel("time to first token (ms)")
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    rows = result["frontier"]
+    for variant, marker in (("alone", "o"), ("after-system", "s")):
+        mine = [row for row in rows if row["variant"] == variant]
+        x = [row["ttft_over_full"] for row in mine]
+        if "accuracy_diff" in mine[0]:
+            y = [row["accuracy_diff"] for row in mine]
+            low = [row["accuracy_diff"] - row["accuracy_diff_ci"][0] for row in mine]
+            high = [row["accuracy_diff_ci"][1] - row["accuracy_diff"] for row in mine]
+            axis.errorbar(x, y, yerr=[low, high], marker=marker, capsize=3, label=variant)
+            for row in mine:
+                axis.annotate(f"M={row['fresh']}", (row["ttft_over_full"], row["accuracy_diff"]), fontsize=7)
+    axis.axhline(0, color="grey", linewidth=0.8)
+    axis.axhline(ACCURACY_FLOOR, color="red", linewidth=0.8, linestyle="--", label="lower end >= -0.05")
+    chosen = result["default"]
+    if chosen["name"] is not None:
+        axis.axvline(
+            chosen["ttft_over_full"],
+            color="green",
+            linewidth=0.8,
+            linestyle=":",
+            label=f"default {chosen['name']}",
+        )
+    axis.set_xscale("log")
+    axis.set_xlabel("cold TTFT / full prefill's (median, k = 6; log)")
+    axis.set_ylabel("accuracy − full prefill's (paired, 95 % interval)")
     axis.set_title(title, fontsize=9)
+    axis.legend(fontsize=7)
     save_figure(figure, path)
+
+
+def accuracy_summary(records: Sequence[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
+    """Full prefill's accuracy over the questions, with its 95 % bootstrap interval."""
+    if not records:
+        return {"questions": 0}
+    full = np.array([record[FULL]["accuracy"] for record in records], dtype=float)
+    return {
+        "questions": len(records),
+        "full": float(full.mean()),
+        "full_ci": bootstrap_mean_ci(full, np.random.default_rng(seed)),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 TTFT prompts, 2 repeats (default 8 x 3)")
+    parser.add_argument("--quick", action="store_true", help="2 TTFT prompts, 1 repeat (default 4 x 2)")
     add_model_option(parser, DEFAULT_MODEL_NAME, "accuracy needs a real model")
-    parser.add_argument("--questions", type=int, default=104, help="bench.quality questions (0: none)")
     parser.add_argument(
-        "-k", type=int, default=4, help="passages per question for accuracy (as bench.quality)"
+        "--questions", type=int, default=QUESTION_COUNT, help="bench.quality questions (0: none)"
     )
     parser.add_argument("--max-tokens", type=int, default=24, help="answer length cap (as bench.quality)")
     parser.add_argument("--engine-cpus", default="0", help="cores for the engine's model worker")
     parser.add_argument("--eager", action="store_true", help="no graph compilation")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tiers",
+        type=lambda text: [int(part) for part in text.split(",")],
+        help=f"measure only these M, comma-separated (a partial frontier; default 0 … {K})",
+    )
     args = parser.parse_args()
-    prompts, repeats = (4, 2) if args.quick else (8, 3)
+    prompts, repeats = (2, 1) if args.quick else (4, 2)
     assets = ensure_assets(DataLayout(resolve_data_dir()), args.model)
     model = assets.model_dir
     questions = build_questions(assets.passages, args.questions, args.seed) if args.questions else []
     pairs = [(q.question, q.answer) for q in questions]
+    points = frontier_points(K, args.tiers)
 
     async def run(kv_dir: str) -> dict[str, Any]:
         config = EngineConfig(
@@ -313,16 +316,17 @@ def main() -> None:
         try:
             builder = prompt_builder(assets, engine)
             rng = random.Random(args.seed)
-            layouts = [
-                builder.build(rng.sample(range(len(assets.store)), K), QUESTIONS[i % len(QUESTIONS)])
+            chosen = [
+                (rng.sample(range(len(assets.store)), K), QUESTIONS[i % len(QUESTIONS)])
                 for i in range(prompts)
             ]
+            layouts = [builder.build(rows, question) for rows, question in chosen]
             await first_output(engine, [11] * 64, Sampling(max_tokens=1))  # one-off set-up: not measured
             fill_started = time.perf_counter()
             segments = [t for layout in layouts for t in layout.span_tokens(layout.stored_spans())]
             filled = await engine.fill_document_kv(segments)
             fill_s = time.perf_counter() - fill_started
-            ttft = await measure_ttft(engine, layouts, repeats)
+            ttft = await measure_ttft(engine, builder, chosen, points, repeats, engine.fill_prompt_kv)
             store = engine.document_kv
             assert store is not None
             rope = RopeSpec.from_config(json.loads((model / "config.json").read_text()))
@@ -330,24 +334,30 @@ def main() -> None:
             errors = await kv_errors(engine, layouts[0], model)
             first_doc = int(layouts[0].document_ids()[0])
             single = await single_document(engine, builder, first_doc, QUESTIONS[0])
-            accuracy = await answer_accuracy(engine, builder, assets.index, pairs, args.k, args.max_tokens)
+            records = await answer_frontier(engine, builder, assets.index, pairs, K, args.max_tokens, points)
             return {
                 "fill": {"segments": filled, "seconds": fill_s, "store_bytes": store.total_bytes()},
                 "ttft": ttft,
                 "store_load_s": load_s,
                 "kv_error": errors,
                 "single_document": single,
-                "accuracy": accuracy,
+                "records": records,
             }
         finally:
             await engine.close()
 
     with tempfile.TemporaryDirectory(prefix="specrag-turbo-kv-") as kv_dir:
         result = run_measurement(run(kv_dir))
-    full_ms = statistics.median(result["ttft"]["full_s"]) * 1000
-    turbo_ms = statistics.median(result["ttft"]["turbo_s"]) * 1000
+    result["frontier"] = frontier(result["ttft"], result["records"], points)
+    result["default"] = choose_default(result["frontier"])
+    result["accuracy"] = accuracy_summary(result["records"])
+    seconds = result["ttft"]["seconds"]
+    full_ms = statistics.median(seconds[FULL]) * 1000
+    turbo_ms = statistics.median(seconds[points[0].name]) * 1000
     result |= {"machine": machine(), "model": str(model), "k": K, "prompts": prompts, "repeats": repeats}
-    title = f"Cold TTFT, k = {K}, {model.name}: full prefill vs document KV (turbo)"
+    title = (
+        f"Document KV frontier, k = {K}, {model.name}, {result['accuracy']['questions']} questions (r = 0)"
+    )
     json_path, png_path = write_report("turbo", result, lambda path: plot(result, path, title))
     print(f"wrote {json_path} and {png_path}")
     load_ms = statistics.median(result["store_load_s"]) * 1000
@@ -356,22 +366,31 @@ def main() -> None:
     accuracy = result["accuracy"]
     if accuracy["questions"]:
         print(
-            f"accuracy on {accuracy['questions']} questions (k = {args.k}): "
-            f"full {accuracy['full']:.3f} {_ci(accuracy['full_ci'])}, "
-            f"turbo {accuracy['turbo']:.3f} {_ci(accuracy['turbo_ci'])}, "
-            f"turbo − full {_ci(accuracy['delta_ci'])}; identical answers {accuracy['identical_answers']:.3f}"
+            f"full prefill: accuracy {accuracy['full']:.3f} {_ci(accuracy['full_ci'])} "
+            f"on {accuracy['questions']} questions"
         )
+    for row in result["frontier"]:
+        line = f"{row['name']:<22} ttft/full {row['ttft_over_full']:.3f}"
+        if "accuracy_diff_ci" in row:
+            line += (
+                f"  accuracy {row['accuracy']:.3f}, − full {row['accuracy_diff']:+.3f} "
+                f"{_ci(row['accuracy_diff_ci'])}"
+            )
+        print(line)
+    print(f"default: {result['default']}")
     summary = {
+        "frontier": [
+            {key: row[key] for key in ("name", "ttft_over_full", "accuracy_diff_ci") if key in row}
+            for row in result["frontier"]
+        ],
+        "default": result["default"],
         "cold_full_ttft_ms": round(full_ms, 2),
         "turbo_ttft_ms": round(turbo_ms, 2),
         "ttft_turbo_over_full": round(turbo_ms / full_ms, 4),
         "store_load_ms": round(load_ms, 2),
         "kv_rel_err_max": round(result["kv_error"]["max"], 5),
         "single_doc_first_token_equal": result["single_document"]["equal"],
-        "accuracy": {
-            key: accuracy.get(key)
-            for key in ("questions", "full", "turbo", "full_ci", "turbo_ci", "delta_ci")
-        },
+        "accuracy": accuracy,
     }
     print_summary(summary)
 

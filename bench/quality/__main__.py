@@ -46,7 +46,14 @@ from bench.common import (
     save_figure,
     write_json,
 )
-from bench.quality.questions import Conversation, QualityQuestion, build_conversations, build_questions, score
+from bench.quality.questions import (
+    QUESTION_COUNT,
+    Conversation,
+    QualityQuestion,
+    build_conversations,
+    build_questions,
+    score,
+)
 from specrag.controller.controller import ControllerConfig, RagController, RagRequest
 from specrag.controller.modes import ModeName
 from specrag.controller.query import AnswerDelta, AnswerDone
@@ -71,16 +78,18 @@ CONTROLLER_CONFIGS: tuple[tuple[str, ModeName, dict[str, Any]], ...] = (
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="104 questions and 24 conversations")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUESTION_COUNT} questions and 24 conversations"
+    )
     add_model_option(parser, DEFAULT_MODEL_NAME, "answer quality needs a real model")
-    parser.add_argument("--questions", type=int, help="single-turn questions (default 104, quick 104)")
+    parser.add_argument("--questions", type=int, help=f"single-turn questions (default {QUESTION_COUNT})")
     parser.add_argument("--conversations", type=int, help="two-turn conversations (default 60, quick 24)")
     parser.add_argument("-k", type=int, default=4, help="passages per prompt (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=24, help="answer length cap (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="question sampling and bootstrap seed")
     parser.add_argument("--eager", action="store_true", help="no graph compilation (faster start)")
     args = parser.parse_args()
-    args.questions = args.questions or 104
+    args.questions = args.questions or QUESTION_COUNT
     args.conversations = args.conversations or (24 if args.quick else 60)
     return args
 

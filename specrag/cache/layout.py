@@ -53,19 +53,23 @@ class PromptLayout:
         """The documents in the order they appear in the prompt."""
         return tuple(s.doc_id for s in self.segments if s.kind == "document" and s.doc_id is not None)
 
-    def stored_spans(self) -> tuple[tuple[int, int], ...]:
-        """The non-empty system prompt and document segments before anything else, as spans.
+    def stored_spans(self, fresh: int = 0) -> tuple[tuple[int, int], ...]:
+        """The non-empty system prompt and document segments before anything else, as spans,
+        but for the last ``fresh`` documents.
 
-        What a document KV store can supply (TurboRAG): each is computed alone and stored; a
-        hint or the question ends them (they are prefilled).
+        What a document KV store can supply (TurboRAG): each is computed alone (or after the
+        system prompt) and stored; a hint or the question ends them (they are prefilled), and so
+        do the last ``fresh`` documents, prefilled fresh nearest the question (tiers).
         """
         spans = []
+        documents = 0
         for segment in self.segments:
             if segment.kind not in ("system", "document"):
                 break
             if segment.end > segment.start:
                 spans.append((segment.start, segment.end))
-        return tuple(spans)
+                documents += segment.kind == "document"
+        return tuple(spans[: len(spans) - min(fresh, documents)])
 
     def span_tokens(self, spans: Sequence[tuple[int, int]]) -> list[tuple[int, ...]]:
         """The token IDs of each span (the segments a document KV store is filled with)."""

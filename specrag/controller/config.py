@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field, fields
 
 from specrag.cache.ordering import PolicyName
-from specrag.controller.modes import DocumentKv, ModeName
+from specrag.controller.modes import DocumentKv, DocumentKvVariant, ModeName
 from specrag.controller.speculation_policy import SpeculationSetting
 from specrag.errors import InvalidInputError, check_choice, echo
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
@@ -118,6 +118,33 @@ class ControllerConfig:
     )
     #: The document KV of a request that names none.
     document_kv: DocumentKv = DocumentKv.FULL
+    #: How the stored document KV of ``turbo`` requests is computed. The default of this and of
+    #: ``document_kv_fresh`` is the point ``bench.pipeline.turbo``'s frontier chose (docs/turbo.md,
+    #: "Frontier"): a constant copied from a measured run, to be updated when it is rerun.
+    document_kv_variant: DocumentKvVariant = field(
+        default=DocumentKvVariant.AFTER_SYSTEM,
+        metadata=_flag(
+            ServeFlag(
+                "--document-kv-variant",
+                "with --document-kv turbo: each document's stored KV computed alone or after the system "
+                "prompt (default: %(default)s; docs/turbo.md)",
+            )
+        ),
+    )
+    #: Tiers: a ``turbo`` request's top ``document_kv_fresh`` documents (capped at its k) are
+    #: prefilled fresh, after the loaded ones and nearest the question; a request may say its own.
+    document_kv_fresh: int = field(
+        default=1,
+        metadata=_flag(
+            ServeFlag(
+                "--document-kv-fresh",
+                "with --document-kv turbo: the top M documents prefilled fresh after the loaded ones, "
+                "nearest the question; requests choose with document_kv_fresh (default: %(default)s; "
+                "docs/turbo.md)",
+                metavar="M",
+            )
+        ),
+    )
     #: Tokens generated for a request that names no ``max_tokens``.
     max_tokens_default: int = 64
     #: The largest ``max_tokens`` a request may ask for.
@@ -216,6 +243,7 @@ class ControllerConfig:
             object.__setattr__(self, setting, resolved)
         if not 1 <= self.k_default <= self.k_max:
             raise InvalidInputError(f"{name('k_default')} must be between 1 and {name('k_max')}")
+        self.check_fresh(self.document_kv_fresh, self.k_max, name("document_kv_fresh"))
         at_least_one = {
             "num_stages": self.num_stages,
             "max_prefill_bs": self.max_prefill_bs,
@@ -247,6 +275,14 @@ class ControllerConfig:
             raise InvalidInputError(f"{name} must be an integer between 1 and {self.k_max}, got {echo(k)}")
         return k
 
+    @staticmethod
+    def check_fresh(fresh: object, k: int, name: str = "document_kv_fresh") -> int:
+        """``fresh`` when it is an integer from 0 to ``k`` (the documents a request has), else
+        :class:`InvalidInputError` naming it ``name``."""
+        if isinstance(fresh, bool) or not isinstance(fresh, int) or not 0 <= fresh <= k:
+            raise InvalidInputError(f"{name} must be an integer between 0 and {k}, got {echo(fresh)}")
+        return fresh
+
 
 def serve_flags() -> dict[str, ServeFlag]:
     """The settings ``specrag serve`` takes, by field name, in the fields' order."""
@@ -266,6 +302,7 @@ _CHOICES: dict[str, type[enum.StrEnum]] = {
     "ordering_policy": PolicyName,
     "mode": ModeName,
     "document_kv": DocumentKv,
+    "document_kv_variant": DocumentKvVariant,
     "prefill_order": PrefillOrder,
     "speculation": SpeculationSetting,
 }

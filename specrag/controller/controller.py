@@ -24,7 +24,7 @@ from specrag.controller.config import FALLBACK_BATCHED_TOKEN_BUDGET, ControllerC
 from specrag.controller.conversation import TurnPrompts
 from specrag.controller.facade import CoreLoad, EngineHealth, ReplicaFacts
 from specrag.controller.gate import OrderingWindow, PrefillGate, default_max_prefill_bs
-from specrag.controller.modes import DocumentKv, get_mode
+from specrag.controller.modes import DocumentKv, DocumentKvVariant, get_mode
 from specrag.controller.placement import Placement
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, RagRequest
 from specrag.controller.query_shared import QueryShared
@@ -168,9 +168,19 @@ class RagController:
         # Rejects over-long questions before any work; the tokens serve every prompt of the query.
         question_token_ids = tuple(self.builder.question_tokens(request.question))
         document_kv = self._document_kv(request, session)
+        fresh = self._document_kv_fresh(request, k)
         speculation = self.speculation.for_query(mode.speculation)
         return CheckedRequest(
-            request, k, mode, sampling, session, question_token_ids, speculation, document_kv=document_kv
+            request,
+            k,
+            mode,
+            sampling,
+            session,
+            question_token_ids,
+            speculation,
+            document_kv=document_kv,
+            document_kv_fresh=fresh if document_kv else 0,
+            document_kv_after_system=self.config.document_kv_variant is DocumentKvVariant.AFTER_SYSTEM,
         )
 
     def _document_kv(self, request: RagRequest, session: Session | None) -> bool:
@@ -184,6 +194,13 @@ class RagController:
         if not all(getattr(r.engine, "supports_document_kv", False) for r in self.placement.replicas):
             raise InvalidInputError("document_kv 'turbo' needs engines started with --document-kv turbo")
         return True
+
+    def _document_kv_fresh(self, request: RagRequest, k: int) -> int:
+        """The request's top documents prefilled fresh (tiers): its own, from 0 to its ``k``, or the
+        controller's capped at ``k``."""
+        if request.document_kv_fresh is None:
+            return min(self.config.document_kv_fresh, k)
+        return self.config.check_fresh(request.document_kv_fresh, k)
 
     async def answer(self, request: RagRequest | CheckedRequest) -> AnswerDone:
         """Run a query to the end and return the whole answer."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from specrag.errors import check_choice
 
-__all__ = ["MODES", "MODE_NAMES", "DocumentKv", "Mode", "ModeName", "get_mode"]
+__all__ = ["MODES", "MODE_NAMES", "DocumentKv", "DocumentKvVariant", "Mode", "ModeName", "get_mode"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,15 @@ class DocumentKv(enum.StrEnum):
 
     FULL = "full"
     TURBO = "turbo"
+
+
+class DocumentKvVariant(enum.StrEnum):
+    """How a ``turbo`` request's stored document KV was computed: each document alone from position
+    0 (``alone``, TurboRAG: each grows its own attention sink), or after the system prompt
+    (``after-system``, APE's shared prefix: each document attends to the prompt's real start)."""
+
+    ALONE = "alone"
+    AFTER_SYSTEM = "after-system"
 
 
 def get_mode(name: str) -> Mode:

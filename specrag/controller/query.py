@@ -34,6 +34,8 @@ class RagRequest:
     k: int | None = None
     mode: str | None = None
     document_kv: str | None = None
+    #: With ``document_kv`` turbo: the top documents prefilled fresh (tiers); None: the controller's.
+    document_kv_fresh: int | None = None
     max_tokens: int | None = None
     session_id: str | None = None
     temperature: float | None = None
@@ -79,6 +81,10 @@ class CheckedRequest:
     planned: Planned | None = None
     #: Load the system prompt's and documents' KV from the engine's store (TurboRAG).
     document_kv: bool = False
+    #: Of those documents, the top ones prefilled fresh after the loaded ones (tiers).
+    document_kv_fresh: int = 0
+    #: Whether the stored documents' KV was computed after the system prompt.
+    document_kv_after_system: bool = False
 
 
 @dataclass(frozen=True)

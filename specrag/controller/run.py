@@ -46,6 +46,7 @@ from specrag.controller.placement import Placed
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, Source
 from specrag.controller.query_shared import QueryShared
 from specrag.controller.speculation_steps import SpeculationSteps
+from specrag.controller.tiers import document_kv_sampling, fresh_last
 from specrag.controller.timeline import Timeline
 from specrag.errors import EngineError, OverloadedError
 from specrag.pipeline.engines.protocol import EngineOutput, latest_cached_tokens, now
@@ -287,7 +288,7 @@ class QueryRun:
 
     def _layout(self, rows: list[int], order: Sequence[DocId]) -> PromptLayout:
         """The prompt with the documents in ``order``; with ordering on, a hint gives ``rows``' rank."""
-        ordered = [int(doc_id) for doc_id in order]
+        ordered = fresh_last([int(doc_id) for doc_id in order], rows, self.checked.document_kv_fresh)
         hint = order_hint(rows, ordered, self._shared.hints) if self.checked.mode.ordering else None
         return self._shared.builder.build_with_question_tokens(ordered, self.checked.question_token_ids, hint)
 
@@ -309,7 +310,12 @@ class QueryRun:
         aborted; after a first token elsewhere, with the tokens already ``sent`` (a migration)."""
         sampling = self.checked.sampling
         if self.checked.document_kv:
-            sampling = replace(sampling, document_kv=placed.layout.stored_spans())
+            sampling = document_kv_sampling(
+                sampling,
+                placed.layout,
+                self.checked.document_kv_fresh,
+                after_system=self.checked.document_kv_after_system,
+            )
         # Its length was checked before (the final prompt in final_known, a speculation by
         # SpeculationSteps); a resubmission elsewhere is checked by that engine's own contract.
         flight = Flight(placed, sampling, slot, speculative, sent)
@@ -327,7 +333,7 @@ class QueryRun:
         prompt's blocks are salted, another cache than the tree's."""
         tree = flight.replica.tree
         tree.record_served(flight.layout, flight.cached_tokens)
-        tree.record_prefilled(flight.layout, salted=bool(flight.sampling.document_kv))
+        tree.record_prefilled(flight.layout, salted=flight.sampling.cache_salt is not None)
 
     def _note_route(self, placed: Placed) -> None:
         """The timeline (and so /metrics) says where the answer's prompt went, and why."""

@@ -29,6 +29,12 @@ What it reproduces of vLLM v1 (checked against the real engine in tests/sim/test
   and "abort takes effect after the current step" fall out of the loop, not special cases.
 - **Abort.** Like ``AsyncLLM``: the stream ends at once with an empty output whose
   ``finish_reason`` is ``"abort"``, while the engine drops the request at its next step.
+- **Document KV** (``document_kv=True``; docs/turbo.md). A request with spans to load runs under
+  its cache salt (its chain keyed from :func:`specrag.cache.residency.salted_root`, its first
+  block's event carrying the salt, as vLLM publishes it); when first scheduled, every token from
+  its cache hit to the end of its last span is loaded at no compute cost, counted as cached and
+  reported as ``document_kv_tokens`` with the finished output, as TurboRAG's connector does. There
+  is no store: every span counts as stored (the real engine prefills when one is missing).
 
 Time: a step lasts ``step_overhead_s`` + the prefill cost of its chunks + ``decode_step_s`` when
 any request decodes, multiplied by ``time_scale`` and slept with ``asyncio.sleep`` (0.01 makes
@@ -48,7 +54,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 
 from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from specrag.cache.residency import ROOT_KEY, BlockPool, chain_block_keys
+from specrag.cache.residency import ROOT_KEY, BlockPool, chain_block_keys, salted_root
 from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.engines.base import EngineBase
 from specrag.pipeline.engines.protocol import EngineCounts, EngineOutput, Sampling, now
@@ -89,6 +95,7 @@ class SimulatedEngine(EngineBase):
         time_scale: float = 1.0,
         vocab_size: int = 1024,
         on_kv_events: KVEventCallback | None = None,
+        document_kv: bool = False,
     ) -> None:
         positive = {
             "block_size": block_size,
@@ -121,6 +128,7 @@ class SimulatedEngine(EngineBase):
         self._time_scale = time_scale
         self._vocab_size = vocab_size
         self._on_kv_events = on_kv_events
+        self._document_kv = document_kv
         self._capacity_blocks = capacity_blocks
         self._pool = BlockPool(capacity_blocks)
         self._events: list[KVEvent] = []
@@ -153,6 +161,10 @@ class SimulatedEngine(EngineBase):
         return self._max_batched
 
     @property
+    def supports_document_kv(self) -> bool:
+        return self._document_kv
+
+    @property
     def cached_blocks(self) -> int:
         """Blocks whose KV is resident and reusable (in use or not yet evicted)."""
         return len(self._pool)
@@ -171,6 +183,8 @@ class SimulatedEngine(EngineBase):
         if self._failures:
             raise self._failures.popleft()
         answer, end_reason = synthetic_answer(prompt, sampling, self._vocab_size)
+        salt = sampling.cache_salt
+        root = ROOT_KEY if salt is None else salted_root(salt)
         request = SimRequest(
             request_id=request_id,
             tokens=list(prompt),
@@ -178,7 +192,8 @@ class SimulatedEngine(EngineBase):
             sampling=sampling,
             answer=answer,
             end_reason=end_reason,
-            keys=chain_block_keys(prompt, self._block_size),
+            keys=chain_block_keys(prompt, self._block_size, root),
+            root=root,
         )
         self._requests[request_id] = request
         self._waiting.append(request)
@@ -305,21 +320,28 @@ class SimulatedEngine(EngineBase):
         while self._waiting and budget > 0 and not preempted and len(self._running) < self._max_seqs:
             request = self._waiting[0]
             hit_keys = self._cache_hit(request)
-            computed = len(hit_keys) * self._block_size
+            computed = max(len(hit_keys) * self._block_size, self._loadable_end(request))
             new_tokens = min(len(request.tokens) - computed, self._chunk, budget)
             new_blocks = -(-(computed + new_tokens) // self._block_size) - len(hit_keys)
             if not self._pool.can_take(hit_keys, new_blocks):
                 break
             self._waiting.popleft()
             request.blocks = self._pool.take_cached(hit_keys) + self._allocate_blocks(new_blocks)
-            request.computed = request.registered = computed
+            request.computed, request.registered = computed, len(hit_keys) * self._block_size
             if request.cached_tokens is None:  # first scheduled (a preempted request keeps both)
                 request.cached_tokens = computed
+                request.loaded_tokens = computed - request.registered
                 request.scheduled_at = now()
             self._running.append(request)
             plan.append((request, new_tokens))
             budget -= new_tokens
         return plan
+
+    @staticmethod
+    def _loadable_end(request: SimRequest) -> int:
+        """Where a request's document KV spans end (0 without spans): all of it is loaded."""
+        spans = request.sampling.document_kv
+        return spans[-1][1] if spans else 0
 
     def _cache_hit(self, request: SimRequest) -> list[int]:
         """Keys of the resident leading blocks, never all of the tokens (one must produce logits)."""
@@ -378,20 +400,20 @@ class SimulatedEngine(EngineBase):
         full = request.computed // self._block_size
         known = len(request.keys)
         if full > known:
-            parent = request.keys[-1] if request.keys else ROOT_KEY
+            parent = request.keys[-1] if request.keys else request.root
             tail = request.tokens[known * self._block_size : full * self._block_size]
             request.keys += chain_block_keys(tail, self._block_size, parent)
         size = self._block_size
         for index in range(request.registered // size, full):
             if not self._pool.register(request.blocks[index], request.keys[index]):
                 continue  # a key computed twice at once stays single
-            parent = request.keys[index - 1] if index else ROOT_KEY
             self._events.append(
                 BlockStored(
                     block_hashes=(request.keys[index],),
-                    parent_block_hash=None if parent == ROOT_KEY else parent,
+                    parent_block_hash=request.keys[index - 1] if index else None,
                     token_ids=tuple(request.tokens[index * size : (index + 1) * size]),
                     block_size=size,
+                    cache_salt=None if index else request.sampling.cache_salt,
                 )
             )
         request.registered = max(request.registered, full * size)
@@ -399,12 +421,14 @@ class SimulatedEngine(EngineBase):
     def _output(
         self, request: SimRequest, token_ids: tuple[int, ...], text: str, finish_reason: str | None
     ) -> EngineOutput:
+        told = finish_reason is not None and bool(request.sampling.document_kv)  # as vLLM's connector
         return EngineOutput(
             request_id=request.request_id,
             token_ids=token_ids,
             text=text,
             prompt_tokens=request.prompt_tokens,
             cached_tokens=request.cached_tokens,
+            document_kv_tokens=request.loaded_tokens if told else None,
             finished=finish_reason is not None,
             finish_reason=finish_reason,
             received_at=now(),

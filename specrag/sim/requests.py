@@ -44,11 +44,13 @@ class SimRequest:
     answer: list[tuple[int, str]]
     end_reason: str
     keys: list[int]
+    root: int  # the chain's parent key: the unsalted root, or its cache salt's
     outputs: asyncio.Queue[EngineOutput | EngineError] = field(default_factory=asyncio.Queue)
     computed: int = 0
     registered: int = 0
     blocks: list[int] = field(default_factory=list)
     cached_tokens: int | None = None
+    loaded_tokens: int = 0  # of the cached tokens, those loaded as document KV
     scheduled_at: float | None = None
     aborted: bool = False
 

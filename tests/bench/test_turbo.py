@@ -1,13 +1,26 @@
-"""bench.pipeline.turbo's measures: the KV error (max over layers, keys and values apart), accuracy
-intervals."""
+"""bench.pipeline.turbo's measures: the KV error (max over layers, keys and values apart), the
+frontier's paired accuracy, its default, and its TTFT bookkeeping on the simulated engine."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from bench.pipeline.turbo import accuracy_intervals, relative_errors
+from bench.pipeline.turbo import relative_errors
+from bench.pipeline.turbo_frontier import (
+    FULL,
+    choose_default,
+    frontier,
+    frontier_points,
+    measure_ttft,
+    paired_accuracy,
+)
+from specrag.pipeline.engines.protocol import Sampling
+from specrag.pipeline.store.prompt import PromptBuilder
+from specrag.service.run.assets import Assets
+from specrag.sim.engine import SimulatedEngine
 
 
 def test_relative_errors_take_the_worst_layer() -> None:
@@ -21,12 +34,56 @@ def test_relative_errors_take_the_worst_layer() -> None:
     assert relative_errors(reference, reference) == {"keys": 0.0, "values": 0.0}
 
 
-def test_accuracy_intervals_pair_the_two_ways_question_by_question() -> None:
-    def record(full: float, turbo: float) -> dict[str, Any]:
-        return {"full": {"accuracy": full}, "turbo": {"accuracy": turbo}}
+def record(full: float, point: float, name: str = "alone/fresh=0") -> dict[str, Any]:
+    return {FULL: {"accuracy": full}, name: {"accuracy": point}}
 
-    intervals = accuracy_intervals([record(1, 0)] * 6 + [record(1, 1)] * 4)
-    assert intervals["full_ci"] == [1.0, 1.0]
-    low, high = intervals["delta_ci"]
-    assert -1 < low <= -0.6 <= high < 0  # turbo lost 6 of 10, every time it differed
-    assert accuracy_intervals([]) == {}
+
+def test_accuracy_is_paired_with_full_prefill_question_by_question() -> None:
+    paired = paired_accuracy([record(1, 0)] * 6 + [record(1, 1)] * 4, "alone/fresh=0")
+    assert paired["accuracy"] == 0.4 and paired["accuracy_diff"] == -0.6
+    low, high = paired["accuracy_diff_ci"]
+    assert -1 < low <= -0.6 <= high < 0  # lost 6 of 10, every time it differed
+
+
+def test_the_default_is_the_fastest_point_that_keeps_accuracy() -> None:
+    points = [
+        {"name": "a", "ttft_over_full": 0.05, "accuracy_diff_ci": [-0.12, -0.01]},  # loses accuracy
+        {"name": "b", "ttft_over_full": 0.20, "accuracy_diff_ci": [-0.04, 0.02]},
+        {"name": "c", "ttft_over_full": 0.30, "accuracy_diff_ci": [-0.02, 0.03]},
+        {"name": "d", "ttft_over_full": 0.10, "accuracy_diff_ci": [-0.06, 0.01]},  # lower end too low
+    ]
+    assert choose_default(points)["name"] == "b"
+    assert choose_default(points)["accuracy_diff_ci"] == [-0.04, 0.02]
+    none = choose_default(points[:1] + points[3:])
+    assert none["name"] is None and "no point" in none["statement"]
+    assert choose_default([{"name": "x", "ttft_over_full": 0.1}])["name"] is None  # no accuracy measured
+
+
+async def test_the_frontier_on_the_simulated_engine(tiny_assets: Assets) -> None:
+    """Every point is measured on the same prompts as full prefill; each loads the system prompt
+    and every document but its fresh ones (cold: all it loads is counted as cached)."""
+    engine = SimulatedEngine(time_scale=0, max_model_len=4096, document_kv=True)
+    builder = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store, block_size=engine.block_size)
+    prompts = [([0, 1, 2], "What does asyncio.run do?"), ([3, 4, 5], "How does pathlib read a file?")]
+    points = frontier_points(3)
+    filled: list[Sampling] = []
+
+    async def fill(prompt: Sequence[int], sampling: Sampling) -> None:
+        filled.append(sampling)
+
+    try:
+        ttft = await measure_ttft(engine, builder, prompts, points, 2, fill)
+    finally:
+        await engine.close()
+    assert len(points) == 8 and len(filled) == 8 * 2
+    assert all(len(seconds) == 4 for seconds in ttft["seconds"].values())
+    assert ttft["cached_tokens"][FULL] == [0] * 4  # cold: the cache is reset before each request
+    for point in points:
+        for (rows, question), cached in zip(prompts * 2, ttft["cached_tokens"][point.name], strict=True):
+            layout = point.layout(builder, rows, question)
+            assert cached == layout.stored_spans(point.fresh)[-1][1]
+            top = [int(doc) for doc in layout.document_ids()[len(rows) - point.fresh :]]
+            assert top == list(rows[: point.fresh])  # the top ones last, in rank order
+    table = frontier(ttft, [], points)
+    assert [row["name"] for row in table] == [point.name for point in points]
+    assert all(row["ttft_over_full"] > 0 and "accuracy_diff_ci" not in row for row in table)

@@ -187,3 +187,53 @@ def test_a_recorded_weights_digest_is_read_not_recomputed(
 
     monkeypatch.setattr(weights_digest, "sha256_file", no_hashing)
     assert model_fingerprint(tmp_path) == first
+
+
+def test_a_segment_after_a_prefix_has_its_own_key() -> None:
+    assert segment_key([1, 2, 3], prefix=[9, 9]) != segment_key([1, 2, 3])
+    assert segment_key([1, 2, 3], prefix=[9, 9]) != segment_key([1, 2, 3], prefix=[9, 8])
+    assert segment_key([1, 2, 3], prefix=[9]) != segment_key([9, 1, 2, 3])
+
+
+def test_an_entry_records_where_its_first_token_was_computed(tmp_path: Path) -> None:
+    kv_store = store(tmp_path)
+    key = segment_key([1, 2], prefix=[5] * 64)
+    assert kv_store.put(key, entry(2), first_position=64)
+    found = kv_store.entry(key)
+    assert found is not None and found.first_position == 64 and torch.equal(found.kv, entry(2))
+    with pytest.raises(InvalidInputError, match="first position"):
+        kv_store.put(key, entry(2), first_position=-1)
+
+
+def first_format_entry(kv: torch.Tensor) -> bytes:
+    """An entry as stores wrote it before the format field: a checksum, no format, no position."""
+    from safetensors.torch import save
+
+    payload = document_kv._tensor_bytes(save({"kv": kv}))
+    return save({"kv": kv}, metadata={document_kv._DIGEST_KEY: document_kv._digest(payload)})
+
+
+def test_an_entry_of_the_first_format_loads_as_computed_alone(tmp_path: Path) -> None:
+    kv_store = store(tmp_path)
+    key = segment_key([3, 1])
+    kv_store.path(key).parent.mkdir(parents=True)
+    kv_store.path(key).write_bytes(first_format_entry(entry(4)))
+    found = kv_store.entry(key)
+    assert found is not None and found.first_position == 0 and torch.equal(found.kv, entry(4))
+
+
+def test_an_entry_of_an_unknown_format_is_refused_and_said_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from safetensors.torch import save
+
+    kv_store = store(tmp_path)
+    key = segment_key([3, 2])
+    kv = entry(4)
+    payload = document_kv._tensor_bytes(save({"kv": kv}))
+    metadata = {document_kv._DIGEST_KEY: document_kv._digest(payload), document_kv._FORMAT_KEY: "9"}
+    kv_store.path(key).parent.mkdir(parents=True)
+    kv_store.path(key).write_bytes(save({"kv": kv}, metadata=metadata))
+    with caplog.at_level(logging.WARNING):
+        assert kv_store.entry(key) is None
+    assert "format '9' is not one this specrag reads" in caplog.text

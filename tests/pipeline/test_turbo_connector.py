@@ -36,6 +36,16 @@ def test_claims_nothing_when_anything_is_missing() -> None:
     assert claim_plan(TOKENS, [], 0, everything) is None
 
 
+def test_documents_after_the_prefix_are_looked_up_as_computed_after_it() -> None:
+    expected = [(segment_key(TOKENS[0:32]), 0, 32)] + [
+        (segment_key(TOKENS[s:e], prefix=TOKENS[:32]), s, e) for s, e in SPANS[1:]
+    ]
+    after = {key for key, _, _ in expected}.__contains__
+    assert claim_plan(TOKENS, SPANS, 0, after, prefix=32) == expected
+    assert claim_plan(TOKENS, SPANS, 0, stored(*SPANS).__contains__, prefix=32) is None  # alone: not these
+    assert claim_plan(TOKENS, SPANS, 0, after) is None  # and the other way round
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_layout_reads_what_the_backend_op_wrote(dtype: torch.dtype) -> None:
     blocks, heads, block_size, head_dim = 6, 3, 32, 64

@@ -125,3 +125,51 @@ async def test_first_use_fills_the_store_in_the_background(turbo_engine: VllmEng
     await turbo_engine.reset_prefix_cache()
     again = await run_prompt(turbo_engine, doc + QUESTION, sampling)
     assert again[-1].document_kv_tokens == len(doc)
+
+
+DOC2 = random_prompt(106, 64)
+
+
+async def test_a_document_stored_after_the_system_prompt_is_what_a_full_prefill_computes(
+    turbo_engine: VllmEngine,
+) -> None:
+    """The shared-prefix variant: right after the system prompt, the loaded document is the full
+    prefill's KV (the reference: same tokens, same positions), and so is a document prefilled
+    fresh after it (tiers)."""
+    await turbo_engine.fill_document_kv([SYSTEM])
+    assert await turbo_engine.fill_document_kv([DOC], prefix=SYSTEM) == 1
+    entry = turbo_engine.document_kv.entry(segment_key(DOC, prefix=SYSTEM))  # type: ignore[union-attr]
+    assert entry is not None and entry.first_position == len(SYSTEM) and entry.kv.shape[3] == len(DOC)
+    prompt = SYSTEM + DOC + DOC2 + QUESTION
+    loaded_end = len(SYSTEM) + len(DOC)
+    spans = ((0, len(SYSTEM)), (len(SYSTEM), loaded_end))  # DOC loaded, DOC2 fresh
+    await turbo_engine.reset_prefix_cache()
+    full = stored(turbo_engine, await turbo_engine.save_prompt_kv(prompt))
+    await turbo_engine.reset_prefix_cache()
+    tiered = stored(turbo_engine, await turbo_engine.save_prompt_kv(prompt, spans, len(SYSTEM)))
+    assert rel_err(tiered[:, :, :, :loaded_end], full[:, :, :, :loaded_end]) < 1e-6  # loaded = reference
+    assert rel_err(tiered, full) < 1e-6  # the fresh document and the question too
+    await turbo_engine.reset_prefix_cache()
+    sampling = Sampling(max_tokens=1, document_kv=spans, document_kv_prefix=len(SYSTEM))
+    outputs = await run_prompt(turbo_engine, prompt, sampling)
+    assert outputs[-1].document_kv_tokens == loaded_end  # the fresh document was prefilled
+
+
+async def test_a_shared_prefix_document_further_on_is_rotated_from_where_it_was_computed(
+    turbo_engine: VllmEngine,
+) -> None:
+    """Stored at positions after the system prompt, a document placed later is shifted by the
+    difference only; and a document stored alone is never taken for it."""
+    await turbo_engine.fill_document_kv([SYSTEM, DOC])
+    await turbo_engine.fill_document_kv([DOC, DOC2], prefix=SYSTEM)
+    prompt = SYSTEM + DOC + DOC2 + QUESTION
+    second = slice(len(SYSTEM) + len(DOC), len(SYSTEM) + len(DOC) + len(DOC2))
+    spans = ((0, len(SYSTEM)), (len(SYSTEM), second.start), (second.start, second.stop))
+    await turbo_engine.reset_prefix_cache()
+    loaded = stored(turbo_engine, await turbo_engine.save_prompt_kv(prompt, spans, len(SYSTEM)))
+    after = stored(turbo_engine, segment_key(DOC2, prefix=SYSTEM))
+    rope = RopeSpec.from_config({"head_dim": 32, "rope_parameters": {"rope_theta": 10000.0}})
+    assert torch.equal(loaded[:, 1, :, second], after[:, 1])
+    assert torch.equal(loaded[:, 0, :, second], rope.shift(after[:, 0], len(DOC)))  # 160 - 64, not 160
+    alone = stored(turbo_engine, segment_key(DOC))
+    assert rel_err(loaded[:, :, :, len(SYSTEM) : second.start], alone) > 1e-3  # not the alone entry

@@ -3,26 +3,29 @@
 vLLM loads this module itself (``kv_connector_module_path``), once in its scheduler and once in
 its model worker (separate processes); they share only the document KV store's directory.
 
-Scheduler side: a request whose ``kv_transfer_params`` name its document spans
-(``{"specrag_turbo": {"segments": [[start, end], ...]}}``) is offered, beyond vLLM's own prefix-cache
-hit, every token up to the end of its last span, provided each span from the hit on is in the store
-and they leave no gap. vLLM then prefills only what follows (the question). A request marked
-``{"specrag_turbo": {"save": true}}`` (a segment prefilled alone, see
-:meth:`specrag.pipeline.engines.vllm_engine.VllmEngine.fill_document_kv`) has its whole prompt's KV saved
-(with spans too: a turbo prompt's KV as loaded and computed, for checking the load).
+Scheduler side: a request whose ``kv_transfer_params`` name its document spans (``{"specrag_turbo":
+{"segments": [[start, end], ...], "prefix": p}}``; ``prefix``, when there, says the documents after
+the first ``p`` tokens were stored as computed after those tokens) is offered, beyond vLLM's own
+prefix-cache hit, every token up to the end of its last span, provided each span from the hit on is
+in the store and they leave no gap. vLLM then prefills only what follows (the question). A request
+marked ``{"specrag_turbo": {"save": true}}`` (a segment prefilled alone, see
+:meth:`specrag.pipeline.engines.vllm_engine.VllmEngine.fill_document_kv`) has its whole prompt's KV
+saved (with spans too: a turbo prompt's KV as loaded and computed, for checking the load); with
+``"save_from": p`` only the tokens from ``p`` on, keyed as computed after the first ``p``.
 
-Worker side: before the forward pass of the step that admits a request, each claimed span's
-stored KV is written into the request's blocks with the keys rotated from their stored positions
-(0, 1, ...) to their prompt positions (:mod:`specrag.pipeline.document_kv.rope`), using the attention
-backend's own cache-write op, so the backend's internal block layout (the CPU backend stores keys
-transposed per block, and packs them differently per instruction set) never has to be known for
-writing. Saving must read that layout: :class:`BlockLayout` learns it by writing coded keys
-through the same op. An entry that vanished between claim and load (evicted) is reported as a
-load error; vLLM then recomputes those blocks (``kv_load_failure_policy="recompute"``).
+Worker side: before the forward pass of the step that admits a request, each claimed span's stored
+KV is written into the request's blocks with the keys rotated from their stored positions (from the
+entry's recorded first position on) to their prompt positions
+(:mod:`specrag.pipeline.document_kv.rope`), using the attention backend's own cache-write op, so the
+backend's internal block layout (the CPU backend stores keys transposed per block, and packs them
+differently per instruction set) never has to be known for writing. Saving must read that layout:
+:class:`BlockLayout` learns it by writing coded keys through the same op. An entry that vanished
+between claim and load (evicted) is reported as a load error; vLLM then recomputes those blocks
+(``kv_load_failure_policy="recompute"``).
 
 The blocks a turbo request fills are approximations of a full prefill (each document saw only
-itself), so turbo requests run under their own prefix-cache salt: a full-prefill request never
-reuses them (:data:`specrag.pipeline.document_kv.store.TURBO_CACHE_SALT`).
+itself, or the prefix), so turbo requests run under their own prefix-cache salts: a full-prefill
+request never reuses them (:attr:`specrag.pipeline.engines.protocol.Sampling.cache_salt`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from specrag.pipeline.document_kv.store import (
     PARAMS_KEY,
     DocumentKVStore,
     segment_key,
+    span_key,
     store_namespace,
 )
 
@@ -67,11 +71,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Transfer:
-    """Tokens ``[first, first + len(slots))`` of a stored segment, to or from these KV slots."""
+    """Tokens ``[first, first + len(slots))`` of a stored segment whose token 0 sits at prompt
+    position ``position``, to or from these KV slots."""
 
     key: str
     first: int
-    shift: int
+    position: int
     slots: tuple[int, ...]
 
 
@@ -88,13 +93,14 @@ def _slots(block_ids: list[int], block_size: int, start: int, stop: int) -> tupl
 
 
 def claim_plan(
-    tokens: list[int], segments: list[list[int]], computed: int, contains: Any
+    tokens: list[int], segments: list[list[int]], computed: int, contains: Any, prefix: int = 0
 ) -> list[tuple[str, int, int]] | None:
     """The stored segments ``(key, start, end)`` that cover ``[computed, end of the last)``, or None.
 
     None when anything is missing: a span not in the store, a gap between spans (a hint is not
     stored), spans out of order, nothing left to claim, or no token left for vLLM to compute
-    (it must compute at least the last prompt token to sample from).
+    (it must compute at least the last prompt token to sample from). ``prefix``: see
+    :func:`span_key`.
     """
     if not segments:
         return None
@@ -110,7 +116,7 @@ def claim_plan(
             continue
         if start > cursor:
             return None
-        key = segment_key(tokens[start:stop])
+        key = span_key(tokens, start, stop, prefix)
         if not contains(key):
             return None
         plan.append((key, start, stop))
@@ -189,7 +195,7 @@ class TurboConnector(KVConnectorBase_V1):
         self._rope = RopeSpec.from_config(vllm_config.model_config.hf_config.to_dict())
         # Scheduler side.
         self._loads: dict[str, tuple[Request, list[tuple[str, int, int]], int]] = {}
-        self._saves: dict[str, tuple[Request, str]] = {}
+        self._saves: dict[str, tuple[Request, str, int]] = {}  # request, key, first token saved
         self._loaded: dict[str, int] = {}  # tokens claimed per request, told when it finishes
         # Worker side.
         self._caches: dict[str, torch.Tensor] = {}
@@ -204,8 +210,10 @@ class TurboConnector(KVConnectorBase_V1):
         return params if isinstance(params, dict) else {}
 
     def _plan(self, request: Request, computed: int) -> list[tuple[str, int, int]] | None:
-        segments = self._params(request).get("segments") or []
-        return claim_plan(list(request.prompt_token_ids or []), segments, computed, self._store.contains)
+        params = self._params(request)
+        segments = params.get("segments") or []
+        tokens = list(request.prompt_token_ids or [])
+        return claim_plan(tokens, segments, computed, self._store.contains, int(params.get("prefix", 0)))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -220,8 +228,10 @@ class TurboConnector(KVConnectorBase_V1):
     ) -> None:
         params = self._params(request)
         if params.get("save"):
-            key = segment_key(list(request.prompt_token_ids or []), params.get("segments") or ())
-            self._saves[request.request_id] = (request, key)
+            tokens = list(request.prompt_token_ids or [])
+            start = int(params.get("save_from", 0))
+            key = segment_key(tokens[start:], params.get("segments") or (), prefix=tokens[:start])
+            self._saves[request.request_id] = (request, key, start)
         if num_external_tokens <= 0:
             return
         end = params["segments"][-1][1]
@@ -249,13 +259,14 @@ class TurboConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for request_id in [r for r in self._saves if r in scheduled]:
-            request, key = self._saves[request_id]
+            request, key, save_from = self._saves[request_id]
             length = len(request.prompt_token_ids or [])
             if computed.get(request_id, 0) + scheduled[request_id] < length:
                 continue  # a later chunk completes the prompt
             del self._saves[request_id]
             block_ids = self._kv_cache_manager.get_block_ids(request_id)[0]
-            meta.saves.append(Transfer(key, 0, 0, _slots(block_ids, self._block_size, 0, length)))
+            slots = _slots(block_ids, self._block_size, save_from, length)
+            meta.saves.append(Transfer(key, 0, save_from, slots))
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -284,14 +295,19 @@ class TurboConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, TurboMetadata)
         for transfer in meta.loads:
-            kv = self._store.get(transfer.key)
+            entry = self._store.entry(transfer.key)
             count = len(transfer.slots)
-            if kv is None or kv.shape[0] != len(self._caches) or kv.shape[3] < transfer.first + count:
+            if (
+                entry is None
+                or entry.kv.shape[0] != len(self._caches)
+                or entry.kv.shape[3] < transfer.first + count
+            ):
                 logger.warning("document KV %s missing or mismatched: recomputing its blocks", transfer.key)
                 self._failed_blocks.update(slot // self._block_size for slot in transfer.slots)
                 continue
-            span = kv[:, :, :, transfer.first : transfer.first + count]
-            keys = self._rope.shift(span[:, 0], transfer.shift)  # [layers, heads, n, dim]
+            span = entry.kv[:, :, :, transfer.first : transfer.first + count]
+            shift = transfer.position - entry.first_position
+            keys = self._rope.shift(span[:, 0], shift)  # [layers, heads, n, dim]
             slots = torch.tensor(transfer.slots, dtype=torch.int64)
             for index, (name, cache) in enumerate(self._caches.items()):
                 blocks, heads, block_size, _ = cache.shape
@@ -320,7 +336,7 @@ class TurboConnector(KVConnectorBase_V1):
             slots = torch.tensor(transfer.slots, dtype=torch.int64)
             layout = self._block_layout()
             kv = torch.stack([layout.read(cache, slots) for cache in self._caches.values()])
-            self._store.put(transfer.key, kv)
+            self._store.put(transfer.key, kv, first_position=transfer.position)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

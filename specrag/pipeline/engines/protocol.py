@@ -19,6 +19,7 @@ the engine's class: an engine that something keeps alive (the supervisor beside 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -28,6 +29,7 @@ from typing import Literal, Protocol
 from specrag.errors import InvalidInputError
 
 __all__ = [
+    "TURBO_CACHE_SALT_PREFIX",
     "Engine",
     "EngineCounts",
     "EngineLoad",
@@ -41,6 +43,10 @@ __all__ = [
     "latest_cached_tokens",
     "now",
 ]
+
+
+#: What every document-KV request's prefix-cache salt starts with (:attr:`Sampling.cache_salt`).
+TURBO_CACHE_SALT_PREFIX = "specrag-turbo-"
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,10 @@ class Sampling:
     """Prompt spans ``[start, end)`` (documents, in order) whose KV the engine may load from its
     document KV store instead of prefilling them (TurboRAG); empty: a full prefill. Only an engine
     started with a document KV store accepts it (:attr:`EngineConfig.document_kv_dir`)."""
+    document_kv_prefix: int = 0
+    """The documents' stored KV was computed after the prompt's first ``document_kv_prefix`` tokens
+    (the system prompt: APE's shared prefix), not alone from position 0; 0: alone. The prefix is
+    the first span, stored alone (it starts the prompt either way)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -75,6 +85,26 @@ class Sampling:
                     f"document_kv spans must be ordered and non-empty, got {self.document_kv}"
                 )
             end = stop
+        if self.document_kv_prefix and (self.document_kv or ((-1, -1),))[0] != (0, self.document_kv_prefix):
+            raise InvalidInputError(
+                f"document_kv_prefix {self.document_kv_prefix} must be the first span of {self.document_kv}, "
+                "starting at 0"
+            )
+
+    @property
+    def cache_salt(self) -> str | None:
+        """The prefix-cache salt of a request that loads document KV; None for a full prefill.
+
+        Loaded blocks only approximate a full prefill, and what a block holds depends on which spans
+        were loaded (a document loaded, or prefilled fresh after loaded ones) and how they were
+        computed (alone, or after the prefix): the salt names exactly that, so a block is reused
+        only by a request that would have computed the same KV, and never by a full prefill.
+        """
+        if not self.document_kv:
+            return None
+        spans = ",".join(f"{start}-{stop}" for start, stop in self.document_kv)
+        digest = hashlib.sha256(f"{spans};prefix={self.document_kv_prefix}".encode()).hexdigest()[:16]
+        return f"{TURBO_CACHE_SALT_PREFIX}{digest}"
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from specrag.errors import EngineError, InvalidInputError
 from specrag.pipeline.document_kv.store import (
     LOADED_KEY,
     PARAMS_KEY,
-    TURBO_CACHE_SALT,
     DocumentKVStore,
     segment_key,
+    span_key,
     store_namespace,
 )
 from specrag.pipeline.engines.base import EngineBase
@@ -94,7 +94,7 @@ class VllmEngine(EngineBase):
         self._stopping = asyncio.Event()
         self._document_kv = _document_kv_store(llm.vllm_config)
         note_engine_dtype(llm.vllm_config.model_config.dtype)
-        self._fills: set[str] = set()
+        self._fills: dict[str, int] = {}  # save requests: the first token each saves
         self._filling: set[str] = set()  # keys of segments being filled on first use
         self._fill_tasks: set[asyncio.Task[None]] = set()
 
@@ -167,64 +167,92 @@ class VllmEngine(EngineBase):
         """The document KV store the engine's connector reads (None without ``--document-kv``)."""
         return self._document_kv
 
-    async def fill_document_kv(self, segments: Sequence[Sequence[int]], concurrency: int = 4) -> int:
+    async def fill_document_kv(
+        self, segments: Sequence[Sequence[int]], concurrency: int = 4, prefix: Sequence[int] = ()
+    ) -> int:
         """Compute and store the KV of every segment not yet in the store; returns how many.
 
-        Each segment is prefilled alone (position 0 on) with the connector told to save its KV:
-        the store then holds exactly what vLLM computes for that segment at the start of a
-        prompt. ``concurrency`` segments run at once (vLLM batches them).
+        Each segment is prefilled alone (position 0 on), or after ``prefix`` (the system prompt:
+        the variant computed after it), with the connector told to save the segment's KV: the
+        store then holds exactly what vLLM computes for that segment at the start of a prompt, or
+        right after the prefix. ``concurrency`` segments run at once (vLLM batches them).
         """
         store = self._require_document_kv()
-        missing = {segment_key(tokens): tuple(tokens) for tokens in segments if tokens}
+        missing = {segment_key(tokens, prefix=prefix): tuple(tokens) for tokens in segments if tokens}
         missing = {key: tokens for key, tokens in missing.items() if not store.contains(key)}
         gate = asyncio.Semaphore(concurrency)
 
         async def fill(tokens: tuple[int, ...]) -> None:
             async with gate:
-                await self.save_prompt_kv(tokens)
+                await self._save((*prefix, *tokens), Sampling(max_tokens=1), len(prefix))
 
         await asyncio.gather(*(fill(tokens) for tokens in missing.values()))
         return len(missing)
 
+    async def fill_prompt_kv(self, prompt: Sequence[int], sampling: Sampling) -> int:
+        """Store every span of ``sampling.document_kv`` in ``prompt`` that is not yet stored, as the
+        connector will look it up (alone, or after ``sampling.document_kv_prefix`` tokens); how many."""
+        missing = self._missing_spans(prompt, sampling)
+        prefix = tuple(prompt[: sampling.document_kv_prefix])
+        alone = [tokens for tokens, follows in missing.values() if not follows]
+        after = [tokens for tokens, follows in missing.values() if follows]
+        return await self.fill_document_kv(alone) + await self.fill_document_kv(after, prefix=prefix)
+
+    def _missing_spans(
+        self, prompt: Sequence[int], sampling: Sampling
+    ) -> dict[str, tuple[tuple[int, ...], bool]]:
+        """The spans not yet stored, by key: their tokens and whether they follow the prefix."""
+        store = self._require_document_kv()
+        prefix = sampling.document_kv_prefix
+        missing = {}
+        for start, end in sampling.document_kv:
+            key = span_key(prompt, start, end, prefix)
+            if not store.contains(key):
+                missing[key] = (tuple(prompt[start:end]), bool(prefix) and start >= prefix)
+        return missing
+
     async def save_prompt_kv(
-        self, prompt: Sequence[int], document_kv: tuple[tuple[int, int], ...] = ()
+        self,
+        prompt: Sequence[int],
+        document_kv: tuple[tuple[int, int], ...] = (),
+        document_kv_prefix: int = 0,
     ) -> str:
-        """Prefill ``prompt`` (spans in ``document_kv`` loaded) and store its whole KV; its key.
+        """Prefill ``prompt`` (spans in ``document_kv`` loaded, as :class:`Sampling` says) and store its
+        whole KV; its key.
 
         With spans, the stored KV is the prompt's KV as a turbo request has it (loaded documents,
         computed question), keyed apart from the same prompt's full prefill: what the correctness
         checks of ``bench.pipeline.turbo`` and the tests read back.
         """
+        sampling = Sampling(max_tokens=1, document_kv=document_kv, document_kv_prefix=document_kv_prefix)
+        return await self._save(prompt, sampling, 0)
+
+    async def _save(self, prompt: Sequence[int], sampling: Sampling, save_from: int) -> str:
+        """Prefill ``prompt`` with the connector told to store its KV from token ``save_from`` on."""
         self._require_document_kv()
         request_id = f"kvsave-{uuid.uuid4().hex}"
-        self._fills.add(request_id)
+        self._fills[request_id] = save_from
         try:
-            async for _ in self.generate(request_id, prompt, Sampling(max_tokens=1, document_kv=document_kv)):
+            async for _ in self.generate(request_id, prompt, sampling):
                 pass
         finally:
-            self._fills.discard(request_id)
-        return segment_key(prompt, document_kv)
+            self._fills.pop(request_id, None)
+        return segment_key(prompt[save_from:], sampling.document_kv, prefix=prompt[:save_from])
 
-    def _fill_later(self, prompt: Sequence[int], spans: tuple[tuple[int, int], ...]) -> None:
+    def _fill_later(self, prompt: Sequence[int], sampling: Sampling) -> None:
         """Fill on first use: compute a turbo prompt's missing segments in the background.
 
         This request is served as the connector can (it claims nothing while a span is missing:
         a full prefill); the next prompt with these documents finds them stored.
         """
-        store = self._require_document_kv()
-        missing = {}
-        for start, end in spans:
-            tokens = tuple(prompt[start:end])
-            key = segment_key(tokens)
-            if key not in self._filling and not store.contains(key):
-                missing[key] = tokens
+        missing = {key for key in self._missing_spans(prompt, sampling) if key not in self._filling}
         if not missing:
             return
         self._filling.update(missing)
 
         async def fill() -> None:
             try:
-                await self.fill_document_kv(list(missing.values()))
+                await self.fill_prompt_kv(prompt, sampling)
             except EngineError as error:
                 logger.warning("filling the document KV store failed: %s", error)
             finally:
@@ -285,8 +313,10 @@ class VllmEngine(EngineBase):
         turbo: dict[str, Any] = {}
         if request_id in self._fills:
             turbo["save"] = True
+            turbo["save_from"] = self._fills[request_id]
         if sampling.document_kv:
             turbo["segments"] = [list(span) for span in sampling.document_kv]
+            turbo["prefix"] = sampling.document_kv_prefix
         return SamplingParams(
             extra_args={"kv_transfer_params": {PARAMS_KEY: turbo}} if turbo else None,
             max_tokens=sampling.max_tokens,
@@ -303,9 +333,9 @@ class VllmEngine(EngineBase):
     ) -> AsyncGenerator[EngineOutput, None]:
         try:
             inputs: dict[str, Any] = {"prompt_token_ids": prompt}
-            if sampling.document_kv:
-                inputs["cache_salt"] = TURBO_CACHE_SALT
-                self._fill_later(prompt, sampling.document_kv)
+            if sampling.cache_salt is not None:
+                inputs["cache_salt"] = sampling.cache_salt
+                self._fill_later(prompt, sampling)
             stream = self._llm.generate(inputs, self._sampling_params(sampling, request_id), request_id)
             async with contextlib.aclosing(until_set(stream, self._stopping)) as outputs:
                 async for output in outputs:

@@ -123,12 +123,6 @@ class PromptBuilder:
             pad_token_id=self._pad_token_id,
         )
 
-    def stored_segments(self, doc_rows: Sequence[int]) -> list[tuple[int, ...]]:
-        """The system prompt and each document as prompts lay them out (padded): what a document
-        KV store holds for them (``specrag prepare --document-kv``)."""
-        layout = self.build_with_question_tokens(doc_rows, [])
-        return layout.span_tokens(layout.stored_spans())
-
     def _continuing(self, history: Sequence[int]) -> tuple[int, ...]:
         """``history`` (ending with an answer) and the chat template's opening of the next turn.
 

@@ -16,9 +16,11 @@ from typing import Any
 
 from specrag.client import AsyncClient
 from specrag.controller.config import ControllerConfig, serve_flags
-from specrag.controller.modes import DocumentKv
+from specrag.controller.modes import DocumentKv, DocumentKvVariant
+from specrag.controller.tiers import document_kv_sampling
 from specrag.errors import InvalidInputError, check_choice
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.pipeline.engines.protocol import Sampling
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.service.cli.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.cli.engine_log import engine_output_to
@@ -96,21 +98,25 @@ def prepare_command(args: argparse.Namespace) -> int:
     if args.document_kv:
         kv_dir = _paths(args)[0].document_kv_dir
         print(f"computing every passage's KV into {kv_dir} (TurboRAG; minutes)…", flush=True)
-        filled = asyncio.run(_fill_document_kv(assets, kv_dir, args.document_kv_max_gib))
+        variant = check_choice("--document-kv-variant", args.document_kv_variant, DocumentKvVariant)
+        filled = asyncio.run(_fill_document_kv(assets, kv_dir, args.document_kv_max_gib, variant))
         print(f"document KV ready: {filled} segments computed, the others were stored already")
     return 0
 
 
-async def _fill_document_kv(assets: Assets, kv_dir: Path, max_gib: float) -> int:
-    """Start the in-process engine with the store and fill it with the system prompt and every passage."""
+async def _fill_document_kv(assets: Assets, kv_dir: Path, max_gib: float, variant: DocumentKvVariant) -> int:
+    """Start the in-process engine with the store and fill it with the system prompt and every
+    passage, each computed alone or after the system prompt (``variant``)."""
     from specrag.pipeline.engines.vllm_engine import VllmEngine
 
     options = ServiceOptions(document_kv_dir=str(kv_dir), document_kv_max_gib=max_gib)
     config = base_engine_config(assets.model_dir, options).validate()
     engine = await VllmEngine.start(config)
     try:
-        segments = prompt_builder(assets, engine).stored_segments(range(len(assets.store)))
-        return await engine.fill_document_kv(segments)
+        layout = prompt_builder(assets, engine).build_with_question_tokens(range(len(assets.store)), [])
+        after_system = variant is DocumentKvVariant.AFTER_SYSTEM
+        sampling = document_kv_sampling(Sampling(), layout, 0, after_system=after_system)
+        return await engine.fill_prompt_kv(layout.token_ids, sampling)
     finally:
         await engine.close()
 

@@ -11,7 +11,7 @@ import typing
 from typing import Any
 
 from specrag.controller.config import ControllerConfig, serve_flags
-from specrag.controller.modes import ModeName
+from specrag.controller.modes import DocumentKvVariant, ModeName
 from specrag.controller.placement import Router
 from specrag.errors import values
 from specrag.pipeline.commands import add_kv_cache_tokens
@@ -78,6 +78,13 @@ def _register_prepare(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "--document-kv",
         action="store_true",
         help="also compute every passage's KV into the document KV store (for serve --document-kv turbo)",
+    )
+    prepare.add_argument(
+        "--document-kv-variant",
+        choices=values(DocumentKvVariant),
+        default=ControllerConfig.document_kv_variant,
+        help="with --document-kv: each passage's KV computed alone or after the system prompt, as "
+        "serve's --document-kv-variant will load it (default: %(default)s)",
     )
     _add_document_kv_bound(prepare)
     prepare.set_defaults(handler=prepare_command)

@@ -36,7 +36,9 @@ __all__ = [
     "user_questions",
 ]
 
-RAG_FIELDS = frozenset({"query", "k", "mode", "document_kv", "max_tokens", "session_id", "stream"})
+RAG_FIELDS = frozenset(
+    {"query", "k", "mode", "document_kv", "document_kv_fresh", "max_tokens", "session_id", "stream"}
+)
 BATCH_FIELDS = frozenset({"queries", "k", "mode", "max_tokens"})
 # The OpenAI chat fields honoured (docs/service.md: "Sampling fields") and the JSON type each must have,
 # whatever else the body holds; ``float`` takes any number. ``stop`` and ``messages`` are checked
@@ -54,6 +56,7 @@ CHAT_FIELDS: dict[str, type] = {
     "k": int,
     "mode": str,
     "document_kv": str,
+    "document_kv_fresh": int,
     "session_id": str,
 }
 # Fields accepted at their neutral value only (the type of the value, the value).
@@ -154,12 +157,14 @@ def required(body: dict[str, Any], name: str, kind: type[T]) -> T:
 
 
 def rag_request(body: dict[str, Any], question: str, max_tokens: int | None) -> RagRequest:
-    """The retrieval options both APIs share (``k``, ``mode``, ``document_kv``, ``session_id``)."""
+    """The retrieval options both APIs share (``k``, ``mode``, ``document_kv``,
+    ``document_kv_fresh``, ``session_id``)."""
     return RagRequest(
         question=question,
         k=optional(body, "k", int),
         mode=optional(body, "mode", str),
         document_kv=optional(body, "document_kv", str),
+        document_kv_fresh=optional(body, "document_kv_fresh", int),
         max_tokens=max_tokens,
         session_id=optional(body, "session_id", str),
     )

@@ -1,0 +1,173 @@
+"""The frontier of document KV: what each way of loading documents costs in accuracy and saves in
+cold TTFT, against a full prefill, and the default chosen from it.
+
+A point is a variant (each document's KV computed ``alone`` or ``after-system``) and a tier ``M``
+(the top-M documents prefilled fresh after the loaded ones, M = 0 … k). For each point:
+``ttft_over_full``, the median cold TTFT over the full prefill's median, measured on the same
+prompts in the same run, alternating; and the accuracy with a 95 % bootstrap interval of the paired
+difference point − full (the same questions, resampled together). The default is the fastest
+point whose paired interval reaches 0 (its upper end ≥ 0) with a lower end ≥ −0.05
+(:data:`ACCURACY_FLOOR`); when none does, ``default`` says so instead of naming one.
+
+Engine-agnostic: :func:`measure_ttft` takes any engine with document KV (the real one in
+:mod:`bench.pipeline.turbo`, the simulated one in the tests) and a ``fill`` that stores what a
+prompt will load.
+"""
+
+from __future__ import annotations
+
+import statistics
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bench.common import bootstrap_mean_ci
+from specrag.cache.layout import PromptLayout
+from specrag.controller.modes import DocumentKvVariant
+from specrag.controller.tiers import document_kv_sampling, fresh_last
+from specrag.pipeline.engines.protocol import Engine, Sampling, now
+from specrag.pipeline.store.prompt import PromptBuilder
+
+ACCURACY_FLOOR = -0.05
+"""The lowest acceptable lower end of a default's paired accuracy interval (point − full)."""
+FULL = "full"
+
+Fill = Callable[[Sequence[int], Sampling], Awaitable[object]]
+"""Stores the spans a prompt's sampling will load (the real engine's ``fill_prompt_kv``)."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One way of serving a prompt with document KV."""
+
+    variant: DocumentKvVariant
+    fresh: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}/fresh={self.fresh}"
+
+    def layout(self, builder: PromptBuilder, rows: Sequence[int], question: str) -> PromptLayout:
+        """The prompt of ``rows`` (in rank order) with this point's top documents last."""
+        return builder.build(fresh_last(rows, rows, self.fresh), question)
+
+    def sampling(self, layout: PromptLayout, sampling: Sampling) -> Sampling:
+        after_system = self.variant is DocumentKvVariant.AFTER_SYSTEM
+        return document_kv_sampling(sampling, layout, self.fresh, after_system=after_system)
+
+
+def frontier_points(k: int, tiers: Sequence[int] | None = None) -> list[Point]:
+    """Every variant with M = 0 … k, or with the given ``tiers`` only (a partial frontier)."""
+    chosen = range(k + 1) if tiers is None else tiers
+    if not all(0 <= fresh <= k for fresh in chosen):
+        raise ValueError(f"tiers must lie between 0 and k = {k}, got {list(chosen)}")
+    return [Point(variant, fresh) for variant in DocumentKvVariant for fresh in chosen]
+
+
+async def first_output(engine: Engine, prompt: Sequence[int], sampling: Sampling) -> tuple[float, int, int]:
+    """(seconds to the first token, cached tokens, first token) of one request."""
+    started = now()
+    async for output in engine.generate(uuid.uuid4().hex, prompt, sampling):
+        if output.token_ids:
+            return output.received_at - started, output.cached_tokens or 0, output.token_ids[0]
+    raise RuntimeError("the engine returned no token")
+
+
+async def measure_ttft(
+    engine: Engine,
+    builder: PromptBuilder,
+    prompts: Sequence[tuple[Sequence[int], str]],
+    points: Sequence[Point],
+    repeats: int,
+    fill: Fill,
+) -> dict[str, Any]:
+    """Cold TTFT (prefix cache reset before each request) of every prompt ``(rows, question)``
+    served in full and at every point; the order of the ways rotates from prompt to prompt.
+
+    Each point's spans are stored first (``fill``), so every measured request loads them all.
+    """
+    one_token = Sampling(max_tokens=1)
+    ways: list[tuple[str, list[tuple[Sequence[int], Sampling]]]] = [
+        (FULL, [(builder.build(rows, question).token_ids, one_token) for rows, question in prompts])
+    ]
+    for point in points:
+        served: list[tuple[Sequence[int], Sampling]] = []
+        for rows, question in prompts:
+            layout = point.layout(builder, rows, question)
+            sampling = point.sampling(layout, one_token)
+            await fill(layout.token_ids, sampling)
+            served.append((layout.token_ids, sampling))
+        ways.append((point.name, served))
+    seconds: dict[str, list[float]] = {name: [] for name, _ in ways}
+    loaded: dict[str, list[int]] = {name: [] for name, _ in ways}
+    turn = 0
+    for _ in range(repeats):
+        for index in range(len(prompts)):
+            turn += 1
+            for name, served in ways[turn % len(ways) :] + ways[: turn % len(ways)]:
+                prompt, sampling = served[index]
+                await engine.reset_prefix_cache()
+                elapsed, cached, _ = await first_output(engine, prompt, sampling)
+                seconds[name].append(elapsed)
+                loaded[name].append(cached)
+    return {"seconds": seconds, "cached_tokens": loaded}
+
+
+def paired_accuracy(records: Sequence[Mapping[str, Any]], name: str, seed: int = 0) -> dict[str, Any]:
+    """``name``'s accuracy over ``records`` (one a question) and its paired difference to full,
+    each with a 95 % bootstrap interval over questions."""
+    rng = np.random.default_rng(seed)
+    full = np.array([record[FULL]["accuracy"] for record in records], dtype=float)
+    point = np.array([record[name]["accuracy"] for record in records], dtype=float)
+    return {
+        "accuracy": float(point.mean()),
+        "accuracy_ci": bootstrap_mean_ci(point, rng),
+        "accuracy_diff": float((point - full).mean()),
+        "accuracy_diff_ci": bootstrap_mean_ci(point - full, rng),
+    }
+
+
+def frontier(
+    ttft: Mapping[str, Any], records: Sequence[Mapping[str, Any]], points: Sequence[Point]
+) -> list[dict[str, Any]]:
+    """Each point's TTFT over full prefill's (medians) and, with ``records``, its paired accuracy."""
+    full_median = statistics.median(ttft["seconds"][FULL])
+    rows = []
+    for point in points:
+        seconds = ttft["seconds"][point.name]
+        row: dict[str, Any] = {
+            "name": point.name,
+            "variant": str(point.variant),
+            "fresh": point.fresh,
+            "ttft_ms": statistics.median(seconds) * 1000,
+            "ttft_p99_ms": float(np.percentile(seconds, 99)) * 1000,
+            "ttft_over_full": statistics.median(seconds) / full_median,
+        }
+        if records:
+            row |= paired_accuracy(records, point.name)
+        rows.append(row)
+    return rows
+
+
+def choose_default(points: Sequence[Mapping[str, Any]], floor: float = ACCURACY_FLOOR) -> dict[str, Any]:
+    """The fastest point whose paired interval reaches 0 with a lower end ≥ ``floor``; when none
+    does (or no accuracy was measured), ``name`` None and a ``statement`` saying so."""
+    eligible = [
+        point
+        for point in points
+        if "accuracy_diff_ci" in point
+        and point["accuracy_diff_ci"][1] >= 0
+        and point["accuracy_diff_ci"][0] >= floor
+    ]
+    if not eligible:
+        return {
+            "name": None,
+            "ttft_over_full": None,
+            "accuracy_diff_ci": None,
+            "statement": f"no point's paired accuracy interval reaches 0 with a lower end >= {floor}",
+        }
+    best = min(eligible, key=lambda point: point["ttft_over_full"])
+    return {key: best[key] for key in ("name", "ttft_over_full", "accuracy_diff_ci")}
