@@ -10,7 +10,7 @@ included, equals the unsharded index's. HNSW shards are separate graphs: their m
 over what each graph found, and its recall against one graph is measured (bench.scale.shards).
 
 The shards are anything with a cursor (:class:`Shard`): searchers in this process, or search
-actors elsewhere (:mod:`specrag.pipeline.search_shards`), advanced side by side through
+actors elsewhere (:mod:`specrag.service.run.search_actors`), advanced side by side through
 ``fan_out``. The speculation policy, the stage plan and the timeline see one searcher.
 """
 

@@ -60,7 +60,7 @@ def local_ray() -> Iterator[None]:
 def test_shard_actors_give_the_in_process_stages(
     local_ray: None, saved: tuple[Path, dict[str, Any]], vectors: np.ndarray, queries: np.ndarray
 ) -> None:
-    from specrag.pipeline.search_shards import search_shards
+    from specrag.service.run.search_actors import search_shards
 
     local = build_ivf_shards(vectors, 3, nlist=32, nprobe=16, codes="sq8")
     hidden = np.arange(0, 3000, 5)  # rows of every shard
@@ -83,7 +83,7 @@ def test_shard_actors_give_the_in_process_stages(
 def test_a_killed_shard_is_restarted_and_no_answer_is_wrong(
     local_ray: None, saved: tuple[Path, dict[str, Any]], vectors: np.ndarray, queries: np.ndarray
 ) -> None:
-    from specrag.pipeline.search_shards import RemoteShard, search_shards
+    from specrag.service.run.search_actors import RemoteShard, search_shards
 
     expected = StagedIVF.build(vectors, nlist=32, nprobe=16, codes="sq8").search(queries, 10)[1]  # exact
     answers: list[tuple[int, np.ndarray]] = []
@@ -124,7 +124,7 @@ def test_a_killed_shard_is_restarted_and_no_answer_is_wrong(
 def test_a_shard_that_does_not_answer_fails_the_search_naming_it(
     local_ray: None, saved: tuple[Path, dict[str, Any]], queries: np.ndarray
 ) -> None:
-    from specrag.pipeline.search_shards import RemoteShard, search_shards
+    from specrag.service.run.search_actors import RemoteShard, search_shards
 
     with search_shards(*saved, num_cpus=0.5, wait_s=5, max_restarts=0) as remote:
         victim = remote.shards[2]
