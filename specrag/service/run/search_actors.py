@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import faiss
 import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -103,6 +104,9 @@ class SearchShard:
     def __init__(
         self, directory: str, number: int, count: int, quantizer_sha256: str | None, mmap: bool
     ) -> None:
+        # One faiss thread: a single query's slice gains nothing from more, and their OpenMP
+        # threads spin while they wait for each other on a node that is busy.
+        faiss.omp_set_num_threads(1)
         self._shard = load_shard(Path(directory), number, count, quantizer_sha256, mmap=mmap)
         self._mmap = mmap
         self._cursors: OrderedDict[str, tuple[Any, int, bool]] = OrderedDict()
@@ -186,6 +190,11 @@ class RemoteShard:
     @property
     def next_row(self) -> int:
         return self._info.next_row
+
+    @property
+    def info(self) -> ShardInfo:
+        """What the actor reported when it started (its process id among it)."""
+        return self._info
 
     def call(self, reference: Any) -> Any:
         """The result of a call to the actor, or ShardUnavailableError naming the shard."""
