@@ -70,7 +70,20 @@ def test_the_index_searches_through_shard_actors_while_serving(vectors: np.ndarr
                 np.testing.assert_array_equal(
                     list(index.search_staged(query, 5, StagePlan(3, "equal")))[-1].ids, ids
                 )
+            with pytest.raises(InvalidInputError, match="takes no new documents"):
+                index.apply_changes(["new"], vectors[:1], ["text"], [])
+            index.apply_changes(
+                [], np.zeros((0, 16)), [], [int(expected[0][0])]
+            )  # a delete: hidden in every shard
+            hidden = list(index.search_staged(queries[0], 5, StagePlan(3, "equal")))[-1].ids
+            assert int(expected[0][0]) not in hidden.tolist()
         assert index.searcher is local
+        local.add(vectors[:1], 1200)  # a document added since the shard files were written
+        with (
+            pytest.raises(InvalidInputError, match="added since it was built"),
+            searching_on_shards(index, options),
+        ):
+            pass
         wrong = ServiceOptions(ray_address="", search_shards=4, index_dir="DIR")
         with pytest.raises(InvalidInputError, match="has 2 shards"), searching_on_shards(index, wrong):
             pass

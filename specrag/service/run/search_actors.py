@@ -43,6 +43,7 @@ from specrag.retrieval.shards.store import load_shard, shard_directory
 
 __all__ = [
     "DEFAULT_WAIT_S",
+    "DOCUMENTS_REFUSED",
     "RemoteShard",
     "RowView",
     "SearchShard",
@@ -56,6 +57,12 @@ DEFAULT_WAIT_S = 30.0
 # Searches a shard actor keeps in progress; the oldest is dropped past this (a search cancelled
 # by its caller never says so), and is recomputed if it ever asks again.
 _CURSORS_KEPT = 256
+# Shard actors load their rows from their files, again after a restart: a document added only
+# to a live actor would be lost with it, so documents are added by rebuilding the index.
+DOCUMENTS_REFUSED = (
+    "an index searched by Ray shard actors takes no new documents while it serves (a restarted "
+    "shard reloads its files): add them to the corpus and rebuild it with `specrag index build --shards N`"
+)
 # How long a shard may take to load at start.
 _START_WAIT_S = 300.0
 
@@ -108,7 +115,6 @@ class SearchShard:
         # threads spin while they wait for each other on a node that is busy.
         faiss.omp_set_num_threads(1)
         self._shard = load_shard(Path(directory), number, count, quantizer_sha256, mmap=mmap)
-        self._mmap = mmap
         self._cursors: OrderedDict[str, tuple[Any, int, bool]] = OrderedDict()
         self._view: tuple[str, Visibility] | None = None
 
@@ -154,11 +160,6 @@ class SearchShard:
         result: tuple[np.ndarray, np.ndarray] = self._shard.search(queries, k, self._visibility(view))
         return result
 
-    def add_rows(self, vectors: np.ndarray, rows: np.ndarray, next_row: int) -> None:
-        if self._mmap and self._shard.kind == "ivf":
-            raise InvalidInputError("a memory-mapped shard takes no documents: serve it without mmap")
-        self._shard.add_rows(vectors, rows, next_row)
-
 
 class RemoteShard:
     """A :class:`~specrag.retrieval.shards.merge.Shard` whose rows live in a :class:`SearchShard` actor."""
@@ -169,7 +170,6 @@ class RemoteShard:
         self.kind = info.kind
         self._info = info
         self._wait_s = wait_s
-        self._ntotal = info.ntotal
 
     @property
     def dim(self) -> int:
@@ -177,7 +177,7 @@ class RemoteShard:
 
     @property
     def ntotal(self) -> int:
-        return self._ntotal
+        return self._info.ntotal
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -222,8 +222,7 @@ class RemoteShard:
         return result
 
     def add_rows(self, vectors: np.ndarray, rows: np.ndarray, next_row: int) -> None:
-        self.call(self.actor.add_rows.remote(np.ascontiguousarray(vectors), rows, next_row))
-        self._ntotal += len(rows)
+        raise InvalidInputError(DOCUMENTS_REFUSED)
 
     def compacted(self, keep: np.ndarray) -> Any:
         raise InvalidInputError("a sharded index on Ray is compacted by rebuilding it (specrag index build)")
@@ -294,7 +293,9 @@ def search_shards(
     try:
         shards = [_started(actor, f"{number:03d}", wait_s) for number, actor in enumerate(actors)]
         keep_max = METRIC == "inner_product"  # the embedders' unit vectors, searched by inner product
-        yield ShardedSearcher(shards, quantizer, keep_max, next_row=shards[0].next_row, fan_out=executor)
+        searcher = ShardedSearcher(shards, quantizer, keep_max, next_row=shards[0].next_row, fan_out=executor)
+        searcher.refuses_documents = DOCUMENTS_REFUSED
+        yield searcher
     finally:
         executor.shutdown(wait=False, cancel_futures=True)
         for actor in actors:

@@ -60,6 +60,11 @@ def searching_on_shards(index: VectorIndex, options: ServiceOptions) -> Iterator
     previous = index.searcher
     try:
         with search_shards(Path(options.index_dir), settings) as remote:
+            if remote.ntotal != previous.ntotal:
+                raise InvalidInputError(
+                    f"the index holds {previous.ntotal} rows, its shard files {remote.ntotal}: documents "
+                    "were added since it was built; rebuild it (`specrag index build --shards N`)"
+                )
             index.searcher = remote
             try:
                 yield
