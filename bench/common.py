@@ -196,3 +196,10 @@ def bootstrap_ratio_ci(
         ratios = numerator[picks].sum(axis=1) / denominator[picks].sum(axis=1)
     low, high = np.percentile(ratios, [2.5, 97.5])
     return [float(low), float(high)]
+
+
+def percentile_ci(values: np.ndarray, q: float, rng: np.random.Generator) -> list[float]:
+    """A 95 % bootstrap interval of the ``q``-th percentile of ``values``."""
+    picks = rng.integers(0, len(values), size=(1000, len(values)))
+    estimates = np.percentile(values[picks], q, axis=1)
+    return [float(np.percentile(estimates, 2.5)), float(np.percentile(estimates, 97.5))]

@@ -20,6 +20,7 @@ __all__ = [
     "InvalidInputError",
     "NotFoundError",
     "OverloadedError",
+    "ShardUnavailableError",
     "SpecragError",
     "TooLargeError",
     "WritesSuspendedError",
@@ -82,6 +83,11 @@ class WritesSuspendedError(SpecragError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class ShardUnavailableError(SpecragError):
+    """A shard of a sharded index did not answer in time (dead, restarting or unreachable): the
+    search fails naming it (HTTP 503) rather than return a top-k without its rows."""
 
 
 class EmbedderError(EngineError):

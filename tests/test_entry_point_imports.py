@@ -19,7 +19,7 @@ ENTRY_POINTS = (
     "bench.faults",
     "bench.faults.token_gaps",
     "bench.pipeline",
-    "bench.scale",
+    "bench.scale.__main__",
     "bench.pipeline.prefill",
     "bench.pipeline.contention",
     "bench.pipeline.abort",

@@ -53,7 +53,15 @@ import faiss
 import numpy as np
 from matplotlib import pyplot as plt
 
-from bench.common import bootstrap_mean_ci, machine, print_summary, save_figure, write_json, write_report
+from bench.common import (
+    bootstrap_mean_ci,
+    machine,
+    percentile_ci,
+    print_summary,
+    save_figure,
+    write_json,
+    write_report,
+)
 from specrag.pipeline.store.document_store import build_store
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.pipeline.store.live_log import live_log_path
@@ -95,13 +103,6 @@ class TableEmbedder:
 def stand_in_tokens(texts: list[str]) -> list[list[int]]:
     """One token a document: the store keeps tokens, the benchmark does not measure a tokenizer."""
     return [[len(text)] for text in texts]
-
-
-def percentile_ci(values: np.ndarray, q: float, rng: np.random.Generator) -> list[float]:
-    """A 95 % bootstrap interval of the ``q``-th percentile of ``values``."""
-    picks = rng.integers(0, len(values), size=(1000, len(values)))
-    estimates = np.percentile(values[picks], q, axis=1)
-    return [float(np.percentile(estimates, 2.5)), float(np.percentile(estimates, 97.5))]
 
 
 def search_ms(index: VectorIndex, query: np.ndarray) -> float:

@@ -70,6 +70,7 @@ def _index_build(args: argparse.Namespace) -> int:
         embedding_dim=args.dim,
         pad_to=args.pad_to,
         seed=args.seed,
+        shards=args.shards,
     )
     started = time.perf_counter()
     passages = load_passages(corpus)
@@ -138,6 +139,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=int,
         default=None,
         help="add synthetic rows, each mapped to a passage, up to this many",
+    )
+    index_build.add_argument(
+        "--shards",
+        type=int,
+        default=defaults.shards,
+        help="split the index into this many shards sharing one coarse quantizer (docs/scale-out.md)",
     )
     index_build.add_argument("--threads", type=int, default=None, help="faiss threads while building")
     index_build.add_argument(

@@ -32,9 +32,13 @@ from specrag.retrieval.embedders import (
     load_embedder,
 )
 from specrag.retrieval.fusion import DEFAULT_DEPTH, DEFAULT_RRF_K, FusionConfig
+from specrag.retrieval.index_files import INDEX_FILE, MANIFEST_FILE, verify_files
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.progress import embed_in_batches
 from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.shards.build import build_hnsw_shards, build_ivf_shards
+from specrag.retrieval.shards.merge import ShardedSearcher
+from specrag.retrieval.shards.store import load_shards, save_shards
 from specrag.retrieval.staged_ivf import DEFAULT_NLIST, StagedIVF
 from specrag.retrieval.stages import StagedSearcher
 from specrag.retrieval.synthetic import pad_with_synthetic
@@ -70,8 +74,6 @@ FORMAT = "specrag-index"
 # 3: both channels index the passages' text as specrag.retrieval.text normalises it; an index of
 #    an earlier version is rebuilt (ensure_index) rather than searched with normalised questions.
 VERSION = 3
-MANIFEST_FILE = "manifest.json"
-INDEX_FILE = "index.faiss"
 PASSAGE_IDS_FILE = "passage_ids.json"
 SOURCES_FILE = "synthetic_sources.npy"
 if TYPE_CHECKING:
@@ -109,8 +111,11 @@ class IndexConfig:
     embedding_dim: int = DEFAULT_DIM
     pad_to: int | None = None
     seed: int = 0
+    shards: int = 1
 
     def __post_init__(self) -> None:
+        if self.shards < 1:
+            raise InvalidInputError(f"the shard count must be at least 1, got {self.shards}")
         if self.kind not in KINDS:
             raise InvalidInputError(f"unknown index kind {self.kind!r}; choose one of {', '.join(KINDS)}")
         if self.embedder not in FITTED_EMBEDDERS:
@@ -156,7 +161,10 @@ def _staged_hnsw() -> type[StagedHNSW]:
 
 
 def build_searcher(vectors: np.ndarray, config: IndexConfig, progress: bool = False) -> StagedSearcher:
-    """A staged searcher over ``vectors`` (row i = vector i) as ``config`` describes."""
+    """A staged searcher over ``vectors`` (row i = vector i) as ``config`` describes: with
+    ``config.shards`` above 1, shards of it (:mod:`specrag.retrieval.shards`)."""
+    if config.shards > 1:
+        return _build_shards(vectors, config)
     if config.kind == HNSW_KIND:
         return _staged_hnsw().build(
             vectors,
@@ -173,6 +181,26 @@ def build_searcher(vectors: np.ndarray, config: IndexConfig, progress: bool = Fa
         pq_m=config.pq_m,
         seed=config.seed,
         progress=progress,
+    )
+
+
+def _build_shards(vectors: np.ndarray, config: IndexConfig) -> ShardedSearcher:
+    if config.kind == HNSW_KIND:
+        return build_hnsw_shards(
+            vectors,
+            config.shards,
+            m=config.hnsw_m,
+            ef_construction=config.ef_construction,
+            ef_search=config.ef_search,
+        )
+    return build_ivf_shards(
+        vectors,
+        config.shards,
+        nlist=config.nlist,
+        nprobe=config.nprobe,
+        codes=IVF_KINDS[config.kind],
+        pq_m=config.pq_m,
+        seed=config.seed,
     )
 
 
@@ -220,7 +248,7 @@ def save_index(index: VectorIndex, directory: Path, corpus_checksum: str | None 
     if index.embedder is None:
         raise InvalidInputError("an index is saved with its embedder; this one has none")
     with atomic_directory(directory) as staging:
-        faiss.write_index(index.searcher.owner, str(staging / INDEX_FILE))
+        searcher_files = _write_searcher(index.searcher, staging)
         (staging / PASSAGE_IDS_FILE).write_text(
             json.dumps(index.passage_ids, ensure_ascii=False), encoding="utf-8"
         )
@@ -228,7 +256,7 @@ def save_index(index: VectorIndex, directory: Path, corpus_checksum: str | None 
         embedder_entry = index.embedder.save(staging)
         lexical_entry = index.lexical.save(staging) if index.lexical is not None else None
         files = [
-            INDEX_FILE,
+            *searcher_files,
             PASSAGE_IDS_FILE,
             SOURCES_FILE,
             *embedder_entry["files"],
@@ -250,6 +278,15 @@ def save_index(index: VectorIndex, directory: Path, corpus_checksum: str | None 
             "files": {name: sha256_file(staging / name) for name in files},
         }
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+
+def _write_searcher(searcher: StagedSearcher, staging: Path) -> list[str]:
+    """Write the searcher into the index version ``staging``: one faiss index, or a sharded
+    index's shard directories; returns the files the manifest checksums."""
+    if isinstance(searcher, ShardedSearcher):
+        return save_shards(searcher, staging)
+    faiss.write_index(searcher.owner, str(staging / INDEX_FILE))
+    return [INDEX_FILE]
 
 
 def _read_manifest(directory: Path) -> dict[str, Any]:
@@ -280,23 +317,25 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def _verify_files(directory: Path, checksums: dict[str, str]) -> None:
-    for name, expected in checksums.items():
-        path = directory / name
-        if not path.is_file():
-            raise ArtifactError(f"index file missing: {path}")
-        if sha256_file(path) != expected:
-            raise ArtifactError(
-                f"index file {path} does not match its manifest checksum (truncated or replaced)"
-            )
-
-
 def _searcher_from(index: faiss.Index, settings: dict[str, Any], path: Path) -> StagedSearcher:
     if settings.get("kind") == HNSW_KIND and isinstance(index, faiss.IndexHNSWFlat):
         return _staged_hnsw()(index, ef_search=int(settings["ef_search"]))
     if settings.get("kind") == StagedIVF.kind and isinstance(index, faiss.IndexIVF):
         return StagedIVF(index, nprobe=int(settings["nprobe"]))
     raise ArtifactError(f"{path}: a {type(index).__name__} does not match the manifest's {settings}")
+
+
+def _read_searcher(directory: Path, settings: dict[str, Any]) -> StagedSearcher:
+    """The searcher of the index version in ``directory``, as its manifest's ``settings`` say."""
+    if "shards" in settings:
+        return load_shards(directory, settings)
+    index_path = directory / INDEX_FILE
+    try:
+        # faiss returns the concrete class, owning its memory: keep this object, not a downcast copy.
+        raw = faiss.read_index(str(index_path))
+    except RuntimeError as error:
+        raise ArtifactError(f"cannot read faiss index {index_path}: {error}") from error
+    return _searcher_from(raw, settings, index_path)
 
 
 def load_index(directory: Path, runner: SearchRunner | None = None) -> VectorIndex:
@@ -311,17 +350,12 @@ def load_index(directory: Path, runner: SearchRunner | None = None) -> VectorInd
 
 def _load_version(directory: Path, runner: SearchRunner | None) -> VectorIndex:
     manifest = _read_manifest(directory)
-    _verify_files(directory, manifest["files"])
-    index_path = directory / INDEX_FILE
-    try:
-        # faiss returns the concrete class, owning its memory: keep this object, not a downcast copy.
-        raw = faiss.read_index(str(index_path))
-    except RuntimeError as error:
-        raise ArtifactError(f"cannot read faiss index {index_path}: {error}") from error
-    searcher = _searcher_from(raw, manifest["searcher"], index_path)
+    verify_files(directory, manifest["files"])
+    searcher = _read_searcher(directory, manifest["searcher"])
     if (searcher.dim, searcher.ntotal) != (manifest["dim"], manifest["ntotal"]):
+        where = directory if isinstance(searcher, ShardedSearcher) else directory / INDEX_FILE
         raise ArtifactError(
-            f"{index_path}: {searcher.ntotal} × {searcher.dim} vectors, manifest says "
+            f"{where}: {searcher.ntotal} × {searcher.dim} vectors, manifest says "
             f"{manifest['ntotal']} × {manifest['dim']}"
         )
     ids_path = directory / PASSAGE_IDS_FILE
@@ -358,7 +392,7 @@ def built_passage_ids(directory: Path) -> list[str] | None:
     try:
         with reading_directory(directory) as version:
             manifest = _read_manifest(version)
-            _verify_files(version, {PASSAGE_IDS_FILE: manifest["files"][PASSAGE_IDS_FILE]})
+            verify_files(version, {PASSAGE_IDS_FILE: manifest["files"][PASSAGE_IDS_FILE]})
             passage_ids = json.loads((version / PASSAGE_IDS_FILE).read_text(encoding="utf-8"))
     except (ArtifactError, KeyError, OSError, ValueError):
         return None

@@ -171,14 +171,22 @@ class StagedHNSW(FaissBacked):
         ef_construction: int = 40,
         ef_search: int = 128,
         progress: bool = False,
+        rows: np.ndarray | None = None,
+        next_row: int | None = None,
     ) -> StagedHNSW:
-        """Insert ``vectors`` in order (row i = ``vectors[i]``) into a new HNSW graph."""
+        """Insert ``vectors`` in order into a new HNSW graph: row ``rows[i]`` (None: ``i``) is
+        ``vectors[i]``, and the next add starts at ``next_row`` (a shard holds some rows only)."""
         num, dim = vectors.shape
         if num == 0:
             raise InvalidInputError("cannot build an index from zero vectors")
         index = _empty_graph(dim, metric, m, ef_construction)
         add_in_chunks(index, vectors, show=progress)
-        return cls(index, ef_search)
+        return cls(index, ef_search, rows, next_row)
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The row number of each graph position."""
+        return np.arange(self.ntotal, dtype=np.int64) if self._rows is None else self._rows
 
     def _calibrate(self) -> int:
         """Mean level-0 expansions of a full search (stored vectors as queries); also JIT-warms."""
@@ -215,17 +223,24 @@ class StagedHNSW(FaissBacked):
         if first_row != self._next_row:
             raise InvalidInputError(f"added rows must start at row {self._next_row}, got {first_row}")
         added = np.arange(first_row, first_row + len(matrix), dtype=np.int64)
+        self.add_rows(matrix, None if self._rows is None else added, first_row + len(matrix))
+
+    def add_rows(self, vectors: np.ndarray, rows: np.ndarray | None, next_row: int) -> None:
+        """Insert ``vectors`` as the given ``rows`` (None: the positions they take, for a graph
+        whose positions are its rows), the next add to start at ``next_row``: a shard of a sharded
+        index holds every N-th row, not a run of them."""
+        matrix = self.vectors_to_add(vectors)
         with self._graph_lock.writing():
+            if rows is not None:
+                self._rows = np.concatenate([self.rows, rows])
             self.index.add(matrix)  # faiss numbers the new nodes on from ntotal
-            if self._rows is not None:
-                self._rows = np.concatenate([self._rows, added])
-            self._next_row += len(matrix)
+            self._next_row = next_row
             self._read_graph()
 
     def stored_vectors(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows ``r`` with ``keep[r]`` and their vectors (a copy of faiss's flat storage)."""
         with self._graph_lock.reading():
-            rows = np.arange(self.ntotal, dtype=np.int64) if self._rows is None else self._rows
+            rows = self.rows
             chosen = np.asarray(keep)[rows]
             return rows[chosen], self.vectors[chosen]
 
@@ -289,25 +304,44 @@ class StagedHNSW(FaissBacked):
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
         return self._stages(matrix, k, plan, visibility)
 
+    @property
+    def expected_units(self) -> int:
+        """The work of a whole search: the node expansions an average one takes."""
+        return self.expected_expansions
+
+    def cursor(self, queries: np.ndarray, k: int, visibility: Visibility | None = None) -> _HNSWCursor:
+        """A search of ``queries`` to be advanced expansion by expansion (only rows ``visibility`` shows)."""
+        return _HNSWCursor(self, prepare_queries(queries, self.dim, self.ntotal, k), k, visibility)
+
     def _stages(
         self, matrix: np.ndarray, k: int, plan: StagePlan, visibility: Visibility | None
     ) -> Iterator[StageResult]:
-        with self._graph_lock.reading():
-            allowed = self._allowed_positions(visibility)
-            beams = [_BeamSearch(self, query, k, allowed) for query in matrix]
+        cursor = _HNSWCursor(self, matrix, k, visibility)
+        yield from run_stages(cursor.advance, cursor.snapshot, plan, expected_units=self.expected_expansions)
 
-        def advance(units: int) -> bool:
-            with self._graph_lock.reading():
-                return all([beam.expand(units) for beam in beams])
 
-        def snapshot() -> tuple[np.ndarray, np.ndarray]:
-            distances = np.empty((len(beams), k), dtype=np.float32)
-            positions = np.empty((len(beams), k), dtype=np.int64)
-            for row, beam in enumerate(beams):
-                beam.sorted_into(distances[row], positions[row])
-            return distances, self._row_numbers(positions)
+class _HNSWCursor:
+    """The beams of one batch's searches, expanded a number of nodes per :meth:`advance`."""
 
-        yield from run_stages(advance, snapshot, plan, expected_units=self.expected_expansions)
+    def __init__(
+        self, searcher: StagedHNSW, matrix: np.ndarray, k: int, visibility: Visibility | None
+    ) -> None:
+        self._searcher = searcher
+        self._k = k
+        with searcher._graph_lock.reading():
+            allowed = searcher._allowed_positions(visibility)
+            self._beams = [_BeamSearch(searcher, query, k, allowed) for query in matrix]
+
+    def advance(self, units: int) -> bool:
+        with self._searcher._graph_lock.reading():
+            return all([beam.expand(units) for beam in self._beams])
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        distances = np.empty((len(self._beams), self._k), dtype=np.float32)
+        positions = np.empty((len(self._beams), self._k), dtype=np.int64)
+        for row, beam in enumerate(self._beams):
+            beam.sorted_into(distances[row], positions[row])
+        return distances, self._searcher._row_numbers(positions)
 
 
 def _empty_graph(dim: int, metric: int, m: int, ef_construction: int) -> faiss.IndexHNSWFlat:

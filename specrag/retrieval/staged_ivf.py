@@ -188,10 +188,18 @@ class StagedIVF(FaissBacked):
         matrix = self.vectors_to_add(vectors)
         if first_row != self._next_row:
             raise InvalidInputError(f"added rows must start at row {self._next_row}, got {first_row}")
-        rows = np.arange(first_row, first_row + len(matrix), dtype=np.int64)
+        self.add_rows(
+            matrix,
+            np.arange(first_row, first_row + len(matrix), dtype=np.int64),
+            self._next_row + len(matrix),
+        )
+
+    def add_rows(self, vectors: np.ndarray, rows: np.ndarray, next_row: int) -> None:
+        """Add ``vectors`` as the given ``rows`` (checked by the caller), the next add to start at
+        ``next_row``: a shard of a sharded index holds every N-th row, not a run of them."""
         with self._lists_lock.writing():
-            self.owner.add_with_ids(matrix, rows)
-            self._next_row += len(matrix)
+            self.owner.add_with_ids(self.vectors_to_add(vectors), np.ascontiguousarray(rows, dtype=np.int64))
+            self._next_row = next_row
 
     def compacted(self, keep: np.ndarray) -> StagedIVF:
         """A copy holding only the rows ``r`` with ``keep[r]``: the same centroids and codes, the
@@ -289,38 +297,62 @@ class StagedIVF(FaissBacked):
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
         return self._stages(matrix, k, plan, None if visibility is None else visibility.bitmap)
 
+    @property
+    def expected_units(self) -> int:
+        """The work of a whole search: the lists probed."""
+        return self.nprobe
+
+    def cursor(self, queries: np.ndarray, k: int, visibility: Visibility | None = None) -> _IVFCursor:
+        """A search of ``queries`` to be advanced list by list (only rows ``visibility`` shows)."""
+        matrix = prepare_queries(queries, self.dim, self.ntotal, k)
+        return _IVFCursor(self, matrix, k, None if visibility is None else visibility.bitmap)
+
     def _stages(
         self, matrix: np.ndarray, k: int, plan: StagePlan, bitmap: np.ndarray | None
     ) -> Iterator[StageResult]:
         started = time.perf_counter()
-        selector = None if bitmap is None else bitmap_selector(bitmap)
-        num = matrix.shape[0]
-        coarse_distances, coarse_lists = self.index.quantizer.search(matrix, self.nprobe)
-        top = RunningTopK(num, k, keep_max=self.index.metric_type == faiss.METRIC_INNER_PRODUCT)
-        scanned = 0
+        cursor = _IVFCursor(self, matrix, k, bitmap)
+        yield from run_stages(cursor.advance, cursor.snapshot, plan, self.nprobe, started=started)
 
-        def advance(units: int) -> bool:
-            nonlocal scanned
-            end = min(self.nprobe, scanned + units)
-            lists = np.ascontiguousarray(coarse_lists[:, scanned:end])
-            centroid_distances = np.ascontiguousarray(coarse_distances[:, scanned:end])
-            distances = np.empty((num, k), dtype=np.float32)
-            ids = np.empty((num, k), dtype=np.int64)
-            with self._lists_lock.reading():
-                self.index.search_preassigned_c(
-                    num,
-                    faiss.swig_ptr(matrix),
-                    k,
-                    faiss.swig_ptr(lists),
-                    faiss.swig_ptr(centroid_distances),
-                    faiss.swig_ptr(distances),
-                    faiss.swig_ptr(ids),
-                    False,
-                    self._params(end - scanned, selector),
-                    None,
-                )
-            top.add(distances, ids)
-            scanned = end
-            return scanned == self.nprobe
 
-        yield from run_stages(advance, top.sorted, plan, expected_units=self.nprobe, started=started)
+class _IVFCursor:
+    """One search's probe list (from one coarse quantization) and its running top-k, scanned a
+    slice of lists per :meth:`advance`."""
+
+    def __init__(self, ivf: StagedIVF, matrix: np.ndarray, k: int, bitmap: np.ndarray | None) -> None:
+        self._ivf = ivf
+        self._matrix = matrix
+        self._k = k
+        self._bitmap = bitmap  # alive while faiss reads it through the selector
+        self._selector = None if bitmap is None else bitmap_selector(bitmap)
+        index = ivf.index
+        self._coarse_distances, self._coarse_lists = index.quantizer.search(matrix, ivf.nprobe)
+        self._top = RunningTopK(len(matrix), k, keep_max=index.metric_type == faiss.METRIC_INNER_PRODUCT)
+        self._scanned = 0
+
+    def advance(self, units: int) -> bool:
+        ivf, num, k = self._ivf, len(self._matrix), self._k
+        end = min(ivf.nprobe, self._scanned + units)
+        lists = np.ascontiguousarray(self._coarse_lists[:, self._scanned : end])
+        centroid_distances = np.ascontiguousarray(self._coarse_distances[:, self._scanned : end])
+        distances = np.empty((num, k), dtype=np.float32)
+        ids = np.empty((num, k), dtype=np.int64)
+        with ivf._lists_lock.reading():
+            ivf.index.search_preassigned_c(
+                num,
+                faiss.swig_ptr(self._matrix),
+                k,
+                faiss.swig_ptr(lists),
+                faiss.swig_ptr(centroid_distances),
+                faiss.swig_ptr(distances),
+                faiss.swig_ptr(ids),
+                False,
+                ivf._params(end - self._scanned, self._selector),
+                None,
+            )
+        self._top.add(distances, ids)
+        self._scanned = end
+        return self._scanned == ivf.nprobe
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._top.sorted()

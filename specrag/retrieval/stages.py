@@ -27,6 +27,7 @@ __all__ = [
     "UNBOUNDED",
     "FaissBacked",
     "Schedule",
+    "StageCursor",
     "StagePlan",
     "StageResult",
     "StagedSearcher",
@@ -229,6 +230,19 @@ class FaissBacked:
         if matrix.ndim != 2 or matrix.shape[1] != self.dim:
             raise InvalidInputError(f"expected vectors of dimension {self.dim}, got shape {matrix.shape}")
         return matrix
+
+
+class StageCursor(Protocol):
+    """One staged search in progress: what :func:`run_stages` drives, and what a sharded index
+    drives in every shard in lock step (the same units per stage in each)."""
+
+    def advance(self, units: int) -> bool:
+        """Do at most ``units`` more units of work; True once the search is complete."""
+        ...
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        """The sorted running (distances, ids), best first."""
+        ...
 
 
 class StagedSearcher(Protocol):

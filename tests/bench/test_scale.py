@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.scale import (
+from bench.scale.routers import (
     SIM_SYSTEM,
     Replay,
     Sample,

@@ -246,6 +246,8 @@ def serve_command(args: argparse.Namespace) -> int:
         access=access,
         ray_address=args.ray,
         replicas=args.replicas,
+        search_shards=args.search_shards,
+        index_dir=str(_paths(args)[0].index_dir),
         router=args.router,
         engine_cpus=args.engine_cpus,
         search_cpus=args.search_cpus,

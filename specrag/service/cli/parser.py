@@ -200,6 +200,12 @@ def _add_engine_options(serve: argparse.ArgumentParser) -> None:
         help="engine replicas: in-process vLLM engines, one per core (Ray actors with --ray)",
     )
     scale.add_argument(
+        "--search-shards",
+        type=int,
+        metavar="N",
+        help="search the index's N shards (specrag index build --shards N) as N Ray actors; needs --ray",
+    )
+    scale.add_argument(
         "--router",
         choices=values(Router),
         default=ServiceOptions().router,

@@ -43,6 +43,7 @@ from specrag.errors import (
     InvalidInputError,
     NotFoundError,
     OverloadedError,
+    ShardUnavailableError,
     TooLargeError,
     WritesSuspendedError,
     echo,
@@ -110,6 +111,8 @@ def describe_error(error: BaseException) -> ErrorInfo:
         return ErrorInfo(429, str(error), "overloaded_error", "overloaded", error.retry_after_s)
     if isinstance(error, WritesSuspendedError):
         return ErrorInfo(503, str(error), "writes_suspended", "writes_suspended", error.retry_after_s)
+    if isinstance(error, ShardUnavailableError):
+        return ErrorInfo(503, str(error), "search_unavailable", "shard_unavailable", ENGINE_RETRY_AFTER_S)
     if isinstance(error, EngineUnavailableError):
         return ErrorInfo(503, str(error), "engine_unavailable", "engine_unavailable", ENGINE_RETRY_AFTER_S)
     if isinstance(error, EngineTimeoutError):

@@ -17,6 +17,7 @@ holds the result. What shapes a service is :class:`~specrag.service.run.options.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -52,6 +53,7 @@ from specrag.service.run.pools import (
     open_remote_engines,
     starter,
 )
+from specrag.service.run.sharded_serving import searching_on_shards
 
 __all__ = ["Service", "open_controller", "open_engine", "open_service", "prompt_builder", "searching_on"]
 
@@ -173,6 +175,16 @@ async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -
     (:func:`open_pool`) -> the placement -> the controller -> the application. ``run_dir`` holds
     in-process engines' KV-event sockets.
     """
+    with contextlib.ExitStack() as shards:
+        # Before the engines: a shard count the index does not have fails in seconds, not minutes.
+        await asyncio.to_thread(shards.enter_context, searching_on_shards(assets.index, options))
+        async with _serving(assets, options, run_dir) as service:
+            yield service
+
+
+@contextlib.asynccontextmanager
+async def _serving(assets: Assets, options: ServiceOptions, run_dir: Path) -> AsyncIterator[Service]:
+    """:func:`open_service` once the index is ready to search."""
     async with _engines(assets, options, run_dir) as engines:
         with searching_on(assets.index, options.search_cpus):
             # Each tree predicts the system prompt as it starts every prompt: padded to the engines' blocks.

@@ -56,6 +56,10 @@ class ServiceOptions:
     ray_address: str | None = None
     # In-process engines (or Ray replicas with ``ray_address``).
     replicas: int = 1
+    # A sharded index searched by one Ray actor per shard (its shard count, checked against the
+    # index at start), which loads its files from ``index_dir``: None searches in this process.
+    search_shards: int | None = None
+    index_dir: str | None = None
     router: Router | str = Router.SPECRAG
     # TurboRAG: the document KV store's directory; None keeps it off (see docs/turbo.md).
     document_kv_dir: str | None = None
@@ -80,6 +84,11 @@ class ServiceOptions:
                 "--replicas starts in-process engines; to pool engine servers, repeat --engine-url"
             )
         _check_distinct("--engine-url", self.engine_urls)
+        if self.search_shards is not None:
+            if self.ray_address is None:
+                raise InvalidInputError("--search-shards places the shards as Ray actors: give --ray too")
+            if self.search_shards < 1:
+                raise InvalidInputError(f"--search-shards must be at least 1, got {self.search_shards}")
         if self.document_kv_max_gib <= 0:
             raise InvalidInputError(f"--document-kv-max-gib must be positive, got {self.document_kv_max_gib}")
         if self.kv_cache_tokens is not None and self.engine_urls:

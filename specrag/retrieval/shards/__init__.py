@@ -1,0 +1,6 @@
+"""A sharded index: N shards sharing one coarse quantizer, searched in stages, merged exactly.
+
+merge: the staged searcher over shards (lock-step stages, merged running top-k) and which shard
+owns a row; build: training the shared quantizer and filling the shards; store: the shard
+directories and their checks. docs/scale-out.md, "A sharded index", says how to build and serve one.
+"""

@@ -1,0 +1,91 @@
+"""``serve --ray --search-shards N``: the flags' checks, the shard count checked against the index,
+and an index that searches through shard actors on a real local Ray (Ray always shut down)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specrag.cli import main
+from specrag.errors import InvalidInputError
+from specrag.retrieval.shards.build import build_ivf_shards
+from specrag.retrieval.shards.store import save_shards
+from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.synthetic import GaussianMixture, queries_near
+from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.run.options import ServiceOptions
+from specrag.service.run.sharded_serving import check_search_shards, searching_on_shards
+from tests.helpers.vectors import passages_for
+
+
+@pytest.fixture(scope="module")
+def vectors() -> np.ndarray:
+    return GaussianMixture(16, num_clusters=10, seed=5).sample(1200)
+
+
+def index_over(searcher: object, vectors: np.ndarray) -> VectorIndex:
+    return VectorIndex(searcher, [p.id for p in passages_for(vectors)])  # type: ignore[arg-type]
+
+
+def test_search_shards_need_ray_and_a_positive_count() -> None:
+    with pytest.raises(InvalidInputError, match="give --ray too"):
+        ServiceOptions(search_shards=2)
+    with pytest.raises(InvalidInputError, match="at least 1"):
+        ServiceOptions(ray_address="", search_shards=0)
+
+
+def test_serve_without_ray_exits_2_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--data-dir", str(tmp_path), "serve", "--search-shards", "2"]) == 2
+    assert "--search-shards places the shards as Ray actors" in capsys.readouterr().err
+
+
+def test_the_shard_count_is_checked_against_the_index(vectors: np.ndarray) -> None:
+    with pytest.raises(InvalidInputError, match="is not sharded"):
+        check_search_shards(index_over(StagedIVF.build(vectors, nlist=8), vectors), 2, "DIR")
+    sharded = index_over(build_ivf_shards(vectors, 3, nlist=8), vectors)
+    with pytest.raises(InvalidInputError, match="has 3 shards"):
+        check_search_shards(sharded, 2, "DIR")
+    assert check_search_shards(sharded, 3, "DIR")["shards"] == 3
+
+
+@pytest.mark.timeout(300)
+def test_the_index_searches_through_shard_actors_while_serving(vectors: np.ndarray, tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray")
+    local = build_ivf_shards(vectors, 2, nlist=16, nprobe=8, codes="sq8")
+    save_shards(local, tmp_path)
+    index = index_over(local, vectors)
+    queries = queries_near(vectors, 5, seed=6)
+    expected = [list(index.search_staged(query, 5, StagePlan(3, "equal")))[-1].ids for query in queries]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        options = ServiceOptions(ray_address="", search_shards=2, index_dir=str(tmp_path))
+        with searching_on_shards(index, options):
+            assert index.searcher is not local and index.searcher.settings["shards"] == 2
+            for query, ids in zip(queries, expected, strict=True):
+                np.testing.assert_array_equal(
+                    list(index.search_staged(query, 5, StagePlan(3, "equal")))[-1].ids, ids
+                )
+            with pytest.raises(InvalidInputError, match="takes no new documents"):
+                index.apply_changes(["new"], vectors[:1], ["text"], [])
+            index.apply_changes(
+                [], np.zeros((0, 16)), [], [int(expected[0][0])]
+            )  # a delete: hidden in every shard
+            hidden = list(index.search_staged(queries[0], 5, StagePlan(3, "equal")))[-1].ids
+            assert int(expected[0][0]) not in hidden.tolist()
+        assert index.searcher is local
+        local.add(vectors[:1], 1200)  # a document added since the shard files were written
+        with (
+            pytest.raises(InvalidInputError, match="added since it was built"),
+            searching_on_shards(index, options),
+        ):
+            pass
+        wrong = ServiceOptions(ray_address="", search_shards=4, index_dir="DIR")
+        with pytest.raises(InvalidInputError, match="has 2 shards"), searching_on_shards(index, wrong):
+            pass
+    finally:
+        ray.shutdown()
