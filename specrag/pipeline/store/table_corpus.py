@@ -17,7 +17,7 @@ The live store cannot hold these rows as they are: it is its log (the writer's l
 the replay at start are the log's), and a table's rows are read from the table at each start, so
 the rows written since start live in memory only (:class:`TableRows`), over the store built from
 the rows read at start; a replaced version stays readable for
-:data:`~specrag.pipeline.store.live_store.RETIRED_GRACE_S` for a query that read it, as in the live
+:data:`~specrag.pipeline.store.overlay_store.RETIRED_GRACE_S` for a query that read it, as in the live
 store. A search that takes its snapshot in the instant between a COMMIT and the index's swap may
 miss the document it changed (neither version), never show two versions of it.
 """
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +48,13 @@ from specrag.pipeline.store.live_corpus import (
     current_document,
     indexed_text,
 )
-from specrag.pipeline.store.live_store import BASE_VERSION, RETIRED_GRACE_S, Version
+from specrag.pipeline.store.overlay_store import (
+    BASE_VERSION,
+    RETIRED_GRACE_S,
+    OverlayRow,
+    OverlayStore,
+    Version,
+)
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.pgvector.changes import ChangeListener, read_rows_of, read_versions
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher
@@ -62,91 +66,51 @@ __all__ = ["TableCorpus", "TableRows", "open_table_corpus"]
 logger = logging.getLogger(__name__)
 
 
-class TableRows(DocumentStore):
+class TableRows(OverlayStore):
     """The rows read from the table at start (a built store) and the versions written since (in
     memory), read as one store; ``keys`` are the start rows' (id, version), in row order."""
 
     def __init__(
-        self, path: Path, keys: Sequence[tuple[str, int]], retired_grace_s: float = RETIRED_GRACE_S
+        self,
+        path: Path,
+        keys: Sequence[tuple[str, int]],
+        *,
+        document_kv_dir: Path | None = None,
+        retired_grace_s: float = RETIRED_GRACE_S,
     ) -> None:
-        super().__init__(path)
+        super().__init__(path, document_kv_dir=document_kv_dir, retired_grace_s=retired_grace_s)
         if len(keys) != self.info.passages:
             raise ArtifactError(f"the store {path} has {self.info.passages} rows, the table {len(keys)}")
-        self._base_rows = self.info.passages
-        self._grace_s = retired_grace_s
         self._current = {passage_id: Version(row, version) for row, (passage_id, version) in enumerate(keys)}
-        self._rows: dict[int, tuple[Passage, tuple[int, ...]]] = {}
-        self._next_row = self._base_rows
-        self._retired: deque[tuple[float, int]] = deque()
-        self._memory_lock = threading.Lock()
-
-    @property
-    def next_row(self) -> int:
-        return self._next_row
 
     def held(self) -> dict[str, Version]:
         """Where each id this process saw stands (a copy)."""
-        with self._memory_lock:
+        with self._overlay_lock:
             return dict(self._current)
-
-    def version_of(self, passage_id: str) -> Version | None:
-        """Where ``passage_id`` stands (row None once deleted), None when this process never saw it."""
-        return self._current.get(passage_id)
 
     def install(
         self,
         first_row: int,
-        rows: Sequence[tuple[Passage, tuple[int, ...]]],
+        rows: Sequence[OverlayRow],
         current: Sequence[tuple[str, Version]],
         retired: Sequence[int],
     ) -> None:
         """Take a committed change: new rows from ``first_row`` (skipped when held already), where
-        each id stands now, and the rows it retired (dropped after the grace period)."""
-        with self._memory_lock:
+        each id stands now, and the rows it retired (dropped after the grace period; their
+        document KV removed at once)."""
+        with self._overlay_lock:
             if self._next_row == first_row:
-                for offset, entry in enumerate(rows):
-                    self._rows[first_row + offset] = entry
-                self._next_row = first_row + len(rows)
-            elif self._next_row != first_row + len(rows):
+                added = list(enumerate(rows, start=first_row))
+            elif self._next_row == first_row + len(rows):
+                added = []
+            else:
                 raise ArtifactError(
                     f"the store holds rows up to {self._next_row}, the change adds from {first_row}"
                 )
-            self._current.update(current)
-            now = time.monotonic()
-            self._retired.extend((now, row) for row in retired)
+            self._take(added, current, retired, first_row + len(rows))
+            segments = self._segments_of(retired)
+        self._purge_document_kv(segments)
         self.drop_retired()
-
-    def drop_retired(self, now: float | None = None) -> int:
-        """Drop the rows retired over the grace period ago from memory; returns how many."""
-        now = time.monotonic() if now is None else now
-        dropped = 0
-        with self._memory_lock:
-            while self._retired and now - self._retired[0][0] >= self._grace_s:
-                _, row = self._retired.popleft()
-                dropped += self._rows.pop(row, None) is not None
-        return dropped
-
-    def __len__(self) -> int:
-        return self._next_row
-
-    def _check_row(self, row: int) -> None:
-        if row not in self._rows and not 0 <= row < self._base_rows:
-            raise InvalidInputError(f"passage row {row} out of range [0, {self._next_row}) or retired")
-
-    def tokens(self, row: int) -> tuple[int, ...]:  # type: ignore[override]  # the base's is cached
-        live = self._rows.get(row)
-        return live[1] if live is not None else super().tokens(row)
-
-    def passage(self, row: int) -> Passage:
-        live = self._rows.get(row)
-        return live[0] if live is not None else super().passage(row)
-
-    def row_of(self, passage_id: str) -> int:
-        """The row of ``passage_id``'s current version; NotFoundError once deleted or unknown."""
-        found = self._current.get(passage_id)
-        if found is None or found.row is None:
-            raise NotFoundError(f"unknown document id {passage_id!r}")
-        return found.row
 
 
 @dataclass(frozen=True)
@@ -154,9 +118,13 @@ class _Change:
     """A change committed to the table, to be shown: what each layer in memory takes of it."""
 
     prepared: PreparedChanges
-    keys: tuple[tuple[str, int], ...]
-    rows: tuple[tuple[Passage, tuple[int, ...]], ...]
+    rows: tuple[OverlayRow, ...]
     current: tuple[tuple[str, Version], ...]
+
+    @property
+    def keys(self) -> list[tuple[str, int]]:
+        """The table's (id, version) of each new row, in row order."""
+        return [(row.passage.id, row.version) for row in self.rows]
 
 
 class TableCorpus:
@@ -228,8 +196,7 @@ class TableCorpus:
             if prepared.first_row != first:
                 raise ArtifactError(f"the index shows {prepared.first_row} rows, the store {first}")
             self.writer.write(writes)  # committed from here on: the table is the record
-            rows = tuple((p, tuple(t)) for p, t in zip(passages, tokens, strict=True))
-            if not self._shown(_Change(prepared, tuple(keys), rows, tuple(current))):
+            if not self._shown(_Change(prepared, _new_rows(passages, keys, tokens), tuple(current))):
                 return [Written(w.id, w.version, w.created, visible=False) for w in written]
         return written
 
@@ -250,7 +217,7 @@ class TableCorpus:
                 current.append((passage_id, Version(None, before.version + 1)))
             prepared = self.index.prepare_changes([], np.zeros((0, self.index.dim), np.float32), [], retired)
             self.writer.write([], deleted)
-            return self._shown(_Change(prepared, (), (), tuple(current)))
+            return self._shown(_Change(prepared, (), tuple(current)))
 
     def apply_table_changes(self, ids: Iterable[str] | None = None) -> int:
         """Show the rows other writers changed in the table: those of ``ids`` (heard of from the
@@ -298,8 +265,7 @@ class TableCorpus:
             # The table holds the vectors the searcher ranks by: the index takes none of them.
             vectors = np.zeros((len(passages), self.index.dim), np.float32)
             prepared = self.index.prepare_changes([p.id for p in passages], vectors, texts, retired)
-            rows = tuple((p, tuple(t)) for p, t in zip(passages, tokens, strict=True))
-            self._shown(_Change(prepared, tuple(keys), rows, tuple(current)))
+            self._shown(_Change(prepared, _new_rows(passages, keys, tokens), tuple(current)))
             logger.info("showed %d rows changed in the table by another writer", len(current))
             return len(current)
 
@@ -333,21 +299,37 @@ class TableCorpus:
         return True
 
 
+def _new_rows(
+    passages: Sequence[Passage], keys: Sequence[tuple[str, int]], tokens: Sequence[Sequence[int]]
+) -> tuple[OverlayRow, ...]:
+    """The store's new rows: each passage with its segment's tokens and its table version."""
+    return tuple(
+        OverlayRow(passage, tuple(ids), version)
+        for passage, (_, version), ids in zip(passages, keys, tokens, strict=True)
+    )
+
+
 def _differs(held: Version | None, version: int) -> bool:
     """Whether the table's ``version`` of an id is not the one this process shows."""
     return held is None or held.row is None or held.version != version
 
 
-def open_table_corpus(index: VectorIndex, store: DocumentStore, tokenize_batch: TokenizeBatch) -> TableCorpus:
+def open_table_corpus(
+    index: VectorIndex,
+    store: DocumentStore,
+    tokenize_batch: TokenizeBatch,
+    document_kv_dir: Path | None = None,
+) -> TableCorpus:
     """The documents API's corpus over ``index`` (a pgvector table's) and ``store`` (its rows read
-    at start, which the corpus's own store replaces: ``store`` is closed); InvalidInputError saying
+    at start, which the corpus's own store replaces: ``store`` is closed); ``document_kv_dir`` is
+    the document-KV store whose entries of replaced versions are removed. InvalidInputError saying
     why when the table cannot be written (its routes then answer 501 saying so)."""
     searcher = index.searcher
     if not isinstance(searcher, PgVectorSearcher):
         raise InvalidInputError(f"a {searcher.kind} index is not a pgvector table")
     if searcher.documents_off is not None:
         raise InvalidInputError(searcher.documents_off)
-    rows = TableRows(store.path, searcher.keys())
+    rows = TableRows(store.path, searcher.keys(), document_kv_dir=document_kv_dir)
     store.close()
     corpus = TableCorpus(rows, index, TableWriter(searcher.database), tokenize_batch)
     if searcher.changes_off is None:

@@ -23,6 +23,7 @@ from specrag.retrieval.pgvector.local_server import LocalPostgres
 from specrag.retrieval.pgvector.writes import VERSION_COLUMN
 from specrag.service.cli.commands import external_index
 from specrag.service.run.assets import Assets, ensure_assets
+from tests.helpers.document_kv import kv_entry
 
 NEW_TEXT = "The quokka plays a xylophone of driftwood on Rottnest Island every solstice."
 REPLACED_TEXT = "A narwhal tunes its harpsichord beneath the Greenland ice in midwinter."
@@ -102,6 +103,21 @@ def test_put_replace_delete_go_through_the_table(assets: Assets, postgres: Local
         corpus.get("quokka")
     (again,) = corpus.put([Passage("quokka", "Quokka", NEW_TEXT)])
     assert again.version == 4 and again.created  # a version is never given twice
+
+
+def test_a_replaced_versions_document_kv_is_removed(assets: Assets, tmp_path: Path) -> None:
+    """As the live corpus does: a replaced or deleted version's KV is of no further use and holds
+    what the document said, so it leaves the data directory's document-KV store."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus)
+    kv_dir = DataLayout(tmp_path).document_kv_dir
+    base, other = assets.passages[20], assets.passages[21]
+    replaced = kv_entry(kv_dir, assets.store.tokens(assets.store.row_of(base.id)))
+    deleted = kv_entry(kv_dir, assets.store.tokens(assets.store.row_of(other.id)))
+    kept = kv_entry(kv_dir, assets.store.tokens(assets.store.row_of(assets.passages[22].id)))
+    corpus.put([Passage(base.id, base.title, REPLACED_TEXT)])
+    assert corpus.delete([other.id])
+    assert not replaced.exists() and not deleted.exists() and kept.exists()
 
 
 def test_a_search_begun_before_a_replacement_keeps_its_version(assets: Assets) -> None:
@@ -193,3 +209,4 @@ def test_changes_missed_while_not_listening_are_reconciled(assets: Assets, postg
     assert OTHER_TEXT in found_texts(assets, OTHER_TEXT)
     assert target.text not in found_texts(assets, target.text, k=20)
     assert corpus.apply_table_changes() == 0
+
