@@ -5,8 +5,9 @@ alter the table, as it adds the version column): on INSERT and UPDATE it numbers
 version (an UPDATE that leaves :data:`~specrag.retrieval.pgvector.writes.VERSION_COLUMN` as it was
 is another writer's, and gets the next version; the documents API's own writes set it), and on
 every change it sends ``pg_notify`` on a channel named for the table (:func:`channel_name`) with the
-row's id, version and operation. Notifications go out at COMMIT, so a rolled-back change is never
-seen.
+row's id, version and operation. A TRUNCATE fires no row trigger: a statement trigger of its own
+notifies it, and the listener answers with a full reconcile (below), which hides every row gone.
+Notifications go out at COMMIT, so a rolled-back change is never seen.
 
 A :class:`ChangeListener` thread LISTENs on its own connection, waiting at most
 :data:`POLL_S` at a time so it stops promptly, and hands the ids it hears of to a callback that
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.5  # the longest the listener waits for a notification before checking whether to stop
 MAX_BACKOFF_S = 30.0  # the longest it waits between tries to reconnect
 TRIGGER = "specrag_changes"
+TRUNCATE_TRIGGER = "specrag_truncate"
 
 
 def channel_name(table: str) -> str:
@@ -73,6 +75,10 @@ def install_change_trigger(database: Database) -> str | None:
     body = sql.SQL(
         """
 BEGIN
+  IF TG_OP = 'TRUNCATE' THEN
+    PERFORM pg_notify({channel}, json_build_object('op', TG_OP)::text);
+    RETURN NULL;
+  END IF;
   IF TG_OP = 'DELETE' THEN
     PERFORM pg_notify({channel}, json_build_object(
       'id', OLD.{id}::text, 'version', OLD.{ver}, 'op', TG_OP)::text);
@@ -90,6 +96,7 @@ END
     function = _function_name(settings)
     table = sql.Identifier(*settings.table_parts)
     trigger = sql.Identifier(TRIGGER)
+    truncated = sql.Identifier(TRUNCATE_TRIGGER)
     try:
         with database.connection() as connection, connection.transaction():
             text = body.as_string(connection)
@@ -98,12 +105,19 @@ END
                     function, sql.Literal(text)
                 )
             )
-            connection.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(trigger, table))
+            for name in (trigger, truncated):
+                connection.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(name, table))
             connection.execute(
                 sql.SQL(
                     "CREATE TRIGGER {} BEFORE INSERT OR UPDATE OR DELETE ON {} "
                     "FOR EACH ROW EXECUTE FUNCTION {}()"
                 ).format(trigger, table, function)
+            )
+            # A TRUNCATE fires no row trigger: one for the statement, so it is seen at once.
+            connection.execute(
+                sql.SQL(
+                    "CREATE TRIGGER {} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()"
+                ).format(truncated, table, function)
             )
     except psycopg.errors.InsufficientPrivilege:
         return (
@@ -162,14 +176,21 @@ class ChangeListener:
             self.connected.set()
             while not self._stop.is_set():
                 ids: dict[str, None] = {}
+                truncated = False
                 for notify in connection.notifies(timeout=POLL_S):
                     try:
-                        ids[str(json.loads(notify.payload)["id"])] = None
+                        change = json.loads(notify.payload)
+                        if change["op"] == "TRUNCATE":
+                            truncated = True
+                        else:
+                            ids[str(change["id"])] = None
                     except (ValueError, KeyError, TypeError):
                         logger.warning("ignored a malformed change notification: %r", notify.payload[:200])
-                    if len(ids) >= 1000:
+                    if truncated or len(ids) >= 1000:
                         break
-                if ids:
+                if truncated:
+                    self._apply(None)  # every row went: the reconcile hides them all
+                elif ids:
                     self._apply(ids)
                 elif connection.closed or connection.broken:
                     raise psycopg.OperationalError("the listening connection closed")

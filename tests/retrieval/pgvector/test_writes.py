@@ -194,7 +194,8 @@ def test_changes_missed_while_not_listening_are_reconciled(assets: Assets, postg
     """A change nobody heard of (as while the listener was disconnected) is found by comparing
     the table's (id, version) set with what the service holds."""
     corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus)
+    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
+    assert corpus.listener.connected.wait(WAIT_S)  # its own reconcile at connect is done
     table = corpus.searcher.database.settings.table
     target = assets.passages[12]
     with psycopg.connect(postgres.dsn, autocommit=True) as connection:
@@ -210,3 +211,17 @@ def test_changes_missed_while_not_listening_are_reconciled(assets: Assets, postg
     assert target.text not in found_texts(assets, target.text, k=20)
     assert corpus.apply_table_changes() == 0
 
+
+def test_a_truncate_is_shown_at_once(assets: Assets, postgres: LocalPostgres) -> None:
+    """A TRUNCATE fires no row trigger; its statement trigger's notification makes the listener
+    reconcile, so the rows are gone from searches without waiting for a reconnect."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
+    assert corpus.listener.connected.wait(WAIT_S)
+    table = corpus.searcher.database.settings.table
+    target = assets.passages[5]
+    assert target.text in found_texts(assets, target.text)
+    other_writer(postgres, f"TRUNCATE {table}", ())
+    eventually(lambda: found_texts(assets, target.text) == [])
+    with pytest.raises(NotFoundError):
+        corpus.get(target.id)
