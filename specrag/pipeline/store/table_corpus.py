@@ -18,8 +18,11 @@ the replay at start are the log's), and a table's rows are read from the table a
 the rows written since start live in memory only (:class:`TableRows`), over the store built from
 the rows read at start; a replaced version stays readable for
 :data:`~specrag.pipeline.store.overlay_store.RETIRED_GRACE_S` for a query that read it, as in the live
-store. A search that takes its snapshot in the instant between a COMMIT and the index's swap may
-miss the document it changed (neither version), never show two versions of it.
+store. A search that reads the index's visibility before a COMMIT and takes its snapshot after it
+(before the index's swap, or before the listener shows another writer's change) finds the new
+version in its snapshot and shows it as the version its visibility holds
+(:meth:`~specrag.retrieval.pgvector.searcher.PgVectorSearcher.map_rows` keeps each id's rows): one
+version of the document, never none nor two.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ another application changes are noticed (the change trigger and listener) and sh
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -133,6 +134,43 @@ def test_a_search_begun_before_a_replacement_keeps_its_version(assets: Assets) -
     *_, last = stages
     texts = [assets.store.passage(int(row)).text for row in np.atleast_1d(last.ids) if row >= 0]
     assert target.text in texts and REPLACED_TEXT not in texts
+    assert REPLACED_TEXT in found_texts(assets, REPLACED_TEXT)
+
+
+def test_a_search_between_a_commit_and_the_swap_finds_the_document_once(
+    assets: Assets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search whose visibility predates a replacement's COMMIT but whose snapshot follows it
+    meets the new version in the table: it shows the version its visibility holds, so the
+    document is found in one version, not missed. The write is held between its COMMIT and the
+    index's swap (the searcher naming the new row is the swap's first step)."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus)
+    target = assets.passages[30]
+    searcher = corpus.searcher
+    committed, release = threading.Event(), threading.Event()
+    map_rows = searcher.map_rows
+
+    def held_map_rows(keys: list[tuple[str, int]], first_row: int) -> None:
+        committed.set()
+        assert release.wait(WAIT_S)
+        map_rows(keys, first_row)
+
+    monkeypatch.setattr(searcher, "map_rows", held_map_rows)
+    writer = threading.Thread(target=corpus.put, args=([Passage(target.id, target.title, REPLACED_TEXT)],))
+    writer.start()
+    try:
+        assert committed.wait(WAIT_S)
+        for mode in (StageMode.SEQUENTIAL, StageMode.PARALLEL):
+            searcher.mode = mode
+            vector = assets.index.embed_query(REPLACED_TEXT)  # the table's new vector ranks first
+            *_, last = assets.index.search_staged(vector, 5)  # an early stage may not reach its list
+            for rows in (assets.index.search(vector, 5)[1], last.ids):
+                found = [assets.store.passage(int(row)) for row in np.atleast_1d(rows) if row >= 0]
+                assert [p.text for p in found if p.id == target.id] == [target.text], mode
+    finally:
+        release.set()
+        writer.join(WAIT_S)
     assert REPLACED_TEXT in found_texts(assets, REPLACED_TEXT)
 
 
