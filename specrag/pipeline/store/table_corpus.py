@@ -42,6 +42,7 @@ from specrag.errors import (
     WritesSuspendedError,
 )
 from specrag.pipeline.store.document_store import DocumentStore, TokenizeBatch, render_segment
+from specrag.pipeline.store.live_checkpoint import EMBEDDER_AGREEMENT, cosine
 from specrag.pipeline.store.live_corpus import (
     Document,
     Written,
@@ -59,7 +60,7 @@ from specrag.pipeline.store.overlay_store import (
     Version,
 )
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.pgvector.changes import ChangeListener, read_rows_of, read_versions
+from specrag.retrieval.pgvector.changes import ChangeListener, TableRow, read_rows_of, read_versions
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher
 from specrag.retrieval.pgvector.writes import RowWrite, TableWriter
 from specrag.retrieval.vector_index import PreparedChanges, VectorIndex
@@ -228,8 +229,9 @@ class TableCorpus:
         (None: a reconcile, after a time nobody listened). Each is applied as the documents API's
         own writes are: a new version gets a new row (its prompt segment tokenized with its own row
         label, so no cached form is shared with the old one), the old row hidden; a row gone from
-        the table is hidden. Returns how many ids changed; WritesSuspendedError while a committed
-        change of its own could not be shown yet."""
+        the table is hidden; a row whose new text kept the former text's embedding is embedded
+        anew (:meth:`_reembed_stale`). Returns how many ids changed; WritesSuspendedError while a
+        committed change of its own could not be shown yet."""
         with self._lock:
             self._take_writes()
             held = self.store.held()
@@ -241,6 +243,7 @@ class TableCorpus:
             else:
                 changed = list(dict.fromkeys(ids))
             found = read_rows_of(database, changed)
+            reembedded = self._reembed_stale(held, found)
             passages, keys, retired, current = [], [], [], []
             first = self.store.next_row
             for passage_id in changed:
@@ -251,12 +254,12 @@ class TableCorpus:
                         retired.append(before.row)
                         current.append((passage_id, Version(None, before.version + 1)))
                     continue
-                title, text, version = row
+                version = reembedded.get(passage_id, row.version)
                 if not _differs(before, version):
                     continue  # this process's own write, or one already shown
                 if before is not None and before.row is not None:
                     retired.append(before.row)
-                passages.append(Passage(passage_id, title, text))
+                passages.append(Passage(passage_id, row.title, row.text))
                 keys.append((passage_id, version))
                 current.append((passage_id, Version(first + len(keys) - 1, version)))
             if not current:
@@ -271,6 +274,53 @@ class TableCorpus:
             self._shown(_Change(prepared, _new_rows(passages, keys, tokens), tuple(current)))
             logger.info("showed %d rows changed in the table by another writer", len(current))
             return len(current)
+
+    def _reembed_stale(self, held: dict[str, Version], found: dict[str, TableRow]) -> dict[str, int]:
+        """Embed anew the rows another writer gave a new text (or title) but left the embedding
+        of the one before, and write the vectors back (their own transaction, the next version);
+        returns each such id's new version.
+
+        A row's embedding is taken as stale when the service's embedder, given the version it
+        held, makes that very vector again (:data:`EMBEDDER_AGREEMENT`, the check the live log
+        makes at start): the vector is the former text's, and the service's embedder is the one
+        that made it, so its vector of the new text is the right one. A row whose vector it does
+        not make (another embedder's) keeps the table's: the other writer owns it."""
+        embedder = self.index.embedder
+        assert embedder is not None
+        changed = []
+        for passage_id, row in found.items():
+            before = held.get(passage_id)
+            if (
+                before is None
+                or before.row is None
+                or row.embedding is None
+                or not _differs(before, row.version)
+            ):
+                continue
+            former, now = self.store.passage(before.row), Passage(passage_id, row.title, row.text)
+            if indexed_text(former) != indexed_text(now):
+                changed.append((passage_id, row, former, now))
+        if not changed:
+            return {}
+        again = np.asarray(embedder.embed([indexed_text(former) for _, _, former, _ in changed]), np.float32)
+        stale = [
+            (passage_id, row, now)
+            for (passage_id, row, _, now), vector in zip(changed, again, strict=True)
+            if row.embedding is not None and cosine(vector, row.embedding) >= EMBEDDER_AGREEMENT
+        ]
+        if not stale:
+            return {}
+        vectors = np.asarray(embedder.embed([indexed_text(now) for _, _, now in stale]), np.float32)
+        written = self.writer.reembed(
+            [
+                (passage_id, row.version, vector)
+                for (passage_id, row, _), vector in zip(stale, vectors, strict=True)
+            ]
+        )
+        logger.info(
+            "embedded anew %d rows another writer changed the text of, not the embedding", len(written)
+        )
+        return {passage_id: row.version + 1 for passage_id, row, _ in stale if passage_id in written}
 
     def _take_writes(self) -> None:
         if self._pending and not self._catch_up():

@@ -25,7 +25,10 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import psycopg
 from psycopg import sql
 
@@ -37,6 +40,7 @@ __all__ = [
     "MAX_BACKOFF_S",
     "POLL_S",
     "ChangeListener",
+    "TableRow",
     "channel_name",
     "install_change_trigger",
     "read_rows_of",
@@ -212,22 +216,43 @@ def read_versions(database: Database) -> dict[str, int]:
             connection.execute(f"SET statement_timeout = {int(settings.statement_timeout_s * 1000)}")
 
 
-def read_rows_of(database: Database, ids: Iterable[str]) -> dict[str, tuple[str, str, int]]:
-    """(title, text, version) of each of ``ids`` the table holds, read in one statement."""
+def read_rows_of(database: Database, ids: Iterable[str]) -> dict[str, TableRow]:
+    """Each of ``ids`` the table holds, read in one statement."""
     wanted = list(ids)
     if not wanted:
         return {}
     settings = database.settings
     columns = settings.columns
     query = sql.SQL(
-        "SELECT {id}::text, coalesce({title}::text, ''), coalesce({text}::text, ''), {ver} "
+        "SELECT {id}::text, coalesce({title}::text, ''), coalesce({text}::text, ''), {ver}, {emb} "
         "FROM {table} WHERE {id}::text = ANY(%s)"
     ).format(
         id=sql.Identifier(columns.id),
         title=sql.Identifier(columns.title),
         text=sql.Identifier(columns.text),
         ver=sql.Identifier(VERSION_COLUMN),
+        emb=sql.Identifier(columns.embedding),
         table=sql.Identifier(*settings.table_parts),
     )
     with database.connection() as connection:
-        return {str(row[0]): (row[1], row[2], int(row[3])) for row in connection.execute(query, (wanted,))}
+        return {
+            str(found[0]): TableRow(found[1], found[2], int(found[3]), _vector(found[4]))
+            for found in connection.execute(query, (wanted,))
+        }
+
+
+def _vector(value: Any) -> np.ndarray | None:
+    """pgvector's ``Vector`` (or an array, by the driver's version) as float32, None for NULL."""
+    if value is None:
+        return None
+    return np.asarray(value.to_numpy() if hasattr(value, "to_numpy") else value, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """A row as the table holds it: title, text, version and embedding (None: the row has none)."""
+
+    title: str
+    text: str
+    version: int
+    embedding: np.ndarray | None

@@ -201,7 +201,14 @@ def test_another_writers_update_insert_and_delete_are_shown(assets: Assets, post
     table = corpus.searcher.database.settings.table
     target = assets.passages[7]
 
-    other_writer(postgres, f"UPDATE {table} SET text = %s WHERE id = %s", (OTHER_TEXT, target.id))
+    # With an embedding of its own (another row's): a text left with its former embedding is
+    # embedded anew by the service, the test below.
+    other_writer(
+        postgres,
+        f"UPDATE {table} SET text = %s, embedding = (SELECT embedding FROM {table} WHERE id = %s) "
+        "WHERE id = %s",
+        (OTHER_TEXT, assets.passages[9].id, target.id),
+    )
     assert table_row(postgres, table, target.id) == (OTHER_TEXT, 2)  # the trigger numbered it
     eventually(lambda: OTHER_TEXT in found_texts(assets, OTHER_TEXT))
     assert target.text not in found_texts(assets, target.text, k=20)
@@ -226,6 +233,34 @@ def test_another_writers_update_insert_and_delete_are_shown(assets: Assets, post
     assert written.version == 3 and table_row(postgres, table, target.id) == (target.text, 3)
     time.sleep(1.0)
     assert corpus.get(target.id).version == 3 and target.text in found_texts(assets, target.text)
+
+
+def dense_texts(assets: Assets, text: str, k: int = 5) -> list[str]:
+    """The texts a vector-only search finds for ``text``: what the table's embeddings rank."""
+    index = assets.index
+    _, rows = index.search(index.embed_query(text), k)
+    return [assets.store.passage(int(row)).text for row in rows if row >= 0]
+
+
+def test_a_new_text_left_with_its_former_embedding_is_embedded_anew(
+    assets: Assets, postgres: LocalPostgres
+) -> None:
+    """Another application changes a row's text but not its embedding: the service's embedder
+    made that embedding (it makes it again from the former text), so it embeds the new text and
+    writes the vector back as the next version; vector search then finds the new text."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
+    assert corpus.listener.connected.wait(WAIT_S)
+    table = corpus.searcher.database.settings.table
+    target = assets.passages[40]
+    assert OTHER_TEXT not in dense_texts(assets, OTHER_TEXT)
+    other_writer(postgres, f"UPDATE {table} SET text = %s WHERE id = %s", (OTHER_TEXT, target.id))
+    eventually(lambda: corpus.get(target.id).version == 3)
+    assert table_row(postgres, table, target.id) == (OTHER_TEXT, 3)  # 2: the writer's; 3: the vector
+    assert OTHER_TEXT in dense_texts(assets, OTHER_TEXT)
+    assert target.text not in found_texts(assets, target.text, k=20)
+    time.sleep(1.0)  # the notification of its own write-back is not shown again
+    assert corpus.get(target.id).version == 3
 
 
 def test_changes_missed_while_not_listening_are_reconciled(assets: Assets, postgres: LocalPostgres) -> None:
