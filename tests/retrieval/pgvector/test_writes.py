@@ -174,6 +174,40 @@ def test_a_search_between_a_commit_and_the_swap_finds_the_document_once(
     assert REPLACED_TEXT in found_texts(assets, REPLACED_TEXT)
 
 
+def test_searches_beside_a_writer_find_the_document_once(assets: Assets) -> None:
+    """A writer replaces one document over and over (two texts of nearly one meaning) while
+    one-shot searches run beside it, for a bounded time: each finds the document once."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus)
+    target = assets.passages[50]
+    texts = (NEW_TEXT, NEW_TEXT + " Again.")
+    stop = threading.Event()
+    writes = 0
+
+    def write() -> None:
+        nonlocal writes
+        while not stop.is_set():
+            corpus.put([Passage(target.id, target.title, texts[writes % 2])])
+            writes += 1
+
+    corpus.put([Passage(target.id, target.title, texts[1])])
+    writer = threading.Thread(target=write)
+    writer.start()
+    searches = 0
+    vector = assets.index.embed_query(NEW_TEXT)
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            rows = assets.index.search(vector, 5)[1]
+            ids = [assets.store.passage(int(row)).id for row in rows if row >= 0]
+            assert ids.count(target.id) == 1, (searches, writes)
+            searches += 1
+    finally:
+        stop.set()
+        writer.join(WAIT_S)
+    assert writes > 5 and searches > 5
+
+
 OTHER_TEXT = "A wombat paints cubes of ochre on the shore of Lake Eyre each spring."
 INSERTED_TEXT = "The axolotl keeps a ledger of moonlit tides in a Mexican canal."
 WAIT_S = 10.0
