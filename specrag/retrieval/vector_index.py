@@ -383,16 +383,22 @@ class VectorIndex:
         """The searcher's one-shot search, skipping hidden rows at the source when it can (a
         growable searcher): old versions then never crowd the current ones out of its top."""
         searcher = self.searcher
-        if visibility.hidden and isinstance(searcher, Growable):
+        if self._given_visibility(visibility) and isinstance(searcher, Growable):
             return searcher.search(matrix, depth, visibility)
         return searcher.search(matrix, depth)
+
+    def _given_visibility(self, visibility: Visibility) -> bool:
+        """Whether the searcher takes the search's visibility: a growable one while rows are hidden,
+        and a database's always (``snapshot_rows``: its snapshot may hold a version committed
+        after the visibility was read, which it shows as the version the visibility holds)."""
+        return bool(visibility.hidden) or bool(getattr(self.searcher, "snapshot_rows", False))
 
     def _dense_stages(
         self, matrix: np.ndarray, depth: int, plan: StagePlan, visibility: Visibility
     ) -> Iterator[StageResult]:
         """The searcher's stages, skipping hidden rows as :meth:`_dense_search` does."""
         searcher = self.searcher
-        if visibility.hidden and isinstance(searcher, Growable):
+        if self._given_visibility(visibility) and isinstance(searcher, Growable):
             return searcher.stages(matrix, depth, plan, visibility)
         return searcher.stages(matrix, depth, plan)
 

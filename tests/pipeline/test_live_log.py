@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError
-from specrag.pipeline.document_kv.store import SUFFIX, segment_key
 from specrag.pipeline.store.document_store import DocumentStore, build_store
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.pipeline.store.live_log import Change, live_log_path
@@ -22,6 +21,7 @@ from specrag.retrieval.corpus import Passage
 from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
+from tests.helpers.document_kv import kv_entry
 from tests.helpers.live_corpus import TableEmbedder, one_token_each
 
 BASE = 200
@@ -55,15 +55,6 @@ def log_bytes(store: LiveStore) -> bytes:
     """Everything the log holds on disk: its file and its WAL."""
     wal = store.log_path.with_name(store.log_path.name + "-wal")
     return store.log_path.read_bytes() + (wal.read_bytes() if wal.exists() else b"")
-
-
-def kv_entry(kv_dir: Path, tokens: tuple[int, ...]) -> Path:
-    """A document-KV entry of a segment (its content does not matter here), as the store lays it out."""
-    key = segment_key(tokens)
-    path = kv_dir / "model-bfloat16-bs16" / key[:2] / f"{key}{SUFFIX}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"kv")
-    return path
 
 
 def test_a_replaced_version_leaves_the_log_memory_and_the_document_kv_store(tmp_path: Path) -> None:

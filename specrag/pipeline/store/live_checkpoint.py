@@ -35,7 +35,7 @@ from specrag.retrieval.corpus import Passage
 if TYPE_CHECKING:
     from specrag.retrieval.embedders import Embedder
 
-__all__ = ["EMBEDDER_AGREEMENT", "Checkpointed", "checkpoint_log"]
+__all__ = ["EMBEDDER_AGREEMENT", "Checkpointed", "checkpoint_log", "cosine"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,13 @@ class Checkpointed:
 
     changes: list[Change]
     dropped: list[bytes]
+
+
+def cosine(one: np.ndarray, other: np.ndarray) -> float:
+    """The cosine of two vectors (0 when their shapes differ or one is zero): at least
+    :data:`EMBEDDER_AGREEMENT` when one embedder made both of one text."""
+    norms = float(np.linalg.norm(one) * np.linalg.norm(other))
+    return float(one @ other) / norms if one.shape == other.shape and norms else 0.0
 
 
 def checkpoint_log(
@@ -114,10 +121,7 @@ def _check_embedder(
         probe = live[-1]
         assert probe.passage is not None and probe.vector is not None and indexed_text is not None
         again = np.asarray(embedder.embed([indexed_text(probe.passage)]), dtype=np.float32)[0]
-        norms = float(np.linalg.norm(again) * np.linalg.norm(probe.vector))
-        agreement = (
-            float(again @ probe.vector) / norms if again.shape == probe.vector.shape and norms else 0.0
-        )
+        agreement = cosine(again, probe.vector)
         if agreement >= EMBEDDER_AGREEMENT:
             return identity
         why = (

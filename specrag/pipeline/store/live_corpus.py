@@ -55,7 +55,8 @@ from specrag.errors import (
 )
 from specrag.pipeline.store.document_store import TokenizeBatch, render_segment
 from specrag.pipeline.store.live_log import Change
-from specrag.pipeline.store.live_store import BASE_VERSION, LiveStore, Version
+from specrag.pipeline.store.live_store import LiveStore
+from specrag.pipeline.store.overlay_store import BASE_VERSION, Version
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.live_index import Retrainable
 from specrag.retrieval.text import normalize_text

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import sqlite3
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -47,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError
+from specrag.errors import ArtifactError, ConflictError, InvalidInputError
 from specrag.locking import hold_writer_lock
 from specrag.pipeline.store.document_store import DocumentStore, TokenizeBatch
 from specrag.pipeline.store.live_checkpoint import checkpoint_log
@@ -63,52 +62,38 @@ from specrag.pipeline.store.live_log import (
     truncate_wal,
     verified_change,
 )
+from specrag.pipeline.store.overlay_store import (
+    BASE_VERSION,
+    RETIRED_GRACE_S,
+    OverlayRow,
+    OverlayStore,
+    Version,
+)
 from specrag.retrieval.corpus import Passage
 
 if TYPE_CHECKING:
     from specrag.retrieval.embedders import Embedder
 
-__all__ = ["BASE_VERSION", "RETIRED_GRACE_S", "WAL_TRUNCATE_EVERY", "LiveStore", "Version"]
+__all__ = ["WAL_TRUNCATE_EVERY", "LiveStore"]
 
 logger = logging.getLogger(__name__)
 
-# Every document of the built corpus is version 1; each change to an id counts on from there.
-BASE_VERSION = 1
-# How long a retired version's row stays readable: a query reads the rows its search found while it
-# builds its prompts, which ends well within its first token's deadline (60 s by default). Counted
-# in time, not in writes, since a burst of writes can pass within one query.
-RETIRED_GRACE_S = 300.0
 # Commits between two truncations of the WAL (which holds the superseded rows' old pages).
 WAL_TRUNCATE_EVERY = 64
-
-
-@dataclass(frozen=True)
-class Version:
-    """Where an id stands: its current row (None once deleted) and version."""
-
-    row: int | None
-    version: int
-
-
-@dataclass(frozen=True)
-class _LiveRow:
-    passage: Passage
-    tokens: tuple[int, ...]
-    version: int
 
 
 @dataclass(frozen=True)
 class _Prepared:
     """What a commit installs in memory once it is durable, all computed before the SQL COMMIT."""
 
-    rows: list[tuple[int, _LiveRow]]
+    rows: list[tuple[int, OverlayRow]]
     current: list[tuple[str, Version]]
     retired: list[int]
     next_row: int
     retired_segments: list[bytes]  # the retired rows' tokens, where there is a document-KV store
 
 
-class LiveStore(DocumentStore):
+class LiveStore(OverlayStore):
     """A built store and its log of changes, read as one store: rows past the base are the log's.
 
     Opening it takes the log's writer lock (:class:`ConflictError` at once while another process
@@ -129,19 +114,11 @@ class LiveStore(DocumentStore):
     ) -> None:
         """``data_dir`` is what the refusal of a second writer names (default: the log's directory);
         ``document_kv_dir`` is the document-KV store whose entries of retired versions are removed."""
-        super().__init__(path)
+        super().__init__(path, document_kv_dir=document_kv_dir, retired_grace_s=retired_grace_s)
         self.log_path = log_path or live_log_path(path)
-        self.document_kv_dir = document_kv_dir
-        self._grace_s = retired_grace_s
-        self._base_rows = self.info.passages
-        self._rows: dict[int, _LiveRow] = {}
-        self._current: dict[str, Version] = {}
-        self._next_row = self._base_rows
         self._last_seq = 0
         self._loaded = False
-        self._retired: deque[tuple[float, int]] = deque()
         self._commits = 0
-        self._write_lock = threading.Lock()
         where = data_dir or self.log_path.parent
         try:
             self._release = hold_writer_lock(
@@ -175,7 +152,7 @@ class LiveStore(DocumentStore):
 
         Run at start, before anything refers to a row of the log (the index holds the base's).
         """
-        with self._write_lock:
+        with self._overlay_lock:
             checkpointed = checkpoint_log(
                 self._log,
                 self.log_path,
@@ -187,7 +164,7 @@ class LiveStore(DocumentStore):
             )
             changes, dropped = checkpointed.changes, checkpointed.dropped
             self._rows = {
-                change.row: _LiveRow(change.passage, change.tokens, change.version)
+                change.row: OverlayRow(change.passage, change.tokens, change.version)
                 for change in changes
                 if change.row is not None and change.passage is not None
             }
@@ -211,11 +188,6 @@ class LiveStore(DocumentStore):
         for one in found:
             yield verified_change(self.log_path, one)
 
-    @property
-    def next_row(self) -> int:
-        """The row the next new version gets."""
-        return self._next_row
-
     def version_of(self, passage_id: str) -> Version | None:
         """Where ``passage_id`` stands, None when it never existed."""
         found = self._current.get(passage_id)
@@ -227,7 +199,7 @@ class LiveStore(DocumentStore):
     def base_row(self, passage_id: str) -> int | None:
         """The row ``passage_id`` has in the built store, None when it is not one of its documents."""
         try:
-            return super().row_of(passage_id)
+            return DocumentStore.row_of(self, passage_id)  # the built store's row, not the overlay's
         except InvalidInputError:
             return None
 
@@ -259,7 +231,7 @@ class LiveStore(DocumentStore):
                 expected += 1
         records = [record_of(change) for change in changes]
         prepared = self._prepare(changes, expected)
-        with self._write_lock:
+        with self._overlay_lock:
             self._log.execute("BEGIN IMMEDIATE")
             try:
                 self._check_no_other_writer(changes)
@@ -292,18 +264,9 @@ class LiveStore(DocumentStore):
                 retired.append(before.row)
             if change.row is not None:
                 assert change.passage is not None
-                rows.append((change.row, _LiveRow(change.passage, change.tokens, change.version)))
+                rows.append((change.row, OverlayRow(change.passage, change.tokens, change.version)))
             current.append((change.id, Version(change.row, change.version)))
-        segments = [self._segment(row) for row in retired] if self.document_kv_dir is not None else []
-        return _Prepared(rows, current, retired, next_row, [segment for segment in segments if segment])
-
-    def _segment(self, row: int) -> bytes:
-        """The token bytes of ``row``'s segment (what its document-KV entry is keyed by), or none
-        when it cannot be read (then there is no entry to find either)."""
-        try:
-            return np.asarray(self.tokens(row), dtype=TOKEN_DTYPE).tobytes()
-        except (InvalidInputError, ArtifactError):
-            return b""
+        return _Prepared(rows, current, retired, next_row, self._segments_of(retired))
 
     def _check_no_other_writer(self, changes: Sequence[Change]) -> None:
         """ConflictError unless the log is as this store left it (inside the write transaction)."""
@@ -325,13 +288,7 @@ class LiveStore(DocumentStore):
 
     def _install(self, prepared: _Prepared, last_seq: int) -> None:
         """Memory takes a committed change: plain assignments of what :meth:`_prepare` built."""
-        for row, entry in prepared.rows:
-            self._rows[row] = entry
-        for passage_id, version in prepared.current:
-            self._current[passage_id] = version
-        now = time.monotonic()
-        self._retired.extend((now, row) for row in prepared.retired)
-        self._next_row = prepared.next_row
+        self._take(prepared.rows, prepared.current, prepared.retired, prepared.next_row)
         self._last_seq = last_seq
 
     def _refresh(self, next_row: int, retired: list[int]) -> None:
@@ -345,68 +302,17 @@ class LiveStore(DocumentStore):
             current[passage_id] = Version(row, version)
             if row is not None:
                 token_ids = tuple(int(token) for token in np.frombuffer(tokens, dtype=TOKEN_DTYPE))
-                rows[row] = _LiveRow(Passage(passage_id, title, text), token_ids, version)
+                rows[row] = OverlayRow(Passage(passage_id, title, text), token_ids, version)
         (last,) = self._log.execute("SELECT MAX(seq) FROM changes").fetchone()
         now = time.monotonic()
         self._rows, self._current = rows, current
         self._retired = deque((now, row) for row in dict.fromkeys(retired))
         self._next_row, self._last_seq = next_row, last or 0
 
-    def drop_retired(self, now: float | None = None) -> int:
-        """Drop the versions retired over :data:`RETIRED_GRACE_S` ago from memory and their KV from
-        the document-KV store; returns how many. Run after each commit (so memory holds what the
-        last grace period before the last write retired), or by a caller that wants them gone."""
-        now = time.monotonic() if now is None else now
-        segments: list[bytes] = []
-        dropped = 0
-        with self._write_lock:
-            while self._retired and now - self._retired[0][0] >= self._grace_s:
-                _, row = self._retired.popleft()
-                if self.document_kv_dir is not None:
-                    segments.append(self._segment(row))
-                self._rows.pop(row, None)
-                dropped += 1
-        self._purge_document_kv([segment for segment in segments if segment])
-        return dropped
-
-    def _purge_document_kv(self, token_blobs: Sequence[bytes]) -> None:
-        """Remove the document-KV entries of these segments (retired versions), where there is a store."""
-        if self.document_kv_dir is None or not token_blobs:
-            return
-        from specrag.pipeline.document_kv.store import purge_segments, segment_key  # torch: only when used
-
-        keys = [segment_key(np.frombuffer(blob, dtype=TOKEN_DTYPE).tolist()) for blob in token_blobs]
-        try:
-            purge_segments(self.document_kv_dir, keys)
-        except OSError as error:
-            logger.warning("could not remove retired documents' KV from %s: %s", self.document_kv_dir, error)
-
-    def __len__(self) -> int:
-        return self._next_row
-
-    def _check_row(self, row: int) -> None:
-        if row not in self._rows and not 0 <= row < self._base_rows:
-            raise InvalidInputError(f"passage row {row} out of range [0, {self._next_row}) or retired")
-
-    def tokens(self, row: int) -> tuple[int, ...]:  # type: ignore[override]  # the base's is cached
-        live = self._rows.get(row)
-        return live.tokens if live is not None else super().tokens(row)
-
-    def passage(self, row: int) -> Passage:
-        live = self._rows.get(row)
-        return live.passage if live is not None else super().passage(row)
-
-    def row_of(self, passage_id: str) -> int:
-        """The row of ``passage_id``'s current version; NotFoundError once it was deleted."""
-        found = self.version_of(passage_id)
-        if found is None or found.row is None:
-            raise NotFoundError(f"unknown document id {passage_id!r}")
-        return found.row
-
     def stop_writing(self) -> None:
         """Close the log and let another writer in while reads go on (a process that loaded the
         corpus only to read it: a test session's shared assets); commits are refused from here on."""
-        with self._write_lock:
+        with self._overlay_lock:
             self._loaded = False
             self._log.close()
             self._release()

@@ -17,17 +17,18 @@ The live store cannot hold these rows as they are: it is its log (the writer's l
 the replay at start are the log's), and a table's rows are read from the table at each start, so
 the rows written since start live in memory only (:class:`TableRows`), over the store built from
 the rows read at start; a replaced version stays readable for
-:data:`~specrag.pipeline.store.live_store.RETIRED_GRACE_S` for a query that read it, as in the live
-store. A search that takes its snapshot in the instant between a COMMIT and the index's swap may
-miss the document it changed (neither version), never show two versions of it.
+:data:`~specrag.pipeline.store.overlay_store.RETIRED_GRACE_S` for a query that read it, as in the live
+store. A search that reads the index's visibility before a COMMIT and takes its snapshot after it
+(before the index's swap, or before the listener shows another writer's change) finds the new
+version in its snapshot and shows it as the version its visibility holds
+(:meth:`~specrag.retrieval.pgvector.searcher.PgVectorSearcher.map_rows` keeps each id's rows): one
+version of the document, never none nor two.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from specrag.errors import (
     WritesSuspendedError,
 )
 from specrag.pipeline.store.document_store import DocumentStore, TokenizeBatch, render_segment
+from specrag.pipeline.store.live_checkpoint import EMBEDDER_AGREEMENT, cosine
 from specrag.pipeline.store.live_corpus import (
     Document,
     Written,
@@ -50,9 +52,15 @@ from specrag.pipeline.store.live_corpus import (
     current_document,
     indexed_text,
 )
-from specrag.pipeline.store.live_store import BASE_VERSION, RETIRED_GRACE_S, Version
+from specrag.pipeline.store.overlay_store import (
+    BASE_VERSION,
+    RETIRED_GRACE_S,
+    OverlayRow,
+    OverlayStore,
+    Version,
+)
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.pgvector.changes import ChangeListener, read_rows_of, read_versions
+from specrag.retrieval.pgvector.changes import ChangeListener, TableRow, read_rows_of, read_versions
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher
 from specrag.retrieval.pgvector.writes import RowWrite, TableWriter
 from specrag.retrieval.vector_index import PreparedChanges, VectorIndex
@@ -62,91 +70,51 @@ __all__ = ["TableCorpus", "TableRows", "open_table_corpus"]
 logger = logging.getLogger(__name__)
 
 
-class TableRows(DocumentStore):
+class TableRows(OverlayStore):
     """The rows read from the table at start (a built store) and the versions written since (in
     memory), read as one store; ``keys`` are the start rows' (id, version), in row order."""
 
     def __init__(
-        self, path: Path, keys: Sequence[tuple[str, int]], retired_grace_s: float = RETIRED_GRACE_S
+        self,
+        path: Path,
+        keys: Sequence[tuple[str, int]],
+        *,
+        document_kv_dir: Path | None = None,
+        retired_grace_s: float = RETIRED_GRACE_S,
     ) -> None:
-        super().__init__(path)
+        super().__init__(path, document_kv_dir=document_kv_dir, retired_grace_s=retired_grace_s)
         if len(keys) != self.info.passages:
             raise ArtifactError(f"the store {path} has {self.info.passages} rows, the table {len(keys)}")
-        self._base_rows = self.info.passages
-        self._grace_s = retired_grace_s
         self._current = {passage_id: Version(row, version) for row, (passage_id, version) in enumerate(keys)}
-        self._rows: dict[int, tuple[Passage, tuple[int, ...]]] = {}
-        self._next_row = self._base_rows
-        self._retired: deque[tuple[float, int]] = deque()
-        self._memory_lock = threading.Lock()
-
-    @property
-    def next_row(self) -> int:
-        return self._next_row
 
     def held(self) -> dict[str, Version]:
         """Where each id this process saw stands (a copy)."""
-        with self._memory_lock:
+        with self._overlay_lock:
             return dict(self._current)
-
-    def version_of(self, passage_id: str) -> Version | None:
-        """Where ``passage_id`` stands (row None once deleted), None when this process never saw it."""
-        return self._current.get(passage_id)
 
     def install(
         self,
         first_row: int,
-        rows: Sequence[tuple[Passage, tuple[int, ...]]],
+        rows: Sequence[OverlayRow],
         current: Sequence[tuple[str, Version]],
         retired: Sequence[int],
     ) -> None:
         """Take a committed change: new rows from ``first_row`` (skipped when held already), where
-        each id stands now, and the rows it retired (dropped after the grace period)."""
-        with self._memory_lock:
+        each id stands now, and the rows it retired (dropped after the grace period; their
+        document KV removed at once)."""
+        with self._overlay_lock:
             if self._next_row == first_row:
-                for offset, entry in enumerate(rows):
-                    self._rows[first_row + offset] = entry
-                self._next_row = first_row + len(rows)
-            elif self._next_row != first_row + len(rows):
+                added = list(enumerate(rows, start=first_row))
+            elif self._next_row == first_row + len(rows):
+                added = []
+            else:
                 raise ArtifactError(
                     f"the store holds rows up to {self._next_row}, the change adds from {first_row}"
                 )
-            self._current.update(current)
-            now = time.monotonic()
-            self._retired.extend((now, row) for row in retired)
+            self._take(added, current, retired, first_row + len(rows))
+            segments = self._segments_of(retired)
+        self._purge_document_kv(segments)
         self.drop_retired()
-
-    def drop_retired(self, now: float | None = None) -> int:
-        """Drop the rows retired over the grace period ago from memory; returns how many."""
-        now = time.monotonic() if now is None else now
-        dropped = 0
-        with self._memory_lock:
-            while self._retired and now - self._retired[0][0] >= self._grace_s:
-                _, row = self._retired.popleft()
-                dropped += self._rows.pop(row, None) is not None
-        return dropped
-
-    def __len__(self) -> int:
-        return self._next_row
-
-    def _check_row(self, row: int) -> None:
-        if row not in self._rows and not 0 <= row < self._base_rows:
-            raise InvalidInputError(f"passage row {row} out of range [0, {self._next_row}) or retired")
-
-    def tokens(self, row: int) -> tuple[int, ...]:  # type: ignore[override]  # the base's is cached
-        live = self._rows.get(row)
-        return live[1] if live is not None else super().tokens(row)
-
-    def passage(self, row: int) -> Passage:
-        live = self._rows.get(row)
-        return live[0] if live is not None else super().passage(row)
-
-    def row_of(self, passage_id: str) -> int:
-        """The row of ``passage_id``'s current version; NotFoundError once deleted or unknown."""
-        found = self._current.get(passage_id)
-        if found is None or found.row is None:
-            raise NotFoundError(f"unknown document id {passage_id!r}")
-        return found.row
 
 
 @dataclass(frozen=True)
@@ -154,9 +122,13 @@ class _Change:
     """A change committed to the table, to be shown: what each layer in memory takes of it."""
 
     prepared: PreparedChanges
-    keys: tuple[tuple[str, int], ...]
-    rows: tuple[tuple[Passage, tuple[int, ...]], ...]
+    rows: tuple[OverlayRow, ...]
     current: tuple[tuple[str, Version], ...]
+
+    @property
+    def keys(self) -> list[tuple[str, int]]:
+        """The table's (id, version) of each new row, in row order."""
+        return [(row.passage.id, row.version) for row in self.rows]
 
 
 class TableCorpus:
@@ -228,8 +200,7 @@ class TableCorpus:
             if prepared.first_row != first:
                 raise ArtifactError(f"the index shows {prepared.first_row} rows, the store {first}")
             self.writer.write(writes)  # committed from here on: the table is the record
-            rows = tuple((p, tuple(t)) for p, t in zip(passages, tokens, strict=True))
-            if not self._shown(_Change(prepared, tuple(keys), rows, tuple(current))):
+            if not self._shown(_Change(prepared, _new_rows(passages, keys, tokens), tuple(current))):
                 return [Written(w.id, w.version, w.created, visible=False) for w in written]
         return written
 
@@ -250,7 +221,7 @@ class TableCorpus:
                 current.append((passage_id, Version(None, before.version + 1)))
             prepared = self.index.prepare_changes([], np.zeros((0, self.index.dim), np.float32), [], retired)
             self.writer.write([], deleted)
-            return self._shown(_Change(prepared, (), (), tuple(current)))
+            return self._shown(_Change(prepared, (), tuple(current)))
 
     def apply_table_changes(self, ids: Iterable[str] | None = None) -> int:
         """Show the rows other writers changed in the table: those of ``ids`` (heard of from the
@@ -258,8 +229,9 @@ class TableCorpus:
         (None: a reconcile, after a time nobody listened). Each is applied as the documents API's
         own writes are: a new version gets a new row (its prompt segment tokenized with its own row
         label, so no cached form is shared with the old one), the old row hidden; a row gone from
-        the table is hidden. Returns how many ids changed; WritesSuspendedError while a committed
-        change of its own could not be shown yet."""
+        the table is hidden; a row whose new text kept the former text's embedding is embedded
+        anew (:meth:`_reembed_stale`). Returns how many ids changed; WritesSuspendedError while a
+        committed change of its own could not be shown yet."""
         with self._lock:
             self._take_writes()
             held = self.store.held()
@@ -271,6 +243,7 @@ class TableCorpus:
             else:
                 changed = list(dict.fromkeys(ids))
             found = read_rows_of(database, changed)
+            reembedded = self._reembed_stale(held, found)
             passages, keys, retired, current = [], [], [], []
             first = self.store.next_row
             for passage_id in changed:
@@ -281,12 +254,12 @@ class TableCorpus:
                         retired.append(before.row)
                         current.append((passage_id, Version(None, before.version + 1)))
                     continue
-                title, text, version = row
+                version = reembedded.get(passage_id, row.version)
                 if not _differs(before, version):
                     continue  # this process's own write, or one already shown
                 if before is not None and before.row is not None:
                     retired.append(before.row)
-                passages.append(Passage(passage_id, title, text))
+                passages.append(Passage(passage_id, row.title, row.text))
                 keys.append((passage_id, version))
                 current.append((passage_id, Version(first + len(keys) - 1, version)))
             if not current:
@@ -298,10 +271,56 @@ class TableCorpus:
             # The table holds the vectors the searcher ranks by: the index takes none of them.
             vectors = np.zeros((len(passages), self.index.dim), np.float32)
             prepared = self.index.prepare_changes([p.id for p in passages], vectors, texts, retired)
-            rows = tuple((p, tuple(t)) for p, t in zip(passages, tokens, strict=True))
-            self._shown(_Change(prepared, tuple(keys), rows, tuple(current)))
+            self._shown(_Change(prepared, _new_rows(passages, keys, tokens), tuple(current)))
             logger.info("showed %d rows changed in the table by another writer", len(current))
             return len(current)
+
+    def _reembed_stale(self, held: dict[str, Version], found: dict[str, TableRow]) -> dict[str, int]:
+        """Embed anew the rows another writer gave a new text (or title) but left the embedding
+        of the one before, and write the vectors back (their own transaction, the next version);
+        returns each such id's new version.
+
+        A row's embedding is taken as stale when the service's embedder, given the version it
+        held, makes that very vector again (:data:`EMBEDDER_AGREEMENT`, the check the live log
+        makes at start): the vector is the former text's, and the service's embedder is the one
+        that made it, so its vector of the new text is the right one. A row whose vector it does
+        not make (another embedder's) keeps the table's: the other writer owns it."""
+        embedder = self.index.embedder
+        assert embedder is not None
+        changed = []
+        for passage_id, row in found.items():
+            before = held.get(passage_id)
+            if (
+                before is None
+                or before.row is None
+                or row.embedding is None
+                or not _differs(before, row.version)
+            ):
+                continue
+            former, now = self.store.passage(before.row), Passage(passage_id, row.title, row.text)
+            if indexed_text(former) != indexed_text(now):
+                changed.append((passage_id, row, former, now))
+        if not changed:
+            return {}
+        again = np.asarray(embedder.embed([indexed_text(former) for _, _, former, _ in changed]), np.float32)
+        stale = [
+            (passage_id, row, now)
+            for (passage_id, row, _, now), vector in zip(changed, again, strict=True)
+            if row.embedding is not None and cosine(vector, row.embedding) >= EMBEDDER_AGREEMENT
+        ]
+        if not stale:
+            return {}
+        vectors = np.asarray(embedder.embed([indexed_text(now) for _, _, now in stale]), np.float32)
+        written = self.writer.reembed(
+            [
+                (passage_id, row.version, vector)
+                for (passage_id, row, _), vector in zip(stale, vectors, strict=True)
+            ]
+        )
+        logger.info(
+            "embedded anew %d rows another writer changed the text of, not the embedding", len(written)
+        )
+        return {passage_id: row.version + 1 for passage_id, row, _ in stale if passage_id in written}
 
     def _take_writes(self) -> None:
         if self._pending and not self._catch_up():
@@ -333,21 +352,37 @@ class TableCorpus:
         return True
 
 
+def _new_rows(
+    passages: Sequence[Passage], keys: Sequence[tuple[str, int]], tokens: Sequence[Sequence[int]]
+) -> tuple[OverlayRow, ...]:
+    """The store's new rows: each passage with its segment's tokens and its table version."""
+    return tuple(
+        OverlayRow(passage, tuple(ids), version)
+        for passage, (_, version), ids in zip(passages, keys, tokens, strict=True)
+    )
+
+
 def _differs(held: Version | None, version: int) -> bool:
     """Whether the table's ``version`` of an id is not the one this process shows."""
     return held is None or held.row is None or held.version != version
 
 
-def open_table_corpus(index: VectorIndex, store: DocumentStore, tokenize_batch: TokenizeBatch) -> TableCorpus:
+def open_table_corpus(
+    index: VectorIndex,
+    store: DocumentStore,
+    tokenize_batch: TokenizeBatch,
+    document_kv_dir: Path | None = None,
+) -> TableCorpus:
     """The documents API's corpus over ``index`` (a pgvector table's) and ``store`` (its rows read
-    at start, which the corpus's own store replaces: ``store`` is closed); InvalidInputError saying
+    at start, which the corpus's own store replaces: ``store`` is closed); ``document_kv_dir`` is
+    the document-KV store whose entries of replaced versions are removed. InvalidInputError saying
     why when the table cannot be written (its routes then answer 501 saying so)."""
     searcher = index.searcher
     if not isinstance(searcher, PgVectorSearcher):
         raise InvalidInputError(f"a {searcher.kind} index is not a pgvector table")
     if searcher.documents_off is not None:
         raise InvalidInputError(searcher.documents_off)
-    rows = TableRows(store.path, searcher.keys())
+    rows = TableRows(store.path, searcher.keys(), document_kv_dir=document_kv_dir)
     store.close()
     corpus = TableCorpus(rows, index, TableWriter(searcher.database), tokenize_batch)
     if searcher.changes_off is None:

@@ -5,8 +5,9 @@ alter the table, as it adds the version column): on INSERT and UPDATE it numbers
 version (an UPDATE that leaves :data:`~specrag.retrieval.pgvector.writes.VERSION_COLUMN` as it was
 is another writer's, and gets the next version; the documents API's own writes set it), and on
 every change it sends ``pg_notify`` on a channel named for the table (:func:`channel_name`) with the
-row's id, version and operation. Notifications go out at COMMIT, so a rolled-back change is never
-seen.
+row's id, version and operation. A TRUNCATE fires no row trigger: a statement trigger of its own
+notifies it, and the listener answers with a full reconcile (below), which hides every row gone.
+Notifications go out at COMMIT, so a rolled-back change is never seen.
 
 A :class:`ChangeListener` thread LISTENs on its own connection, waiting at most
 :data:`POLL_S` at a time so it stops promptly, and hands the ids it hears of to a callback that
@@ -24,7 +25,10 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import psycopg
 from psycopg import sql
 
@@ -36,6 +40,7 @@ __all__ = [
     "MAX_BACKOFF_S",
     "POLL_S",
     "ChangeListener",
+    "TableRow",
     "channel_name",
     "install_change_trigger",
     "read_rows_of",
@@ -47,6 +52,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.5  # the longest the listener waits for a notification before checking whether to stop
 MAX_BACKOFF_S = 30.0  # the longest it waits between tries to reconnect
 TRIGGER = "specrag_changes"
+TRUNCATE_TRIGGER = "specrag_truncate"
 
 
 def channel_name(table: str) -> str:
@@ -73,6 +79,10 @@ def install_change_trigger(database: Database) -> str | None:
     body = sql.SQL(
         """
 BEGIN
+  IF TG_OP = 'TRUNCATE' THEN
+    PERFORM pg_notify({channel}, json_build_object('op', TG_OP)::text);
+    RETURN NULL;
+  END IF;
   IF TG_OP = 'DELETE' THEN
     PERFORM pg_notify({channel}, json_build_object(
       'id', OLD.{id}::text, 'version', OLD.{ver}, 'op', TG_OP)::text);
@@ -90,6 +100,7 @@ END
     function = _function_name(settings)
     table = sql.Identifier(*settings.table_parts)
     trigger = sql.Identifier(TRIGGER)
+    truncated = sql.Identifier(TRUNCATE_TRIGGER)
     try:
         with database.connection() as connection, connection.transaction():
             text = body.as_string(connection)
@@ -98,12 +109,19 @@ END
                     function, sql.Literal(text)
                 )
             )
-            connection.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(trigger, table))
+            for name in (trigger, truncated):
+                connection.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(name, table))
             connection.execute(
                 sql.SQL(
                     "CREATE TRIGGER {} BEFORE INSERT OR UPDATE OR DELETE ON {} "
                     "FOR EACH ROW EXECUTE FUNCTION {}()"
                 ).format(trigger, table, function)
+            )
+            # A TRUNCATE fires no row trigger: one for the statement, so it is seen at once.
+            connection.execute(
+                sql.SQL(
+                    "CREATE TRIGGER {} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()"
+                ).format(truncated, table, function)
             )
     except psycopg.errors.InsufficientPrivilege:
         return (
@@ -162,14 +180,21 @@ class ChangeListener:
             self.connected.set()
             while not self._stop.is_set():
                 ids: dict[str, None] = {}
+                truncated = False
                 for notify in connection.notifies(timeout=POLL_S):
                     try:
-                        ids[str(json.loads(notify.payload)["id"])] = None
+                        change = json.loads(notify.payload)
+                        if change["op"] == "TRUNCATE":
+                            truncated = True
+                        else:
+                            ids[str(change["id"])] = None
                     except (ValueError, KeyError, TypeError):
                         logger.warning("ignored a malformed change notification: %r", notify.payload[:200])
-                    if len(ids) >= 1000:
+                    if truncated or len(ids) >= 1000:
                         break
-                if ids:
+                if truncated:
+                    self._apply(None)  # every row went: the reconcile hides them all
+                elif ids:
                     self._apply(ids)
                 elif connection.closed or connection.broken:
                     raise psycopg.OperationalError("the listening connection closed")
@@ -191,22 +216,43 @@ def read_versions(database: Database) -> dict[str, int]:
             connection.execute(f"SET statement_timeout = {int(settings.statement_timeout_s * 1000)}")
 
 
-def read_rows_of(database: Database, ids: Iterable[str]) -> dict[str, tuple[str, str, int]]:
-    """(title, text, version) of each of ``ids`` the table holds, read in one statement."""
+def read_rows_of(database: Database, ids: Iterable[str]) -> dict[str, TableRow]:
+    """Each of ``ids`` the table holds, read in one statement."""
     wanted = list(ids)
     if not wanted:
         return {}
     settings = database.settings
     columns = settings.columns
     query = sql.SQL(
-        "SELECT {id}::text, coalesce({title}::text, ''), coalesce({text}::text, ''), {ver} "
+        "SELECT {id}::text, coalesce({title}::text, ''), coalesce({text}::text, ''), {ver}, {emb} "
         "FROM {table} WHERE {id}::text = ANY(%s)"
     ).format(
         id=sql.Identifier(columns.id),
         title=sql.Identifier(columns.title),
         text=sql.Identifier(columns.text),
         ver=sql.Identifier(VERSION_COLUMN),
+        emb=sql.Identifier(columns.embedding),
         table=sql.Identifier(*settings.table_parts),
     )
     with database.connection() as connection:
-        return {str(row[0]): (row[1], row[2], int(row[3])) for row in connection.execute(query, (wanted,))}
+        return {
+            str(found[0]): TableRow(found[1], found[2], int(found[3]), _vector(found[4]))
+            for found in connection.execute(query, (wanted,))
+        }
+
+
+def _vector(value: Any) -> np.ndarray | None:
+    """pgvector's ``Vector`` (or an array, by the driver's version) as float32, None for NULL."""
+    if value is None:
+        return None
+    return np.asarray(value.to_numpy() if hasattr(value, "to_numpy") else value, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """A row as the table holds it: title, text, version and embedding (None: the row has none)."""
+
+    title: str
+    text: str
+    version: int
+    embedding: np.ndarray | None

@@ -131,6 +131,11 @@ def _export(connection: psycopg.Connection) -> str:
     return str(row[0])
 
 
+def _visible(row: int, shown: np.ndarray) -> bool:
+    """Whether ``shown`` (a visibility's row-to-passage map, padding last) shows ``row``."""
+    return row < len(shown) - 1 and bool(shown[row] >= 0)
+
+
 class PgVectorSearcher:
     """A :class:`~specrag.retrieval.stages.StagedSearcher` over a pgvector table; row ``i`` is the
     ``i``-th of ``row_ids`` (the table's ids as text, read once at start) at ``versions[i]``.
@@ -143,6 +148,9 @@ class PgVectorSearcher:
 
     kind = "pgvector"
     owner: Any = None  # nothing to save: the table is the index
+    #: A search's snapshot may hold versions its visibility does not show yet: it takes the
+    #: visibility always, to show the version the visibility does instead (:meth:`_shown_row`).
+    snapshot_rows = True
 
     def __init__(
         self,
@@ -172,6 +180,10 @@ class PgVectorSearcher:
         if len(held) != len(row_ids):
             raise InvalidInputError(f"{len(row_ids)} row ids and {len(held)} versions")
         self._row_of = {key: row for row, key in enumerate(zip(row_ids, held, strict=True))}
+        # Each id's rows, oldest first (a tuple replaced whole: searches read it while rows are mapped).
+        self._rows_of_id: dict[str, tuple[int, ...]] = {}
+        for row, row_id in enumerate(row_ids):
+            self._rows_of_id[row_id] = (*self._rows_of_id.get(row_id, ()), row)
         self._ntotal = len(row_ids)
         self.version_column = version_column
         #: Why the documents API may not write this table (None: it may), set by whoever opened it.
@@ -231,7 +243,9 @@ class PgVectorSearcher:
         if first_row != self._ntotal:
             raise InvalidInputError(f"rows are mapped from row {self._ntotal}, not {first_row}")
         for offset, key in enumerate(keys):
-            self._row_of[(str(key[0]), int(key[1]))] = first_row + offset
+            row_id = str(key[0])
+            self._row_of[(row_id, int(key[1]))] = first_row + offset
+            self._rows_of_id[row_id] = (*self._rows_of_id.get(row_id, ()), first_row + offset)
         self._ntotal = first_row + len(keys)
 
     def add(self, vectors: np.ndarray, first_row: int) -> None:
@@ -309,15 +323,28 @@ class PgVectorSearcher:
                 connection.execute("COMMIT")
         for position, cursor in enumerate(cursors):
             slot = 0
+            taken: set[int] = set()
             for row_id, version, raw in cursor.fetchall():
-                row = self._row_of.get((row_id, int(version)))
-                if row is None:  # written by another writer since the ids were read
+                row = self._shown_row(row_id, int(version), shown)
+                if row is None or row in taken:  # a row nobody shows yet, or its stand-in's twin
                     continue
-                if shown is not None and (row >= len(shown) - 1 or shown[row] < 0):
-                    continue
+                taken.add(row)
                 ids[position, slot], scores[position, slot] = row, self._score(float(raw))
                 slot += 1
         return scores, ids
+
+    def _shown_row(self, row_id: str, version: int, shown: np.ndarray | None) -> int | None:
+        """The row a search shows for the table's (id, version) in its snapshot: that version's
+        row, or, where the search's visibility does not show it (committed after the visibility
+        was read: by the documents API before its swap, or by another writer before the listener
+        showed it), the row of the version the visibility shows. So a document changed while a
+        search begins is found in one version, never in none; None when no version is shown."""
+        row = self._row_of.get((row_id, version))
+        if shown is None or (row is not None and _visible(row, shown)):
+            return row
+        return next(
+            (held for held in reversed(self._rows_of_id.get(row_id, ())) if _visible(held, shown)), None
+        )
 
     def search(
         self, queries: np.ndarray, k: int, visibility: Visibility | None = None

@@ -86,6 +86,9 @@ class TableWriter:
             "INSERT INTO {table} ({id}, {title}, {text}, {emb}, {ver}) VALUES (%s, %s, %s, %s, %s)"
         ).format(**names)
         self._delete = sql.SQL("DELETE FROM {table} WHERE {id} = %s").format(**names)
+        self._reembed = sql.SQL(
+            "UPDATE {table} SET {emb} = %s, {ver} = %s WHERE {id} = %s AND {ver} = %s"
+        ).format(**names)
 
     def _check_held(self, connection: psycopg.Connection, passage_id: str, expected: int | None) -> None:
         """ConflictError unless the table holds ``passage_id`` at ``expected`` (None: no row),
@@ -118,3 +121,17 @@ class TableWriter:
             for passage_id, version in deleted:
                 self._check_held(connection, passage_id, version)
                 connection.execute(self._delete, (passage_id,))
+
+    def reembed(self, rows: Sequence[tuple[str, int, np.ndarray]]) -> set[str]:
+        """Write each (id, version, vector) of ``rows`` as the row's embedding and its next version,
+        in one transaction of its own; returns the ids written (a row changed again meanwhile is
+        left to that change's own notification)."""
+        written: set[str] = set()
+        with self.database.connection() as connection, connection.transaction():
+            for passage_id, version, vector in rows:
+                cursor = connection.execute(
+                    self._reembed, (np.asarray(vector, dtype=np.float32), version + 1, passage_id, version)
+                )
+                if cursor.rowcount:
+                    written.add(passage_id)
+        return written

@@ -200,7 +200,7 @@ class ExternalIndex:
     ``open`` gives the index and its rows as passages (row i = passage i); ``name`` names the
     directory of the data directory its document store is kept in (a cache of its rows, apart from
     the local corpus's); ``documents`` the documents API's corpus over the index and that store
-    (its own store replaces it), or InvalidInputError saying why the API cannot change it, which
+    (its own store replaces it; the document-KV store given loses replaced versions' entries), or InvalidInputError saying why the API cannot change it, which
     ``documents_off`` begins.
     """
 
@@ -208,7 +208,7 @@ class ExternalIndex:
     name: str
     documents_off: str
     release: Callable[[VectorIndex], None]
-    documents: Callable[[VectorIndex, DocumentStore, TokenizeBatch], TableCorpus] | None = None
+    documents: Callable[[VectorIndex, DocumentStore, TokenizeBatch, Path], TableCorpus] | None = None
 
 
 def ensure_assets(
@@ -261,7 +261,7 @@ def _external_assets(layout: DataLayout, model: str | Path | None, external: Ext
         documents_off: str | None = external.documents_off
         if external.documents is not None:
             try:
-                corpus = external.documents(index, store, tokenizer.encode_batch)
+                corpus = external.documents(index, store, tokenizer.encode_batch, layout.document_kv_dir)
                 store, documents_off = corpus.store, None
             except InvalidInputError as reason:
                 documents_off = f"{external.documents_off} ({reason})"

@@ -1,19 +1,24 @@
 """``serve --backend pgvector`` as the service assembles it, on a real server and the simulated
 engine: passages come from the table, the documents API writes to it, the database killed
-under the service is a bounded 503 with Retry-After, and it recovers by itself."""
+under the service is a bounded 503 with Retry-After, and it recovers by itself; the listener for
+other writers' changes reconnects after it and catches up on what it missed."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
+import psycopg
 import pytest
 
 from specrag.cli import build_parser
 from specrag.paths import DataLayout
+from specrag.pipeline.store.table_corpus import TableCorpus
 from specrag.retrieval.corpus import Passage, write_passages
 from specrag.retrieval.pgvector.local_server import LocalPostgres, find_binaries
 from specrag.service.cli.commands import external_index
@@ -106,4 +111,72 @@ async def test_serve_pgvector_answers_from_the_table_and_survives_a_restart(
                 await asyncio.sleep(0.5)
     finally:
         await engine.close()
+        assets.close()
+
+
+def within(seconds: float, check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.1)
+
+
+def test_the_change_listener_reconnects_after_the_database_dies_and_catches_up(
+    server: LocalPostgres,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    default_corpus: list[Passage],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Killed under a connected listener, the server comes back: the listener reconnects with a
+    growing backoff, reconciles what it missed (a change no notification told of, made before
+    the kill, and one made as the server returned) and hears the changes after."""
+    passages = table_passages(default_corpus)
+    assets = pgvector_assets(server, tmp_path, tiny_model_dir, passages)
+    corpus = assets.corpus
+    try:
+        assert isinstance(corpus, TableCorpus) and corpus.listener is not None
+        listener = corpus.listener
+        assert listener.connected.wait(10)
+        unheard, returned, after = passages[3], passages[4], passages[5]
+
+        def update(passage: Passage, text: str, heard: bool = True) -> None:
+            with psycopg.connect(server.dsn, autocommit=True) as connection:
+                if not heard:  # as while nobody listened: no notification goes out
+                    connection.execute("ALTER TABLE served DISABLE TRIGGER specrag_changes")
+                connection.execute(
+                    "UPDATE served SET text = %s, specrag_version = specrag_version + 1 WHERE id = %s",
+                    (text, passage.id),
+                )
+                if not heard:
+                    connection.execute("ALTER TABLE served ENABLE TRIGGER specrag_changes")
+
+        def shown(passage: Passage, text: str) -> Callable[[], bool]:
+            return lambda: corpus.get(passage.id).text == text
+
+        update(unheard, "An unheard change: the okapi hums in the Ituri rain.", heard=False)
+        time.sleep(1.0)
+        assert corpus.get(unheard.id).text == unheard.text  # nothing told the listener
+
+        caplog.set_level(logging.WARNING, logger="specrag.retrieval.pgvector.changes")
+        server.kill()
+        within(10, lambda: not listener.connected.is_set())
+        time.sleep(2.5)  # down long enough for a few tries
+        server.start()
+        update(returned, "Changed as the server returned: the tapir counts the stars.")
+        within(30, listener.connected.is_set)
+        within(10, shown(unheard, "An unheard change: the okapi hums in the Ituri rain."))
+        within(10, shown(returned, "Changed as the server returned: the tapir counts the stars."))
+
+        update(after, "Heard after the reconnect: the pangolin reads a map of ants.")
+        within(10, shown(after, "Heard after the reconnect: the pangolin reads a map of ants."))
+
+        waits = [
+            float(match.group(1))
+            for record in caplog.records
+            if (match := re.search(r"retrying in ([0-9.]+)s", record.getMessage()))
+        ]
+        assert len(waits) >= 2 and waits == sorted(waits) and waits[-1] > waits[0], waits
+        assert all("password" not in record.getMessage() for record in caplog.records)
+    finally:
         assets.close()

@@ -5,6 +5,7 @@ another application changes are noticed (the change trigger and listener) and sh
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from specrag.retrieval.pgvector.local_server import LocalPostgres
 from specrag.retrieval.pgvector.writes import VERSION_COLUMN
 from specrag.service.cli.commands import external_index
 from specrag.service.run.assets import Assets, ensure_assets
+from tests.helpers.document_kv import kv_entry
 
 NEW_TEXT = "The quokka plays a xylophone of driftwood on Rottnest Island every solstice."
 REPLACED_TEXT = "A narwhal tunes its harpsichord beneath the Greenland ice in midwinter."
@@ -104,6 +106,21 @@ def test_put_replace_delete_go_through_the_table(assets: Assets, postgres: Local
     assert again.version == 4 and again.created  # a version is never given twice
 
 
+def test_a_replaced_versions_document_kv_is_removed(assets: Assets, tmp_path: Path) -> None:
+    """As the live corpus does: a replaced or deleted version's KV is of no further use and holds
+    what the document said, so it leaves the data directory's document-KV store."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus)
+    kv_dir = DataLayout(tmp_path).document_kv_dir
+    base, other = assets.passages[20], assets.passages[21]
+    replaced = kv_entry(kv_dir, assets.store.tokens(assets.store.row_of(base.id)))
+    deleted = kv_entry(kv_dir, assets.store.tokens(assets.store.row_of(other.id)))
+    kept = kv_entry(kv_dir, assets.store.tokens(assets.store.row_of(assets.passages[22].id)))
+    corpus.put([Passage(base.id, base.title, REPLACED_TEXT)])
+    assert corpus.delete([other.id])
+    assert not replaced.exists() and not deleted.exists() and kept.exists()
+
+
 def test_a_search_begun_before_a_replacement_keeps_its_version(assets: Assets) -> None:
     corpus = assets.corpus
     assert isinstance(corpus, TableCorpus)
@@ -118,6 +135,77 @@ def test_a_search_begun_before_a_replacement_keeps_its_version(assets: Assets) -
     texts = [assets.store.passage(int(row)).text for row in np.atleast_1d(last.ids) if row >= 0]
     assert target.text in texts and REPLACED_TEXT not in texts
     assert REPLACED_TEXT in found_texts(assets, REPLACED_TEXT)
+
+
+def test_a_search_between_a_commit_and_the_swap_finds_the_document_once(
+    assets: Assets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search whose visibility predates a replacement's COMMIT but whose snapshot follows it
+    meets the new version in the table: it shows the version its visibility holds, so the
+    document is found in one version, not missed. The write is held between its COMMIT and the
+    index's swap (the searcher naming the new row is the swap's first step)."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus)
+    target = assets.passages[30]
+    searcher = corpus.searcher
+    committed, release = threading.Event(), threading.Event()
+    map_rows = searcher.map_rows
+
+    def held_map_rows(keys: list[tuple[str, int]], first_row: int) -> None:
+        committed.set()
+        assert release.wait(WAIT_S)
+        map_rows(keys, first_row)
+
+    monkeypatch.setattr(searcher, "map_rows", held_map_rows)
+    writer = threading.Thread(target=corpus.put, args=([Passage(target.id, target.title, REPLACED_TEXT)],))
+    writer.start()
+    try:
+        assert committed.wait(WAIT_S)
+        for mode in (StageMode.SEQUENTIAL, StageMode.PARALLEL):
+            searcher.mode = mode
+            vector = assets.index.embed_query(REPLACED_TEXT)  # the table's new vector ranks first
+            *_, last = assets.index.search_staged(vector, 5)  # an early stage may not reach its list
+            for rows in (assets.index.search(vector, 5)[1], last.ids):
+                found = [assets.store.passage(int(row)) for row in np.atleast_1d(rows) if row >= 0]
+                assert [p.text for p in found if p.id == target.id] == [target.text], mode
+    finally:
+        release.set()
+        writer.join(WAIT_S)
+    assert REPLACED_TEXT in found_texts(assets, REPLACED_TEXT)
+
+
+def test_searches_beside_a_writer_find_the_document_once(assets: Assets) -> None:
+    """A writer replaces one document over and over (two texts of nearly one meaning) while
+    one-shot searches run beside it, for a bounded time: each finds the document once."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus)
+    target = assets.passages[50]
+    texts = (NEW_TEXT, NEW_TEXT + " Again.")
+    stop = threading.Event()
+    writes = 0
+
+    def write() -> None:
+        nonlocal writes
+        while not stop.is_set():
+            corpus.put([Passage(target.id, target.title, texts[writes % 2])])
+            writes += 1
+
+    corpus.put([Passage(target.id, target.title, texts[1])])
+    writer = threading.Thread(target=write)
+    writer.start()
+    searches = 0
+    vector = assets.index.embed_query(NEW_TEXT)
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            rows = assets.index.search(vector, 5)[1]
+            ids = [assets.store.passage(int(row)).id for row in rows if row >= 0]
+            assert ids.count(target.id) == 1, (searches, writes)
+            searches += 1
+    finally:
+        stop.set()
+        writer.join(WAIT_S)
+    assert writes > 5 and searches > 5
 
 
 OTHER_TEXT = "A wombat paints cubes of ochre on the shore of Lake Eyre each spring."
@@ -147,7 +235,14 @@ def test_another_writers_update_insert_and_delete_are_shown(assets: Assets, post
     table = corpus.searcher.database.settings.table
     target = assets.passages[7]
 
-    other_writer(postgres, f"UPDATE {table} SET text = %s WHERE id = %s", (OTHER_TEXT, target.id))
+    # With an embedding of its own (another row's): a text left with its former embedding is
+    # embedded anew by the service, the test below.
+    other_writer(
+        postgres,
+        f"UPDATE {table} SET text = %s, embedding = (SELECT embedding FROM {table} WHERE id = %s) "
+        "WHERE id = %s",
+        (OTHER_TEXT, assets.passages[9].id, target.id),
+    )
     assert table_row(postgres, table, target.id) == (OTHER_TEXT, 2)  # the trigger numbered it
     eventually(lambda: OTHER_TEXT in found_texts(assets, OTHER_TEXT))
     assert target.text not in found_texts(assets, target.text, k=20)
@@ -174,11 +269,40 @@ def test_another_writers_update_insert_and_delete_are_shown(assets: Assets, post
     assert corpus.get(target.id).version == 3 and target.text in found_texts(assets, target.text)
 
 
+def dense_texts(assets: Assets, text: str, k: int = 5) -> list[str]:
+    """The texts a vector-only search finds for ``text``: what the table's embeddings rank."""
+    index = assets.index
+    _, rows = index.search(index.embed_query(text), k)
+    return [assets.store.passage(int(row)).text for row in rows if row >= 0]
+
+
+def test_a_new_text_left_with_its_former_embedding_is_embedded_anew(
+    assets: Assets, postgres: LocalPostgres
+) -> None:
+    """Another application changes a row's text but not its embedding: the service's embedder
+    made that embedding (it makes it again from the former text), so it embeds the new text and
+    writes the vector back as the next version; vector search then finds the new text."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
+    assert corpus.listener.connected.wait(WAIT_S)
+    table = corpus.searcher.database.settings.table
+    target = assets.passages[40]
+    assert OTHER_TEXT not in dense_texts(assets, OTHER_TEXT)
+    other_writer(postgres, f"UPDATE {table} SET text = %s WHERE id = %s", (OTHER_TEXT, target.id))
+    eventually(lambda: corpus.get(target.id).version == 3)
+    assert table_row(postgres, table, target.id) == (OTHER_TEXT, 3)  # 2: the writer's; 3: the vector
+    assert OTHER_TEXT in dense_texts(assets, OTHER_TEXT)
+    assert target.text not in found_texts(assets, target.text, k=20)
+    time.sleep(1.0)  # the notification of its own write-back is not shown again
+    assert corpus.get(target.id).version == 3
+
+
 def test_changes_missed_while_not_listening_are_reconciled(assets: Assets, postgres: LocalPostgres) -> None:
     """A change nobody heard of (as while the listener was disconnected) is found by comparing
     the table's (id, version) set with what the service holds."""
     corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus)
+    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
+    assert corpus.listener.connected.wait(WAIT_S)  # its own reconcile at connect is done
     table = corpus.searcher.database.settings.table
     target = assets.passages[12]
     with psycopg.connect(postgres.dsn, autocommit=True) as connection:
@@ -193,3 +317,18 @@ def test_changes_missed_while_not_listening_are_reconciled(assets: Assets, postg
     assert OTHER_TEXT in found_texts(assets, OTHER_TEXT)
     assert target.text not in found_texts(assets, target.text, k=20)
     assert corpus.apply_table_changes() == 0
+
+
+def test_a_truncate_is_shown_at_once(assets: Assets, postgres: LocalPostgres) -> None:
+    """A TRUNCATE fires no row trigger; its statement trigger's notification makes the listener
+    reconcile, so the rows are gone from searches without waiting for a reconnect."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
+    assert corpus.listener.connected.wait(WAIT_S)
+    table = corpus.searcher.database.settings.table
+    target = assets.passages[5]
+    assert target.text in found_texts(assets, target.text)
+    other_writer(postgres, f"TRUNCATE {table}", ())
+    eventually(lambda: found_texts(assets, target.text) == [])
+    with pytest.raises(NotFoundError):
+        corpus.get(target.id)
