@@ -200,8 +200,8 @@ class ExternalIndex:
     ``open`` gives the index and its rows as passages (row i = passage i); ``name`` names the
     directory of the data directory its document store is kept in (a cache of its rows, apart from
     the local corpus's); ``documents`` the documents API's corpus over the index and that store
-    (its own store replaces it; the document-KV store given loses replaced versions' entries), or InvalidInputError saying why the API cannot change it, which
-    ``documents_off`` begins.
+    (its own store replaces it; the document-KV store given loses replaced versions' entries), or
+    InvalidInputError saying why the API cannot change it, which ``documents_off`` begins.
     """
 
     open: Callable[[], tuple[VectorIndex, list[Passage]]]
