@@ -24,7 +24,15 @@ from specrag.retrieval.index_store import (
     recorded_embedder,
     save_index,
 )
-from specrag.retrieval.minilm_embedder import DIM, MiniLMEmbedder, minilm_weights, model_zip
+from specrag.retrieval.minilm_embedder import (
+    BFLOAT16,
+    DIM,
+    FLOAT32,
+    MiniLMEmbedder,
+    load_weights,
+    minilm_weights,
+    model_zip,
+)
 from tests.helpers.network import forbid_network
 
 pytest.importorskip("transformers", reason="MiniLM runs on torch and transformers (the engine's)")
@@ -49,9 +57,9 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     forbid_network(monkeypatch)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    minilm_weights.cache_clear()
+    load_weights.cache_clear()
     yield
-    minilm_weights.cache_clear()
+    load_weights.cache_clear()
 
 
 def test_the_wheels_weights_load_and_embed_without_network(offline: None) -> None:
@@ -69,12 +77,23 @@ def test_a_question_is_nearest_its_paraphrase(embedder: MiniLMEmbedder) -> None:
     assert question @ answer > 0.5 > question @ other
 
 
-def test_batches_by_length_give_each_text_its_own_vector(embedder: MiniLMEmbedder) -> None:
+def test_batches_by_length_give_each_text_its_own_vector() -> None:
     """Padding a text to a batch's longest changes nothing (mean over the attention mask), and
-    the length order is undone: each row is the vector of the text at that row."""
+    the length order is undone: each row is the vector of the text at that row (in float32, whose
+    sums do not depend on the batch's shape to more than a rounding)."""
+    embedder = MiniLMEmbedder(minilm_weights(FLOAT32))
     alone = np.concatenate([embedder.embed([text]) for text in TEXTS])
     np.testing.assert_allclose(embedder.embed(TEXTS), alone, atol=1e-5)
     np.testing.assert_allclose(embedder.embed(TEXTS[::-1]), alone[::-1], atol=1e-5)
+
+
+def test_bfloat16_gives_the_float32_vectors_to_a_rounding(embedder: MiniLMEmbedder) -> None:
+    full = MiniLMEmbedder(minilm_weights(FLOAT32)).embed(TEXTS)
+    half = MiniLMEmbedder(minilm_weights(BFLOAT16)).embed(TEXTS)
+    assert half.dtype == np.float32
+    assert np.einsum("ij,ij->i", full, half).min() > 0.99
+    entry = MiniLMEmbedder(minilm_weights(BFLOAT16)).save(Path("."))
+    assert entry["precision"] == BFLOAT16 and entry["weights_sha256"] == minilm_weights(FLOAT32).sha256
 
 
 def test_the_manifest_records_the_weights_and_other_weights_are_refused(
