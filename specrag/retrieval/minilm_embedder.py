@@ -18,8 +18,12 @@ it can be without changing its answers:
   sentence-transformers itself would give.
 - **Batches sorted by length.** A batch is padded to its longest text, so texts of similar length
   go together and the order is restored afterwards.
-- **All the cores the process may use** for torch's threads (the service pins its search to its
-  own cores, and the embedding of a question runs there too).
+- **Threads by the size of the call.** A call that fills more than one batch (a build, a batch of
+  documents added) runs on all the cores the process may use; a smaller one (a question) on one
+  thread, as a search does (``bench.indexes.one_search_thread``): on a shared machine a
+  two-thread pass waits at every step for a core another job holds, and a question then took
+  tens of times longer than on one thread. torch's thread count is process-wide, so calls of
+  both kinds at once only cost each other speed, never a result.
 - **bfloat16 where the CPU computes it natively** (AVX-512 BF16 or AMX): the weights and
   activations in half the bits, pooled in float32. Recall stays within 0.01 of float32, which is
   the bar; int8 (torch's dynamic quantization of the linear layers) missed it, so it is not used.
@@ -152,7 +156,6 @@ def load_weights(precision: str) -> MiniLMWeights:
     tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
     tokenizer.enable_truncation(MAX_TOKENS)
     tokenizer.enable_padding(pad_id=int(config.get("pad_token_id", 0)), pad_token="[PAD]")
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
     return MiniLMWeights(model, tokenizer, hashlib.sha256(weights).hexdigest(), source, precision)
 
 
@@ -176,6 +179,9 @@ class MiniLMEmbedder:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Unit vectors of ``texts`` in order, embedded in batches of similar length."""
+        threads = len(os.sched_getaffinity(0)) if len(texts) > BATCH else 1
+        if self._torch.get_num_threads() != threads:
+            self._torch.set_num_threads(threads)
         out = np.zeros((len(texts), DIM), dtype=np.float32)
         for rows in length_sorted_batches(texts, BATCH):
             out[rows] = self._embed_batch([texts[row] for row in rows])
