@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.embedders import Embedder
-from specrag.retrieval.index_store import IndexConfig
+from specrag.retrieval.index_store import IndexConfig, default_embedder
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.pgvector.changes import install_change_trigger
 from specrag.retrieval.pgvector.config import (
@@ -121,7 +121,7 @@ def open_index(
         passages, versions = read_rows(database, version_column)
         texts = _texts(passages)
         if embedder is None:  # a built-in one: MiniLM as it is, WordLlama fitted on the rows
-            embedder = IndexConfig(embedder=getattr(args, "embedder", IndexConfig.embedder)).fit(texts)
+            embedder = IndexConfig(embedder=getattr(args, "embedder", None) or default_embedder()).fit(texts)
         if embedder.dim != layout.dim:
             raise InvalidInputError(
                 f"column {settings.columns.embedding!r} of {settings.table} holds vector({layout.dim}), "
