@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,8 +16,14 @@ from specrag.pipeline.models.gguf import convert_gguf
 from specrag.pipeline.models.random_model import make_random_model
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.retrieval.corpus import Passage, build_default_corpus
+from specrag.retrieval.index_store import EMBEDDER_ENV, WORDLLAMA
 from specrag.service.run.assets import Assets, ensure_assets
 from tests.helpers.models import TINY_MODEL_SPEC, write_llama_gguf
+
+# Indexes built without a named embedder, here and in the CLI processes the tests start, are
+# WordLlama's: a test that is not about the embedder then builds in a second, not a minute as
+# MiniLM's would. The tests of MiniLM as the default remove the variable.
+os.environ[EMBEDDER_ENV] = WORDLLAMA
 
 
 @pytest.fixture(scope="session")

@@ -192,13 +192,15 @@ class Timeline:
 
     @property
     def regime_r(self) -> float | None:
-        """This query's r: its search time over its answer's prefill time. Overlapping the two can
-        save at most the shorter, so it pays most near r = 1 and little far below it (where what
-        helps is ordering for prefix reuse, the warm-up and batching)."""
-        search, prefill = self.search_s, self.answer_prefill_s
-        if search is None or prefill is None:
+        """This query's r: its retrieval time (the question's embedding and the search) over its
+        answer's prefill time. Overlapping the two can save at most the shorter, so it pays most
+        near r = 1 and little far below it (where what helps is ordering for prefix reuse, the
+        warm-up and batching). The embedding counts: a contextual embedder's pass is part of
+        what the answer waits for before its documents are known, as the search is."""
+        retrieval, prefill = self.retrieval_s, self.answer_prefill_s
+        if self.search_s is None or retrieval is None or prefill is None:
             return None
-        return search / prefill
+        return retrieval / prefill
 
     @property
     def phases(self) -> dict[str, Any]:

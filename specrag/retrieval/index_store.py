@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,13 +47,15 @@ from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
 
 __all__ = [
-    "FITTED_EMBEDDERS",
+    "BUILT_IN_EMBEDDERS",
+    "EMBEDDER_ENV",
     "FORMAT",
     "HNSW_KIND",
     "INDEX_FILE",
     "IVF_KINDS",
     "KINDS",
     "MANIFEST_FILE",
+    "MINILM",
     "PASSAGE_IDS_FILE",
     "SOURCES_FILE",
     "TFIDF_SVD",
@@ -64,8 +67,12 @@ __all__ = [
     "built_corpus_checksum",
     "built_passage_ids",
     "check_corpus",
+    "default_embedder",
+    "describe_embedder",
+    "expected_embedder",
     "load_index",
     "passage_ids_digest",
+    "recorded_embedder",
     "save_index",
 ]
 
@@ -83,22 +90,32 @@ HNSW_KIND = "hnsw"
 # The IVF kinds name their list codes (see staged_ivf.IVF_CODES): "ivf" is flat.
 IVF_KINDS = {"ivf": "flat", "ivf-pq": "pq", "ivf-sq8": "sq8"}
 KINDS = (*IVF_KINDS, HNSW_KIND)
+MINILM = "minilm"
 WORDLLAMA = "wordllama"
 TFIDF_SVD = "tfidf-svd"
-# Embedders fitted on the corpus at build time; others (a model directory, a server) are passed in.
-FITTED_EMBEDDERS = (WORDLLAMA, TFIDF_SVD)
+# Embedders specrag ships (the first is the default); others (a model directory, a server) are
+# passed in. WordLlama and TF-IDF are fitted on the corpus at build time, MiniLM is used as it is.
+BUILT_IN_EMBEDDERS = (MINILM, WORDLLAMA, TFIDF_SVD)
+# Names the built-in embedder of an index built without one (a test session's cheap WordLlama).
+EMBEDDER_ENV = "SPECRAG_EMBEDDER"
+
+
+def default_embedder() -> str:
+    """The built-in embedder an index is built with unless told: ``$SPECRAG_EMBEDDER``, else MiniLM."""
+    return os.environ.get(EMBEDDER_ENV) or MINILM
 
 
 @dataclass(frozen=True)
 class IndexConfig:
     """How to build an index. ``pad_to`` adds synthetic rows (mapped to passages) up to that many.
 
-    The default is the hybrid configuration the evaluation in docs/retrieval.md chose: WordLlama vectors
-    (``embedding_dim`` applies to ``tfidf-svd`` only) in staged IVF, fused with BM25.
+    The default is the hybrid configuration the evaluation in docs/retrieval.md chose: MiniLM vectors
+    (``embedding_dim`` applies to ``tfidf-svd`` only) in staged IVF, fused with BM25; the
+    embedder's default is :func:`default_embedder`'s.
     """
 
     kind: str = "ivf"
-    embedder: str = WORDLLAMA
+    embedder: str = field(default_factory=default_embedder)
     lexical: bool = True
     rrf_k: int = DEFAULT_RRF_K
     fusion_depth: int = DEFAULT_DEPTH
@@ -118,9 +135,10 @@ class IndexConfig:
             raise InvalidInputError(f"the shard count must be at least 1, got {self.shards}")
         if self.kind not in KINDS:
             raise InvalidInputError(f"unknown index kind {self.kind!r}; choose one of {', '.join(KINDS)}")
-        if self.embedder not in FITTED_EMBEDDERS:
+        if self.embedder not in BUILT_IN_EMBEDDERS:
             raise InvalidInputError(
-                f"unknown embedder {self.embedder!r}; choose one of {', '.join(FITTED_EMBEDDERS)}"
+                f"unknown embedder {self.embedder!r} (--embedder or ${EMBEDDER_ENV}); choose one of "
+                f"{', '.join(BUILT_IN_EMBEDDERS)}"
             )
         FusionConfig(self.rrf_k, self.fusion_depth)  # validates
 
@@ -128,24 +146,68 @@ class IndexConfig:
     def fusion(self) -> FusionConfig:
         return FusionConfig(self.rrf_k, self.fusion_depth)
 
+    def fit(self, texts: Sequence[str]) -> Embedder:
+        """The configured embedder, fitted on the corpus' texts where it is fitted at all."""
+        if self.embedder == TFIDF_SVD:
+            return TfidfSvdEmbedder.fit(texts, dim=self.embedding_dim, seed=self.seed)
+        if self.embedder == WORDLLAMA:
+            from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
+
+            return WordLlamaEmbedder.fit(texts)
+        from specrag.retrieval.minilm_embedder import MiniLMEmbedder
+
+        return MiniLMEmbedder()
+
     def fit_and_embed(self, texts: Sequence[str], progress: bool = False) -> tuple[Embedder, np.ndarray]:
         """The configured embedder, fitted on the corpus' texts, and their vectors."""
-        if self.embedder == TFIDF_SVD:
-            embedder = TfidfSvdEmbedder.fit(texts, dim=self.embedding_dim, seed=self.seed)
-            return embedder, embed_in_batches(embedder, texts, show=progress)
-        from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
+        if self.embedder == WORDLLAMA:  # one tokenization for fitting and embedding: most of its cost
+            from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
 
-        return WordLlamaEmbedder.fit_embed(texts)
+            return WordLlamaEmbedder.fit_embed(texts)
+        embedder = self.fit(texts)
+        return embedder, embed_in_batches(embedder, texts, show=progress)
+
+    def embedder_mismatch(self, recorded: Mapping[str, Any] | None) -> str | None:
+        """Why an index whose manifest records the embedder ``recorded`` (None: no index) was not
+        embedded by this configuration's embedder (kind and weights), or None."""
+        if recorded is None:
+            return None
+        expected = expected_embedder(self.embedder)
+        if all(recorded.get(key) == value for key, value in expected.items()):
+            return None
+        return (
+            f"the index was embedded by {describe_embedder(recorded)}, "
+            f"the query embedder is {describe_embedder(expected)}"
+        )
 
     def mismatch(self, index: VectorIndex) -> str | None:
-        """Why ``index`` was not built with this configuration's embedder and channels, or None."""
-        expected = "wordllama-idf" if self.embedder == WORDLLAMA else TfidfSvdEmbedder.kind
-        actual = getattr(index.embedder, "kind", None)
-        if actual != expected:
-            return f"the index uses the {actual} embedder, the configuration {expected}"
+        """Why ``index`` was not built with this configuration's channels, or None (its embedder
+        is compared, before it is loaded, by :meth:`embedder_mismatch`)."""
         if index.hybrid != self.lexical:
             return "the index is " + ("hybrid" if index.hybrid else "dense only") + ", the configuration not"
         return None
+
+
+def expected_embedder(name: str) -> dict[str, Any]:
+    """What a manifest records of the built-in embedder ``name`` as this installation has it: its
+    kind and, for one with pretrained weights, their sha256 (loading them if not loaded yet)."""
+    if name == MINILM:
+        from specrag.retrieval.minilm_embedder import MiniLMEmbedder, minilm_weights
+
+        return {"kind": MiniLMEmbedder.kind, "weights_sha256": minilm_weights().sha256}
+    if name == WORDLLAMA:
+        from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder, token_vectors
+
+        return {"kind": WordLlamaEmbedder.kind, "weights_sha256": sha256_file(token_vectors().weights_file)}
+    if name == TFIDF_SVD:
+        return {"kind": TfidfSvdEmbedder.kind}
+    raise InvalidInputError(f"unknown embedder {name!r}; choose one of {', '.join(BUILT_IN_EMBEDDERS)}")
+
+
+def describe_embedder(entry: Mapping[str, Any]) -> str:
+    """An embedder's manifest entry in a message: its kind, and its weights' checksum if any."""
+    weights = entry.get("weights_sha256")
+    return str(entry.get("kind")) + (f" (weights sha256 {str(weights)[:12]}…)" if weights else "")
 
 
 def _staged_hnsw() -> type[StagedHNSW]:
@@ -399,6 +461,17 @@ def built_passage_ids(directory: Path) -> list[str] | None:
     if not isinstance(passage_ids, list) or not all(isinstance(found, str) for found in passage_ids):
         return None
     return passage_ids
+
+
+def recorded_embedder(directory: Path) -> dict[str, Any] | None:
+    """The embedder entry of the manifest in ``directory``, or None when there is no readable one:
+    what a query embedder is compared with before the index (and its embedder) is loaded."""
+    try:
+        with reading_directory(directory) as version:
+            entry = _read_manifest(version)["embedder"]
+    except ArtifactError:
+        return None
+    return entry if isinstance(entry, dict) else None
 
 
 def built_corpus_checksum(directory: Path) -> str | None:

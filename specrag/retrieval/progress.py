@@ -1,4 +1,7 @@
-"""Chunked embedding and index insertion with a tqdm bar, so long builds show where they are."""
+"""Chunked embedding and index insertion with a tqdm bar, so long builds show where they are.
+
+Texts are embedded in order of length (:mod:`specrag.retrieval.batching`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
+from specrag.retrieval.batching import length_sorted_batches
 from specrag.retrieval.embedders import Embedder
 
 __all__ = ["ADD_CHUNK_ROWS", "EMBED_BATCH", "add_in_chunks", "embed_in_batches"]
@@ -26,11 +30,10 @@ def add_in_chunks(index: faiss.Index, vectors: np.ndarray, show: bool, desc: str
 
 
 def embed_in_batches(embedder: Embedder, texts: Sequence[str], show: bool) -> np.ndarray:
-    """Embed ``texts`` batch by batch into one (len(texts), dim) float32 array."""
+    """Embed ``texts`` batch by batch (by length) into one (len(texts), dim) float32 array."""
     out = np.empty((len(texts), embedder.dim), dtype=np.float32)
     with tqdm(total=len(texts), desc="embedding passages", unit="doc", disable=not show) as bar:
-        for start in range(0, len(texts), EMBED_BATCH):
-            batch = texts[start : start + EMBED_BATCH]
-            out[start : start + len(batch)] = embedder.embed(batch)
-            bar.update(len(batch))
+        for rows in length_sorted_batches(texts, EMBED_BATCH):
+            out[rows] = embedder.embed([texts[row] for row in rows])
+            bar.update(len(rows))
     return out

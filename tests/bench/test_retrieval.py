@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.retrieval.__main__ import Query, belongs, scores
+from bench.retrieval.__main__ import Query, belongs, hits_at, paired, quick_subset, scores
 from bench.retrieval.sets import man_sections, roff_to_text
+from specrag.retrieval.corpus import Passage
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +31,28 @@ def test_recall_counts_a_query_once_at_each_k() -> None:
         round(1 / 3, 4),
         round(2 / 3, 4),
     )
-    assert result["query_ms_p50"] == 2.0
+    assert result["query_ms_p50"] == 2.0 and 2.9 < result["query_ms_p99"] <= 3.0
+    low, high = result["recall_at_10_ci"]
+    assert 0 <= low <= result["recall_at_10"] <= high <= 1 and low < high
+
+
+def test_paired_differences_are_per_query() -> None:
+    queries = [Query(f"q{n}", f"d{n}") for n in range(4)]
+    default = hits_at(queries, [["d0"], ["x"], ["x"], ["d3"]])
+    other = hits_at(queries, [["d0"], ["d1"], ["d2"], ["d3"]])
+    result = paired(default, other)
+    assert result["recall_at_1_diff"] == 0.5
+    assert 0 <= result["recall_at_1_diff_ci"][0] <= 0.5 <= result["recall_at_1_diff_ci"][1] <= 1
+    assert paired(default, default)["recall_at_5_diff_ci"] == [0.0, 0.0]
+
+
+def test_quick_keeps_every_answer_of_the_queries_it_keeps() -> None:
+    passages = [Passage(f"d{n}#{part}", "", "text") for n in range(700) for part in range(2)]
+    queries = [Query(f"q{n}", f"d{699 - n}") for n in range(300)]
+    kept_passages, kept_queries = quick_subset(passages, queries)
+    assert len(kept_queries) == 100
+    assert {f"d{699 - n}#1" for n in range(100)} <= {passage.id for passage in kept_passages}
+    assert len(kept_passages) == 500 + 200
 
 
 def test_roff_pages_become_sections_of_text() -> None:
@@ -94,3 +116,10 @@ def test_the_last_line_is_the_default_configurations_json(tmp_path: Path) -> Non
     assert last["recall_at_10"] == 1.0  # the only document with both words, found by BM25
     assert 0 <= last["dense_only"]["recall_at_5"] <= 1
     assert (tmp_path / "bench-retrieval" / "index-0" / "manifest.json").is_file()
+    written = json.loads((ROOT / "bench" / "out" / "test-retrieval.json").read_text(encoding="utf-8"))
+    assert written["table"][0]["method"].startswith("hybrid: MiniLM")
+    assert [(row["method"], row["channel"]) for row in written["paired"]] == [
+        ("WordLlama-IDF (fast)", "hybrid"),
+        ("WordLlama-IDF (fast)", "dense"),
+    ]
+    assert {"embed_ms_p50", "embed_ms_p99", "query_ms_p99", "recall_at_5_ci"} <= set(written["table"][1])

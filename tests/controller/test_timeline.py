@@ -64,12 +64,14 @@ def test_a_phase_the_engine_does_not_stamp_is_unknown_not_zero() -> None:
     assert phases["search_end_to_submit_ms"] == pytest.approx(-2000.0)
 
 
-def test_r_is_the_search_over_the_answers_prefill_as_the_engine_ran_it() -> None:
-    timeline = _timeline(3.0)  # search 1.5 -> 4.0, the engine scheduled the answer at 3.0
+def test_r_is_the_retrieval_over_the_answers_prefill_as_the_engine_ran_it() -> None:
+    """Retrieval: the question's embedding (1.0 -> 1.5) and the search (1.5 -> 4.0)."""
+    timeline = _timeline(3.0)  # the engine scheduled the answer at 3.0
     timeline.answer_engine_first_token, timeline.first_token = 8.0, 8.5
-    assert timeline.search_s == pytest.approx(2.5)
+    assert timeline.embed_s == pytest.approx(0.5) and timeline.search_s == pytest.approx(2.5)
     assert timeline.answer_prefill_s == pytest.approx(5.0)
-    assert timeline.to_dict()["regime_r"] == pytest.approx(0.5)
+    assert timeline.to_dict()["regime_r"] == pytest.approx(0.6)
+    assert timeline.to_dict()["embed_ms"] == pytest.approx(500.0)
 
 
 def test_r_is_unknown_without_a_search_or_a_first_token() -> None:

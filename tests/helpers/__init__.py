@@ -3,8 +3,8 @@ holds), ``engines`` (drive an engine; simulated and stand-in engines), ``tree`` 
 tests' tiny engine), ``builders`` (controllers and their parts), ``flights`` (answers under
 RetriedFlight on simulated replicas), ``http`` (services the tests start and what they answer),
 ``models`` (model files and stores), ``live_corpus`` (live corpora and their stand-ins),
-``kv_events`` (a KV-event publisher and the engine's cache reset), ``vectors`` (synthetic vectors'
-sizes and passages).
+``kv_events`` (a KV-event publisher and the engine's cache reset), ``network`` (no network in a
+test), ``vectors`` (synthetic vectors' sizes and passages).
 
 Fixtures live in the ``conftest.py`` files; everything else more than one test module needs lives
 here, once. No test module imports another test module (or a conftest), so a test file can change

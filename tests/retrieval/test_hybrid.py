@@ -145,10 +145,13 @@ def test_save_and_load_keep_the_hybrid_results(index: VectorIndex, tmp_path: Pat
         np.testing.assert_array_equal(stages_of(loaded, query, 8)[-1].ids, stages_of(index, query, 8)[-1].ids)
 
 
-def test_the_configuration_tells_an_index_of_another_kind(index: VectorIndex, corpus: list[Passage]) -> None:
+def test_the_configuration_tells_an_index_of_another_kind(
+    index: VectorIndex, corpus: list[Passage], tmp_path: Path
+) -> None:
     assert IndexConfig().mismatch(index) is None
     assert "dense only" in str(
         IndexConfig().mismatch(build_index(corpus, IndexConfig(nlist=8, lexical=False)))
     )
     tfidf = build_index(corpus, IndexConfig(embedder="tfidf-svd", embedding_dim=16, nlist=8))
-    assert "tfidf-svd" in str(IndexConfig().mismatch(tfidf))
+    assert tfidf.embedder is not None
+    assert "tfidf-svd" in str(IndexConfig().embedder_mismatch(tfidf.embedder.save(tmp_path)))

@@ -1,4 +1,4 @@
-"""The default embedder: WordLlama's weights from its wheel, loaded with no network access."""
+"""The fast static embedder: WordLlama's weights from its wheel, loaded with no network access."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from specrag.errors import ArtifactError
 from specrag.retrieval import wordllama_embedder
 from specrag.retrieval.embedders import load_embedder
 from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder, token_vectors
+from tests.helpers.network import NetworkUsed, forbid_network
 
 TEXTS = [
     "The event loop runs coroutines and callbacks.",
@@ -24,21 +24,9 @@ TEXTS = [
 ]
 
 
-class NetworkUsed(AssertionError):
-    pass
-
-
 @pytest.fixture
 def no_network(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every way to open a connection or resolve a name raises (a download would have to)."""
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise NetworkUsed(f"network access attempted: {args!r}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    forbid_network(monkeypatch)
     token_vectors.cache_clear()
     yield
     token_vectors.cache_clear()

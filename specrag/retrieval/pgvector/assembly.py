@@ -2,10 +2,11 @@
 
 ``specrag index build --backend pgvector`` loads the corpus into a table (:func:`build_table`);
 ``specrag serve --backend pgvector`` searches one (:func:`open_index`): the table's rows are the
-passages, the query embedder is fitted on their texts as the build fitted it (or is the one the
-user brings, for a table embedded by their own model), and specrag's BM25 over the same texts is
-the lexical channel. The :class:`VectorIndex` around the searcher is the in-process one, so the
-speculation policy, stage plan, timeline and hybrid fusion are the same on both backends.
+passages, the query embedder is the built-in one the build used (fitted on their texts as the
+build fitted it) or the one the user brings for a table embedded by their own model, and
+specrag's BM25 over the same texts is the lexical channel. The :class:`VectorIndex` around the
+searcher is the in-process one, so the speculation policy, stage plan, timeline and hybrid fusion
+are the same on both backends.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.embedders import Embedder
-from specrag.retrieval.index_store import IndexConfig
+from specrag.retrieval.index_store import IndexConfig, default_embedder
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.pgvector.changes import install_change_trigger
 from specrag.retrieval.pgvector.config import (
@@ -110,9 +111,9 @@ def open_index(
     """The table as a :class:`VectorIndex` and its rows as passages (row i = passage i).
 
     ``embedder`` embeds queries (a brought one: the model that embedded the table); without one,
-    WordLlama is fitted on the rows' texts as ``index build`` fitted it. The dimension, columns
-    and index are checked first: InvalidInputError names the column, DatabaseUnavailableError
-    the host (both exit 2 at start).
+    the built-in ``--embedder`` does, fitted on the rows' texts as ``index build`` fitted it. The
+    dimension, columns and index are checked first: InvalidInputError names the column,
+    DatabaseUnavailableError the host (both exit 2 at start).
     """
     settings = settings_from(args)
     database = Database(settings)
@@ -122,10 +123,8 @@ def open_index(
         version_column = None if documents_off is not None else VERSION_COLUMN
         passages, versions = read_rows(database, version_column)
         texts = _texts(passages)
-        if embedder is None:
-            from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
-
-            embedder = WordLlamaEmbedder.fit(texts)
+        if embedder is None:  # a built-in one: MiniLM as it is, WordLlama fitted on the rows
+            embedder = IndexConfig(embedder=getattr(args, "embedder", None) or default_embedder()).fit(texts)
         if embedder.dim != layout.dim:
             raise InvalidInputError(
                 f"column {settings.columns.embedding!r} of {settings.table} holds vector({layout.dim}), "

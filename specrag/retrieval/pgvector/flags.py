@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from specrag.retrieval.index_store import EMBEDDER_ENV, MINILM, WORDLLAMA, default_embedder
 from specrag.retrieval.pgvector.config import (
     DEFAULT_POOL_SIZE,
     DEFAULT_STAGE_MODE,
@@ -19,10 +20,13 @@ from specrag.retrieval.pgvector.config import (
     StageQueries,
 )
 
-__all__ = ["BACKENDS", "add_arguments"]
+__all__ = ["BACKENDS", "QUERY_EMBEDDERS", "add_arguments"]
 
 # Where the vectors live: specrag's own index directory, or a PostgreSQL table with pgvector.
 BACKENDS = ("local", "pgvector")
+# The built-in embedders a service may embed questions with (TF-IDF's fitted state lives only in
+# an index directory, which a served index loads with it).
+QUERY_EMBEDDERS = (MINILM, WORDLLAMA)
 
 
 def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
@@ -65,13 +69,14 @@ def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
     if building:
         parser.add_argument("--pg-replace", action="store_true", help="drop the table first if it exists")
         return
-    # The query side of a table embedded by the user's own model (index build has these already).
+    # The query side (index build has these already): it must be what embedded the index.
     parser.add_argument(
         "--embedder",
-        choices=("wordllama", "sentence-transformers", "openai"),
-        default="wordllama",
-        help="with --backend pgvector, what embeds queries: the model that embedded the table "
-        "(default: WordLlama fitted on its rows, as index build fits it)",
+        choices=(*QUERY_EMBEDDERS, "sentence-transformers", "openai"),
+        default=default_embedder(),
+        help="what embeds questions: what embedded the index, else the service refuses to start "
+        f"(default: ${EMBEDDER_ENV}, else {MINILM}, as index build and prepare embed; wordllama is "
+        "fitted on the passages as they fit it); sentence-transformers and openai: with --backend pgvector",
     )
     parser.add_argument("--embedder-model", help="model directory, or the model name a server serves")
     parser.add_argument("--embedder-url", help="base URL of an OpenAI-compatible /v1/embeddings server")

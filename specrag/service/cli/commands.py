@@ -22,6 +22,8 @@ from specrag.errors import InvalidInputError, check_choice
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.engines.protocol import Sampling
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
+from specrag.retrieval.index_store import EMBEDDER_ENV, IndexConfig
+from specrag.retrieval.pgvector.flags import QUERY_EMBEDDERS
 from specrag.service.cli.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.cli.engine_log import engine_output_to
 from specrag.service.http.access import Access
@@ -55,9 +57,21 @@ def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | Non
     return layout, args.model, Path(args.corpus) if args.corpus else None
 
 
-def _assets(args: argparse.Namespace) -> Assets:
+def _assets(args: argparse.Namespace, serving: bool = False) -> Assets:
+    """The assets the flags name; ``serving``: an index embedded by another embedder than
+    ``--embedder`` is refused (the questions would be embedded unlike it), not rebuilt."""
+    external = external_index(args)
+    if external is None and args.embedder not in QUERY_EMBEDDERS:
+        raise InvalidInputError(
+            f"--embedder {args.embedder} needs --backend pgvector; a local index is embedded by "
+            f"{' or '.join(QUERY_EMBEDDERS)} (--embedder or ${EMBEDDER_ENV})"
+        )
     return ensure_assets(
-        *_paths(args), accept_corpus_change=args.accept_corpus_change, external=external_index(args)
+        *_paths(args),
+        accept_corpus_change=args.accept_corpus_change,
+        external=external,
+        index_config=None if external is not None else IndexConfig(embedder=args.embedder),
+        refuse_other_embedder=serving,
     )
 
 
@@ -262,7 +276,7 @@ def serve_command(args: argparse.Namespace) -> int:
     @contextlib.asynccontextmanager
     async def start() -> AsyncIterator[Service]:
         with progress.running(Phase.ARTEFACTS):
-            assets = await asyncio.to_thread(_assets, args)
+            assets = await asyncio.to_thread(_assets, args, True)
         try:
             async with _service(args, assets, options, progress=progress) as service:
                 yield service

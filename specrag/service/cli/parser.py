@@ -17,6 +17,8 @@ from specrag.errors import values
 from specrag.pipeline.commands import add_kv_cache_tokens
 from specrag.pipeline.engines.config import EngineConfig
 from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
+from specrag.retrieval.index_store import EMBEDDER_ENV, MINILM, WORDLLAMA, default_embedder
+from specrag.retrieval.pgvector.flags import QUERY_EMBEDDERS
 from specrag.retrieval.pgvector.flags import add_arguments as add_pgvector_arguments
 from specrag.service.cli.commands import (
     batch_command,
@@ -31,7 +33,16 @@ from specrag.service.run.options import DocumentKvStore, ServiceOptions
 __all__ = ["register"]
 
 
-def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True) -> None:
+def _add_asset_options(parser: argparse.ArgumentParser, engine: bool = True, embedder: bool = True) -> None:
+    """The flags of the commands that prepare the assets (``embedder``: serve's has its own)."""
+    if embedder:
+        parser.add_argument(
+            "--embedder",
+            choices=QUERY_EMBEDDERS,
+            default=default_embedder(),
+            help=f"the index's embedder: an index embedded by another is rebuilt (default: ${EMBEDDER_ENV}, "
+            f"else {MINILM}, contextual; {WORDLLAMA}: static, far faster to build, fewer right passages)",
+        )
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL_NAME,
@@ -93,7 +104,7 @@ def _register_prepare(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 def _register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``specrag serve``: the service, its engines and its limits."""
     serve = subparsers.add_parser("serve", help="serve the RAG and OpenAI-compatible HTTP API")
-    _add_asset_options(serve)
+    _add_asset_options(serve, embedder=False)  # --embedder: the retrieval backend's group
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
     serve.add_argument(

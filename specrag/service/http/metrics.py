@@ -107,7 +107,8 @@ class ServiceMetrics:
         )
         self.regime_r = Histogram(
             "specrag_regime_r",
-            "Each query's r: its search time over its answer's prefill time (overlap pays near 1)",
+            "Each query's r: its retrieval time (embedding and search) over its answer's prefill "
+            "time (overlap pays near 1)",
             registry=self.registry,
             buckets=REGIME_BUCKETS,
         )

@@ -42,6 +42,7 @@ from specrag.retrieval.index_store import (
     built_passage_ids,
     check_corpus,
     load_index,
+    recorded_embedder,
     save_index,
 )
 from specrag.retrieval.vector_index import VectorIndex
@@ -155,19 +156,31 @@ def ensure_index(
     passages: list[Passage],
     config: IndexConfig | None = None,
     directory: Path | None = None,
+    refuse_other_embedder: bool = False,
 ) -> VectorIndex:
     """The vector index over ``passages``, built when missing, corrupt, built from another corpus or
     with another embedder or channels than ``config`` (default: the hybrid default).
 
     It lives in the data directory's index directory unless ``directory`` names another one (a
     benchmark's padded index, whose name must then say what ``config`` it was built with: only the
-    corpus is checked against it).
+    corpus is checked against it). With ``refuse_other_embedder`` (serve: ``config`` names the
+    query embedder) an index embedded by another embedder, or by other weights of the same one,
+    is an InvalidInputError naming both instead of being rebuilt: questions embedded unlike the
+    passages would find the wrong ones, and a rebuild is for ``prepare`` to decide.
     """
     directory = directory or layout.index_dir
     config = config or IndexConfig()
     with writer_lock(directory):
         checksum = corpus_checksum(passages)
+        other_embedder = config.embedder_mismatch(recorded_embedder(directory))
+        if other_embedder is not None and refuse_other_embedder:
+            raise InvalidInputError(
+                f"{directory}: {other_embedder}; serve with the index's embedder (--embedder) or "
+                "rebuild the index with `specrag prepare --embedder NAME`"
+            )
         try:
+            if other_embedder is not None:
+                raise ArtifactError(other_embedder)
             index = load_index(directory)
             check_corpus(index, passages)
             recorded = built_corpus_checksum(directory)
@@ -217,6 +230,8 @@ def ensure_assets(
     corpus_file: Path | None = None,
     accept_corpus_change: bool = False,
     external: ExternalIndex | None = None,
+    index_config: IndexConfig | None = None,
+    refuse_other_embedder: bool = False,
 ) -> Assets:
     """Corpus, model, tokenizer, store and index, each built only if missing or stale.
 
@@ -224,7 +239,8 @@ def ensure_assets(
     (:func:`specrag.pipeline.models.catalog.resolve_model`). A corpus that lost passages since the
     store and index were built is refused unless ``accept_corpus_change``. With ``external`` the
     index and the passages are its (``corpus_file`` is not read): only the model and the store are
-    built, and there is no live corpus.
+    built, and there is no live corpus. ``index_config`` (default: the default index) and
+    ``refuse_other_embedder`` are :func:`ensure_index`'s.
     """
     if external is not None:
         return _external_assets(layout, model, external)
@@ -233,7 +249,7 @@ def ensure_assets(
     tokenizer = Tokenizer(resolved_model)
     base = ensure_store(layout, passages, tokenizer, accept_corpus_change)
     base.close()
-    index = ensure_index(layout, passages)
+    index = ensure_index(layout, passages, index_config, refuse_other_embedder=refuse_other_embedder)
     store = LiveStore(base.path, data_dir=layout.root, document_kv_dir=layout.document_kv_dir)
     corpus = LiveCorpus.replayed(store, index, tokenizer.encode_batch)
     logger.debug("assets ready: %d passages, model %s", len(passages), resolved_model)
