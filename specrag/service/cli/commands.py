@@ -56,8 +56,12 @@ def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | Non
 
 
 def _assets(args: argparse.Namespace) -> Assets:
+    # Shards searched by Ray actors are loaded by them alone: this process keeps their manifests.
     return ensure_assets(
-        *_paths(args), accept_corpus_change=args.accept_corpus_change, external=external_index(args)
+        *_paths(args),
+        accept_corpus_change=args.accept_corpus_change,
+        external=external_index(args),
+        shard_vectors=getattr(args, "search_shards", None) is None,
     )
 
 

@@ -155,20 +155,22 @@ def ensure_index(
     passages: list[Passage],
     config: IndexConfig | None = None,
     directory: Path | None = None,
+    shard_vectors: bool = True,
 ) -> VectorIndex:
     """The vector index over ``passages``, built when missing, corrupt, built from another corpus or
     with another embedder or channels than ``config`` (default: the hybrid default).
 
     It lives in the data directory's index directory unless ``directory`` names another one (a
     benchmark's padded index, whose name must then say what ``config`` it was built with: only the
-    corpus is checked against it).
+    corpus is checked against it). Without ``shard_vectors`` a sharded index is held as its shards'
+    manifests (:func:`load_index`), a fresh build included: actors search it.
     """
     directory = directory or layout.index_dir
     config = config or IndexConfig()
     with writer_lock(directory):
         checksum = corpus_checksum(passages)
         try:
-            index = load_index(directory)
+            index = load_index(directory, shard_vectors=shard_vectors)
             check_corpus(index, passages)
             recorded = built_corpus_checksum(directory)
             mismatch = config.mismatch(index)
@@ -185,6 +187,8 @@ def ensure_index(
                 logger.info("building the vector index in %s", directory)
         index = build_index(passages, config, progress=True)
         save_index(index, directory, checksum)
+        if not shard_vectors:
+            index = load_index(directory, shard_vectors=False)
         _describe(index, f"built the vector index {directory}")
         return index
 
@@ -217,6 +221,7 @@ def ensure_assets(
     corpus_file: Path | None = None,
     accept_corpus_change: bool = False,
     external: ExternalIndex | None = None,
+    shard_vectors: bool = True,
 ) -> Assets:
     """Corpus, model, tokenizer, store and index, each built only if missing or stale.
 
@@ -224,7 +229,8 @@ def ensure_assets(
     (:func:`specrag.pipeline.models.catalog.resolve_model`). A corpus that lost passages since the
     store and index were built is refused unless ``accept_corpus_change``. With ``external`` the
     index and the passages are its (``corpus_file`` is not read): only the model and the store are
-    built, and there is no live corpus.
+    built, and there is no live corpus. Without ``shard_vectors`` a sharded index's shards are
+    not loaded here (:func:`ensure_index`).
     """
     if external is not None:
         return _external_assets(layout, model, external)
@@ -233,7 +239,7 @@ def ensure_assets(
     tokenizer = Tokenizer(resolved_model)
     base = ensure_store(layout, passages, tokenizer, accept_corpus_change)
     base.close()
-    index = ensure_index(layout, passages)
+    index = ensure_index(layout, passages, shard_vectors=shard_vectors)
     store = LiveStore(base.path, data_dir=layout.root, document_kv_dir=layout.document_kv_dir)
     corpus = LiveCorpus.replayed(store, index, tokenizer.encode_batch)
     logger.debug("assets ready: %d passages, model %s", len(passages), resolved_model)
