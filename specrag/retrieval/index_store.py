@@ -351,7 +351,7 @@ def load_index(
     so an index replaced meanwhile is read whole, old or new (:func:`reading_directory`). Without
     ``shard_vectors`` a sharded index's shards are read as their checksummed manifests only
     (:func:`~specrag.retrieval.shards.store.shard_manifests`): a controller whose shards live in
-    actors (``serve --search-shards``) never holds their vectors, and searches once it has them.
+    actors (``serve --search-shards``) never holds their vectors, and searches through the actors.
     """
     with reading_directory(directory) as version:
         return _load_version(version, runner, shard_vectors)
