@@ -46,6 +46,9 @@ class RagRequest:
     previous_questions: tuple[str, ...] = ()
     """The questions asked before this one, oldest first, when the caller sends its conversation
     (a chat's earlier user messages); a session's own questions take their place."""
+    allow_partial: bool = False
+    """With a sharded index, accept the merged top-k of the shards that answer when one does not
+    (the timeline's ``shards`` event names both); without it such a query fails naming the shard."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 

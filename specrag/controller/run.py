@@ -51,6 +51,7 @@ from specrag.controller.timeline import Timeline
 from specrag.errors import EngineError, OverloadedError
 from specrag.pipeline.engines.protocol import EngineOutput, latest_cached_tokens, now
 from specrag.retrieval.conversational import conversation_query
+from specrag.retrieval.shards.merge import ShardAnswers
 
 __all__ = ["QueryRun"]
 
@@ -106,7 +107,10 @@ class QueryRun:
             config.num_stages if checked.speculation.speculates else 1, config.stage_schedule
         )
         # The query's text feeds the lexical channel of a hybrid index.
-        search = shared.index.search_staged(query.vector, checked.k, plan, query_text=query.text)
+        answers = ShardAnswers() if request.allow_partial else None
+        search = shared.index.search_staged(
+            query.vector, checked.k, plan, query_text=query.text, shard_answers=answers
+        )
         self._speculating.search = search
         if plan.num_stages == 1:
             self._speculating.warm_up(0)
@@ -120,6 +124,8 @@ class QueryRun:
                     break
                 await self._speculating.stage_arrived(rows, stage.stage)
         timeline.search_end = now()
+        if answers is not None and answers.answered:  # a sharded index's search
+            timeline.add("shards", now(), answered=answers.answered, missing=answers.missing)
         return await self.final_known(final_rows)
 
     async def final_known(self, rows: list[int]) -> Flight:

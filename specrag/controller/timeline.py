@@ -15,6 +15,7 @@ EventKind = Literal[
     "conversation",
     "planned",
     "stage",
+    "shards",
     "warmup_start",
     "warmup_skip",
     "spec_submit",
@@ -43,6 +44,8 @@ class TimelineEvent:
     - ``planned``: a batch query starts with the documents its batch retrieved and ordered
       (``position`` in the batch's schedule; no search of its own);
     - ``stage``: a search stage's running top-k arrived (``done`` for the final one);
+    - ``shards``: a search that accepted a partial top-k (``allow_partial``) ended: the shards that
+      ``answered``, and those ``missing`` with why;
     - ``warmup_start``: the query started warming the system prompt; ``warmup_skip``: its price
       said it would not pay;
     - ``spec_submit``, ``spec_abort`` (``reason`` stale or preempted), ``spec_skip`` (``reason``:

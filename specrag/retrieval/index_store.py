@@ -39,7 +39,7 @@ from specrag.retrieval.progress import embed_in_batches
 from specrag.retrieval.search_runner import SearchRunner
 from specrag.retrieval.shards.build import build_hnsw_shards, build_ivf_shards
 from specrag.retrieval.shards.merge import ShardedSearcher
-from specrag.retrieval.shards.store import load_shards, save_shards
+from specrag.retrieval.shards.store import load_shards, save_shards, shard_manifests
 from specrag.retrieval.staged_ivf import DEFAULT_NLIST, StagedIVF
 from specrag.retrieval.stages import StagedSearcher
 from specrag.retrieval.synthetic import pad_with_synthetic
@@ -387,8 +387,12 @@ def _searcher_from(index: faiss.Index, settings: dict[str, Any], path: Path) -> 
     raise ArtifactError(f"{path}: a {type(index).__name__} does not match the manifest's {settings}")
 
 
-def _read_searcher(directory: Path, settings: dict[str, Any]) -> StagedSearcher:
-    """The searcher of the index version in ``directory``, as its manifest's ``settings`` say."""
+def _read_searcher(directory: Path, manifest: dict[str, Any], shard_vectors: bool) -> StagedSearcher:
+    """The searcher of the index version in ``directory``, as its ``manifest`` says; a sharded
+    one as its shards' manifests only unless ``shard_vectors``."""
+    settings = manifest["searcher"]
+    if "shards" in settings and not shard_vectors:
+        return shard_manifests(directory, settings, int(manifest["dim"]), METRIC == "inner_product")
     if "shards" in settings:
         return load_shards(directory, settings)
     index_path = directory / INDEX_FILE
@@ -400,20 +404,25 @@ def _read_searcher(directory: Path, settings: dict[str, Any]) -> StagedSearcher:
     return _searcher_from(raw, settings, index_path)
 
 
-def load_index(directory: Path, runner: SearchRunner | None = None) -> VectorIndex:
+def load_index(
+    directory: Path, runner: SearchRunner | None = None, *, shard_vectors: bool = True
+) -> VectorIndex:
     """Load and check an index directory written by :func:`save_index`.
 
     Everything is read from the one version the directory's pointer names, held while it loads,
-    so an index replaced meanwhile is read whole, old or new (:func:`reading_directory`).
+    so an index replaced meanwhile is read whole, old or new (:func:`reading_directory`). Without
+    ``shard_vectors`` a sharded index's shards are read as their checksummed manifests only
+    (:func:`~specrag.retrieval.shards.store.shard_manifests`): a controller whose shards live in
+    actors (``serve --search-shards``) never holds their vectors, and searches through the actors.
     """
     with reading_directory(directory) as version:
-        return _load_version(version, runner)
+        return _load_version(version, runner, shard_vectors)
 
 
-def _load_version(directory: Path, runner: SearchRunner | None) -> VectorIndex:
+def _load_version(directory: Path, runner: SearchRunner | None, shard_vectors: bool) -> VectorIndex:
     manifest = _read_manifest(directory)
     verify_files(directory, manifest["files"])
-    searcher = _read_searcher(directory, manifest["searcher"])
+    searcher = _read_searcher(directory, manifest, shard_vectors)
     if (searcher.dim, searcher.ntotal) != (manifest["dim"], manifest["ntotal"]):
         where = directory if isinstance(searcher, ShardedSearcher) else directory / INDEX_FILE
         raise ArtifactError(

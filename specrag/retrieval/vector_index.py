@@ -37,6 +37,7 @@ from specrag.retrieval.identifiers import named_identifiers
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.live_index import AddedLexical, Growable, Retrainable, Visibility, merge_rankings
 from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.shards.merge import ShardAnswers, ShardedSearcher
 from specrag.retrieval.stage_stats import PlanKey, StageOutlook, StageStatistics
 from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries, stage_plan
 from specrag.retrieval.text import normalize_text
@@ -335,6 +336,7 @@ class VectorIndex:
         query_text: str | Sequence[str] | None = None,
         batch: bool = False,
         learn: bool = True,
+        shard_answers: ShardAnswers | None = None,
     ) -> StagedSearch:
         """A staged search cut by ``plan`` (None: the index kind's, :meth:`stage_plan`), not started
         yet: ``for`` runs it in the calling thread, ``async for`` on the search threads.
@@ -343,12 +345,14 @@ class VectorIndex:
         stage holds. A single query's search run on the search threads teaches
         the index's stage statistics, which its :meth:`StagedSearch.outlook` reads, unless
         ``learn`` is false (a measurement beside the service's searches that must not sway them).
+        ``shard_answers`` (a sharded index) accepts a top-k missing the shards that fail, and
+        records which answered (:class:`~specrag.retrieval.shards.merge.ShardAnswers`).
         """
         matrix = prepare_queries(self._shaped(queries, batch), self.dim, self.searcher.ntotal, k)
         resolved = plan or self.stage_plan()
 
         def stages() -> Iterator[StageResult]:
-            return self._stages(matrix, k, resolved, self._texts(query_text, batch))
+            return self._stages(matrix, k, resolved, self._texts(query_text, batch), shard_answers)
 
         key = self._plan_key(k, resolved)
         return StagedSearch(self, stages, self._stage_stats, key, single=not batch, learn=learn)
@@ -394,10 +398,19 @@ class VectorIndex:
         return bool(visibility.hidden) or bool(getattr(self.searcher, "snapshot_rows", False))
 
     def _dense_stages(
-        self, matrix: np.ndarray, depth: int, plan: StagePlan, visibility: Visibility
+        self,
+        matrix: np.ndarray,
+        depth: int,
+        plan: StagePlan,
+        visibility: Visibility,
+        shard_answers: ShardAnswers | None,
     ) -> Iterator[StageResult]:
         """The searcher's stages, skipping hidden rows as :meth:`_dense_search` does."""
         searcher = self.searcher
+        if shard_answers is not None and isinstance(searcher, ShardedSearcher):
+            return searcher.stages(
+                matrix, depth, plan, visibility if visibility.hidden else None, shard_answers
+            )
         if self._given_visibility(visibility) and isinstance(searcher, Growable):
             return searcher.stages(matrix, depth, plan, visibility)
         return searcher.stages(matrix, depth, plan)
@@ -450,7 +463,12 @@ class VectorIndex:
         return [(self._lexical_ranking(text, visibility), bool(named_identifiers(text))) for text in texts]
 
     def _stages(
-        self, matrix: np.ndarray, k: int, plan: StagePlan, texts: Sequence[str] | None
+        self,
+        matrix: np.ndarray,
+        k: int,
+        plan: StagePlan,
+        texts: Sequence[str] | None,
+        shard_answers: ShardAnswers | None = None,
     ) -> Iterator[StageResult]:
         """Dense stages, or, given texts and a lexical channel, each one fused with BM25's ranking.
 
@@ -460,12 +478,14 @@ class VectorIndex:
         visibility = self._visibility
         lexical = self._lexical_rankings(texts, len(matrix), visibility)
         if lexical is None:
-            for stage in self._dense_stages(matrix, self._depth(k, visibility), plan, visibility):
+            for stage in self._dense_stages(
+                matrix, self._depth(k, visibility), plan, visibility, shard_answers
+            ):
                 distances, ids = self._visible_top(stage.distances, stage.ids, k, visibility)
                 yield StageResult(stage.stage, ids, distances, stage.done, stage.elapsed_s)
             return
         lexical_s = time.perf_counter() - started
-        for stage in self._dense_stages(matrix, self.fusion.dense_depth(k), plan, visibility):
+        for stage in self._dense_stages(matrix, self.fusion.dense_depth(k), plan, visibility, shard_answers):
             ids, scores = self._fused(lexical, stage.ids, k, visibility)
             elapsed_s = stage.elapsed_s + (lexical_s if stage.stage == 1 else 0.0)
             yield StageResult(stage.stage, ids, scores, stage.done, elapsed_s)

@@ -6,21 +6,23 @@ import json
 import shutil
 from pathlib import Path
 
+import faiss
 import numpy as np
 import pytest
 
-from specrag.errors import ArtifactError
+from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import (
     INDEX_FILE,
     MANIFEST_FILE,
     IndexConfig,
     build_index,
+    check_corpus,
     load_index,
     save_index,
 )
 from specrag.retrieval.shards.merge import ShardedSearcher
-from specrag.retrieval.shards.store import load_shard, shard_directory
+from specrag.retrieval.shards.store import ShardManifest, load_shard, shard_directory
 from specrag.retrieval.stages import StagePlan
 
 
@@ -114,3 +116,35 @@ def test_a_shard_loads_memory_mapped(saved: Path) -> None:
     manifest = json.loads((saved / MANIFEST_FILE).read_text(encoding="utf-8"))["searcher"]
     shard = load_shard(shard_directory(saved, 0), 0, 3, manifest["quantizer_sha256"], mmap=True)
     assert shard.ntotal == load_index(saved).searcher.shards[0].ntotal  # type: ignore[attr-defined]
+
+
+def test_without_shard_vectors_only_the_manifests_are_read(
+    saved: Path, passages: list[Passage], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(*args: object) -> None:
+        raise AssertionError("a shard's vectors were read")
+
+    monkeypatch.setattr(faiss, "read_index", refused)
+    index = load_index(saved, shard_vectors=False)
+    assert isinstance(index.searcher, ShardedSearcher) and len(index.searcher.shards) == 3
+    assert all(isinstance(shard, ShardManifest) for shard in index.searcher.shards)
+    assert index.searcher.ntotal == len(passages) and index.passage_ids == [p.id for p in passages]
+    check_corpus(index, passages)
+    with pytest.raises(InvalidInputError, match="not loaded in this process"):
+        list(index.search_staged(index.embed_query("dictionary keys"), 5, StagePlan(3, "equal")))
+    with pytest.raises(InvalidInputError, match="rebuilding the index"):
+        index.searcher.add(np.zeros((1, index.dim), dtype=np.float32), index.searcher.next_row)
+
+
+def test_without_shard_vectors_a_shard_of_another_build_is_still_refused(saved: Path, tmp_path: Path) -> None:
+    directory = copy_of(saved, tmp_path)
+    shutil.rmtree(shard_directory(directory, 2))
+    with pytest.raises(ArtifactError, match="shard-002"):
+        load_index(directory, shard_vectors=False)
+    directory = copy_of(saved, tmp_path / "again")
+    path = shard_directory(directory, 1) / MANIFEST_FILE
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    manifest["quantizer_sha256"] = "0" * 64
+    path.write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ArtifactError, match="shard-001"):  # its manifest's checksum
+        load_index(directory, shard_vectors=False)

@@ -17,6 +17,7 @@ import pytest
 from specrag.errors import ShardUnavailableError
 from specrag.retrieval.live_index import Visibility
 from specrag.retrieval.shards.build import build_ivf_shards
+from specrag.retrieval.shards.merge import ShardAnswers, ShardedSearcher
 from specrag.retrieval.shards.store import save_shards
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.stages import StagePlan
@@ -121,14 +122,23 @@ def test_a_killed_shard_is_restarted_and_no_answer_is_wrong(
     assert all("search shard 001" in failure for failure in failures)
 
 
-def test_a_shard_that_does_not_answer_fails_the_search_naming_it(
-    local_ray: None, saved: tuple[Path, dict[str, Any]], queries: np.ndarray
+def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial(
+    local_ray: None, saved: tuple[Path, dict[str, Any]], vectors: np.ndarray, queries: np.ndarray
 ) -> None:
     from specrag.service.run.search_actors import RemoteShard, search_shards
 
+    local = build_ivf_shards(vectors, 3, nlist=32, nprobe=16, codes="sq8")
+    answering = ShardedSearcher(local.shards[:2], local.quantizer_sha256, local.keep_max)
     with search_shards(*saved, num_cpus=0.5, wait_s=5, max_restarts=0) as remote:
         victim = remote.shards[2]
         assert isinstance(victim, RemoteShard)
         ray.kill(victim.actor, no_restart=True)
         with pytest.raises(ShardUnavailableError, match="search shard 002"):
             list(remote.stages(queries[0], 10, PLAN))
+        answers = ShardAnswers()
+        partial = list(remote.stages(queries[0], 10, PLAN, answers=answers))
+    assert answers.answered == ["000", "001"] and list(answers.missing) == ["002"]
+    assert "search shard 002" in answers.missing["002"]
+    expected = list(answering.stages(queries[0], 10, PLAN))[-1]
+    np.testing.assert_array_equal(partial[-1].ids, expected.ids)
+    assert partial[-1].done

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import faiss
 import numpy as np
 import pytest
 
 from specrag.cli import main
 from specrag.errors import InvalidInputError
 from specrag.retrieval.shards.build import build_ivf_shards
-from specrag.retrieval.shards.store import save_shards
+from specrag.retrieval.shards.store import save_shards, shard_manifests
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.stages import StagePlan
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
@@ -28,6 +29,10 @@ def vectors() -> np.ndarray:
 
 def index_over(searcher: object, vectors: np.ndarray) -> VectorIndex:
     return VectorIndex(searcher, [p.id for p in passages_for(vectors)])  # type: ignore[arg-type]
+
+
+def read_nothing(*args: object) -> None:
+    raise AssertionError("the serving process read a shard's vectors")
 
 
 def test_search_shards_need_ray_and_a_positive_count() -> None:
@@ -54,18 +59,27 @@ def test_the_shard_count_is_checked_against_the_index(vectors: np.ndarray) -> No
 
 
 @pytest.mark.timeout(300)
-def test_the_index_searches_through_shard_actors_while_serving(vectors: np.ndarray, tmp_path: Path) -> None:
+def test_the_index_searches_through_shard_actors_while_serving(
+    vectors: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ray = pytest.importorskip("ray")
     local = build_ivf_shards(vectors, 2, nlist=16, nprobe=8, codes="sq8")
     save_shards(local, tmp_path)
-    index = index_over(local, vectors)
     queries = queries_near(vectors, 5, seed=6)
-    expected = [list(index.search_staged(query, 5, StagePlan(3, "equal")))[-1].ids for query in queries]
+    expected = [
+        list(index_over(local, vectors).search_staged(query, 5, StagePlan(3, "equal")))[-1].ids
+        for query in queries
+    ]
+    # The serving process holds the shards' manifests and never reads a shard's vectors: the
+    # actors (other processes, which this patch does not reach) load them.
+    monkeypatch.setattr(faiss, "read_index", read_nothing)
+    manifests = shard_manifests(tmp_path, local.settings, 16, keep_max=True)
+    index = index_over(manifests, vectors)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         options = ServiceOptions(ray_address="", search_shards=2, index_dir=str(tmp_path))
         with searching_on_shards(index, options):
-            assert index.searcher is not local and index.searcher.settings["shards"] == 2
+            assert index.searcher is not manifests and index.searcher.settings["shards"] == 2
             for query, ids in zip(queries, expected, strict=True):
                 np.testing.assert_array_equal(
                     list(index.search_staged(query, 5, StagePlan(3, "equal")))[-1].ids, ids
@@ -77,7 +91,9 @@ def test_the_index_searches_through_shard_actors_while_serving(vectors: np.ndarr
             )  # a delete: hidden in every shard
             hidden = list(index.search_staged(queries[0], 5, StagePlan(3, "equal")))[-1].ids
             assert int(expected[0][0]) not in hidden.tolist()
-        assert index.searcher is local
+        assert index.searcher is manifests
+        monkeypatch.undo()
+        index = index_over(local, vectors)
         local.add(vectors[:1], 1200)  # a document added since the shard files were written
         with (
             pytest.raises(InvalidInputError, match="added since it was built"),

@@ -9,6 +9,10 @@ of the union of the shards' best ``k`` is the best ``k`` of the union: every sta
 included, equals the unsharded index's. HNSW shards are separate graphs: their merge is exact
 over what each graph found, and its recall against one graph is measured (bench.scale.shards).
 
+A shard that fails (:class:`~specrag.errors.ShardUnavailableError`) fails the search, unless the
+search was given a :class:`ShardAnswers` (a request's ``allow_partial``): then the shard leaves the
+search, the merge goes on over the shards that answered, and the record names both.
+
 The shards are anything with a cursor (:class:`Shard`): searchers in this process, or search
 actors elsewhere (:mod:`specrag.service.run.search_actors`), advanced side by side through
 ``fan_out``. The speculation policy, the stage plan and the timeline see one searcher.
@@ -20,16 +24,26 @@ import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from specrag.errors import InvalidInputError
+from specrag.errors import InvalidInputError, ShardUnavailableError
 from specrag.retrieval.live_index import Visibility
 from specrag.retrieval.stages import StageCursor, StagePlan, StageResult, prepare_queries, run_stages
 from specrag.retrieval.topk import RunningTopK
 
-__all__ = ["FanOut", "MergedCursor", "Shard", "ShardedSearcher", "owner_shards", "split_rows"]
+__all__ = [
+    "FanOut",
+    "MergedCursor",
+    "Shard",
+    "ShardAnswers",
+    "ShardedSearcher",
+    "owner_shards",
+    "shard_name",
+    "split_rows",
+]
 
 _T = TypeVar("_T")
 
@@ -42,6 +56,29 @@ def split_rows(num_rows: int, shards: int) -> list[np.ndarray]:
     if shards > num_rows:
         raise InvalidInputError(f"{shards} shards need at least as many rows, got {num_rows}")
     return [np.arange(number, num_rows, shards, dtype=np.int64) for number in range(shards)]
+
+
+def shard_name(number: int) -> str:
+    """How shard ``number`` is named in errors, actors and timelines."""
+    return f"{number:03d}"
+
+
+@dataclass
+class ShardAnswers:
+    """Which shards a search that accepts a partial top-k heard from: given to a search, it lets
+    a shard that fails leave it (its reason kept) instead of failing the search."""
+
+    answered: list[str] = field(default_factory=list)
+    missing: dict[str, str] = field(default_factory=dict)
+
+
+def _attempt(call: Callable[[], _T]) -> tuple[_T | None, ShardUnavailableError | None]:
+    """``call``'s result, or the shard's failure to hand back (a thread pool would raise only
+    the first)."""
+    try:
+        return call(), None
+    except ShardUnavailableError as error:
+        return None, error
 
 
 def owner_shards(rows: np.ndarray, shards: int) -> np.ndarray:
@@ -101,7 +138,8 @@ class MergedCursor:
     """The shards' cursors advanced in lock step; the snapshot is their merged running top-k.
 
     ``merge_s`` holds the time each snapshot spent merging (what sharding adds to a stage
-    beyond the slowest shard).
+    beyond the slowest shard). With ``answers`` a shard that fails leaves the search (recorded
+    there) and the others go on; without, its failure is the search's.
     """
 
     def __init__(
@@ -110,26 +148,45 @@ class MergedCursor:
         k: int,
         keep_max: bool,
         fan_out: FanOut,
+        answers: ShardAnswers | None = None,
     ) -> None:
         self._cursors = list(cursors)
         self._k = k
         self._keep_max = keep_max
         self._fan_out = fan_out
         self._done = [False] * len(self._cursors)
+        self._live = list(range(len(self._cursors)))
+        self._answers = answers
         self.merge_s: list[float] = []
 
     def advance(self, units: int) -> bool:
         """Advance every shard not yet done (an HNSW shard may converge before the others)."""
-        going = [number for number, done in enumerate(self._done) if not done]
+        going = [number for number in self._live if not self._done[number]]
         finished = self._fan_out(
-            [functools.partial(self._cursors[number].advance, units) for number in going]
+            [
+                functools.partial(_attempt, functools.partial(self._cursors[number].advance, units))
+                for number in going
+            ]
         )
-        for number, done in zip(going, finished, strict=True):
-            self._done[number] = done
-        return all(self._done)
+        for number, (done, error) in zip(going, finished, strict=True):
+            if error is not None:
+                self._lose(number, error)
+            else:
+                self._done[number] = bool(done)
+        if self._answers is not None:
+            self._answers.answered = [shard_name(number) for number in self._live]
+        return all(self._done[number] for number in self._live)
+
+    def _lose(self, number: int, error: ShardUnavailableError) -> None:
+        """Shard ``number`` failed: the search fails, or, accepting a partial top-k, goes on
+        without it while any shard is left."""
+        if self._answers is None or len(self._live) == 1:
+            raise error
+        self._live.remove(number)
+        self._answers.missing[shard_name(number)] = str(error)
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
-        parts = self._fan_out([cursor.snapshot for cursor in self._cursors])
+        parts = self._fan_out([self._cursors[number].snapshot for number in self._live])
         started = time.perf_counter()
         merged = _merge(parts, self._k, self._keep_max)
         self.merge_s.append(time.perf_counter() - started)
@@ -200,20 +257,33 @@ class ShardedSearcher:
         futures = [self._executor.submit(call) for call in calls]
         return [future.result() for future in futures]
 
-    def cursor(self, queries: np.ndarray, k: int, visibility: Visibility | None = None) -> MergedCursor:
-        """A merged search of ``queries`` to advance stage by stage (only rows ``visibility`` shows)."""
+    def cursor(
+        self,
+        queries: np.ndarray,
+        k: int,
+        visibility: Visibility | None = None,
+        answers: ShardAnswers | None = None,
+    ) -> MergedCursor:
+        """A merged search of ``queries`` to advance stage by stage (only rows ``visibility``
+        shows); with ``answers``, over the shards that answer (:class:`MergedCursor`)."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
         cursors = self.fan_out(
             [functools.partial(shard.cursor, matrix, k, visibility) for shard in self.shards]
         )
-        return MergedCursor(cursors, k, self.keep_max, self.fan_out)
+        return MergedCursor(cursors, k, self.keep_max, self.fan_out, answers)
 
     def stages(
-        self, queries: np.ndarray, k: int, plan: StagePlan, visibility: Visibility | None = None
+        self,
+        queries: np.ndarray,
+        k: int,
+        plan: StagePlan,
+        visibility: Visibility | None = None,
+        answers: ShardAnswers | None = None,
     ) -> Iterator[StageResult]:
-        """Every shard's stages in lock step; each stage yields the merged running top-k."""
+        """Every shard's stages in lock step; each stage yields the merged running top-k (of the
+        shards that answered, given ``answers``)."""
         started = time.perf_counter()
-        cursor = self.cursor(queries, k, visibility)
+        cursor = self.cursor(queries, k, visibility, answers)
         yield from run_stages(cursor.advance, cursor.snapshot, plan, self.expected_units, started=started)
 
     def search(

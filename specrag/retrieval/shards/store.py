@@ -7,7 +7,8 @@ manifest naming its number, the shard count, the quantizer's checksum and a sha2
 The index manifest records the shard count and the quantizer's checksum, and checksums each
 shard's manifest, so a shard swapped in from another build, a missing one or a damaged file is
 an :class:`ArtifactError` naming it. A search actor loads one shard by itself (:func:`load_shard`),
-its lists memory-mapped where faiss allows.
+its lists memory-mapped where faiss allows; a controller whose shards are searched by actors
+holds their manifests only (:func:`shard_manifests`), never their vectors.
 """
 
 from __future__ import annotations
@@ -20,14 +21,25 @@ import faiss
 import numpy as np
 
 from specrag.atomic import atomic_directory, reading_directory, sha256_file
-from specrag.errors import ArtifactError
+from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.arrays import load_array
 from specrag.retrieval.index_files import INDEX_FILE, MANIFEST_FILE, verify_files
+from specrag.retrieval.live_index import Visibility
 from specrag.retrieval.shards.build import quantizer_digest
 from specrag.retrieval.shards.merge import Shard, ShardedSearcher
 from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.stages import StageCursor
 
-__all__ = ["ROWS_FILE", "SHARD_FORMAT", "load_shard", "load_shards", "save_shards", "shard_directory"]
+__all__ = [
+    "ROWS_FILE",
+    "SHARD_FORMAT",
+    "ShardManifest",
+    "load_shard",
+    "load_shards",
+    "save_shards",
+    "shard_directory",
+    "shard_manifests",
+]
 
 SHARD_FORMAT = "specrag-index-shard"
 SHARD_VERSION = 1
@@ -72,15 +84,7 @@ def save_shards(searcher: ShardedSearcher, staging: Path) -> list[str]:
 def load_shards(directory: Path, settings: dict[str, Any]) -> ShardedSearcher:
     """The sharded searcher of the index version in ``directory``, whose manifest's searcher
     ``settings`` name the shard count and the quantizer; every shard is checked against them."""
-    count = settings.get("shards")
-    if not isinstance(count, int) or count < 1:
-        raise ArtifactError(f"{directory / MANIFEST_FILE}: bad shard count {count!r}")
-    found = sorted(path.name for path in directory.glob("shard-*"))
-    expected = [shard_directory(directory, number).name for number in range(count)]
-    if found != expected:
-        raise ArtifactError(
-            f"{directory}: the manifest names {count} shards ({', '.join(expected)}), found {found}"
-        )
+    count = _shard_count(directory, settings)
     quantizer = settings.get("quantizer_sha256")
     shards = [
         load_shard(shard_directory(directory, number), number, count, quantizer) for number in range(count)
@@ -90,6 +94,77 @@ def load_shards(directory: Path, settings: dict[str, Any]) -> ShardedSearcher:
     return ShardedSearcher(shards, quantizer, keep_max, next_row=max(next_rows))
 
 
+def shard_manifests(directory: Path, settings: dict[str, Any], dim: int, keep_max: bool) -> ShardedSearcher:
+    """The sharded index in ``directory`` as its shards' manifests only (:class:`ShardManifest`),
+    checked as :func:`load_shards` checks them but without reading a vector: what a controller
+    holds while actors elsewhere load and search the shards (``dim`` and ``keep_max`` are the
+    index manifest's)."""
+    count = _shard_count(directory, settings)
+    quantizer = settings.get("quantizer_sha256")
+    shards = []
+    for number in range(count):
+        with reading_directory(shard_directory(directory, number)) as version:
+            manifest = _checked_manifest(version, number, count, quantizer)
+        shards.append(ShardManifest(manifest, dim))
+    next_row = max(shard.next_row for shard in shards)
+    return ShardedSearcher(shards, quantizer, keep_max, next_row=next_row)
+
+
+class ShardManifest:
+    """A shard known by its manifest alone: its size and settings, not its vectors. It stands in
+    for a shard that an actor elsewhere holds, so searching or changing it here is a mistake."""
+
+    def __init__(self, manifest: dict[str, Any], dim: int) -> None:
+        self._manifest = manifest
+        self.kind: str = manifest["searcher"]["kind"]
+        self.dim = dim
+        self.ntotal = int(manifest["ntotal"])
+        self.next_row = int(manifest["next_row"])
+        self.settings: dict[str, Any] = manifest["searcher"]
+
+    def _elsewhere(self) -> InvalidInputError:
+        return InvalidInputError(
+            f"shard {self._manifest['shard']} of this index is not loaded in this process "
+            "(its actor searches it): documents are added by rebuilding the index "
+            "(`specrag index build --shards N`)"
+        )
+
+    @property
+    def expected_units(self) -> int:
+        raise self._elsewhere()
+
+    def cursor(self, queries: np.ndarray, k: int, visibility: Visibility | None = None) -> StageCursor:
+        raise self._elsewhere()
+
+    def search(
+        self, queries: np.ndarray, k: int, visibility: Visibility | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        raise self._elsewhere()
+
+    def add_rows(self, vectors: np.ndarray, rows: np.ndarray, next_row: int) -> None:
+        raise self._elsewhere()
+
+    def compacted(self, keep: np.ndarray) -> Any:
+        raise self._elsewhere()
+
+    def stored_vectors(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise self._elsewhere()
+
+
+def _shard_count(directory: Path, settings: dict[str, Any]) -> int:
+    """The shard count the manifest's ``settings`` name, once every shard directory is there."""
+    count = settings.get("shards")
+    if not isinstance(count, int) or count < 1:
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: bad shard count {count!r}")
+    found = sorted(path.name for path in directory.glob("shard-*"))
+    expected = [shard_directory(directory, number).name for number in range(count)]
+    if found != expected:
+        raise ArtifactError(
+            f"{directory}: the manifest names {count} shards ({', '.join(expected)}), found {found}"
+        )
+    return count
+
+
 def load_shard(
     directory: Path, number: int, count: int, quantizer_sha256: str | None, mmap: bool = False
 ) -> Any:
@@ -97,14 +172,7 @@ def load_shard(
     checksums, and (IVF) its quantizer against ``quantizer_sha256``. ``mmap`` maps an IVF
     shard's lists from the file instead of reading them (read-only: it takes no documents)."""
     with reading_directory(directory) as version:
-        manifest = _read_shard_manifest(version)
-        if (manifest["shard"], manifest["shards"]) != (number, count):
-            raise ArtifactError(
-                f"{version}: shard {manifest['shard']} of {manifest['shards']}, "
-                f"expected shard {number} of {count}"
-            )
-        if manifest["quantizer_sha256"] != quantizer_sha256:
-            raise ArtifactError(f"{version}: its quantizer is not the index's (a shard of another build)")
+        manifest = _checked_manifest(version, number, count, quantizer_sha256)
         verify_files(version, manifest["files"])
         path = version / INDEX_FILE
         try:
@@ -133,6 +201,20 @@ def _shard_from(raw: faiss.Index, settings: dict[str, Any], directory: Path, nex
             raise ArtifactError(f"{directory / ROWS_FILE}: {len(rows)} rows for {raw.ntotal} graph nodes")
         return StagedHNSW(raw, int(settings["ef_search"]), rows.astype(np.int64), next_row)
     raise ArtifactError(f"{directory}: a {type(raw).__name__} does not match the manifest's {settings}")
+
+
+def _checked_manifest(version: Path, number: int, count: int, quantizer_sha256: str | None) -> dict[str, Any]:
+    """The manifest of the shard in ``version``, once it says it is shard ``number`` of ``count``
+    over the quantizer ``quantizer_sha256``."""
+    manifest = _read_shard_manifest(version)
+    if (manifest["shard"], manifest["shards"]) != (number, count):
+        raise ArtifactError(
+            f"{version}: shard {manifest['shard']} of {manifest['shards']}, "
+            f"expected shard {number} of {count}"
+        )
+    if manifest["quantizer_sha256"] != quantizer_sha256:
+        raise ArtifactError(f"{version}: its quantizer is not the index's (a shard of another build)")
+    return manifest
 
 
 def _read_shard_manifest(directory: Path) -> dict[str, Any]:

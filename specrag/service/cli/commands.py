@@ -59,7 +59,8 @@ def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | Non
 
 def _assets(args: argparse.Namespace, serving: bool = False) -> Assets:
     """The assets the flags name; ``serving``: an index embedded by another embedder than
-    ``--embedder`` is refused (the questions would be embedded unlike it), not rebuilt."""
+    ``--embedder`` is refused (the questions would be embedded unlike it), not rebuilt. Shards
+    searched by Ray actors are loaded by them alone: this process keeps their manifests."""
     external = external_index(args)
     if external is None and args.embedder not in QUERY_EMBEDDERS:
         raise InvalidInputError(
@@ -72,6 +73,7 @@ def _assets(args: argparse.Namespace, serving: bool = False) -> Assets:
         external=external,
         index_config=None if external is not None else IndexConfig(embedder=args.embedder),
         refuse_other_embedder=serving,
+        shard_vectors=getattr(args, "search_shards", None) is None,
     )
 
 

@@ -37,7 +37,17 @@ __all__ = [
 ]
 
 RAG_FIELDS = frozenset(
-    {"query", "k", "mode", "document_kv", "document_kv_fresh", "max_tokens", "session_id", "stream"}
+    {
+        "query",
+        "k",
+        "mode",
+        "document_kv",
+        "document_kv_fresh",
+        "max_tokens",
+        "session_id",
+        "stream",
+        "allow_partial",
+    }
 )
 BATCH_FIELDS = frozenset({"queries", "k", "mode", "max_tokens"})
 # The OpenAI chat fields honoured (docs/service.md: "Sampling fields") and the JSON type each must have,
@@ -58,6 +68,7 @@ CHAT_FIELDS: dict[str, type] = {
     "document_kv": str,
     "document_kv_fresh": int,
     "session_id": str,
+    "allow_partial": bool,
 }
 # Fields accepted at their neutral value only (the type of the value, the value).
 CHAT_NEUTRAL_FIELDS: dict[str, tuple[type, Any]] = {
@@ -158,7 +169,7 @@ def required(body: dict[str, Any], name: str, kind: type[T]) -> T:
 
 def rag_request(body: dict[str, Any], question: str, max_tokens: int | None) -> RagRequest:
     """The retrieval options both APIs share (``k``, ``mode``, ``document_kv``,
-    ``document_kv_fresh``, ``session_id``)."""
+    ``document_kv_fresh``, ``session_id``, ``allow_partial``)."""
     return RagRequest(
         question=question,
         k=optional(body, "k", int),
@@ -167,6 +178,7 @@ def rag_request(body: dict[str, Any], question: str, max_tokens: int | None) -> 
         document_kv_fresh=optional(body, "document_kv_fresh", int),
         max_tokens=max_tokens,
         session_id=optional(body, "session_id", str),
+        allow_partial=bool(optional(body, "allow_partial", bool)),
     )
 
 

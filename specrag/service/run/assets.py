@@ -157,6 +157,7 @@ def ensure_index(
     config: IndexConfig | None = None,
     directory: Path | None = None,
     refuse_other_embedder: bool = False,
+    shard_vectors: bool = True,
 ) -> VectorIndex:
     """The vector index over ``passages``, built when missing, corrupt, built from another corpus or
     with another embedder or channels than ``config`` (default: the hybrid default).
@@ -166,7 +167,9 @@ def ensure_index(
     corpus is checked against it). With ``refuse_other_embedder`` (serve: ``config`` names the
     query embedder) an index embedded by another embedder, or by other weights of the same one,
     is an InvalidInputError naming both instead of being rebuilt: questions embedded unlike the
-    passages would find the wrong ones, and a rebuild is for ``prepare`` to decide.
+    passages would find the wrong ones, and a rebuild is for ``prepare`` to decide. Without
+    ``shard_vectors`` a sharded index is held as its shards' manifests (:func:`load_index`), a
+    fresh build included: actors search it.
     """
     directory = directory or layout.index_dir
     config = config or IndexConfig()
@@ -181,7 +184,7 @@ def ensure_index(
         try:
             if other_embedder is not None:
                 raise ArtifactError(other_embedder)
-            index = load_index(directory)
+            index = load_index(directory, shard_vectors=shard_vectors)
             check_corpus(index, passages)
             recorded = built_corpus_checksum(directory)
             mismatch = config.mismatch(index)
@@ -198,6 +201,8 @@ def ensure_index(
                 logger.info("building the vector index in %s", directory)
         index = build_index(passages, config, progress=True)
         save_index(index, directory, checksum)
+        if not shard_vectors:
+            index = load_index(directory, shard_vectors=False)
         _describe(index, f"built the vector index {directory}")
         return index
 
@@ -232,6 +237,7 @@ def ensure_assets(
     external: ExternalIndex | None = None,
     index_config: IndexConfig | None = None,
     refuse_other_embedder: bool = False,
+    shard_vectors: bool = True,
 ) -> Assets:
     """Corpus, model, tokenizer, store and index, each built only if missing or stale.
 
@@ -239,8 +245,8 @@ def ensure_assets(
     (:func:`specrag.pipeline.models.catalog.resolve_model`). A corpus that lost passages since the
     store and index were built is refused unless ``accept_corpus_change``. With ``external`` the
     index and the passages are its (``corpus_file`` is not read): only the model and the store are
-    built, and there is no live corpus. ``index_config`` (default: the default index) and
-    ``refuse_other_embedder`` are :func:`ensure_index`'s.
+    built, and there is no live corpus. ``index_config`` (default: the default index),
+    ``refuse_other_embedder`` and ``shard_vectors`` are :func:`ensure_index`'s.
     """
     if external is not None:
         return _external_assets(layout, model, external)
@@ -249,7 +255,13 @@ def ensure_assets(
     tokenizer = Tokenizer(resolved_model)
     base = ensure_store(layout, passages, tokenizer, accept_corpus_change)
     base.close()
-    index = ensure_index(layout, passages, index_config, refuse_other_embedder=refuse_other_embedder)
+    index = ensure_index(
+        layout,
+        passages,
+        index_config,
+        refuse_other_embedder=refuse_other_embedder,
+        shard_vectors=shard_vectors,
+    )
     store = LiveStore(base.path, data_dir=layout.root, document_kv_dir=layout.document_kv_dir)
     corpus = LiveCorpus.replayed(store, index, tokenizer.encode_batch)
     logger.debug("assets ready: %d passages, model %s", len(passages), resolved_model)

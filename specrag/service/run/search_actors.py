@@ -14,7 +14,8 @@ and ``max_task_retries`` to replay the call in flight) recomputes the same runni
 scratch, since a staged search's result after ``n`` units does not depend on how they were cut.
 A shard that does not answer within ``wait_s`` fails the search with
 :class:`~specrag.errors.ShardUnavailableError` naming it (HTTP 503): a top-k missing a shard's
-rows is never served as if it were whole.
+rows is never served as if it were whole, unless the request accepted one (``allow_partial``:
+:class:`~specrag.retrieval.shards.merge.ShardAnswers` names the shards that answered).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from specrag.errors import InvalidInputError, ShardUnavailableError
 from specrag.retrieval.embedders import METRIC
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.shards.merge import ShardedSearcher
+from specrag.retrieval.shards.merge import ShardedSearcher, shard_name
 from specrag.retrieval.shards.store import load_shard, shard_directory
 
 __all__ = [
@@ -282,7 +283,7 @@ def search_shards(
     actor_class: Any = ray.remote(SearchShard)
     actors = [
         actor_class.options(
-            name=f"specrag-search-shard-{number:03d}",
+            name=f"specrag-search-shard-{shard_name(number)}",
             max_restarts=max_restarts,
             max_task_retries=-1,
             num_cpus=num_cpus,
@@ -291,7 +292,7 @@ def search_shards(
     ]
     executor = ThreadPoolExecutor(count, thread_name_prefix="search-shard")
     try:
-        shards = [_started(actor, f"{number:03d}", wait_s) for number, actor in enumerate(actors)]
+        shards = [_started(actor, shard_name(number), wait_s) for number, actor in enumerate(actors)]
         keep_max = METRIC == "inner_product"  # the embedders' unit vectors, searched by inner product
         searcher = ShardedSearcher(shards, quantizer, keep_max, next_row=shards[0].next_row, fan_out=executor)
         searcher.refuses_documents = DOCUMENTS_REFUSED

@@ -1,11 +1,12 @@
 """A service whose sharded index is searched by Ray actors (``serve --ray --search-shards N``).
 
-The index is loaded and checked against the corpus as any other (:mod:`specrag.service.run.assets`);
-before any engine starts, its shard count is checked against ``--search-shards`` (a mismatch is an
+The index is loaded without its shards' vectors (:mod:`specrag.service.run.assets`, ``shard_vectors``:
+their checksummed manifests only) and checked against the corpus by its passage ids; before any
+engine starts, its shard count is checked against ``--search-shards`` (a mismatch is an
 :class:`InvalidInputError`: exit 2 with the reason), one actor per shard loads its shard from the
 index directory (:mod:`specrag.service.run.search_actors`), and the index searches through them from
-then on; the controller keeps the embedder, the BM25 channel and the merge. The shards loaded in
-this process at start stay loaded (the index searches them again once the service stops).
+then on. The controller keeps the embedder, the passage ids, the hidden rows, the BM25 channel and
+the merge: never a shard's vectors, so the index may be larger than its machine.
 """
 
 from __future__ import annotations
