@@ -31,6 +31,11 @@ the tables measured no stage's i-th best was worse than the stage before (docs/b
 pgvector 0.8's iterative scans (``hnsw.iterative_scan``) resume a scan when filtering leaves
 fewer rows than the LIMIT; these queries filter nothing, so they change no result here.
 
+With the full-text channel (``--pg-lexical fts``, :meth:`PgVectorSearcher.search_text`,
+:meth:`PgVectorSearcher.stages_text`), each query's full-text ranking goes in the pipeline of the
+first stage's transaction, and in the ``parallel`` mode of the final stage's too (which may
+arrive first): it reads the stages' snapshot and costs no round trip of its own.
+
 Scores are similarities, higher first, as the in-process indexes give for unit vectors: the
 inner product (``ip``), 1 - the cosine distance (``cosine``), or minus the squared L2 distance.
 """
@@ -278,7 +283,7 @@ class PgVectorSearcher:
             "probes": self.nprobe,
             "stage_mode": str(self.mode),
             "stage_queries": str(self.queried),
-            "lexical": "fts" if self.ranks_text else "none",
+            "fulltext": self.ranks_text,
         }
 
     def close(self) -> None:
