@@ -22,8 +22,11 @@ stage's width, ``pg_hnsw_stages_nested``, ``pg_hnsw_final_equals_oneshot``), and
 r = 1 (r = search / prefill) with a pgvector table as the retrieval
 (:mod:`bench.pipeline.pgvector_point`: the real engine, the random-weight model, the engine and
 the database on cores of their own), whose figures and phases are under ``pg_pipeline_near_r1``.
-``--no-overlap`` skips that point (it starts the engine: minutes). It is also written to
-``bench/out/pgvector.json``.
+``--no-overlap`` skips that point (it starts the engine: minutes). Under ``lexical``: the fused
+hybrid's recall@1/5/10 with each lexical channel, ``--pg-lexical fts`` and ``bm25``, on
+bench.retrieval's evaluation sets, and each channel's latency (:mod:`bench.retrieval.pgvector_lexical`).
+It is also written to ``bench/out/pgvector.json``, the lexical comparison drawn in
+``bench/out/pgvector.png``.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from typing import Any
 import faiss
 import numpy as np
 
-from bench.common import print_summary, write_json
+from bench.common import plot_path, print_summary, write_json
 from bench.pipeline.pgvector_point import measure_overlap
+from bench.retrieval.pgvector_lexical import draw_lexical, measure_lexical
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.pgvector.config import DEFAULT_STAGE_MODE, PgSettings, StageMode, StageQueries
 from specrag.retrieval.pgvector.database import Database
@@ -275,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         near_r1 = measure_overlap([*(["--quick"] if args.quick else []), *shlex.split(args.pipeline_options)])
     summary["pg_overlap_fraction_near_r1"] = None if near_r1 is None else near_r1["overlap_fraction"]
     summary["pg_pipeline_near_r1"] = near_r1
+    summary["lexical"] = measure_lexical(args.quick)
     write_json("pgvector", summary)
+    draw_lexical(summary["lexical"], plot_path("pgvector"))
     print_summary(summary, "bench.retrieval.pgvector" + (" --quick" if args.quick else ""))
     return 0
 

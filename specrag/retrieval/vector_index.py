@@ -10,8 +10,11 @@ it is given the query's text: BM25 runs first, in the search thread, before the 
 (a small fraction of the dense search's time, docs/retrieval.md), and every stage's running top-k is the
 reciprocal-rank fusion (:mod:`specrag.retrieval.fusion`) of that fixed lexical ranking with the
 dense running top-k. The running top-k that speculation prefills is therefore already the hybrid
-one, and the last stage equals :meth:`VectorIndex.search` given the text. Fused stages name passages:
-their ids are passage positions (real rows) and their ``distances`` are fused scores, higher first.
+one, and the last stage equals :meth:`VectorIndex.search` given the text. A searcher that ranks
+query texts itself (:class:`RanksText`: a database's full-text search, in the snapshot its stages
+read) gives the lexical ranking in place of BM25's, with its first stage; it is fused the same
+way. Fused stages name passages: their ids are passage positions (real rows) and their
+``distances`` are fused scores, higher first.
 
 A live corpus (:mod:`specrag.retrieval.live_index`) appends rows and hides others while searches
 run (:meth:`VectorIndex.apply_changes`); each search reads which rows are visible once, at its
@@ -27,12 +30,13 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.embedders import Embedder
-from specrag.retrieval.fusion import FusionConfig, fuse
+from specrag.retrieval.fusion import FusionConfig, distinct_in_order, fuse
 from specrag.retrieval.identifiers import named_identifiers
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.live_index import AddedLexical, Growable, Retrainable, Visibility, merge_rankings
@@ -42,7 +46,35 @@ from specrag.retrieval.stage_stats import PlanKey, StageOutlook, StageStatistics
 from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries, stage_plan
 from specrag.retrieval.text import normalize_text
 
-__all__ = ["PreparedChanges", "StagedSearch", "VectorIndex"]
+__all__ = ["PreparedChanges", "RanksText", "StagedSearch", "VectorIndex"]
+
+
+@runtime_checkable
+class RanksText(Protocol):
+    """A searcher that ranks its rows by a query's words itself, in the same read of its rows as
+    its vector search (a database's full-text search in the stages' snapshot), when
+    ``ranks_text``: the index then fuses that ranking instead of its own BM25's. Rankings are
+    rows best first, ``depth`` per query, padded with ``-1``."""
+
+    ranks_text: bool
+
+    def search_text(
+        self, queries: np.ndarray, k: int, texts: Sequence[str], depth: int, visibility: Visibility
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(scores, rows, each query's ranking by its text)."""
+        ...
+
+    def stages_text(
+        self,
+        queries: np.ndarray,
+        k: int,
+        texts: Sequence[str],
+        depth: int,
+        plan: StagePlan,
+        visibility: Visibility,
+    ) -> Iterator[tuple[StageResult, np.ndarray | None]]:
+        """Each stage, with the rankings by text when they came with it (the first stage always)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -137,7 +169,12 @@ class VectorIndex:
     @property
     def hybrid(self) -> bool:
         """Whether searches given the query's text fuse a lexical channel with the dense one."""
-        return self.lexical is not None
+        return self.lexical is not None or self._ranks_text
+
+    @property
+    def _ranks_text(self) -> bool:
+        """Whether the searcher ranks query texts itself (:class:`RanksText`)."""
+        return isinstance(self.searcher, RanksText) and self.searcher.ranks_text
 
     @property
     def runner(self) -> SearchRunner:
@@ -318,7 +355,11 @@ class VectorIndex:
         """
         matrix = prepare_queries(self._shaped(queries, batch), self.dim, self.searcher.ntotal, k)
         visibility = self._visibility
-        lexical = self._lexical_rankings(self._texts(query_text, batch), len(matrix), visibility)
+        texts = self._texts(query_text, batch)
+        if texts is not None and self._ranks_text:
+            ids, distances = self._text_search(matrix, k, texts, visibility)
+            return (distances, ids) if batch else (distances[0], ids[0])
+        lexical = self._lexical_rankings(texts, len(matrix), visibility)
         if lexical is None:
             found = self._dense_search(matrix, self._depth(k, visibility), visibility)
             distances, ids = self._visible_top(*found, k, visibility)
@@ -456,11 +497,28 @@ class VectorIndex:
         when the search is dense only."""
         if texts is None or self.lexical is None:
             return None
+        checked = self._checked_texts(texts, num_queries)
+        return [(self._lexical_ranking(text, visibility), bool(named_identifiers(text))) for text in checked]
+
+    @staticmethod
+    def _checked_texts(texts: Sequence[str], num_queries: int) -> Sequence[str]:
+        """``texts``, refused unless they are strings, one per query."""
         if isinstance(texts, str) or len(texts) != num_queries:
             raise InvalidInputError(f"expected {num_queries} query texts, one per query vector")
         if not all(isinstance(text, str) for text in texts):
             raise InvalidInputError("query texts must be strings")
-        return [(self._lexical_ranking(text, visibility), bool(named_identifiers(text))) for text in texts]
+        return texts
+
+    def _text_rankings(
+        self, ranked: np.ndarray, texts: Sequence[str], visibility: Visibility
+    ) -> list[tuple[np.ndarray, bool]]:
+        """The searcher's rankings of rows by text (:class:`RanksText`) as the lexical rankings of
+        passages that :meth:`_fused` takes."""
+        passages = self.passage_index_of(ranked, visibility)
+        return [
+            (distinct_in_order(row), bool(named_identifiers(text)))
+            for row, text in zip(passages, texts, strict=True)
+        ]
 
     def _stages(
         self,
@@ -476,6 +534,9 @@ class VectorIndex:
         """
         started = time.perf_counter()
         visibility = self._visibility
+        if texts is not None and self._ranks_text:
+            yield from self._text_stages(matrix, k, plan, texts, visibility)
+            return
         lexical = self._lexical_rankings(texts, len(matrix), visibility)
         if lexical is None:
             for stage in self._dense_stages(
@@ -489,6 +550,34 @@ class VectorIndex:
             ids, scores = self._fused(lexical, stage.ids, k, visibility)
             elapsed_s = stage.elapsed_s + (lexical_s if stage.stage == 1 else 0.0)
             yield StageResult(stage.stage, ids, scores, stage.done, elapsed_s)
+
+    def _text_search(
+        self, matrix: np.ndarray, k: int, texts: Sequence[str], visibility: Visibility
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The dense search fused with the searcher's own ranking by text: (passages, scores)."""
+        assert isinstance(self.searcher, RanksText)
+        checked = self._checked_texts(texts, len(matrix))
+        depth = self.fusion.dense_depth(k)
+        _, rows, ranked = self.searcher.search_text(matrix, depth, checked, self.fusion.depth, visibility)
+        return self._fused(self._text_rankings(ranked, checked, visibility), rows, k, visibility)
+
+    def _text_stages(
+        self, matrix: np.ndarray, k: int, plan: StagePlan, texts: Sequence[str], visibility: Visibility
+    ) -> Iterator[StageResult]:
+        """Dense stages fused with the searcher's own ranking by text, which comes with the
+        first stage to arrive (in the same snapshot as every stage)."""
+        assert isinstance(self.searcher, RanksText)
+        checked = self._checked_texts(texts, len(matrix))
+        depth = self.fusion.dense_depth(k)
+        staged = self.searcher.stages_text(matrix, depth, checked, self.fusion.depth, plan, visibility)
+        lexical: list[tuple[np.ndarray, bool]] | None = None
+        for stage, ranked in staged:
+            if lexical is None:
+                if ranked is None:
+                    raise InvalidInputError("a stage came without the ranking by text before it")
+                lexical = self._text_rankings(ranked, checked, visibility)
+            ids, scores = self._fused(lexical, stage.ids, k, visibility)
+            yield StageResult(stage.stage, ids, scores, stage.done, stage.elapsed_s)
 
     def _fused(
         self, lexical: Sequence[tuple[np.ndarray, bool]], rows: np.ndarray, k: int, visibility: Visibility

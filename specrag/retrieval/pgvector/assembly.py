@@ -3,10 +3,11 @@
 ``specrag index build --backend pgvector`` loads the corpus into a table (:func:`build_table`);
 ``specrag serve --backend pgvector`` searches one (:func:`open_index`): the table's rows are the
 passages, the query embedder is the built-in one the build used (fitted on their texts as the
-build fitted it) or the one the user brings for a table embedded by their own model, and
-specrag's BM25 over the same texts is the lexical channel. The :class:`VectorIndex` around the
-searcher is the in-process one, so the speculation policy, stage plan, timeline and hybrid fusion
-are the same on both backends.
+build fitted it) or the one the user brings for a table embedded by their own model, and the
+lexical channel is specrag's BM25 over the same texts or (``--pg-lexical fts``) PostgreSQL's
+full-text search of the rows, in the snapshot the vector stages read. The :class:`VectorIndex`
+around the searcher is the in-process one, so the speculation policy, stage plan, timeline and
+hybrid fusion are the same on both backends.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ from specrag.retrieval.index_store import IndexConfig, default_embedder
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.pgvector.changes import install_change_trigger
 from specrag.retrieval.pgvector.config import (
+    DEFAULT_LEXICAL,
     DEFAULT_POOL_SIZE,
     DEFAULT_STAGE_MODE,
     Columns,
+    LexicalChannel,
     PgSettings,
     StageQueries,
     describe_dsn,
     resolve_dsn,
 )
 from specrag.retrieval.pgvector.database import Database
+from specrag.retrieval.pgvector.fulltext import check_fulltext
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher
 from specrag.retrieval.pgvector.table import inspect_table, load_table, read_rows
 from specrag.retrieval.pgvector.writes import VERSION_COLUMN, add_version_column
@@ -117,8 +121,11 @@ def open_index(
     """
     settings = settings_from(args)
     database = Database(settings)
+    fulltext = lexical and LexicalChannel(getattr(args, "pg_lexical", DEFAULT_LEXICAL)) is LexicalChannel.FTS
     try:
         layout = inspect_table(database, None, args.pg_metric, getattr(args, "pg_index", None))
+        if fulltext:
+            check_fulltext(database)
         documents_off = add_version_column(database)
         version_column = None if documents_off is not None else VERSION_COLUMN
         passages, versions = read_rows(database, version_column)
@@ -139,6 +146,7 @@ def open_index(
             queried=getattr(args, "pg_stages", StageQueries.ENDS),
             versions=versions,
             version_column=version_column,
+            fulltext=fulltext,
         )
         searcher.documents_off = documents_off
         if version_column is not None:
@@ -152,7 +160,7 @@ def open_index(
         searcher,
         [passage.id for passage in passages],
         embedder=embedder,
-        lexical=LexicalIndex.build(texts) if lexical else None,
+        lexical=LexicalIndex.build(texts) if lexical and not fulltext else None,
         default_stages=DEFAULT_STAGES["ivf"],
     )
     logger.info("serving %d passages from %s: %s", len(passages), settings.where, searcher.settings)

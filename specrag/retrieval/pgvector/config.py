@@ -17,6 +17,7 @@ from specrag.errors import InvalidInputError
 
 __all__ = [
     "DEFAULT_HNSW_EF_SEARCH",
+    "DEFAULT_LEXICAL",
     "DEFAULT_POOL_SIZE",
     "DEFAULT_STAGE_MODE",
     "DEFAULT_STATEMENT_TIMEOUT_S",
@@ -24,6 +25,7 @@ __all__ = [
     "INDEX_METHODS",
     "METRICS",
     "Columns",
+    "LexicalChannel",
     "PgSettings",
     "StageMode",
     "StageQueries",
@@ -62,6 +64,19 @@ class StageQueries(enum.StrEnum):
 
     ENDS = "ends"
     EVERY = "every"
+
+
+class LexicalChannel(enum.StrEnum):
+    """What ranks a table's rows by a query's words for hybrid search: PostgreSQL's full-text
+    search in the vector stages' snapshot (:mod:`~specrag.retrieval.pgvector.fulltext`), or
+    specrag's BM25 over the texts read at start."""
+
+    FTS = "fts"
+    BM25 = "bm25"
+
+
+# The channel that measured better on bench.retrieval's sets (docs/backends.md, "Hybrid").
+DEFAULT_LEXICAL = LexicalChannel.BM25
 
 
 class StageMode(enum.StrEnum):

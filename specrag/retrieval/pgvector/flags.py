@@ -10,12 +10,14 @@ import argparse
 
 from specrag.retrieval.index_store import EMBEDDER_ENV, MINILM, WORDLLAMA, default_embedder
 from specrag.retrieval.pgvector.config import (
+    DEFAULT_LEXICAL,
     DEFAULT_POOL_SIZE,
     DEFAULT_STAGE_MODE,
     DEFAULT_STATEMENT_TIMEOUT_S,
     DSN_ENV,
     INDEX_METHODS,
     METRICS,
+    LexicalChannel,
     StageMode,
     StageQueries,
 )
@@ -96,4 +98,12 @@ def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
         default=str(StageQueries.ENDS),
         help="ends: query the stage plan's first and final stages only (each stage re-scans the "
         "lists of the one before); every: each stage of the plan",
+    )
+    parser.add_argument(
+        "--pg-lexical",
+        choices=[str(channel) for channel in LexicalChannel],
+        default=str(DEFAULT_LEXICAL),
+        help="hybrid search's lexical channel: fts, PostgreSQL's full-text search in the stages' "
+        "snapshot (needs the tsvector column index build adds); bm25, specrag's over the texts "
+        "read at start (default: %(default)s)",
     )

@@ -31,6 +31,11 @@ the tables measured no stage's i-th best was worse than the stage before (docs/b
 pgvector 0.8's iterative scans (``hnsw.iterative_scan``) resume a scan when filtering leaves
 fewer rows than the LIMIT; these queries filter nothing, so they change no result here.
 
+With the full-text channel (``--pg-lexical fts``, :meth:`PgVectorSearcher.search_text`,
+:meth:`PgVectorSearcher.stages_text`), each query's full-text ranking goes in the pipeline of the
+first stage's transaction, and in the ``parallel`` mode of the final stage's too (which may
+arrive first): it reads the stages' snapshot and costs no round trip of its own.
+
 Scores are similarities, higher first, as the in-process indexes give for unit vectors: the
 inner product (``ip``), 1 - the cosine distance (``cosine``), or minus the squared L2 distance.
 """
@@ -44,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,6 +68,7 @@ from specrag.retrieval.pgvector.config import (
     StageQueries,
 )
 from specrag.retrieval.pgvector.database import Database, DatabaseUnavailableError
+from specrag.retrieval.pgvector.fulltext import fulltext_query
 from specrag.retrieval.pgvector.table import TableLayout
 from specrag.retrieval.staged_ivf import default_nprobe
 from specrag.retrieval.stages import DEFAULT_STAGES, Schedule, StagePlan, StageResult, prepare_queries
@@ -69,6 +76,8 @@ from specrag.retrieval.stages import DEFAULT_STAGES, Schedule, StagePlan, StageR
 __all__ = ["PgVectorSearcher", "stage_probes"]
 
 _PAD_SCORE = -np.finfo(np.float32).max
+# A stage's (scores, rows) and, when its query carried the texts, its full-text ranking of rows.
+_Found = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 # pgvector's largest hnsw.ef_search.
 _MAX_EF_SEARCH = 1000
 
@@ -88,6 +97,14 @@ def stage_probes(plan: StagePlan, probes: int, queried: StageQueries = StageQuer
     if queried is StageQueries.ENDS:
         return sorted({chosen[0], chosen[-1]})
     return chosen
+
+
+@dataclass(frozen=True)
+class _Words:
+    """What a full-text ranking runs on: one text per query, and how many rows it ranks."""
+
+    texts: Sequence[str]
+    depth: int
 
 
 def _opening(connection: psycopg.Connection, imported: str | None = None) -> list[str]:
@@ -162,6 +179,7 @@ class PgVectorSearcher:
         versions: Sequence[int] | None = None,
         queried: StageQueries | str = StageQueries.ENDS,
         version_column: str | None = None,
+        fulltext: bool = False,
     ) -> None:
         self.database = database
         self.layout = layout
@@ -195,10 +213,14 @@ class PgVectorSearcher:
         #: What to stop before the connections close (a change listener), called by :meth:`close`.
         self.on_close: list[Callable[[], None]] = []
         columns, operator = database.settings.columns, METRICS[layout.metric][1]
+        version = sql.SQL("1") if version_column is None else sql.Identifier(version_column)
+        #: Whether the index ranks query texts by the table's full-text search (:meth:`search_text`).
+        self.ranks_text = fulltext
+        self._fulltext = fulltext_query(database.settings, version) if fulltext else None
         self._query = sql.SQL(
             "SELECT {id}::text, {ver}, {emb} {op} %(q)s FROM {table} ORDER BY {emb} {op} %(q)s LIMIT %(k)s"
         ).format(
-            ver=sql.SQL("1") if version_column is None else sql.Identifier(version_column),
+            ver=version,
             id=sql.Identifier(columns.id),
             emb=sql.Identifier(columns.embedding),
             op=sql.SQL(operator),
@@ -275,6 +297,7 @@ class PgVectorSearcher:
             "probes": self.nprobe,
             "stage_mode": str(self.mode),
             "stage_queries": str(self.queried),
+            "fulltext": self.ranks_text,
         }
 
     def close(self) -> None:
@@ -291,6 +314,20 @@ class PgVectorSearcher:
             return 1.0 - raw
         return -raw * raw
 
+    def _shown_records(
+        self, records: list[tuple[Any, ...]], shown: np.ndarray | None
+    ) -> Iterator[tuple[int, list[Any]]]:
+        """The rows a search shows for records of (id, version, ...), best first, with the rest
+        of each record (:meth:`_shown_row`); a record that no shown version stands for, and a
+        second record for a row already given (a version and its stand-in), are skipped."""
+        taken: set[int] = set()
+        for row_id, version, *rest in records:
+            row = self._shown_row(row_id, int(version), shown)
+            if row is None or row in taken:
+                continue
+            taken.add(row)
+            yield row, rest
+
     def _run(
         self,
         connection: psycopg.Connection,
@@ -300,10 +337,12 @@ class PgVectorSearcher:
         visibility: Visibility | None = None,
         opening: Sequence[str] = (),
         last: bool = False,
-    ) -> tuple[np.ndarray, np.ndarray]:
+        words: _Words | None = None,
+    ) -> _Found:
         """(scores, rows) of every query at ``probes``, in the caller's transaction (which
-        ``opening`` opens, and which ends here when ``last``); rows ``visibility`` hides are
-        skipped (a version replaced since the search began)."""
+        ``opening`` opens, and which ends here when ``last``), and given ``words``, each query's
+        full-text ranking of rows in the same transaction (else None); rows ``visibility`` hides
+        are skipped (a version replaced since the search began)."""
         shown = None if visibility is None else visibility.row_to_passage
         ids = np.full((len(matrix), k), -1, dtype=np.int64)
         scores = np.full((len(matrix), k), _PAD_SCORE, dtype=np.float32)
@@ -319,19 +358,28 @@ class PgVectorSearcher:
             cursors = [
                 connection.execute(self._query, {"q": vector, "k": k}, prepare=True) for vector in matrix
             ]
+            ranked = [] if words is None else self._rank_words(connection, words)
             if last:
                 connection.execute("COMMIT")
         for position, cursor in enumerate(cursors):
-            slot = 0
-            taken: set[int] = set()
-            for row_id, version, raw in cursor.fetchall():
-                row = self._shown_row(row_id, int(version), shown)
-                if row is None or row in taken:  # a row nobody shows yet, or its stand-in's twin
-                    continue
-                taken.add(row)
+            for slot, (row, (raw,)) in enumerate(self._shown_records(cursor.fetchall(), shown)):
                 ids[position, slot], scores[position, slot] = row, self._score(float(raw))
-                slot += 1
-        return scores, ids
+        if words is None:
+            return scores, ids, None
+        lexical = np.full((len(matrix), words.depth), -1, dtype=np.int64)
+        for position, cursor in enumerate(ranked):
+            for slot, (row, _) in enumerate(self._shown_records(cursor.fetchall(), shown)):
+                lexical[position, slot] = row
+        return scores, ids, lexical
+
+    def _rank_words(self, connection: psycopg.Connection, words: _Words) -> list[psycopg.Cursor[Any]]:
+        """Send each text's full-text query into the pipeline open on ``connection``."""
+        if self._fulltext is None:
+            raise InvalidInputError("this pgvector index was opened without its full-text channel")
+        return [
+            connection.execute(self._fulltext, {"t": text, "n": words.depth}, prepare=True)
+            for text in words.texts
+        ]
 
     def _shown_row(self, row_id: str, version: int, shown: np.ndarray | None) -> int | None:
         """The row a search shows for the table's (id, version) in its snapshot: that version's
@@ -350,40 +398,91 @@ class PgVectorSearcher:
         self, queries: np.ndarray, k: int, visibility: Visibility | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """One query per row at the final probes: (scores, rows), shape (n, k)."""
+        scores, ids, _ = self._search(queries, k, visibility)
+        return scores, ids
+
+    def search_text(
+        self, queries: np.ndarray, k: int, texts: Sequence[str], depth: int, visibility: Visibility
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`search`, and each query's full-text ranking of rows (``depth`` of them, padded
+        with ``-1``) by ``texts`` (one per query) in the same snapshot."""
+        scores, ids, lexical = self._search(queries, k, visibility, _Words(texts, depth))
+        assert lexical is not None
+        return scores, ids, lexical
+
+    def _search(
+        self, queries: np.ndarray, k: int, visibility: Visibility | None, words: _Words | None = None
+    ) -> _Found:
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
         with self.database.connection() as connection, _transaction(connection):
-            return self._run(connection, matrix, k, self.nprobe, visibility, _opening(connection), last=True)
+            opening = _opening(connection)
+            return self._run(connection, matrix, k, self.nprobe, visibility, opening, last=True, words=words)
 
     def stages(
         self, queries: np.ndarray, k: int, plan: StagePlan, visibility: Visibility | None = None
     ) -> Iterator[StageResult]:
         """The running top-k at each stage's probes (:func:`stage_probes`), the last one the one-shot."""
+        return (stage for stage, _ in self._staged(queries, k, plan, visibility))
+
+    def stages_text(
+        self,
+        queries: np.ndarray,
+        k: int,
+        texts: Sequence[str],
+        depth: int,
+        plan: StagePlan,
+        visibility: Visibility,
+    ) -> Iterator[tuple[StageResult, np.ndarray | None]]:
+        """:meth:`stages`, each with the full-text ranking of rows (as :meth:`search_text` gives
+        it) when its query carried one: the first stage to arrive always does."""
+        return self._staged(queries, k, plan, visibility, _Words(texts, depth))
+
+    def _staged(
+        self,
+        queries: np.ndarray,
+        k: int,
+        plan: StagePlan,
+        visibility: Visibility | None,
+        words: _Words | None = None,
+    ) -> Iterator[tuple[StageResult, np.ndarray | None]]:
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
         probes = stage_probes(plan, self.nprobe, self.queried)
         if self.mode is StageMode.SEQUENTIAL or len(probes) == 1:
-            return self._sequential(matrix, k, probes, visibility)
-        return self._parallel(matrix, k, probes, visibility)
+            return self._sequential(matrix, k, probes, visibility, words)
+        return self._parallel(matrix, k, probes, visibility, words)
 
     def _sequential(
-        self, matrix: np.ndarray, k: int, probes: list[int], visibility: Visibility | None
-    ) -> Iterator[StageResult]:
+        self,
+        matrix: np.ndarray,
+        k: int,
+        probes: list[int],
+        visibility: Visibility | None,
+        words: _Words | None,
+    ) -> Iterator[tuple[StageResult, np.ndarray | None]]:
         started = time.perf_counter()
         with self.database.connection() as connection, _transaction(connection):
             for number, count in enumerate(probes, start=1):
-                opening = _opening(connection) if number == 1 else ()
-                last = number == len(probes)
-                scores, ids = self._run(connection, matrix, k, count, visibility, opening, last)
+                first, last = number == 1, number == len(probes)
+                opening = _opening(connection) if first else ()
+                ranked = words if first else None
+                found = self._run(connection, matrix, k, count, visibility, opening, last, ranked)
+                scores, ids, lexical = found
                 now = time.perf_counter()
-                yield StageResult(number, ids, scores, number == len(probes), now - started)
+                yield StageResult(number, ids, scores, last, now - started), lexical
                 started = now
 
     def _parallel(
-        self, matrix: np.ndarray, k: int, probes: list[int], visibility: Visibility | None
-    ) -> Iterator[StageResult]:
+        self,
+        matrix: np.ndarray,
+        k: int,
+        probes: list[int],
+        visibility: Visibility | None,
+        words: _Words | None,
+    ) -> Iterator[tuple[StageResult, np.ndarray | None]]:
+        # The full-text ranking goes with the first stage and with the final one, which may
+        # arrive first; both read the one snapshot, so both rank alike.
         started = time.perf_counter()
-        results: queue.SimpleQueue[tuple[int, tuple[np.ndarray, np.ndarray]] | BaseException] = (
-            queue.SimpleQueue()
-        )
+        results: queue.SimpleQueue[tuple[int, _Found] | BaseException] = queue.SimpleQueue()
         snapshot: Future[str] = Future()
         imported, stop = threading.Event(), threading.Event()
         final = len(probes) - 1
@@ -398,7 +497,9 @@ class PgVectorSearcher:
                     for number, count in enumerate(probes[:-1]):
                         if stop.is_set():
                             break
-                        results.put((number, self._run(connection, matrix, k, count, visibility)))
+                        ranked = words if number == 0 else None
+                        found = self._run(connection, matrix, k, count, visibility, words=ranked)
+                        results.put((number, found))
                     imported.wait(wait_s)  # the snapshot lives while this transaction does
             except BaseException as error:
                 if not snapshot.done():
@@ -410,7 +511,9 @@ class PgVectorSearcher:
                 # The connection is taken (and checked) while the other one exports.
                 with self.database.connection() as connection, _transaction(connection):
                     opening = _opening(connection, snapshot.result(wait_s))
-                    found = self._run(connection, matrix, k, probes[final], visibility, opening, last=True)
+                    found = self._run(
+                        connection, matrix, k, probes[final], visibility, opening, last=True, words=words
+                    )
                     imported.set()  # the export's transaction may end: this one has ended too
                     results.put((final, found))
             except BaseException as error:
@@ -431,11 +534,11 @@ class PgVectorSearcher:
                     ) from None
                 if isinstance(item, BaseException):
                     raise item
-                number, (scores, ids) = item
+                number, (scores, ids, lexical) = item
                 if number <= shown:
                     continue  # an earlier stage that came after a later one: stale already
                 now = time.perf_counter()
-                yield StageResult(number + 1, ids, scores, number == final, now - started)
+                yield StageResult(number + 1, ids, scores, number == final, now - started), lexical
                 started, shown = now, number
                 if number == final:
                     return

@@ -1,7 +1,8 @@
 """Loading a corpus into a table with a vector index, and checking a table before serving it.
 
 A table specrag builds holds each passage's id, title, text and embedding (specrag's embedder's
-vectors), and an IVFFlat index with as many lists as specrag's own IVF build would train
+vectors) with a tsvector of its words (:mod:`~specrag.retrieval.pgvector.fulltext`), and an
+IVFFlat index with as many lists as specrag's own IVF build would train
 (:func:`~specrag.retrieval.staged_ivf.choose_nlist`), so the two backends are compared at the same
 list count, or (``--pg-index hnsw``) an HNSW index with pgvector's default graph settings. A
 user's existing table is searched as it is: :func:`inspect_table` reads its columns and its
@@ -23,6 +24,7 @@ from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.pgvector.config import INDEX_METHODS, METRICS, PgSettings
 from specrag.retrieval.pgvector.database import Database, connect_once
+from specrag.retrieval.pgvector.fulltext import fulltext_statements
 from specrag.retrieval.pgvector.writes import VERSION_COLUMN
 from specrag.retrieval.staged_ivf import DEFAULT_NLIST, choose_nlist
 
@@ -110,6 +112,8 @@ def load_table(
         if progress:
             print(f"building the {described} ...", flush=True)
         connection.execute("SET maintenance_work_mem = '512MB'")
+        for statement in fulltext_statements(settings):  # the lexical channel's (--pg-lexical fts)
+            connection.execute(statement)
         index_name = f"{settings.table_parts[-1]}_{columns.embedding}_{index_method}"
         connection.execute(
             sql.SQL("CREATE INDEX {} ON {} USING {} ({} {}){}").format(

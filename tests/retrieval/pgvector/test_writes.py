@@ -1,7 +1,8 @@
 """The documents API written through to a pgvector table, on a real server: each write is in the
 table (read on a connection of its own) when it is answered, searches that start afterwards find
 the new version only, and one that started before keeps the version its snapshot holds; rows
-another application changes are noticed (the change trigger and listener) and shown the same way."""
+another application changes are noticed (the change trigger and listener) and shown the same way;
+the full-text channel (``--pg-lexical fts``) ranks a written version and not the one it replaced."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from specrag.errors import NotFoundError
 from specrag.paths import DataLayout
 from specrag.pipeline.store.table_corpus import TableCorpus
 from specrag.retrieval.corpus import Passage, write_passages
+from specrag.retrieval.live_index import Visibility
 from specrag.retrieval.pgvector.config import StageMode
 from specrag.retrieval.pgvector.local_server import LocalPostgres
+from specrag.retrieval.pgvector.searcher import PgVectorSearcher
 from specrag.retrieval.pgvector.writes import VERSION_COLUMN
 from specrag.service.cli.commands import external_index
 from specrag.service.run.assets import Assets, ensure_assets
@@ -30,8 +33,10 @@ NEW_TEXT = "The quokka plays a xylophone of driftwood on Rottnest Island every s
 REPLACED_TEXT = "A narwhal tunes its harpsichord beneath the Greenland ice in midwinter."
 
 
-def served(postgres: LocalPostgres, tmp_path: Path, model_dir: Path, passages: list[Passage]) -> Assets:
-    """``index build`` then ``serve``'s assets, on a table of this test's own."""
+def served(
+    postgres: LocalPostgres, tmp_path: Path, model_dir: Path, passages: list[Passage], lexical: str = "bm25"
+) -> Assets:
+    """``index build`` then ``serve``'s assets (``--pg-lexical lexical``), on a table of this test's own."""
     corpus = tmp_path / "passages.jsonl"
     write_passages(corpus, passages)
     table = f"writes_{tmp_path.name.replace('-', '_')}"[:60]
@@ -40,7 +45,9 @@ def served(postgres: LocalPostgres, tmp_path: Path, model_dir: Path, passages: l
         ["--data-dir", str(tmp_path), "index", "build", "--corpus", str(corpus), *pg]
     )
     assert build.handler(build) == 0
-    args = build_parser().parse_args(["--data-dir", str(tmp_path), "serve", *pg[:-1]])
+    args = build_parser().parse_args(
+        ["--data-dir", str(tmp_path), "serve", *pg[:-1], "--pg-lexical", lexical]
+    )
     return ensure_assets(DataLayout(tmp_path), model_dir, external=external_index(args))
 
 
@@ -332,3 +339,36 @@ def test_a_truncate_is_shown_at_once(assets: Assets, postgres: LocalPostgres) ->
     eventually(lambda: found_texts(assets, target.text) == [])
     with pytest.raises(NotFoundError):
         corpus.get(target.id)
+
+
+def ranked_by_words(assets: Assets, text: str) -> list[str]:
+    """The texts the table's full-text search alone ranks for ``text``, as a search starting now sees it."""
+    index = assets.index
+    visible = index.visible_rows
+    shown = Visibility(np.concatenate([np.where(visible, 0, -1), [-1]]), int(np.count_nonzero(~visible)))
+    searcher = index.searcher
+    assert isinstance(searcher, PgVectorSearcher)
+    _, _, ranked = searcher.search_text(index.embed_query(text)[None, :], 5, [text], 20, shown)
+    return [
+        assets.store.passage(int(passage)).text
+        for passage in index.passage_index_of(ranked[0])
+        if passage >= 0
+    ]
+
+
+def test_the_full_text_channel_finds_a_written_version_and_not_the_one_it_replaced(
+    postgres: LocalPostgres, tmp_path: Path, tiny_model_dir: Path, default_corpus: list[Passage]
+) -> None:
+    assets = served(postgres, tmp_path, tiny_model_dir, default_corpus[:300], lexical="fts")
+    try:
+        corpus, index = assets.corpus, assets.index
+        assert isinstance(corpus, TableCorpus) and index.lexical is None and index.hybrid
+        corpus.put([Passage("quokka", "Quokka", NEW_TEXT)])
+        assert found_texts(assets, "quokka xylophone driftwood")[0] == NEW_TEXT
+        assert ranked_by_words(assets, "quokka xylophone driftwood") == [NEW_TEXT]
+        corpus.put([Passage("quokka", "Narwhal", REPLACED_TEXT)])
+        assert found_texts(assets, "narwhal harpsichord")[0] == REPLACED_TEXT
+        assert ranked_by_words(assets, "narwhal harpsichord") == [REPLACED_TEXT]
+        assert ranked_by_words(assets, "quokka xylophone driftwood") == []  # the replaced version's words
+    finally:
+        assets.close()
