@@ -282,9 +282,6 @@ class VectorIndex:
             )
         if len(self.synthetic_sources):
             raise InvalidInputError("a padded index (synthetic rows) cannot take documents")
-        refusal = getattr(self.searcher, "refuses_documents", None)  # shards served elsewhere
-        if refusal is not None:
-            raise InvalidInputError(refusal)
 
     @property
     def visible_rows(self) -> np.ndarray:

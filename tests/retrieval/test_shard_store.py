@@ -132,8 +132,13 @@ def test_without_shard_vectors_only_the_manifests_are_read(
     check_corpus(index, passages)
     with pytest.raises(InvalidInputError, match="not loaded in this process"):
         list(index.search_staged(index.embed_query("dictionary keys"), 5, StagePlan(3, "equal")))
-    with pytest.raises(InvalidInputError, match="rebuilding the index"):
-        index.searcher.add(np.zeros((1, index.dim), dtype=np.float32), index.searcher.next_row)
+    # A row added (the live log replayed at start) is kept for the actor of the shard owning it.
+    first = index.searcher.next_row
+    index.searcher.add(np.ones((1, index.dim), dtype=np.float32), first)
+    owner = index.searcher.shards[first % 3]
+    assert isinstance(owner, ShardManifest) and index.searcher.ntotal == len(passages) + 1
+    vectors, rows = owner.added.since(owner.added.base)
+    assert rows.tolist() == [first] and vectors.tolist() == [[1.0] * index.dim]
 
 
 def test_without_shard_vectors_a_shard_of_another_build_is_still_refused(saved: Path, tmp_path: Path) -> None:

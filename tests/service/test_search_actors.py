@@ -1,4 +1,5 @@
-"""A sharded index's shards as actors on a real local Ray: the same stages, and a killed shard.
+"""A sharded index's shards as actors on a real local Ray: the same stages, a killed shard, and
+rows added through the actors (kept across a restart, and given at start).
 
 Ray is started with two CPUs and always shut down; the kill test is bounded in time.
 """
@@ -142,3 +143,48 @@ def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial(
     expected = list(answering.stages(queries[0], 10, PLAN))[-1]
     np.testing.assert_array_equal(partial[-1].ids, expected.ids)
     assert partial[-1].done
+
+
+def restarted(shard: Any) -> Any:
+    """What the actor of ``shard``, killed, reports once Ray has restarted it (bounded)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            info = ray.get(shard.actor.info.remote(), timeout=30)
+        except ray.exceptions.RayError:
+            continue
+        if info.pid != shard.info.pid:
+            return info
+        time.sleep(0.1)
+    raise AssertionError(f"search shard {shard.name} was not restarted")
+
+
+def test_added_rows_are_found_through_the_actors_after_a_restart_and_at_start(
+    local_ray: None, saved: tuple[Path, dict[str, Any]], vectors: np.ndarray, queries: np.ndarray
+) -> None:
+    from specrag.service.run.search_actors import RemoteShard, search_shards
+
+    local = build_ivf_shards(vectors, 3, nlist=32, nprobe=16, codes="sq8")
+    new = queries[:6] * 10  # each new row tops its query's search (inner product)
+    local.add(new, 3000)
+    expected = list(local.stages(queries, 10, PLAN))[-1].ids
+    assert [int(ids[0]) for ids in expected[:6]] == list(range(3000, 3006))
+
+    def found(remote: ShardedSearcher) -> np.ndarray:
+        return list(remote.stages(queries, 10, PLAN))[-1].ids
+
+    with search_shards(*saved, num_cpus=0.5, wait_s=60) as remote:
+        remote.add(new, 3000)  # two rows to each shard: row r to shard r % 3
+        assert remote.ntotal == 3006 and remote.next_row == 3006
+        np.testing.assert_array_equal(found(remote), expected)
+        for shard in remote.shards:  # restarted from their files, which lack the added rows
+            assert isinstance(shard, RemoteShard)
+            shard.kill()
+            assert restarted(shard).ntotal == 1000
+        np.testing.assert_array_equal(found(remote), expected)
+        np.testing.assert_array_equal(remote.search(queries, 10)[1], local.search(queries, 10)[1])
+        added = [shard.added for shard in remote.shards if isinstance(shard, RemoteShard)]
+    # A start after documents were added (the live log replayed onto the shards' manifests).
+    with search_shards(*saved, num_cpus=0.5, wait_s=60, added=added) as remote:
+        assert remote.ntotal == 3006
+        np.testing.assert_array_equal(found(remote), expected)

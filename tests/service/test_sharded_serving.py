@@ -31,6 +31,11 @@ def index_over(searcher: object, vectors: np.ndarray) -> VectorIndex:
     return VectorIndex(searcher, [p.id for p in passages_for(vectors)])  # type: ignore[arg-type]
 
 
+def found(index: VectorIndex, query: np.ndarray) -> np.ndarray:
+    ids: np.ndarray = list(index.search_staged(query, 5, StagePlan(3, "equal")))[-1].ids
+    return ids
+
+
 def read_nothing(*args: object) -> None:
     raise AssertionError("the serving process read a shard's vectors")
 
@@ -84,19 +89,23 @@ def test_the_index_searches_through_shard_actors_while_serving(
                 np.testing.assert_array_equal(
                     list(index.search_staged(query, 5, StagePlan(3, "equal")))[-1].ids, ids
                 )
-            with pytest.raises(InvalidInputError, match="takes no new documents"):
-                index.apply_changes(["new"], vectors[:1], ["text"], [])
+            # A document added while serving goes to its shard's actor and is found at once.
+            (row,) = index.apply_changes(["new"], queries[:1] * 10, ["text"], [])
+            assert row == 1200 and found(index, queries[0])[0] == row
             index.apply_changes(
                 [], np.zeros((0, 16)), [], [int(expected[0][0])]
             )  # a delete: hidden in every shard
             hidden = list(index.search_staged(queries[0], 5, StagePlan(3, "equal")))[-1].ids
             assert int(expected[0][0]) not in hidden.tolist()
-        assert index.searcher is manifests
+        assert index.searcher is manifests and manifests.ntotal == 1201
+        # A start after it was added (the live log replays it onto the manifests): its actor gets it.
+        with searching_on_shards(index, options):
+            assert found(index, queries[0])[0] == 1200
         monkeypatch.undo()
         index = index_over(local, vectors)
-        local.add(vectors[:1], 1200)  # a document added since the shard files were written
+        local.add(vectors[:1], 1200)  # added to shards loaded in this process: not the actors'
         with (
-            pytest.raises(InvalidInputError, match="added since it was built"),
+            pytest.raises(InvalidInputError, match="added to shards loaded in this process"),
             searching_on_shards(index, options),
         ):
             pass

@@ -203,8 +203,6 @@ class ShardedSearcher:
     """
 
     owner: Any = None  # a sharded index is saved shard by shard (specrag.retrieval.shards.store)
-    # Why the shards take no new documents (None: they do): checked before a change is logged.
-    refuses_documents: str | None = None
 
     def __init__(
         self,

@@ -25,6 +25,7 @@ from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.arrays import load_array
 from specrag.retrieval.index_files import INDEX_FILE, MANIFEST_FILE, verify_files
 from specrag.retrieval.live_index import Visibility
+from specrag.retrieval.shards.added import AddedRows
 from specrag.retrieval.shards.build import quantizer_digest
 from specrag.retrieval.shards.merge import Shard, ShardedSearcher
 from specrag.retrieval.staged_ivf import StagedIVF
@@ -112,21 +113,28 @@ def shard_manifests(directory: Path, settings: dict[str, Any], dim: int, keep_ma
 
 class ShardManifest:
     """A shard known by its manifest alone: its size and settings, not its vectors. It stands in
-    for a shard that an actor elsewhere holds, so searching or changing it here is a mistake."""
+    for a shard that an actor elsewhere holds, so searching it here is a mistake; rows added to
+    it (the live log replayed at start) are kept in :attr:`added`, for its actor to receive."""
 
     def __init__(self, manifest: dict[str, Any], dim: int) -> None:
         self._manifest = manifest
         self.kind: str = manifest["searcher"]["kind"]
         self.dim = dim
-        self.ntotal = int(manifest["ntotal"])
-        self.next_row = int(manifest["next_row"])
         self.settings: dict[str, Any] = manifest["searcher"]
+        self.added = AddedRows(int(manifest["ntotal"]), int(manifest["next_row"]), dim)
+
+    @property
+    def ntotal(self) -> int:
+        return self.added.ntotal
+
+    @property
+    def next_row(self) -> int:
+        return self.added.next_row
 
     def _elsewhere(self) -> InvalidInputError:
         return InvalidInputError(
             f"shard {self._manifest['shard']} of this index is not loaded in this process "
-            "(its actor searches it): documents are added by rebuilding the index "
-            "(`specrag index build --shards N`)"
+            "(its actor searches it)"
         )
 
     @property
@@ -142,7 +150,7 @@ class ShardManifest:
         raise self._elsewhere()
 
     def add_rows(self, vectors: np.ndarray, rows: np.ndarray, next_row: int) -> None:
-        raise self._elsewhere()
+        self.added.record(vectors, rows, next_row)
 
     def compacted(self, keep: np.ndarray) -> Any:
         raise self._elsewhere()

@@ -6,7 +6,9 @@ engine starts, its shard count is checked against ``--search-shards`` (a mismatc
 :class:`InvalidInputError`: exit 2 with the reason), one actor per shard loads its shard from the
 index directory (:mod:`specrag.service.run.search_actors`), and the index searches through them from
 then on. The controller keeps the embedder, the passage ids, the hidden rows, the BM25 channel and
-the merge: never a shard's vectors, so the index may be larger than its machine.
+the merge: never a shard's vectors, so the index may be larger than its machine. Documents
+replayed from the live log at start were kept by the shards' manifests; each actor receives its
+own before the service answers.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.shards.merge import ShardedSearcher
+from specrag.retrieval.shards.store import ShardManifest
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.options import ServiceOptions
 
@@ -59,12 +62,15 @@ def searching_on_shards(index: VectorIndex, options: ServiceOptions) -> Iterator
     if started_ray:
         ray.init(address=options.ray_address or None, include_dashboard=False, log_to_driver=False)
     previous = index.searcher
+    assert isinstance(previous, ShardedSearcher), "check_search_shards admits sharded indexes only"
+    # The rows the live log replayed onto the manifests, for the actors to receive.
+    added = [shard.added for shard in previous.shards if isinstance(shard, ShardManifest)]
     try:
-        with search_shards(Path(options.index_dir), settings) as remote:
+        with search_shards(Path(options.index_dir), settings, added=added or None) as remote:
             if remote.ntotal != previous.ntotal:
                 raise InvalidInputError(
                     f"the index holds {previous.ntotal} rows, its shard files {remote.ntotal}: documents "
-                    "were added since it was built; rebuild it (`specrag index build --shards N`)"
+                    "were added to shards loaded in this process; rebuild it (`specrag index build`)"
                 )
             index.searcher = remote
             try:
