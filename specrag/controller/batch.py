@@ -27,6 +27,7 @@ import numpy as np
 from specrag.cache.batch import plan_batch
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, Planned
 from specrag.errors import EngineError, InvalidInputError
+from specrag.retrieval.shards.merge import ShardAnswers
 from specrag.retrieval.vector_index import VectorIndex
 
 __all__ = ["BatchAnswers", "BatchPlanReport", "Stream", "retrieve", "run_batch", "schedule"]
@@ -62,15 +63,21 @@ class BatchAnswers:
     plan: BatchPlanReport
 
 
-async def retrieve(index: VectorIndex, checked: Sequence[CheckedRequest]) -> list[tuple[int, ...]]:
+async def retrieve(
+    index: VectorIndex, checked: Sequence[CheckedRequest], shard_answers: ShardAnswers | None = None
+) -> list[tuple[int, ...]]:
     """Each question's corpus rows in retrieval rank: the staged search's final result, as a query
-    of mode ``serial`` would get it (hybrid where the index has a lexical channel)."""
+    of mode ``serial`` would get it (hybrid where the index has a lexical channel); with
+    ``shard_answers``, of the shards of a sharded index that answered."""
     questions = [request.request.question for request in checked]
     loop = asyncio.get_running_loop()
     vectors = await loop.run_in_executor(None, lambda: np.stack([index.embed_query(q) for q in questions]))
     k = max(request.k for request in checked)
     final = None
-    search = index.search_staged(vectors, k, index.stage_plan(1), query_text=questions, batch=True)
+    plan = index.stage_plan(1)
+    search = index.search_staged(
+        vectors, k, plan, query_text=questions, batch=True, shard_answers=shard_answers
+    )
     async with contextlib.aclosing(search) as stages:
         async for stage in stages:
             final = stage
@@ -82,15 +89,19 @@ async def retrieve(index: VectorIndex, checked: Sequence[CheckedRequest]) -> lis
 
 
 def schedule(
-    checked: Sequence[CheckedRequest], rows: Sequence[tuple[int, ...]]
+    checked: Sequence[CheckedRequest],
+    rows: Sequence[tuple[int, ...]],
+    shard_answers: ShardAnswers | None = None,
 ) -> tuple[tuple[int, ...], list[CheckedRequest]]:
-    """The schedule (indices of ``checked``) and the queries in it, each with its planned documents."""
+    """The schedule (indices of ``checked``) and the queries in it, each with its planned documents
+    (and the shards that answered their search, ``shard_answers``)."""
     made = plan_batch(rows)
     queries = []
     for position, number in enumerate(made.order):
         ordered = checked[number].mode.ordering
         order = tuple(int(row) for row in made.contexts[number]) if ordered else rows[number]
-        queries.append(replace(checked[number], planned=Planned(rows[number], order, position)))
+        planned = Planned(rows[number], order, position, shard_answers)
+        queries.append(replace(checked[number], planned=planned))
     return made.order, queries
 
 
@@ -99,9 +110,11 @@ async def run_batch(index: VectorIndex, checked: Sequence[CheckedRequest], strea
     if not checked:
         raise InvalidInputError("a batch needs at least one question")
     started = time.perf_counter()
-    rows = await retrieve(index, checked)
+    # The questions of a batch share its options: one accepting a partial top-k, all do.
+    shards = ShardAnswers() if any(query.request.allow_partial for query in checked) else None
+    rows = await retrieve(index, checked, shards)
     retrieved = time.perf_counter()
-    order, queries = schedule(checked, rows)
+    order, queries = schedule(checked, rows, shards)
     planned = time.perf_counter()
     answers: list[AnswerDone | None] = [None] * len(checked)
     documents: list[tuple[str, ...]] = [()] * len(checked)

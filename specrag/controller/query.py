@@ -19,6 +19,7 @@ from specrag.controller.sessions import Session
 from specrag.controller.speculation_policy import NO_SPECULATION, QuerySpeculation
 from specrag.controller.timeline import Timeline
 from specrag.pipeline.engines.protocol import Sampling
+from specrag.retrieval.shards.merge import ShardAnswers
 
 __all__ = ["AnswerDelta", "AnswerDone", "CheckedRequest", "Planned", "RagRequest", "Source"]
 
@@ -60,6 +61,8 @@ class Planned:
     rows: tuple[int, ...]  # corpus rows in retrieval rank (what the order hint tells the model)
     order: tuple[int, ...]  # the same rows in the plan's prompt order
     position: int  # where the query runs in the batch's schedule
+    # The shards that answered the batch's search, when its requests accepted a partial top-k.
+    shards: ShardAnswers | None = None
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ class QueryRun:
             timeline.add(
                 "planned", now(), position=checked.planned.position, documents=len(checked.planned.rows)
             )
+            self._note_shards(checked.planned.shards)
             return await self.final_known(list(checked.planned.rows))
         loop = asyncio.get_running_loop()
         timeline.embed_start = now()
@@ -124,9 +125,13 @@ class QueryRun:
                     break
                 await self._speculating.stage_arrived(rows, stage.stage)
         timeline.search_end = now()
-        if answers is not None and answers.answered:  # a sharded index's search
-            timeline.add("shards", now(), answered=answers.answered, missing=answers.missing)
+        self._note_shards(answers)
         return await self.final_known(final_rows)
+
+    def _note_shards(self, answers: ShardAnswers | None) -> None:
+        """Name in the timeline the shards that answered a search that accepted a partial top-k."""
+        if answers is not None and answers.answered:  # a sharded index's search
+            self.timeline.add("shards", now(), answered=answers.answered, missing=answers.missing)
 
     async def final_known(self, rows: list[int]) -> Flight:
         """Adopt the speculation if its prompt is the final one; otherwise submit the final prompt."""

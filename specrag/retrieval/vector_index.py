@@ -342,9 +342,10 @@ class VectorIndex:
         *,
         query_text: str | Sequence[str] | None = None,
         batch: bool = False,
+        shard_answers: ShardAnswers | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """One-shot search in the calling thread: (distances, ids), what the last stage of
-        :meth:`search_staged` with the same arguments holds.
+        :meth:`search_staged` with the same arguments holds (``shard_answers`` as there).
 
         ``queries`` is one query vector (1-D results) or, with ``batch``, a matrix of them (one
         row per query). With ``query_text`` (one per query of a batch) and a lexical channel the
@@ -358,10 +359,10 @@ class VectorIndex:
             return (distances, ids) if batch else (distances[0], ids[0])
         lexical = self._lexical_rankings(texts, len(matrix), visibility)
         if lexical is None:
-            found = self._dense_search(matrix, self._depth(k, visibility), visibility)
+            found = self._dense_search(matrix, self._depth(k, visibility), visibility, shard_answers)
             distances, ids = self._visible_top(*found, k, visibility)
         else:
-            _, rows = self._dense_search(matrix, self.fusion.dense_depth(k), visibility)
+            _, rows = self._dense_search(matrix, self.fusion.dense_depth(k), visibility, shard_answers)
             ids, distances = self._fused(lexical, rows, k, visibility)
         return (distances, ids) if batch else (distances[0], ids[0])
 
@@ -420,11 +421,17 @@ class VectorIndex:
         return k if skips else self.fusion.dense_depth(k)
 
     def _dense_search(
-        self, matrix: np.ndarray, depth: int, visibility: Visibility
+        self,
+        matrix: np.ndarray,
+        depth: int,
+        visibility: Visibility,
+        shard_answers: ShardAnswers | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The searcher's one-shot search, skipping hidden rows at the source when it can (a
         growable searcher): old versions then never crowd the current ones out of its top."""
         searcher = self.searcher
+        if shard_answers is not None and isinstance(searcher, ShardedSearcher):
+            return searcher.search(matrix, depth, visibility if visibility.hidden else None, shard_answers)
         if self._given_visibility(visibility) and isinstance(searcher, Growable):
             return searcher.search(matrix, depth, visibility)
         return searcher.search(matrix, depth)

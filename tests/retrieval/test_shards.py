@@ -8,14 +8,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specrag.errors import InvalidInputError
+from specrag.errors import InvalidInputError, ShardUnavailableError
 from specrag.retrieval.live_index import Visibility
 from specrag.retrieval.shards.build import build_hnsw_shards, build_ivf_shards
-from specrag.retrieval.shards.merge import ShardedSearcher, owner_shards, split_rows
+from specrag.retrieval.shards.merge import ShardAnswers, ShardedSearcher, owner_shards, split_rows
 from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.stages import StagePlan, StageResult
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 from specrag.retrieval.vector_index import VectorIndex
+from tests.helpers.shards import SilentShard
 from tests.helpers.vectors import passages_for
 
 
@@ -143,3 +144,22 @@ def test_shards_of_different_kinds_or_dimensions_are_refused(vectors: np.ndarray
     other = build_ivf_shards(np.ascontiguousarray(vectors[:1000, :16]), 2, nlist=8)
     with pytest.raises(InvalidInputError, match="differ"):
         ShardedSearcher([*ivf.shards, *other.shards], None, keep_max=True)
+
+
+def test_a_one_shot_search_accepting_a_partial_top_k_merges_the_shards_that_answered(
+    vectors: np.ndarray, queries: np.ndarray
+) -> None:
+    built = build_ivf_shards(vectors, 3, nlist=32, nprobe=8)
+    silent = ShardedSearcher(
+        [built.shards[0], SilentShard(built.shards[1]), built.shards[2]], None, built.keep_max
+    )
+    with pytest.raises(ShardUnavailableError, match="search shard 001"):
+        silent.search(queries, 10)
+    answers = ShardAnswers()
+    distances, ids = silent.search(queries, 10, answers=answers)
+    assert answers.answered == ["000", "002"] and list(answers.missing) == ["001"]
+    answering = ShardedSearcher([built.shards[0], built.shards[2]], None, built.keep_max)
+    expected_distances, expected_ids = answering.search(queries, 10)
+    np.testing.assert_array_equal(ids, expected_ids)
+    np.testing.assert_array_equal(distances, expected_distances)
+    assert not np.isin(ids % 3, [1]).any()

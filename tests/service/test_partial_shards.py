@@ -9,43 +9,19 @@ import aiohttp
 import numpy as np
 import pytest
 
-from specrag.errors import ShardUnavailableError
-from specrag.retrieval.live_index import Visibility
 from specrag.retrieval.shards.build import build_ivf_shards
 from specrag.retrieval.shards.merge import ShardedSearcher
-from specrag.retrieval.stages import StageCursor
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers.builders import QUESTION, make_controller
 from tests.helpers.http import running
+from tests.helpers.shards import SilentShard
 
 RAG = "/v1/rag"
+BATCH = "/v1/rag/batch"
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": QUESTION}]
-
-
-class _SilentCursor:
-    """A shard's search that never answers (what a dead actor's caller sees after its wait)."""
-
-    def advance(self, units: int) -> bool:
-        raise ShardUnavailableError("search shard 001 did not answer within 0s")
-
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
-        raise AssertionError("a shard that never answered is not merged")
-
-
-class _SilentShard:
-    """A real shard whose staged searches never answer."""
-
-    def __init__(self, shard: Any) -> None:
-        self._shard = shard
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._shard, name)
-
-    def cursor(self, queries: np.ndarray, k: int, visibility: Visibility | None = None) -> StageCursor:
-        return _SilentCursor()
 
 
 def sharded_with_a_silent_shard(index: VectorIndex) -> VectorIndex:
@@ -53,7 +29,7 @@ def sharded_with_a_silent_shard(index: VectorIndex) -> VectorIndex:
     row served is one a shard found (BM25 stays whole beside the merge)."""
     _, vectors = index.searcher.stored_vectors(np.ones(index.searcher.ntotal, dtype=bool))  # type: ignore[attr-defined]
     built = build_ivf_shards(vectors, 2, nlist=4, nprobe=4)
-    searcher = ShardedSearcher([built.shards[0], _SilentShard(built.shards[1])], None, built.keep_max)
+    searcher = ShardedSearcher([built.shards[0], SilentShard(built.shards[1])], None, built.keep_max)
     return VectorIndex(
         searcher,
         index.passage_ids,
@@ -70,6 +46,7 @@ def sharded_with_a_silent_shard(index: VectorIndex) -> VectorIndex:
         (RAG, {"query": QUESTION, "allow_partial": "yes"}),
         (RAG, {"query": QUESTION, "allow_partial": 1}),
         (CHAT, {"messages": USER, "allow_partial": 0}),
+        (BATCH, {"queries": [QUESTION], "allow_partial": "true"}),
     ],
 )
 async def test_allow_partial_must_be_a_boolean(tiny_assets: Assets, path: str, body: dict[str, Any]) -> None:
@@ -106,3 +83,25 @@ async def test_a_silent_shard_fails_the_query_unless_partial_is_allowed(tiny_ass
     assert list(shards[0]["missing"]) == ["001"] and "did not answer" in shards[0]["missing"]["001"]
     rows = {tiny_assets.index.passage_ids.index(passage) for passage in answer["documents"]}
     assert all(row % 2 == 0 for row in rows), "only shard 000's rows (even rows) are served"
+
+
+async def test_a_batch_over_a_silent_shard_fails_unless_partial_is_allowed(tiny_assets: Assets) -> None:
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    index = sharded_with_a_silent_shard(tiny_assets.index)
+    body = {"queries": [QUESTION, "how are lists sorted"], "k": 3, "mode": "serial", "max_tokens": 2}
+    async with (
+        running(make_controller(engine, tiny_assets, index)) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(url + BATCH, json=body) as response:
+            assert response.status == 503
+            assert "search shard 001" in (await response.json())["error"]["message"]
+        async with http.post(url + BATCH, json={**body, "allow_partial": True}) as response:
+            assert response.status == 200, await response.text()
+            answers = (await response.json())["answers"]
+    assert len(answers) == 2
+    for answer in answers:
+        (shards,) = [event for event in answer["specrag"]["events"] if event["kind"] == "shards"]
+        assert shards["answered"] == ["000"] and list(shards["missing"]) == ["001"]
+        rows = {tiny_assets.index.passage_ids.index(passage) for passage in answer["documents"]}
+        assert all(row % 2 == 0 for row in rows), "only shard 000's rows (even rows) are served"

@@ -81,6 +81,15 @@ def _attempt(call: Callable[[], _T]) -> tuple[_T | None, ShardUnavailableError |
         return None, error
 
 
+def _lose(live: list[int], number: int, error: ShardUnavailableError, answers: ShardAnswers | None) -> None:
+    """Shard ``number`` failed: the search fails, or, accepting a partial top-k (``answers``),
+    goes on over the shards ``live`` without it while any shard is left."""
+    if answers is None or len(live) == 1:
+        raise error
+    live.remove(number)
+    answers.missing[shard_name(number)] = str(error)
+
+
 def owner_shards(rows: np.ndarray, shards: int) -> np.ndarray:
     """The shard that owns each of ``rows`` (as :func:`split_rows` assigns them)."""
     owners: np.ndarray = np.asarray(rows, dtype=np.int64) % shards
@@ -170,20 +179,12 @@ class MergedCursor:
         )
         for number, (done, error) in zip(going, finished, strict=True):
             if error is not None:
-                self._lose(number, error)
+                _lose(self._live, number, error, self._answers)
             else:
                 self._done[number] = bool(done)
         if self._answers is not None:
             self._answers.answered = [shard_name(number) for number in self._live]
         return all(self._done[number] for number in self._live)
-
-    def _lose(self, number: int, error: ShardUnavailableError) -> None:
-        """Shard ``number`` failed: the search fails, or, accepting a partial top-k, goes on
-        without it while any shard is left."""
-        if self._answers is None or len(self._live) == 1:
-            raise error
-        self._live.remove(number)
-        self._answers.missing[shard_name(number)] = str(error)
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
         parts = self._fan_out([self._cursors[number].snapshot for number in self._live])
@@ -285,13 +286,28 @@ class ShardedSearcher:
         yield from run_stages(cursor.advance, cursor.snapshot, plan, self.expected_units, started=started)
 
     def search(
-        self, queries: np.ndarray, k: int, visibility: Visibility | None = None
+        self,
+        queries: np.ndarray,
+        k: int,
+        visibility: Visibility | None = None,
+        answers: ShardAnswers | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The merge of every shard's one-shot search: (distances, ids), shape (n, k)."""
+        """The merge of every shard's one-shot search: (distances, ids), shape (n, k); with
+        ``answers``, of the shards that answered (as :meth:`cursor`)."""
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
-        parts = self.fan_out(
-            [functools.partial(shard.search, matrix, k, visibility) for shard in self.shards]
+        finished = self.fan_out(
+            [
+                functools.partial(_attempt, functools.partial(shard.search, matrix, k, visibility))
+                for shard in self.shards
+            ]
         )
+        live = list(range(len(self.shards)))
+        for number, (_, error) in enumerate(finished):
+            if error is not None:
+                _lose(live, number, error, answers)
+        if answers is not None:
+            answers.answered = [shard_name(number) for number in live]
+        parts = [part for part, _ in finished if part is not None]
         return _merge(parts, k, self.keep_max)
 
     @property

@@ -49,7 +49,7 @@ RAG_FIELDS = frozenset(
         "allow_partial",
     }
 )
-BATCH_FIELDS = frozenset({"queries", "k", "mode", "max_tokens"})
+BATCH_FIELDS = frozenset({"queries", "k", "mode", "max_tokens", "allow_partial"})
 # The OpenAI chat fields honoured (docs/service.md: "Sampling fields") and the JSON type each must have,
 # whatever else the body holds; ``float`` takes any number. ``stop`` and ``messages`` are checked
 # by their own code.
