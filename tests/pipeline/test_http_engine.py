@@ -17,6 +17,7 @@ from specrag.pipeline.engines.http_engine import HttpEngine, HttpTimeouts
 from specrag.pipeline.engines.protocol import Engine, Sampling
 from tests.helpers.engines import close_stream, random_prompt, run_prompt
 from tests.helpers.http import EngineServer, free_port
+from tests.helpers.waiting import wait_until
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -257,13 +258,14 @@ async def test_real_vllm_server_caches_prefixes_and_aborts(vllm_server: str) -> 
         sampling = Sampling(max_tokens=3000, ignore_eos=True)
         stream = engine.generate("real-abort", prompt[:64], sampling)
         await anext(stream)
-        assert (await engine.counts()).running == 1
+
+        async def running(count: int) -> bool:
+            return (await engine.counts()).running == count
+
+        # The server's gauges are its last step's statistics: a loaded machine publishes them late.
+        await wait_until(lambda: running(1))
         await engine.abort("real-abort")
         assert [output.finish_reason async for output in stream][-1] == "abort"
-        async with asyncio.timeout(5):
-            while True:
-                if (await engine.counts()).running == 0:
-                    break
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: running(0))
     finally:
         await engine.close()
