@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from bench.common import add_model_option
 from bench.pipeline.calibration import TARGET_RATIOS
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
-from specrag.retrieval.pgvector.config import DEFAULT_STAGE_MODE, StageMode, StageQueries
+from specrag.retrieval.pgvector.flags import add_stage_arguments
 from specrag.retrieval.stages import DEFAULT_STAGES
 
 __all__ = ["DESCRIPTION", "SWEEP_KINDS", "parse_args"]
@@ -71,18 +71,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="rows of the padded pgvector table of the extra point at r near 1 (0: none; "
         "bench.pipeline.pgvector_point alone: 300,000)",
     )
-    parser.add_argument(
-        "--pg-stage-mode",
-        choices=[str(mode) for mode in StageMode],
-        default=str(DEFAULT_STAGE_MODE),
-        help="how the pgvector point's stages share connections (docs/backends.md)",
-    )
-    parser.add_argument(
-        "--pg-stages",
-        choices=[str(queried) for queried in StageQueries],
-        default=str(StageQueries.ENDS),
-        help="which stages of the plan the pgvector point queries (docs/backends.md)",
-    )
+    add_stage_arguments(parser)
     parser.add_argument("--engine-cpus", default="0", help="core(s) of the engine's model worker")
     parser.add_argument("--search-cpus", default="1", help="core(s) of the vector search thread")
     parser.add_argument("--eager", action="store_true", help="no graph compilation in the engine")

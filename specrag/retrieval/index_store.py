@@ -33,7 +33,7 @@ from specrag.retrieval.embedders import (
     load_embedder,
 )
 from specrag.retrieval.fusion import DEFAULT_DEPTH, DEFAULT_RRF_K, FusionConfig
-from specrag.retrieval.index_files import INDEX_FILE, MANIFEST_FILE, verify_files
+from specrag.retrieval.index_files import INDEX_FILE, MANIFEST_FILE, read_manifest, verify_files
 from specrag.retrieval.lexical import LexicalIndex
 from specrag.retrieval.progress import embed_in_batches
 from specrag.retrieval.search_runner import SearchRunner
@@ -355,11 +355,7 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST_FILE
     if not path.is_file():
         raise ArtifactError(f"index manifest not found: {path} (build it with `specrag index build`)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ArtifactError(f"corrupt index manifest {path}: {error}") from error
-    required = {
+    required = (
         "format",
         "version",
         "metric",
@@ -371,9 +367,8 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
         "lexical",
         "fusion",
         "files",
-    }
-    if not isinstance(manifest, dict) or not required <= manifest.keys():
-        raise ArtifactError(f"corrupt index manifest {path}: expected the keys {sorted(required)}")
+    )
+    manifest = read_manifest(path, "index manifest", required)
     if (manifest["format"], manifest["version"], manifest["metric"]) != (FORMAT, VERSION, METRIC):
         raise ArtifactError(f"{path}: unsupported index format {manifest['format']} v{manifest['version']}")
     return manifest

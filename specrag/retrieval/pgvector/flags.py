@@ -22,7 +22,7 @@ from specrag.retrieval.pgvector.config import (
     StageQueries,
 )
 
-__all__ = ["BACKENDS", "QUERY_EMBEDDERS", "add_arguments"]
+__all__ = ["BACKENDS", "QUERY_EMBEDDERS", "add_arguments", "add_stage_arguments"]
 
 # Where the vectors live: specrag's own index directory, or a PostgreSQL table with pgvector.
 BACKENDS = ("local", "pgvector")
@@ -86,6 +86,20 @@ def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
     parser.add_argument(
         "--pg-pool-size", type=int, default=DEFAULT_POOL_SIZE, help="connections held at most"
     )
+    add_stage_arguments(parser)
+    parser.add_argument(
+        "--pg-lexical",
+        choices=[str(channel) for channel in LexicalChannel],
+        default=str(DEFAULT_LEXICAL),
+        help="hybrid search's lexical channel: fts, PostgreSQL's full-text search in the stages' "
+        "snapshot (needs the tsvector column index build adds); bm25, specrag's over the texts "
+        "read at start (default: %(default)s)",
+    )
+
+
+def add_stage_arguments(parser: argparse._ActionsContainer) -> None:
+    """How a pgvector search is staged (``--pg-stage-mode``, ``--pg-stages``): ``serve``'s flags,
+    and a benchmark's that stages a table the same way."""
     parser.add_argument(
         "--pg-stage-mode",
         choices=[str(mode) for mode in StageMode],
@@ -98,12 +112,4 @@ def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
         default=str(StageQueries.ENDS),
         help="ends: query the stage plan's first and final stages only (each stage re-scans the "
         "lists of the one before); every: each stage of the plan",
-    )
-    parser.add_argument(
-        "--pg-lexical",
-        choices=[str(channel) for channel in LexicalChannel],
-        default=str(DEFAULT_LEXICAL),
-        help="hybrid search's lexical channel: fts, PostgreSQL's full-text search in the stages' "
-        "snapshot (needs the tsvector column index build adds); bm25, specrag's over the texts "
-        "read at start (default: %(default)s)",
     )

@@ -23,7 +23,7 @@ import numpy as np
 from specrag.atomic import atomic_directory, reading_directory, sha256_file
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.arrays import load_array
-from specrag.retrieval.index_files import INDEX_FILE, MANIFEST_FILE, verify_files
+from specrag.retrieval.index_files import INDEX_FILE, MANIFEST_FILE, read_manifest, verify_files
 from specrag.retrieval.live_index import Visibility
 from specrag.retrieval.shards.added import AddedRows
 from specrag.retrieval.shards.build import quantizer_digest
@@ -227,11 +227,7 @@ def _checked_manifest(version: Path, number: int, count: int, quantizer_sha256: 
 
 def _read_shard_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST_FILE
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ArtifactError(f"cannot read the shard manifest {path}: {error}") from error
-    required = {
+    required = (
         "format",
         "version",
         "shard",
@@ -241,9 +237,8 @@ def _read_shard_manifest(directory: Path) -> dict[str, Any]:
         "next_row",
         "searcher",
         "files",
-    }
-    if not isinstance(manifest, dict) or not required <= manifest.keys():
-        raise ArtifactError(f"corrupt shard manifest {path}: expected the keys {sorted(required)}")
+    )
+    manifest = read_manifest(path, "shard manifest", required)
     if (manifest["format"], manifest["version"]) != (SHARD_FORMAT, SHARD_VERSION):
         raise ArtifactError(f"{path}: unsupported shard format {manifest['format']} v{manifest['version']}")
     return manifest
