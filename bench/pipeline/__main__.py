@@ -34,13 +34,17 @@ Fair set-up as in bench.e2e: every thread of the engine's processes is pinned to
 fresh controller and an emptied prefix cache for every configuration (the first query's cached
 prompt tokens are recorded to confirm it).
 
-Rerun: ``.venv/bin/python -m bench.pipeline --quick`` (under 12 minutes on two cores once the
-padded indexes exist; building them the first time takes minutes more) or without ``--quick``
-(more queries, a 12M-vector index). The index sizes are what puts search beside prefill: on the
-2-core machine one thread scans the 8M-vector SQ8 index's lists in about as long as the default
-model prefills one passage (r near 1), and the 12M one reaches r near 2. Writes
-bench/out/pipeline.json (every per-request timeline) and pipeline.png; the last line printed is
-a JSON summary.
+Rerun: ``.venv/bin/python -m bench.pipeline --quick`` or without ``--quick`` (more queries, a
+12M-vector index, the whole sweep of r); their times here and on a CPU without native bfloat16
+are in docs/benchmarks.md, building the padded indexes the first time takes minutes more. Every
+point's time grows with the prefill (the calibration sizes the search to it), so ``--quick``
+keeps of the idle sweep only the points the figures quote, low r and r near 1, each with as many
+queries as before (their intervals unchanged), beside the HNSW, flat and loaded points.
+
+The index sizes are what puts search beside prefill: on the 2-core machine one thread scans the
+8M-vector SQ8 index's lists in about as long as the default model prefills one passage (r near
+1), and the 12M one reaches r near 2. Writes bench/out/pipeline.json (every per-request
+timeline) and pipeline.png; the last line printed is a JSON summary.
 """
 
 from __future__ import annotations

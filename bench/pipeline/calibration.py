@@ -30,6 +30,9 @@ from specrag.service.run.assets import Assets, ensure_index
 
 # 0.05: the low-r point, where search hides little of the prefill and a speculation rarely pays.
 TARGET_RATIOS = (0.05, 0.25, 0.5, 1.0, 2.0)
+# --quick's: the points the figures quote (low r, and r near 1, where the loaded run also goes);
+# the curve between and beyond them is the full run's. Each point's queries stay as many.
+QUICK_TARGET_RATIOS = (0.05, 1.0)
 # Shares of the probe list the calibration times; 3/4 fills the gap where r crosses 1 for one passage.
 PROBE_SHARES = (1 / 256, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1.0)
 PROMPT_SIZES = (1, 2, 4, 8)

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from bench.common import add_model_option
-from bench.pipeline.calibration import TARGET_RATIOS
+from bench.pipeline.calibration import QUICK_TARGET_RATIOS, TARGET_RATIOS
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.pgvector.flags import add_stage_arguments
 from specrag.retrieval.stages import DEFAULT_STAGES
@@ -21,7 +21,11 @@ SWEEP_KINDS = ("ivf-sq8", "ivf", "ivf-pq")
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """bench.pipeline's options (``argv``; None: the command line's), defaults resolved."""
     parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=DESCRIPTION)
-    parser.add_argument("--quick", action="store_true", help="fewer queries, an 8M-vector index")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer queries, an 8M-vector index, and of the idle sweep only its low-r point and r near 1",
+    )
     add_model_option(
         parser, RANDOM_MODEL_NAME, "its size is set per machine so that search and prefill can cost the same"
     )
@@ -44,8 +48,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--targets",
         type=lambda text: tuple(float(value) for value in text.split(",")),
-        default=TARGET_RATIOS,
-        help="search-to-prefill ratios of the idle sweep, comma-separated (default: %(default)s)",
+        help="search-to-prefill ratios of the idle sweep, comma-separated "
+        f"(default: {','.join(map(str, TARGET_RATIOS))}; quick {','.join(map(str, QUICK_TARGET_RATIOS))})",
     )
     parser.add_argument(
         "--idle-queries", type=int, help="queries per idle configuration (default 32, quick 16)"
@@ -78,6 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.index_size = args.index_size or (8_000_000 if args.quick else 12_000_000)
+    args.targets = args.targets or (QUICK_TARGET_RATIOS if args.quick else TARGET_RATIOS)
     args.idle_queries = args.idle_queries or (16 if args.quick else 32)
     args.loaded_queries = args.loaded_queries or (20 if args.quick else 48)
     if not 0 < args.utilization < 1:

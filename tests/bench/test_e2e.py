@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.e2e.__main__ import SERIAL_REPEAT, configurations, run_order
+from bench.e2e.__main__ import SERIAL_REPEAT, configurations, parse_args, run_order
 from bench.e2e.report import paired_ratio_ci, summarize
 from bench.e2e.runner import Configuration, RunResult, oracle_ttfts, run_configuration
 from bench.e2e.workload import arrivals, generate, load_trace, save_trace
@@ -113,6 +113,21 @@ def test_serial_runs_again_after_the_other_main_configurations() -> None:
     assert main[0].name == "serial" and main[-1].name == SERIAL_REPEAT
     assert main[-1].mode == "serial" and not main[-1].overrides
     assert [c.name for c in main].count(SERIAL_REPEAT) == 1
+
+
+def test_quick_runs_the_headline_comparison_only_and_the_full_run_keeps_its_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("sys.argv", ["bench.e2e", "--quick"])
+    quick = parse_args()
+    assert (quick.requests, quick.seeds, quick.index_size) == (8, 2, 1_000_000)
+    assert [c.name for c in configurations(quick)] == ["serial", "all", SERIAL_REPEAT]
+    monkeypatch.setattr("sys.argv", ["bench.e2e"])
+    full = parse_args()
+    assert (full.requests, full.seeds, full.index_size) == (32, 2, 2_000_000)
+    groups = [c.group for c in configurations(full)]
+    counts = {group: groups.count(group) for group in groups}
+    assert counts == {"main": 8, "ordering": 3, "max_prefill_bs": 3, "stages": 2, "ratio": 6}
 
 
 @pytest.mark.engine

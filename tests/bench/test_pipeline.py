@@ -22,6 +22,7 @@ from bench.pipeline.analysis import (
 )
 from bench.pipeline.calibration import nearest_point, sweep_points, with_ef_search
 from bench.pipeline.ideal import bound_records
+from bench.pipeline.options import parse_args
 from bench.pipeline.points import halves
 from bench.pipeline.report import headline
 from specrag.service.run.assets import Assets
@@ -121,6 +122,14 @@ def test_points_are_chosen_by_predicted_ratio_and_unreachable_targets_share_one(
     # the cheapest search with the longest prompt (0.125).
     points = sweep_points(search_ms, prefill_ms)
     assert len(points) == 4 and min(p.predicted_ratio for p in points) == pytest.approx(0.125)
+
+
+def test_quick_keeps_the_quoted_points_and_their_queries_and_the_full_run_keeps_its_sweep() -> None:
+    quick = parse_args(["--quick"])
+    assert (quick.targets, quick.idle_queries, quick.loaded_queries) == ((0.05, 1.0), 16, 20)
+    full = parse_args([])
+    assert (full.targets, full.idle_queries, full.loaded_queries) == ((0.05, 0.25, 0.5, 1.0, 2.0), 32, 48)
+    assert parse_args(["--quick", "--targets", "0.5"]).targets == (0.5,)
 
 
 def test_waste_counts_against_everything_the_engine_prefilled() -> None:
