@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,27 @@ def test_a_benchmarks_own_machine_record_is_replaced_by_the_one_taken_at_writing
     written = json.loads(common.write_json("x", {"machine": early}).read_text())
     assert early["engine_dtypes"] == []
     assert written["machine"]["engine_dtypes"] == ["bfloat16"]
+
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+
+
+def _main_source(module: str) -> str:
+    """The source ``python -m MODULE`` runs: its file, or its package's __main__, and the module
+    whose ``main`` that imports (``bench.scale`` runs :mod:`bench.scale.routers`)."""
+    base = REPOSITORY / module.replace(".", "/")
+    path = base / "__main__.py" if base.is_dir() else base.with_suffix(".py")
+    source = path.read_text(encoding="utf-8")
+    runs = re.search(r"^from (bench[\w.]*) import main$", source, re.MULTILINE)
+    return source + (_main_source(runs.group(1)) if runs else "")
+
+
+def test_every_benchmark_the_readme_names_writes_its_json_through_write_json() -> None:
+    """write_json is what names the machine and the dtype: a benchmark writing its JSON by
+    itself would publish figures without them."""
+    named = set(re.findall(r"python -m (bench(?:\.\w+)*)", (REPOSITORY / "README.md").read_text()))
+    assert len(named) >= 10, named
+    for module in sorted(named):
+        source = _main_source(module)
+        assert "write_json(" in source or "write_report(" in source, module
+        assert "json.dump(" not in source, module

@@ -47,8 +47,8 @@ def test_an_address_the_machine_lacks_is_refused_at_once() -> None:
 
 def test_the_phases_are_timed_and_shown() -> None:
     progress = StartupProgress()
-    with progress.running(Phase.ARTEFACTS):
-        pass
+    progress.begin(Phase.ARTEFACTS)
+    progress.end()
     progress.record(Phase.ENGINE_LOAD, 10.0)
     assert progress.to_dict()["ready_s"] is None
     progress.ready()
@@ -88,8 +88,9 @@ async def test_the_port_answers_503_while_starting_then_the_service_takes_over_u
 
     @contextlib.asynccontextmanager
     async def start() -> AsyncIterator[FakeService]:
-        with progress.running(Phase.ENGINE_LOAD):
-            await proceed.wait()  # the engine's minutes
+        progress.begin(Phase.ENGINE_LOAD)
+        await proceed.wait()  # the engine's minutes
+        progress.end()
         yield service
 
     with contextlib.closing(listener):

@@ -1,6 +1,6 @@
 """``specrag serve`` and ``batch`` as a user runs them, on the real engine: the port answers from
-the first seconds, SIGINT stops an idle service within seconds and in order, and ``batch``'s
-standard output carries nothing but its JSON lines."""
+the first seconds, the first 200 has an exact KV mirror, SIGINT stops an idle service within
+seconds and in order, and ``batch``'s standard output carries nothing but its JSON lines."""
 
 from __future__ import annotations
 
@@ -81,6 +81,9 @@ def test_serve_answers_503_from_the_start_then_200_and_stops_on_sigint_within_se
         startup = answer[1]["startup"]
         assert startup["phase"] == "started" and startup["ready_s"] > 0
         assert {"artefacts", "engine_load"} <= set(startup["phases_s"])
+        # The first 200 already follows the engine's KV events: the subscription joined, and the
+        # fresh engine's empty replay says its cache is as empty as the mirror.
+        assert [replica["kv_mirror"] for replica in answer[1]["replicas"]] == ["exact"], answer[1]
         stopped_at = time.monotonic()
         # SIGINT to the service (kill -INT; a terminal's Ctrl-C also reaches vLLM's own processes,
         # see docs/service.md "Stopping"), nothing in flight.

@@ -10,7 +10,8 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import AsyncIterator, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,13 @@ from specrag.service.run.assembly import (
     open_service,
     prompt_builder,
 )
-from specrag.service.run.assets import Assets, ExternalIndex, ensure_assets
+from specrag.service.run.assets import (
+    Assets,
+    CheckingAssets,
+    ExternalIndex,
+    check_assets_in_background,
+    ensure_assets,
+)
 from specrag.service.run.exposure import warn_if_exposed
 from specrag.service.run.lifecycle import serve_until_signalled
 from specrag.service.run.options import DocumentKvStore, base_engine_config
@@ -57,10 +64,13 @@ def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | Non
     return layout, args.model, Path(args.corpus) if args.corpus else None
 
 
-def _assets(args: argparse.Namespace, serving: bool = False) -> Assets:
+def _assets(
+    args: argparse.Namespace, serving: bool = False, on_model: Callable[[Path], None] | None = None
+) -> Assets:
     """The assets the flags name; ``serving``: an index embedded by another embedder than
     ``--embedder`` is refused (the questions would be embedded unlike it), not rebuilt. Shards
-    searched by Ray actors are loaded by them alone: this process keeps their manifests."""
+    searched by Ray actors are loaded by them alone: this process keeps their manifests.
+    ``on_model`` is :func:`ensure_assets`'s."""
     external = external_index(args)
     if external is None and args.embedder not in QUERY_EMBEDDERS:
         raise InvalidInputError(
@@ -74,6 +84,7 @@ def _assets(args: argparse.Namespace, serving: bool = False) -> Assets:
         index_config=None if external is not None else IndexConfig(embedder=args.embedder),
         refuse_other_embedder=serving,
         shard_vectors=getattr(args, "search_shards", None) is None,
+        on_model=on_model,
     )
 
 
@@ -140,7 +151,7 @@ async def _fill_document_kv(assets: Assets, kv_dir: Path, max_gib: float, varian
 @contextlib.asynccontextmanager
 async def _service(
     args: argparse.Namespace,
-    assets: Assets,
+    assets: Assets | CheckingAssets,
     options: ServiceOptions,
     quiet: bool = False,
     progress: StartupProgress | None = None,
@@ -181,7 +192,7 @@ def _engine_log(args: argparse.Namespace, quiet: bool = False) -> Iterator[None]
         yield
 
 
-def _starting(assets: Assets, options: ServiceOptions) -> str:
+def _starting(assets: Assets | CheckingAssets, options: ServiceOptions) -> str:
     """What the service is about to start or connect to, said before the minute it may take."""
     if options.ray_address is not None:
         where = options.ray_address or "a local Ray instance"
@@ -275,10 +286,16 @@ def serve_command(args: argparse.Namespace) -> int:
     progress = StartupProgress.since_process_start()
     listener = bind_listener(args.host, args.port)  # a busy port fails now, not after the engine's start
 
+    def check(on_model: Callable[[Path], None]) -> Assets:
+        """The artefacts, timed: the engine's load overlaps all but the model's verification."""
+        started = time.monotonic()
+        assets = _assets(args, True, on_model)
+        progress.record(Phase.ARTEFACTS, time.monotonic() - started)
+        return assets
+
     @contextlib.asynccontextmanager
     async def start() -> AsyncIterator[Service]:
-        with progress.running(Phase.ARTEFACTS):
-            assets = await asyncio.to_thread(_assets, args, True)
+        assets = await check_assets_in_background(check)
         try:
             async with _service(args, assets, options, progress=progress) as service:
                 yield service

@@ -41,7 +41,7 @@ from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.http.app import create_app
 from specrag.service.http.metrics import ServiceMetrics
 from specrag.service.http.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
-from specrag.service.run.assets import Assets
+from specrag.service.run.assets import Assets, CheckingAssets
 from specrag.service.run.options import ServiceOptions, base_engine_config
 from specrag.service.run.pinning import pin_threads
 from specrag.service.run.pools import (
@@ -167,39 +167,82 @@ def searching_on(index: VectorIndex, search_cpus: str | None) -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def open_service(assets: Assets, options: ServiceOptions, run_dir: Path) -> AsyncIterator[Service]:
+async def open_service(
+    assets: Assets | CheckingAssets, options: ServiceOptions, run_dir: Path
+) -> AsyncIterator[Service]:
     """Start the stack, yield it, and on exit abort queries in flight and stop the engines.
 
     One path for every service: the engines (one supervised engine, or a pool's, see
     :class:`ServiceOptions`) -> their replicas, each with its tree, KV mirror and restart hook
     (:func:`open_pool`) -> the placement -> the controller -> the application. ``run_dir`` holds
-    in-process engines' KV-event sockets.
+    in-process engines' KV-event sockets. Assets still being checked (:class:`CheckingAssets`)
+    are waited for while the one engine of a service that is not pooled starts
+    (:func:`_serving_while_checked`); a pool's engines start once they are checked.
     """
+    if isinstance(assets, CheckingAssets):
+        if not options.pooled:
+            async with _serving_while_checked(assets, options, run_dir) as service:
+                yield service
+            return
+        assets = await assets.checked
     with contextlib.ExitStack() as shards:
         # Before the engines: a shard count the index does not have fails in seconds, not minutes.
         await asyncio.to_thread(shards.enter_context, searching_on_shards(assets.index, options))
-        async with _serving(assets, options, run_dir) as service:
+        async with (
+            _engines(assets, options, run_dir) as engines,
+            _serving(engines, assets, options) as service,
+        ):
             yield service
 
 
 @contextlib.asynccontextmanager
-async def _serving(assets: Assets, options: ServiceOptions, run_dir: Path) -> AsyncIterator[Service]:
-    """:func:`open_service` once the index is ready to search."""
-    async with _engines(assets, options, run_dir) as engines:
-        with searching_on(assets.index, options.search_cpus):
-            # Each tree predicts the system prompt as it starts every prompt: padded to the engines' blocks.
-            builder = prompt_builder(assets, engines[0].engine)
-            async with open_pool(engines, builder.system_layout_tokens(), options.router) as pool:
-                controller = RagController(pool.placement, assets.index, builder, options.controller)
-                try:
-                    if assets.corpus is not None:
-                        assets.corpus.segment_token_limit = builder.document_token_limit(
-                            engines[0].engine.max_model_len, options.controller.max_tokens_default
-                        )
-                    app = _application(controller, options, assets, pool.mirrors)
-                    yield Service(app, controller, pool.placement, pool.mirrors)
-                finally:
-                    await controller.close()
+async def _serving_while_checked(
+    checking: CheckingAssets, options: ServiceOptions, run_dir: Path
+) -> AsyncIterator[Service]:
+    """:func:`open_service` with its one engine starting from the verified model directory while
+    the other artefacts are checked: the engine's start is mostly its own processes' work.
+
+    An artefact's error ends the start with that error, once the engine started for nothing is
+    closed: vLLM's start cannot be cancelled midway without leaving its processes behind, so it
+    is let finish first. The shard count is checked against the index once the index is loaded.
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        starting = asyncio.ensure_future(
+            stack.enter_async_context(_one_engine(checking.model_dir, options, run_dir))
+        )
+        try:
+            assets = await checking.checked
+        except BaseException:
+            await asyncio.wait([starting])  # started (the stack closes it) or failed
+            if not starting.cancelled():
+                starting.exception()  # the artefact's error is the one to tell
+            raise
+        engines = await starting
+        with contextlib.ExitStack() as shards:
+            await asyncio.to_thread(shards.enter_context, searching_on_shards(assets.index, options))
+            async with _serving(engines, assets, options) as service:
+                yield service
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    engines: list[PoolEngine], assets: Assets, options: ServiceOptions
+) -> AsyncIterator[Service]:
+    """:func:`open_service` once the engines run and the index is ready to search."""
+    with searching_on(assets.index, options.search_cpus):
+        # Each tree predicts the system prompt as it starts every prompt: padded to the engines' blocks.
+        builder = prompt_builder(assets, engines[0].engine)
+        async with open_pool(engines, builder.system_layout_tokens(), options.router) as pool:
+            controller = RagController(pool.placement, assets.index, builder, options.controller)
+            try:
+                if assets.corpus is not None:
+                    assets.corpus.segment_token_limit = builder.document_token_limit(
+                        engines[0].engine.max_model_len, options.controller.max_tokens_default
+                    )
+                app = _application(controller, options, assets, pool.mirrors)
+                yield Service(app, controller, pool.placement, pool.mirrors)
+            finally:
+                await controller.close()
 
 
 def _application(
@@ -238,7 +281,7 @@ def _engines(
 ) -> contextlib.AbstractAsyncContextManager[list[PoolEngine]]:
     """The service's engines, of the kind and number the options ask for (:class:`ServiceOptions`)."""
     if not options.pooled:
-        return _one_engine(assets, options, run_dir)
+        return _one_engine(assets.model_dir, options, run_dir)
     if options.ray_address is not None:
         return open_ray_engines(base_engine_config(assets.model_dir, options), options)
     if options.engine_urls:
@@ -248,8 +291,8 @@ def _engines(
 
 @contextlib.asynccontextmanager
 async def _one_engine(
-    assets: Assets, options: ServiceOptions, run_dir: Path
+    model_dir: Path, options: ServiceOptions, run_dir: Path
 ) -> AsyncIterator[list[PoolEngine]]:
     """The one supervised engine of a service that is not pooled, as a pool of one (replica "0")."""
-    async with open_engine(assets.model_dir, options, run_dir) as (engine, kv_events):
+    async with open_engine(model_dir, options, run_dir) as (engine, kv_events):
         yield [PoolEngine("0", engine, kv_events)]

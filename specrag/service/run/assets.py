@@ -12,11 +12,12 @@ said at WARNING, and one that lost passages is refused unless accepted
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -51,7 +52,16 @@ if TYPE_CHECKING:  # the database's modules are imported only with --backend pgv
     from specrag.pipeline.store.document_store import TokenizeBatch
     from specrag.pipeline.store.table_corpus import TableCorpus
 
-__all__ = ["Assets", "ExternalIndex", "ensure_assets", "ensure_corpus", "ensure_index", "ensure_store"]
+__all__ = [
+    "Assets",
+    "CheckingAssets",
+    "ExternalIndex",
+    "check_assets_in_background",
+    "ensure_assets",
+    "ensure_corpus",
+    "ensure_index",
+    "ensure_store",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +248,7 @@ def ensure_assets(
     index_config: IndexConfig | None = None,
     refuse_other_embedder: bool = False,
     shard_vectors: bool = True,
+    on_model: Callable[[Path], None] | None = None,
 ) -> Assets:
     """Corpus, model, tokenizer, store and index, each built only if missing or stale.
 
@@ -246,12 +257,16 @@ def ensure_assets(
     store and index were built is refused unless ``accept_corpus_change``. With ``external`` the
     index and the passages are its (``corpus_file`` is not read): only the model and the store are
     built, and there is no live corpus. ``index_config`` (default: the default index),
-    ``refuse_other_embedder`` and ``shard_vectors`` are :func:`ensure_index`'s.
+    ``refuse_other_embedder`` and ``shard_vectors`` are :func:`ensure_index`'s. ``on_model`` is
+    told the model directory as soon as it is verified, before the other artefacts are: all an
+    engine needs to start (:func:`check_assets_in_background`).
     """
     if external is not None:
-        return _external_assets(layout, model, external)
+        return _external_assets(layout, model, external, on_model)
     passages = ensure_corpus(layout, corpus_file, accept_corpus_change)
     resolved_model = resolve_model(layout, model, (passage.text for passage in passages))
+    if on_model is not None:
+        on_model(resolved_model)
     tokenizer = Tokenizer(resolved_model)
     base = ensure_store(layout, passages, tokenizer, accept_corpus_change)
     base.close()
@@ -275,13 +290,20 @@ def ensure_assets(
     )
 
 
-def _external_assets(layout: DataLayout, model: str | Path | None, external: ExternalIndex) -> Assets:
+def _external_assets(
+    layout: DataLayout,
+    model: str | Path | None,
+    external: ExternalIndex,
+    on_model: Callable[[Path], None] | None,
+) -> Assets:
     """The assets over an index that lives elsewhere: its passages tokenized into a store of their
     own (``DATA_DIR/external/NAME``), so that the local corpus's store is never rebuilt for it; a
     table that lost rows since is its owner's doing, not a mistake to refuse."""
     index, passages = external.open()
     try:
         resolved_model = resolve_model(layout, model, (passage.text for passage in passages))
+        if on_model is not None:
+            on_model(resolved_model)
         tokenizer = Tokenizer(resolved_model)
         own = DataLayout(layout.root / "external" / external.name)
         store: DocumentStore = ensure_store(own, passages, tokenizer, accept_corpus_change=True)
@@ -308,3 +330,43 @@ def _external_assets(layout: DataLayout, model: str | Path | None, external: Ext
         documents_off=documents_off,
         release=lambda: external.release(index),
     )
+
+
+@dataclass(frozen=True)
+class CheckingAssets:
+    """Assets whose model directory is verified while the other artefacts are still being checked
+    (``checked``: the task that ends with them): an engine can start from ``model_dir`` meanwhile."""
+
+    model_dir: Path
+    checked: asyncio.Future[Assets]
+
+    def close(self) -> None:
+        """Close the assets if they were checked (a check that failed or never ended holds none)."""
+        if self.checked.done() and not self.checked.cancelled() and self.checked.exception() is None:
+            self.checked.result().close()
+
+
+async def check_assets_in_background(check: Callable[[Callable[[Path], None]], Assets]) -> CheckingAssets:
+    """Run ``check`` (:func:`ensure_assets` given its ``on_model``) in a thread, and return as soon
+    as it has verified the model directory, the other artefacts still being checked.
+
+    The engine needs only the model directory, and its start is mostly its own processes' work, so
+    the tokenizer, the store and the index are checked while it starts. An error before the model
+    was verified is raised here, so that no engine starts for it.
+    """
+    loop = asyncio.get_running_loop()
+    verified: asyncio.Future[Path] = loop.create_future()
+
+    def settle(model_dir: Path) -> None:
+        if not verified.done():
+            verified.set_result(model_dir)
+
+    def verified_in_thread(model_dir: Path) -> None:
+        loop.call_soon_threadsafe(settle, model_dir)
+
+    checked = asyncio.ensure_future(asyncio.to_thread(check, verified_in_thread))
+    either: list[asyncio.Future[Any]] = [verified, checked]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    if verified.done():
+        return CheckingAssets(verified.result(), checked)
+    return CheckingAssets((await checked).model_dir, checked)  # raises the check's error

@@ -8,21 +8,20 @@
   (:func:`specrag.service.run.lifecycle.serve_until_signalled`); connections are never refused in
   between, since the socket stays open throughout.
 - **Phases with their times.** :class:`StartupProgress` records each phase (artefacts, the
-  engine's load) as it begins and ends, logs each one's duration, and ``/health`` shows
-  them, while starting and once ready, so a slow start says where its time went.
+  engine's load, which overlap once the model is verified) as it ends, logs each one's
+  duration, and ``/health`` shows them, while starting and once ready, so a slow start says
+  where its time went.
 
 How the command runs a service from bind to stop is :mod:`specrag.service.run.lifecycle`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import errno
 import logging
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +48,9 @@ STARTING_RETRY_AFTER_S = 5.0
 class Phase(enum.StrEnum):
     """The steps of a start, in order; ``/health`` names the one running."""
 
-    ARTEFACTS = "artefacts"  # corpus, model, document store and index: built if missing, loaded
+    # corpus, model, document store and index: built if missing, loaded (the engine's load begins
+    # once the model is verified, the rest is checked meanwhile)
+    ARTEFACTS = "artefacts"
     # vLLM's start, one call into its own processes: the processes, the weights, graph compilation
     # (or its cache), memory profiling and warm-up runs (``-v`` shows vLLM's own split of it).
     ENGINE_LOAD = "engine_load"
@@ -60,8 +61,9 @@ class Phase(enum.StrEnum):
 class StartupProgress:
     """The phases of one start: which runs now, and how long each finished one took.
 
-    ``started_at`` is the command's start (``time.monotonic()``), so the durations add up to the
-    time a user waited.
+    ``started_at`` is the command's start (``time.monotonic()``), so that ``ready_s`` is the time a
+    user waited. The phases may overlap (``serve`` checks the artefacts other than the model while
+    the engine loads), so their durations may add up to more than that.
     """
 
     started_at: float = field(default_factory=time.monotonic)
@@ -75,13 +77,6 @@ class StartupProgress:
         """Counted from this process's start: a user waits for the interpreter and imports too."""
         age_s = max(time.time() - psutil.Process().create_time(), 0.0)
         return cls(started_at=time.monotonic() - age_s)
-
-    @contextlib.contextmanager
-    def running(self, phase: Phase) -> Iterator[None]:
-        """The block is ``phase``: its duration is recorded and logged when it ends."""
-        self.begin(phase)
-        yield
-        self.end()
 
     def begin(self, phase: Phase) -> None:
         self.phase, self._phase_started = phase, time.monotonic()
