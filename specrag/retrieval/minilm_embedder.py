@@ -166,9 +166,12 @@ class MiniLMEmbedder:
 
     kind = "minilm"
 
-    def __init__(self, weights: MiniLMWeights | None = None) -> None:
+    def __init__(self, weights: MiniLMWeights | None = None, pass_per_core: bool = True) -> None:
+        """``pass_per_core=False``: each pass on all the cores, one batch after another (the
+        schedule this one replaced, kept so that ``bench.retrieval.embedding`` can compare)."""
         self._weights = weights or minilm_weights()
         self._torch = _import("torch")
+        self._pass_per_core = pass_per_core
 
     @property
     def dim(self) -> int:
@@ -182,11 +185,13 @@ class MiniLMEmbedder:
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Unit vectors of ``texts`` in order, embedded in batches of similar length, as many at
         once as the process has cores, each on one thread."""
-        if self._torch.get_num_threads() != 1:  # process-wide; a question's pass wants one too
-            self._torch.set_num_threads(1)
         batches = list(length_sorted_batches(texts, BATCH))
+        cores = len(os.sched_getaffinity(0))
+        workers = min(len(batches), cores) if self._pass_per_core else 1
+        threads = cores if len(batches) > 1 and not self._pass_per_core else 1
+        if self._torch.get_num_threads() != threads:  # process-wide; a question's pass wants one
+            self._torch.set_num_threads(threads)
         out = np.zeros((len(texts), DIM), dtype=np.float32)
-        workers = min(len(batches), len(os.sched_getaffinity(0)))
         if workers <= 1:
             for rows in batches:
                 out[rows] = self._embed_batch([texts[row] for row in rows])
