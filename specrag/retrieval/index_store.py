@@ -163,7 +163,7 @@ class IndexConfig:
         if self.embedder == WORDLLAMA:  # one tokenization for fitting and embedding: most of its cost
             from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
 
-            return WordLlamaEmbedder.fit_embed(texts)
+            return WordLlamaEmbedder.fit_embed(texts, progress)
         embedder = self.fit(texts)
         return embedder, embed_in_batches(embedder, texts, show=progress)
 

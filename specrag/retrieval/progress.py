@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from specrag.retrieval.batching import length_sorted_batches
 from specrag.retrieval.embedders import Embedder
+from specrag.retrieval.embedding_bar import embedding_bar
 
 __all__ = ["ADD_CHUNK_ROWS", "EMBED_BATCH", "add_in_chunks", "embed_in_batches"]
 
@@ -32,7 +33,7 @@ def add_in_chunks(index: faiss.Index, vectors: np.ndarray, show: bool, desc: str
 def embed_in_batches(embedder: Embedder, texts: Sequence[str], show: bool) -> np.ndarray:
     """Embed ``texts`` batch by batch (by length) into one (len(texts), dim) float32 array."""
     out = np.empty((len(texts), embedder.dim), dtype=np.float32)
-    with tqdm(total=len(texts), desc="embedding passages", unit="doc", disable=not show) as bar:
+    with embedding_bar(len(texts), show) as bar:
         for rows in length_sorted_batches(texts, EMBED_BATCH):
             out[rows] = embedder.embed([texts[row] for row in rows])
             bar.update(len(rows))

@@ -35,6 +35,7 @@ from scipy import sparse
 from specrag.atomic import sha256_file
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.arrays import load_array, unit_rows
+from specrag.retrieval.embedding_bar import embedding_bar
 
 __all__ = ["CONFIG", "DIM", "TokenVectors", "WordLlamaEmbedder", "token_vectors"]
 
@@ -110,16 +111,18 @@ class WordLlamaEmbedder:
         return cls.fit_embed(texts)[0]
 
     @classmethod
-    def fit_embed(cls, texts: Sequence[str]) -> tuple[WordLlamaEmbedder, np.ndarray]:
-        """Fit on ``texts`` and return their vectors too, tokenizing them once (most of the cost)."""
+    def fit_embed(cls, texts: Sequence[str], progress: bool = False) -> tuple[WordLlamaEmbedder, np.ndarray]:
+        """Fit on ``texts`` and return their vectors too, tokenizing them once (most of the cost,
+        so the bar ticks as texts are tokenized)."""
         if not texts:
             raise InvalidInputError("cannot fit an embedder on zero texts")
         vectors = token_vectors()
-        ids = [
-            row
-            for start in range(0, len(texts), _FIT_CHUNK)
-            for row in _token_ids(vectors, texts[start : start + _FIT_CHUNK])
-        ]
+        ids: list[np.ndarray] = []
+        with embedding_bar(len(texts), progress) as bar:
+            for start in range(0, len(texts), _FIT_CHUNK):
+                chunk = _token_ids(vectors, texts[start : start + _FIT_CHUNK])
+                ids.extend(chunk)
+                bar.update(len(chunk))
         document_frequency = np.zeros(vectors.table.shape[0], dtype=np.int64)
         for row in ids:
             document_frequency[np.unique(row)] += 1

@@ -170,3 +170,13 @@ def test_an_index_rewritten_by_another_process_always_loads_whole(
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == sorted(
         ["source", os.readlink(saved), "index", os.readlink(target)]
     )
+
+
+@pytest.mark.parametrize("embedder", ["wordllama", "tfidf-svd"])
+def test_every_embedder_ticks_the_embedding_bar(
+    embedder: str, passages: list[Passage], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A build's progress bar, whichever embedder it fits (WordLlama's one pass included)."""
+    texts = [passage.text for passage in passages]
+    IndexConfig(embedder=embedder, embedding_dim=16).fit_and_embed(texts, progress=True)
+    assert "embedding passages: 100%|" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from specrag.errors import ArtifactError
+from specrag.retrieval import minilm_embedder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.embedders import load_embedder
 from specrag.retrieval.index_store import (
@@ -36,6 +38,7 @@ from specrag.retrieval.minilm_embedder import (
 from tests.helpers.network import forbid_network
 
 pytest.importorskip("transformers", reason="MiniLM runs on torch and transformers (the engine's)")
+torch = pytest.importorskip("torch")
 
 TEXTS = [
     "How do I open a file for reading?",
@@ -123,3 +126,24 @@ def test_an_index_is_embedded_by_minilm_by_default(
     assert load_index(tmp_path / "index").embedder is not None
     monkeypatch.setenv(EMBEDDER_ENV, WORDLLAMA)
     assert IndexConfig().embedder == WORDLLAMA
+
+
+def test_a_build_runs_one_batch_per_core_each_on_one_thread(
+    embedder: MiniLMEmbedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several batches at once, each pass on one torch thread, and the vectors each text gets
+    embedded alone in the same precision (the schedule changes no vector)."""
+    alone = np.concatenate([embedder.embed([text]) for text in TEXTS])
+    seen: list[tuple[str, int]] = []
+    one_batch = embedder._embed_batch
+
+    def recorded(texts: list[str]) -> np.ndarray:
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return one_batch(texts)
+
+    monkeypatch.setattr(minilm_embedder, "BATCH", 1)
+    monkeypatch.setattr(minilm_embedder.os, "sched_getaffinity", lambda _: {0, 1})
+    monkeypatch.setattr(embedder, "_embed_batch", recorded)
+    np.testing.assert_allclose(embedder.embed(TEXTS), alone, atol=1e-6)
+    assert len(seen) == len(TEXTS) and {threads for _, threads in seen} == {1}
+    assert len({name for name, _ in seen}) == 2 and threading.current_thread().name not in dict(seen)
