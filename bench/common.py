@@ -197,9 +197,9 @@ def pin_apart(engine_cpus: Collection[int], service_cpus: Collection[int]) -> li
 
 def cpu_seconds() -> tuple[float, float]:
     """CPU seconds (user + system) used so far by this process and by its live descendants (the
-        in-process engine's). On a shared machine the wall time of a phase says little; the engine's
-        CPU seconds bound what it would take on a quiet one from above (they sum the engine's processes,
-    its polling loop included, and contention inflates them)."""
+    in-process engine's). On a shared machine the wall time of a phase says little; the engine's
+    CPU seconds bound what it would take on a quiet one from above (they sum the engine's
+    processes, its polling loop included, and contention inflates them)."""
     own = psutil.Process()
     times = own.cpu_times()
     children = 0.0
