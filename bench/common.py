@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
 import platform
 import random
 import signal
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,6 +38,7 @@ from matplotlib import pyplot as plt
 from matplotlib.figure import Figure
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 # Random prompts draw their tokens from ids 3..999: every model's vocabulary is larger, and the
@@ -147,6 +149,30 @@ def run_measurement(measurement: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(measurement)
 
 
+async def map_bounded(work: Callable[[T], Awaitable[U]], items: Sequence[T], limit: int) -> list[U]:
+    """``work`` on every item, at most ``limit`` at once, the results in the items' order.
+
+    Answers that only need to be right (not timed) are asked together so that vLLM batches their
+    decoding; the order is kept so that each result still pairs with its question. The first
+    failure is raised and the work still running is cancelled.
+    """
+    if limit < 1:
+        raise ValueError(f"the concurrency limit must be at least 1, got {limit}")
+    gate = asyncio.Semaphore(limit)
+
+    async def one(item: T) -> U:
+        async with gate:
+            return await work(item)
+
+    tasks = [asyncio.ensure_future(one(item)) for item in items]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def stop_cleanly_on_sigterm() -> None:
     """Make SIGTERM (``kill``, ``timeout``) unwind like Ctrl-C, so ``finally`` blocks shut vLLM down.
 
@@ -167,6 +193,21 @@ def pin_apart(engine_cpus: Collection[int], service_cpus: Collection[int]) -> li
     """
     pin_threads(psutil.Process(), service_cpus)
     return pin_engine_processes(engine_cpus)
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by this process and by its live descendants (the
+    in-process engine's). On a shared machine the wall time of a phase says little; the engine's
+    CPU seconds bound what it would take on a quiet one from above (they sum the engine's
+    processes, its polling loop included, and contention inflates them)."""
+    own = psutil.Process()
+    times = own.cpu_times()
+    children = 0.0
+    for child in own.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child_times = child.cpu_times()
+            children += child_times.user + child_times.system
+    return times.user + times.system, children
 
 
 def engine_cores() -> list[BaseProcess]:

@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from bench.quality.__main__ import by_gold_position, headline, run_conversations, run_single_turn, summarize
+from bench.quality.__main__ import (
+    agreement,
+    by_gold_position,
+    compare_embedders,
+    headline,
+    run_conversations,
+    run_single_turn,
+    summarize,
+)
 from bench.quality.questions import QUESTION_COUNT, build_conversations, build_questions, score
 from bench.quality.questions import main as questions_main
 from specrag.pipeline.engines.vllm_engine import VllmEngine
@@ -123,6 +131,43 @@ def test_accuracy_is_split_by_where_the_answering_passage_sits_in_the_prompt() -
     }
 
 
+def _answered(accuracy: list[int], gold: list[bool]) -> list[dict[str, object]]:
+    return [
+        {**_row(a, [i]), "gold_retrieved": g} for i, (a, g) in enumerate(zip(accuracy, gold, strict=True))
+    ]
+
+
+def test_embedders_are_compared_question_by_question() -> None:
+    minilm = _answered([1, 1, 1, 0, 0, 1], [True, True, True, False, False, True])
+    wordllama = _answered([1, 0, 0, 0, 0, 1], [True, False, True, False, False, True])
+    results = {
+        "serial": minilm,
+        "ordering_no_hint": minilm,
+        "serial@wordllama": wordllama,
+        "ordering_no_hint@wordllama": minilm,
+    }
+    comparison = compare_embedders(results, "minilm", ["wordllama"], seed=0)
+    serial = comparison["serial"]
+    assert serial["minilm"]["accuracy"]["mean"] == pytest.approx(4 / 6)
+    assert serial["wordllama"]["accuracy"]["mean"] == pytest.approx(2 / 6)
+    assert serial["minilm"]["gold_retrieved"]["mean"] == pytest.approx(4 / 6)
+    assert serial["wordllama"]["gold_retrieved"]["mean"] == pytest.approx(3 / 6)
+    difference = serial["minilm_minus_wordllama"]
+    assert difference["accuracy"]["mean"] == pytest.approx(2 / 6)
+    assert difference["gold_retrieved"]["mean"] == pytest.approx(1 / 6)
+    low, high = difference["accuracy"]["ci"]
+    assert 0 <= low <= 2 / 6 <= high <= 1  # paired: no question's difference is negative
+    # The same answers on both indexes differ by nothing, with no spread at all.
+    same = comparison["ordering_no_hint"]["minilm_minus_wordllama"]["accuracy"]
+    assert same == {"mean": 0.0, "ci": [0.0, 0.0]}
+
+
+def test_agreement_counts_answers_equal_to_those_computed_alone() -> None:
+    together = [_row(1, [1, 2]), _row(0, [3]), _row(1, [4])]
+    alone = [_row(1, [1, 2]), _row(0, [5]), _row(0, [4, 6])]
+    assert agreement(together, alone) == {"questions": 3, "identical_tokens": 1, "same_accuracy": 2}
+
+
 @pytest.mark.engine
 async def test_every_configuration_answers_on_the_real_engine(
     vllm_engine: VllmEngine, tiny_assets: Assets, default_corpus: list[Passage]
@@ -130,15 +175,22 @@ async def test_every_configuration_answers_on_the_real_engine(
     """A small run: every configuration answers every question; speculation's adopted answers are
     serial's token for token (greedy, same final prompt)."""
     builder = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store, block_size=vllm_engine.block_size)
-    args = argparse.Namespace(k=3, max_tokens=4)
+    args = argparse.Namespace(k=3, max_tokens=4, concurrency=2)
     questions = build_questions(tiny_assets.passages, 4, seed=2)
-    results = await run_single_turn(vllm_engine, None, tiny_assets, builder, questions, args)
+    compared = {"again": tiny_assets.index}  # the same index again: the same retrieval, in order
+    results = await run_single_turn(vllm_engine, None, tiny_assets, builder, questions, args, compared)
     conversations = build_conversations(tiny_assets.passages, 2, exclude=questions)
     results |= await run_conversations(vllm_engine, None, tiny_assets, builder, conversations, args)
     summary = summarize(results, seed=0)
     assert {len(rows) for name, rows in results.items() if not name.startswith("multiturn")} == {4}
     assert len(results["multiturn_dedup"]) == len(results["multiturn_full"]) == 2
     assert summary["speculation"]["identical_to_serial"] in (None, 1.0)
+    # Asked concurrently, every record still belongs to its question.
+    for name in ("no_documents", "serial", "serial@again", "ordering_no_hint@again"):
+        assert [row["question"] for row in results[name]] == [q.question for q in questions]
+    assert [row["documents"] for row in results["serial@again"]] == [
+        row["documents"] for row in results["serial"]
+    ]
     # Retrieval finds the passage naming the function or class (the full run reports how often).
     assert sum(row["gold_retrieved"] for row in results["serial"]) >= 1
     # The de-duplicated turn sends fewer tokens than the full history whenever documents repeat.
