@@ -154,9 +154,19 @@ async def answer_points(
         async with gate:
             records[question][FULL if point is None else point.name] = await answer(question, point)
 
+    started = now()
     for point in (None, *points):
         await asyncio.gather(*(one(question, point) for question in range(count)))
-        if stop_at_first and point is not None and qualifies(paired_accuracy(records, point.name)):
+        if point is None:
+            continue
+        paired = paired_accuracy(records, point.name)
+        low, high = paired["accuracy_diff_ci"]
+        print(  # progress: a long pass, point after point
+            f"answered {point.name} on {count} questions ({now() - started:.0f} s in): "
+            f"− full {paired['accuracy_diff']:+.3f} [{low:.3f}, {high:.3f}]",
+            flush=True,
+        )
+        if stop_at_first and qualifies(paired):
             break
     return records
 
