@@ -204,13 +204,15 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
             for row in mine:
                 axis.annotate(f"M={row['fresh']}", (row["ttft_over_full"], row["accuracy_diff"]), fontsize=7)
     unmeasured = [row["ttft_over_full"] for row in rows if row["accuracy_diff"] is None]
-    if unmeasured:
-        axis.scatter(
+    if unmeasured:  # along the floor, below every measured interval
+        lows = [row["accuracy_diff_ci"][0] for row in rows if row["accuracy_diff_ci"] is not None]
+        floor = min([ACCURACY_FLOOR, *lows]) - 0.05
+        axis.plot(
             unmeasured,
-            [0.03] * len(unmeasured),
-            marker="|",
+            [floor] * len(unmeasured),
+            "x",
             color="grey",
-            transform=axis.get_xaxis_transform(),
+            linestyle="none",
             label="TTFT only: accuracy not measured",
         )
     axis.axhline(0, color="grey", linewidth=0.8)
