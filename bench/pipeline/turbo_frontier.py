@@ -49,6 +49,10 @@ ACCURACY_FLOOR = -0.05
 FULL = "full"
 QUICK_STOP_NOTE = "not measured: --quick stops at the first qualifying point"
 NO_QUESTIONS_NOTE = "not measured: no questions (--questions 0)"
+ANSWER_TIMEOUT_S = 900.0
+"""The accuracy pass's first- and inter-token timeouts: a question waits its turn behind the other
+questions' prefills (on a busy CPU, minutes), which the service's one-minute timeout would take for
+a hung engine; this pass measures answers, not their latency."""
 
 Fill = Callable[[Sequence[int], Sampling], Awaitable[object]]
 """Stores the spans a prompt's sampling will load (the real engine's ``fill_prompt_kv``)."""
@@ -197,7 +201,12 @@ async def answer_frontier(
     async with contextlib.AsyncExitStack() as stack:
         controllers = {}
         for variant in DocumentKvVariant:
-            config = ControllerConfig(mode=ModeName.SERIAL, document_kv_variant=variant)
+            config = ControllerConfig(
+                mode=ModeName.SERIAL,
+                document_kv_variant=variant,
+                first_token_timeout_s=ANSWER_TIMEOUT_S,
+                inter_token_timeout_s=ANSWER_TIMEOUT_S,
+            )
             controller, _ = await stack.enter_async_context(
                 open_controller(engine, None, index, builder, config)
             )
