@@ -6,8 +6,9 @@ side alone, ``specrag.pipeline``'s document KV, which shortens the prefill the o
 hence its place in this family (:mod:`bench.pipeline`).
 
 Rerun: ``.venv/bin/python -m bench.pipeline.turbo`` (``--quick``: 2 TTFT prompts, 1 repeat, against
-4 x 2; ``--questions N``, default 300, each answered 15 ways: about a minute a question on one core;
-``--tiers 0,1`` measures those M only; ``--model`` a model name or any Hugging Face model directory).
+4 x 2, and accuracy only until the first qualifying point, fastest first; ``--questions N``, default
+300; ``--concurrency N`` questions answered at once, default 8; ``--tiers 0,1`` measures those M
+only; ``--model`` a model name or any Hugging Face model directory).
 Writes bench/out/turbo.json and .png; the last line printed is JSON with ``frontier``, ``default``,
 ``cold_full_ttft_ms``, ``turbo_ttft_ms``, ``ttft_turbo_over_full`` (alone, M = 0),
 ``kv_rel_err_max``, ``single_doc_first_token_equal`` and ``accuracy``.
@@ -18,11 +19,20 @@ Writes bench/out/turbo.json and .png; the last line printed is JSON with ``front
   padded to KV blocks as the service lays them out), each served cold (prefix cache reset before
   each request) in full and at every point, from a warm store; medians over prompts x repeats, the
   order of the ways rotating. No retrieval runs there: the regime is r = 0 (engine time only).
-  Accuracy: :func:`answer_frontier` answers ``bench.quality``'s questions through the controller as
-  ``serial`` requests, in full and at every point (k = 6, so M spans the same range; 24 tokens,
-  greedy), scored by ``bench.quality``'s ``accuracy`` (the gold name among the answer's words), each
-  point paired with full prefill question by question. The default: the fastest point whose paired
-  interval reaches 0 with a lower end >= -0.05, or a statement that none does.
+  Accuracy: :func:`~bench.pipeline.turbo_frontier.answer_frontier` answers ``bench.quality``'s
+  questions through the controller as ``serial`` requests, in full and at every point (k = 6, so M
+  spans the same range; 24 tokens, greedy), several questions at once, scored by
+  ``bench.quality``'s ``accuracy`` (the gold name among the answer's words), each point paired with
+  full prefill question by question. The default: the fastest point whose paired interval reaches
+  0 with a lower end >= -0.05, or a statement that none does. ``--quick`` answers the points
+  fastest first and stops at the first that qualifies (the default, by that order); the rest say
+  ``accuracy: null`` and why, in the JSON and the printout.
+- The engine's worker stays on one core (``--engine-cpus 0``), though nothing overlaps its prefill
+  here (r = 0): vLLM's engine-core process and this process's event loop (the controller, the
+  search and the scoring of the accuracy pass) run on the other, and a worker spread over both
+  cores would fight them for it (one worker core is what vLLM itself picks, measured fastest in
+  :mod:`specrag.pipeline.engines.config`). It is also the service's layout, the engine apart from
+  the search, so the TTFT ratios are those the service sees, comparable with earlier runs.
 - Store load time: reading one prompt's entries and rotating their keys, in this process (the
   connector's work apart from the cache writes, which run inside the engine's worker).
 - KV error: each document of a prompt as loaded at its offset p (read back from the engine
@@ -37,7 +47,6 @@ Writes bench/out/turbo.json and .png; the last line printed is JSON with ``front
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import statistics
@@ -62,17 +71,16 @@ from bench.common import (
 from bench.pipeline.turbo_frontier import (
     ACCURACY_FLOOR,
     FULL,
-    Point,
+    answer_frontier,
     choose_default,
+    fastest_first,
     first_output,
     frontier,
     frontier_points,
     measure_ttft,
 )
-from bench.quality.questions import QUESTION_COUNT, build_questions, score
+from bench.quality.questions import QUESTION_COUNT, build_questions
 from specrag.cache.layout import PromptLayout, build_layout
-from specrag.controller.controller import ControllerConfig, RagRequest
-from specrag.controller.modes import DocumentKvVariant, ModeName
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.document_kv.rope import RopeSpec
 from specrag.pipeline.document_kv.store import DocumentKVStore, segment_key
@@ -81,8 +89,7 @@ from specrag.pipeline.engines.protocol import Sampling
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME
 from specrag.pipeline.store.prompt import PromptBuilder
-from specrag.retrieval.vector_index import VectorIndex
-from specrag.service.run.assembly import open_controller, prompt_builder
+from specrag.service.run.assembly import prompt_builder
 from specrag.service.run.assets import ensure_assets
 
 K = 6
@@ -177,60 +184,6 @@ async def single_document(
     return {"row": row, **tokens, "equal": tokens["full"]["first_token"] == tokens["turbo"]["first_token"]}
 
 
-async def answer_frontier(
-    engine: VllmEngine,
-    builder: PromptBuilder,
-    index: VectorIndex,
-    pairs: Sequence[tuple[str, str]],
-    k: int,
-    max_tokens: int,
-    points: Sequence[Point],
-) -> list[dict[str, Any]]:
-    """The accuracy hook: (question, gold answer) pairs answered through the controller in full
-    and at every point, scored by ``bench.quality``'s metrics; one record a question.
-
-    Every way runs as a ``serial`` request (search, then one prompt, documents in retrieval order
-    but for a point's fresh ones, moved last), greedy. Before a question's turbo requests its
-    documents are stored in both variants, so each loads all it may (``loaded_tokens``).
-    """
-    records = []
-    configs = {
-        variant: ControllerConfig(mode=ModeName.SERIAL, document_kv_variant=variant)
-        for variant in DocumentKvVariant
-    }
-    async with contextlib.AsyncExitStack() as stack:
-        controllers = {
-            variant: (await stack.enter_async_context(open_controller(engine, None, index, builder, config)))[
-                0
-            ]
-            for variant, config in configs.items()
-        }
-        first = controllers[DocumentKvVariant.ALONE]
-        for question, gold in pairs:
-            full = await first.answer(RagRequest(question, k=k, max_tokens=max_tokens, document_kv="full"))
-            for variant in DocumentKvVariant:
-                stored = Point(variant, 0).sampling(full.prompt, Sampling())
-                await engine.fill_prompt_kv(full.prompt.token_ids, stored)
-            record: dict[str, Any] = {
-                "question": question,
-                "gold": gold,
-                FULL: {"answer": full.text, **score(full.text, gold)},
-            }
-            for point in points:
-                request = RagRequest(
-                    question, k=k, max_tokens=max_tokens, document_kv="turbo", document_kv_fresh=point.fresh
-                )
-                done = await controllers[point.variant].answer(request)
-                record[point.name] = {
-                    "answer": done.text,
-                    **score(done.text, gold),
-                    "loaded_tokens": done.timeline.document_kv_tokens,
-                    "same_as_full": done.text == full.text,
-                }
-            records.append(record)
-    return records
-
-
 def _ci(interval: Sequence[float]) -> str:
     return f"[{interval[0]:.3f}, {interval[1]:.3f}]"
 
@@ -241,15 +194,27 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
     figure, axis = plt.subplots(figsize=(7, 4.5))
     rows = result["frontier"]
     for variant, marker in (("alone", "o"), ("after-system", "s")):
-        mine = [row for row in rows if row["variant"] == variant]
+        mine = [row for row in rows if row["variant"] == variant and row["accuracy_diff"] is not None]
         x = [row["ttft_over_full"] for row in mine]
-        if "accuracy_diff" in mine[0]:
+        if mine:
             y = [row["accuracy_diff"] for row in mine]
             low = [row["accuracy_diff"] - row["accuracy_diff_ci"][0] for row in mine]
             high = [row["accuracy_diff_ci"][1] - row["accuracy_diff"] for row in mine]
             axis.errorbar(x, y, yerr=[low, high], marker=marker, capsize=3, label=variant)
             for row in mine:
                 axis.annotate(f"M={row['fresh']}", (row["ttft_over_full"], row["accuracy_diff"]), fontsize=7)
+    unmeasured = [row["ttft_over_full"] for row in rows if row["accuracy_diff"] is None]
+    if unmeasured:  # along the floor, below every measured interval
+        lows = [row["accuracy_diff_ci"][0] for row in rows if row["accuracy_diff_ci"] is not None]
+        floor = min([ACCURACY_FLOOR, *lows]) - 0.05
+        axis.plot(
+            unmeasured,
+            [floor] * len(unmeasured),
+            "x",
+            color="grey",
+            linestyle="none",
+            label="TTFT only: accuracy not measured",
+        )
     axis.axhline(0, color="grey", linewidth=0.8)
     axis.axhline(ACCURACY_FLOOR, color="red", linewidth=0.8, linestyle="--", label="lower end >= -0.05")
     chosen = result["default"]
@@ -283,12 +248,17 @@ def accuracy_summary(records: Sequence[dict[str, Any]], seed: int = 0) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 TTFT prompts, 1 repeat (default 4 x 2)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 TTFT prompts, 1 repeat (default 4 x 2); accuracy until the first qualifying point",
+    )
     add_model_option(parser, DEFAULT_MODEL_NAME, "accuracy needs a real model")
     parser.add_argument(
         "--questions", type=int, default=QUESTION_COUNT, help="bench.quality questions (0: none)"
     )
     parser.add_argument("--max-tokens", type=int, default=24, help="answer length cap (as bench.quality)")
+    parser.add_argument("--concurrency", type=int, default=8, help="questions answered at once (default 8)")
     parser.add_argument("--engine-cpus", default="0", help="cores for the engine's model worker")
     parser.add_argument("--eager", action="store_true", help="no graph compilation")
     parser.add_argument("--seed", type=int, default=0)
@@ -298,6 +268,8 @@ def main() -> None:
         help=f"measure only these M, comma-separated (a partial frontier; default 0 … {K})",
     )
     args = parser.parse_args()
+    if args.concurrency < 1:
+        parser.error(f"--concurrency must be at least 1, got {args.concurrency}")
     prompts, repeats = (2, 1) if args.quick else (4, 2)
     assets = ensure_assets(DataLayout(resolve_data_dir()), args.model)
     model = assets.model_dir
@@ -334,7 +306,19 @@ def main() -> None:
             errors = await kv_errors(engine, layouts[0], model)
             first_doc = int(layouts[0].document_ids()[0])
             single = await single_document(engine, builder, first_doc, QUESTIONS[0])
-            records = await answer_frontier(engine, builder, assets.index, pairs, K, args.max_tokens, points)
+            accuracy_started = time.perf_counter()
+            records = await answer_frontier(
+                engine,
+                builder,
+                assets.index,
+                pairs,
+                K,
+                args.max_tokens,
+                fastest_first(ttft, points) if args.quick else points,
+                engine.fill_prompt_kv,
+                concurrency=args.concurrency,
+                stop_at_first=args.quick,
+            )
             return {
                 "fill": {"segments": filled, "seconds": fill_s, "store_bytes": store.total_bytes()},
                 "ttft": ttft,
@@ -342,6 +326,7 @@ def main() -> None:
                 "kv_error": errors,
                 "single_document": single,
                 "records": records,
+                "accuracy_seconds": time.perf_counter() - accuracy_started,
             }
         finally:
             await engine.close()
@@ -354,7 +339,14 @@ def main() -> None:
     seconds = result["ttft"]["seconds"]
     full_ms = statistics.median(seconds[FULL]) * 1000
     turbo_ms = statistics.median(seconds[points[0].name]) * 1000
-    result |= {"machine": machine(), "model": str(model), "k": K, "prompts": prompts, "repeats": repeats}
+    result |= {
+        "machine": machine(),
+        "model": str(model),
+        "k": K,
+        "prompts": prompts,
+        "repeats": repeats,
+        "concurrency": args.concurrency,
+    }
     title = (
         f"Document KV frontier, k = {K}, {model.name}, {result['accuracy']['questions']} questions (r = 0)"
     )
@@ -367,11 +359,14 @@ def main() -> None:
     if accuracy["questions"]:
         print(
             f"full prefill: accuracy {accuracy['full']:.3f} {_ci(accuracy['full_ci'])} "
-            f"on {accuracy['questions']} questions"
+            f"on {accuracy['questions']} questions ({result['accuracy_seconds']:.0f} s, "
+            f"{args.concurrency} at once)"
         )
     for row in result["frontier"]:
         line = f"{row['name']:<22} ttft/full {row['ttft_over_full']:.3f}"
-        if "accuracy_diff_ci" in row:
+        if row["accuracy_diff_ci"] is None:
+            line += f"  accuracy {row['accuracy_note']}"
+        else:
             line += (
                 f"  accuracy {row['accuracy']:.3f}, − full {row['accuracy_diff']:+.3f} "
                 f"{_ci(row['accuracy_diff_ci'])}"
@@ -380,7 +375,11 @@ def main() -> None:
     print(f"default: {result['default']}")
     summary = {
         "frontier": [
-            {key: row[key] for key in ("name", "ttft_over_full", "accuracy_diff_ci") if key in row}
+            {
+                key: row[key]
+                for key in ("name", "ttft_over_full", "accuracy_diff_ci", "accuracy_note")
+                if key in row
+            }
             for row in result["frontier"]
         ],
         "default": result["default"],

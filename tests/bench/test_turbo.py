@@ -1,8 +1,10 @@
 """bench.pipeline.turbo's measures: the KV error (max over layers, keys and values apart), the
-frontier's paired accuracy, its default, and its TTFT bookkeeping on the simulated engine."""
+frontier's paired accuracy, its default, its TTFT bookkeeping on the simulated engine, and the
+accuracy pass: questions at once, and ``--quick``'s stop at the first qualifying point."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +13,11 @@ import torch
 from bench.pipeline.turbo import relative_errors
 from bench.pipeline.turbo_frontier import (
     FULL,
+    NO_QUESTIONS_NOTE,
+    QUICK_STOP_NOTE,
+    Point,
+    answer_frontier,
+    answer_points,
     choose_default,
     frontier,
     frontier_points,
@@ -86,4 +93,65 @@ async def test_the_frontier_on_the_simulated_engine(tiny_assets: Assets) -> None
             assert top == list(rows[: point.fresh])  # the top ones last, in rank order
     table = frontier(ttft, [], points)
     assert [row["name"] for row in table] == [point.name for point in points]
-    assert all(row["ttft_over_full"] > 0 and "accuracy_diff_ci" not in row for row in table)
+    assert all(row["ttft_over_full"] > 0 and row["accuracy_diff_ci"] is None for row in table)
+    assert {row["accuracy_note"] for row in table} == {NO_QUESTIONS_NOTE}
+
+
+def test_quick_stops_at_the_first_qualifying_point() -> None:
+    """Points answered in the order given, every question before the next point; the first that
+    keeps accuracy ends the pass: the later ones are never asked and the frontier says so."""
+    losing, keeping = frontier_points(0)
+    never = Point(losing.variant, 1)
+    accuracy = {None: 1.0, losing: 0.0, keeping: 1.0, never: 1.0}
+    asked: list[tuple[int, Point | None]] = []
+    busy = peak = 0
+
+    async def answer(question: int, point: Point | None) -> dict[str, Any]:
+        nonlocal busy, peak
+        busy += 1
+        peak = max(peak, busy)
+        await asyncio.sleep(0)
+        busy -= 1
+        asked.append((question, point))
+        return {"accuracy": accuracy[point]}
+
+    points = [losing, keeping, never]
+    records = asyncio.run(answer_points(5, points, answer, concurrency=2, stop_at_first=True))
+    assert [point for _, point in asked] == [None] * 5 + [losing] * 5 + [keeping] * 5
+    assert peak == 2  # questions at once, never more than asked
+    seconds = {name: [1.0] for name in [FULL, *(point.name for point in points)]}
+    table = frontier({"seconds": seconds}, records, points)
+    assert [row["accuracy_diff"] for row in table] == [-1.0, 0.0, None]
+    assert table[2]["accuracy_diff_ci"] is None and table[2]["accuracy_note"] == QUICK_STOP_NOTE
+    assert "accuracy_note" not in table[0]
+    assert choose_default(table)["name"] == keeping.name
+
+    asked.clear()
+    every = asyncio.run(answer_points(5, points, answer, concurrency=2))
+    assert len(asked) == 5 * 4 and all(len(record) == 4 for record in every)
+
+
+async def test_the_accuracy_pass_on_the_simulated_engine(tiny_assets: Assets) -> None:
+    """Through the controller: each question in full first, its documents stored in the point's
+    variant, then the point, which loads every document but its fresh ones."""
+    engine = SimulatedEngine(time_scale=0, max_model_len=4096, document_kv=True)
+    builder = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store, block_size=engine.block_size)
+    pairs = [("What does asyncio.run do?", "run"), ("How does pathlib read a file?", "read_text")]
+    points = frontier_points(2, [1, 0])
+    filled: list[Sampling] = []
+
+    async def fill(prompt: Sequence[int], sampling: Sampling) -> None:
+        filled.append(sampling)
+
+    try:
+        records = await answer_frontier(
+            engine, builder, tiny_assets.index, pairs, 2, 4, points, fill, concurrency=2, stop_at_first=True
+        )
+    finally:
+        await engine.close()
+    # the simulated engine answers alike every way: the first point asked keeps accuracy
+    assert [sorted(record) for record in records] == [sorted(["question", "gold", FULL, points[0].name])] * 2
+    assert len(filled) == 2 and all(sampling.document_kv_prefix == 0 for sampling in filled)  # alone
+    for record, sampling in zip(records, filled, strict=True):
+        stored = sampling.document_kv[-1][1]  # the system prompt and both documents
+        assert 0 < record[points[0].name]["loaded_tokens"] < stored  # the top document fresh
