@@ -23,7 +23,6 @@ stores what a prompt will load.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import statistics
 import uuid
@@ -33,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import bootstrap_mean_ci
+from bench.common import bootstrap_mean_ci, map_bounded
 from bench.quality.questions import score
 from specrag.cache.layout import PromptLayout
 from specrag.controller.controller import AnswerDone, ControllerConfig, RagRequest
@@ -152,15 +151,15 @@ async def answer_points(
     points fastest first, that one is the default, and the records of the rest lack their names.
     """
     records: list[dict[str, Any]] = [{} for _ in range(count)]
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(question: int, point: Point | None) -> None:
-        async with gate:
-            records[question][FULL if point is None else point.name] = await answer(question, point)
-
     started = now()
     for point in (None, *points):
-        await asyncio.gather(*(one(question, point) for question in range(count)))
+
+        async def one(question: int, point: Point | None = point) -> dict[str, Any]:
+            return await answer(question, point)
+
+        name = FULL if point is None else point.name
+        for record, answered in zip(records, await map_bounded(one, range(count), concurrency), strict=True):
+            record[name] = answered
         if point is None:
             continue
         paired = paired_accuracy(records, point.name)
