@@ -122,7 +122,7 @@ class ControllerConfig:
     #: ``document_kv_fresh`` is the point ``bench.pipeline.turbo``'s frontier chose (docs/turbo.md,
     #: "Frontier"): a constant copied from a measured run, to be updated when it is rerun.
     document_kv_variant: DocumentKvVariant = field(
-        default=DocumentKvVariant.AFTER_SYSTEM,
+        default=DocumentKvVariant.ALONE,
         metadata=_flag(
             ServeFlag(
                 "--document-kv-variant",
