@@ -173,7 +173,9 @@ def test_the_final_stage_costs_one_round_trip(
             time.sleep(0.01)
         earlier, final = sorted(round_trips, reverse=True)
         assert final == 1
-        assert earlier == len(stage_probes(PLAN, PROBES, searcher.queried)) - 1 + 2
+        # The earlier stages stop once the final one has arrived (stale by then): how many of
+        # them ran depends on timing (a loaded machine ran 2 of 4), never more than all of them.
+        assert 2 <= earlier <= len(stage_probes(PLAN, PROBES, searcher.queried)) - 1 + 2
 
 
 @pytest.fixture(scope="module")
