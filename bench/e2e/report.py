@@ -1,4 +1,5 @@
-"""Figures from the per-request timelines: summaries, paired confidence intervals, plots."""
+"""Figures from the per-request timelines: summaries, paired confidence intervals, plots, the
+terminal table and the last line."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import bootstrap_ratio_ci, save_figure
+from bench.common import bootstrap_ratio_ci, plot_path, save_figure
 from bench.e2e.runner import RunResult
+from specrag.controller.modes import MODE_NAMES
 
 BLOCK_REQUESTS = 4
 """Requests of a trace resampled together: neighbours in one queueing trace are not independent
@@ -215,3 +217,118 @@ def plot_timeline_strip(records: Sequence[dict[str, Any]], path: Path, title: st
     axis.set_title(title)
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8)
     save_figure(figure, path)
+
+
+def plots(
+    results: dict[tuple[int, str], RunResult],
+    summaries: dict[str, Any],
+    search_ms: dict[float, float],
+    cold_ms: float,
+) -> None:
+    """The three figures: TTFT CDFs, the ratio sweep and the timeline strip of ``all``."""
+    main_runs = [results[(0, mode)] for mode in MODE_NAMES if (0, mode) in results]
+    plot_ttft_cdf(main_runs, plot_path("e2e_ttft_cdf"), "TTFT by configuration (seed 0)")
+    sweep = [
+        s
+        for key, s in summaries.items()
+        if key.endswith("@seed0") and (s["group"] == "ratio" or s["config"] in ("serial", "all"))
+    ]
+    plot_ratio_sweep(sweep, search_ms, cold_ms, plot_path("e2e_ratio_sweep"))
+    plot_timeline_strip(
+        results[(0, "all")].records, plot_path("e2e_timelines"), "Requests of the 'all' configuration"
+    )
+
+
+def print_table(result: dict[str, Any]) -> None:
+    columns = (
+        "TTFT mean",
+        "p50",
+        "p99",
+        "non-ovl",
+        "cached",
+        "wasted",
+        "spec",
+        "adopt",
+        "oracle",
+        "agree",
+        "err",
+    )
+    header = f"{'configuration':<22}" + "".join(f"{c:>10}" for c in columns)
+    print("\n" + header)
+    for key, s in result["summaries"].items():
+        oracle = "" if s["fraction_of_oracle_ttft"] is None else f"{s['fraction_of_oracle_ttft']:.2f}"
+        cells = (
+            f"{s['ttft_mean_ms']:.0f}",
+            f"{s['ttft_p50_ms']:.0f}",
+            f"{s['ttft_p99_ms']:.0f}",
+            f"{s['non_overlapped_retrieval_ms_mean']:.1f}",
+            f"{s['cached_token_ratio']:.2f}",
+            str(s["wasted_spec_prefill_tokens"]),
+            str(s["speculations"]),
+            f"{s['adopted_fraction']:.2f}",
+            oracle,
+            f"{s['tree_agreement']:.2f}",
+            str(s["errors"]),
+        )
+        print(f"{key:<22}" + "".join(f"{c:>10}" for c in cells))
+    print("\nmean TTFT vs serial (95 % CI):")
+    for mode, h in result["headline"].items():
+        print(
+            f"  {mode:<18} {h['ttft_mean_ratio_vs_serial']:.3f}  [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}]"
+            f"  p99 {h['ttft_p99_ratio_vs_serial_seed0']:.3f}x"
+            f"  ({h['unpaired_errors']} failed requests left out)"
+        )
+    facts = result["facts"]
+    print(
+        f"\nengine on core(s) {facts['engine_cpus']}, service and search on core(s) {facts['search_cpus']}; "
+        f"search ms by ratio {facts['search_ms_by_ratio']}; cold prefill {facts['cold_prefill_ms']:.0f} ms"
+    )
+
+
+LAST_LINE_KEYS = (
+    "ttft_mean_ms",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "embed_ms_mean",
+    "non_overlapped_retrieval_ms_mean",
+    "non_overlapped_basis",
+    "non_overlapped_retrieval_submitted_ms_mean",
+    "cached_token_ratio",
+    "wasted_spec_prefill_tokens",
+    "docs_per_prompt_mean",
+    "tree_agreement",
+    "tree_agreement_without_prefill_beside",
+    "errors",
+    "reset_confirmed",
+    "first_request_cold",
+)
+
+
+def _rounded(value: Any) -> Any:
+    return round(value, 3) if isinstance(value, float) else value
+
+
+def summary_line(result: dict[str, Any]) -> dict[str, Any]:
+    """The last line's figures: each main configuration's seed-0 summary, the headline, the machine."""
+    last: dict[str, Any] = {
+        mode: {key: _rounded(result["summaries"][f"{mode}@seed0"][key]) for key in LAST_LINE_KEYS}
+        for mode in MODE_NAMES
+        if f"{mode}@seed0" in result["summaries"]
+    }
+    facts = result["facts"]
+    # The issue's figures: each configuration's mean TTFT over serial's with its 95 % interval.
+    last["headline"] = {
+        mode: {
+            key: [_rounded(v) for v in value] if isinstance(value, list) else _rounded(value)
+            for key, value in figures.items()
+        }
+        for mode, figures in result["headline"].items()
+    }
+    last["machine"] = {
+        "engine_cpus": facts["engine_cpus"],
+        "search_cpus": facts["search_cpus"],
+        "model": facts["model"],
+        "index": facts["index"],
+        "cpus": facts["cpus"],
+    }
+    return last

@@ -5,10 +5,11 @@ The corpus's vectors, padded with synthetic rows as the sweep's index is
 (:class:`~specrag.retrieval.pgvector.local_server.LocalPostgres`) with an IVFFlat index of the
 lists specrag's IVF build chooses. The server's processes are pinned to ``--search-cpus``, where
 the in-process search runs in the other points, so the engine keeps its core(s) to itself and
-the comparison with those points is of the backend, not of the cores it may use. The point is
-chosen as the flat-IVF point is (one search per probe share, the pair nearest r = 1) and runs
-every configuration and bound of an idle point (:func:`~bench.pipeline.points.run_all`), with the
-BM25 channel of the corpus's index fused in, as ``serve --backend pgvector`` does.
+the comparison with those points is of the backend, not of the cores it may use. The table is
+measured by the flat-IVF point's own runner (:func:`~bench.pipeline.points.ivf_point_near_one`,
+the backend a parameter): one search per probe share, the pair nearest r = 1, then every
+configuration and bound of an idle point, with the BM25 channel of the corpus's index fused in,
+as ``serve --backend pgvector`` does.
 
 Each stage of a pgvector search is a whole query at more probes (docs/backends.md), so a staged
 search costs the database more than a one-shot one; with one search core the parallel stage mode
@@ -34,17 +35,14 @@ import psutil
 
 from bench.common import machine, print_summary, run_measurement, write_json
 from bench.e2e.runner import RunResult
-from bench.pipeline.analysis import point_summary
 from bench.pipeline.calibration import (
     calibration_queries,
-    nearest_point,
     on_searcher,
     prefill_ms_by_k,
-    search_ms_by_share,
 )
 from bench.pipeline.options import parse_args
-from bench.pipeline.points import Stack, idle_trace, open_stack, run_all
-from bench.pipeline.report import extra_point, print_point
+from bench.pipeline.points import Stack, ivf_point_near_one, open_stack
+from bench.pipeline.report import extra_point
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.engines.config import parse_cpus
 from specrag.retrieval.corpus import Passage
@@ -118,12 +116,11 @@ async def pgvector_point(
         print(f"PostgreSQL ({pinned} processes) pinned to core(s) {args.search_cpus}", flush=True)
         with padded_table(server, assets.index, args.pgvector_rows, args) as table:
             table.use_runner(runner)
-            point = nearest_point("ivf", await search_ms_by_share(table, vectors), prefill_ms, 1.0)
-            trace = idle_trace(assets.passages, point, args.idle_queries, args.max_tokens, args.seed + 90)
-            runs = await run_all(stack, table, point, trace)
-            summary = point_summary(point, runs, table)
+            label = f"idle, pgvector ({args.pg_stage_mode} stages, {args.pg_stages} queried)"
+            summary, runs = await ivf_point_near_one(
+                stack, table, assets.passages, vectors, prefill_ms, args, args.seed + 90, label
+            )
     summary["backend"] = {**table.searcher.settings, "rows": table.searcher.ntotal, "table": _TABLE}
-    print_point(summary, f"idle, pgvector ({args.pg_stage_mode} stages, {args.pg_stages} queried)")
     return summary, runs
 
 

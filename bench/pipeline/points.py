@@ -215,12 +215,45 @@ async def idle_sweep(
 ) -> tuple[list[dict[str, Any]], list[dict[str, RunResult]]]:
     summaries, runs = [], []
     for number, point in enumerate(points):
-        trace = idle_trace(passages, point, args.idle_queries, args.max_tokens, args.seed + number)
-        results = await run_all(stack, index, point, trace)
-        summaries.append(point_summary(point, results, index))
+        summary, results = await idle_point(stack, index, point, passages, args, args.seed + number, "idle")
+        summaries.append(summary)
         runs.append(results)
-        print_point(summaries[-1], "idle")
     return summaries, runs
+
+
+async def idle_point(
+    stack: Stack,
+    index: VectorIndex,
+    point: Point,
+    passages: Sequence[Passage],
+    args: argparse.Namespace,
+    seed: int,
+    label: str,
+) -> tuple[dict[str, Any], dict[str, RunResult]]:
+    """One idle point on ``index``, whatever backend searches it (a local IVF or HNSW index, a
+    pgvector table): its trace drawn with ``seed``, every configuration and bound, its summary
+    (printed under ``label``)."""
+    trace = idle_trace(passages, point, args.idle_queries, args.max_tokens, seed)
+    runs = await run_all(stack, index, point, trace)
+    summary = point_summary(point, runs, index)
+    print_point(summary, label)
+    return summary, runs
+
+
+async def ivf_point_near_one(
+    stack: Stack,
+    index: VectorIndex,
+    passages: Sequence[Passage],
+    vectors: np.ndarray,
+    prefill_ms: dict[int, float],
+    args: argparse.Namespace,
+    seed: int,
+    label: str,
+) -> tuple[dict[str, Any], dict[str, RunResult]]:
+    """The idle point nearest r = 1 on an index searched by probe share (the flat IVF index, a
+    pgvector table): one search per probe share sets it, then :func:`idle_point`."""
+    point = nearest_point("ivf", await search_ms_by_share(index, vectors), prefill_ms, 1.0)
+    return await idle_point(stack, index, point, passages, args, seed, label)
 
 
 async def loaded_run(
@@ -260,11 +293,7 @@ async def graph_point(
         return None, {}
     graph = await hnsw_index(layout, assets, args.hnsw_size, runner)
     hnsw, hnsw_at = await hnsw_point(graph, vectors, prefill_ms)
-    trace = idle_trace(assets.passages, hnsw_at, args.idle_queries, args.max_tokens, args.seed + 70)
-    runs = await run_all(stack, hnsw, hnsw_at, trace)
-    summary = point_summary(hnsw_at, runs, graph)
-    print_point(summary, "idle")
-    return summary, runs
+    return await idle_point(stack, hnsw, hnsw_at, assets.passages, args, args.seed + 70, "idle")
 
 
 async def flat_point(
@@ -282,9 +311,6 @@ async def flat_point(
     """
     if flat is None:
         return None, {}
-    point = nearest_point("ivf", await search_ms_by_share(flat, vectors), prefill_ms, 1.0)
-    trace = idle_trace(passages, point, args.idle_queries, args.max_tokens, args.seed + 80)
-    runs = await run_all(stack, flat, point, trace)
-    summary = point_summary(point, runs, flat)
-    print_point(summary, "idle, flat IVF")
-    return summary, runs
+    return await ivf_point_near_one(
+        stack, flat, passages, vectors, prefill_ms, args, args.seed + 80, "idle, flat IVF"
+    )

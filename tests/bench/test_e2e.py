@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.e2e.__main__ import SERIAL_REPEAT, configurations, parse_args, run_order
+from bench.e2e.options import parse_args
+from bench.e2e.plan import SERIAL_REPEAT, configurations, run_order
 from bench.e2e.report import paired_ratio_ci, summarize
 from bench.e2e.runner import Configuration, RunResult, oracle_ttfts, run_configuration
 from bench.e2e.workload import arrivals, generate, load_trace, save_trace

@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 import bench.faults.__main__ as faults
-from bench.faults.__main__ import CLIENT_LEFT, FAULTS, OVERLOAD_LIMITS, Outcome, Run, summarize
+import bench.faults.report as faults_report
 from bench.faults.inputs import BAD_REQUESTS
+from bench.faults.outcomes import CLIENT_LEFT, Outcome, Run
+from bench.faults.report import FAULTS, OVERLOAD_LIMITS, summarize
 
 
 def _run(statuses: list[int], leaks: dict[str, int]) -> Run:
@@ -84,8 +86,8 @@ def test_main_prints_the_summary_last_and_exits_by_the_checks(
         return 0
 
     monkeypatch.setattr(faults, "kill_leftover", kill_leftover)
-    monkeypatch.setattr(faults, "write_json", lambda name, data: written.update(data))
-    monkeypatch.setattr(faults, "plot_path", lambda name: tmp_path / f"{name}.png")
+    monkeypatch.setattr(faults_report, "write_json", lambda name, data: written.update(data))
+    monkeypatch.setattr(faults_report, "plot_path", lambda name: tmp_path / f"{name}.png")
     monkeypatch.setattr("sys.argv", ["bench.faults", "--quick"])
     with pytest.raises(SystemExit) as exited:
         faults.main()

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-import bench.ordering.__main__ as ordering
 from bench.ordering import topic_traces
 from bench.ordering.replay import Window
+from bench.ordering.runs import simulate_replay
+from bench.ordering.simulation import RunResult
 from bench.ordering.topic_traces import SHAPES, TopicShape, topic_cluster_trace
 from bench.traces import TraceRequest, read_trace
 from specrag.errors import InvalidInputError
@@ -19,13 +20,13 @@ def busy_trace(n: int = 120, seed: int = 3) -> list[TraceRequest]:
     return topic_cluster_trace(n, dataclasses.replace(SHAPES["contextpilot"], rate_per_s=6.0), seed=seed)
 
 
-def executed(result: ordering.RunResult) -> list[int]:
+def executed(result: RunResult) -> list[int]:
     return [int(rid) for rid, _ in result.order]
 
 
 def test_a_window_of_one_request_is_first_come_first_served() -> None:
     trace = busy_trace()
-    result = ordering.simulate_replay(trace, None, "window", window=Window(requests=1))
+    result = simulate_replay(trace, None, "window", window=Window(requests=1))
     assert executed(result) == list(range(len(trace)))
     assert result.replay is not None and result.replay["overtaken_max"] == 0
 
@@ -33,7 +34,7 @@ def test_a_window_of_one_request_is_first_come_first_served() -> None:
 def test_a_wider_window_reorders_within_its_bounds() -> None:
     trace = busy_trace()
     arrivals = {r.rid: r.arrival_s for r in trace}
-    result = ordering.simulate_replay(trace, None, "window", window=Window(requests=64, seconds=0.5))
+    result = simulate_replay(trace, None, "window", window=Window(requests=64, seconds=0.5))
     order = executed(result)
     assert sorted(order) == list(range(len(trace))) and order != sorted(order)
     for position, rid in enumerate(order):  # never overtaken by a request 0.5 s younger or more
