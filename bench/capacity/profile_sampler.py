@@ -1,0 +1,197 @@
+"""Where a process's CPU goes, by component: a sampling profiler needing no package.
+
+py-spy is not installed here (and nothing may be installed), and cProfile slows every call it
+traces, which moves the costs it measures. So a thread wakes every ``interval_s``, reads each
+Python thread's stack (``sys._current_frames``) and its CPU clock (``pthread_getcpuclockid``), and
+charges the CPU time the thread used since the last look to the stack it has now. A thread that
+waited meanwhile used no CPU and is charged nothing, whatever its stack says; CPU spent by threads
+Python does not know (faiss' OpenMP or torch's pools) is the process's CPU less the Python
+threads', reported as ``native threads``. The sampler's own thread is left out of every figure.
+
+Components are recognised by the modules in a stack (:data:`COMPONENTS`): the first rule that
+some frame matches, innermost frame first within each rule, so that the simulated engine's steps
+and the mirror's tree updates count as theirs although they run in the cache's modules.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import FrameType
+
+import psutil
+
+__all__ = ["COMPONENTS", "CpuProfile", "FrameSampler", "classify", "largest"]
+
+# (component, path fragments, function names or None for any): checked in this order; a frame
+# matches when its file's path contains a fragment (and its function is named, if names are
+# given). Overrides come first: the stand-in engine and the mirror run the cache's code, the
+# embedding runs inside the retrieval package.
+COMPONENTS: tuple[tuple[str, tuple[str, ...], frozenset[str] | None], ...] = (
+    ("engine stand-in", ("specrag/sim/",), None),
+    ("mirror", ("specrag/pipeline/kv_mirror/",), None),
+    ("mirror", ("specrag/cache/tree.py",), frozenset({"apply_events"})),
+    ("embedding", ("_embedder.py", "specrag/retrieval/embedders.py", "transformers/", "torch/"), None),
+    ("embedding", ("specrag/retrieval/vector_index.py",), frozenset({"embed_query"})),
+    ("metrics", ("prometheus_client/", "specrag/service/http/metrics.py", "controller/timeline.py"), None),
+    ("search", ("specrag/retrieval/", "faiss/", "bm25s/", "hnswlib"), None),
+    (
+        "prompt/tokenization",
+        ("specrag/pipeline/store/", "specrag/cache/layout.py", "pipeline/models/", "tokenizers/"),
+        None,
+    ),
+    ("ordering", ("specrag/cache/", "specrag/controller/placement.py", "controller/tiers.py"), None),
+    (
+        "speculation",
+        ("controller/speculation", "controller/gate.py", "controller/flight.py", "controller/warmup.py"),
+        None,
+    ),
+    ("controller other", ("specrag/controller/",), None),
+    ("http", ("aiohttp/", "specrag/service/http/", "json/", "multidict", "yarl/"), None),
+    ("thin front end", ("bench/capacity/profile_thin.py",), None),
+    ("event loop", ("asyncio/",), None),
+)
+NATIVE = "native threads"
+OTHER = "other"
+
+
+def _stack(frame: FrameType | None) -> Iterator[FrameType]:
+    """The frames of a stack, innermost first."""
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def classify(frame: FrameType | None) -> str:
+    """The component a stack's CPU is charged to (:data:`COMPONENTS`), :data:`OTHER` if none."""
+    stack = [(f.f_code.co_filename, f.f_code.co_name) for f in _stack(frame)]
+    for component, fragments, functions in COMPONENTS:
+        for filename, function in stack:
+            if any(fragment in filename for fragment in fragments) and (
+                functions is None or function in functions
+            ):
+                return component
+    return OTHER
+
+
+# Where a thread waits without using CPU: the CPU it used since the last sample was spent before
+# it came here, so it is charged to the stack seen at that sample (the thread pool's worker
+# waiting for work, the event loop's selector).
+_IDLE_SITES = frozenset({("thread.py", "_worker"), ("selectors.py", "select"), ("threading.py", "wait")})
+
+
+def _idle(frame: FrameType) -> bool:
+    return (frame.f_code.co_filename.rsplit("/", 1)[-1], frame.f_code.co_name) in _IDLE_SITES
+
+
+def _site(frame: FrameType) -> str:
+    """``package/module.py:function`` of a frame, short enough for a table."""
+    parts = frame.f_code.co_filename.replace("\\", "/").split("/")
+    return f"{'/'.join(parts[-2:])}:{frame.f_code.co_name}"
+
+
+@dataclass
+class CpuProfile:
+    """CPU seconds per component, per innermost frame (self) and per frame anywhere in the stack
+    (inclusive), with the process's and the loop thread's CPU over the same interval."""
+
+    by_component: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    self_sites: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    inclusive_sites: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    process_cpu_s: float = 0.0
+    loop_thread_cpu_s: float = 0.0
+    sampler_cpu_s: float = 0.0
+    wall_s: float = 0.0
+    samples: int = 0
+
+    def ms_per(self, count: int) -> dict[str, float]:
+        """Each component's CPU milliseconds per one of ``count`` answers, largest first."""
+        return {name: round(1000 * s / count, 3) for name, s in largest(self.by_component)}
+
+
+def largest(seconds: dict[str, float], count: int | None = None) -> list[tuple[str, float]]:
+    """The ``count`` largest entries (all when None), largest first."""
+    return sorted(seconds.items(), key=lambda item: -item[1])[:count]
+
+
+class FrameSampler:
+    """Samples every Python thread but its own (see the module doc) while the block runs."""
+
+    def __init__(self, interval_s: float = 0.002, loop_thread: int | None = None) -> None:
+        self.interval_s = interval_s
+        self.profile = CpuProfile()
+        self._loop_thread = loop_thread if loop_thread is not None else threading.main_thread().ident
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._clocks: dict[int, tuple[int, float]] = {}
+        self._last_busy: dict[int, tuple[str, str, set[str]]] = {}
+
+    def __enter__(self) -> FrameSampler:
+        self._process_start = _process_cpu()
+        self._wall_start = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        profile = self.profile
+        profile.wall_s = time.perf_counter() - self._wall_start
+        profile.process_cpu_s = _process_cpu() - self._process_start
+        python_threads = sum(profile.by_component.values())
+        native = profile.process_cpu_s - python_threads - profile.sampler_cpu_s
+        if native > 0:
+            profile.by_component[NATIVE] += native
+
+    def _thread_cpu(self, ident: int) -> tuple[int, float] | None:
+        """(clock id, CPU seconds) of thread ``ident``; None once it has ended."""
+        try:
+            clock = self._clocks[ident][0] if ident in self._clocks else time.pthread_getcpuclockid(ident)
+            return clock, time.clock_gettime(clock)
+        except (OSError, ProcessLookupError):
+            return None
+
+    def _run(self) -> None:
+        own = threading.get_ident()
+        start = time.thread_time()
+        while not self._stop.wait(self.interval_s):
+            self._sample(sys._current_frames(), own)
+        self.profile.sampler_cpu_s = time.thread_time() - start
+
+    def _sample(self, frames: dict[int, FrameType], own: int) -> None:
+        profile = self.profile
+        profile.samples += 1
+        for ident, frame in frames.items():
+            if ident == own:
+                continue
+            now = self._thread_cpu(ident)
+            if now is None:
+                continue
+            before = self._clocks.get(ident)
+            self._clocks[ident] = now
+            if before is None:
+                continue
+            used = now[1] - before[1]
+            if used <= 0:
+                continue
+            if ident == self._loop_thread:
+                profile.loop_thread_cpu_s += used
+            busy = (classify(frame), _site(frame), {_site(f) for f in _stack(frame)})
+            if _idle(frame):
+                busy = self._last_busy.get(ident, busy)
+            else:
+                self._last_busy[ident] = busy
+            component, site, sites = busy
+            profile.by_component[component] += used
+            profile.self_sites[site] += used
+            for each in sites:
+                profile.inclusive_sites[each] += used
+
+
+def _process_cpu() -> float:
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
