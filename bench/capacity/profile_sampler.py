@@ -1,12 +1,17 @@
 """Where a process's CPU goes, by component: a sampling profiler needing no package.
 
 py-spy is not installed here (and nothing may be installed), and cProfile slows every call it
-traces, which moves the costs it measures. So a thread wakes every ``interval_s``, reads each
-Python thread's stack (``sys._current_frames``) and its CPU clock (``pthread_getcpuclockid``), and
-charges the CPU time the thread used since the last look to the stack it has now. A thread that
-waited meanwhile used no CPU and is charged nothing, whatever its stack says; CPU spent by threads
-Python does not know (faiss' OpenMP or torch's pools) is the process's CPU less the Python
-threads', reported as ``native threads``. The sampler's own thread is left out of every figure.
+traces, which moves the costs it measures. So a CPU-time timer (``ITIMER_PROF``) interrupts the
+process every ``interval_s`` of CPU it uses; the handler reads each Python thread's stack
+(``sys._current_frames``) and its CPU clock (``pthread_getcpuclockid``), and charges the CPU time
+the thread used since the last tick to the stack it has now. A sampling *thread* would be a
+biased judge: it gets the GIL mostly when the event loop releases it, at a socket write or a
+thread-pool hand-off, and would charge those sites with the CPU spent before them; a signal lands
+where the CPU is being spent. A thread that waited meanwhile used no CPU and is charged nothing,
+whatever its stack says; one now waiting (the loop in its selector, a pool worker) has its CPU
+charged to the stack it had when last seen busy. CPU spent by threads Python does not know
+(faiss' OpenMP or torch's pools) is the process's CPU less the Python threads', reported as
+``native threads``. The handler's own CPU is left out of every figure.
 
 Components are recognised by the modules in a stack (:data:`COMPONENTS`): the first rule that
 some frame matches, innermost frame first within each rule, so that the simulated engine's steps
@@ -15,6 +20,7 @@ and the mirror's tree updates count as theirs although they run in the cache's m
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import time
@@ -119,26 +125,26 @@ def largest(seconds: dict[str, float], count: int | None = None) -> list[tuple[s
 
 
 class FrameSampler:
-    """Samples every Python thread but its own (see the module doc) while the block runs."""
+    """Samples every Python thread (see the module doc) while the block runs, in the main thread."""
 
-    def __init__(self, interval_s: float = 0.002, loop_thread: int | None = None) -> None:
+    def __init__(self, interval_s: float = 0.002) -> None:
         self.interval_s = interval_s
         self.profile = CpuProfile()
-        self._loop_thread = loop_thread if loop_thread is not None else threading.main_thread().ident
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._main = threading.main_thread().ident
         self._clocks: dict[int, tuple[int, float]] = {}
         self._last_busy: dict[int, tuple[str, str, set[str]]] = {}
+        self._last_tick_s = 0.0  # the previous tick's own CPU, inside the main thread's next delta
 
     def __enter__(self) -> FrameSampler:
         self._process_start = _process_cpu()
         self._wall_start = time.perf_counter()
-        self._thread.start()
+        self._previous = signal.signal(signal.SIGPROF, self._tick)
+        signal.setitimer(signal.ITIMER_PROF, self.interval_s, self.interval_s)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, self._previous)
         profile = self.profile
         profile.wall_s = time.perf_counter() - self._wall_start
         profile.process_cpu_s = _process_cpu() - self._process_start
@@ -155,19 +161,20 @@ class FrameSampler:
         except (OSError, ProcessLookupError):
             return None
 
-    def _run(self) -> None:
-        own = threading.get_ident()
-        start = time.thread_time()
-        while not self._stop.wait(self.interval_s):
-            self._sample(sys._current_frames(), own)
-        self.profile.sampler_cpu_s = time.thread_time() - start
+    def _tick(self, signum: int, frame: FrameType | None) -> None:
+        """Every ``interval_s`` of the process's CPU: each thread's CPU since the last tick, charged."""
+        started = time.thread_time()
+        frames = sys._current_frames()
+        if frame is not None and self._main is not None:
+            frames[self._main] = frame  # where the main thread was, not this handler
+        self._sample(frames)
+        self._last_tick_s = time.thread_time() - started
+        self.profile.sampler_cpu_s += self._last_tick_s
 
-    def _sample(self, frames: dict[int, FrameType], own: int) -> None:
+    def _sample(self, frames: dict[int, FrameType]) -> None:
         profile = self.profile
         profile.samples += 1
         for ident, frame in frames.items():
-            if ident == own:
-                continue
             now = self._thread_cpu(ident)
             if now is None:
                 continue
@@ -176,10 +183,11 @@ class FrameSampler:
             if before is None:
                 continue
             used = now[1] - before[1]
+            if ident == self._main:
+                used -= self._last_tick_s
+                profile.loop_thread_cpu_s += max(used, 0.0)
             if used <= 0:
                 continue
-            if ident == self._loop_thread:
-                profile.loop_thread_cpu_s += used
             busy = (classify(frame), _site(frame), {_site(f) for f in _stack(frame)})
             if _idle(frame):
                 busy = self._last_busy.get(ident, busy)
