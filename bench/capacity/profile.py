@@ -61,7 +61,7 @@ from specrag.sim.requests import TimeModel
 
 NAME = "capacity-profile"
 CONFIGURATIONS = ("thin", "serial", "all")
-TOP_FRAMES = 15
+TOP_FRAMES = 40
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,8 @@ class FrameSampler:
 
     def _tick(self, signum: int, frame: FrameType | None) -> None:
         """Every ``interval_s`` of the process's CPU: each thread's CPU since the last tick, charged."""
+        if frame is not None and frame.f_code is FrameSampler._tick.__code__:
+            return  # a tick that came while the last one ran: that CPU is the handler's own
         started = time.thread_time()
         frames = sys._current_frames()
         if frame is not None and self._main is not None:
