@@ -11,10 +11,11 @@ APC keeps every block of the shared prefix instead of losing the straddling one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Literal, NamedTuple
 
+from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
 
 __all__ = ["DocId", "PromptLayout", "Segment", "SegmentKind", "build_layout"]
@@ -48,6 +49,21 @@ class PromptLayout:
 
     token_ids: tuple[int, ...]
     segments: tuple[Segment, ...]
+    # The chain keys of its full blocks, per block size, once asked (see block_keys); not a field
+    # of the prompt: not compared, not copied by dataclasses.replace.
+    _block_keys: dict[int, tuple[int, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def block_keys(self, block_size: int) -> tuple[int, ...]:
+        """The content keys of the prompt's full blocks (:func:`~specrag.cache.residency.chain_block_keys`),
+        computed once per layout: a query asks for them at every replica it compares and again
+        when its prompt is submitted, served and prefilled. The first ``n`` keys are those of the
+        prompt's first ``n`` blocks alone, so a caller wanting a prefix's keys slices them."""
+        keys = self._block_keys.get(block_size)
+        if keys is None:
+            keys = self._block_keys[block_size] = tuple(chain_block_keys(self.token_ids, block_size))
+        return keys
 
     def document_ids(self) -> tuple[DocId, ...]:
         """The documents in the order they appear in the prompt."""

@@ -8,6 +8,7 @@ context), so costs come from a measured prefill-time profile of the engine, not 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,15 +46,27 @@ class PrefillProfile:
         seconds = np.array([p[1] for p in pts], dtype=np.float64)
         if np.any(np.diff(tokens) <= 0) or np.any(tokens < 0) or np.any(np.diff(seconds) < 0):
             raise InvalidInputError("profile tokens must be distinct and >= 0, seconds non-decreasing")
-        self._tokens = tokens
-        self._seconds = seconds
-        self._tail_slope = float((seconds[-1] - seconds[-2]) / (tokens[-1] - tokens[-2]))
+        # Plain floats: a query costs dozens of candidate prompts, and numpy's call overhead on
+        # one number is several times the arithmetic.
+        self._tokens: list[float] = tokens.tolist()
+        self._seconds: list[float] = seconds.tolist()
+        self._tail_slope = (self._seconds[-1] - self._seconds[-2]) / (self._tokens[-1] - self._tokens[-2])
 
     def seconds(self, tokens: int) -> float:
-        """Estimated cold prefill time of a ``tokens``-long prompt."""
-        if tokens > self._tokens[-1]:
-            return float(self._seconds[-1] + (tokens - self._tokens[-1]) * self._tail_slope)
-        return float(np.interp(tokens, self._tokens, self._seconds))
+        """Estimated cold prefill time of a ``tokens``-long prompt: ``numpy.interp`` through the
+        points, the same operations in the same order (so the same float), past the last point
+        the last segment's slope."""
+        xs, ys = self._tokens, self._seconds
+        x = float(tokens)
+        if x > xs[-1]:
+            return ys[-1] + (x - xs[-1]) * self._tail_slope
+        if x < xs[0]:
+            return ys[0]
+        j = bisect_right(xs, x) - 1  # xs[j] <= x < xs[j + 1], or x is the last point
+        if j == len(xs) - 1 or xs[j] == x:
+            return ys[j]
+        slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
+        return slope * (x - xs[j]) + ys[j]
 
     def cost(self, cached: int, computed: int) -> float:
         """Estimated time to compute ``computed`` tokens after ``cached`` ones are reused."""

@@ -210,7 +210,9 @@ class KnowledgeTree:
         """What the engine would reuse of this prompt of documents: its documents' path and, past
         it, the question's full blocks when the same prompt was computed before (identical
         requests at once, a repeat), which the engine reuses as well."""
-        return max(self.cached_prefix(layout.document_ids()).tokens, self.cached_tokens(layout.token_ids))
+        documents = self.cached_prefix(layout.document_ids()).tokens  # before predictions expire
+        usable = (len(layout.token_ids) - 1) // self.block_size
+        return max(documents, self._leading_stored(layout.block_keys(self.block_size)[:usable]))
 
     def cached_tokens(self, token_ids: Sequence[int]) -> int:
         """What the engine would reuse of any prompt whose token order is fixed (a session's turn).
@@ -219,8 +221,12 @@ class KnowledgeTree:
         token is always computed, so an exact repeat reuses all blocks but the one holding it.
         """
         usable = (len(token_ids) - 1) // self.block_size
+        return self._leading_stored(chain_block_keys(token_ids[: usable * self.block_size], self.block_size))
+
+    def _leading_stored(self, keys: Sequence[int]) -> int:
+        """Tokens of the run of ``keys`` believed stored from the first (predictions past their
+        bound dropped first)."""
         self._residency.expire_predictions()
-        keys = chain_block_keys(token_ids[: usable * self.block_size], self.block_size)
         return self._residency.leading_stored(keys) * self.block_size
 
     # ----------------------------------------------------------------- updates
@@ -237,8 +243,9 @@ class KnowledgeTree:
         if cached_tokens is None:
             cached_tokens = self.cached_prefix(doc_ids).tokens
         prefix_end = documents[-1].end if documents else system.end
-        tokens = layout.token_ids if self._lru is not None else layout.token_ids[:prefix_end]
-        keys = chain_block_keys(tokens, self.block_size)
+        keys = layout.block_keys(self.block_size)
+        if self._lru is None:
+            keys = keys[: prefix_end // self.block_size]
         computed = len(layout.token_ids) - cached_tokens
         cost = self._profile.cost(cached_tokens, computed) / computed if computed > 0 else None
         self._tick += 1
@@ -274,8 +281,7 @@ class KnowledgeTree:
         """
         system, documents = self._split(layout)
         prefix_end = documents[-1].end if documents else system.end
-        keys = chain_block_keys(layout.token_ids[:prefix_end], self.block_size)
-        self._path(system, documents, keys)
+        self._path(system, documents, layout.block_keys(self.block_size)[: prefix_end // self.block_size])
         if self._size > self.max_nodes:
             self._prune()
 
@@ -293,7 +299,7 @@ class KnowledgeTree:
         self._split(layout)  # a prompt of the documents' layout (not a session's history), checked
         # Every full block of the prompt, the question's too: the engine caches them all, and
         # the same question again (identical requests at once, a repeat) reuses them.
-        for key in chain_block_keys(layout.token_ids, self.block_size):
+        for key in layout.block_keys(self.block_size):
             self._residency.expect(key)
 
     def apply_events(self, events: Iterable[KVEvent]) -> None:
@@ -366,7 +372,7 @@ class KnowledgeTree:
             raise InvalidInputError("a served prompt lists a document twice")
         return system, documents
 
-    def _path(self, system: Segment, documents: Sequence[Segment], keys: list[int]) -> list[Node]:
+    def _path(self, system: Segment, documents: Sequence[Segment], keys: Sequence[int]) -> list[Node]:
         """The root and the prompt's document nodes, each made where missing and re-keyed where its
         span or content changed."""
         node = self.root
@@ -384,7 +390,7 @@ class KnowledgeTree:
             node = child
         return path
 
-    def _locate(self, node: Node, seg: Segment, keys: list[int]) -> None:
+    def _locate(self, node: Node, seg: Segment, keys: Sequence[int]) -> None:
         """Re-key the node if its span or content changed."""
         owned = tuple(keys[seg.start // self.block_size : seg.end // self.block_size])
         if (node.start, node.end) != (seg.start, seg.end) or node.keys != owned:

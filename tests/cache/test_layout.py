@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 
 import pytest
@@ -5,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specrag.cache import Segment, build_layout
+from specrag.cache.residency import chain_block_keys
 from specrag.errors import InvalidInputError
 
 
@@ -111,3 +113,20 @@ def test_layout_equals_the_plain_construction(
     assert layout.token_ids == tokens
     assert [(s.kind, s.doc_id, s.start, s.end) for s in layout.segments] == segments
     assert all(isinstance(s, Segment) for s in layout.segments)
+
+
+def test_block_keys_are_the_prompt_s_chain_computed_once_and_not_carried_by_replace() -> None:
+    layout = build_layout(
+        [1, 2, 3], [("a", [10] * 5), ("b", [20] * 4)], [30, 31], block_size=4, pad_token_id=0
+    )
+    keys = layout.block_keys(4)
+    assert list(keys) == chain_block_keys(layout.token_ids, 4)
+    assert layout.block_keys(4) is keys  # asked again (every replica compared): not recomputed
+    assert list(layout.block_keys(8)) == chain_block_keys(layout.token_ids, 8)
+    # A prefix's keys are the first keys of the whole: what the tree slices for a document path.
+    assert list(keys[:2]) == chain_block_keys(layout.token_ids[:9], 4)
+    other = dataclasses.replace(layout, token_ids=(7,) * len(layout.token_ids))
+    assert list(other.block_keys(4)) == chain_block_keys(other.token_ids, 4) != list(keys)
+    assert layout == build_layout(
+        [1, 2, 3], [("a", [10] * 5), ("b", [20] * 4)], [30, 31], block_size=4, pad_token_id=0
+    )

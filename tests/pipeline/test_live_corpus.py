@@ -20,6 +20,7 @@ from specrag.pipeline.document_kv.store import segment_key
 from specrag.pipeline.store.document_store import build_store
 from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, RETRAIN_DRIFT, LiveCorpus
 from specrag.pipeline.store.live_store import LiveStore
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import load_index
 from specrag.retrieval.staged_hnsw import StagedHNSW
@@ -288,3 +289,23 @@ def test_a_document_longer_than_the_segment_limit_is_refused_naming_the_limit(co
         corpus.get("fact-1")
     (written,) = corpus.put([NEW_FACT])  # a short one still fits
     assert written.version == 1
+
+
+def test_what_the_store_caches_per_row_follows_a_document_s_new_version(
+    corpus: LiveCorpus, tiny_assets: Assets
+) -> None:
+    """Passages and token segments are cached by row, and a version is a row of its own: once a
+    document is replaced, its id reads the new version and prompts carry its new tokens, however
+    often the old one was read (and cached) before."""
+    builder = PromptBuilder(tiny_assets.tokenizer, corpus.store)
+    old_row = corpus.store.row_of(corpus.index.passage_ids[3])
+    old = corpus.store.passage(old_row)
+    old_prompt = builder.build([old_row], "what is it?")
+    assert corpus.store.passage(old_row) is old  # read once, then from the cache
+    corpus.put([Passage(old.id, old.title, "Replaced: the quokka module now counts wombats.")])
+    new_row = corpus.store.row_of(old.id)
+    assert corpus.store.passage(new_row).text == "Replaced: the quokka module now counts wombats."
+    new_prompt = builder.build([new_row], "what is it?")
+    assert new_prompt.token_ids != old_prompt.token_ids
+    assert "wombats" in tiny_assets.tokenizer.decode(list(new_prompt.token_ids))
+    assert builder.build([old_row], "what is it?") == old_prompt  # a query in flight still reads it

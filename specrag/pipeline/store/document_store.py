@@ -150,7 +150,9 @@ class DocumentStore:
         blob = self._verified_row(row)[4]
         return tuple(int(token) for token in np.frombuffer(blob, dtype=_TOKEN_DTYPE))
 
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - as tokens: a row never changes
     def passage(self, row: int) -> Passage:
+        """Passage ``row`` (cached: every answer names its sources, read from here)."""
         passage_id, title, text, *_ = self._verified_row(row)
         return Passage(id=passage_id, title=title, text=text)
 

@@ -162,6 +162,6 @@ class OverlayStore(DocumentStore):
         live = self._rows.get(row)
         return live.tokens if live is not None else super().tokens(row)
 
-    def passage(self, row: int) -> Passage:
+    def passage(self, row: int) -> Passage:  # type: ignore[override]  # the base's is cached
         live = self._rows.get(row)
         return live.passage if live is not None else super().passage(row)

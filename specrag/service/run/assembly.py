@@ -55,7 +55,15 @@ from specrag.service.run.pools import (
 )
 from specrag.service.run.sharded_serving import searching_on_shards
 
-__all__ = ["Service", "open_controller", "open_engine", "open_service", "prompt_builder", "searching_on"]
+__all__ = [
+    "Service",
+    "open_controller",
+    "open_engine",
+    "open_service",
+    "prompt_builder",
+    "searching_on",
+    "serving_engines",
+]
 
 
 @dataclass
@@ -190,7 +198,7 @@ async def open_service(
         await asyncio.to_thread(shards.enter_context, searching_on_shards(assets.index, options))
         async with (
             _engines(assets, options, run_dir) as engines,
-            _serving(engines, assets, options) as service,
+            serving_engines(engines, assets, options) as service,
         ):
             yield service
 
@@ -220,15 +228,17 @@ async def _serving_while_checked(
         engines = await starting
         with contextlib.ExitStack() as shards:
             await asyncio.to_thread(shards.enter_context, searching_on_shards(assets.index, options))
-            async with _serving(engines, assets, options) as service:
+            async with serving_engines(engines, assets, options) as service:
                 yield service
 
 
 @contextlib.asynccontextmanager
-async def _serving(
-    engines: list[PoolEngine], assets: Assets, options: ServiceOptions
+async def serving_engines(
+    engines: Sequence[PoolEngine], assets: Assets, options: ServiceOptions
 ) -> AsyncIterator[Service]:
-    """:func:`open_service` once the engines run and the index is ready to search."""
+    """:func:`open_service` once the engines run and the index is ready to search; public for a
+    benchmark that brings engines of its own (``bench.capacity.profile``: simulated ones, which
+    the service never starts), so that it measures the stack the service runs."""
     with searching_on(assets.index, options.search_cpus):
         # Each tree predicts the system prompt as it starts every prompt: padded to the engines' blocks.
         builder = prompt_builder(assets, engines[0].engine)

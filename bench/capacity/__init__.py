@@ -1,0 +1,1 @@
+"""Capacity of specrag's own per-answer work in front of fast replicas."""
