@@ -34,7 +34,7 @@ STARTUP = web.AppKey("specrag_startup", StartupReport)
 
 SearchShardsHealth = Callable[[], list[dict[str, Any]]]
 SEARCH_SHARDS: web.AppKey[SearchShardsHealth] = web.AppKey("specrag_search_shards")
-"""How each search shard actor stands (:func:`specrag.service.run.search_actors.shards_health`);
+"""How each search shard actor stands (:func:`specrag.service.run.sharded_serving.shards_health`);
 absent: the index is searched in this process."""
 
 
