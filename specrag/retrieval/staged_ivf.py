@@ -27,7 +27,7 @@ from specrag.retrieval.stages import (
     prepare_queries,
     run_stages,
 )
-from specrag.retrieval.topk import RunningTopK
+from specrag.retrieval.topk import RunningTopK, exact_top
 
 __all__ = [
     "DEFAULT_NLIST",
@@ -285,9 +285,10 @@ class StagedIVF(FaissBacked):
         matrix = prepare_queries(queries, self.dim, self.ntotal, k)
         bitmap = None if visibility is None else visibility.bitmap  # alive while faiss reads it
         selector = None if bitmap is None else bitmap_selector(bitmap)
+        params = self._params(self.nprobe, selector)
+        keep_max = self.index.metric_type == faiss.METRIC_INNER_PRODUCT
         with self._lists_lock.reading():
-            distances, ids = self.index.search(matrix, k, params=self._params(self.nprobe, selector))
-        return distances, ids
+            return exact_top(lambda width: self.index.search(matrix, width, params=params), k, keep_max)
 
     def stages(
         self, queries: np.ndarray, k: int, plan: StagePlan, visibility: Visibility | None = None
@@ -327,7 +328,8 @@ class _IVFCursor:
         self._selector = None if bitmap is None else bitmap_selector(bitmap)
         index = ivf.index
         self._coarse_distances, self._coarse_lists = index.quantizer.search(matrix, ivf.nprobe)
-        self._top = RunningTopK(len(matrix), k, keep_max=index.metric_type == faiss.METRIC_INNER_PRODUCT)
+        self._keep_max = index.metric_type == faiss.METRIC_INNER_PRODUCT
+        self._top = RunningTopK(len(matrix), k, self._keep_max)
         self._scanned = 0
 
     def advance(self, units: int) -> bool:
@@ -335,22 +337,27 @@ class _IVFCursor:
         end = min(ivf.nprobe, self._scanned + units)
         lists = np.ascontiguousarray(self._coarse_lists[:, self._scanned : end])
         centroid_distances = np.ascontiguousarray(self._coarse_distances[:, self._scanned : end])
-        distances = np.empty((num, k), dtype=np.float32)
-        ids = np.empty((num, k), dtype=np.int64)
-        with ivf._lists_lock.reading():
+        params = ivf._params(end - self._scanned, self._selector)
+
+        def scan(width: int) -> tuple[np.ndarray, np.ndarray]:
+            distances = np.empty((num, width), dtype=np.float32)
+            ids = np.empty((num, width), dtype=np.int64)
             ivf.index.search_preassigned_c(
                 num,
                 faiss.swig_ptr(self._matrix),
-                k,
+                width,
                 faiss.swig_ptr(lists),
                 faiss.swig_ptr(centroid_distances),
                 faiss.swig_ptr(distances),
                 faiss.swig_ptr(ids),
                 False,
-                ivf._params(end - self._scanned, self._selector),
+                params,
                 None,
             )
-        self._top.add(distances, ids)
+            return distances, ids
+
+        with ivf._lists_lock.reading():
+            self._top.add(*exact_top(scan, k, self._keep_max))
         self._scanned = end
         return self._scanned == ivf.nprobe
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from specrag.errors import InvalidInputError, ShardUnavailableError
 from specrag.retrieval.live_index import Visibility
+from specrag.retrieval.shards.added import AddedRows
 from specrag.retrieval.shards.build import build_hnsw_shards, build_ivf_shards
 from specrag.retrieval.shards.merge import ShardAnswers, ShardedSearcher, owner_shards, split_rows
 from specrag.retrieval.staged_ivf import StagedIVF
@@ -163,3 +164,40 @@ def test_a_one_shot_search_accepting_a_partial_top_k_merges_the_shards_that_answ
     np.testing.assert_array_equal(ids, expected_ids)
     np.testing.assert_array_equal(distances, expected_distances)
     assert not np.isin(ids % 3, [1]).any()
+
+
+@pytest.mark.parametrize("codes", ["flat", "sq8"])
+@pytest.mark.parametrize("shards", [2, 3, 4])
+def test_ties_at_the_kth_place_merge_as_the_unsharded_index_breaks_them(codes: str, shards: int) -> None:
+    """Every vector stored eight times (duplicate documents): every k cuts through a tie, and the
+    merge must keep the rows the unsharded index keeps, whatever shard each copy lives on."""
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((50, 8)).astype(np.float32)
+    base /= np.linalg.norm(base, axis=1, keepdims=True)
+    vectors = np.repeat(base, 8, axis=0)
+    rng.shuffle(vectors)
+    queries = base[:6] + 0.01
+    whole = StagedIVF.build(vectors, nlist=8, nprobe=4, codes=codes)
+    sharded = build_ivf_shards(vectors, shards, nlist=8, nprobe=4, codes=codes)
+    for k in (3, 5, 10, 12):
+        for plan in (StagePlan(1, "equal"), StagePlan(4, "equal")):
+            assert_same_stages(list(sharded.stages(queries, k, plan)), list(whole.stages(queries, k, plan)))
+        for merged, single in zip(sharded.search(queries, k), whole.search(queries, k), strict=True):
+            np.testing.assert_array_equal(merged, single)
+        distances, ids = whole.search(queries, k)
+        for row_distances, row_ids in zip(distances, ids, strict=True):  # ties: the smaller row first
+            for one in range(k - 1):
+                if row_distances[one] == row_distances[one + 1]:
+                    assert row_ids[one] < row_ids[one + 1]
+
+
+def test_a_retried_add_records_each_row_once() -> None:
+    added = AddedRows(base=10, base_next_row=30, dim=2)
+    vectors = np.ones((2, 2), dtype=np.float32)
+    added.record(vectors, np.array([30, 33]), 35)
+    added.record(vectors, np.array([30, 33]), 35)  # the same add again: its answer was lost
+    added.record(vectors[:1], np.array([36]), 37)
+    assert added.ntotal == 13 and added.next_row == 37
+    _, rows = added.since(10)
+    assert rows.tolist() == [30, 33, 36]
+    assert added.held_before(36) == 12 and added.held_before(30) == 10

@@ -12,6 +12,8 @@ import pytest
 from specrag.retrieval.shards.build import build_ivf_shards
 from specrag.retrieval.shards.merge import ShardedSearcher
 from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.http.app import create_app, serving
+from specrag.service.http.monitoring import SEARCH_SHARDS
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers.builders import QUESTION, make_controller
@@ -105,3 +107,27 @@ async def test_a_batch_over_a_silent_shard_fails_unless_partial_is_allowed(tiny_
         assert shards["answered"] == ["000"] and list(shards["missing"]) == ["001"]
         rows = {tiny_assets.index.passage_ids.index(passage) for passage in answer["documents"]}
         assert all(row % 2 == 0 for row in rows), "only shard 000's rows (even rows) are served"
+
+
+async def test_health_names_every_search_shard_and_fails_while_one_has_failed(tiny_assets: Assets) -> None:
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets)
+    shards: list[dict[str, Any]] = [
+        {"name": "000", "state": "serving", "reason": None},
+        {"name": "001", "state": "replacing", "reason": "its actor died"},
+    ]
+    app = create_app(controller)
+    app[SEARCH_SHARDS] = shards.copy
+    try:
+        async with serving(app, access_log=False) as url, aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/health") as response:
+                assert response.status == 200
+                assert (await response.json())["search_shards"] == shards
+            shards[1] = {"name": "001", "state": "failed", "reason": "its new actor did not start"}
+            async with http.get(f"{url}/health") as response:
+                assert response.status == 503
+                body = await response.json()
+    finally:
+        await controller.close()
+        await engine.close()
+    assert body["reason"] == "search shard(s) 001 failed" and body["search_shards"] == shards

@@ -18,7 +18,7 @@ from specrag.retrieval.stages import StagePlan
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.options import ServiceOptions
-from specrag.service.run.sharded_serving import check_search_shards, searching_on_shards
+from specrag.service.run.sharded_serving import check_search_shards, searching_on_shards, shard_cpus
 from tests.helpers.vectors import passages_for
 
 
@@ -114,3 +114,47 @@ def test_the_index_searches_through_shard_actors_while_serving(
             pass
     finally:
         ray.shutdown()
+
+
+def test_pgvector_with_search_shards_exits_2_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--data-dir", str(tmp_path), "serve", "--port", "0", "--ray", "--search-shards", "2"]
+    assert main([*argv, "--backend", "pgvector", "--pg-dsn", "postgresql://nobody@127.0.0.1:1/none"]) == 2
+    error = capsys.readouterr().err
+    assert "--search-shards" in error and "--backend pgvector" in error
+    assert not (tmp_path / "index").exists()  # refused before any artefact or database
+
+
+@pytest.mark.parametrize(
+    ("shards", "replicas", "cluster", "given", "cpus"),
+    [
+        (2, 1, {"CPU": 2.0}, None, 0.5),  # the documented local start: one core for the engine
+        (4, 1, {"CPU": 2.0}, None, 0.25),
+        (3, 1, {"CPU": 2.0}, None, 0.33),
+        (2, 1, {"CPU": 8.0}, None, 1.0),  # room for a core each
+        (2, 2, {"CPU": 2.0, "GPU": 2.0}, None, 1.0),  # the replicas take GPUs, not CPUs
+        (2, 1, {"CPU": 2.0}, 0.2, 0.2),
+        (2, 2, {"CPU": 2.0}, 0.0, 0.0),  # shares the replicas' cores, reserving none
+    ],
+)
+def test_shard_actors_ask_for_what_the_cluster_has_beside_the_engines(
+    shards: int, replicas: int, cluster: dict[str, float], given: float | None, cpus: float
+) -> None:
+    options = ServiceOptions(ray_address="", search_shards=shards, replicas=replicas, search_shard_cpus=given)
+    assert shard_cpus(options, cluster) == cpus
+
+
+def test_a_shard_placement_ray_could_never_satisfy_is_refused_naming_the_flag() -> None:
+    crowded = ServiceOptions(ray_address="", search_shards=2, replicas=2)
+    with pytest.raises(InvalidInputError, match="all go to the 2 engine replica") as failure:
+        shard_cpus(crowded, {"CPU": 2.0})
+    assert "--search-shard-cpus 0" in str(failure.value)
+    greedy = ServiceOptions(ray_address="", search_shards=2, search_shard_cpus=1.0)
+    with pytest.raises(InvalidInputError, match="need 3 CPUs, the cluster has 2") as failure:
+        shard_cpus(greedy, {"CPU": 2.0})
+    assert "--search-shard-cpus 0.5 or less" in str(failure.value)
+    with pytest.raises(InvalidInputError, match="give --search-shards too"):
+        ServiceOptions(ray_address="", search_shard_cpus=0.5)
+    with pytest.raises(InvalidInputError, match="0 or more"):
+        ServiceOptions(ray_address="", search_shards=2, search_shard_cpus=float("nan"))

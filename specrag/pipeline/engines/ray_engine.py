@@ -11,7 +11,8 @@ worker start method to ``spawn`` inside the actor by itself). :class:`RayEngine`
   actor, so leaving a stream early calls the actor's ``abort`` (as every adapter does).
 - **Placement**: a GPU per replica when the cluster has them; otherwise a CPU, and the replica's
   vLLM worker is pinned to its own core (``omp_threads_bind``), or two replicas on one machine
-  would both bind core 0.
+  would both bind core 0. A replica Ray cannot place is said within a bound
+  (:mod:`~specrag.pipeline.engines.ray_placement`), not waited for.
 - **Faults**: a killed actor reaches the caller as ``ActorDiedError`` within milliseconds, turned
   into :class:`EngineError` here (the router then excludes the replica). A dead engine core inside
   a live actor fails every request; the actor then checks its engine and, if it no longer
@@ -41,8 +42,16 @@ from specrag.errors import EngineError
 from specrag.pipeline.engines.base import DescribedEngine
 from specrag.pipeline.engines.config import EngineConfig, KVEventSource
 from specrag.pipeline.engines.protocol import EngineCounts, EngineOutput, EngineShape, Sampling, now
+from specrag.pipeline.engines.ray_placement import PLACEMENT_WAIT_S, replica_options, unplaced
 
-__all__ = ["EngineActor", "RayEngine", "ReplicaInfo", "on_node", "replica_config", "subscriber_config"]
+__all__ = [
+    "EngineActor",
+    "RayEngine",
+    "ReplicaInfo",
+    "on_node",
+    "replica_config",
+    "subscriber_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -133,19 +142,32 @@ class RayEngine(DescribedEngine):
         self.name = name
 
     @classmethod
-    async def start(cls, config: EngineConfig, name: str, *, max_restarts: int = 3) -> RayEngine:
-        """Place one replica on the running Ray cluster (``ray.init`` first) and wait until it serves."""
-        use_gpu = ray.cluster_resources().get("GPU", 0) >= 1
-        resources: dict[str, Any] = {"num_gpus": 1} if use_gpu else {"num_cpus": 1}
+    async def start(
+        cls, config: EngineConfig, name: str, *, max_restarts: int = 3, place_s: float = PLACEMENT_WAIT_S
+    ) -> RayEngine:
+        """Place one replica on the running Ray cluster (``ray.init`` first) and wait until it
+        serves; a replica Ray has not placed within ``place_s`` is an EngineError saying what it
+        waits for (:func:`~specrag.pipeline.engines.ray_placement.unplaced`)."""
+        resources = replica_options(ray.cluster_resources())
         actor_class: Any = ray.remote(EngineActor)
         actor: Any = actor_class.options(
             name=f"specrag-engine-{name}", max_restarts=max_restarts, max_task_retries=0, **resources
         ).remote(config)
         try:
+            try:
+                await asyncio.wait_for(actor.__ray_ready__.remote(), place_s)
+            except TimeoutError:
+                fix = (
+                    "fewer --replicas or --search-shards, a smaller --search-shard-cpus, or a larger cluster"
+                )
+                raise EngineError(unplaced(f"engine replica {name}", resources, place_s, fix)) from None
             info = await actor.info.remote()
         except RayError as error:
             ray.kill(actor, no_restart=True)
             raise EngineError(f"replica {name} did not start: {_cause(error)}") from error
+        except EngineError:
+            ray.kill(actor, no_restart=True)
+            raise
         return cls(actor, info, name)
 
     @property

@@ -4,7 +4,9 @@ A shard searched elsewhere (a Ray actor) loads its rows from its files, again af
 row added only to the running shard would be lost with it. So the controller keeps every row it
 added to the shard (its vector and row number, in the order they were added) and sends a shard
 that holds fewer rows than it should the ones it lacks (:mod:`specrag.service.run.search_actors`).
-A shard holds its files' rows and then a prefix of these, so the count it holds says which.
+A shard holds its files' rows and then a prefix of these, so the count it holds says which; the
+row numbers are the controller's, and each row is kept (and held by an actor) once, however often
+its add is sent.
 """
 
 from __future__ import annotations
@@ -38,12 +40,28 @@ class AddedRows:
         """The row the next add to the index starts at, as the last add to this shard said."""
         return self.base_next_row if self._next_row is None else self._next_row
 
+    @property
+    def last_row(self) -> int:
+        """The highest row recorded (the files' rows all lie below ``base_next_row``)."""
+        if not self._rows:
+            return self.base_next_row - 1
+        return int(self._rows[-1][-1]) if len(self._rows[-1]) else self.base_next_row - 1
+
     def record(self, vectors: np.ndarray, rows: np.ndarray, next_row: int) -> None:
-        """Keep ``vectors`` as the shard's ``rows``, added after every row recorded so far."""
-        self._vectors.append(np.ascontiguousarray(vectors, dtype=np.float32))
-        self._rows.append(np.asarray(rows, dtype=np.int64))
-        self._count += len(rows)
-        self._next_row = next_row
+        """Keep ``vectors`` as the shard's ``rows``, after every row recorded so far. Row numbers
+        only grow, and an add whose answer was lost is sent again: rows recorded already are
+        skipped, so each row is kept once."""
+        numbers = np.asarray(rows, dtype=np.int64)
+        fresh = numbers > self.last_row
+        if fresh.any():
+            self._vectors.append(np.ascontiguousarray(np.asarray(vectors)[fresh], dtype=np.float32))
+            self._rows.append(numbers[fresh])
+            self._count += int(fresh.sum())
+        self._next_row = max(next_row, self.next_row)
+
+    def held_before(self, row: int) -> int:
+        """The rows the shard holds before row ``row``: its files' and the added rows below it."""
+        return self.base + sum(int(np.count_nonzero(part < row)) for part in self._rows)
 
     def since(self, held: int) -> tuple[np.ndarray, np.ndarray]:
         """The (vectors, rows) a shard holding ``held`` rows lacks, in the order they were added."""

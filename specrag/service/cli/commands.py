@@ -260,6 +260,11 @@ def serve_command(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
     if not args.shutdown_timeout >= 0:  # written so that NaN fails too
         raise InvalidInputError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
+    if args.search_shards is not None and args.backend == "pgvector":
+        raise InvalidInputError(
+            "--search-shards splits the data directory's own index over Ray actors; --backend pgvector "
+            "searches the database's table, which the database scales itself: give one of them"
+        )
     access = _access(args)
     # Writer tokens alone make every endpoint but /health need a token (docs/updates.md).
     warn_if_exposed(args.host, bool(access.tokens) or bool(access.writer_tokens))
@@ -274,6 +279,7 @@ def serve_command(args: argparse.Namespace) -> int:
         ray_address=args.ray,
         replicas=args.replicas,
         search_shards=args.search_shards,
+        search_shard_cpus=args.search_shard_cpus,
         index_dir=str(_paths(args)[0].index_dir),
         router=args.router,
         engine_cpus=args.engine_cpus,

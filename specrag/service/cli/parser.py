@@ -217,6 +217,13 @@ def _add_engine_options(serve: argparse.ArgumentParser) -> None:
         help="search the index's N shards (specrag index build --shards N) as N Ray actors; needs --ray",
     )
     scale.add_argument(
+        "--search-shard-cpus",
+        type=float,
+        metavar="C",
+        help="CPUs each shard actor asks Ray for, a share of a core allowed (default: one each when the "
+        "cluster has them beside the engine replicas, else an equal share of what they leave)",
+    )
+    scale.add_argument(
         "--router",
         choices=values(Router),
         default=ServiceOptions().router,

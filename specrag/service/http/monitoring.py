@@ -9,6 +9,7 @@ report, :mod:`specrag.service.http.mirror_report`'s; these handlers only answer 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -19,7 +20,7 @@ from specrag.service.http.documents import CORPUS, documents_health
 from specrag.service.http.in_flight import STATE
 from specrag.service.http.mirror_report import MIRROR_HEALTH
 
-__all__ = ["STARTUP", "StartupReport", "health", "metrics_exposition"]
+__all__ = ["SEARCH_SHARDS", "STARTUP", "StartupReport", "health", "metrics_exposition"]
 
 
 class StartupReport(Protocol):
@@ -31,17 +32,26 @@ class StartupReport(Protocol):
 
 STARTUP = web.AppKey("specrag_startup", StartupReport)
 
+SearchShardsHealth = Callable[[], list[dict[str, Any]]]
+SEARCH_SHARDS: web.AppKey[SearchShardsHealth] = web.AppKey("specrag_search_shards")
+"""How each search shard actor stands (:func:`specrag.service.run.sharded_serving.shards_health`);
+absent: the index is searched in this process."""
+
 
 async def health(request: web.Request) -> web.Response:
-    """200 while an engine serves; 503 while it starts, recovers or is gone (with the reason).
+    """200 while an engine serves; 503 while it starts, recovers or is gone, or while a search
+    shard has failed (with the reason).
 
     Without a valid token (when tokens are set) only the status: the engine's last error and the
     replicas' details are for the operator, not for whoever can reach the port."""
     state = request.app[STATE]
     health = await state.core.health()
+    shards = request.app[SEARCH_SHARDS]() if SEARCH_SHARDS in request.app else None
+    failed = [shard["name"] for shard in shards or () if shard["state"] == "failed"]
+    serving = health.serving and not failed  # a failed shard fails every query needing its rows
     if state.tokens and not request[AUTHENTICATED]:  # open to load balancers: ready or not, no more
         return web.json_response(
-            {"status": "ok" if health.serving else "unavailable"}, status=200 if health.serving else 503
+            {"status": "ok" if serving else "unavailable"}, status=200 if serving else 503
         )
     status = health.supervision
     supervision = (
@@ -63,9 +73,12 @@ async def health(request: web.Request) -> web.Response:
         replicas["startup"] = startup.to_dict()  # how long each start-up phase took
     if CORPUS in request.app:
         replicas.update(documents_health(request.app))
-    if not health.serving:
+    if shards is not None:
+        replicas["search_shards"] = shards
+    if not serving:
+        reason = health.reason if not health.serving else f"search shard(s) {', '.join(failed)} failed"
         return web.json_response(
-            {"status": "unavailable", "reason": health.reason, **supervision, **replicas}, status=503
+            {"status": "unavailable", "reason": reason, **supervision, **replicas}, status=503
         )
     load = state.core.load()
     return web.json_response(

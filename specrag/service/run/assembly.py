@@ -41,6 +41,7 @@ from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.http.app import create_app
 from specrag.service.http.metrics import ServiceMetrics
 from specrag.service.http.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
+from specrag.service.http.monitoring import SEARCH_SHARDS
 from specrag.service.run.assets import Assets, CheckingAssets
 from specrag.service.run.options import ServiceOptions, base_engine_config
 from specrag.service.run.pinning import pin_threads
@@ -53,7 +54,7 @@ from specrag.service.run.pools import (
     open_remote_engines,
     starter,
 )
-from specrag.service.run.sharded_serving import searching_on_shards
+from specrag.service.run.sharded_serving import searching_on_shards, shards_health
 
 __all__ = [
     "Service",
@@ -283,6 +284,8 @@ def _application(
     )
     if mirrors:
         app[MIRROR_HEALTH] = lambda: mirror_health(mirrors)
+    if options.search_shards is not None:
+        app[SEARCH_SHARDS] = lambda: shards_health(assets.index)
     return app
 
 

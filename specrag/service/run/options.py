@@ -60,6 +60,9 @@ class ServiceOptions:
     # index at start), which loads its files from ``index_dir``: None searches in this process.
     search_shards: int | None = None
     index_dir: str | None = None
+    # The CPUs each shard actor asks Ray for (a share of a core allowed); None: what the cluster
+    # has left beside the engine replicas (specrag.service.run.sharded_serving.shard_cpus).
+    search_shard_cpus: float | None = None
     router: Router | str = Router.SPECRAG
     # TurboRAG: the document KV store's directory; None keeps it off (see docs/turbo.md).
     document_kv_dir: str | None = None
@@ -89,6 +92,15 @@ class ServiceOptions:
                 raise InvalidInputError("--search-shards places the shards as Ray actors: give --ray too")
             if self.search_shards < 1:
                 raise InvalidInputError(f"--search-shards must be at least 1, got {self.search_shards}")
+        if self.search_shard_cpus is not None:
+            if self.search_shards is None:
+                raise InvalidInputError(
+                    "--search-shard-cpus sizes the shard actors: give --search-shards too"
+                )
+            if not self.search_shard_cpus >= 0:  # written so that NaN fails too
+                raise InvalidInputError(
+                    f"--search-shard-cpus must be 0 or more, got {self.search_shard_cpus}"
+                )
         if self.document_kv_max_gib <= 0:
             raise InvalidInputError(f"--document-kv-max-gib must be positive, got {self.document_kv_max_gib}")
         if self.kv_cache_tokens is not None and self.engine_urls:

@@ -9,22 +9,64 @@ then on. The controller keeps the embedder, the passage ids, the hidden rows, th
 the merge: never a shard's vectors, so the index may be larger than its machine. Documents
 replayed from the live log at start were kept by the shards' manifests; each actor receives its
 own before the service answers.
+
+Placement: each shard actor asks Ray for a share of a CPU (:func:`shard_cpus`), so that the
+shards and the engine replicas fit the cluster together (on one 2-core machine: one core for the
+engine, half a core for each of two shards); a request the cluster can never satisfy is refused
+before any actor starts, naming what is short and the flag that changes it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from specrag.errors import InvalidInputError
+from specrag.pipeline.engines.ray_placement import replica_options
 from specrag.retrieval.shards.merge import ShardedSearcher
 from specrag.retrieval.shards.store import ShardManifest
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.options import ServiceOptions
 
-__all__ = ["check_search_shards", "searching_on_shards"]
+__all__ = ["check_search_shards", "searching_on_shards", "shard_cpus", "shards_health"]
+
+# The finest share of a CPU the automatic request gives (Ray counts in ten-thousandths).
+_CPU_STEP = 0.01
+
+
+def shard_cpus(options: ServiceOptions, cluster: Mapping[str, float]) -> float:
+    """The CPUs each shard actor asks Ray for: ``--search-shard-cpus``, else one each when the
+    ``cluster``'s CPUs hold them beside the engine replicas (one CPU each on a cluster without
+    GPUs), else an equal share of the CPUs the replicas leave. InvalidInputError, before any
+    actor starts, when Ray could never place them all (it would wait for ever)."""
+    count = options.search_shards or 0
+    total = float(cluster.get("CPU", 0.0))
+    engines = options.replicas * float(replica_options(cluster).get("num_cpus", 0))
+    left = total - engines
+    wanted = options.search_shard_cpus
+    if wanted is None:
+        if left >= count:
+            return 1.0
+        wanted = math.floor(left / count / _CPU_STEP) * _CPU_STEP if left > 0 else 0.0
+        if wanted <= 0:
+            raise InvalidInputError(
+                f"Ray cannot place {count} search shards: the cluster's {total:g} CPUs all go to the "
+                f"{options.replicas} engine replica(s), one each (give --search-shard-cpus 0 to let the "
+                "shards share their cores, fewer --replicas, or a larger cluster)"
+            )
+        return round(wanted, 4)
+    if engines + count * wanted > total + 1e-9:
+        fits = math.floor(left / count / _CPU_STEP) * _CPU_STEP if left > 0 else 0.0
+        raise InvalidInputError(
+            f"Ray cannot place {count} search shards at --search-shard-cpus {wanted:g}: with "
+            f"{options.replicas} engine replica(s) at 1 CPU each they need {engines + count * wanted:g} "
+            f"CPUs, the cluster has {total:g} (give --search-shard-cpus {fits:g} or less, fewer "
+            "--search-shards or --replicas, or a larger cluster)"
+        )
+    return wanted
 
 
 def check_search_shards(index: VectorIndex, count: int, directory: str) -> dict[str, Any]:
@@ -42,6 +84,14 @@ def check_search_shards(index: VectorIndex, count: int, directory: str) -> dict[
             f"(give --search-shards {settings['shards']}, or rebuild it with --shards {count})"
         )
     return settings
+
+
+def shards_health(index: VectorIndex) -> list[dict[str, Any]]:
+    """How each search shard actor of ``index`` stands, for ``/health``
+    (:meth:`specrag.service.run.search_actors.RemoteShard.health`; none outside
+    :func:`searching_on_shards`)."""
+    shards = getattr(index.searcher, "shards", ())
+    return [shard.health() for shard in shards if callable(getattr(shard, "health", None))]
 
 
 @contextlib.contextmanager
@@ -66,7 +116,8 @@ def searching_on_shards(index: VectorIndex, options: ServiceOptions) -> Iterator
     # The rows the live log replayed onto the manifests, for the actors to receive.
     added = [shard.added for shard in previous.shards if isinstance(shard, ShardManifest)]
     try:
-        with search_shards(Path(options.index_dir), settings, added=added or None) as remote:
+        cpus = shard_cpus(options, ray.cluster_resources())
+        with search_shards(Path(options.index_dir), settings, added=added or None, num_cpus=cpus) as remote:
             if remote.ntotal != previous.ntotal:
                 raise InvalidInputError(
                     f"the index holds {previous.ntotal} rows, its shard files {remote.ntotal}: documents "
