@@ -142,7 +142,8 @@ class Watchdog:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
             heapq.heappush(self._due, (deadline.at, next(self._order), watch))
-            self._changed.notify()
+            if self._due[0][2] is watch:  # due first: the thread waits for a later one
+                self._changed.notify()
         try:
             yield watch
         finally:

@@ -38,9 +38,11 @@ from specrag.retrieval.stages import DEFAULT_STAGES, Schedule, StagePlan
 __all__ = [
     "MAX_EF_SEARCH",
     "Found",
+    "StagedQuery",
     "TableSearch",
     "Words",
     "export",
+    "fetched",
     "opening",
     "stage_probes",
     "transaction",

@@ -131,6 +131,33 @@ def test_searches_abandoned_on_a_silent_database_give_their_connections_back(
         searcher.close()
 
 
+def test_a_call_past_its_deadline_is_cut_and_its_statement_cancelled(pg_table: PgSettings) -> None:
+    """A statement the server would let run (its timeout is longer) is cut at the client's
+    deadline, and the cancel request stops it on the server too (a sleep would otherwise go on)."""
+    settings = PgSettings(pg_table.dsn, table=pg_table.table, statement_timeout_s=60.0, search_timeout_s=1.0)
+    database = Database(settings)
+
+    def sleep() -> None:
+        with database.connection() as connection:
+            connection.execute("SELECT pg_sleep(30)")
+
+    def sleeping() -> int:
+        with psycopg.connect(pg_table.dsn) as connection:
+            found = connection.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE query = 'SELECT pg_sleep(30)' AND state = 'active'"
+            ).fetchone()
+        return int(found[0]) if found else 0
+
+    try:
+        outcome = bounded(sleep)
+        assert isinstance(outcome, DatabaseUnavailableError) and "no answer within 1s" in str(outcome)
+        eventually(lambda: sleeping() == 0, 10.0)
+        assert database.lent == 0
+    finally:
+        database.close()
+
+
 def test_connections_carry_keepalives_and_a_user_timeout(pg_table: PgSettings) -> None:
     database = Database(pg_table)
     try:
