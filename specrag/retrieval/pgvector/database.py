@@ -45,7 +45,11 @@ class Database:
         self._lent_lock = threading.Lock()
         self._lent = 0
         conninfo = settings.conninfo
-        types = self._read_types(conninfo, Deadline.after(open_timeout_s))
+        try:
+            types = self._read_types(conninfo, Deadline.after(open_timeout_s))
+        except BaseException:
+            self.watchdog.close()
+            raise
         self._pool = ConnectionPool(
             conninfo,
             min_size=1,
