@@ -13,6 +13,7 @@ __all__ = [
     "ECHO_LIMIT",
     "ArtifactError",
     "ConflictError",
+    "DatabaseUnavailableError",
     "EmbedderError",
     "EngineError",
     "EngineTimeoutError",
@@ -88,6 +89,13 @@ class WritesSuspendedError(SpecragError):
 class ShardUnavailableError(SpecragError):
     """A shard of a sharded index did not answer in time (dead, restarting or unreachable): the
     search fails naming it (HTTP 503) rather than return a top-k without its rows."""
+
+
+class DatabaseUnavailableError(SpecragError):
+    """The database an index lives in did not answer in time, failed or refused a statement
+    (HTTP 503 ``database_unavailable``, Retry-After): retry later. The message names the server
+    (never the password) for the log and the command line; an HTTP client is told only that the
+    database is unavailable."""
 
 
 class EmbedderError(EngineError):

@@ -49,6 +49,7 @@ from specrag.retrieval.corpus import Passage
 from specrag.retrieval.pgvector.config import DEFAULT_STAGE_MODE, PgSettings, StageMode, StageQueries
 from specrag.retrieval.pgvector.database import Database
 from specrag.retrieval.pgvector.local_server import LocalPostgres
+from specrag.retrieval.pgvector.queries import fetched
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher, stage_probes
 from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
 from specrag.retrieval.staged_ivf import StagedIVF, choose_nlist, default_nprobe
@@ -121,7 +122,8 @@ def measure_hnsw(
     searcher = PgVectorSearcher(
         database, layout, [passage.id for passage in passages], queried=StageQueries.EVERY
     )
-    widths = [max(K, width) for width in stage_probes(plan, searcher.nprobe, StageQueries.EVERY)]
+    # Each stage's hnsw.ef_search: at least the rows a query asks for (queries.fetched).
+    widths = [max(fetched(K), width) for width in stage_probes(plan, searcher.nprobe, StageQueries.EVERY)]
     found: list[list[np.ndarray]] = [[] for _ in widths]
     nested = equal = 0
     try:

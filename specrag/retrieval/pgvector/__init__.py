@@ -1,8 +1,11 @@
 """PostgreSQL + pgvector as a staged retrieval backend (docs/backends.md).
 
 config: where the table is, its columns, saying where without the password; database: the
-bounded pool and its errors; table: loading a corpus and checking a table; searcher: staged
-search by nested IVFFlat probes in one snapshot; assembly: from flags to an index;
+bounded pool and its errors; deadline: the client's bound on every call; table: loading a corpus
+and checking a table; searcher: staged search by nested IVFFlat probes in one snapshot (queries:
+a stage's statements and top-k; parallel: the two-connection mode; rows: the service's names for
+the table's rows); changes and writes: other writers' rows and the documents API's; assembly:
+from flags to an index;
 local_server: a throwaway server for tests and benchmarks. Imported only with
 ``--backend pgvector``, so the driver is needed only there.
 """

@@ -35,6 +35,7 @@ from specrag.retrieval.pgvector.config import (
     StageQueries,
     describe_dsn,
     resolve_dsn,
+    search_timeout,
 )
 from specrag.retrieval.pgvector.database import Database
 from specrag.retrieval.pgvector.fulltext import check_fulltext
@@ -66,13 +67,17 @@ def store_name(settings: PgSettings) -> str:
 
 
 def settings_from(args: argparse.Namespace) -> PgSettings:
-    """The table's settings from the flags (the DSN from ``$SPECRAG_PG_DSN`` when not given)."""
+    """The table's settings from the flags (the DSN from ``$SPECRAG_PG_DSN`` when not given); the
+    search deadline below ``serve``'s first-token timeout."""
     return PgSettings(
         dsn=resolve_dsn(args.pg_dsn),
         table=args.pg_table,
         columns=Columns.parse(args.pg_columns),
         statement_timeout_s=args.pg_statement_timeout,
         pool_size=getattr(args, "pg_pool_size", DEFAULT_POOL_SIZE),
+        search_timeout_s=search_timeout(
+            getattr(args, "pg_search_timeout", None), getattr(args, "first_token_timeout_s", None)
+        ),
     )
 
 

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field, fields
 from specrag.errors import InvalidInputError
 
 __all__ = [
+    "BULK_READ_TIMEOUT_S",
     "DEFAULT_HNSW_EF_SEARCH",
     "DEFAULT_LEXICAL",
     "DEFAULT_POOL_SIZE",
+    "DEFAULT_SEARCH_TIMEOUT_S",
     "DEFAULT_STAGE_MODE",
     "DEFAULT_STATEMENT_TIMEOUT_S",
     "DSN_ENV",
@@ -29,15 +31,37 @@ __all__ = [
     "PgSettings",
     "StageMode",
     "StageQueries",
+    "bounded_conninfo",
     "describe_dsn",
     "resolve_dsn",
     "scrub",
+    "search_timeout",
 ]
 
 DSN_ENV = "SPECRAG_PG_DSN"
 # Every statement is cut off after this long: a stuck database must not hold a search thread (and
 # the query behind it) for longer than a first token may take.
 DEFAULT_STATEMENT_TIMEOUT_S = 5.0
+# A whole search (every stage, the wait for a connection included) is cut off after this long on
+# the client, whatever the server does: a silent database must not hold the search thread, and the
+# queries queued behind it, for longer than the answer's first token may take. At most half the
+# first-token timeout when that is shorter (search_timeout).
+DEFAULT_SEARCH_TIMEOUT_S = 10.0
+# A read of the whole table (the rows at start, every version for a reconcile): bounded by the
+# table's size, not by a search's deadline, on the server and on the client.
+BULK_READ_TIMEOUT_S = 300.0
+# What every connection asks of libpq unless the DSN says otherwise: a bounded connect, and on TCP
+# keepalives (an idle connection to a vanished peer ends after 10 + 3 x 5 s) and a bound on data left
+# unacknowledged (tcp_user_timeout, milliseconds). libpq ignores the TCP ones on a Unix socket, where
+# the client's deadlines (deadline.py) bound every call.
+CONNECTION_BOUNDS = {
+    "connect_timeout": "10",
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
 # Connections the service holds at most: a staged search takes two at a time (docs/backends.md).
 DEFAULT_POOL_SIZE = 8
 # pgvector's index methods a search is staged on, and the setting that widens a query on each:
@@ -54,7 +78,7 @@ METRICS = {
 
 
 class StageQueries(enum.StrEnum):
-    """Which stages of the plan a search queries (:func:`~specrag.retrieval.pgvector.searcher.stage_probes`).
+    """Which stages of the plan a search queries (:func:`~specrag.retrieval.pgvector.queries.stage_probes`).
 
     A stage is a whole query that re-scans the lists of the one before, so every stage between
     the first and the final costs its full share again and only gives a later chance to correct
@@ -144,13 +168,18 @@ class PgSettings:
     columns: Columns = field(default_factory=Columns)
     statement_timeout_s: float = DEFAULT_STATEMENT_TIMEOUT_S
     pool_size: int = DEFAULT_POOL_SIZE
+    #: The client's bound on one search, and on any other call of the service's (a write, a read
+    #: of changed rows); reads of the whole table get :data:`BULK_READ_TIMEOUT_S`.
+    search_timeout_s: float = DEFAULT_SEARCH_TIMEOUT_S
 
     def __post_init__(self) -> None:
         _table_parts(self.table)
-        if not self.statement_timeout_s > 0:
-            raise InvalidInputError(
-                f"--pg-statement-timeout must be positive, got {self.statement_timeout_s}"
-            )
+        for flag, value in (
+            ("--pg-statement-timeout", self.statement_timeout_s),
+            ("--pg-search-timeout", self.search_timeout_s),
+        ):
+            if not value > 0:
+                raise InvalidInputError(f"{flag} must be positive, got {value}")
         if self.pool_size < 2:
             raise InvalidInputError(
                 f"--pg-pool-size must be at least 2 (a staged search takes two), got {self.pool_size}"
@@ -160,6 +189,11 @@ class PgSettings:
     def table_parts(self) -> tuple[str, ...]:
         """The table's name as (schema, table) or (table,), for ``psycopg.sql.Identifier``."""
         return _table_parts(self.table)
+
+    @property
+    def conninfo(self) -> str:
+        """The DSN with :func:`bounded_conninfo`'s bounds and the statement timeout."""
+        return bounded_conninfo(self.dsn, self.statement_timeout_s)
 
     @property
     def where(self) -> str:
@@ -173,6 +207,38 @@ def resolve_dsn(flag: str | None) -> str:
     if not dsn:
         raise InvalidInputError(f"--backend pgvector needs --pg-dsn DSN or ${DSN_ENV}")
     return dsn
+
+
+def search_timeout(given: float | None, first_token_timeout_s: float | None) -> float:
+    """The search deadline: ``--pg-search-timeout`` when given, which must be below the first-token
+    timeout (a search that outlived it would leave the answer no time), else the default or half
+    the first-token timeout, whichever is shorter."""
+    if given is None:
+        if first_token_timeout_s is None:
+            return DEFAULT_SEARCH_TIMEOUT_S
+        return min(DEFAULT_SEARCH_TIMEOUT_S, first_token_timeout_s / 2)
+    if first_token_timeout_s is not None and given >= first_token_timeout_s:
+        raise InvalidInputError(
+            f"--pg-search-timeout {given:g} must be below --first-token-timeout {first_token_timeout_s:g}: "
+            "a search that took longer would leave the answer no time for its first token"
+        )
+    return given
+
+
+def bounded_conninfo(dsn: str, statement_timeout_s: float | None = None) -> str:
+    """``dsn`` with :data:`CONNECTION_BOUNDS` where it sets none of its own, and the server's
+    ``statement_timeout`` among its ``options`` (set at connect: no round trip of its own)."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    try:
+        given = conninfo_to_dict(dsn)
+    except Exception:
+        return dsn  # psycopg's own connect names what does not parse
+    extra: dict[str, str] = {key: value for key, value in CONNECTION_BOUNDS.items() if key not in given}
+    if statement_timeout_s is not None:
+        options = str(given.get("options") or "")
+        extra["options"] = f"{options} -c statement_timeout={int(statement_timeout_s * 1000)}".strip()
+    return make_conninfo(dsn, **extra)
 
 
 def describe_dsn(dsn: str) -> str:

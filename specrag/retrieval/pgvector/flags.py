@@ -12,6 +12,7 @@ from specrag.retrieval.index_store import EMBEDDER_ENV, MINILM, WORDLLAMA, defau
 from specrag.retrieval.pgvector.config import (
     DEFAULT_LEXICAL,
     DEFAULT_POOL_SIZE,
+    DEFAULT_SEARCH_TIMEOUT_S,
     DEFAULT_STAGE_MODE,
     DEFAULT_STATEMENT_TIMEOUT_S,
     DSN_ENV,
@@ -85,6 +86,16 @@ def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
     parser.add_argument("--embedder-key-env", help="environment variable holding the server's API key")
     parser.add_argument(
         "--pg-pool-size", type=int, default=DEFAULT_POOL_SIZE, help="connections held at most"
+    )
+    parser.add_argument(
+        "--pg-search-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a search's bound on the client, every stage and the wait for a connection included: "
+        "past it the search is cut off and the query answers 503 database_unavailable; below "
+        f"--first-token-timeout (default: {DEFAULT_SEARCH_TIMEOUT_S:g}, or half the first-token "
+        "timeout when shorter)",
     )
     add_stage_arguments(parser)
     parser.add_argument(

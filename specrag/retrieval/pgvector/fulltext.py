@@ -60,7 +60,7 @@ def check_fulltext(database: Database) -> None:
         found = connection.execute(
             "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
             "WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped",
-            (settings.table, FULLTEXT_COLUMN),
+            (sql.Identifier(*settings.table_parts).as_string(connection), FULLTEXT_COLUMN),
         ).fetchone()
         if found is not None and found[0] == "tsvector":
             return

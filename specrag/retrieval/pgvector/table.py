@@ -12,23 +12,34 @@ naming the column.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import psycopg
 from psycopg import sql
 from tqdm import tqdm
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.pgvector.config import INDEX_METHODS, METRICS, PgSettings
+from specrag.retrieval.pgvector.config import BULK_READ_TIMEOUT_S, INDEX_METHODS, METRICS, PgSettings
 from specrag.retrieval.pgvector.database import Database, connect_once
+from specrag.retrieval.pgvector.deadline import Deadline
 from specrag.retrieval.pgvector.fulltext import fulltext_statements
 from specrag.retrieval.pgvector.writes import VERSION_COLUMN
 from specrag.retrieval.staged_ivf import DEFAULT_NLIST, choose_nlist
 
-__all__ = ["TableLayout", "inspect_table", "load_table", "read_passages", "read_rows"]
+__all__ = [
+    "TableLayout",
+    "bulk_read",
+    "inspect_table",
+    "load_table",
+    "read_passages",
+    "read_rows",
+    "regclass_name",
+]
 
 _COPY_CHUNK = 2000
 
@@ -47,6 +58,12 @@ class TableLayout:
 
 def _table(settings: PgSettings) -> sql.Identifier:
     return sql.Identifier(*settings.table_parts)
+
+
+def regclass_name(settings: PgSettings, connection: psycopg.Connection) -> str:
+    """The table's name as ``to_regclass`` reads it: each part quoted, so ``Document`` is
+    ``"Document"`` (as the table was created) and not folded to ``document``."""
+    return _table(settings).as_string(connection)
 
 
 def load_table(
@@ -142,7 +159,9 @@ def inspect_table(
     settings = database.settings
     columns = settings.columns
     with database.connection() as connection:
-        oid = connection.execute("SELECT to_regclass(%s)::oid", (settings.table,)).fetchone()
+        oid = connection.execute(
+            "SELECT to_regclass(%s)::oid", (regclass_name(settings, connection),)
+        ).fetchone()
         if oid is None or oid[0] is None:
             raise InvalidInputError(f"no {settings.where}")
         types = dict(
@@ -206,6 +225,22 @@ def inspect_table(
     return TableLayout(dim, found_metric, lists, name, found_method)
 
 
+@contextlib.contextmanager
+def bulk_read(database: Database) -> Iterator[psycopg.Connection]:
+    """A connection for a read of the whole table: bounded by :data:`BULK_READ_TIMEOUT_S` on the
+    server and on the client, not by a search's limits."""
+    bound = int(BULK_READ_TIMEOUT_S * 1000)
+    with database.connection(Deadline.after(BULK_READ_TIMEOUT_S + 5)) as connection:
+        connection.execute(f"SET statement_timeout = {bound}")
+        try:
+            yield connection
+        finally:
+            if not connection.broken:
+                connection.execute(
+                    f"SET statement_timeout = {int(database.settings.statement_timeout_s * 1000)}"
+                )
+
+
 def read_passages(database: Database) -> list[Passage]:
     """Every row's id, title and text, in the order that numbers the rows for the searcher (ids
     sorted bytewise), so row i of a search is ``passages[i]``."""
@@ -227,12 +262,8 @@ def read_rows(database: Database, version_column: str | None = None) -> tuple[li
         _table(settings),
         sql.Identifier(columns.id),
     )
-    with database.connection() as connection:
-        connection.execute("SET statement_timeout = 0")  # a full read: bounded by the table, not the limit
-        try:
-            rows = connection.execute(query).fetchall()
-        finally:
-            connection.execute(f"SET statement_timeout = {int(settings.statement_timeout_s * 1000)}")
+    with bulk_read(database) as connection:
+        rows = connection.execute(query).fetchall()
     if not rows:
         raise InvalidInputError(f"{settings.table} has no rows")
     passages = [Passage(id=row[0], title=row[1], text=row[2] or "") for row in rows]

@@ -11,7 +11,8 @@ in the table is not that one was changed by another writer meanwhile, and the wr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,18 @@ class RowWrite:
     replaces: int | None
 
 
+@contextlib.contextmanager
+def _conflicts() -> Iterator[None]:
+    """A row inserted by another writer between this write's check and its INSERT: a conflict
+    (HTTP 409, retry once the service has noticed the row), not the database's failure."""
+    try:
+        yield
+    except psycopg.errors.UniqueViolation:
+        raise ConflictError(
+            "another writer inserted a document of this id meanwhile: retry once the service has noticed it"
+        ) from None
+
+
 class TableWriter:
     """Writes and deletes rows of the served table, each request in one transaction."""
 
@@ -105,7 +118,7 @@ class TableWriter:
         """Write ``rows`` and delete the ids of ``deleted`` (id, the version held) in one
         transaction, committed when this returns; ConflictError (nothing written) when one of them
         is not at the version it replaces."""
-        with self.database.connection() as connection, connection.transaction():
+        with self.database.connection() as connection, _conflicts(), connection.transaction():
             for row in rows:
                 passage = row.passage
                 self._check_held(connection, passage.id, row.replaces)

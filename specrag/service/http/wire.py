@@ -37,6 +37,7 @@ from specrag.errors import (
     ECHO_LIMIT,
     ArtifactError,
     ConflictError,
+    DatabaseUnavailableError,
     EngineError,
     EngineTimeoutError,
     EngineUnavailableError,
@@ -111,6 +112,17 @@ def describe_error(error: BaseException) -> ErrorInfo:
         return ErrorInfo(429, str(error), "overloaded_error", "overloaded", error.retry_after_s)
     if isinstance(error, WritesSuspendedError):
         return ErrorInfo(503, str(error), "writes_suspended", "writes_suspended", error.retry_after_s)
+    if isinstance(error, DatabaseUnavailableError):
+        # The message names the server (host, database, user) and what it said: the log's, not
+        # any client's.
+        logger.warning("a request failed on the database: %s", error)
+        return ErrorInfo(
+            503,
+            "the database is unavailable; retry later",
+            "database_unavailable",
+            "database_unavailable",
+            ENGINE_RETRY_AFTER_S,
+        )
     if isinstance(error, ShardUnavailableError):
         return ErrorInfo(503, str(error), "search_unavailable", "shard_unavailable", ENGINE_RETRY_AFTER_S)
     if isinstance(error, EngineUnavailableError):

@@ -13,7 +13,7 @@ import pytest
 
 from specrag.cli import main
 from specrag.errors import InvalidInputError
-from specrag.retrieval.pgvector.assembly import open_index
+from specrag.retrieval.pgvector.assembly import open_index, settings_from
 from specrag.retrieval.pgvector.config import Columns, PgSettings, describe_dsn
 from specrag.retrieval.pgvector.database import Database, DatabaseUnavailableError
 from specrag.retrieval.pgvector.local_server import LocalPostgres
@@ -200,3 +200,14 @@ def test_index_build_makes_an_hnsw_table_that_serve_checks(postgres: LocalPostgr
         index.searcher.close()  # type: ignore[attr-defined]
     with pytest.raises(InvalidInputError, match=r"'embedding'.*no ivfflat index.*hnsw"):
         open_index(serve_args(postgres.dsn, "cli_hnsw", pg_index="ivfflat"), embedder=FixedEmbedder(4))
+
+
+def test_the_search_deadline_is_below_the_first_token_timeout(postgres: LocalPostgres) -> None:
+    def chosen(given: float | None, first_token: float | None = None) -> float:
+        args = serve_args(postgres.dsn, "docs", pg_search_timeout=given, first_token_timeout_s=first_token)
+        return settings_from(args).search_timeout_s
+
+    assert chosen(None, 6.0) == 3.0  # half the first-token timeout, shorter than the default
+    assert chosen(None) == 10.0 and chosen(5.0, 60.0) == 5.0
+    with pytest.raises(InvalidInputError, match="--pg-search-timeout 70 must be below --first-token-time"):
+        chosen(70.0, 60.0)

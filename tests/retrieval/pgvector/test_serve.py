@@ -6,10 +6,12 @@ other writers' changes reconnects after it and catches up on what it missed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -26,8 +28,10 @@ from specrag.service.run.assets import Assets, ensure_assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers.builders import make_controller
 from tests.helpers.http import running
+from tests.helpers.socket_proxy import StallingProxy
 
 STATEMENT_TIMEOUT_S = 2.0
+SEARCH_TIMEOUT_S = 4.0
 
 
 @pytest.fixture
@@ -46,19 +50,69 @@ def table_passages(default_corpus: list[Passage]) -> list[Passage]:
 
 
 def pgvector_assets(
-    server: LocalPostgres, tmp_path: Path, model_dir: Path, passages: list[Passage]
+    server: LocalPostgres, tmp_path: Path, model_dir: Path, passages: list[Passage], dsn: str | None = None
 ) -> Assets:
     corpus = tmp_path / "passages.jsonl"
     write_passages(corpus, passages)
-    pg = ["--backend", "pgvector", "--pg-dsn", server.dsn, "--pg-table", "served"]
+    pg = ["--backend", "pgvector", "--pg-dsn", dsn or server.dsn, "--pg-table", "served"]
     build = build_parser().parse_args(
         ["--data-dir", str(tmp_path), "index", "build", "--corpus", str(corpus), *pg]
     )
     assert build.handler(build) == 0
     args = build_parser().parse_args(
-        ["--data-dir", str(tmp_path), "serve", *pg, "--pg-statement-timeout", str(STATEMENT_TIMEOUT_S)]
+        [
+            "--data-dir",
+            str(tmp_path),
+            "serve",
+            *pg,
+            "--pg-statement-timeout",
+            str(STATEMENT_TIMEOUT_S),
+            "--pg-search-timeout",
+            str(SEARCH_TIMEOUT_S),
+        ]
     )
     return ensure_assets(DataLayout(tmp_path), model_dir, external=external_index(args))
+
+
+async def unavailable(http: aiohttp.ClientSession, url: str, query: dict[str, object], where: str) -> None:
+    """A query is a 503 ``database_unavailable`` with Retry-After within the search's deadline,
+    well inside the first-token timeout, and the body says nothing of where the database is."""
+    started = time.monotonic()
+    async with http.post(f"{url}/v1/rag", json=query) as response:
+        down = await response.json()
+        assert response.status == 503, down
+        assert int(response.headers["Retry-After"]) >= 1
+    assert time.monotonic() - started < SEARCH_TIMEOUT_S + 10
+    assert down["error"]["code"] == "database_unavailable"
+    assert where not in json.dumps(down) and "postgres" not in json.dumps(down)
+
+
+async def answers_again(http: aiohttp.ClientSession, url: str, query: dict[str, object]) -> None:
+    """Queries are answered again within 30 s, by the service alone."""
+    deadline = time.monotonic() + 30
+    while True:
+        async with http.post(f"{url}/v1/rag", json=query) as response:
+            if response.status == 200:
+                return
+            assert response.status == 503 and time.monotonic() < deadline
+        await asyncio.sleep(0.5)
+
+
+@contextlib.asynccontextmanager
+async def serving(assets: Assets) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+    """The service over ``assets`` on the simulated engine, and a client bounded in time; the
+    engine and the assets closed after."""
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    controller = make_controller(engine, assets, first_token_timeout_s=30.0)
+    try:
+        async with (
+            running(controller, corpus=assets.corpus, documents_off=assets.documents_off) as url,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http,
+        ):
+            yield url, http
+    finally:
+        await engine.close()
+        assets.close()
 
 
 async def test_serve_pgvector_answers_from_the_table_and_survives_a_restart(
@@ -67,51 +121,51 @@ async def test_serve_pgvector_answers_from_the_table_and_survives_a_restart(
     passages = table_passages(default_corpus)
     assets = pgvector_assets(server, tmp_path, tiny_model_dir, passages)
     assert assets.corpus is not None and assets.index.searcher.kind == "pgvector"
-    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
-    controller = make_controller(engine, assets, first_token_timeout_s=10.0)
     query = {"query": passages[7].text[:80], "k": 4, "max_tokens": 2, "mode": "speculation"}
-    try:
-        async with (
-            running(controller, corpus=assets.corpus, documents_off=assets.documents_off) as url,
-            aiohttp.ClientSession() as http,
-        ):
-            async with http.post(f"{url}/v1/rag", json=query) as response:
-                body = await response.json()
-                assert response.status == 200, body
-            titles = {passage.id: passage.title for passage in passages}
-            assert body["documents"] and all(titles[doc].startswith("[table]") for doc in body["documents"])
+    async with serving(assets) as (url, http):
+        async with http.post(f"{url}/v1/rag", json=query) as response:
+            body = await response.json()
+            assert response.status == 200, body
+        titles = {passage.id: passage.title for passage in passages}
+        assert body["documents"] and all(titles[doc].startswith("[table]") for doc in body["documents"])
 
-            # The documents API writes through to the table; a query that starts after the
-            # answer finds the new document.
-            document = {"title": "Quokka", "text": "The quokka plays a driftwood xylophone on Rottnest."}
-            async with http.put(f"{url}/v1/documents/quokka", json=document) as response:
-                assert response.status == 201, await response.text()
-            found = {**query, "query": document["text"]}
-            async with http.post(f"{url}/v1/rag", json=found) as response:
-                assert "quokka" in (await response.json())["documents"]
+        # The documents API writes through to the table; a query that starts after the
+        # answer finds the new document.
+        document = {"title": "Quokka", "text": "The quokka plays a driftwood xylophone on Rottnest."}
+        async with http.put(f"{url}/v1/documents/quokka", json=document) as response:
+            assert response.status == 201, await response.text()
+        found = {**query, "query": document["text"]}
+        async with http.post(f"{url}/v1/rag", json=found) as response:
+            assert "quokka" in (await response.json())["documents"]
 
-            server.kill()
-            started = time.monotonic()
-            async with http.post(f"{url}/v1/rag", json=query) as response:
-                down = await response.json()
-                assert response.status == 503, down
-                assert int(response.headers["Retry-After"]) >= 1
-            # Within the pool's wait for a connection and a statement timeout, well inside the
-            # first-token timeout: a dead database never hangs a query.
-            assert time.monotonic() - started < 3 * STATEMENT_TIMEOUT_S + 2
-            assert "password" not in down["error"]["message"]
+        server.kill()
+        await unavailable(http, url, query, str(server.root))
+        server.start()
+        await answers_again(http, url, query)
 
-            server.start()
-            deadline = time.monotonic() + 30
-            while True:
+
+async def test_a_stalled_database_is_a_bounded_503_and_the_service_answers_again(
+    server: LocalPostgres, tmp_path: Path, tiny_model_dir: Path, default_corpus: list[Passage]
+) -> None:
+    """The database goes silent behind a Unix-socket proxy (nothing closed, nothing answered): a
+    query is a 503 saying only ``database_unavailable`` within the search's deadline, later ones
+    too (none queues behind a hung search), and once it forwards again the service answers by
+    itself."""
+    passages = table_passages(default_corpus)
+    with StallingProxy(server.root) as proxy:
+        assets = pgvector_assets(server, tmp_path, tiny_model_dir, passages, dsn=proxy.dsn)
+        query = {"query": passages[7].text[:80], "k": 4, "max_tokens": 2, "mode": "speculation"}
+        try:
+            async with serving(assets) as (url, http):
                 async with http.post(f"{url}/v1/rag", json=query) as response:
-                    if response.status == 200:
-                        break
-                    assert response.status == 503 and time.monotonic() < deadline
-                await asyncio.sleep(0.5)
-    finally:
-        await engine.close()
-        assets.close()
+                    assert response.status == 200, await response.text()
+                proxy.stall()
+                for _ in range(2):  # the second is not queued behind the first
+                    await unavailable(http, url, query, str(proxy.root))
+                proxy.resume()
+                await answers_again(http, url, query)
+        finally:
+            proxy.resume()
 
 
 def within(seconds: float, check: Callable[[], bool]) -> None:

@@ -16,6 +16,7 @@ from psycopg.pq import Trace
 from specrag.errors import InvalidInputError
 from specrag.retrieval.pgvector.config import PgSettings, StageMode, StageQueries
 from specrag.retrieval.pgvector.database import Database
+from specrag.retrieval.pgvector.deadline import Deadline
 from specrag.retrieval.pgvector.searcher import PgVectorSearcher, stage_probes
 from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
 from specrag.retrieval.stages import StagePlan
@@ -130,8 +131,8 @@ def round_trips(searcher: PgVectorSearcher, tmp_path: Path) -> Iterator[list[int
     taken = searcher.database.connection
 
     @contextlib.contextmanager
-    def traced() -> Iterator[psycopg.Connection]:
-        with taken() as connection:
+    def traced(deadline: Deadline | None = None) -> Iterator[psycopg.Connection]:
+        with taken(deadline) as connection:
             slot = len(counted)
             counted.append(0)  # 0 until the connection goes back
             trace = tmp_path / f"trace-{slot}"

@@ -276,6 +276,27 @@ def test_another_writers_update_insert_and_delete_are_shown(assets: Assets, post
     assert corpus.get(target.id).version == 3 and target.text in found_texts(assets, target.text)
 
 
+def test_another_writers_delete_then_insert_is_a_new_version(assets: Assets, postgres: LocalPostgres) -> None:
+    """Another application replaces a row by DELETE then INSERT in one transaction (an upsert by
+    hand): the row's version goes on from the deleted one's, never back to 1, so the service
+    sees a new version and shows the new text."""
+    corpus = assets.corpus
+    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
+    assert corpus.listener.connected.wait(WAIT_S)
+    table = corpus.searcher.database.settings.table
+    target, source = assets.passages[20], assets.passages[21]
+    with psycopg.connect(postgres.dsn) as connection:  # one transaction, committed at the end
+        connection.execute(f"DELETE FROM {table} WHERE id = %s", (target.id,))
+        connection.execute(
+            f"INSERT INTO {table} (id, title, text, embedding) SELECT %s, %s, %s, embedding FROM {table} "
+            "WHERE id = %s",
+            (target.id, target.title, OTHER_TEXT, source.id),
+        )
+    assert table_row(postgres, table, target.id) == (OTHER_TEXT, 2)
+    eventually(lambda: corpus.get(target.id).text == OTHER_TEXT)
+    assert corpus.get(target.id).version == 2 and OTHER_TEXT in found_texts(assets, OTHER_TEXT)
+
+
 def dense_texts(assets: Assets, text: str, k: int = 5) -> list[str]:
     """The texts a vector-only search finds for ``text``: what the table's embeddings rank."""
     index = assets.index
