@@ -13,6 +13,7 @@ the live runs, never kept beside them. Front ends use it through
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Sequence
@@ -52,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 # Typical prompt for the default max_prefill_bs: k passages of ~250 tokens plus the instructions.
 _EXPECTED_PASSAGE_TOKENS = 250
+# How long /health waits for one replica's counts: an engine that is being restarted (a Ray actor
+# killed and brought back) may not answer at all, and a health check must answer regardless.
+HEALTH_PROBE_TIMEOUT_S = 5.0
 
 
 def step_token_budget(config: ControllerConfig, engine: Engine) -> int:
@@ -308,10 +312,11 @@ class RagController:
             try:
                 if replica.excluded is not None:
                     raise EngineError(f"excluded: {replica.excluded}")
-                await replica.engine.counts()
-            except EngineError as error:
+                await asyncio.wait_for(replica.engine.counts(), HEALTH_PROBE_TIMEOUT_S)
+            except (EngineError, TimeoutError) as error:
+                reason = str(error) or f"did not answer within {HEALTH_PROBE_TIMEOUT_S:g} s"
                 alone = len(self.placement.replicas) == 1
-                reasons.append(str(error) if alone else f"{replica.name}: {error}")
+                reasons.append(reason if alone else f"{replica.name}: {reason}")
                 continue
             return EngineHealth(serving=True, reason=None, supervision=status, replicas=facts)
         return EngineHealth(serving=False, reason="; ".join(reasons), supervision=status, replicas=facts)

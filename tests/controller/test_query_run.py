@@ -145,6 +145,24 @@ async def test_the_controller_asks_the_engine_for_its_supervision(tiny_assets: A
     assert not (await controller.health()).serving
 
 
+class SilentCountsEngine(SimulatedEngine):
+    """An engine being restarted: it takes requests but its counts never come."""
+
+    async def counts(self):  # type: ignore[override]
+        await asyncio.Event().wait()
+
+
+async def test_health_answers_while_an_engine_does_not(
+    tiny_assets: Assets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("specrag.controller.controller.HEALTH_PROBE_TIMEOUT_S", 0.2)
+    engine = SilentCountsEngine()
+    controller = make_controller(engine, tiny_assets, scripted_index(tiny_assets, [A, A], 0.01))
+    health = await asyncio.wait_for(controller.health(), 5)
+    assert not health.serving and health.reason == "did not answer within 0.2 s"
+    await engine.close()
+
+
 class LateCachedCountEngine(SimulatedEngine):
     """Reports cached tokens only on the finishing output, as an OpenAI server does."""
 
