@@ -12,7 +12,7 @@ import pytest
 
 from specrag.controller.controller import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import InvalidInputError
-from specrag.pipeline.engines.protocol import EngineOutput, Sampling
+from specrag.pipeline.engines.protocol import EngineCounts, EngineOutput, Sampling
 from specrag.retrieval.stages import DEFAULT_STAGES
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
@@ -148,8 +148,9 @@ async def test_the_controller_asks_the_engine_for_its_supervision(tiny_assets: A
 class SilentCountsEngine(SimulatedEngine):
     """An engine being restarted: it takes requests but its counts never come."""
 
-    async def counts(self):  # type: ignore[override]
+    async def counts(self) -> EngineCounts:
         await asyncio.Event().wait()
+        raise AssertionError("unreachable: the event is never set")
 
 
 async def test_health_answers_while_an_engine_does_not(
