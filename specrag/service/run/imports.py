@@ -53,11 +53,12 @@ def _wordllama() -> object:
     return import_wordllama()  # the package's import configures logging: this one puts it back
 
 
-# What the artefact checks import: the tokenizer (transformers' auto classes, the fast tokenizer)
-# and the modelling code MiniLM's encoder is built from (which imports accelerate when installed).
+# What the artefact checks import: the tokenizer (transformers' auto classes, the fast tokenizer,
+# the default model's configuration: SmolLM2 is a Llama; both sides read it) and the modelling
+# code MiniLM's encoder is built from (which imports accelerate when installed).
 _ARTEFACTS = (
     _module("torch"),
-    _module("transformers", "AutoConfig", "AutoTokenizer", "PreTrainedTokenizerFast"),
+    _module("transformers", "AutoConfig", "AutoTokenizer", "PreTrainedTokenizerFast", "LlamaConfig"),
     _module("transformers.modeling_utils"),
     _module("tokenizers"),
     _module("safetensors.torch"),
