@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from specrag import __version__
-from specrag.errors import SpecragError
+from specrag.errors import REPORTED, failure_report
 
 __all__ = ["COMMAND_MODULES", "build_parser", "main"]
 
@@ -108,15 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         result: int = args.handler(args)
-    except SpecragError as error:
-        print(f"specrag {args.command}: error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:  # a data dir that is a file, an unwritable path, an unknown host
-        print(f"specrag {args.command}: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except REPORTED as error:
+        line, status = failure_report(args.command, error)
+        print(line, file=sys.stderr)
+        return status
     return result
 
 

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 __all__ = [
     "ECHO_LIMIT",
+    "REPORTED",
     "ArtifactError",
     "ConflictError",
     "DatabaseUnavailableError",
@@ -27,6 +28,7 @@ __all__ = [
     "WritesSuspendedError",
     "check_choice",
     "echo",
+    "failure_report",
     "values",
 ]
 
@@ -103,6 +105,17 @@ class EmbedderError(EngineError):
 
 
 ECHO_LIMIT = 80
+# The errors a command reports in one line (failure_report), as opposed to a bug's traceback.
+REPORTED = (SpecragError, OSError, KeyboardInterrupt)
+
+
+def failure_report(command: str, error: SpecragError | OSError | KeyboardInterrupt) -> tuple[str, int]:
+    """The line ``specrag COMMAND`` prints for ``error`` (one of :data:`REPORTED`, the others are
+    bugs and get their traceback) and its exit status: 2, what the user can act on (an OSError: a
+    data dir that is a file, an unknown host), or 130, interrupted."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted", 130
+    return f"specrag {command}: error: {error}", 2
 
 
 def echo(value: object, limit: int = ECHO_LIMIT) -> str:

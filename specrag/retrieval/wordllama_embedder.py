@@ -37,7 +37,7 @@ from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.arrays import load_array, unit_rows
 from specrag.retrieval.embedding_bar import embedding_bar
 
-__all__ = ["CONFIG", "DIM", "TokenVectors", "WordLlamaEmbedder", "token_vectors"]
+__all__ = ["CONFIG", "DIM", "TokenVectors", "WordLlamaEmbedder", "import_wordllama", "token_vectors"]
 
 CONFIG = "l2_supercat"
 DIM = 256
@@ -53,7 +53,7 @@ class TokenVectors:
     weights_file: Path
 
 
-def _import_wordllama() -> Any:
+def import_wordllama() -> Any:
     """``import wordllama`` without its side effect: it calls ``logging.basicConfig`` on import."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
@@ -71,7 +71,7 @@ def _import_wordllama() -> Any:
 @functools.cache
 def token_vectors() -> TokenVectors:
     """Load the weights shipped in the ``wordllama`` wheel, never downloading (once per process)."""
-    wordllama = _import_wordllama()
+    wordllama = import_wordllama()
     package_dir = Path(wordllama.__file__).resolve().parent
     try:
         model = wordllama.WordLlama.load(config=CONFIG, dim=DIM, cache_dir=package_dir, disable_download=True)

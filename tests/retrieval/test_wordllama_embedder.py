@@ -45,12 +45,12 @@ def test_weights_load_and_embed_without_network(no_network: None) -> None:
     assert vectors.shape == (4, 256) and vectors.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(vectors[:3], axis=1), 1.0, rtol=1e-5)
     assert not vectors[3].any()  # an empty text has no tokens: a zero vector, not NaN
-    package_dir = Path(wordllama_embedder._import_wordllama().__file__).resolve().parent
+    package_dir = Path(wordllama_embedder.import_wordllama().__file__).resolve().parent
     assert token_vectors().weights_file.is_relative_to(package_dir)
 
 
 def test_uniform_weights_give_the_packages_own_embedding() -> None:
-    model = wordllama_embedder._import_wordllama().WordLlama.load(
+    model = wordllama_embedder.import_wordllama().WordLlama.load(
         cache_dir=token_vectors().weights_file.parent.parent, disable_download=True
     )
     uniform = WordLlamaEmbedder(np.ones(token_vectors().table.shape[0]))

@@ -48,7 +48,7 @@ def test_an_address_the_machine_lacks_is_refused_at_once() -> None:
 def test_the_phases_are_timed_and_shown() -> None:
     progress = StartupProgress()
     progress.begin(Phase.ARTEFACTS)
-    progress.end()
+    progress.end(Phase.ARTEFACTS)
     progress.record(Phase.ENGINE_LOAD, 10.0)
     assert progress.to_dict()["ready_s"] is None
     progress.ready()
@@ -90,7 +90,7 @@ async def test_the_port_answers_503_while_starting_then_the_service_takes_over_u
     async def start() -> AsyncIterator[FakeService]:
         progress.begin(Phase.ENGINE_LOAD)
         await proceed.wait()  # the engine's minutes
-        progress.end()
+        progress.end(Phase.ENGINE_LOAD)
         yield service
 
     with contextlib.closing(listener):

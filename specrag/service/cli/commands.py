@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,9 +43,10 @@ from specrag.service.run.assets import (
     ensure_assets,
 )
 from specrag.service.run.exposure import warn_if_exposed
-from specrag.service.run.lifecycle import serve_until_signalled
+from specrag.service.run.imports import import_for_start, start_imports
+from specrag.service.run.lifecycle import run_serving, serve_until_signalled
 from specrag.service.run.options import DocumentKvStore, base_engine_config
-from specrag.service.run.startup import Phase, StartupProgress, bind_listener
+from specrag.service.run.startup import Phase, StartupProgress, bind_listener, parse_bounds
 
 __all__ = [
     "answer_file",
@@ -166,9 +166,9 @@ async def _service(
     run_dir = _paths(args)[0].root / "run" / f"serve-{os.getpid()}"
     progress = progress or StartupProgress()
     try:
-        progress.begin(Phase.ENGINE_LOAD)
+        progress.begin(Phase.ENGINE_LOAD, _engine_waits_for(assets, options))
         async with open_service(assets, options, run_dir) as service:
-            progress.end()
+            progress.end(Phase.ENGINE_LOAD)
             yield service
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -201,6 +201,21 @@ def _starting(assets: Assets | CheckingAssets, options: ServiceOptions) -> str:
         return f"connecting to the engine server(s) at {', '.join(options.engine_urls)}…"
     engines = f"{options.replicas} vLLM engines, one per core," if options.pooled else "vLLM"
     return f"starting {engines} on {assets.model_dir}…"
+
+
+def _engine_waits_for(assets: Assets | CheckingAssets, options: ServiceOptions) -> str:
+    """What the engine's load waits for, said should it outlive its bound."""
+    if options.ray_address is not None:
+        shards = f" and {options.search_shards} search shards" if options.search_shards else ""
+        where = options.ray_address or "a local Ray instance"
+        return f"Ray to place and start {options.replicas} vLLM replicas{shards} on {where}"
+    if options.engine_urls:
+        return f"the engine server(s) at {', '.join(options.engine_urls)} to answer"
+    engines = f"{options.replicas} in-process vLLM engines" if options.pooled else "vLLM"
+    return (
+        f"{engines} to start on {assets.model_dir} (its processes, the weights, graph compilation "
+        "or its cache, warm-up runs; `-v` shows vLLM's own lines)"
+    )
 
 
 def token_from_env(variable: str | None) -> str | None:
@@ -289,18 +304,26 @@ def serve_command(args: argparse.Namespace) -> int:
         kv_cache_tokens=args.kv_cache_tokens,
     )
 
-    progress = StartupProgress.since_process_start()
+    progress = StartupProgress.since_process_start(parse_bounds(args.startup_timeout or ()))
+    imports = start_imports(
+        in_process_engine=not options.engine_urls and options.ray_address is None, embedder=args.embedder
+    )
     listener = bind_listener(args.host, args.port)  # a busy port fails now, not after the engine's start
 
     def check(on_model: Callable[[Path], None]) -> Assets:
         """The artefacts, timed: the engine's load overlaps all but the model's verification."""
-        started = time.monotonic()
+        progress.begin(Phase.ARTEFACTS)
         assets = _assets(args, True, on_model)
-        progress.record(Phase.ARTEFACTS, time.monotonic() - started)
+        progress.end(Phase.ARTEFACTS)
         return assets
 
     @contextlib.asynccontextmanager
     async def start() -> AsyncIterator[Service]:
+        # Once, on one thread, before the artefact checks and the engine's start import side by
+        # side (specrag.service.run.imports): two threads importing one package can crash.
+        progress.begin(Phase.IMPORTS)
+        await asyncio.to_thread(import_for_start, imports)
+        progress.end(Phase.IMPORTS)
         assets = await check_assets_in_background(check)
         try:
             async with _service(args, assets, options, progress=progress) as service:
@@ -309,14 +332,15 @@ def serve_command(args: argparse.Namespace) -> int:
             assets.close()  # after the last query: a table's connections
 
     with contextlib.closing(listener), _engine_log(args):
-        asyncio.run(
+        run_serving(
             serve_until_signalled(
                 listener,
                 progress,
                 start,
                 shutdown_timeout_s=args.shutdown_timeout,
                 announce=lambda line: print(line, flush=True),
-            )
+            ),
+            args.command,
         )
     return 0
 

@@ -29,6 +29,7 @@ from specrag.service.cli.commands import (
 from specrag.service.http.access import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERIES_PER_CLIENT
 from specrag.service.http.app import SHUTDOWN_GRACE_S
 from specrag.service.run.options import DocumentKvStore, ServiceOptions
+from specrag.service.run.startup import DEFAULT_BOUNDS_S
 
 __all__ = ["register"]
 
@@ -123,6 +124,7 @@ def _register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     _add_engine_options(serve)
     _add_core_options(serve)
     _add_limit_options(serve)
+    _add_startup_bounds(serve)
     serve.set_defaults(handler=serve_command)
 
 
@@ -272,6 +274,19 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         "aborted (default %(default)s)",
     )
     _add_controller_flags(limits, limit=True)
+
+
+def _add_startup_bounds(serve: argparse.ArgumentParser) -> None:
+    """How long each phase of the start may take before ``serve`` gives up with an error."""
+    defaults = ", ".join(f"{phase.value} {seconds:g}" for phase, seconds in DEFAULT_BOUNDS_S.items())
+    serve.add_argument(
+        "--startup-timeout",
+        action="append",
+        metavar="PHASE=SECONDS",
+        help="bound a phase of the start (repeatable; defaults: " + defaults + "); past its bound "
+        "serve exits with status 2 and an error naming the phase and what it waited for, its "
+        "processes stopped",
+    )
 
 
 def _register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
