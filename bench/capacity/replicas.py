@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import select
 import subprocess
 import sys
@@ -11,12 +10,14 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import aiohttp
+import psutil
 
+from specrag.service.run.pinning import pin_threads
 from specrag.service.run.pools import free_port_pair
 
 __all__ = ["StandIn", "free_port", "running_stand_ins"]
 
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 600.0  # each imports vLLM's modules: minutes on a loaded 2-core machine
 
 
 def free_port() -> int:
@@ -52,7 +53,7 @@ class StandIn:
             return bool((await response.json())["success"])
 
 
-def _start(cpus: Collection[int] | None) -> StandIn:
+def _start() -> StandIn:
     port, events_port = free_port_pair(), free_port_pair()
     command = [sys.executable, "-m", "specrag.sim.gpu_server", "--port", str(port)]
     command += ["--kv-events-port", str(events_port)]
@@ -61,7 +62,6 @@ def _start(cpus: Collection[int] | None) -> StandIn:
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )
     return StandIn(process, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events_port}")
 
@@ -86,12 +86,15 @@ def _stop(stand_in: StandIn) -> None:
 
 @contextlib.contextmanager
 def running_stand_ins(count: int, cpus: Collection[int] | None) -> Iterator[list[StandIn]]:
-    """``count`` stand-ins started together (each imports vLLM's modules: seconds), stopped on exit."""
+    """``count`` stand-ins started together on every core, then pinned (all their threads) to
+    ``cpus`` once serving; stopped on exit."""
     stand_ins: list[StandIn] = []
     try:
-        stand_ins = [_start(cpus) for _ in range(count)]
+        stand_ins = [_start() for _ in range(count)]
         for stand_in in stand_ins:
             _wait_ready(stand_in)
+            if cpus:
+                pin_threads(psutil.Process(stand_in.process.pid), cpus)
         yield stand_ins
     finally:
         for stand_in in stand_ins:

@@ -16,7 +16,7 @@ from bench.common import save_figure
 __all__ = ["ADDED_TTFT_BOUND_MS", "capacity_of", "draw", "rate_point", "summary"]
 
 ADDED_TTFT_BOUND_MS = 10.0
-"""The added time to first token, at p99, within which a rate counts as held (issue 55)."""
+"""The added time to first token, at p99, within which a rate counts as held (docs/capacity.md)."""
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:

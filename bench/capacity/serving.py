@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
 import tempfile
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 from aiohttp import web
 
 from bench.capacity.meters import CpuMeters
@@ -34,6 +34,7 @@ from specrag.service.http.app import serving
 from specrag.service.run.assembly import open_service, prompt_builder
 from specrag.service.run.assets import Assets, ensure_assets
 from specrag.service.run.options import ServiceOptions
+from specrag.service.run.pinning import pin_threads
 
 HOST = "127.0.0.1"
 UNLIMITED = 1_000_000  # a capacity run is bounded by its offered rate, not by admission limits
@@ -88,6 +89,8 @@ async def serve_front(args: argparse.Namespace, stop: asyncio.Event) -> None:
             app = thin_app(assets.index, prompt_builder(assets, engines[0]), engines, args.k)
         await stack.enter_async_context(serving(app, HOST, args.port, access_log=False))
         await stack.enter_async_context(serving(control, HOST, args.control_port, access_log=False))
+        if args.cpus:  # once started (on every core): every thread of this process, and later ones
+            pin_threads(psutil.Process(), {int(core) for core in args.cpus.split(",")})
         print("ready", flush=True)
         await stop.wait()
 
@@ -102,10 +105,8 @@ def main() -> None:
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--model")
     parser.add_argument("--k", type=int, default=10)
-    parser.add_argument("--cpus", help="cores of this process, e.g. 0")
+    parser.add_argument("--cpus", help="cores of this process once it serves, e.g. 0")
     args = parser.parse_args()
-    if args.cpus:
-        os.sched_setaffinity(0, {int(core) for core in args.cpus.split(",")})
 
     async def run() -> None:
         stop = asyncio.Event()
