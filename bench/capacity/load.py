@@ -30,6 +30,7 @@ class Answer:
     """One question's outcome as the client saw it."""
 
     sent_at: float
+    send_late_s: float = 0.0  # after its arrival time: the load generator's own delay
     ttft_s: float | None = None
     done_s: float | None = None
     request_id: str | None = None
@@ -107,7 +108,8 @@ async def offer(
                 "max_tokens": max_tokens,
                 "stream": True,
             }
-            answer = Answer(sent_at=time.perf_counter())
+            sent_at = time.perf_counter()
+            answer = Answer(sent_at=sent_at, send_late_s=sent_at - start - float(arrival))
             answers.append(answer)
             tasks.append(asyncio.create_task(_ask(session, url, body, answer)))
         await asyncio.gather(*tasks)

@@ -64,6 +64,7 @@ def rate_point(
         "added_ttft_ms": {"p50": _percentile(added, 50), "p99": _percentile(added, 99), "n": len(added)},
         "client_ttft_ms_p50": _percentile([a.ttft_s * 1000 for a in done if a.ttft_s is not None], 50),
         "stand_in_late_ms": {"p50": _percentile(late, 50), "p99": _percentile(late, 99)},
+        "client_send_late_ms_p99": _percentile([a.send_late_s * 1000 for a in answers], 99),
         "unmatched_answers": unmatched,
         "cpu_ms_per_answer": cpu_ms,
         "predicted_equals_delivered": (
