@@ -8,12 +8,9 @@ import pytest
 from vllm.distributed import kv_events as vllm_events
 
 from specrag.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from specrag.pipeline.kv_mirror.subscriber import (
-    EventSequence,
-    KVEventSubscriber,
-    MirrorTarget,
-    convert_event,
-)
+from specrag.pipeline.kv_mirror.sequence import EventSequence, convert_event
+from specrag.pipeline.kv_mirror.subscriber import KVEventSubscriber
+from specrag.pipeline.kv_mirror.target import MirrorTarget
 from tests.helpers.kv_events import Publisher, batch
 
 
@@ -121,7 +118,7 @@ async def test_the_answer_to_a_replay_that_timed_out_never_answers_a_later_one(t
 
     await publisher.publish(0)  # before anyone listens: only a replay brings it
     subscriber = KVEventSubscriber(
-        publisher.endpoint, publisher.replay_endpoint, "kv", target(on_events), replay_timeout_s=0.3
+        publisher.endpoint, publisher.replay_endpoint, "kv", target(on_events), replay_idle_s=0.3
     )
     await subscriber.start()
     try:
@@ -171,7 +168,7 @@ async def test_a_failing_callback_is_counted_and_later_batches_still_arrive(tmp_
         done.set()
 
     subscriber = await without_replay(publisher, on_events, done, count=2)
-    assert subscriber.sequence.callback_errors == 1 and subscriber.sequence.lost == 0 and received == [1, 1]
+    assert subscriber.callback_errors == 1 and subscriber.sequence.lost == 0 and received == [1, 1]
 
 
 def test_a_chains_cache_salt_is_kept() -> None:
