@@ -11,6 +11,8 @@ unbounded, and its length shows in the lag (:meth:`Handoff.lag`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -21,6 +23,8 @@ from specrag.cache.events import AllBlocksCleared, KVEvent
 from specrag.pipeline.kv_mirror.target import MirrorLag, MirrorTarget, apply_batch
 
 __all__ = ["Handoff"]
+
+logger = logging.getLogger(__name__)
 
 
 _Item = tuple[float, int, Callable[[], None]]  # received (or queued) at, weight, what to run
@@ -116,7 +120,12 @@ class Handoff:
         items = self._items
         while items and budget > 0:
             _at, weight, action = items.popleft()
-            action()
+            try:
+                action()
+            except Exception:  # the queue must keep moving: the mirror says it may be wrong
+                logger.exception("the KV mirror could not take what its subscriber handed it")
+                with contextlib.suppress(Exception):
+                    self._final.degrade("the KV mirror could not take an event it was handed")
             budget -= weight
         with self._lock:
             if not items:
