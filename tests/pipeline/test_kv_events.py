@@ -1,10 +1,12 @@
 """The KV-event subscriber against a local publisher speaking vLLM's wire format."""
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+import zmq
 from vllm.distributed import kv_events as vllm_events
 
 from specrag.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -246,3 +248,31 @@ def test_an_unreadable_or_failing_batch_degrades_the_mirror() -> None:
 def test_group_and_medium_are_kept() -> None:
     removed = convert_event(vllm_events.BlockRemoved(block_hashes=[3], medium="CPU", group_idx=1))
     assert removed == BlockRemoved((3,), group_idx=1, medium="CPU")
+
+
+@pytest.mark.timeout(60)
+def test_a_subscriber_whose_loop_closed_under_it_ends_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A service that ends without stopping its subscriber: the thread ends at its next batch,
+    without an error in the logs (a traceback there reads as a fault)."""
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.bind(f"ipc://{tmp_path}/pub")
+    subscriber = KVEventSubscriber(f"ipc://{tmp_path}/pub", None, "kv", target(lambda events: None))
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(subscriber.start())
+    loop.close()
+    receiver = subscriber._receiver
+    assert receiver is not None
+    try:
+        for seq in range(100):  # until the subscription has joined and a batch reached the thread
+            pub.send_multipart((b"kv", seq.to_bytes(8, "big"), batch(seq)))
+            receiver.join(0.1)
+            if not receiver.is_alive():
+                break
+        assert not receiver.is_alive()
+        assert [record for record in caplog.records if record.levelno >= logging.ERROR] == []
+    finally:
+        pub.close(linger=0)
+        context.term()

@@ -68,6 +68,10 @@ class Handoff:
         """The loop that owns the tree (before the thread starts)."""
         self._loop = loop
 
+    @property
+    def loop_closed(self) -> bool:
+        return self._loop is not None and self._loop.is_closed()
+
     # ------------------------------------------------------------------ the thread's side
 
     def stamp(self, seq: int, received_at: float) -> None:

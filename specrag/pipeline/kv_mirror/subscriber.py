@@ -202,8 +202,11 @@ class _Receiver(threading.Thread):
         try:
             self._receive(sockets)
         except Exception as error:
+            if self._handoff.loop_closed:  # the service ended without stopping it: nobody to tell
+                logger.debug("the KV event subscriber for %s stopped with its loop", self._endpoint)
+                return
             logger.error("the KV event subscriber for %s stopped", self._endpoint, exc_info=error)
-            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody to tell
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._handoff.failed(error)
         finally:
             if self._replay is not None:
