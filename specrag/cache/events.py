@@ -1,7 +1,7 @@
 """The engine's KV-cache events, as plain data the knowledge tree understands.
 
 They mirror vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` without importing
-vLLM, so the cache layer stays engine-free; specrag.pipeline.kv_mirror.subscriber converts vLLM's own
+vLLM, so the cache layer stays engine-free; specrag.pipeline.kv_mirror.sequence converts vLLM's own
 messages into these.
 """
 

@@ -4,6 +4,7 @@ reset, for the KV-event subscriber's and the KV mirror's tests."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,10 +41,21 @@ def batch(seq: int) -> bytes:
 
 
 class Publisher:
-    """PUB + ROUTER replay, like vLLM's ZmqEventPublisher, but able to drop batches on purpose, and
-    to answer the n-th replay request ``delays[n]`` seconds late (what it holds then)."""
+    """PUB + ROUTER replay, like vLLM's ZmqEventPublisher (ZMQ's default high-water marks, as vLLM
+    keeps on its ROUTER), but able to drop batches on purpose, to answer the n-th replay request
+    ``delays[n]`` seconds late (what it holds then), to leave out of the n-th answer the batches in
+    ``gaps[n]`` and then its end marker too (as a ROUTER past its high-water mark drops frames), and
+    to send an answer's frames ``pace_s`` apart (a slow replay). ``starts`` lists the batch each
+    replay request asked from."""
 
-    def __init__(self, tmp_path: Path, *, delays: Sequence[float] = ()) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        delays: Sequence[float] = (),
+        gaps: Sequence[frozenset[int]] = (),
+        pace_s: float = 0.0,
+    ) -> None:
         self.endpoint = f"ipc://{tmp_path}/pub"
         self.replay_endpoint = f"ipc://{tmp_path}/replay"
         self.context = zmq.asyncio.Context()
@@ -54,6 +66,9 @@ class Publisher:
         self.sent: dict[int, bytes] = {}
         self.replays = 0
         self.delays = list(delays)
+        self.gaps = list(gaps)
+        self.pace_s = pace_s
+        self.starts: list[int] = []
         self.late: set[asyncio.Task[None]] = set()
         self.server = asyncio.create_task(self._serve_replay())
 
@@ -66,20 +81,26 @@ class Publisher:
         while True:
             client, _, start = await self.router.recv_multipart()
             delay = self.delays[self.replays] if self.replays < len(self.delays) else 0.0
+            gap = self.gaps[self.replays] if self.replays < len(self.gaps) else frozenset()
             self.replays += 1
-            answer = self._answer(client, int.from_bytes(start, "big"), delay)
-            if delay:
+            self.starts.append(int.from_bytes(start, "big"))
+            answer = self._answer(client, self.starts[-1], delay, gap)
+            if delay or self.pace_s:
                 task = asyncio.create_task(answer)
                 self.late.add(task)
                 task.add_done_callback(self.late.discard)
             else:
                 await answer
 
-    async def _answer(self, client: bytes, start: int, delay: float) -> None:
+    async def _answer(self, client: bytes, start: int, delay: float, gap: frozenset[int]) -> None:
         await asyncio.sleep(delay)
         for seq in sorted(s for s in self.sent if s >= start):
-            await self.router.send_multipart((client, b"", b"kv", seq.to_bytes(8, "big"), self.sent[seq]))
-        await self.router.send_multipart((client, b"", b"", END_SEQ, b""))
+            if seq not in gap:
+                await self.router.send_multipart((client, b"", b"kv", seq.to_bytes(8, "big"), self.sent[seq]))
+            if self.pace_s:
+                await asyncio.sleep(self.pace_s)
+        if not gap:
+            await self.router.send_multipart((client, b"", b"", END_SEQ, b""))
 
     async def close(self) -> None:
         for task in (self.server, *self.late):
@@ -87,6 +108,11 @@ class Publisher:
         self.pub.close(linger=0)
         self.router.close(linger=0)
         self.context.term()
+
+
+def hold_the_loop(seconds: float) -> None:
+    """The service's loop busy answering something else: nothing else runs on it meanwhile."""
+    time.sleep(seconds)
 
 
 class Resets:

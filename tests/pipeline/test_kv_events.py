@@ -1,19 +1,18 @@
 """The KV-event subscriber against a local publisher speaking vLLM's wire format."""
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+import zmq
 from vllm.distributed import kv_events as vllm_events
 
 from specrag.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from specrag.pipeline.kv_mirror.subscriber import (
-    EventSequence,
-    KVEventSubscriber,
-    MirrorTarget,
-    convert_event,
-)
+from specrag.pipeline.kv_mirror.sequence import EventSequence, convert_event
+from specrag.pipeline.kv_mirror.subscriber import KVEventSubscriber
+from specrag.pipeline.kv_mirror.target import MirrorTarget
 from tests.helpers.kv_events import Publisher, batch
 
 
@@ -121,7 +120,7 @@ async def test_the_answer_to_a_replay_that_timed_out_never_answers_a_later_one(t
 
     await publisher.publish(0)  # before anyone listens: only a replay brings it
     subscriber = KVEventSubscriber(
-        publisher.endpoint, publisher.replay_endpoint, "kv", target(on_events), replay_timeout_s=0.3
+        publisher.endpoint, publisher.replay_endpoint, "kv", target(on_events), replay_idle_s=0.3
     )
     await subscriber.start()
     try:
@@ -171,7 +170,7 @@ async def test_a_failing_callback_is_counted_and_later_batches_still_arrive(tmp_
         done.set()
 
     subscriber = await without_replay(publisher, on_events, done, count=2)
-    assert subscriber.sequence.callback_errors == 1 and subscriber.sequence.lost == 0 and received == [1, 1]
+    assert subscriber.callback_errors == 1 and subscriber.sequence.lost == 0 and received == [1, 1]
 
 
 def test_a_chains_cache_salt_is_kept() -> None:
@@ -249,3 +248,31 @@ def test_an_unreadable_or_failing_batch_degrades_the_mirror() -> None:
 def test_group_and_medium_are_kept() -> None:
     removed = convert_event(vllm_events.BlockRemoved(block_hashes=[3], medium="CPU", group_idx=1))
     assert removed == BlockRemoved((3,), group_idx=1, medium="CPU")
+
+
+@pytest.mark.timeout(60)
+def test_a_subscriber_whose_loop_closed_under_it_ends_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A service that ends without stopping its subscriber: the thread ends at its next batch,
+    without an error in the logs (a traceback there reads as a fault)."""
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.bind(f"ipc://{tmp_path}/pub")
+    subscriber = KVEventSubscriber(f"ipc://{tmp_path}/pub", None, "kv", target(lambda events: None))
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(subscriber.start())
+    loop.close()
+    receiver = subscriber._receiver
+    assert receiver is not None
+    try:
+        for seq in range(100):  # until the subscription has joined and a batch reached the thread
+            pub.send_multipart((b"kv", seq.to_bytes(8, "big"), batch(seq)))
+            receiver.join(0.1)
+            if not receiver.is_alive():
+                break
+        assert not receiver.is_alive()
+        assert [record for record in caplog.records if record.levelno >= logging.ERROR] == []
+    finally:
+        pub.close(linger=0)
+        context.term()

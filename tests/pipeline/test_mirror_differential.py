@@ -40,7 +40,7 @@ from specrag.cache.tree import KnowledgeTree
 from specrag.errors import EngineError
 from specrag.pipeline.engines.config import KVEventSource
 from specrag.pipeline.kv_mirror.mirror import KVMirror
-from specrag.pipeline.kv_mirror.subscriber import EventSequence
+from specrag.pipeline.kv_mirror.sequence import EventSequence
 
 BLOCK = 4
 POOL_BLOCKS = 48  # small: a handful of running prompts fill it, so allocation evicts

@@ -35,11 +35,12 @@ from specrag.cache.events import AllBlocksCleared, KVEvent
 from specrag.cache.tree import KnowledgeTree
 from specrag.errors import EngineError
 from specrag.pipeline.engines.config import KVEventSource
+from specrag.pipeline.kv_mirror.target import MirrorLag, MirrorTarget
 
 if TYPE_CHECKING:
-    from specrag.pipeline.kv_mirror.subscriber import KVEventSubscriber, MirrorTarget
+    from specrag.pipeline.kv_mirror.subscriber import KVEventSubscriber
 
-__all__ = ["WAITING_FOR_CLEAR", "WAITING_FOR_JOIN", "KVMirror", "MirrorFaults", "MirrorStatus"]
+__all__ = ["WAITING_FOR_CLEAR", "WAITING_FOR_JOIN", "KVMirror", "MirrorFaults", "MirrorLag", "MirrorStatus"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,6 @@ class KVMirror:
     @property
     def target(self) -> MirrorTarget:
         """What an event stream feeds (the subscriber, or a test driving one by hand)."""
-        from specrag.pipeline.kv_mirror.subscriber import MirrorTarget
-
         return MirrorTarget(self._apply, self._publisher_started, self._degrade, self._unsure)
 
     def faults(self) -> MirrorFaults:
@@ -127,11 +126,15 @@ class KVMirror:
             return self._earlier
         sequence = current.sequence
         return MirrorFaults(
-            self._earlier.applied_batches + sequence.batches - sequence.callback_errors,
+            self._earlier.applied_batches + current.applied_batches,
             self._earlier.lost_batches + sequence.lost + sequence.undecodable,
-            self._earlier.callback_errors + sequence.callback_errors,
+            self._earlier.callback_errors + current.callback_errors,
             self._earlier.sequence_resets + sequence.sequence_resets,
         )
+
+    def lag(self) -> MirrorLag:
+        """How far the tree is behind the events received (none without a subscriber)."""
+        return MirrorLag() if self._subscriber is None else self._subscriber.lag()
 
     async def start(self, catch_up: bool = True) -> None:
         """Subscribe; ``catch_up=False`` right after emptying the engine's cache (see the subscriber).

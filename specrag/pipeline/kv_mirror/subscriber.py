@@ -1,218 +1,61 @@
 """Subscriber to vLLM's KV-cache event stream, feeding the knowledge tree's exact residency.
 
 vLLM publishes ``(topic, sequence number, msgpack KVEventBatch)`` on a ZMQ PUB socket and keeps
-recent batches for a ROUTER "replay" socket. PUB/SUB drops what a slow or late subscriber
-misses, and a missed BlockRemoved would leave the tree believing evicted KV is still there, so
-:class:`EventSequence` follows the publisher's sequence numbers:
+recent batches for a ROUTER "replay" socket (how they are followed in order:
+:mod:`.sequence`; how holes are replayed while live batches keep coming: :mod:`.reassembly`).
 
-- the mirror follows the publisher once the subscription has *joined*: the SUB socket's
-  handshake with the publisher succeeded, and then a replay from batch 0 answered (ZMQ
-  subscriptions join asynchronously: what is published before the join is only in the replay
-  buffer). A subscriber that catches up applies that replay: the publisher's whole history when
-  its buffer still starts at batch 0, or an empty one when it has published nothing (a fresh
-  engine, whose cache is empty); a history whose start the buffer no longer holds leaves the
-  mirror unsure (``unsure``), not in loss: nothing the mirror followed went missing. Without a
-  replay answer, the first batch received opens the sequence;
-- every later gap is filled from the replay socket before later batches are applied; what the
-  replay cannot give is counted lost and the mirror told it is no longer exact (``degrade``);
-- a number at or below the last one seen is a new publisher (a restarted engine numbers its
-  batches from zero again): the mirror is reset and the new publisher's history replayed;
-- a batch is decoded and converted whole before the mirror sees it, and the mirror applies it
-  all or nothing (:meth:`KnowledgeTree.apply_events` checks every event first).
-
-Events are decoded with vLLM's own msgspec classes and handed on as specrag.cache's plain
-dataclasses.
+The sockets are read on a thread of their own, never on the service's event loop: a loop busy
+answering would otherwise leave batches in ZMQ's queues, which drop what comes past their
+high-water mark (1,000 messages by default) without a word. Our SUB and DEALER sockets take
+everything (receive high-water mark 0, unbounded); vLLM's PUB keeps its configured ``hwm``
+(100,000) and its ROUTER ZMQ's default 1,000, which we cannot change from here: a replay answer
+longer than that may lose frames, and the replay is then asked again from its first hole. The
+thread decodes and orders the batches and hands them to the loop, which applies a bounded amount
+per turn (:mod:`.handoff`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import threading
+import time
 
-import msgspec
 import zmq
-import zmq.asyncio
-from vllm.distributed import kv_events as vllm_events
 
-from specrag.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from specrag.pipeline.kv_mirror.handoff import Handoff
+from specrag.pipeline.kv_mirror.reassembly import Reassembly
+from specrag.pipeline.kv_mirror.sequence import EventSequence
+from specrag.pipeline.kv_mirror.target import MirrorLag, MirrorTarget
 
-__all__ = ["EventSequence", "KVEventSubscriber", "MirrorTarget", "convert_event", "first_block_salt"]
+__all__ = ["BLOCKS_PER_TURN", "KVEventSubscriber"]
 
 logger = logging.getLogger(__name__)
 
+BLOCKS_PER_TURN = 512
+"""Block events the loop applies per turn at most, before it lets other work run (docs/ordering.md)."""
+
 _END_OF_REPLAY = -1
-
-
-def convert_event(event: object) -> KVEvent | None:
-    """vLLM's event as specrag.cache's dataclass; None for kinds the tree does not use."""
-    if isinstance(event, vllm_events.BlockStored):
-        return BlockStored(
-            block_hashes=tuple(event.block_hashes),
-            parent_block_hash=event.parent_block_hash,
-            token_ids=tuple(event.token_ids),
-            block_size=event.block_size,
-            cache_salt=first_block_salt(event),
-            group_idx=event.group_idx,
-            medium=event.medium,
-        )
-    if isinstance(event, vllm_events.BlockRemoved):
-        return BlockRemoved(
-            block_hashes=tuple(event.block_hashes), group_idx=event.group_idx, medium=event.medium
-        )
-    if isinstance(event, vllm_events.AllBlocksCleared):
-        return AllBlocksCleared()
-    return None
-
-
-def first_block_salt(event: vllm_events.BlockStored) -> str | None:
-    """The cache salt of a chain's first block: a string among its extra hash keys (vLLM lists
-    the LoRA name, multimodal pairs, then the salt); None for a block with a parent or no salt."""
-    extra = getattr(event, "extra_keys", None)
-    if event.parent_block_hash is not None or not extra or not extra[0]:
-        return None
-    salts = [key for key in extra[0] if isinstance(key, str) and key != event.lora_name]
-    return salts[-1] if salts else None
-
-
-@dataclass(frozen=True)
-class MirrorTarget:
-    """What a KV event stream feeds: the mirror of one engine's prefix cache.
-
-    ``apply`` takes one batch's events in order and applies all or none of them (raising when it
-    applied none); ``reset`` says the mirror follows a publisher from its batch 0 on (a new
-    publisher, or the subscription joined: the tree starts empty); ``degrade`` says the stream
-    lost something, with the reason: the mirror is no longer known to be exact until it is reset
-    or sees the engine clear its cache; ``unsure`` says it cannot know the engine's cache although
-    nothing it followed was lost (a history older than the replay buffer, a subscriber that
-    stopped): no reason to empty the engine's cache.
-    """
-
-    apply: Callable[[Sequence[KVEvent]], None]
-    reset: Callable[[], None]
-    degrade: Callable[[str], None]
-    unsure: Callable[[str], None]
-
-
-class EventSequence:
-    """One subscriber's view of a publisher's numbered batches, and what it hands ``target``.
-
-    Transport-free, so that the differential test drives exactly this with vLLM's own block pool:
-    :meth:`open` starts following the publisher once the subscription has joined;
-    :meth:`missing_before` is asked for every live batch (it opens the sequence at the first one
-    if nothing did, and resets ``target`` whenever the number went backwards) and names the first
-    batch to ask the replay for; :meth:`deliver` hands on a batch; :meth:`skip` passes over one
-    of a history not needed; :meth:`give_up` counts what neither the wire nor the replay brought.
-
-    ``catch_up=False`` skips the publisher's history (the batches the start-up replay returns,
-    or those before the first one received): for a subscriber that has just emptied the
-    engine's cache, whose history is then irrelevant.
-    """
-
-    def __init__(self, target: MirrorTarget, *, catch_up: bool = True) -> None:
-        self._target = target
-        self.catch_up = catch_up
-        self._decoder = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch)
-        self.started = False
-        # Opened, and no batch delivered since: a hole now is history the replay no longer holds.
-        self._opening = False
-        self.last_seq = -1
-        self.batches = 0
-        self.replayed = 0
-        self.lost = 0
-        self.undecodable = 0  # batches received but not readable: lost to the mirror too
-        self.callback_errors = 0
-        self.sequence_resets = 0
-
-    def open(self) -> None:
-        """The subscription has joined: follow the publisher from its batch 0 on, with an empty
-        tree (catching up, the history then comes as batches from 0; else it is skipped)."""
-        self.started = True
-        self._opening = True
-        self.last_seq = -1
-        self._target.reset()
-
-    def missing_before(self, seq: int) -> int | None:
-        """The first batch number missing before live batch ``seq`` (None: none is)."""
-        if not self.started:
-            self.open()  # no replay answered before this batch: it proves the join
-            if not self.catch_up:
-                self.last_seq = seq - 1  # the first batch starts the sequence
-        elif seq <= self.last_seq:
-            logger.warning(
-                "KV event batch %d after %d: a new publisher; the cache mirror starts again",
-                seq,
-                self.last_seq,
-            )
-            self.sequence_resets += 1
-            self.last_seq = -1
-            self._target.reset()
-        return self.last_seq + 1 if seq > self.last_seq + 1 else None
-
-    def deliver(self, seq: int, payload: bytes, *, replayed: bool = False) -> None:
-        """Hand on batch ``seq`` (an older or repeated one is ignored); a hole before it is lost."""
-        if seq <= self.last_seq:
-            return
-        if seq > self.last_seq + 1:
-            self.give_up(seq)
-        self.last_seq = seq
-        self._opening = False
-        self.replayed += int(replayed)
-        try:
-            batch = self._decoder.decode(payload)
-            events = [e for e in map(convert_event, batch.events) if e is not None]
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
-            self.undecodable += 1
-            logger.exception("undecodable KV event batch %d", seq)
-            self._target.degrade(f"KV event batch {seq} could not be read")
-            return
-        self.batches += 1
-        try:
-            self._target.apply(events)
-        except Exception:
-            self.callback_errors += 1
-            logger.exception("KV event batch %d could not be applied", seq)
-            self._target.degrade(f"KV event batch {seq} could not be applied")
-
-    def skip(self, seq: int) -> None:
-        """Pass over batch ``seq`` of a history not needed (``catch_up=False``)."""
-        self.last_seq = max(self.last_seq, seq)
-        self._opening = False
-
-    def give_up(self, seq: int) -> None:
-        """Count the batches between the last one handed on and ``seq`` as lost; before the first
-        batch of a history they are not lost but unknown (the replay buffer no longer starts at
-        the publisher's batch 0): the mirror is unsure, and nothing it followed went missing."""
-        first, last = self.last_seq + 1, seq - 1
-        if last < first:
-            return
-        self.last_seq = last
-        if self._opening and self.catch_up:
-            logger.info(
-                "KV event batches %d..%d are no longer replayable: the cache mirror is unsure", first, last
-            )
-            self._target.unsure(
-                f"the engine's KV event batches {first}..{last} (its history before this subscriber) "
-                "are no longer in its replay buffer"
-            )
-            return
-        self.lost += last - first + 1
-        logger.warning("lost KV event batches %d..%d: the cache mirror is degraded", first, last)
-        self._target.degrade(f"lost KV event batches {first}..{last}")
+_READS_PER_TURN = 256  # messages read from one socket before the thread looks at the others
+_STOP_WAIT_S = 5.0
+_wake_names = itertools.count()
 
 
 class KVEventSubscriber:
-    """Receive vLLM KV-event batches in order and feed them to ``target`` (see :class:`EventSequence`).
+    """Receive vLLM KV-event batches in order and feed them to ``target``.
 
     ``replay_endpoint=None`` disables gap filling (gaps are then counted lost, and the first batch
     received opens the sequence). ``catch_up`` (default) replays every batch the engine published
     before the subscription joined: what a mirror of an engine that already served requests
     needs; a caller that has just emptied the engine's cache (and told its tree so) passes
-    ``catch_up=False``.
+    ``catch_up=False``. A replay ends after ``replay_idle_s`` without a frame; ``replay_attempts``
+    replays in a row that bring nothing count a hole lost.
 
-    ``joined`` is set once the sequence is open. ``failure`` holds what stopped the receiving task
-    when it ended by itself (the target is told it is unsure): its owner subscribes again.
+    ``joined`` is set once the sequence is open and its start-up replay applied. ``failure`` holds
+    what stopped the receiving thread when it ended by itself (the target is told it is unsure):
+    its owner subscribes again.
     """
 
     def __init__(
@@ -222,135 +65,208 @@ class KVEventSubscriber:
         topic: str,
         target: MirrorTarget,
         *,
-        replay_timeout_s: float = 2.0,
+        replay_idle_s: float = 1.0,
+        replay_attempts: int = 3,
         catch_up: bool = True,
+        blocks_per_turn: int = BLOCKS_PER_TURN,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
-        self.sequence = EventSequence(target, catch_up=catch_up)
-        self.joined = asyncio.Event()
-        self.failure: BaseException | None = None
-        self._target = target
-        self._replay_timeout_s = replay_timeout_s
-        self._context: zmq.asyncio.Context | None = None
-        self._sub: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._handoff = Handoff(target, blocks_per_turn=blocks_per_turn)
+        self.sequence = EventSequence(self._handoff.target, catch_up=catch_up)
+        self.joined = self._handoff.joined_event
+        self._replay_idle_s = replay_idle_s
+        self._replay_attempts = replay_attempts
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._wake: zmq.Socket[bytes] | None = None
+        self._receiver: _Receiver | None = None
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._handoff.failure
+
+    @property
+    def applied_batches(self) -> int:
+        return self._handoff.applied_batches
+
+    @property
+    def callback_errors(self) -> int:
+        return self._handoff.callback_errors
+
+    def lag(self) -> MirrorLag:
+        """Batches received (or being replayed) and not yet applied, and for how long."""
+        receiver = self._receiver
+        if receiver is None:
+            return MirrorLag()
+        return self._handoff.lag(receiver.reassembly.known, receiver.reassembly.oldest_held_at)
 
     async def start(self) -> None:
-        """Connect and start receiving in a background task."""
-        if self._task is not None:
+        """Connect and start receiving on a thread of its own."""
+        if self._receiver is not None:
             raise RuntimeError("the KV event subscriber is already running")
-        self._context = zmq.asyncio.Context()
-        self._sub = self._context.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        # Watched before connecting, so that the handshake cannot be missed.
-        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self._sub.connect(self.endpoint)
-        self._task = asyncio.create_task(self._run(), name="kv-event-subscriber")
-        self._task.add_done_callback(self._ended)
+        self._handoff.bind(asyncio.get_running_loop())
+        self._context = zmq.Context()
+        wake_address = f"inproc://kv-event-subscriber-wake-{next(_wake_names)}"
+        self._wake = self._context.socket(zmq.PAIR)
+        self._wake.bind(wake_address)
+        poller = zmq.Poller()  # the receiving thread's
+        replay = (
+            None
+            if self.replay_endpoint is None
+            else _ReplaySocket(self._context, poller, self.replay_endpoint)
+        )
+        reassembly = Reassembly(
+            self.sequence, self._handoff, replay, idle_s=self._replay_idle_s, attempts=self._replay_attempts
+        )
+        self._receiver = _Receiver(
+            self._context, poller, wake_address, self.endpoint, self.topic, reassembly, replay, self._handoff
+        )
+        self._receiver.start()
 
     async def stop(self) -> None:
         """Stop receiving and close the sockets; safe to call twice."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])  # a task that failed before holds it in ``failure``
-        self._close_monitor()
-        if self._sub is not None:
-            self._sub.close(linger=0)
-            self._sub = None
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            assert self._wake is not None
+            with contextlib.suppress(zmq.Again):  # a thread that ended by itself reads nothing
+                self._wake.send(b"stop", zmq.NOBLOCK)
+            await asyncio.to_thread(receiver.join, _STOP_WAIT_S)
+            if receiver.is_alive():
+                logger.error("the KV event subscriber's thread did not stop within %s s", _STOP_WAIT_S)
+        self._handoff.close()  # what it still holds is not applied: the mirror stops or subscribes anew
+        if self._wake is not None:
+            self._wake.close(linger=0)
+            self._wake = None
         if self._context is not None:
-            self._context.term()
+            if receiver is None or not receiver.is_alive():
+                self._context.term()
             self._context = None
 
-    def _ended(self, task: asyncio.Task[None]) -> None:
-        """The receiving task ended: by :meth:`stop`, or by an error nothing else would see."""
-        if task.cancelled():
-            return
-        self.failure = task.exception() or RuntimeError("the receiving task returned")
-        logger.error("the KV event subscriber for %s stopped", self.endpoint, exc_info=self.failure)
-        self._target.unsure(f"the KV event subscriber stopped: {self.failure!r}")
 
-    def _close_monitor(self) -> None:
-        if self._monitor is not None:
-            assert self._sub is not None
-            self._sub.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
+class _ReplaySocket:
+    """The replay socket, driven from the receiving thread (a :class:`.reassembly.ReplaySocket`).
 
-    async def _run(self) -> None:
-        assert self._sub is not None and self._monitor is not None
-        await self._monitor.recv_multipart()  # the SUB socket's handshake with the publisher
-        self._close_monitor()
-        await self._open()
-        sequence = self.sequence
-        while True:
-            _topic, seq_bytes, payload = await self._sub.recv_multipart()
-            seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if not sequence.started:
-                await self._open(before=seq)
-            first_missing = sequence.missing_before(seq)
-            self.joined.set()
-            if first_missing is not None:
-                await self._replay_from(first_missing, seq)
-            sequence.deliver(seq, payload)
+    A DEALER socket of its own per request, closed after it: the answer to a request dropped goes
+    to a closed socket (ROUTER drops it) and can never be taken for another's.
+    """
 
-    async def _open(self, before: int | None = None) -> None:
-        """Open the sequence with a replay from batch 0, asked after the SUB socket's handshake:
-        its answer proves the join (a batch published after it reaches the SUB socket, one
-        published before is in the answer). Catching up, the answer is applied (empty: the
-        publisher published nothing yet, its engine's cache is empty); else only its last
-        number is kept. Without an answer the sequence stays closed until a live batch opens it
-        (``before``: the live batch that came first; batches from it on are not replayed)."""
-        if self.replay_endpoint is None:
-            return
-        batches, complete = await self._replayed(0)
-        history = [(seq, payload) for seq, payload in batches if before is None or seq < before]
-        if not history and not (complete and before is None):
-            return
-        sequence = self.sequence
-        sequence.open()
-        for seq, payload in history:
-            if sequence.catch_up:
-                sequence.deliver(seq, payload, replayed=True)
-            else:
-                sequence.skip(seq)
-        self.joined.set()
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], poller: zmq.Poller, endpoint: str) -> None:
+        self._context = context
+        self._poller = poller
+        self._endpoint = endpoint
+        self.dealer: zmq.Socket[bytes] | None = None
 
-    async def _replay_from(self, first: int, seq: int) -> None:
-        """Ask the replay socket for everything from batch ``first`` on, and hand on those before
-        live batch ``seq``; a replay that starts later than ``first`` leaves a hole, counted lost."""
-        if self.replay_endpoint is not None:
-            batches, _complete = await self._replayed(first)
-            for replay_seq, payload in batches:
-                if replay_seq < seq:
-                    self.sequence.deliver(replay_seq, payload, replayed=True)
-        self.sequence.give_up(seq)
-
-    async def _replayed(self, first: int) -> tuple[list[tuple[int, bytes]], bool]:
-        """The replay socket's batches from ``first`` on, and whether its end marker came in time.
-
-        Each request has a DEALER socket of its own, closed after it: the answer to a request
-        that timed out goes to a closed socket (ROUTER drops it) and can never be taken for the
-        answer to a later one.
-        """
-        assert self._context is not None and self.replay_endpoint is not None
+    def ask(self, first: int) -> None:
+        self.drop()
         dealer = self._context.socket(zmq.DEALER)
-        batches: list[tuple[int, bytes]] = []
-        try:
-            dealer.connect(self.replay_endpoint)
-            await dealer.send_multipart((b"", first.to_bytes(8, "big")))
-            async with asyncio.timeout(self._replay_timeout_s):
-                while True:
-                    frames = await dealer.recv_multipart()
-                    replay_seq = int.from_bytes(frames[-2], "big", signed=True)
-                    if replay_seq == _END_OF_REPLAY:
-                        return batches, True
-                    batches.append((replay_seq, frames[-1]))
-        except TimeoutError:
-            logger.warning("KV event replay from %s timed out", self.replay_endpoint)
-            return batches, False
-        finally:
+        dealer.setsockopt(zmq.RCVHWM, 0)  # unbounded: see the module docstring
+        dealer.connect(self._endpoint)
+        dealer.send_multipart((b"", first.to_bytes(8, "big")))
+        self._poller.register(dealer, zmq.POLLIN)
+        self.dealer = dealer
+
+    def drop(self) -> None:
+        dealer, self.dealer = self.dealer, None
+        if dealer is not None:
+            self._poller.unregister(dealer)
             dealer.close(linger=0)
+
+
+class _Receiver(threading.Thread):
+    """The thread reading the SUB socket and the replay's DEALER into ``reassembly``."""
+
+    def __init__(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        poller: zmq.Poller,
+        wake_address: str,
+        endpoint: str,
+        topic: str,
+        reassembly: Reassembly,
+        replay: _ReplaySocket | None,
+        handoff: Handoff,
+    ) -> None:
+        super().__init__(name=f"kv-events {endpoint}", daemon=True)
+        self._context = context
+        self._wake_address = wake_address
+        self._endpoint = endpoint
+        self._topic = topic
+        self.reassembly = reassembly
+        self._handoff = handoff
+        self._replay = replay
+        self._poller = poller
+
+    def run(self) -> None:
+        sockets: list[zmq.Socket[bytes]] = []
+        try:
+            self._receive(sockets)
+        except Exception as error:
+            if self._handoff.loop_closed:  # the service ended without stopping it: nobody to tell
+                logger.debug("the KV event subscriber for %s stopped with its loop", self._endpoint)
+                return
+            logger.error("the KV event subscriber for %s stopped", self._endpoint, exc_info=error)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._handoff.failed(error)
+        finally:
+            if self._replay is not None:
+                self._replay.drop()
+            for socket in sockets:
+                socket.close(linger=0)
+
+    def _receive(self, sockets: list[zmq.Socket[bytes]]) -> None:
+        sub = self._context.socket(zmq.SUB)
+        sockets.append(sub)
+        sub.setsockopt(zmq.RCVHWM, 0)  # unbounded: see the module docstring
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic.encode())
+        # Watched before connecting, so that the handshake cannot be missed.
+        monitor: zmq.Socket[bytes] | None = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        assert monitor is not None
+        sockets.append(monitor)
+        sub.connect(self._endpoint)
+        wake = self._context.socket(zmq.PAIR)
+        sockets.append(wake)
+        wake.connect(self._wake_address)
+        for socket in (sub, monitor, wake):
+            self._poller.register(socket, zmq.POLLIN)
+        reassembly = self.reassembly
+        while True:
+            deadline = reassembly.deadline()
+            timeout_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+            ready = dict(self._poller.poll(timeout_ms))
+            if wake in ready:
+                return
+            if monitor is not None and monitor in ready:
+                monitor.recv_multipart()  # the SUB socket's handshake with the publisher
+                self._poller.unregister(monitor)
+                sub.disable_monitor()
+                monitor.close(linger=0)
+                monitor = None
+                reassembly.handshake(time.monotonic())
+            dealer = None if self._replay is None else self._replay.dealer
+            if dealer is not None and dealer in ready:
+                self._read_replay(dealer)
+            if sub in ready:
+                for _ in range(_READS_PER_TURN):
+                    try:
+                        _topic, seq_bytes, payload = sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reassembly.live(int.from_bytes(seq_bytes, "big", signed=True), payload, time.monotonic())
+            reassembly.tick(time.monotonic())
+
+    def _read_replay(self, dealer: zmq.Socket[bytes]) -> None:
+        assert self._replay is not None
+        reassembly = self.reassembly
+        for _ in range(_READS_PER_TURN):
+            if self._replay.dealer is not dealer:  # ended, or asked anew, by what was just read
+                return
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            seq = int.from_bytes(frames[-2], "big", signed=True)
+            if seq == _END_OF_REPLAY:
+                reassembly.replay_ended(time.monotonic())
+            else:
+                reassembly.replayed(seq, frames[-1], time.monotonic())

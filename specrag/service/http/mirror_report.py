@@ -2,7 +2,9 @@
 
 A mirror that drifted from the engine's cache mispredicts cached tokens and misorders documents
 without failing anything, so its state is exported rather than only logged: per replica whether
-it is exact (1) or degraded (0) and the counters of what the event stream did (docs/ordering.md).
+it is exact (1) or degraded (0), how far it is behind the events received (its lag: a mirror that
+falls behind predicts from an older cache) and the counters of what the event stream did
+(docs/ordering.md).
 Everything is read from the mirrors at scrape time, so it cannot drift from them.
 """
 
@@ -24,7 +26,8 @@ MIRROR_HEALTH: web.AppKey[MirrorHealth] = web.AppKey("specrag_mirror_health")
 
 
 class MirrorCollector(Collector):
-    """``specrag_kv_mirror_exact{replica}`` and the mirrors' counters, read at each scrape."""
+    """``specrag_kv_mirror_exact{replica}``, the lag gauges and the mirrors' counters, read at each
+    scrape."""
 
     def __init__(self, mirrors: Sequence[KVMirror]) -> None:
         self._mirrors = tuple(mirrors)
@@ -33,6 +36,16 @@ class MirrorCollector(Collector):
         exact = GaugeMetricFamily(
             "specrag_kv_mirror_exact",
             "1 while the replica's KV mirror is exact (its blocks are the engine's), 0 while degraded",
+            labels=["replica"],
+        )
+        lag_batches = GaugeMetricFamily(
+            "specrag_kv_mirror_lag_batches",
+            "KV event batches sent (received, or being replayed) that the tree has not applied yet",
+            labels=["replica"],
+        )
+        lag_seconds = GaugeMetricFamily(
+            "specrag_kv_mirror_lag_seconds",
+            "Seconds since the oldest KV event batch received and not yet applied arrived (0: none waits)",
             labels=["replica"],
         )
         counters = {
@@ -56,6 +69,9 @@ class MirrorCollector(Collector):
         for mirror in self._mirrors:
             status, faults, counts = mirror.status, mirror.faults(), mirror.tree.mirror_counts
             exact.add_metric([mirror.name], float(status.exact))
+            lag = mirror.lag()
+            lag_batches.add_metric([mirror.name], float(lag.batches))
+            lag_seconds.add_metric([mirror.name], lag.seconds)
             for name, value in (
                 ("duplicate_copies", counts.duplicate_copies),
                 ("unknown_removals", counts.unknown_removals),
@@ -67,15 +83,21 @@ class MirrorCollector(Collector):
             ):
                 counters[name].add_metric([mirror.name], value)
         yield exact
+        yield lag_batches
+        yield lag_seconds
         yield from counters.values()
 
 
 def mirror_health(mirrors: Sequence[KVMirror]) -> dict[str, dict[str, object]]:
-    """Per replica name: ``kv_mirror`` ("exact" or "degraded") and, when degraded, why."""
+    """Per replica name: ``kv_mirror`` ("exact" or "degraded"), when degraded why, and its lag."""
+    return {mirror.name: _health_of(mirror) for mirror in mirrors}
+
+
+def _health_of(mirror: KVMirror) -> dict[str, object]:
+    status, lag = mirror.status, mirror.lag()
     return {
-        mirror.name: {
-            "kv_mirror": "exact" if mirror.status.exact else "degraded",
-            "kv_mirror_reason": mirror.status.reason,
-        }
-        for mirror in mirrors
+        "kv_mirror": "exact" if status.exact else "degraded",
+        "kv_mirror_reason": status.reason,
+        "kv_mirror_lag_batches": lag.batches,
+        "kv_mirror_lag_seconds": round(lag.seconds, 3),
     }
