@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.capacity import mirror_rate
 from bench.capacity.flags import parse_args
 from bench.capacity.load import offer
 from bench.capacity.replicas import StandIn, free_port, running_stand_ins
@@ -150,6 +151,8 @@ async def measure(args: Any, data_dir: Path, questions: Sequence[str]) -> dict[s
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """The whole benchmark; returns the summary it also writes (bench/out/NAME.json)."""
     args = parse_args(argv)
+    # Before any pinning: the mirror's own benchmark measures one process following the events.
+    mirror = {} if args.no_mirror_rate else mirror_rate.run(args.quick)
     client_cores = cores(args.client_cpus)
     if client_cores:
         os.sched_setaffinity(0, client_cores)
@@ -160,7 +163,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     trace = generate(assets.passages, "zipf", 2000, 1.0, seed=0)
     questions = [query.query for query in trace]
     runs = run_measurement(measure(args, data_dir, questions))
-    headline = summary(runs, max(args.replicas))
+    headline = summary(runs, max(args.replicas)) | {
+        key: mirror[key] for key in ("mirror_events_per_s_no_loss", "mirror_events_per_s_kept_pace") if mirror
+    }
     settings = {key: value for key, value in vars(args).items() if key != "quick"} | {"quick": args.quick}
     write_json(
         args.name,

@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--client-cpus", default="1", help="cores of the load generator and the stand-ins (default 1)"
     )
     parser.add_argument("--no-pin", action="store_true", help="leave every process on every core")
+    parser.add_argument(
+        "--no-mirror-rate",
+        action="store_true",
+        help="skip bench.capacity.mirror_rate (the block-event rate one KV mirror follows with 0 lost "
+        "batches; 60 s a rate, 10 s with --quick), run first and reported as mirror_events_per_s_*",
+    )
     parser.add_argument("--name", default="capacity", help="bench/out/NAME.json and NAME.png")
     args = parser.parse_args(argv)
     args.rates = args.rates or (QUICK_RATES if args.quick else FULL_RATES)

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import signal
 import tempfile
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,12 @@ from aiohttp import web
 
 from bench.capacity.meters import CpuMeters
 from bench.capacity.thin import thin_app
+from specrag.cache.tree import KnowledgeTree
 from specrag.controller.placement import Placement
 from specrag.paths import DataLayout
 from specrag.pipeline.engines.http_engine import HttpEngine
 from specrag.pipeline.kv_mirror.mirror import KVMirror
-from specrag.pipeline.kv_mirror.subscriber import EventSequence
+from specrag.pipeline.kv_mirror.sequence import EventSequence
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.http.access import Access
@@ -46,7 +47,8 @@ def install_meters() -> CpuMeters:
     meters.wrap(VectorIndex, "search", "search")
     meters.wrap(Placement, "place_documents", "ordering")
     meters.wrap(Placement, "place_prompt", "ordering")
-    meters.wrap(EventSequence, "deliver", "mirror")
+    meters.wrap(EventSequence, "deliver", "mirror")  # on the receiving thread: decode and order
+    meters.wrap(KnowledgeTree, "apply_events", "mirror")  # on the loop: the tree follows the events
     meters.wrap(PromptBuilder, "question_tokens", "prompt")
     meters.wrap(PromptBuilder, "build_with_question_tokens", "prompt")
     return meters
@@ -55,10 +57,7 @@ def install_meters() -> CpuMeters:
 def mirror_state(mirror: KVMirror) -> dict[str, Any]:
     faults, status = mirror.faults(), mirror.status
     state: dict[str, Any] = {"exact": status.exact, "reason": status.reason, **asdict(faults)}
-    lag = getattr(mirror, "lag", None)  # the mirror's lag, where this version reports one
-    if lag is not None:
-        state["lag"] = asdict(lag) if is_dataclass(lag) and not isinstance(lag, type) else lag
-    return state
+    return {**state, "lag": asdict(mirror.lag())}
 
 
 async def serve_front(args: argparse.Namespace, stop: asyncio.Event) -> None:

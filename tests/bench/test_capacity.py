@@ -34,7 +34,19 @@ def test_the_capacity_is_the_highest_rate_held_with_nothing_failed() -> None:
 def test_a_tiny_run_reports_every_key(tmp_path: Path, tiny_model_dir: Path) -> None:
     argv = ["--data-dir", str(tmp_path), "--model", str(tiny_model_dir), "--rates", "3", "--seconds", "2"]
     headline = run(
-        [*argv, "--replicas", "1", "--max-tokens", "2", "-k", "3", "--no-pin", "--name", "capacity-test"]
+        [
+            *argv,
+            "--replicas",
+            "1",
+            "--max-tokens",
+            "2",
+            "-k",
+            "3",
+            "--no-pin",
+            "--no-mirror-rate",
+            "--name",
+            "capacity-test",
+        ]
     )
     written = json.loads((OUT_DIR / "capacity-test.json").read_text())
     for key in (
