@@ -29,6 +29,7 @@ Rerun: ``python -m bench.quality.decoding [--questions N]`` (docs/quality.md).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import (
+    OUT_DIR,
     add_model_option,
     bootstrap_mean_ci,
     print_summary,
@@ -58,12 +60,26 @@ from specrag.controller.config import ControllerConfig
 from specrag.controller.modes import ModeName
 from specrag.controller.sampling import NEUTRAL_PENALTIES
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.pipeline.engines.config import KVEventSource
+from specrag.pipeline.engines.protocol import Engine
 from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME
 from specrag.pipeline.models.directory import served_model_name
+from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.service.run.assembly import ServiceOptions, open_engine, prompt_builder
-from specrag.service.run.assets import ensure_assets
+from specrag.service.run.assets import Assets, ensure_assets
 
-__all__ = ["LOOP_WORDS", "MAX_LOOP_SHARE", "SETTINGS", "Setting", "choose", "loops", "model_setting"]
+__all__ = [
+    "LOOP_WORDS",
+    "MAX_LOOP_SHARE",
+    "SETTINGS",
+    "Answer",
+    "Setting",
+    "answerer",
+    "check_identity",
+    "choose",
+    "loops",
+    "model_setting",
+]
 
 LOOP_WORDS = 6
 """A run of this many words said twice is a loop (the issue's measure: 10 of 15 demo-like answers)."""
@@ -86,7 +102,6 @@ class Setting:
 
 SETTINGS = (
     Setting("greedy"),
-    Setting("repetition_penalty=1.05", {"repetition_penalty": 1.05}),
     Setting("repetition_penalty=1.1", {"repetition_penalty": 1.1}),
     Setting("repetition_penalty=1.2", {"repetition_penalty": 1.2}),
     Setting("frequency_penalty=0.3", {"frequency_penalty": 0.3}),
@@ -206,6 +221,26 @@ Answer = Callable[
 """Questions answered through a fresh controller with this config, so many at once, decoded so."""
 
 
+def answerer(
+    engine: Engine,
+    kv_events: KVEventSource | None,
+    assets: Assets,
+    builder: PromptBuilder,
+    args: argparse.Namespace,
+) -> Answer:
+    """The :data:`Answer` of one engine and the data directory's index, asking as ``args`` say."""
+
+    async def answer(
+        asked: Sequence[QualityQuestion], config: ControllerConfig, concurrency: int, setting: Setting
+    ) -> list[dict[str, Any]]:
+        fields = setting.request_fields()
+        return await answer_configuration(
+            engine, kv_events, assets.index, assets, builder, asked, args, config, concurrency, fields
+        )
+
+    return answer
+
+
 async def check_identity(
     answer: Answer, questions: Sequence[QualityQuestion], setting: Setting
 ) -> dict[str, Any]:
@@ -246,8 +281,45 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def _with_loops(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{**row, "loops": loops(row["answer"])} for row in rows]
+Rows = dict[str, list[dict[str, Any]]]
+"""Each setting's records, one a question, in the questions' order."""
+
+
+async def answer_settings(
+    answer: Answer,
+    settings: Sequence[Setting],
+    questions: Sequence[QualityQuestion],
+    opened: Sequence[QualityQuestion],
+    concurrency: int,
+    checkpoint: Path | None = None,
+) -> tuple[Rows, Rows]:
+    """Every setting's answers to the module and the open questions (each record with ``loops``),
+    in ``serial`` mode. The questions go in chunks, each answered under every setting before the
+    next: the chunk's prompts are prefilled once and found in the prefix cache by every other
+    setting (the whole set's prompts would not fit it). After each chunk the records so far go to
+    ``checkpoint``, if given, so that a run stopped early leaves what it measured."""
+    serial = controller_config(ModeName.SERIAL)
+    # Open questions spread among the module ones, so that every chunk holds both kinds.
+    kinds = sorted(
+        [(i / len(questions), 0, i) for i in range(len(questions))]
+        + [(i / len(opened), 1, i) for i in range(len(opened))]
+    )
+    asked = [(questions, opened)[kind][i] for _, kind, i in kinds]
+    rows: Rows = {setting.name: [] for setting in settings}
+    chunk = 2 * concurrency
+    for start in range(0, len(asked), chunk):
+        for setting in settings:
+            rows[setting.name] += await answer(asked[start : start + chunk], serial, concurrency, setting)
+        done = min(start + chunk, len(asked))
+        if checkpoint is not None:
+            record = json.dumps({"kinds": [kind for _, kind, _ in kinds[:done]], "rows": rows})
+            await asyncio.to_thread(checkpoint.write_text, record)
+        print(f"{done} of {len(asked)} questions answered", flush=True)
+    split: tuple[Rows, Rows] = ({}, {})
+    for name, mine in rows.items():
+        for (_, kind, _), row in zip(kinds, mine, strict=True):
+            split[kind].setdefault(name, []).append({**row, "loops": loops(row["answer"])})
+    return split
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -261,44 +333,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{model}: {len(questions)} + {len(opened)} open questions, {len(settings)} settings", flush=True)
     started = time.perf_counter()
     timings: Timings = {}
-    module_rows: dict[str, list[dict[str, Any]]] = {}
-    open_rows: dict[str, list[dict[str, Any]]] = {}
     async with open_engine(
         assets.model_dir, ServiceOptions(eager=args.eager), layout.root / "run" / "quality"
     ) as (
         engine,
         kv_events,
     ):
-        builder = prompt_builder(assets, engine)
-
-        async def answer(
-            asked: Sequence[QualityQuestion], config: ControllerConfig, concurrency: int, setting: Setting
-        ) -> list[dict[str, Any]]:
-            return await answer_configuration(
-                engine,
-                kv_events,
-                assets.index,
-                assets,
-                builder,
-                asked,
-                args,
-                config,
-                concurrency,
-                setting.request_fields(),
-            )
-
-        serial = controller_config(ModeName.SERIAL)
-        for setting in settings:
-            with timed(timings, setting.name):
-                for asked, rows in ((questions, module_rows), (opened, open_rows)):
-                    rows[setting.name] = _with_loops(await answer(asked, serial, args.concurrency, setting))
-            answered, asked_open = module_rows[setting.name], open_rows[setting.name]
-            print(
-                f"{setting.name}: accuracy {np.mean([r['accuracy'] for r in answered]):.3f}, "
-                f"loops {np.mean([r['loops'] for r in answered]):.3f} / open "
-                f"{np.mean([r['loops'] for r in asked_open] or [0]):.3f} "
-                f"({timings[setting.name]['wall_s']:.0f} s)",
-                flush=True,
+        answer = answerer(engine, kv_events, assets, prompt_builder(assets, engine), args)
+        with timed(timings, "settings"):
+            OUT_DIR.mkdir(parents=True, exist_ok=True)
+            module_rows, open_rows = await answer_settings(
+                answer,
+                settings,
+                questions,
+                opened,
+                args.concurrency,
+                OUT_DIR / "quality_decoding.partial.json",
             )
         summary = summarize(module_rows, open_rows, args.seed)
         chosen = choose(summary)

@@ -1,15 +1,20 @@
-"""The decoding comparison's parts that need no engine: the loop detector, the model's own
-recommendation, the choice of a default."""
+"""The decoding comparison: the loop detector, the model's own recommendation, the choice of a
+default, and the identity check on the real engine."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.quality.decoding import Setting, choose, loops, model_setting
+from bench.quality.decoding import Setting, answerer, check_identity, choose, loops, model_setting
+from bench.quality.questions import build_questions
+from specrag.pipeline.engines.vllm_engine import VllmEngine
+from specrag.pipeline.store.prompt import PromptBuilder
+from specrag.service.run.assets import Assets
 
 
 @pytest.mark.parametrize(
@@ -65,3 +70,19 @@ def test_the_default_keeps_greedys_accuracy_and_loops_least() -> None:
     assert choose(summary) == {"setting": "b", "worst_loop_share": 0.04, "meets_bar": True}
     summary.pop("b"), summary.pop("c")
     assert choose(summary) == {"setting": "d", "worst_loop_share": 0.20, "meets_bar": False}
+
+
+@pytest.mark.engine
+async def test_the_identity_check_compares_answers_of_the_same_prompt(
+    vllm_engine: VllmEngine, tiny_assets: Assets
+) -> None:
+    """On the real engine, under a penalty: every run answers every question, and an answer whose
+    final prompt is serial's (or ordering's) equals it token for token."""
+    builder = PromptBuilder(tiny_assets.tokenizer, tiny_assets.store, block_size=vllm_engine.block_size)
+    args = argparse.Namespace(k=3, max_tokens=6, concurrency=2)
+    answer = answerer(vllm_engine, None, tiny_assets, builder, args)
+    questions = build_questions(tiny_assets.passages, 3, seed=2)
+    identity = await check_identity(answer, questions, Setting("penalised", {"repetition_penalty": 1.2}))
+    for pair in identity.values():
+        assert pair["questions"] == 3 and pair["same_prompt"] >= 1
+        assert pair["identical_tokens"] == pair["same_prompt"]
