@@ -106,7 +106,13 @@ SETTINGS = (
     Setting("repetition_penalty=1.2", {"repetition_penalty": 1.2}),
     Setting("frequency_penalty=0.3", {"frequency_penalty": 0.3}),
     Setting("frequency_penalty=0.5", {"frequency_penalty": 0.5}),
+    Setting("frequency_penalty=1.0", {"frequency_penalty": 1.0}),
+    Setting("frequency_penalty=1.5", {"frequency_penalty": 1.5}),
+    Setting("frequency_penalty=2.0", {"frequency_penalty": 2.0}),
+    Setting("presence_penalty=0.5", {"presence_penalty": 0.5}),
+    Setting("presence_penalty=1.0", {"presence_penalty": 1.0}),
 )
+"""Greedy and the repetition controls tried (``--settings`` picks some; greedy is always asked)."""
 # What a model's generation_config.json may recommend that a request can ask for.
 _GENERATION_KEYS = ("temperature", "top_p", "repetition_penalty")
 
@@ -265,6 +271,10 @@ def parse_args() -> argparse.Namespace:
         "--open-questions", type=int, default=100, help="open questions, loops only (default %(default)s)"
     )
     parser.add_argument(
+        "--settings",
+        help="comma-separated names of SETTINGS to try besides greedy (default: all of them)",
+    )
+    parser.add_argument(
         "--identity-sample",
         type=int,
         default=40,
@@ -276,6 +286,11 @@ def parse_args() -> argparse.Namespace:
         "(the service's default, %(default)s: where loops show)",
     )
     args = parser.parse_args()
+    known = {setting.name: setting for setting in SETTINGS}
+    names = args.settings.split(",") if args.settings else list(known)
+    if unknown := [name for name in names if name not in known]:
+        parser.error(f"unknown settings {', '.join(unknown)}; choose among {', '.join(known)}")
+    args.settings = [known[name] for name in dict.fromkeys(["greedy", *names])]
     if args.questions < 1 or args.open_questions < 0 or args.identity_sample < 0:
         parser.error("--questions must be at least 1, --open-questions and --identity-sample at least 0")
     return args
@@ -328,7 +343,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     questions = build_questions(assets.passages, args.questions, args.seed)
     opened = open_questions(questions[: args.open_questions])
     recommended = model_setting(assets.model_dir)
-    settings = [*SETTINGS, *([recommended] if recommended is not None else [])]
+    settings = [*args.settings, *([recommended] if recommended is not None else [])]
     model = served_model_name(assets.model_dir)
     print(f"{model}: {len(questions)} + {len(opened)} open questions, {len(settings)} settings", flush=True)
     started = time.perf_counter()

@@ -166,7 +166,7 @@ class ControllerConfig:
         ),
     )
     frequency_penalty: float = field(
-        default=0.0,
+        default=1.5,
         metadata=_flag(
             ServeFlag(
                 "--frequency-penalty",
