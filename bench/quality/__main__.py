@@ -1,6 +1,7 @@
 """Answer quality of every configuration on the real default model: do the fast paths keep answers right?
 
-Each question of :mod:`bench.quality.questions` (the corpus holds every answer) is asked, greedily, in
+Each question of :mod:`bench.quality.questions` (the corpus holds every answer) is asked, with the
+service's default decoding (greedy with its repetition control, bench.quality.decoding), in
 every configuration, on one in-process vLLM engine and one index:
 
 - ``no_documents``: the question alone, after the system prompt: what the model knows by itself;
