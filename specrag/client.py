@@ -308,7 +308,10 @@ class AsyncClient(_AsyncClosing):
         return result
 
     async def rag(self, query: str, **options: Any) -> RagAnswer:
-        """Ask a question; options are ``k``, ``mode``, ``max_tokens``, ``session_id``."""
+        """Ask a question; options are ``k``, ``mode``, ``max_tokens``, ``session_id`` and the
+        penalties against repetition, ``frequency_penalty`` and ``presence_penalty`` (−2 to 2) and
+        ``repetition_penalty`` (above 0; unset: the service's default). An engine that cannot apply
+        a penalty (a simulated one) answers 400 naming it."""
         return RagAnswer.from_json(await self._read("POST", "/v1/rag", {"query": query, **options}))
 
     async def batch(self, queries: Sequence[str], **options: Any) -> RagBatch:
@@ -321,7 +324,8 @@ class AsyncClient(_AsyncClosing):
         )
 
     def stream_rag(self, query: str, **options: Any) -> RagStream:
-        """Ask a question; iterate over the answer's text as it is generated (opens on first use)."""
+        """Ask a question with :meth:`rag`'s options; iterate over the answer's text as it is
+        generated (opens on first use)."""
         return RagStream(self, "/v1/rag", {"query": query, **options, "stream": True})
 
     @overload
@@ -338,7 +342,9 @@ class AsyncClient(_AsyncClosing):
         self, messages: list[dict[str, Any]], stream: bool = False, **options: Any
     ) -> dict[str, Any] | ChatStream:
         """An OpenAI ``chat.completion`` (plus its ``specrag`` timeline) for the last user message;
-        with ``stream=True`` a :class:`ChatStream` of ``chat.completion.chunk`` objects."""
+        with ``stream=True`` a :class:`ChatStream` of ``chat.completion.chunk`` objects. Options are
+        the chat fields of docs/service.md: OpenAI's sampling fields (``frequency_penalty`` and
+        ``presence_penalty`` included) and :meth:`rag`'s, ``repetition_penalty`` among them."""
         body = {"messages": messages, **options, "stream": stream}
         if stream:
             return ChatStream(self, "/v1/chat/completions", body)

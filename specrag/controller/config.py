@@ -8,6 +8,7 @@ from dataclasses import InitVar, dataclass, field, fields
 
 from specrag.cache.ordering import PolicyName
 from specrag.controller.modes import DocumentKv, DocumentKvVariant, ModeName
+from specrag.controller.sampling import NEUTRAL_PENALTIES, check_penalty
 from specrag.controller.speculation_policy import SpeculationSetting
 from specrag.errors import InvalidInputError, check_choice, echo
 from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
@@ -149,6 +150,43 @@ class ControllerConfig:
     max_tokens_default: int = 64
     #: The largest ``max_tokens`` a request may ask for.
     max_tokens_limit: int = 1024
+    #: The repetition control of a request that sets none, on engines that apply penalties
+    #: (:mod:`specrag.controller.sampling`); the defaults are the setting ``bench.quality.decoding``
+    #: chose on the default model (docs/architecture.md, "Decoding"): constants copied from a
+    #: measured run, to be updated when it is rerun.
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata=_flag(
+            ServeFlag(
+                "--repetition-penalty",
+                "vLLM's repetition penalty of an answer whose request sets none (1: none; default "
+                "%(default)s, docs/architecture.md)",
+                metavar="P",
+            )
+        ),
+    )
+    frequency_penalty: float = field(
+        default=1.5,
+        metadata=_flag(
+            ServeFlag(
+                "--frequency-penalty",
+                "OpenAI's frequency penalty of an answer whose request sets none (-2 to 2; default "
+                "%(default)s, docs/architecture.md)",
+                metavar="P",
+            )
+        ),
+    )
+    presence_penalty: float = field(
+        default=0.0,
+        metadata=_flag(
+            ServeFlag(
+                "--presence-penalty",
+                "OpenAI's presence penalty of an answer whose request sets none (-2 to 2; default "
+                "%(default)s)",
+                metavar="P",
+            )
+        ),
+    )
     #: No first token this long after the answer's prompt went to the engine: the query fails. It
     #: is retried only on another replica or an engine its supervisor replaced (it had hung); a
     #: working engine that did not finish the prefill in time is not asked again.
@@ -259,6 +297,8 @@ class ControllerConfig:
             raise InvalidInputError(
                 f"{name('max_tokens_default')} must be between 1 and {name('max_tokens_limit')}"
             )
+        for penalty in NEUTRAL_PENALTIES:
+            check_penalty(penalty, getattr(self, penalty), name(penalty))
         if self.max_queue < 0:
             raise InvalidInputError(f"{name('max_queue')} cannot be negative")
         for timeout in ("first_token_timeout_s", "inter_token_timeout_s"):
@@ -266,6 +306,11 @@ class ControllerConfig:
                 raise InvalidInputError(f"{name(timeout)} must be positive")
         if not self.starvation_window_s >= 0:
             raise InvalidInputError(f"{name('starvation_window_s')} cannot be negative")
+
+    @property
+    def default_penalties(self) -> dict[str, float]:
+        """The repetition control a request that sets none gets (where engines apply penalties)."""
+        return {penalty: getattr(self, penalty) for penalty in NEUTRAL_PENALTIES}
 
     def check_k(self, k: object, name: str = "k") -> int:
         """``k`` when it is an integer from 1 to ``k_max``, else :class:`InvalidInputError` naming

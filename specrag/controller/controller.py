@@ -35,7 +35,8 @@ from specrag.controller.sessions import Session, SessionStore
 from specrag.controller.speculation_policy import SpeculationPolicy
 from specrag.controller.warmup import SystemPromptWarmer, WarmupRecord
 from specrag.errors import EngineError, InvalidInputError, TooLargeError, check_choice, echo
-from specrag.pipeline.engines.protocol import Engine
+from specrag.pipeline.engines.base import check_penalties
+from specrag.pipeline.engines.protocol import Engine, Sampling
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 
@@ -163,7 +164,7 @@ class RagController:
             raise InvalidInputError(f"max_tokens must be an integer, got {echo(max_tokens)}")
         if not 1 <= max_tokens <= self.config.max_tokens_limit:
             raise InvalidInputError(f"max_tokens must be between 1 and {self.config.max_tokens_limit}")
-        sampling = check_sampling(request, max_tokens)
+        sampling = self._sampling(request, max_tokens)
         session = (
             self.sessions.get(request.session_id, request.client) if request.session_id is not None else None
         )
@@ -186,6 +187,15 @@ class RagController:
             document_kv_fresh=fresh if document_kv else 0,
             document_kv_after_system=self.config.document_kv_variant is DocumentKvVariant.AFTER_SYSTEM,
         )
+
+    def _sampling(self, request: RagRequest, max_tokens: int) -> Sampling:
+        """The request's decoding: the configured repetition control where every replica's engine
+        applies penalties (a simulated one cannot); a penalty the request itself sets on an engine
+        that cannot apply it is refused by name."""
+        honoured = all(getattr(r.engine, "honours_penalties", False) for r in self.placement.replicas)
+        sampling = check_sampling(request, max_tokens, self.config.default_penalties if honoured else {})
+        check_penalties(sampling, honoured)
+        return sampling
 
     def _document_kv(self, request: RagRequest, session: Session | None) -> bool:
         """Whether the request loads its documents' KV from the store (``turbo``).

@@ -26,7 +26,8 @@ __all__ = ["AnswerDelta", "AnswerDone", "CheckedRequest", "Planned", "RagRequest
 
 @dataclass(frozen=True)
 class RagRequest:
-    """One question. ``None`` fields take the controller's defaults (decoding: greedy, no stop).
+    """One question. ``None`` fields take the controller's defaults (decoding: greedy, no stop, the
+    controller's repetition control).
 
     ``client`` is who asks: a session (``session_id``) answers only to the client that made it
     (:meth:`~specrag.controller.controller.RagController.create_session`)."""
@@ -43,6 +44,9 @@ class RagRequest:
     top_p: float | None = None
     seed: int | None = None
     stop: str | Sequence[str] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     client: str | None = None
     previous_questions: tuple[str, ...] = ()
     """The questions asked before this one, oldest first, when the caller sends its conversation

@@ -108,6 +108,16 @@ BAD_COMMANDS = (
     BadCommand("zero query limit", ("serve", "--max-queries", "0"), "--max-queries and --max-queries-per"),
     BadCommand("negative queue", ("serve", "--max-queue", "-1"), "--max-queue cannot be negative"),
     BadCommand(
+        "no repetition penalty",
+        ("serve", "--repetition-penalty", "0"),
+        "--repetition-penalty must be greater than 0",
+    ),
+    BadCommand(
+        "frequency penalty 3",
+        ("serve", "--frequency-penalty", "3"),
+        "--frequency-penalty must be between -2 and 2",
+    ),
+    BadCommand(
         "NaN first-token timeout", ("serve", "--first-token-timeout", "nan"), "--first-token-timeout must be"
     ),
     BadCommand("unset token variable", ("serve", "--api-token-env", "SPECRAG_NO_SUCH_VAR"), "is not set"),

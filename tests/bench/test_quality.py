@@ -7,17 +7,10 @@ import json
 
 import pytest
 
-from bench.quality.__main__ import (
-    agreement,
-    by_gold_position,
-    compare_embedders,
-    headline,
-    run_conversations,
-    run_single_turn,
-    summarize,
-)
+from bench.quality.__main__ import run_conversations, run_single_turn
 from bench.quality.questions import QUESTION_COUNT, build_conversations, build_questions, score
 from bench.quality.questions import main as questions_main
+from bench.quality.summary import agreement, by_gold_position, compare_embedders, headline, summarize
 from specrag.pipeline.engines.vllm_engine import VllmEngine
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 import pytest_asyncio
@@ -42,6 +43,24 @@ async def test_speculation_answers_from_the_serial_prompt(engine: Engine, tiny_a
     assert speculative.text == serial.text
     assert serial.timeline.speculations == 0 and serial.timeline.documents == speculative.timeline.documents
     await assert_engine_idle(engine, controller)
+
+
+@pytest.mark.engine
+async def test_an_adopted_speculation_answers_as_serial_under_penalties(
+    vllm_engine: Engine, tiny_assets: Assets
+) -> None:
+    """Penalties are a function of the prompt and the tokens so far: like greedy decoding, they
+    give an adopted speculation the serial answer, token for token (the default's and a request's)."""
+    controller = make_controller(
+        vllm_engine, tiny_assets, scripted_index(tiny_assets, [A, A]), repetition_penalty=1.3
+    )
+    for asked in (RagRequest(QUESTION), RagRequest(QUESTION, frequency_penalty=0.5, presence_penalty=0.5)):
+        serial = await controller.answer(replace(asked, k=4, mode="serial", max_tokens=12))
+        speculative = await controller.answer(replace(asked, k=4, mode="speculation", max_tokens=12))
+        assert speculative.timeline.adopted
+        assert speculative.prompt.token_ids == serial.prompt.token_ids
+        assert speculative.text == serial.text
+    await assert_engine_idle(vllm_engine, controller)
 
 
 async def test_a_speculation_on_the_final_list_is_adopted(engine: Engine, tiny_assets: Assets) -> None:

@@ -151,6 +151,24 @@ async def test_streams_tokens_and_reports_cached_tokens_on_the_last_output(
     assert warm.cached_tokens == 64 and warm.block_size == 32
 
 
+async def test_penalties_are_sent_only_when_set(engine: HttpEngine, fake: FakeServer) -> None:
+    assert engine.honours_penalties
+    penalised = Sampling(max_tokens=2, frequency_penalty=0.4, presence_penalty=-0.5, repetition_penalty=1.2)
+    await run_prompt(engine, [FakeServer.NORMAL, 5], penalised)
+    body = fake.bodies[-1]
+    assert (body["frequency_penalty"], body["presence_penalty"], body["repetition_penalty"]) == (
+        0.4,
+        -0.5,
+        1.2,
+    )
+    await run_prompt(engine, [FakeServer.NORMAL, 5], Sampling(max_tokens=2, repetition_penalty=1.1))
+    body = fake.bodies[-1]
+    assert body["repetition_penalty"] == 1.1
+    assert "frequency_penalty" not in body and "presence_penalty" not in body  # neutral: not sent
+    await run_prompt(engine, [FakeServer.NORMAL, 5], 2)
+    assert not {"frequency_penalty", "presence_penalty", "repetition_penalty"} & fake.bodies[-1].keys()
+
+
 async def test_cached_tokens_are_none_when_the_server_does_not_report_them(engine: HttpEngine) -> None:
     outputs = await run_prompt(engine, [FakeServer.NO_DETAILS, 5], 2)
     assert [output.cached_tokens for output in outputs] == [None, None]

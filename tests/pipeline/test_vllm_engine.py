@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import pytest
+from vllm import SamplingParams
 
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engines.protocol import Engine, EngineOutput, Sampling
@@ -95,6 +97,28 @@ async def test_greedy_output_is_deterministic(vllm_engine: VllmEngine) -> None:
     ]
     assert len(first) == 24
     assert first == second
+
+
+async def test_penalties_reach_vllms_sampling_params(
+    vllm_engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a request asks against repetition is what vLLM decodes with."""
+    seen: list[SamplingParams] = []
+    generate = vllm_engine._llm.generate
+
+    def spied(prompt: Any, params: SamplingParams, request_id: str) -> Any:
+        seen.append(params)
+        return generate(prompt, params, request_id)
+
+    monkeypatch.setattr(vllm_engine._llm, "generate", spied)
+    assert vllm_engine.honours_penalties
+    sampling = Sampling(max_tokens=4, frequency_penalty=0.5, presence_penalty=-0.25, repetition_penalty=1.3)
+    outputs = await run_prompt(vllm_engine, random_prompt(seed=10, length=64), sampling)
+    assert outputs[-1].finished
+    params = seen[-1]
+    assert (params.frequency_penalty, params.presence_penalty, params.repetition_penalty) == (0.5, -0.25, 1.3)
+    await run_prompt(vllm_engine, random_prompt(seed=10, length=64), 2)
+    assert (seen[-1].frequency_penalty, seen[-1].presence_penalty, seen[-1].repetition_penalty) == (0, 0, 1)
 
 
 async def test_prompt_longer_than_the_model_allows_is_rejected_before_submission(

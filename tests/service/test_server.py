@@ -193,6 +193,8 @@ USER = [{"role": "user", "content": QUESTION}]
         (RAG, {"query": QUESTION, "k": 50, "mode": "serial"}, 400, "exceeds the model's limit"),
         (RAG, {"query": QUESTION, "session_id": "nope"}, 404, "unknown session 'nope'"),
         (RAG, [QUESTION], 400, "must be a JSON object"),
+        (RAG, {"query": QUESTION, "repetition_penalty": 0}, 400, "repetition_penalty must be greater than 0"),
+        (RAG, {"query": QUESTION, "presence_penalty": True}, 400, "'presence_penalty' must be a number"),
         (CHAT, {}, 400, "'messages' is required"),
         (CHAT, {"messages": []}, 400, "'messages' must not be empty"),
         (CHAT, {"messages": "hi"}, 400, "'messages' must be a list"),
@@ -201,6 +203,19 @@ USER = [{"role": "user", "content": QUESTION}]
         (CHAT, {"messages": [{"role": "user", "content": 3}]}, 400, "must be a string or a list"),
         (CHAT, {"messages": USER, "model": 3}, 400, "'model' must be a string"),
         (CHAT, {"messages": USER, "max_completion_tokens": "9"}, 400, "must be an integer"),
+        (
+            CHAT,
+            {"messages": USER, "frequency_penalty": 2.5},
+            400,
+            "frequency_penalty must be between -2 and 2",
+        ),
+        (
+            CHAT,
+            {"messages": USER, "presence_penalty": -2.01},
+            400,
+            "presence_penalty must be between -2 and 2",
+        ),
+        (CHAT, {"messages": USER, "repetition_penalty": "1.2"}, 400, "'repetition_penalty' must be a number"),
     ],
 )
 async def test_bad_input_gets_a_4xx_with_a_json_error(

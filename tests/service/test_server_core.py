@@ -62,3 +62,25 @@ async def test_the_service_checks_a_query_once(
     # A rejected request without a mode is counted under the core's default mode.
     assert f'specrag_requests_total{{mode="{controller.default_mode}",outcome="rejected"}} 1.0' in metrics
     assert 'specrag_requests_total{mode="all",outcome="ok"} 1.0' in metrics
+
+
+async def test_a_penalty_the_engine_cannot_apply_is_a_400_naming_it(
+    supervised_service: tuple[str, RagController, SupervisedSimulation],
+) -> None:
+    url, _, _ = supervised_service
+    chat = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2}
+    async with aiohttp.ClientSession() as http:
+        for path, body in (
+            ("/v1/chat/completions", {**chat, "frequency_penalty": 0.5}),
+            ("/v1/rag", {"query": QUESTION, "repetition_penalty": 1.2}),
+        ):
+            async with http.post(f"{url}{path}", json=body) as response:
+                assert response.status == 400
+                message = (await response.json())["error"]["message"]
+            assert (
+                message
+                == f"{next(name for name in body if name.endswith('_penalty'))}: not supported by this engine"
+            )
+        # Neutral values ask for nothing the engine lacks.
+        async with http.post(f"{url}/v1/chat/completions", json={**chat, "presence_penalty": 0}) as response:
+            assert response.status == 200

@@ -34,6 +34,7 @@ __all__ = [
     "EngineBase",
     "RequestTracker",
     "check_document_kv",
+    "check_penalties",
     "check_prompt_fits",
     "prompt_fits",
     "warm_by_prefill",
@@ -116,6 +117,7 @@ class EngineBase(Engine):
         prompt = list(map(int, prompt_token_ids))  # a numpy array's too; map is twice as fast
         check_prompt_fits(len(prompt), sampling, self.max_model_len)
         check_document_kv(len(prompt), sampling, self.supports_document_kv)
+        check_penalties(sampling, self.honours_penalties)
         self._tracker.submitted(request_id)
         finished = False
         try:
@@ -224,6 +226,13 @@ def check_document_kv(prompt_tokens: int, sampling: Sampling, supported: bool) -
             f"document_kv spans end at {sampling.document_kv[-1][1]}: they must leave at least the last "
             f"of the prompt's {prompt_tokens} tokens to compute"
         )
+
+
+def check_penalties(sampling: Sampling, honoured: bool) -> None:
+    """Reject penalties an engine would not apply, naming them: an answer decoded without the
+    penalty asked for would be silently another answer."""
+    if sampling.penalties and not honoured:
+        raise InvalidInputError(f"{', '.join(sampling.penalties)}: not supported by this engine")
 
 
 async def warm_by_prefill(engine: Engine, prompt_token_ids: Sequence[int], request_id: str) -> WarmResult:

@@ -115,6 +115,12 @@ class HttpEngine(DescribedEngine):
         self._responses: dict[str, aiohttp.ClientResponse] = {}
         self._aborted: set[str] = set()
 
+    @property
+    def honours_penalties(self) -> bool:
+        # OpenAI's two penalties are in every compatible server's API, repetition_penalty in
+        # vLLM's (the server this adapter is written for); each is sent only when set.
+        return True
+
     @classmethod
     async def connect(
         cls,
@@ -295,6 +301,8 @@ class HttpEngine(DescribedEngine):
             body["stop"] = list(sampling.stop)
         if sampling.ignore_eos:
             body["ignore_eos"] = True
+        for name in sampling.penalties:
+            body[name] = getattr(sampling, name)
         url = f"{self._base_url}/v1/completions"
         try:
             async with asyncio.timeout(self._timeouts.first_token_s):

@@ -20,6 +20,7 @@ the engine's class: an engine that something keeps alive (the supervisor beside 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -29,6 +30,7 @@ from typing import Literal, Protocol
 from specrag.errors import InvalidInputError
 
 __all__ = [
+    "MAX_PENALTY",
     "TURBO_CACHE_SALT_PREFIX",
     "Engine",
     "EngineCounts",
@@ -45,6 +47,9 @@ __all__ = [
 ]
 
 
+#: OpenAI's bound on ``frequency_penalty`` and ``presence_penalty`` (either sign).
+MAX_PENALTY = 2.0
+
 #: What every document-KV request's prefix-cache salt starts with (:attr:`Sampling.cache_salt`).
 TURBO_CACHE_SALT_PREFIX = "specrag-turbo-"
 
@@ -59,6 +64,14 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     """Strings that end the answer; the text stops before the first one (finish reason "stop")."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once for every time the answer already holds it."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once the answer holds it at all."""
+    repetition_penalty: float = 1.0
+    """vLLM's (CTRL's): divides a positive logit, multiplies a negative one, of every token the
+    prompt or the answer holds; 1 is none. Only an engine that :attr:`Engine.honours_penalties`
+    takes a penalty other than neutral."""
     ignore_eos: bool = False
     document_kv: tuple[tuple[int, int], ...] = ()
     """Prompt spans ``[start, end)`` (documents, in order) whose KV the engine may load from its
@@ -78,6 +91,11 @@ class Sampling:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
         if not all(self.stop):
             raise InvalidInputError("a stop string cannot be empty")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise InvalidInputError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise InvalidInputError(f"repetition_penalty must be above 0, got {self.repetition_penalty}")
         end = 0
         for start, stop in self.document_kv:
             if not end <= start < stop:
@@ -90,6 +108,12 @@ class Sampling:
                 f"document_kv_prefix {self.document_kv_prefix} must be the first span of {self.document_kv}, "
                 "starting at 0"
             )
+
+    @property
+    def penalties(self) -> tuple[str, ...]:
+        """The names of the penalties set to something other than neutral (none: an empty tuple)."""
+        neutral = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+        return tuple(name for name, value in neutral.items() if getattr(self, name) != value)
 
     @property
     def cache_salt(self) -> str | None:
@@ -258,6 +282,12 @@ class Engine(ABC):
     @property
     def supports_document_kv(self) -> bool:
         """Whether requests may load documents' KV from a store (:attr:`Sampling.document_kv`)."""
+        return False
+
+    @property
+    def honours_penalties(self) -> bool:
+        """Whether the engine applies :attr:`Sampling.penalties` (vLLM does; a simulated engine
+        cannot: its tokens come from no logits)."""
         return False
 
     @property

@@ -174,6 +174,10 @@ class RayEngine(DescribedEngine):
     def node_ip(self) -> str:
         return self._info.node_ip
 
+    @property
+    def honours_penalties(self) -> bool:
+        return True  # the replica's engine is the in-process vLLM engine, which applies them
+
     async def _stream(
         self, request_id: str, prompt: list[int], sampling: Sampling
     ) -> AsyncGenerator[EngineOutput, None]:

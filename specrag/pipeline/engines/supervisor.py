@@ -127,6 +127,10 @@ class SupervisedEngine(Engine):
         return bool(getattr(self._any_engine(), "supports_document_kv", False))
 
     @property
+    def honours_penalties(self) -> bool:
+        return self._any_engine().honours_penalties
+
+    @property
     def supervision(self) -> Supervision:
         return self
 

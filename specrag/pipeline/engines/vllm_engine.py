@@ -163,6 +163,10 @@ class VllmEngine(EngineBase):
         return self._document_kv is not None
 
     @property
+    def honours_penalties(self) -> bool:
+        return True
+
+    @property
     def document_kv(self) -> DocumentKVStore | None:
         """The document KV store the engine's connector reads (None without ``--document-kv``)."""
         return self._document_kv
@@ -325,6 +329,9 @@ class VllmEngine(EngineBase):
             seed=sampling.seed,
             stop=list(sampling.stop) or None,
             ignore_eos=sampling.ignore_eos,
+            frequency_penalty=sampling.frequency_penalty,
+            presence_penalty=sampling.presence_penalty,
+            repetition_penalty=sampling.repetition_penalty,
             output_kind=RequestOutputKind.DELTA,
         )
 

@@ -24,6 +24,7 @@ __all__ = [
     "CHAT_UNHONOURED_FIELDS",
     "FIELD_ALIASES",
     "HINT_SIMILARITY",
+    "PENALTY_FIELDS",
     "RAG_FIELDS",
     "STREAM_OPTIONS",
     "chat_request",
@@ -36,6 +37,9 @@ __all__ = [
     "user_questions",
 ]
 
+# The penalties against repetition: OpenAI's two and vLLM's extension, on both question APIs
+# (docs/service.md: "Sampling fields"); ranges and engine support are the query core's to check.
+PENALTY_FIELDS = frozenset({"frequency_penalty", "presence_penalty", "repetition_penalty"})
 RAG_FIELDS = frozenset(
     {
         "query",
@@ -47,6 +51,7 @@ RAG_FIELDS = frozenset(
         "session_id",
         "stream",
         "allow_partial",
+        *PENALTY_FIELDS,
     }
 )
 BATCH_FIELDS = frozenset({"queries", "k", "mode", "max_tokens", "allow_partial"})
@@ -69,13 +74,12 @@ CHAT_FIELDS: dict[str, type] = {
     "document_kv_fresh": int,
     "session_id": str,
     "allow_partial": bool,
+    **dict.fromkeys(sorted(PENALTY_FIELDS), float),
 }
 # Fields accepted at their neutral value only (the type of the value, the value).
 CHAT_NEUTRAL_FIELDS: dict[str, tuple[type, Any]] = {
     "n": (int, 1),
     "logprobs": (bool, False),
-    "presence_penalty": (float, 0),
-    "frequency_penalty": (float, 0),
     "store": (bool, False),
     "response_format": (dict, {"type": "text"}),
 }
@@ -168,8 +172,8 @@ def required(body: dict[str, Any], name: str, kind: type[T]) -> T:
 
 
 def rag_request(body: dict[str, Any], question: str, max_tokens: int | None) -> RagRequest:
-    """The retrieval options both APIs share (``k``, ``mode``, ``document_kv``,
-    ``document_kv_fresh``, ``session_id``, ``allow_partial``)."""
+    """The options both APIs share (``k``, ``mode``, ``document_kv``, ``document_kv_fresh``,
+    ``session_id``, ``allow_partial`` and the penalties)."""
     return RagRequest(
         question=question,
         k=optional(body, "k", int),
@@ -179,6 +183,9 @@ def rag_request(body: dict[str, Any], question: str, max_tokens: int | None) -> 
         max_tokens=max_tokens,
         session_id=optional(body, "session_id", str),
         allow_partial=bool(optional(body, "allow_partial", bool)),
+        frequency_penalty=optional(body, "frequency_penalty", float),
+        presence_penalty=optional(body, "presence_penalty", float),
+        repetition_penalty=optional(body, "repetition_penalty", float),
     )
 
 
