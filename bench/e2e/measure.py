@@ -29,7 +29,7 @@ from specrag.pipeline.engines.config import parse_cpus
 from specrag.pipeline.engines.protocol import Engine
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.search.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.assembly import ServiceOptions, open_engine, prompt_builder
 from specrag.service.run.assets import ensure_assets

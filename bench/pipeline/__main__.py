@@ -63,8 +63,8 @@ from bench.pipeline.points import flat_point, graph_point, idle_sweep, loaded_ru
 from bench.pipeline.report import headline, plot
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.engines.config import parse_cpus
-from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES
+from specrag.retrieval.search.search_runner import SearchRunner
+from specrag.retrieval.search.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES
 from specrag.service.run.assets import ensure_assets
 
 

@@ -22,8 +22,8 @@ from specrag.pipeline.engines.protocol import Engine
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import IndexConfig
-from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.stages import StagedSearcher
+from specrag.retrieval.search.search_runner import SearchRunner
+from specrag.retrieval.search.stages import StagedSearcher
 from specrag.retrieval.synthetic import PADDING_VERSION
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.assets import Assets, ensure_index

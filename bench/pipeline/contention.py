@@ -57,7 +57,7 @@ from specrag.pipeline.engines.config import parse_cpus
 from specrag.pipeline.engines.protocol import Engine, Sampling
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.index_store import IVF_KINDS
-from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.search.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.assembly import ServiceOptions, open_engine
 from specrag.service.run.assets import ensure_assets

@@ -31,7 +31,7 @@ from typing import Any
 from bench.e2e.runner import ttft_of
 from bench.e2e.workload import TraceQuery
 from specrag.pipeline.engines.protocol import Engine, now
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.search.stages import StagePlan
 from specrag.retrieval.vector_index import VectorIndex
 
 __all__ = ["bound_records"]

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from bench.common import add_model_option
 from bench.pipeline.calibration import QUICK_TARGET_RATIOS, TARGET_RATIOS
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
-from specrag.retrieval.pgvector.flags import add_stage_arguments
-from specrag.retrieval.stages import DEFAULT_STAGES
+from specrag.retrieval.backends.pgvector.flags import add_stage_arguments
+from specrag.retrieval.search.stages import DEFAULT_STAGES
 
 __all__ = ["DESCRIPTION", "SWEEP_KINDS", "parse_args"]
 

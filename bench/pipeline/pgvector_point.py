@@ -2,7 +2,7 @@
 
 The corpus's vectors, padded with synthetic rows as the sweep's index is
 (:func:`~specrag.retrieval.synthetic.pad_with_synthetic`), are loaded into a throwaway PostgreSQL
-(:class:`~specrag.retrieval.pgvector.local_server.LocalPostgres`) with an IVFFlat index of the
+(:class:`~specrag.retrieval.backends.pgvector.local_server.LocalPostgres`) with an IVFFlat index of the
 lists specrag's IVF build chooses. The server's processes are pinned to ``--search-cpus``, where
 the in-process search runs in the other points, so the engine keeps its core(s) to itself and
 the comparison with those points is of the backend, not of the cores it may use. The table is
@@ -45,14 +45,14 @@ from bench.pipeline.points import Stack, ivf_point_near_one, open_stack
 from bench.pipeline.report import extra_point
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.engines.config import parse_cpus
+from specrag.retrieval.backends.pgvector.config import PgSettings
+from specrag.retrieval.backends.pgvector.database import Database
+from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
+from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
+from specrag.retrieval.backends.pgvector.table import load_table
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.pgvector.config import PgSettings
-from specrag.retrieval.pgvector.database import Database
-from specrag.retrieval.pgvector.local_server import LocalPostgres
-from specrag.retrieval.pgvector.searcher import PgVectorSearcher
-from specrag.retrieval.pgvector.table import load_table
-from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.stages import DEFAULT_STAGES
+from specrag.retrieval.search.search_runner import SearchRunner
+from specrag.retrieval.search.stages import DEFAULT_STAGES
 from specrag.retrieval.synthetic import pad_with_synthetic
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.assets import Assets, ensure_assets

@@ -49,8 +49,8 @@ from specrag.pipeline.engines.config import KVEventSource, parse_cpus
 from specrag.pipeline.engines.protocol import Engine
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.stages import DEFAULT_SCHEDULE, Schedule
+from specrag.retrieval.search.search_runner import SearchRunner
+from specrag.retrieval.search.stages import DEFAULT_SCHEDULE, Schedule
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.assembly import ServiceOptions, open_controller, open_engine, prompt_builder
 from specrag.service.run.assets import Assets

@@ -14,7 +14,7 @@ import numpy as np
 
 from bench.common import plot_path
 from bench.pipeline.analysis import PHASES
-from specrag.retrieval.stages import DEFAULT_SCHEDULE
+from specrag.retrieval.search.stages import DEFAULT_SCHEDULE
 
 
 def print_point(summary: dict[str, Any], label: str) -> None:

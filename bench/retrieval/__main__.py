@@ -46,12 +46,17 @@ from bench.indexes import distinct_passages, one_search_thread
 from bench.traces import read_trace_lines
 from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage, load_passages
-from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
-from specrag.retrieval.fusion import FusionConfig
+from specrag.retrieval.embedders.embedder import Embedder, SentenceTransformerEmbedder
+from specrag.retrieval.embedders.minilm_embedder import (
+    FLOAT32,
+    MiniLMEmbedder,
+    minilm_weights,
+    native_precision,
+)
+from specrag.retrieval.embedders.wordllama_embedder import WordLlamaEmbedder, token_vectors
 from specrag.retrieval.index_store import MINILM, TFIDF_SVD, WORDLLAMA, IndexConfig, build_index, save_index
-from specrag.retrieval.minilm_embedder import FLOAT32, MiniLMEmbedder, minilm_weights, native_precision
+from specrag.retrieval.lexical.fusion import FusionConfig
 from specrag.retrieval.vector_index import VectorIndex
-from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder, token_vectors
 
 KS = (1, 5, 10)
 # --quick: this many queries, and this many passages besides their answers'.

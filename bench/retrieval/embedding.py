@@ -26,9 +26,9 @@ from matplotlib import pyplot as plt
 
 from bench.common import bootstrap_ratio_ci, print_summary, save_figure, write_report
 from specrag.pipeline.store.live_corpus import indexed_text
-from specrag.retrieval.batching import length_sorted_batches
 from specrag.retrieval.corpus import load_passages
-from specrag.retrieval.minilm_embedder import BATCH, MiniLMEmbedder, minilm_weights
+from specrag.retrieval.embedders.batching import length_sorted_batches
+from specrag.retrieval.embedders.minilm_embedder import BATCH, MiniLMEmbedder, minilm_weights
 
 QUICK_PASSAGES = 512
 SCHEDULES = ("pass per core", "pass on all cores")

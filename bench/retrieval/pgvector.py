@@ -1,7 +1,7 @@
 """The pgvector backend against the in-process IVF: same vectors, same lists, same probes.
 
 ``python -m bench.retrieval.pgvector [--quick]`` starts a throwaway PostgreSQL with pgvector
-(:class:`~specrag.retrieval.pgvector.local_server.LocalPostgres`), loads unit vectors drawn
+(:class:`~specrag.retrieval.backends.pgvector.local_server.LocalPostgres`), loads unit vectors drawn
 around clusters into it with an IVFFlat index of the list count specrag's IVF build chooses, builds
 faiss IVF-Flat of the same lists, and searches both at the same probes. Per query it times the
 one-shot query, each stage's query on its own (a stage's database time), and the staged search
@@ -45,15 +45,15 @@ import numpy as np
 from bench.common import plot_path, print_summary, write_json
 from bench.pipeline.pgvector_point import measure_overlap
 from bench.retrieval.pgvector_lexical import draw_lexical, measure_lexical
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF, choose_nlist, default_nprobe
+from specrag.retrieval.backends.pgvector.config import DEFAULT_STAGE_MODE, PgSettings, StageMode, StageQueries
+from specrag.retrieval.backends.pgvector.database import Database
+from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
+from specrag.retrieval.backends.pgvector.queries import fetched
+from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher, stage_probes
+from specrag.retrieval.backends.pgvector.table import inspect_table, load_table, read_passages
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.pgvector.config import DEFAULT_STAGE_MODE, PgSettings, StageMode, StageQueries
-from specrag.retrieval.pgvector.database import Database
-from specrag.retrieval.pgvector.local_server import LocalPostgres
-from specrag.retrieval.pgvector.queries import fetched
-from specrag.retrieval.pgvector.searcher import PgVectorSearcher, stage_probes
-from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
-from specrag.retrieval.staged_ivf import StagedIVF, choose_nlist, default_nprobe
-from specrag.retrieval.stages import DEFAULT_STAGES, Schedule, StagePlan
+from specrag.retrieval.search.stages import DEFAULT_STAGES, Schedule, StagePlan
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 
 __all__ = ["main", "measure"]

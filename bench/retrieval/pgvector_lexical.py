@@ -4,7 +4,7 @@ Part of ``python -m bench.retrieval.pgvector`` (its ``lexical`` key; ``--no-over
 engine part, which this does not need). For each of bench.retrieval's evaluation sets
 (:mod:`bench.retrieval.sets`: the manual pages and the standard library's docstrings) it embeds
 the corpus as ``index build`` does, loads it into a throwaway server's table
-(:class:`~specrag.retrieval.pgvector.local_server.LocalPostgres`), serves it twice as
+(:class:`~specrag.retrieval.backends.pgvector.local_server.LocalPostgres`), serves it twice as
 ``serve --backend pgvector`` would, ``--pg-lexical fts`` and ``--pg-lexical bm25``, and runs
 every query through the staged hybrid search at the index's default stages. Per set and channel:
 recall@1/5/10 with 95 % bootstrap intervals over the questions, the paired difference fts - bm25
@@ -30,13 +30,13 @@ from bench.retrieval.__main__ import belongs
 from bench.retrieval.conversations import KS, paired, recall
 from bench.retrieval.sets import EvaluationSet, manpages_set, pydoc_set
 from specrag.cli import build_parser
-from specrag.retrieval.embedders import Embedder
+from specrag.retrieval.backends.pgvector.assembly import open_index
+from specrag.retrieval.backends.pgvector.config import LexicalChannel, PgSettings
+from specrag.retrieval.backends.pgvector.fulltext import fulltext_query
+from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
+from specrag.retrieval.backends.pgvector.table import load_table
+from specrag.retrieval.embedders.embedder import Embedder
 from specrag.retrieval.index_store import IndexConfig
-from specrag.retrieval.pgvector.assembly import open_index
-from specrag.retrieval.pgvector.config import LexicalChannel, PgSettings
-from specrag.retrieval.pgvector.fulltext import fulltext_query
-from specrag.retrieval.pgvector.local_server import LocalPostgres
-from specrag.retrieval.pgvector.table import load_table
 from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
 

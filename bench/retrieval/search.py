@@ -41,10 +41,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from bench.common import machine, plot_path, print_summary, save_figure, write_json
-from specrag.retrieval.search_runner import pin_current_thread
-from specrag.retrieval.staged_hnsw import StagedHNSW
-from specrag.retrieval.staged_ivf import StagedIVF
-from specrag.retrieval.stages import StagedSearcher, StagePlan
+from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
+from specrag.retrieval.search.search_runner import pin_current_thread
+from specrag.retrieval.search.stages import StagedSearcher, StagePlan
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 
 STAGE_COUNTS = (1, 2, 4, 8)

@@ -40,11 +40,11 @@ import ray
 
 from bench.common import percentile_ci, plot_path, print_summary, save_figure, write_json
 from specrag.errors import ShardUnavailableError
-from specrag.retrieval.shards.build import build_hnsw_shards, build_ivf_shards
-from specrag.retrieval.shards.merge import MergedCursor, ShardedSearcher
-from specrag.retrieval.shards.store import save_shards
-from specrag.retrieval.staged_ivf import StagedIVF
-from specrag.retrieval.stages import StagePlan, run_stages, stage_plan
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
+from specrag.retrieval.backends.shards.build import build_hnsw_shards, build_ivf_shards
+from specrag.retrieval.backends.shards.merge import MergedCursor, ShardedSearcher
+from specrag.retrieval.backends.shards.store import save_shards
+from specrag.retrieval.search.stages import StagePlan, run_stages, stage_plan
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 from specrag.service.run.search_actors import RemoteShard, search_shards
 
@@ -184,7 +184,7 @@ def kill_run(
 
 def hnsw_recall(args: argparse.Namespace, queries: np.ndarray, rng_seed: int) -> dict[str, float]:
     """Merged recall@10 of 2 and 4 HNSW shards against one graph over the same vectors."""
-    from specrag.retrieval.staged_hnsw import StagedHNSW
+    from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW
 
     count = min(args.vectors, 20_000)
     vectors = GaussianMixture(args.dim, num_clusters=50, seed=rng_seed).sample(count)

@@ -16,8 +16,8 @@ from specrag.pipeline.store.document_store import build_store
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.pipeline.store.live_log import live_log_path
 from specrag.pipeline.store.live_store import LiveStore
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
 

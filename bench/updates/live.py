@@ -18,8 +18,8 @@ from bench.updates.table import TableEmbedder, stand_in_tokens
 from specrag.pipeline.store.document_store import build_store
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.pipeline.store.live_store import LiveStore
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 from specrag.retrieval.vector_index import VectorIndex
 

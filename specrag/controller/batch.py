@@ -27,7 +27,7 @@ import numpy as np
 from specrag.cache.batch import plan_batch
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, Planned
 from specrag.errors import EngineError, InvalidInputError
-from specrag.retrieval.shards.merge import ShardAnswers
+from specrag.retrieval.backends.shards.merge import ShardAnswers
 from specrag.retrieval.vector_index import VectorIndex
 
 __all__ = ["BatchAnswers", "BatchPlanReport", "Stream", "retrieve", "run_batch", "schedule"]

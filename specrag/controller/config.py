@@ -11,7 +11,7 @@ from specrag.controller.modes import DocumentKv, DocumentKvVariant, ModeName
 from specrag.controller.sampling import NEUTRAL_PENALTIES, check_penalty
 from specrag.controller.speculation_policy import SpeculationSetting
 from specrag.errors import InvalidInputError, check_choice, echo
-from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
+from specrag.retrieval.search.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, Schedule
 
 __all__ = [
     "DEFAULT_INTER_TOKEN_TIMEOUT_S",
@@ -79,7 +79,7 @@ class ControllerConfig:
             )
         ),
     )
-    #: How the stages cut the search; with ``num_stages`` None, the index kind's (retrieval/stages.py).
+    #: How the stages cut the search; with ``num_stages`` None, the index kind's (retrieval/search/stages.py).
     stage_schedule: Schedule = field(
         default=DEFAULT_SCHEDULE,
         metadata=_flag(

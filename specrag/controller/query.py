@@ -19,7 +19,7 @@ from specrag.controller.sessions import Session
 from specrag.controller.speculation_policy import NO_SPECULATION, QuerySpeculation
 from specrag.controller.timeline import Timeline
 from specrag.pipeline.engines.protocol import Sampling
-from specrag.retrieval.shards.merge import ShardAnswers
+from specrag.retrieval.backends.shards.merge import ShardAnswers
 
 __all__ = ["AnswerDelta", "AnswerDone", "CheckedRequest", "Planned", "RagRequest", "Source"]
 

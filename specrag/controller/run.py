@@ -50,8 +50,8 @@ from specrag.controller.tiers import document_kv_sampling, fresh_last
 from specrag.controller.timeline import Timeline
 from specrag.errors import EngineError, OverloadedError
 from specrag.pipeline.engines.protocol import EngineOutput, latest_cached_tokens, now
+from specrag.retrieval.backends.shards.merge import ShardAnswers
 from specrag.retrieval.conversational import conversation_query
-from specrag.retrieval.shards.merge import ShardAnswers
 
 __all__ = ["QueryRun"]
 

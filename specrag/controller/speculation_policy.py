@@ -25,7 +25,7 @@ moment later thus waits for that moment, instead of holding the engine a whole s
 
 Every figure is measured while the system runs, none is a table: ``p``, ``p_later`` and the search
 left are learned per index setting and stage from finished searches
-(:class:`~specrag.retrieval.stage_stats.StageStatistics`), the prefill from the engine profile
+(:class:`~specrag.retrieval.search.stage_stats.StageStatistics`), the prefill from the engine profile
 PGDSF fits (:class:`~specrag.cache.prefill_estimator.PrefillEstimator`, whose intercept is the
 per-request overhead), ``waiting`` from the engine's load and the gate, the step's tokens from the
 engine's per-step token budget.
@@ -47,7 +47,7 @@ import enum
 from dataclasses import dataclass
 
 from specrag.cache.prefill_estimator import PrefillEstimator
-from specrag.retrieval.stage_stats import StageOutlook
+from specrag.retrieval.search.stage_stats import StageOutlook
 
 __all__ = ["NO_SPECULATION", "Price", "QuerySpeculation", "SpeculationPolicy", "SpeculationSetting"]
 

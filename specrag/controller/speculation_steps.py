@@ -29,7 +29,7 @@ from specrag.controller.speculation_policy import Price
 from specrag.controller.timeline import Timeline
 from specrag.pipeline.engines.base import prompt_fits
 from specrag.pipeline.engines.protocol import now
-from specrag.retrieval.stage_stats import StageOutlook
+from specrag.retrieval.search.stage_stats import StageOutlook
 from specrag.retrieval.vector_index import StagedSearch
 
 __all__ = ["RunHooks", "SpeculationSteps"]

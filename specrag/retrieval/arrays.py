@@ -1,8 +1,8 @@
 """Arrays every embedder shares: unit rows, and ``.npy`` files read safely.
 
-A leaf module of its own so that the embedder modules (:mod:`specrag.retrieval.wordllama_embedder`,
-:mod:`specrag.retrieval.http_embedder`), which :mod:`specrag.retrieval.embedders` loads by kind,
-do not import that module back.
+A leaf module of its own so that the embedder modules (:mod:`specrag.retrieval.embedders.wordllama_embedder`,
+:mod:`specrag.retrieval.embedders.http_embedder`), which :mod:`specrag.retrieval.embedders.embedder` loads by
+kind, do not import that module back.
 """
 
 from __future__ import annotations

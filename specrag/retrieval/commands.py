@@ -10,15 +10,15 @@ import faiss
 
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
+from specrag.retrieval.backends.pgvector.flags import add_arguments as add_pgvector_arguments
 from specrag.retrieval.corpus import (
     DEFAULT_PASSAGE_WORDS,
     build_default_corpus,
     load_passages,
     write_passages,
 )
-from specrag.retrieval.embedders import Embedder, SentenceTransformerEmbedder
+from specrag.retrieval.embedders.embedder import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.index_store import BUILT_IN_EMBEDDERS, KINDS, IndexConfig, build_index, save_index
-from specrag.retrieval.pgvector.flags import add_arguments as add_pgvector_arguments
 
 __all__ = ["BROUGHT_EMBEDDERS", "brought_embedder", "register"]
 
@@ -43,7 +43,7 @@ def brought_embedder(args: argparse.Namespace) -> Embedder | None:
     if args.embedder == "openai":
         if not args.embedder_url or not args.embedder_model:
             raise InvalidInputError("--embedder openai needs --embedder-url URL and --embedder-model NAME")
-        from specrag.retrieval.http_embedder import OpenAIEmbedder
+        from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
 
         return OpenAIEmbedder(args.embedder_url, args.embedder_model, api_key_env=args.embedder_key_env)
     return None
@@ -75,7 +75,7 @@ def _index_build(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     passages = load_passages(corpus)
     if args.backend == "pgvector":  # into a PostgreSQL table instead of the index directory
-        from specrag.retrieval.pgvector.assembly import build_table
+        from specrag.retrieval.backends.pgvector.assembly import build_table
 
         return build_table(args, passages, config, brought)
     index = build_index(passages, config, embedder=brought, progress=True)

@@ -24,24 +24,24 @@ import numpy as np
 from specrag.atomic import atomic_directory, reading_directory, sha256_file
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.arrays import load_array
+from specrag.retrieval.backends.local.staged_ivf import DEFAULT_NLIST, StagedIVF
+from specrag.retrieval.backends.shards.build import build_hnsw_shards, build_ivf_shards
+from specrag.retrieval.backends.shards.merge import ShardedSearcher
+from specrag.retrieval.backends.shards.store import load_shards, save_shards, shard_manifests
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.embedders import (
+from specrag.retrieval.embedders.embedder import (
     DEFAULT_DIM,
     METRIC,
     Embedder,
     TfidfSvdEmbedder,
     load_embedder,
 )
-from specrag.retrieval.fusion import DEFAULT_DEPTH, DEFAULT_RRF_K, FusionConfig
 from specrag.retrieval.index_files import INDEX_FILE, MANIFEST_FILE, read_manifest, verify_files
-from specrag.retrieval.lexical import LexicalIndex
+from specrag.retrieval.lexical.bm25 import LexicalIndex
+from specrag.retrieval.lexical.fusion import DEFAULT_DEPTH, DEFAULT_RRF_K, FusionConfig
 from specrag.retrieval.progress import embed_in_batches
-from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.shards.build import build_hnsw_shards, build_ivf_shards
-from specrag.retrieval.shards.merge import ShardedSearcher
-from specrag.retrieval.shards.store import load_shards, save_shards, shard_manifests
-from specrag.retrieval.staged_ivf import DEFAULT_NLIST, StagedIVF
-from specrag.retrieval.stages import StagedSearcher
+from specrag.retrieval.search.search_runner import SearchRunner
+from specrag.retrieval.search.stages import StagedSearcher
 from specrag.retrieval.synthetic import pad_with_synthetic
 from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
@@ -84,7 +84,7 @@ VERSION = 3
 PASSAGE_IDS_FILE = "passage_ids.json"
 SOURCES_FILE = "synthetic_sources.npy"
 if TYPE_CHECKING:
-    from specrag.retrieval.staged_hnsw import StagedHNSW
+    from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW
 
 HNSW_KIND = "hnsw"
 # The IVF kinds name their list codes (see staged_ivf.IVF_CODES): "ivf" is flat.
@@ -151,17 +151,17 @@ class IndexConfig:
         if self.embedder == TFIDF_SVD:
             return TfidfSvdEmbedder.fit(texts, dim=self.embedding_dim, seed=self.seed)
         if self.embedder == WORDLLAMA:
-            from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
+            from specrag.retrieval.embedders.wordllama_embedder import WordLlamaEmbedder
 
             return WordLlamaEmbedder.fit(texts)
-        from specrag.retrieval.minilm_embedder import MiniLMEmbedder
+        from specrag.retrieval.embedders.minilm_embedder import MiniLMEmbedder
 
         return MiniLMEmbedder()
 
     def fit_and_embed(self, texts: Sequence[str], progress: bool = False) -> tuple[Embedder, np.ndarray]:
         """The configured embedder, fitted on the corpus' texts, and their vectors."""
         if self.embedder == WORDLLAMA:  # one tokenization for fitting and embedding: most of its cost
-            from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
+            from specrag.retrieval.embedders.wordllama_embedder import WordLlamaEmbedder
 
             return WordLlamaEmbedder.fit_embed(texts, progress)
         embedder = self.fit(texts)
@@ -192,11 +192,11 @@ def expected_embedder(name: str) -> dict[str, Any]:
     """What a manifest records of the built-in embedder ``name`` as this installation has it: its
     kind and, for one with pretrained weights, their sha256 (loading them if not loaded yet)."""
     if name == MINILM:
-        from specrag.retrieval.minilm_embedder import MiniLMEmbedder, minilm_weights
+        from specrag.retrieval.embedders.minilm_embedder import MiniLMEmbedder, minilm_weights
 
         return {"kind": MiniLMEmbedder.kind, "weights_sha256": minilm_weights().sha256}
     if name == WORDLLAMA:
-        from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder, token_vectors
+        from specrag.retrieval.embedders.wordllama_embedder import WordLlamaEmbedder, token_vectors
 
         return {"kind": WordLlamaEmbedder.kind, "weights_sha256": sha256_file(token_vectors().weights_file)}
     if name == TFIDF_SVD:
@@ -217,14 +217,14 @@ def _staged_hnsw() -> type[StagedHNSW]:
     fail at start-up (its Triton kernel rebinding calls ``vars()`` on every module attribute).
     A script whose main module imports specrag for IVF must not load numba by the way.
     """
-    from specrag.retrieval.staged_hnsw import StagedHNSW
+    from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW
 
     return StagedHNSW
 
 
 def build_searcher(vectors: np.ndarray, config: IndexConfig, progress: bool = False) -> StagedSearcher:
     """A staged searcher over ``vectors`` (row i = vector i) as ``config`` describes: with
-    ``config.shards`` above 1, shards of it (:mod:`specrag.retrieval.shards`)."""
+    ``config.shards`` above 1, shards of it (:mod:`specrag.retrieval.backends.shards`)."""
     if config.shards > 1:
         return _build_shards(vectors, config)
     if config.kind == HNSW_KIND:
@@ -407,7 +407,7 @@ def load_index(
     Everything is read from the one version the directory's pointer names, held while it loads,
     so an index replaced meanwhile is read whole, old or new (:func:`reading_directory`). Without
     ``shard_vectors`` a sharded index's shards are read as their checksummed manifests only
-    (:func:`~specrag.retrieval.shards.store.shard_manifests`): a controller whose shards live in
+    (:func:`~specrag.retrieval.backends.shards.store.shard_manifests`): a controller whose shards live in
     actors (``serve --search-shards``) never holds their vectors, and searches through the actors.
     """
     with reading_directory(directory) as version:

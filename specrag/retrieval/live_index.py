@@ -9,9 +9,9 @@ Nothing a search reads is changed in place: the added documents' BM25 is part of
 the searchers' lists and graphs are moved under their own read-write locks.
 
 - Dense channel: an IVF index adds the new vectors to the lists of their nearest centroids
-  (:meth:`~specrag.retrieval.staged_ivf.StagedIVF.add`), an HNSW index inserts them into its graph
-  (:meth:`~specrag.retrieval.staged_hnsw.StagedHNSW.add`). Every stage of a search skips hidden
-  rows at the source (a faiss ``IDSelectorBitmap`` over :attr:`Visibility.bitmap`, the same bits
+  (:meth:`~specrag.retrieval.backends.local.staged_ivf.StagedIVF.add`), an HNSW index inserts them into its
+  graph (:meth:`~specrag.retrieval.backends.local.staged_hnsw.StagedHNSW.add`). Every stage of a search skips
+  hidden rows at the source (a faiss ``IDSelectorBitmap`` over :attr:`Visibility.bitmap`, the same bits
   in the HNSW kernel, which still walks through them), so however many old versions of a
   document lie near a query, ``k`` visible rows remain.
 - Lexical channel: the base BM25 matrix is precomputed per document and cannot take documents,
@@ -36,7 +36,7 @@ import faiss
 import numpy as np
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.lexical import BM25_PARAMETERS, LexicalIndex
+from specrag.retrieval.lexical.bm25 import BM25_PARAMETERS, LexicalIndex
 
 __all__ = [
     "AddedLexical",

@@ -1,6 +1,6 @@
 """Chunked embedding and index insertion with a tqdm bar, so long builds show where they are.
 
-Texts are embedded in order of length (:mod:`specrag.retrieval.batching`).
+Texts are embedded in order of length (:mod:`specrag.retrieval.embedders.batching`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
-from specrag.retrieval.batching import length_sorted_batches
-from specrag.retrieval.embedders import Embedder
-from specrag.retrieval.embedding_bar import embedding_bar
+from specrag.retrieval.embedders.batching import length_sorted_batches
+from specrag.retrieval.embedders.embedder import Embedder
+from specrag.retrieval.embedders.embedding_bar import embedding_bar
 
 __all__ = ["ADD_CHUNK_ROWS", "EMBED_BATCH", "add_in_chunks", "embed_in_batches"]
 

@@ -5,10 +5,10 @@ Row i of the index is passage i of the corpus it was built from. A padded index 
 passage it was drawn around, and :meth:`VectorIndex.passage_index_of` applies that mapping so
 the caller never sees a row id that is not a passage (several rows may name one passage).
 
-An index built with a lexical channel (:mod:`specrag.retrieval.lexical`) searches hybrid when
+An index built with a lexical channel (:mod:`specrag.retrieval.lexical.bm25`) searches hybrid when
 it is given the query's text: BM25 runs first, in the search thread, before the first dense stage
 (a small fraction of the dense search's time, docs/retrieval.md), and every stage's running top-k is the
-reciprocal-rank fusion (:mod:`specrag.retrieval.fusion`) of that fixed lexical ranking with the
+reciprocal-rank fusion (:mod:`specrag.retrieval.lexical.fusion`) of that fixed lexical ranking with the
 dense running top-k. The running top-k that speculation prefills is therefore already the hybrid
 one, and the last stage equals :meth:`VectorIndex.search` given the text. A searcher that ranks
 query texts itself (:class:`RanksText`: a database's full-text search, in the snapshot its stages
@@ -35,15 +35,21 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.retrieval.embedders import Embedder
-from specrag.retrieval.fusion import FusionConfig, distinct_in_order, fuse
-from specrag.retrieval.identifiers import named_identifiers
-from specrag.retrieval.lexical import LexicalIndex
+from specrag.retrieval.backends.shards.merge import ShardAnswers, ShardedSearcher
+from specrag.retrieval.embedders.embedder import Embedder
+from specrag.retrieval.lexical.bm25 import LexicalIndex
+from specrag.retrieval.lexical.fusion import FusionConfig, distinct_in_order, fuse
+from specrag.retrieval.lexical.identifiers import named_identifiers
 from specrag.retrieval.live_index import AddedLexical, Growable, Retrainable, Visibility, merge_rankings
-from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.shards.merge import ShardAnswers, ShardedSearcher
-from specrag.retrieval.stage_stats import PlanKey, StageOutlook, StageStatistics
-from specrag.retrieval.stages import StagedSearcher, StagePlan, StageResult, prepare_queries, stage_plan
+from specrag.retrieval.search.search_runner import SearchRunner
+from specrag.retrieval.search.stage_stats import PlanKey, StageOutlook, StageStatistics
+from specrag.retrieval.search.stages import (
+    StagedSearcher,
+    StagePlan,
+    StageResult,
+    prepare_queries,
+    stage_plan,
+)
 from specrag.retrieval.text import normalize_text
 
 __all__ = ["PreparedChanges", "RanksText", "StagedSearch", "VectorIndex"]
@@ -155,7 +161,7 @@ class VectorIndex:
         self, num_stages: int | None = None, schedule: str | None = None, stage_budget_s: float | None = None
     ) -> StagePlan:
         """How a staged search of this index is cut: the given settings, the index kind's defaults
-        for the rest (:func:`~specrag.retrieval.stages.stage_plan`); ``stage_budget_s`` instead
+        for the rest (:func:`~specrag.retrieval.search.stages.stage_plan`); ``stage_budget_s`` instead
         cuts stages by time."""
         if stage_budget_s is not None:
             return StagePlan.budget(stage_budget_s)
@@ -385,7 +391,7 @@ class VectorIndex:
         the index's stage statistics, which its :meth:`StagedSearch.outlook` reads, unless
         ``learn`` is false (a measurement beside the service's searches that must not sway them).
         ``shard_answers`` (a sharded index) accepts a top-k missing the shards that fail, and
-        records which answered (:class:`~specrag.retrieval.shards.merge.ShardAnswers`).
+        records which answered (:class:`~specrag.retrieval.backends.shards.merge.ShardAnswers`).
         """
         matrix = prepare_queries(self._shaped(queries, batch), self.dim, self.searcher.ntotal, k)
         resolved = plan or self.stage_plan()
@@ -611,7 +617,7 @@ class StagedSearch:
     ``contextlib.aclosing`` on the search to make it immediate) or cancelling the task stops the
     search after the stage in flight.
 
-    The index's stage statistics (:mod:`specrag.retrieval.stage_stats`) have one writer and one
+    The index's stage statistics (:mod:`specrag.retrieval.search.stage_stats`) have one writer and one
     reader, both here: a single query's search on the search threads (the service's) records its
     stages once the last one is known, and :meth:`outlook` reads what the searches of the same plan
     taught, under the key of the plan the caller resolved. They live with the index, so what it

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from bench.scale.shards import PREFILL_MS_8B_GPU, project, timed_stages
-from specrag.retrieval.shards.build import build_ivf_shards
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.backends.shards.build import build_ivf_shards
+from specrag.retrieval.search.stages import StagePlan
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 
 COSTS = {

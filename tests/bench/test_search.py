@@ -15,7 +15,7 @@ from bench.retrieval.search import (
     measure,
     measure_hnswlib,
 )
-from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 
 

@@ -13,7 +13,7 @@ import pytest
 from specrag.controller.controller import AnswerDelta, AnswerDone, RagRequest
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engines.protocol import EngineCounts, EngineOutput, Sampling
-from specrag.retrieval.stages import DEFAULT_STAGES
+from specrag.retrieval.search.stages import DEFAULT_STAGES
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers.builders import (

@@ -12,8 +12,8 @@ from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.controller.controller import RagRequest
 from specrag.controller.speculation_policy import Price, SpeculationPolicy, SpeculationSetting
 from specrag.errors import InvalidInputError, check_choice
-from specrag.retrieval.stage_stats import WINDOW, PlanKey, StageOutlook, StageStatistics
-from specrag.retrieval.stages import Schedule, StageResult
+from specrag.retrieval.search.stage_stats import WINDOW, PlanKey, StageOutlook, StageStatistics
+from specrag.retrieval.search.stages import Schedule, StageResult
 from specrag.service.http.metrics import ServiceMetrics
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine

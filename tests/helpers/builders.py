@@ -16,7 +16,7 @@ from specrag.pipeline.engines.protocol import (
     Engine,
 )
 from specrag.pipeline.store.prompt import PromptBuilder
-from specrag.retrieval.stages import StagePlan, StageResult
+from specrag.retrieval.search.stages import StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.assets import Assets
 from specrag.sim.replicas import simulated_replica

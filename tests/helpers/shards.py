@@ -8,7 +8,7 @@ import numpy as np
 
 from specrag.errors import ShardUnavailableError
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.stages import StageCursor
+from specrag.retrieval.search.stages import StageCursor
 
 __all__ = ["SilentShard"]
 

@@ -64,7 +64,7 @@ def race(data_dir: Path, model_dir: Path) -> tuple[list[str], dict[str, list[str
 
     def artefacts() -> None:
         ensure_assets(DataLayout(data_dir), model=model_dir)
-        from specrag.retrieval.minilm_embedder import minilm_weights
+        from specrag.retrieval.embedders.minilm_embedder import minilm_weights
 
         minilm_weights()
 

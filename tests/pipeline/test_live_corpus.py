@@ -21,11 +21,11 @@ from specrag.pipeline.store.document_store import build_store
 from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, RETRAIN_DRIFT, LiveCorpus
 from specrag.pipeline.store.live_store import LiveStore
 from specrag.pipeline.store.prompt import PromptBuilder
+from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import load_index
-from specrag.retrieval.staged_hnsw import StagedHNSW
-from specrag.retrieval.staged_ivf import StagedIVF
-from specrag.retrieval.stages import StagedSearcher
+from specrag.retrieval.search.stages import StagedSearcher
 from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.assets import Assets

@@ -17,8 +17,8 @@ from specrag.pipeline.store.document_store import DocumentStore, build_store
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.pipeline.store.live_log import Change, live_log_path
 from specrag.pipeline.store.live_store import LiveStore
+from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.staged_hnsw import StagedHNSW
 from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
 from tests.helpers.document_kv import kv_entry

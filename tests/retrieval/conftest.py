@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.staged_hnsw import StagedHNSW
-from specrag.retrieval.staged_ivf import StagedIVF
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 from tests.helpers.vectors import DIM
 

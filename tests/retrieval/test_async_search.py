@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.search_runner import SearchRunner
-from specrag.retrieval.staged_ivf import StagedIVF
-from specrag.retrieval.stages import DEFAULT_STAGES, StagePlan, StageResult
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
+from specrag.retrieval.search.search_runner import SearchRunner
+from specrag.retrieval.search.stages import DEFAULT_STAGES, StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.embedders import SentenceTransformerEmbedder, TfidfSvdEmbedder, load_embedder
+from specrag.retrieval.embedders.embedder import SentenceTransformerEmbedder, TfidfSvdEmbedder, load_embedder
 
 
 def test_vectors_are_unit_length(passages: list[Passage]) -> None:

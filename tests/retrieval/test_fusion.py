@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.fusion import MISSING_SCORE, FusionConfig, distinct_in_order, fuse
+from specrag.retrieval.lexical.fusion import MISSING_SCORE, FusionConfig, distinct_in_order, fuse
 
 
 def ranks(*values: int) -> np.ndarray:

@@ -15,8 +15,8 @@ from aiohttp import web
 
 from specrag.errors import EmbedderError, InvalidInputError
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.embedders import load_embedder
-from specrag.retrieval.http_embedder import OpenAIEmbedder
+from specrag.retrieval.embedders.embedder import load_embedder
+from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
 from specrag.retrieval.index_store import IndexConfig, build_index, load_index, save_index
 
 DIM = 6

@@ -11,10 +11,10 @@ import pytest
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.corpus import Passage, split_text
-from specrag.retrieval.fusion import fuse
-from specrag.retrieval.identifiers import named_identifiers
 from specrag.retrieval.index_store import MANIFEST_FILE, IndexConfig, build_index, load_index, save_index
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.lexical.fusion import fuse
+from specrag.retrieval.lexical.identifiers import named_identifiers
+from specrag.retrieval.search.stages import StagePlan
 from specrag.retrieval.vector_index import VectorIndex
 
 UNIQUE_WORD = "zyxwvutsr"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specrag.retrieval.identifiers import named_identifiers
+from specrag.retrieval.lexical.identifiers import named_identifiers
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from specrag.retrieval.index_store import (
     load_index,
     save_index,
 )
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.search.stages import StagePlan
 
 
 @pytest.fixture(scope="module", params=["ivf", "ivf-sq8", "hnsw", "ivf-tfidf"])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.staged_ivf import StagedIVF
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
 
 
 def vectors(num: int, dim: int = 32) -> np.ndarray:
@@ -34,14 +34,14 @@ def test_unknown_codes_name_the_known_ones() -> None:
 
 
 def test_an_index_of_one_probed_list_warns_that_it_cannot_stage(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="specrag.retrieval.staged_ivf"):
+    with caplog.at_level(logging.WARNING, logger="specrag.retrieval.backends.local.staged_ivf"):
         StagedIVF.build(vectors(60))  # fewer than 2 x 39 vectors: one list
     assert "a search is a single stage" in caplog.text
     assert "a corpus of 78+ passages" in caplog.text  # the threshold docs/service.md gives
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="specrag.retrieval.staged_ivf"):
+    with caplog.at_level(logging.WARNING, logger="specrag.retrieval.backends.local.staged_ivf"):
         StagedIVF.build(vectors(78))  # two lists, both probed: two stages
     assert "single stage" not in caplog.text
-    with caplog.at_level(logging.WARNING, logger="specrag.retrieval.staged_ivf"):
+    with caplog.at_level(logging.WARNING, logger="specrag.retrieval.backends.local.staged_ivf"):
         StagedIVF.build(vectors(400))  # 10 lists, all probed (at least 32 by default): stages
     assert "single stage" not in caplog.text

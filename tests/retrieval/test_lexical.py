@@ -7,7 +7,7 @@ import pytest
 
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.lexical import LexicalIndex
+from specrag.retrieval.lexical.bm25 import LexicalIndex
 
 WORDS = ("sockets", "threads", "queues", "heaps", "regexes", "dates", "bytes", "paths", "shells", "pickles")
 TEXTS = [

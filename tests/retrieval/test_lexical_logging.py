@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from specrag.retrieval.lexical import LexicalIndex
+from specrag.retrieval.lexical.bm25 import LexicalIndex
 
 
 def test_bm25s_debug_lines_follow_the_applications_level(caplog: pytest.LogCaptureFixture) -> None:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.lexical import LexicalIndex
+from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
+from specrag.retrieval.lexical.bm25 import LexicalIndex
 from specrag.retrieval.live_index import Growable, ReadWriteLock, Visibility
-from specrag.retrieval.staged_hnsw import StagedHNSW
-from specrag.retrieval.staged_ivf import StagedIVF
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.search.stages import StagePlan
 from specrag.retrieval.synthetic import GaussianMixture
 from specrag.retrieval.vector_index import VectorIndex
 

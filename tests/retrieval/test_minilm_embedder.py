@@ -13,9 +13,18 @@ import numpy as np
 import pytest
 
 from specrag.errors import ArtifactError
-from specrag.retrieval import minilm_embedder
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.embedders import load_embedder
+from specrag.retrieval.embedders import minilm_embedder
+from specrag.retrieval.embedders.embedder import load_embedder
+from specrag.retrieval.embedders.minilm_embedder import (
+    BFLOAT16,
+    DIM,
+    FLOAT32,
+    MiniLMEmbedder,
+    load_weights,
+    minilm_weights,
+    model_zip,
+)
 from specrag.retrieval.index_store import (
     EMBEDDER_ENV,
     MANIFEST_FILE,
@@ -25,15 +34,6 @@ from specrag.retrieval.index_store import (
     load_index,
     recorded_embedder,
     save_index,
-)
-from specrag.retrieval.minilm_embedder import (
-    BFLOAT16,
-    DIM,
-    FLOAT32,
-    MiniLMEmbedder,
-    load_weights,
-    minilm_weights,
-    model_zip,
 )
 from tests.helpers.network import forbid_network
 

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from specrag.errors import ArtifactError, InvalidInputError
+from specrag.retrieval.backends.shards.merge import ShardedSearcher
+from specrag.retrieval.backends.shards.store import ShardManifest, load_shard, shard_directory
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.index_store import (
     INDEX_FILE,
@@ -21,9 +23,7 @@ from specrag.retrieval.index_store import (
     load_index,
     save_index,
 )
-from specrag.retrieval.shards.merge import ShardedSearcher
-from specrag.retrieval.shards.store import ShardManifest, load_shard, shard_directory
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.search.stages import StagePlan
 
 
 def config(kind: str, shards: int, seed: int = 0) -> IndexConfig:

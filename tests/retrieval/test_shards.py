@@ -9,12 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specrag.errors import InvalidInputError, ShardUnavailableError
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
+from specrag.retrieval.backends.shards.added import AddedRows
+from specrag.retrieval.backends.shards.build import build_hnsw_shards, build_ivf_shards
+from specrag.retrieval.backends.shards.merge import ShardAnswers, ShardedSearcher, owner_shards, split_rows
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.shards.added import AddedRows
-from specrag.retrieval.shards.build import build_hnsw_shards, build_ivf_shards
-from specrag.retrieval.shards.merge import ShardAnswers, ShardedSearcher, owner_shards, split_rows
-from specrag.retrieval.staged_ivf import StagedIVF
-from specrag.retrieval.stages import StagePlan, StageResult
+from specrag.retrieval.search.stages import StagePlan, StageResult
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 from specrag.retrieval.vector_index import VectorIndex
 from tests.helpers.shards import SilentShard

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.staged_hnsw import StagedHNSW
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW
+from specrag.retrieval.search.stages import StagePlan
 
 
 @pytest.mark.parametrize(

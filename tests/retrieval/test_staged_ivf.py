@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.staged_ivf import StagedIVF, choose_nlist
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF, choose_nlist
+from specrag.retrieval.search.stages import StagePlan
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrag.retrieval.stages import StagePlan, run_stages
+from specrag.retrieval.search.stages import StagePlan, run_stages
 
 
 def cumulative_units(plan: StagePlan, expected_units: int) -> list[int]:
@@ -44,7 +44,7 @@ def test_a_plan_is_resolved_in_one_place_with_each_kinds_defaults() -> None:
     """Unset settings take the index kind's count and the schedule that measured best; set ones
     win; a kind with no default needs a count."""
     from specrag.errors import InvalidInputError
-    from specrag.retrieval.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, stage_plan
+    from specrag.retrieval.search.stages import DEFAULT_SCHEDULE, DEFAULT_STAGES, stage_plan
 
     assert DEFAULT_SCHEDULE == "geometric"
     assert stage_plan("ivf") == StagePlan(DEFAULT_STAGES["ivf"], "geometric")

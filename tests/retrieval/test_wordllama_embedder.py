@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from specrag.errors import ArtifactError
-from specrag.retrieval import wordllama_embedder
-from specrag.retrieval.embedders import load_embedder
-from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder, token_vectors
+from specrag.retrieval.embedders import wordllama_embedder
+from specrag.retrieval.embedders.embedder import load_embedder
+from specrag.retrieval.embedders.wordllama_embedder import WordLlamaEmbedder, token_vectors
 from tests.helpers.network import NetworkUsed, forbid_network
 
 TEXTS = [

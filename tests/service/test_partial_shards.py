@@ -9,8 +9,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from specrag.retrieval.shards.build import build_ivf_shards
-from specrag.retrieval.shards.merge import ShardedSearcher
+from specrag.retrieval.backends.shards.build import build_ivf_shards
+from specrag.retrieval.backends.shards.merge import ShardedSearcher
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.http.app import create_app, serving
 from specrag.service.http.monitoring import SEARCH_SHARDS

@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 
 from specrag.errors import ShardUnavailableError
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
+from specrag.retrieval.backends.shards.build import build_ivf_shards
+from specrag.retrieval.backends.shards.merge import ShardAnswers, ShardedSearcher
+from specrag.retrieval.backends.shards.store import save_shards
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.shards.build import build_ivf_shards
-from specrag.retrieval.shards.merge import ShardAnswers, ShardedSearcher
-from specrag.retrieval.shards.store import save_shards
-from specrag.retrieval.staged_ivf import StagedIVF
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.search.stages import StagePlan
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 from specrag.retrieval.vector_index import VectorIndex
 

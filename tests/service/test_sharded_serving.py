@@ -11,10 +11,10 @@ import pytest
 
 from specrag.cli import main
 from specrag.errors import InvalidInputError
-from specrag.retrieval.shards.build import build_ivf_shards
-from specrag.retrieval.shards.store import save_shards, shard_manifests
-from specrag.retrieval.staged_ivf import StagedIVF
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
+from specrag.retrieval.backends.shards.build import build_ivf_shards
+from specrag.retrieval.backends.shards.store import save_shards, shard_manifests
+from specrag.retrieval.search.stages import StagePlan
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.options import ServiceOptions

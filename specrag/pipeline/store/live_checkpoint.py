@@ -33,7 +33,7 @@ from specrag.pipeline.store.live_log import (
 from specrag.retrieval.corpus import Passage
 
 if TYPE_CHECKING:
-    from specrag.retrieval.embedders import Embedder
+    from specrag.retrieval.embedders.embedder import Embedder
 
 __all__ = ["EMBEDDER_AGREEMENT", "Checkpointed", "checkpoint_log", "cosine"]
 

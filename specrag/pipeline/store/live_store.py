@@ -72,7 +72,7 @@ from specrag.pipeline.store.overlay_store import (
 from specrag.retrieval.corpus import Passage
 
 if TYPE_CHECKING:
-    from specrag.retrieval.embedders import Embedder
+    from specrag.retrieval.embedders.embedder import Embedder
 
 __all__ = ["WAL_TRUNCATE_EVERY", "LiveStore"]
 

@@ -2,13 +2,13 @@
 
 The live corpus (:mod:`~specrag.pipeline.store.live_corpus`) logs a change to its own SQLite log
 before it is answered; here the table is the record, so a change is written to the table in one
-transaction (:class:`~specrag.retrieval.pgvector.writes.TableWriter`) and answered only after its
+transaction (:class:`~specrag.retrieval.backends.pgvector.writes.TableWriter`) and answered only after its
 COMMIT, and there is no second log to keep in step with it. What stays the same is the rule that
 keeps every cached form right: a new version gets a new row, and a row names one version of one
 document for as long as the process serves. The new row's prompt segment is tokenized with its own
 row label (so the knowledge tree and the document-KV store, keyed by row and by tokens, never take
 one version for another); the searcher names the row by the table's (id, version)
-(:meth:`~specrag.retrieval.pgvector.searcher.PgVectorSearcher.map_rows`), so a search whose snapshot
+(:meth:`~specrag.retrieval.backends.pgvector.searcher.PgVectorSearcher.map_rows`), so a search whose snapshot
 was taken before the COMMIT still finds the version it read, and the index hides the replaced row
 from every search that starts after (:meth:`~specrag.retrieval.vector_index.VectorIndex.apply_prepared`,
 the lexical channel with it).
@@ -21,7 +21,7 @@ the rows read at start; a replaced version stays readable for
 store. A search that reads the index's visibility before a COMMIT and takes its snapshot after it
 (before the index's swap, or before the listener shows another writer's change) finds the new
 version in its snapshot and shows it as the version its visibility holds
-(:meth:`~specrag.retrieval.pgvector.searcher.PgVectorSearcher.map_rows` keeps each id's rows): one
+(:meth:`~specrag.retrieval.backends.pgvector.searcher.PgVectorSearcher.map_rows` keeps each id's rows): one
 version of the document, never none nor two.
 """
 
@@ -59,10 +59,10 @@ from specrag.pipeline.store.overlay_store import (
     OverlayStore,
     Version,
 )
+from specrag.retrieval.backends.pgvector.changes import ChangeListener, TableRow, read_rows_of, read_versions
+from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
+from specrag.retrieval.backends.pgvector.writes import RowWrite, TableWriter
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.pgvector.changes import ChangeListener, TableRow, read_rows_of, read_versions
-from specrag.retrieval.pgvector.searcher import PgVectorSearcher
-from specrag.retrieval.pgvector.writes import RowWrite, TableWriter
 from specrag.retrieval.vector_index import PreparedChanges, VectorIndex
 
 __all__ = ["TableCorpus", "TableRows", "open_table_corpus"]

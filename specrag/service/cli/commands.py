@@ -22,8 +22,8 @@ from specrag.errors import InvalidInputError, check_choice
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.engines.protocol import Sampling
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
+from specrag.retrieval.backends.pgvector.flags import QUERY_EMBEDDERS
 from specrag.retrieval.index_store import EMBEDDER_ENV, IndexConfig
-from specrag.retrieval.pgvector.flags import QUERY_EMBEDDERS
 from specrag.service.cli.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.cli.engine_log import engine_output_to
 from specrag.service.http.access import Access
@@ -96,14 +96,14 @@ def external_index(args: argparse.Namespace) -> ExternalIndex | None:
     if args.corpus:
         raise InvalidInputError("--corpus: with --backend pgvector the table's rows are the corpus")
     from specrag.pipeline.store.table_corpus import open_table_corpus
-    from specrag.retrieval.commands import brought_embedder
-    from specrag.retrieval.pgvector.assembly import (
+    from specrag.retrieval.backends.pgvector.assembly import (
         DOCUMENTS_OFF,
         close_index,
         open_index,
         settings_from,
         store_name,
     )
+    from specrag.retrieval.commands import brought_embedder
 
     embedder = brought_embedder(args)  # first: a bad choice fails before the database is reached
     return ExternalIndex(

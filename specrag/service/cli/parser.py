@@ -17,9 +17,9 @@ from specrag.errors import values
 from specrag.pipeline.commands import add_kv_cache_tokens
 from specrag.pipeline.engines.config import EngineConfig
 from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
+from specrag.retrieval.backends.pgvector.flags import QUERY_EMBEDDERS
+from specrag.retrieval.backends.pgvector.flags import add_arguments as add_pgvector_arguments
 from specrag.retrieval.index_store import EMBEDDER_ENV, MINILM, WORDLLAMA, default_embedder
-from specrag.retrieval.pgvector.flags import QUERY_EMBEDDERS
-from specrag.retrieval.pgvector.flags import add_arguments as add_pgvector_arguments
 from specrag.service.cli.commands import (
     batch_command,
     demo_command,

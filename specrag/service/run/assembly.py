@@ -36,7 +36,7 @@ from specrag.pipeline.engines.supervisor import SupervisedEngine
 from specrag.pipeline.kv_mirror.mirror import KVMirror
 from specrag.pipeline.models.directory import served_model_name
 from specrag.pipeline.store.prompt import PromptBuilder
-from specrag.retrieval.search_runner import SearchRunner
+from specrag.retrieval.search.search_runner import SearchRunner
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.http.app import create_app
 from specrag.service.http.metrics import ServiceMetrics

@@ -48,7 +48,7 @@ def _module(name: str, *attributes: str) -> Importer:
 def _wordllama() -> object:
     if importlib.util.find_spec("wordllama") is None:
         return None  # not installed: the embedder says so if the index needs it
-    from specrag.retrieval.wordllama_embedder import import_wordllama
+    from specrag.retrieval.embedders.wordllama_embedder import import_wordllama
 
     return import_wordllama()  # the package's import configures logging: this one puts it back
 
@@ -62,7 +62,7 @@ _ARTEFACTS = (
     _module("transformers.modeling_utils"),
     _module("tokenizers"),
     _module("safetensors.torch"),
-    _module("specrag.retrieval.staged_hnsw"),  # numba's kernels
+    _module("specrag.retrieval.backends.local.staged_hnsw"),  # numba's kernels
 )
 # Each built-in query embedder's own libraries (the index names the one it was built with).
 _EMBEDDERS: dict[str, tuple[Importer, ...]] = {

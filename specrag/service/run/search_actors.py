@@ -1,10 +1,10 @@
 """The shards of a sharded index as Ray actors, searched in stages from the controller's process.
 
-Each shard is one actor (class :class:`~specrag.service.run.shard_actor.SearchShard`, so ``ps``
+Each shard is one actor (class :class:`~specrag.retrieval.backends.shards.shard_actor.SearchShard`, so ``ps``
 shows ``ray::SearchShard`` and ``ray list actors`` ``specrag-search-shard-NNN``) that loads its own
 directory, the lists memory-mapped where faiss allows (IVF), and runs the same staged search as an
 in-process shard. On the controller's side a :class:`RemoteShard` stands for it behind the
-:class:`~specrag.retrieval.shards.merge.Shard` seam, so the merge, the stage plan, the
+:class:`~specrag.retrieval.backends.shards.merge.Shard` seam, so the merge, the stage plan, the
 speculation policy and the timeline are those of an in-process sharded index: each stage sends
 every shard "advance to ``n`` units" and gets its running top-k back, in one round trip.
 
@@ -23,17 +23,17 @@ cancelled (``ray.cancel`` for a call Ray still holds, and each search carries it
 which the actor does not run it: an actor that comes back does not first work through searches
 nobody waits for). A top-k missing a shard's rows is never served as if it
 were whole, unless the request accepted one (``allow_partial``:
-:class:`~specrag.retrieval.shards.merge.ShardAnswers` names the shards that answered). Once Ray
+:class:`~specrag.retrieval.backends.shards.merge.ShardAnswers` names the shards that answered). Once Ray
 gives up on an actor (its restarts spent), a new actor is started for the shard in the background
 (calls meanwhile fail at once, naming it); each :class:`RemoteShard` keeps its
 :class:`ShardState`, which ``/health`` shows, and a watcher asks every actor how it stands every
 :data:`PROBE_EVERY_S`, so a death is noticed without a query.
 
 Live documents. A row added to the index goes to the actor of the shard owning it, and its
-:class:`RemoteShard` keeps it (:class:`~specrag.retrieval.shards.added.AddedRows`): a restarted
+:class:`RemoteShard` keeps it (:class:`~specrag.retrieval.backends.shards.added.AddedRows`): a restarted
 actor reloads only its files. Every call carries the rows the shard should hold; an actor that
-holds fewer answers :class:`~specrag.service.run.shard_actor.Behind` instead, is sent the rows it
-lacks, and is asked again, so a search that starts after an add's answer finds the row even on an
+holds fewer answers :class:`~specrag.retrieval.backends.shards.shard_actor.Behind` instead, is sent the rows
+it lacks, and is asked again, so a search that starts after an add's answer finds the row even on an
 actor restarted since. Adds are idempotent: row numbers are the controller's, and the controller's
 copy and the actor each keep a row once, however often its add is sent.
 """
@@ -58,12 +58,12 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
 
 from specrag.errors import ArtifactError, InvalidInputError, ShardUnavailableError
 from specrag.pipeline.engines.ray_placement import PLACEMENT_WAIT_S, unplaced
-from specrag.retrieval.embedders import METRIC
+from specrag.retrieval.backends.shards.added import AddedRows
+from specrag.retrieval.backends.shards.merge import ShardedSearcher, shard_name
+from specrag.retrieval.backends.shards.shard_actor import Behind, Expired, RowView, SearchShard, ShardInfo
+from specrag.retrieval.backends.shards.store import shard_directory
+from specrag.retrieval.embedders.embedder import METRIC
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.shards.added import AddedRows
-from specrag.retrieval.shards.merge import ShardedSearcher, shard_name
-from specrag.retrieval.shards.store import shard_directory
-from specrag.service.run.shard_actor import Behind, Expired, RowView, SearchShard, ShardInfo
 
 __all__ = [
     "DEFAULT_WAIT_S",
@@ -98,7 +98,7 @@ class ShardState(enum.StrEnum):
 
 
 class RemoteShard:
-    """A :class:`~specrag.retrieval.shards.merge.Shard` whose rows live in a ``SearchShard``
+    """A :class:`~specrag.retrieval.backends.shards.merge.Shard` whose rows live in a ``SearchShard``
     actor; ``spawn(generation)`` starts a new actor for the shard and returns it once it has
     loaded the shard (with what it reports), used once Ray has given up on the old one."""
 

@@ -26,8 +26,8 @@ from typing import Any
 
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engines.ray_placement import replica_options
-from specrag.retrieval.shards.merge import ShardedSearcher
-from specrag.retrieval.shards.store import ShardManifest
+from specrag.retrieval.backends.shards.merge import ShardedSearcher
+from specrag.retrieval.backends.shards.store import ShardManifest
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.options import ServiceOptions
 

@@ -15,9 +15,9 @@ from specrag.retrieval.synthetic import queries_near
 
 pytest.importorskip("psycopg", reason="the pgvector backend's driver (pip install specrag[pgvector])")
 
-from specrag.retrieval.pgvector.config import PgSettings
-from specrag.retrieval.pgvector.local_server import LocalPostgres, find_binaries
-from specrag.retrieval.pgvector.table import load_table
+from specrag.retrieval.backends.pgvector.config import PgSettings
+from specrag.retrieval.backends.pgvector.local_server import LocalPostgres, find_binaries
+from specrag.retrieval.backends.pgvector.table import load_table
 from tests.helpers.vectors import LISTS, passages_for
 
 

@@ -13,12 +13,12 @@ import pytest
 
 from specrag.cli import main
 from specrag.errors import InvalidInputError
-from specrag.retrieval.pgvector.assembly import open_index, settings_from
-from specrag.retrieval.pgvector.config import Columns, PgSettings, describe_dsn
-from specrag.retrieval.pgvector.database import Database, DatabaseUnavailableError
-from specrag.retrieval.pgvector.local_server import LocalPostgres
-from specrag.retrieval.pgvector.searcher import PgVectorSearcher
-from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
+from specrag.retrieval.backends.pgvector.assembly import open_index, settings_from
+from specrag.retrieval.backends.pgvector.config import Columns, PgSettings, describe_dsn
+from specrag.retrieval.backends.pgvector.database import Database, DatabaseUnavailableError
+from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
+from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
+from specrag.retrieval.backends.pgvector.table import inspect_table, load_table, read_passages
 from tests.helpers.vectors import DIM, passages_for
 
 SECRET = "hunter2-not-a-real-password"

@@ -18,16 +18,16 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from specrag.errors import DatabaseUnavailableError
-from specrag.retrieval.pgvector import queries as queries_module
-from specrag.retrieval.pgvector.changes import channel_name, install_change_trigger
-from specrag.retrieval.pgvector.config import PgSettings, StageMode
-from specrag.retrieval.pgvector.database import Database
-from specrag.retrieval.pgvector.fulltext import check_fulltext
-from specrag.retrieval.pgvector.local_server import LocalPostgres
-from specrag.retrieval.pgvector.searcher import PgVectorSearcher
-from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
-from specrag.retrieval.pgvector.writes import VERSION_COLUMN, add_version_column
-from specrag.retrieval.stages import StagePlan, StageResult
+from specrag.retrieval.backends.pgvector import queries as queries_module
+from specrag.retrieval.backends.pgvector.changes import channel_name, install_change_trigger
+from specrag.retrieval.backends.pgvector.config import PgSettings, StageMode
+from specrag.retrieval.backends.pgvector.database import Database
+from specrag.retrieval.backends.pgvector.fulltext import check_fulltext
+from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
+from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
+from specrag.retrieval.backends.pgvector.table import inspect_table, load_table, read_passages
+from specrag.retrieval.backends.pgvector.writes import VERSION_COLUMN, add_version_column
+from specrag.retrieval.search.stages import StagePlan, StageResult
 from tests.helpers.socket_proxy import StallingProxy
 from tests.helpers.vectors import DIM, PROBES, passages_for
 

@@ -10,15 +10,15 @@ import pytest
 
 from specrag.cli import build_parser
 from specrag.errors import InvalidInputError
+from specrag.retrieval.backends.pgvector.assembly import open_index
+from specrag.retrieval.backends.pgvector.config import PgSettings, StageMode
+from specrag.retrieval.backends.pgvector.database import Database
+from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
+from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
+from specrag.retrieval.backends.pgvector.table import inspect_table, load_table, read_passages
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.pgvector.assembly import open_index
-from specrag.retrieval.pgvector.config import PgSettings, StageMode
-from specrag.retrieval.pgvector.database import Database
-from specrag.retrieval.pgvector.local_server import LocalPostgres
-from specrag.retrieval.pgvector.searcher import PgVectorSearcher
-from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.search.stages import StagePlan
 from tests.helpers.live_corpus import TableEmbedder
 from tests.helpers.vectors import DIM
 

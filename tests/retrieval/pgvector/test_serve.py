@@ -21,8 +21,8 @@ import pytest
 from specrag.cli import build_parser
 from specrag.paths import DataLayout
 from specrag.pipeline.store.table_corpus import TableCorpus
+from specrag.retrieval.backends.pgvector.local_server import LocalPostgres, find_binaries
 from specrag.retrieval.corpus import Passage, write_passages
-from specrag.retrieval.pgvector.local_server import LocalPostgres, find_binaries
 from specrag.service.cli.commands import external_index
 from specrag.service.run.assets import Assets, ensure_assets
 from specrag.sim.engine import SimulatedEngine
@@ -212,7 +212,7 @@ def test_the_change_listener_reconnects_after_the_database_dies_and_catches_up(
         time.sleep(1.0)
         assert corpus.get(unheard.id).text == unheard.text  # nothing told the listener
 
-        caplog.set_level(logging.WARNING, logger="specrag.retrieval.pgvector.changes")
+        caplog.set_level(logging.WARNING, logger="specrag.retrieval.backends.pgvector.changes")
         server.kill()
         within(10, lambda: not listener.connected.is_set())
         time.sleep(2.5)  # down long enough for a few tries

@@ -14,12 +14,12 @@ import pytest
 from psycopg.pq import Trace
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.pgvector.config import PgSettings, StageMode, StageQueries
-from specrag.retrieval.pgvector.database import Database
-from specrag.retrieval.pgvector.deadline import Deadline
-from specrag.retrieval.pgvector.searcher import PgVectorSearcher, stage_probes
-from specrag.retrieval.pgvector.table import inspect_table, load_table, read_passages
-from specrag.retrieval.stages import StagePlan
+from specrag.retrieval.backends.pgvector.config import PgSettings, StageMode, StageQueries
+from specrag.retrieval.backends.pgvector.database import Database
+from specrag.retrieval.backends.pgvector.deadline import Deadline
+from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher, stage_probes
+from specrag.retrieval.backends.pgvector.table import inspect_table, load_table, read_passages
+from specrag.retrieval.search.stages import StagePlan
 from tests.helpers.vectors import DIM, LISTS, PROBES, passages_for
 
 K = 10

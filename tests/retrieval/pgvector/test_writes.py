@@ -19,12 +19,12 @@ from specrag.cli import build_parser
 from specrag.errors import NotFoundError
 from specrag.paths import DataLayout
 from specrag.pipeline.store.table_corpus import TableCorpus
+from specrag.retrieval.backends.pgvector.config import StageMode
+from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
+from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
+from specrag.retrieval.backends.pgvector.writes import VERSION_COLUMN
 from specrag.retrieval.corpus import Passage, write_passages
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.pgvector.config import StageMode
-from specrag.retrieval.pgvector.local_server import LocalPostgres
-from specrag.retrieval.pgvector.searcher import PgVectorSearcher
-from specrag.retrieval.pgvector.writes import VERSION_COLUMN
 from specrag.service.cli.commands import external_index
 from specrag.service.run.assets import Assets, ensure_assets
 from tests.helpers.document_kv import kv_entry

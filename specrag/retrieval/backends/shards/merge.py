@@ -2,7 +2,7 @@
 
 Every shard advances by the same units in each stage (IVF: the same slice of its probe list),
 and the merged running top-k is the best ``k`` of the shards' running top-k, kept in faiss's
-heaps (:class:`~specrag.retrieval.topk.RunningTopK`, ties broken by id as a one-shot search
+heaps (:class:`~specrag.retrieval.backends.local.topk.RunningTopK`, ties broken by id as a one-shot search
 breaks them). IVF shards share one coarse quantizer, so each probes the same lists in the same
 order as the unsharded index; the rows of a list are split among the shards, and the best ``k``
 of the union of the shards' best ``k`` is the best ``k`` of the union: every stage, the last one
@@ -30,9 +30,9 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from specrag.errors import InvalidInputError, ShardUnavailableError
+from specrag.retrieval.backends.local.topk import RunningTopK
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.stages import StageCursor, StagePlan, StageResult, prepare_queries, run_stages
-from specrag.retrieval.topk import RunningTopK
+from specrag.retrieval.search.stages import StageCursor, StagePlan, StageResult, prepare_queries, run_stages
 
 __all__ = [
     "FanOut",
@@ -203,7 +203,7 @@ class ShardedSearcher:
     the calling thread, as in-process shards share its cores anyway.
     """
 
-    owner: Any = None  # a sharded index is saved shard by shard (specrag.retrieval.shards.store)
+    owner: Any = None  # a sharded index is saved shard by shard (specrag.retrieval.backends.shards.store)
 
     def __init__(
         self,

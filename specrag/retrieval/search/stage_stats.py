@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrag.retrieval.stages import Schedule, StagePlan, StageResult
+from specrag.retrieval.search.stages import Schedule, StagePlan, StageResult
 
 __all__ = ["WINDOW", "PlanKey", "StageOutlook", "StageStatistics"]
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import faiss
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.stages import StageResult
+from specrag.retrieval.search.stages import StageResult
 
 __all__ = ["SearchRunner", "pin_current_thread"]
 

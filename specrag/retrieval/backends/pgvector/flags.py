@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from specrag.retrieval.index_store import EMBEDDER_ENV, MINILM, WORDLLAMA, default_embedder
-from specrag.retrieval.pgvector.config import (
+from specrag.retrieval.backends.pgvector.config import (
     DEFAULT_LEXICAL,
     DEFAULT_POOL_SIZE,
     DEFAULT_SEARCH_TIMEOUT_S,
@@ -22,6 +21,7 @@ from specrag.retrieval.pgvector.config import (
     StageMode,
     StageQueries,
 )
+from specrag.retrieval.index_store import EMBEDDER_ENV, MINILM, WORDLLAMA, default_embedder
 
 __all__ = ["BACKENDS", "QUERY_EMBEDDERS", "add_arguments", "add_stage_arguments"]
 

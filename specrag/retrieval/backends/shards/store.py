@@ -23,13 +23,13 @@ import numpy as np
 from specrag.atomic import atomic_directory, reading_directory, sha256_file
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.arrays import load_array
+from specrag.retrieval.backends.local.staged_ivf import StagedIVF
+from specrag.retrieval.backends.shards.added import AddedRows
+from specrag.retrieval.backends.shards.build import quantizer_digest
+from specrag.retrieval.backends.shards.merge import Shard, ShardedSearcher
 from specrag.retrieval.index_files import INDEX_FILE, MANIFEST_FILE, read_manifest, verify_files
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.shards.added import AddedRows
-from specrag.retrieval.shards.build import quantizer_digest
-from specrag.retrieval.shards.merge import Shard, ShardedSearcher
-from specrag.retrieval.staged_ivf import StagedIVF
-from specrag.retrieval.stages import StageCursor
+from specrag.retrieval.search.stages import StageCursor
 
 __all__ = [
     "ROWS_FILE",
@@ -200,7 +200,7 @@ def _shard_from(raw: faiss.Index, settings: dict[str, Any], directory: Path, nex
     if settings.get("kind") == StagedIVF.kind and isinstance(raw, faiss.IndexIVF):
         return StagedIVF(raw, nprobe=int(settings["nprobe"]), next_row=next_row)
     if settings.get("kind") == "hnsw" and isinstance(raw, faiss.IndexHNSWFlat):
-        from specrag.retrieval.staged_hnsw import (
+        from specrag.retrieval.backends.local.staged_hnsw import (
             StagedHNSW,
         )  # numba: see specrag.retrieval.index_store._staged_hnsw
 

@@ -28,12 +28,12 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from specrag.errors import InvalidInputError
+from specrag.retrieval.backends.pgvector.config import INDEX_METHODS, METRICS, PgSettings, StageQueries
+from specrag.retrieval.backends.pgvector.fulltext import fulltext_query
+from specrag.retrieval.backends.pgvector.rows import RowNames
+from specrag.retrieval.backends.pgvector.table import TableLayout
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.pgvector.config import INDEX_METHODS, METRICS, PgSettings, StageQueries
-from specrag.retrieval.pgvector.fulltext import fulltext_query
-from specrag.retrieval.pgvector.rows import RowNames
-from specrag.retrieval.pgvector.table import TableLayout
-from specrag.retrieval.stages import DEFAULT_STAGES, Schedule, StagePlan
+from specrag.retrieval.search.stages import DEFAULT_STAGES, Schedule, StagePlan
 
 __all__ = [
     "MAX_EF_SEARCH",

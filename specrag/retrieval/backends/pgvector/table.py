@@ -1,10 +1,10 @@
 """Loading a corpus into a table with a vector index, and checking a table before serving it.
 
 A table specrag builds holds each passage's id, title, text and embedding (specrag's embedder's
-vectors) with a tsvector of its words (:mod:`~specrag.retrieval.pgvector.fulltext`), and an
+vectors) with a tsvector of its words (:mod:`~specrag.retrieval.backends.pgvector.fulltext`), and an
 IVFFlat index with as many lists as specrag's own IVF build would train
-(:func:`~specrag.retrieval.staged_ivf.choose_nlist`), so the two backends are compared at the same
-list count, or (``--pg-index hnsw``) an HNSW index with pgvector's default graph settings. A
+(:func:`~specrag.retrieval.backends.local.staged_ivf.choose_nlist`), so the two backends are compared at the
+same list count, or (``--pg-index hnsw``) an HNSW index with pgvector's default graph settings. A
 user's existing table is searched as it is: :func:`inspect_table` reads its columns and its
 vector index and refuses (``InvalidInputError``, exit 2) what cannot be searched in stages,
 naming the column.
@@ -23,13 +23,13 @@ from psycopg import sql
 from tqdm import tqdm
 
 from specrag.errors import InvalidInputError
+from specrag.retrieval.backends.local.staged_ivf import DEFAULT_NLIST, choose_nlist
+from specrag.retrieval.backends.pgvector.config import BULK_READ_TIMEOUT_S, INDEX_METHODS, METRICS, PgSettings
+from specrag.retrieval.backends.pgvector.database import Database, connect_once
+from specrag.retrieval.backends.pgvector.deadline import Deadline
+from specrag.retrieval.backends.pgvector.fulltext import fulltext_statements
+from specrag.retrieval.backends.pgvector.writes import VERSION_COLUMN
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.pgvector.config import BULK_READ_TIMEOUT_S, INDEX_METHODS, METRICS, PgSettings
-from specrag.retrieval.pgvector.database import Database, connect_once
-from specrag.retrieval.pgvector.deadline import Deadline
-from specrag.retrieval.pgvector.fulltext import fulltext_statements
-from specrag.retrieval.pgvector.writes import VERSION_COLUMN
-from specrag.retrieval.staged_ivf import DEFAULT_NLIST, choose_nlist
 
 __all__ = [
     "TableLayout",

@@ -20,12 +20,8 @@ import time
 from collections.abc import Sequence
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.corpus import Passage
-from specrag.retrieval.embedders import Embedder
-from specrag.retrieval.index_store import IndexConfig, default_embedder
-from specrag.retrieval.lexical import LexicalIndex
-from specrag.retrieval.pgvector.changes import install_change_trigger
-from specrag.retrieval.pgvector.config import (
+from specrag.retrieval.backends.pgvector.changes import install_change_trigger
+from specrag.retrieval.backends.pgvector.config import (
     DEFAULT_LEXICAL,
     DEFAULT_POOL_SIZE,
     DEFAULT_STAGE_MODE,
@@ -37,13 +33,17 @@ from specrag.retrieval.pgvector.config import (
     resolve_dsn,
     search_timeout,
 )
-from specrag.retrieval.pgvector.database import Database
-from specrag.retrieval.pgvector.fulltext import check_fulltext
-from specrag.retrieval.pgvector.searcher import PgVectorSearcher
-from specrag.retrieval.pgvector.table import inspect_table, load_table, read_rows
-from specrag.retrieval.pgvector.writes import VERSION_COLUMN, add_version_column
+from specrag.retrieval.backends.pgvector.database import Database
+from specrag.retrieval.backends.pgvector.fulltext import check_fulltext
+from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
+from specrag.retrieval.backends.pgvector.table import inspect_table, load_table, read_rows
+from specrag.retrieval.backends.pgvector.writes import VERSION_COLUMN, add_version_column
+from specrag.retrieval.corpus import Passage
+from specrag.retrieval.embedders.embedder import Embedder
+from specrag.retrieval.index_store import IndexConfig, default_embedder
+from specrag.retrieval.lexical.bm25 import LexicalIndex
 from specrag.retrieval.progress import embed_in_batches
-from specrag.retrieval.stages import DEFAULT_STAGES
+from specrag.retrieval.search.stages import DEFAULT_STAGES
 from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
 

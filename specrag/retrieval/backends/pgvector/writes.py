@@ -20,8 +20,8 @@ import psycopg
 from psycopg import sql
 
 from specrag.errors import ConflictError
+from specrag.retrieval.backends.pgvector.database import Database
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.pgvector.database import Database
 
 __all__ = ["VERSION_COLUMN", "RowWrite", "TableWriter", "add_version_column"]
 

@@ -35,7 +35,7 @@ from scipy import sparse
 from specrag.atomic import sha256_file
 from specrag.errors import ArtifactError, InvalidInputError
 from specrag.retrieval.arrays import load_array, unit_rows
-from specrag.retrieval.embedding_bar import embedding_bar
+from specrag.retrieval.embedders.embedding_bar import embedding_bar
 
 __all__ = ["CONFIG", "DIM", "TokenVectors", "WordLlamaEmbedder", "import_wordllama", "token_vectors"]
 

@@ -29,8 +29,8 @@ from typing import Any
 import faiss
 import numpy as np
 
+from specrag.retrieval.backends.shards.store import load_shard
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.shards.store import load_shard
 
 __all__ = ["Behind", "Expired", "RowView", "SearchShard", "ShardInfo"]
 

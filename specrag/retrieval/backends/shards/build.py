@@ -3,7 +3,7 @@
 faiss's answer to a corpus larger than one machine (``IndexShards`` over IVF indexes with one
 quantizer) is followed, not used: the shards must be searchable in stages and live apart. The
 quantizer is trained once on a sample of every vector, then each shard is a copy of the trained,
-empty index holding the rows it owns (:func:`~specrag.retrieval.shards.merge.split_rows`) under
+empty index holding the rows it owns (:func:`~specrag.retrieval.backends.shards.merge.split_rows`) under
 their global row numbers. An HNSW shard is a graph of its own rows.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import faiss
 import numpy as np
 
-from specrag.retrieval.shards.merge import ShardedSearcher, split_rows
-from specrag.retrieval.staged_ivf import DEFAULT_NLIST, StagedIVF
+from specrag.retrieval.backends.local.staged_ivf import DEFAULT_NLIST, StagedIVF
+from specrag.retrieval.backends.shards.merge import ShardedSearcher, split_rows
 
 __all__ = ["build_hnsw_shards", "build_ivf_shards", "quantizer_digest"]
 
@@ -60,7 +60,7 @@ def build_hnsw_shards(
     vectors: np.ndarray, shards: int, *, m: int = 32, ef_construction: int = 40, ef_search: int = 128
 ) -> ShardedSearcher:
     """One HNSW graph per shard, each over the rows it owns."""
-    from specrag.retrieval.staged_hnsw import StagedHNSW  # numba: see index_store._staged_hnsw
+    from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW  # numba: see index_store._staged_hnsw
 
     searchers = [
         StagedHNSW.build(

@@ -21,8 +21,8 @@ from __future__ import annotations
 from psycopg import sql
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.pgvector.config import PgSettings
-from specrag.retrieval.pgvector.database import Database
+from specrag.retrieval.backends.pgvector.config import PgSettings
+from specrag.retrieval.backends.pgvector.database import Database
 
 __all__ = ["FULLTEXT_COLUMN", "check_fulltext", "fulltext_query", "fulltext_statements"]
 

@@ -1,8 +1,8 @@
 """Staged HNSW search: faiss's graph, searched by a resumable numba kernel.
 
 Neither faiss nor hnswlib can pause a graph search, and re-running it with a growing ``ef``
-repeats work. :mod:`specrag.retrieval.hnsw_kernels` keeps the beam in arrays so a search can stop
-after some node expansions, report its running top-k and go on; it follows faiss's algorithm
+repeats work. :mod:`specrag.retrieval.backends.local.hnsw_kernels` keeps the beam in arrays so a search can
+stop after some node expansions, report its running top-k and go on; it follows faiss's algorithm
 step for step, so the final stage equals ``IndexHNSWFlat.search`` at the same ``efSearch``.
 Count-based stages split the *expected* number of expansions (measured on stored vectors when
 the searcher is created), as RAGCache splits the average HNSW search time into slices.
@@ -25,10 +25,10 @@ import faiss
 import numpy as np
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval import hnsw_kernels
+from specrag.retrieval.backends.local import hnsw_kernels
 from specrag.retrieval.live_index import ReadWriteLock, Visibility, bitmap_selector
 from specrag.retrieval.progress import add_in_chunks
-from specrag.retrieval.stages import (
+from specrag.retrieval.search.stages import (
     UNBOUNDED,
     FaissBacked,
     StagePlan,

@@ -23,7 +23,7 @@ import numpy as np
 import Stemmer
 
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.retrieval.identifiers import named_identifiers
+from specrag.retrieval.lexical.identifiers import named_identifiers
 from specrag.retrieval.text import normalize_text
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class LexicalIndex:
 
     def query_terms(self, text: str, identifier_weight: int = 1) -> list[str]:
         """The terms a query is scored by: its own, and those of each identifier it names
-        (:mod:`~specrag.retrieval.identifiers`) ``identifier_weight - 1`` times more.
+        (:mod:`~specrag.retrieval.lexical.identifiers`) ``identifier_weight - 1`` times more.
 
         BM25 sums a score per query term, so a term given n times counts n times (Lucene's
         ``term^n``).

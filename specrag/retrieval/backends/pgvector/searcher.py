@@ -45,17 +45,17 @@ from typing import Any
 import numpy as np
 
 from specrag.errors import InvalidInputError
-from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.pgvector.config import (
+from specrag.retrieval.backends.local.staged_ivf import default_nprobe
+from specrag.retrieval.backends.pgvector.config import (
     DEFAULT_HNSW_EF_SEARCH,
     DEFAULT_STAGE_MODE,
     StageMode,
     StageQueries,
 )
-from specrag.retrieval.pgvector.database import Database
-from specrag.retrieval.pgvector.deadline import Deadline
-from specrag.retrieval.pgvector.parallel import parallel_stages
-from specrag.retrieval.pgvector.queries import (
+from specrag.retrieval.backends.pgvector.database import Database
+from specrag.retrieval.backends.pgvector.deadline import Deadline
+from specrag.retrieval.backends.pgvector.parallel import parallel_stages
+from specrag.retrieval.backends.pgvector.queries import (
     MAX_EF_SEARCH,
     Found,
     StagedQuery,
@@ -65,16 +65,16 @@ from specrag.retrieval.pgvector.queries import (
     stage_probes,
     transaction,
 )
-from specrag.retrieval.pgvector.rows import RowNames
-from specrag.retrieval.pgvector.table import TableLayout
-from specrag.retrieval.staged_ivf import default_nprobe
-from specrag.retrieval.stages import StagePlan, StageResult, prepare_queries
+from specrag.retrieval.backends.pgvector.rows import RowNames
+from specrag.retrieval.backends.pgvector.table import TableLayout
+from specrag.retrieval.live_index import Visibility
+from specrag.retrieval.search.stages import StagePlan, StageResult, prepare_queries
 
 __all__ = ["PgVectorSearcher", "stage_probes"]
 
 
 class PgVectorSearcher:
-    """A :class:`~specrag.retrieval.stages.StagedSearcher` over a pgvector table; row ``i`` is the
+    """A :class:`~specrag.retrieval.search.stages.StagedSearcher` over a pgvector table; row ``i`` is the
     ``i``-th of ``row_ids`` (the table's ids as text, read once at start) at ``versions[i]``.
 
     A row is named by its id and version (``version_column``; None: every row is version 1), so
@@ -156,7 +156,7 @@ class PgVectorSearcher:
 
     def map_rows(self, keys: Sequence[tuple[str, int]], first_row: int) -> None:
         """Name rows ``first_row``, ``first_row + 1``, ... by the table's (id, version) ``keys``:
-        versions committed to the table (by :class:`~specrag.retrieval.pgvector.writes.TableWriter`)
+        versions committed to the table (by :class:`~specrag.retrieval.backends.pgvector.writes.TableWriter`)
         that searches should find as these rows. The rows of the versions before stay mapped, for
         searches whose snapshot still holds them (the index hides them from newer ones)."""
         self._names.map_rows(keys, first_row)

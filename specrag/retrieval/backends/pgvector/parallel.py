@@ -24,11 +24,11 @@ from concurrent.futures import Executor, Future
 import numpy as np
 
 from specrag.errors import DatabaseUnavailableError
-from specrag.retrieval.pgvector import queries
-from specrag.retrieval.pgvector.database import Database
-from specrag.retrieval.pgvector.deadline import Deadline
-from specrag.retrieval.pgvector.queries import Found, StagedQuery, TableSearch, opening, transaction
-from specrag.retrieval.stages import StageResult
+from specrag.retrieval.backends.pgvector import queries
+from specrag.retrieval.backends.pgvector.database import Database
+from specrag.retrieval.backends.pgvector.deadline import Deadline
+from specrag.retrieval.backends.pgvector.queries import Found, StagedQuery, TableSearch, opening, transaction
+from specrag.retrieval.search.stages import StageResult
 
 __all__ = ["parallel_stages"]
 

@@ -78,7 +78,8 @@ METRICS = {
 
 
 class StageQueries(enum.StrEnum):
-    """Which stages of the plan a search queries (:func:`~specrag.retrieval.pgvector.queries.stage_probes`).
+    """Which stages of the plan a search queries
+    (:func:`~specrag.retrieval.backends.pgvector.queries.stage_probes`).
 
     A stage is a whole query that re-scans the lists of the one before, so every stage between
     the first and the final costs its full share again and only gives a later chance to correct
@@ -92,7 +93,7 @@ class StageQueries(enum.StrEnum):
 
 class LexicalChannel(enum.StrEnum):
     """What ranks a table's rows by a query's words for hybrid search: PostgreSQL's full-text
-    search in the vector stages' snapshot (:mod:`~specrag.retrieval.pgvector.fulltext`), or
+    search in the vector stages' snapshot (:mod:`~specrag.retrieval.backends.pgvector.fulltext`), or
     specrag's BM25 over the texts read at start."""
 
     FTS = "fts"
@@ -104,7 +105,8 @@ DEFAULT_LEXICAL = LexicalChannel.BM25
 
 
 class StageMode(enum.StrEnum):
-    """How the stages of one search share connections (:mod:`~specrag.retrieval.pgvector.searcher`)."""
+    """How the stages of one search share connections
+    (:mod:`~specrag.retrieval.backends.pgvector.searcher`)."""
 
     PARALLEL = "parallel"
     SEQUENTIAL = "sequential"

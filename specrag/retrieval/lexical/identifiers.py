@@ -5,7 +5,7 @@ in it; yet BM25 weighs it as one term among the question's ordinary words ("whic
 "defined", "function"), and several of those, each common but present in long passages, outscore
 it together. The dense channel does worse: an embedding of a made-up word is close to nothing in
 particular. So a question that names an identifier is a lexical question, and hybrid search
-treats it so (:class:`~specrag.retrieval.fusion.FusionConfig` ``identifier_weight``): the
+treats it so (:class:`~specrag.retrieval.lexical.fusion.FusionConfig` ``identifier_weight``): the
 identifier's terms count more in BM25 and the lexical ranking counts more in the fusion.
 
 What counts as an identifier is what only code spells that way: a back-quoted span, a word with

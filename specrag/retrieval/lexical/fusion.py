@@ -8,7 +8,7 @@ more than its tail: on both evaluation sets of docs/retrieval.md ("Retrieval qua
 kinds, recall@5 fell steadily from ``rrf_k`` 5 to 10, 20 and 60 (the paper's value), by
 0.03-0.05 in all.
 
-A question that names a code identifier is a lexical question (:mod:`~specrag.retrieval.identifiers`
+A question that names a code identifier is a lexical question (:mod:`~specrag.retrieval.lexical.identifiers`
 says why): its identifier's terms count ``identifier_weight`` times in BM25 and its lexical
 ranking ``identifier_weight`` times in the fusion: a question about a function or class then
 finds the passage that documents it, while prose questions name none, so their ranking does not

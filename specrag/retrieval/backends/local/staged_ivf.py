@@ -18,16 +18,16 @@ import faiss
 import numpy as np
 
 from specrag.errors import InvalidInputError
+from specrag.retrieval.backends.local.topk import RunningTopK, exact_top
 from specrag.retrieval.live_index import ReadWriteLock, Visibility, bitmap_selector
 from specrag.retrieval.progress import add_in_chunks
-from specrag.retrieval.stages import (
+from specrag.retrieval.search.stages import (
     FaissBacked,
     StagePlan,
     StageResult,
     prepare_queries,
     run_stages,
 )
-from specrag.retrieval.topk import RunningTopK, exact_top
 
 __all__ = [
     "DEFAULT_NLIST",
