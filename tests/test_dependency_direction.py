@@ -1,9 +1,10 @@
 """The dependency direction (docs/architecture.md), read from the source: service -> controller ->
 pipeline -> cache, retrieval; inside the service cli -> run -> http; inside the pipeline models <-
-document_kv <- engines <- kv_mirror, and store beside the engines. The leaf modules (atomic, errors,
-locking, paths) serve everyone; the client needs only errors; the simulator (sim) sits beside the
-product, which never imports it. Function-level imports count too: an import that runs back up is
-one, wherever it sits."""
+document_kv <- engines <- kv_mirror, and store beside the engines; inside retrieval the index
+facade over backends/ (local, shards, pgvector) over search, lexical and embedders. The leaf
+modules (atomic, errors, locking, paths) serve everyone; the client needs only errors; the
+simulator (sim) sits beside the product, which never imports it. Function-level imports count
+too: an import that runs back up is one, wherever it sits."""
 
 from __future__ import annotations
 
@@ -35,6 +36,40 @@ PIPELINE_ROOMS = {
 }
 # What the pipeline keeps outside its rooms: the package doc and its command-line sub-commands.
 PIPELINE_TOP = {"__init__.py", "commands.py"}
+
+# The retrieval's rooms (specrag/retrieval/<room>/, a backend one level down: backends/<backend>/) and
+# the modules beside them that a room uses: what each may import besides the leaves, a room or a
+# module beside the rooms named by its place under specrag/retrieval/. The staged search, the lexical
+# channel and the embedders know no backend and no index; a backend knows the staged search, not the
+# index facade (index_store, vector_index, conversational, ...) above it, except pgvector, whose
+# assembly still builds a served index itself; the shared modules import no room above them.
+RETRIEVAL_ROOMS = {
+    "search": LEAVES | {"search"},
+    "lexical": LEAVES | {"lexical", "text"},
+    "embedders": LEAVES | {"embedders", "arrays"},
+    "backends.local": LEAVES | {"backends.local", "search", "live_index", "progress"},
+    "backends.shards": LEAVES
+    | {"backends.shards", "backends.local", "search", "live_index", "arrays", "index_files", "embedders"},
+    "backends.pgvector": LEAVES
+    | {"backends.pgvector", "backends.local", "search", "live_index", "corpus", "embedders", "lexical"}
+    | {"text", "progress", "index_store", "vector_index"},
+    "arrays": LEAVES,
+    "text": LEAVES,
+    "corpus": LEAVES,
+    "index_files": LEAVES,
+    "live_index": LEAVES | {"lexical"},
+    "progress": LEAVES | {"embedders"},
+}
+# The index facade beside the rooms: above every room, so it has no rule but the package's.
+RETRIEVAL_FACADE = {
+    "__init__.py",
+    "commands.py",
+    "conversational.py",
+    "corpus_change.py",
+    "index_store.py",
+    "synthetic.py",
+    "vector_index.py",
+}
 
 # Inside the service, the rooms a room must not import: the command line sits on top, the start and
 # run of a service below it, the HTTP application at the bottom.
@@ -113,6 +148,61 @@ def test_every_pipeline_module_lives_in_a_room() -> None:
     assert {path.name for path in pipeline.glob("*.py")} == PIPELINE_TOP
     rooms = {path.name for path in pipeline.iterdir() if path.is_dir() and path.name != "__pycache__"}
     assert rooms == set(PIPELINE_ROOMS)
+
+
+def retrieval_place(name: str) -> str:
+    """Where under specrag/retrieval/ the module ``name`` lives, as RETRIEVAL_ROOMS names it
+    (``backends.local``, ``search``, ``live_index``); a module outside retrieval by its package."""
+    parts = name.split(".")
+    if parts[1] != "retrieval":
+        return parts[1]
+    if len(parts) == 2:
+        return "retrieval"
+    return ".".join(parts[2:4]) if parts[2] == "backends" and len(parts) > 3 else parts[2]
+
+
+def retrieval_sources(place: str) -> list[Path]:
+    """The files of a room (every file under it) or of a module beside the rooms."""
+    path = PACKAGE / "retrieval" / place.replace(".", "/")
+    return sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+
+
+@pytest.mark.parametrize("place", sorted(RETRIEVAL_ROOMS))
+def test_a_retrieval_room_imports_only_the_rooms_below_it(place: str) -> None:
+    sources = retrieval_sources(place)
+    assert all(source.exists() for source in sources)
+    wrong = {
+        str(source.relative_to(PACKAGE)): sorted(
+            {retrieval_place(name) for name in imported_names(source)} - RETRIEVAL_ROOMS[place]
+        )
+        for source in sources
+    }
+    assert {name: places for name, places in wrong.items() if places} == {}
+
+
+def test_every_retrieval_module_lives_in_a_room_or_the_facade() -> None:
+    """A new module goes into the room whose rule it keeps (or is named facade or shared here), so
+    the rules above cover all of retrieval."""
+    retrieval = PACKAGE / "retrieval"
+    rooms = {place for place in RETRIEVAL_ROOMS if (retrieval / place.replace(".", "/")).is_dir()}
+    shared = {f"{place}.py" for place in set(RETRIEVAL_ROOMS) - rooms}
+    assert {path.name for path in retrieval.glob("*.py")} == RETRIEVAL_FACADE | shared
+    found = {
+        str(path.relative_to(retrieval)).replace("/", ".")
+        for path in [*retrieval.iterdir(), *(retrieval / "backends").iterdir()]
+        if path.is_dir() and path.name != "__pycache__"
+    }
+    assert found - {"backends"} == rooms
+    assert {path.name for path in (retrieval / "backends").glob("*.py")} == {"__init__.py"}
+
+
+def test_retrieval_places_are_read_as_the_rules_name_them() -> None:
+    assert retrieval_place("specrag.retrieval.backends.local.staged_ivf") == "backends.local"
+    assert retrieval_place("specrag.retrieval.backends.local") == "backends.local"
+    assert retrieval_place("specrag.retrieval.search.stages") == "search"
+    assert retrieval_place("specrag.retrieval.live_index") == "live_index"
+    assert retrieval_place("specrag.retrieval") == "retrieval"
+    assert retrieval_place("specrag.errors") == "errors"
 
 
 def test_only_the_simulator_imports_the_simulator() -> None:
