@@ -226,6 +226,11 @@ class KnowledgeTree:
         usable = (len(token_ids) - 1) // self.block_size
         return self._leading_stored(chain_block_keys(token_ids[: usable * self.block_size], self.block_size))
 
+    def expire_predictions(self) -> None:
+        """Drop the predictions past their bound now, as every read of the stored blocks does
+        first: a caller that keeps an answer while :attr:`version` stays calls it before looking."""
+        self._residency.expire_predictions()
+
     def _leading_stored(self, keys: Sequence[int]) -> int:
         """Tokens of the run of ``keys`` believed stored from the first (predictions past their
         bound dropped first)."""

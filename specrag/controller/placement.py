@@ -117,6 +117,7 @@ class PlacementMemo:
     def __init__(self) -> None:
         self._orders: dict[tuple[KnowledgeTree, int, str, tuple[DocId, ...]], tuple[DocId, ...]] = {}
         self._layouts: dict[tuple[tuple[DocId, ...], tuple[DocId, ...]], PromptLayout] = {}
+        self._hits: dict[tuple[KnowledgeTree, int, int], int] = {}
 
     def order(
         self, policy: OrderingPolicy, tree: KnowledgeTree, doc_ids: tuple[DocId, ...]
@@ -135,6 +136,16 @@ class PlacementMemo:
         if layout is None:
             layout = self._layouts[key] = build(order)
         return layout
+
+    def hit(self, tree: KnowledgeTree, layout: PromptLayout) -> int:
+        """``tree.prompt_hit(layout)`` now, for a ``layout`` of :meth:`layout` (kept, so its id is
+        not reused while the memo lives)."""
+        tree.expire_predictions()  # as prompt_hit does first: the version then says it all
+        key = (tree, tree.version, id(layout))
+        hit = self._hits.get(key)
+        if hit is None:
+            hit = self._hits[key] = tree.prompt_hit(layout)
+        return hit
 
 
 class _ApproxPrefixes:
@@ -209,8 +220,12 @@ class Placement:
         memo = memo or PlacementMemo()
         ids = tuple(doc_ids)
 
-        def prompt_for(by: OrderingPolicy) -> Callable[[Replica], PromptLayout]:
-            return lambda replica: memo.layout(build, ids, memo.order(by, replica.tree, ids))
+        def prompt_for(by: OrderingPolicy) -> Callable[[Replica], tuple[PromptLayout, int]]:
+            def prompt(replica: Replica) -> tuple[PromptLayout, int]:
+                layout = memo.layout(build, ids, memo.order(by, replica.tree, ids))
+                return layout, memo.hit(replica.tree, layout)
+
+            return prompt
 
         if len(self.replicas) == 1 or self.router is Router.SPECRAG:
             return self._joint(candidates, prompt_for(policy), prefer)
@@ -260,14 +275,15 @@ class Placement:
     def _joint(
         self,
         candidates: Sequence[Replica],
-        prompt_for: Callable[[Replica], PromptLayout],
+        prompt_for: Callable[[Replica], tuple[PromptLayout, int]],
         prefer: Replica | None,
     ) -> Placed:
-        """Each candidate's own order of the documents against its tree; the lowest estimate wins."""
+        """Each candidate's own order of the documents against its tree, and its predicted hit
+        there; the lowest estimate wins."""
         options = []
         for replica in candidates:
-            layout = prompt_for(replica)
-            options.append(self._estimate(replica, layout, replica.tree.prompt_hit(layout)))
+            layout, hit = prompt_for(replica)
+            options.append(self._estimate(replica, layout, hit))
         return self._best(options, prefer)
 
     @staticmethod

@@ -267,7 +267,7 @@ def test_the_version_rises_with_every_change_an_ordering_reads() -> None:
     get_policy("exact").order(tree, (2, 1))
     assert tree.version == seen[-1]  # reading changes nothing
     now[0] = 1e9
-    tree.prompt_hit(prompt)  # the predictions expire on this read
+    tree.expire_predictions()  # every read of the stored blocks expires them first
     moved()
     tree.record_served(prompt)
     moved()

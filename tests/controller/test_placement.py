@@ -204,3 +204,14 @@ async def test_a_query_memo_orders_again_only_once_a_tree_changed() -> None:
     assert policy.calls == 3 and built == [(4, 5), (5, 4)]
     assert changed.replica is pool[0] and changed.layout.document_ids() == (5, 4)
     await close(pool)
+
+
+async def test_a_query_memo_predicts_again_once_the_blocks_changed() -> None:
+    pool = replicas(1)
+    placement, memo = Placement(pool), PlacementMemo()
+    first = placement.place_documents(EXACT, [4, 5], layout, memo=memo)
+    await serve(pool[0], [4, 5])  # the same order, now cached
+    again = placement.place_documents(EXACT, [4, 5], layout, memo=memo)
+    assert again.layout is first.layout
+    assert again.predicted_cached == pool[0].tree.prompt_hit(again.layout) > first.predicted_cached
+    await close(pool)
