@@ -441,6 +441,7 @@ class KnowledgeTree:
                 node.missing += 1
 
     def _reset_residency(self, *, engine_cleared: bool) -> None:
+        self.version += 1  # a clear tells no block's change: the version moves here
         self._residency.clear()
         for node in self.nodes():
             node.missing = len(node.keys)
