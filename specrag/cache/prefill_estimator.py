@@ -10,8 +10,6 @@ first decode step), which cancels in a cost. Until then the given fallback profi
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
 from specrag.cache.pgdsf import PrefillProfile
@@ -34,7 +32,10 @@ class PrefillEstimator:
         if min_samples < 2 or window < min_samples:
             raise InvalidInputError("min_samples must be >= 2 and window >= min_samples")
         self.min_samples = min_samples
-        self._samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        # The newest ``window`` points as rows (cached, computed, seconds), written in a ring: a
+        # refit after every answer reads them as an array without converting a list of tuples.
+        self._ring = np.empty((window, 3), dtype=np.float64)
+        self._count = 0  # points written so far; the next goes to row ``_count % window``
         self._profile = fallback
         # The fit's intercept: what a request costs the engine besides its tokens (0 until fitted).
         self.overhead_s = 0.0
@@ -46,7 +47,7 @@ class PrefillEstimator:
 
     @property
     def samples(self) -> int:
-        return len(self._samples)
+        return min(self._count, len(self._ring))
 
     def record(self, cached: int, computed: int, seconds: float) -> PrefillProfile | None:
         """Add one served request; the refitted profile when there are enough points, else None.
@@ -60,8 +61,9 @@ class PrefillEstimator:
             )
         if computed == 0:
             return None
-        self._samples.append((cached, computed, seconds))
-        if len(self._samples) < self.min_samples:
+        self._ring[self._count % len(self._ring)] = (cached, computed, seconds)
+        self._count += 1
+        if self._count < self.min_samples:
             return None
         fitted = self._fit()
         if fitted is not None:
@@ -70,7 +72,12 @@ class PrefillEstimator:
 
     def _fit(self) -> PrefillProfile | None:
         """The non-negative (a, b) of least residual, as a profile; None if no cost is seen."""
-        data = np.array(self._samples, dtype=np.float64)
+        window = len(self._ring)
+        if self._count <= window:
+            data = self._ring[: self._count]
+        else:  # oldest first, as the points came: the same rows in the same order fit the same
+            start = self._count % window
+            data = np.concatenate((self._ring[start:], self._ring[:start]))
         cached, computed, seconds = data[:, 0], data[:, 1], data[:, 2]
         # cost(c, m) = seconds(c + m) - seconds(c) = a·m + b·((c + m)² - c²)
         features = np.column_stack([computed, computed * (2 * cached + computed)])

@@ -118,6 +118,9 @@ class KnowledgeTree:
         self._doc_hits: dict[DocId, int] = {}
         self._doc_last: dict[DocId, int] = {}
         self._companions: dict[DocId, dict[DocId, int]] = {}
+        # Rises with every change of what an ordering reads (paths, uses, residency), so that a
+        # caller may keep an ordering made against this tree for as long as it stays the same.
+        self.version = 0
         self.root = Node(None, None, 0, len(self._system))
         self._assign_keys(self.root, chain_block_keys(self._system, block_size))
 
@@ -223,6 +226,11 @@ class KnowledgeTree:
         usable = (len(token_ids) - 1) // self.block_size
         return self._leading_stored(chain_block_keys(token_ids[: usable * self.block_size], self.block_size))
 
+    def expire_predictions(self) -> None:
+        """Drop the predictions past their bound now, as every read of the stored blocks does
+        first: a caller that keeps an answer while :attr:`version` stays calls it before looking."""
+        self._residency.expire_predictions()
+
     def _leading_stored(self, keys: Sequence[int]) -> int:
         """Tokens of the run of ``keys`` believed stored from the first (predictions past their
         bound dropped first)."""
@@ -238,6 +246,7 @@ class KnowledgeTree:
         ``num_cached_tokens``); otherwise the tree's estimate is used, which is right as long as
         the request's own BlockStored events have not been applied yet.
         """
+        self.version += 1
         system, documents = self._split(layout)
         doc_ids = [seg.doc_id for seg in documents if seg.doc_id is not None]
         if cached_tokens is None:
@@ -279,6 +288,7 @@ class KnowledgeTree:
         can follow its path instead of starting an order of their own. Its use is counted only at
         :meth:`record_served`, when it was served.
         """
+        self.version += 1
         system, documents = self._split(layout)
         prefix_end = documents[-1].end if documents else system.end
         self._path(system, documents, layout.block_keys(self.block_size)[: prefix_end // self.block_size])
@@ -294,6 +304,7 @@ class KnowledgeTree:
         is dropped after a bound (see :class:`BlockResidency`). A ``salted`` prompt (document KV
         loaded under its own cache salt) stored other blocks than these: it predicts nothing.
         """
+        self.version += 1
         if self._lru is not None or salted:
             return
         self._split(layout)  # a prompt of the documents' layout (not a session's history), checked
@@ -306,6 +317,7 @@ class KnowledgeTree:
         """Apply one batch of the engine's KV events in order, all or nothing: every event is
         checked first (:class:`InvalidInputError` applies none). The first event retires the
         capacity model."""
+        self.version += 1
         batch = list(events)
         for event in batch:
             if not isinstance(event, AllBlocksCleared):
@@ -340,6 +352,7 @@ class KnowledgeTree:
         Unlike an ``AllBlocksCleared`` event this keeps the capacity model when it is in use,
         for engines that publish no events.
         """
+        self.version += 1
         if self._lru is not None:
             self._lru.clear()
         self._reset_residency(engine_cleared=True)
@@ -418,6 +431,7 @@ class KnowledgeTree:
                 del self._owners[key]
 
     def _on_block_change(self, key: int, stored: bool) -> None:
+        self.version += 1
         for node in self._owners.get(key, ()):
             if stored:
                 node.missing -= 1
@@ -427,6 +441,7 @@ class KnowledgeTree:
                 node.missing += 1
 
     def _reset_residency(self, *, engine_cleared: bool) -> None:
+        self.version += 1  # a clear tells no block's change: the version moves here
         self._residency.clear()
         for node in self.nodes():
             node.missing = len(node.keys)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from specrag.cache.layout import DocId, PromptLayout
 from specrag.cache.ordering import OrderingPolicy, PolicyName, get_policy
 from specrag.cache.residency import chain_block_keys
+from specrag.cache.tree import KnowledgeTree
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError, check_choice
 from specrag.pipeline.engines.protocol import Engine
@@ -55,6 +56,7 @@ __all__ = [
     "Build",
     "Placed",
     "Placement",
+    "PlacementMemo",
     "Router",
     "health_checks",
 ]
@@ -101,6 +103,49 @@ class Placed:
     predicted_cached: int
     estimate_s: float
     reason: str
+
+
+class PlacementMemo:
+    """One query's orderings and prompts, kept across its stages and its final placement.
+
+    A stage's running top-k is often the stage before's: ordering it again against a replica's
+    tree that has not changed since (:attr:`~specrag.cache.tree.KnowledgeTree.version`) gives the
+    same order, and the same documents in the same order give the same prompt (a query's question,
+    hints and store rows do not change while it runs), whose block keys are then hashed once.
+    """
+
+    def __init__(self) -> None:
+        self._orders: dict[tuple[KnowledgeTree, int, str, tuple[DocId, ...]], tuple[DocId, ...]] = {}
+        self._layouts: dict[tuple[tuple[DocId, ...], tuple[DocId, ...]], PromptLayout] = {}
+        self._hits: dict[tuple[KnowledgeTree, int, int], int] = {}
+
+    def order(
+        self, policy: OrderingPolicy, tree: KnowledgeTree, doc_ids: tuple[DocId, ...]
+    ) -> tuple[DocId, ...]:
+        """``policy``'s order of ``doc_ids`` against ``tree`` as it is now."""
+        key = (tree, tree.version, policy.name, doc_ids)
+        order = self._orders.get(key)
+        if order is None:
+            order = self._orders[key] = policy.order(tree, doc_ids).doc_ids
+        return order
+
+    def layout(self, build: Build, doc_ids: tuple[DocId, ...], order: tuple[DocId, ...]) -> PromptLayout:
+        """The prompt ``build`` makes of ``doc_ids`` in ``order``."""
+        key = (doc_ids, order)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = build(order)
+        return layout
+
+    def hit(self, tree: KnowledgeTree, layout: PromptLayout) -> int:
+        """``tree.prompt_hit(layout)`` now, for a ``layout`` of :meth:`layout` (kept, so its id is
+        not reused while the memo lives)."""
+        tree.expire_predictions()  # as prompt_hit does first: the version then says it all
+        key = (tree, tree.version, id(layout))
+        hit = self._hits.get(key)
+        if hit is None:
+            hit = self._hits[key] = tree.prompt_hit(layout)
+        return hit
 
 
 class _ApproxPrefixes:
@@ -167,16 +212,27 @@ class Placement:
         build: Build,
         *,
         prefer: Replica | None = None,
-        avoid: Collection[Replica] = (),
+        memo: PlacementMemo | None = None,
     ) -> Placed:
-        """The replica and document order for a prompt over these documents (module doc)."""
-        candidates = self._candidates(avoid)
+        """The replica and document order for a prompt over these documents (module doc); a
+        query's ``memo`` keeps its orders and prompts from one of its placements to the next."""
+        candidates = self._candidates(())
+        memo = memo or PlacementMemo()
+        ids = tuple(doc_ids)
+
+        def prompt_for(by: OrderingPolicy) -> Callable[[Replica], tuple[PromptLayout, int]]:
+            def prompt(replica: Replica) -> tuple[PromptLayout, int]:
+                layout = memo.layout(build, ids, memo.order(by, replica.tree, ids))
+                return layout, memo.hit(replica.tree, layout)
+
+            return prompt
+
         if len(self.replicas) == 1 or self.router is Router.SPECRAG:
-            return self._joint(candidates, policy, doc_ids, build, prefer)
+            return self._joint(candidates, prompt_for(policy), prefer)
         retrieval = get_policy(PolicyName.RETRIEVAL)
         if self.router is Router.EXACT_RETRIEVAL_ORDER:
-            return self._joint(candidates, retrieval, doc_ids, build, prefer)
-        return self.place_prompt(build(retrieval.order(candidates[0].tree, doc_ids).doc_ids), avoid=avoid)
+            return self._joint(candidates, prompt_for(retrieval), prefer)
+        return self.place_prompt(build(retrieval.order(candidates[0].tree, doc_ids).doc_ids))
 
     def place_prompt(
         self, layout: PromptLayout, *, prefer: Replica | None = None, avoid: Collection[Replica] = ()
@@ -219,19 +275,15 @@ class Placement:
     def _joint(
         self,
         candidates: Sequence[Replica],
-        policy: OrderingPolicy,
-        doc_ids: Sequence[DocId],
-        build: Build,
+        prompt_for: Callable[[Replica], tuple[PromptLayout, int]],
         prefer: Replica | None,
     ) -> Placed:
-        built: dict[tuple[DocId, ...], PromptLayout] = {}
+        """Each candidate's own order of the documents against its tree, and its predicted hit
+        there; the lowest estimate wins."""
         options = []
         for replica in candidates:
-            ordering = policy.order(replica.tree, doc_ids)
-            layout = built.get(ordering.doc_ids)
-            if layout is None:
-                layout = built[ordering.doc_ids] = build(ordering.doc_ids)
-            options.append(self._estimate(replica, layout, replica.tree.prompt_hit(layout)))
+            layout, hit = prompt_for(replica)
+            options.append(self._estimate(replica, layout, hit))
         return self._best(options, prefer)
 
     @staticmethod

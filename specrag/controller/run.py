@@ -42,7 +42,7 @@ from specrag.controller.conversation import TurnPrompt
 from specrag.controller.fitting import check_final_prompt_fits
 from specrag.controller.flight import Flight, RetriedFlight
 from specrag.controller.gate import Slot
-from specrag.controller.placement import Placed
+from specrag.controller.placement import Placed, PlacementMemo
 from specrag.controller.query import AnswerDelta, AnswerDone, CheckedRequest, Source
 from specrag.controller.query_shared import QueryShared
 from specrag.controller.speculation_steps import SpeculationSteps
@@ -73,6 +73,7 @@ class QueryRun:
         self._speculating = SpeculationSteps(shared, checked, self.timeline, self)
         self._answer: RetriedFlight | None = None  # the answer's stream, once it is read
         self.sources: tuple[Source, ...] = ()  # the final top-k, once known
+        self._placements = PlacementMemo()  # orders and prompts from one stage to the next
 
     def request_ids(self) -> set[str]:
         """Engine requests this run has submitted and not yet aborted or seen end."""
@@ -294,7 +295,11 @@ class QueryRun:
             shared.config.ordering_policy if checked.mode.ordering and not planned else PolicyName.RETRIEVAL
         )
         return shared.placement.place_documents(
-            policy, planned.order if planned else rows, lambda order: self._layout(rows, order), prefer=prefer
+            policy,
+            planned.order if planned else rows,
+            lambda order: self._layout(rows, order),
+            prefer=prefer,
+            memo=self._placements,
         )
 
     def _layout(self, rows: list[int], order: Sequence[DocId]) -> PromptLayout:

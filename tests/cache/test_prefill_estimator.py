@@ -89,3 +89,21 @@ def test_the_tree_costs_misses_with_the_profile_it_is_given() -> None:
     computed = len(served.token_ids)
     assert tree.profile is steep
     assert node.pgdsf.priority == pytest.approx(steep.cost(0, computed) / computed)
+
+
+def test_a_full_window_fits_exactly_as_its_newest_points_alone() -> None:
+    """The points kept in a ring, read back oldest first: the fit is the same floats as a fit of
+    the window's points given alone, in their order."""
+    points = synthetic(3e-4, 2e-8, 0.01, 61, seed=3)
+    window = 16
+    ringed = PrefillEstimator(FALLBACK, min_samples=8, window=window)
+    for point in points:
+        ringed.record(*point)
+    alone = PrefillEstimator(FALLBACK, min_samples=8, window=window)
+    for point in points[-window:]:
+        alone.record(*point)
+    assert ringed.samples == alone.samples == window
+    assert ringed.overhead_s == alone.overhead_s
+    assert [ringed.profile.seconds(n) for n in range(0, 6000, 37)] == [
+        alone.profile.seconds(n) for n in range(0, 6000, 37)
+    ]

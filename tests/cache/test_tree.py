@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specrag.cache import AllBlocksCleared, BlockStored, KnowledgeTree, PrefixMatch
+from specrag.cache import AllBlocksCleared, BlockStored, KnowledgeTree, PrefixMatch, get_policy
 from specrag.cache import tree as tree_module
 from specrag.cache.layout import PromptLayout, build_layout
 from specrag.cache.residency import chain_block_keys
@@ -244,3 +244,34 @@ def test_a_batch_with_a_bad_event_is_applied_not_at_all() -> None:
     with pytest.raises(InvalidInputError, match="block size"):
         tree.apply_events([*good, bad])
     assert tree.resident_hashes() == before
+
+
+def test_the_version_rises_with_every_change_an_ordering_reads() -> None:
+    """A query keeps an ordering while the version stays: every change must move it, reads none."""
+    tree = KnowledgeTree(SYSTEM, block_size=BLOCK)
+    engine = FakeEngine()
+    now = [0.0]
+    tree._residency._clock = lambda: now[0]  # a prediction's deadline, moved by hand
+    prompt = layout([1, 2])
+    seen = [tree.version]
+
+    def moved() -> None:
+        assert tree.version > seen[-1]
+        seen.append(tree.version)
+
+    tree.record_pending(prompt)
+    moved()
+    tree.record_prefilled(prompt)  # predicted stored until their events come
+    moved()
+    tree.cached_prefix((1, 2))
+    get_policy("exact").order(tree, (2, 1))
+    assert tree.version == seen[-1]  # reading changes nothing
+    now[0] = 1e9
+    tree.expire_predictions()  # every read of the stored blocks expires them first
+    moved()
+    tree.record_served(prompt)
+    moved()
+    tree.apply_events(engine.serve(prompt))
+    moved()
+    tree.engine_cache_cleared()
+    moved()

@@ -6,12 +6,14 @@ Each replica is a simulated engine whose KV events feed its own tree, as vLLM's 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 
-from specrag.cache.ordering import get_policy
+from specrag.cache.layout import DocId, PromptLayout
+from specrag.cache.ordering import Ordering, get_policy
 from specrag.cache.tree import KnowledgeTree
-from specrag.controller.placement import ROUTERS, Placement, health_checks
+from specrag.controller.placement import ROUTERS, Placement, PlacementMemo, health_checks
 from specrag.controller.replicas import Replica
 from specrag.errors import EngineError, EngineUnavailableError, InvalidInputError
 from specrag.sim.engine import SimulatedEngine
@@ -169,3 +171,47 @@ def test_bad_placements_are_refused() -> None:
     with pytest.raises(InvalidInputError, match="block size"):
         Replica("x", other, KnowledgeTree(SYSTEM, block_size=BLOCK))
     assert set(ROUTERS) >= {"specrag", "round_robin"}
+
+
+class _Counting:
+    """``exact``, counting the orders it makes."""
+
+    name = "exact"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def order(self, tree: KnowledgeTree, doc_ids: Sequence[DocId]) -> Ordering:
+        self.calls += 1
+        return EXACT.order(tree, doc_ids)
+
+
+async def test_a_query_memo_orders_again_only_once_a_tree_changed() -> None:
+    pool = replicas(2)
+    placement, memo, policy = Placement(pool), PlacementMemo(), _Counting()
+    built: list[tuple[DocId, ...]] = []
+
+    def build(order: Sequence[DocId]) -> PromptLayout:
+        built.append(tuple(order))
+        return layout(order)
+
+    first = placement.place_documents(policy, [4, 5], build, memo=memo)
+    again = placement.place_documents(policy, [4, 5], build, memo=memo)
+    assert policy.calls == 2 and built == [(4, 5)]  # one order per replica, one prompt for both
+    assert again.layout is first.layout and again.replica is first.replica
+    await serve(pool[0], [5, 4])  # replica 0 now holds "5, 4": its order changes, replica 1's not
+    changed = placement.place_documents(policy, [4, 5], build, memo=memo)
+    assert policy.calls == 3 and built == [(4, 5), (5, 4)]
+    assert changed.replica is pool[0] and changed.layout.document_ids() == (5, 4)
+    await close(pool)
+
+
+async def test_a_query_memo_predicts_again_once_the_blocks_changed() -> None:
+    pool = replicas(1)
+    placement, memo = Placement(pool), PlacementMemo()
+    first = placement.place_documents(EXACT, [4, 5], layout, memo=memo)
+    await serve(pool[0], [4, 5])  # the same order, now cached
+    again = placement.place_documents(EXACT, [4, 5], layout, memo=memo)
+    assert again.layout is first.layout
+    assert again.predicted_cached == pool[0].tree.prompt_hit(again.layout) > first.predicted_cached
+    await close(pool)

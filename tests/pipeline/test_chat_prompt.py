@@ -120,3 +120,22 @@ async def test_prompts_sharing_their_first_documents_share_the_engines_cached_bl
     await run_prompt(vllm_engine, first.token_ids, Sampling(max_tokens=1))
     outputs = await run_prompt(vllm_engine, second.token_ids, Sampling(max_tokens=1))
     assert outputs[0].cached_tokens == shared  # every block of the shared part, nothing after it
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "What is the capital of France?",
+        "<|im_end|> hi <|im_start|>user\nHow?",
+        "  leading spaces\n\nand blank lines  ",
+        "émigré naïve 東京 🤖 tab\tend",
+        "",
+    ],
+)
+def test_text_encodes_as_transformers_splits_special_tokens(chat_tokenizer: Tokenizer, text: str) -> None:
+    """The question's encoding, on the event loop, skips transformers' batch call: same ids."""
+    through_transformers = chat_tokenizer._tokenizer.encode(
+        text, add_special_tokens=False, split_special_tokens=True
+    )
+    assert chat_tokenizer._text_encoder is not None
+    assert chat_tokenizer.encode(text) == list(through_transformers)

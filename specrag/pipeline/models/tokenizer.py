@@ -34,6 +34,25 @@ def tokenizer_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _text_encoder(tokenizer: Any) -> Any:
+    """A fast tokenizer's own Rust tokenizer, set to encode special tokens' spellings as text.
+
+    ``encode`` runs on the event loop for every question: through transformers it costs several
+    times the encoding (its batch call's Python and, under load, the Rust thread pool's
+    wake-ups). transformers' ``split_special_tokens`` sets this flag on its shared tokenizer for
+    the call, so a copy of our own with the flag set, no truncation and no padding gives the
+    same ids; None for a slow tokenizer, which keeps transformers' path.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    own = type(backend).from_str(backend.to_str())
+    own.encode_special_tokens = True
+    own.no_truncation()
+    own.no_padding()
+    return own
+
+
 class Tokenizer:
     """Encode without special tokens (prompts are assembled from segments), decode for display."""
 
@@ -46,6 +65,7 @@ class Tokenizer:
             raise ArtifactError(f"cannot load a tokenizer from {model_dir}: {error}") from error
         self.fingerprint = tokenizer_fingerprint(model_dir)
         self.model_dir = model_dir
+        self._text_encoder = _text_encoder(self._tokenizer)
 
     @property
     def pad_token_id(self) -> int:
@@ -79,6 +99,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Text as text: a special token's spelling in it (``<|im_end|>``) stays characters, so a
         question or a passage cannot close a chat turn or open one of its own."""
+        if self._text_encoder is not None:
+            return list(self._text_encoder.encode(text, add_special_tokens=False).ids)
         return list(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
     def encode_markup(self, text: str) -> list[int]:
