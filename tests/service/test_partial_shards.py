@@ -123,7 +123,7 @@ async def test_health_names_every_search_shard_and_fails_while_one_has_failed(ti
             async with http.get(f"{url}/health") as response:
                 assert response.status == 200
                 assert (await response.json())["search_shards"] == shards
-            shards[1] = {"name": "001", "state": "failed", "reason": "its new actor did not start"}
+            shards[1] = {"name": "001", "state": "lost", "reason": "its new actor did not start"}
             async with http.get(f"{url}/health") as response:
                 assert response.status == 503
                 body = await response.json()

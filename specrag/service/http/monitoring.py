@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from specrag.retrieval.backends.shards.shard_actor import ShardState
 from specrag.service.http.auth import AUTHENTICATED
 from specrag.service.http.documents import CORPUS, documents_health
 from specrag.service.http.in_flight import STATE
@@ -47,7 +48,7 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     health = await state.core.health()
     shards = request.app[SEARCH_SHARDS]() if SEARCH_SHARDS in request.app else None
-    failed = [shard["name"] for shard in shards or () if shard["state"] == "failed"]
+    failed = [shard["name"] for shard in shards or () if shard["state"] == ShardState.LOST]
     serving = health.serving and not failed  # a failed shard fails every query needing its rows
     if state.tokens and not request[AUTHENTICATED]:  # open to load balancers: ready or not, no more
         return web.json_response(

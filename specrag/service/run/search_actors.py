@@ -41,7 +41,6 @@ copy and the actor each keep a row once, however often its add is sent.
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import logging
 import threading
@@ -60,7 +59,14 @@ from specrag.errors import ArtifactError, InvalidInputError, ShardUnavailableErr
 from specrag.pipeline.engines.ray_placement import PLACEMENT_WAIT_S, unplaced
 from specrag.retrieval.backends.shards.added import AddedRows
 from specrag.retrieval.backends.shards.merge import ShardedSearcher, shard_name
-from specrag.retrieval.backends.shards.shard_actor import Behind, Expired, RowView, SearchShard, ShardInfo
+from specrag.retrieval.backends.shards.shard_actor import (
+    Behind,
+    Expired,
+    RowView,
+    SearchShard,
+    ShardInfo,
+    ShardState,
+)
 from specrag.retrieval.backends.shards.store import shard_directory
 from specrag.retrieval.embedders.embedder import METRIC
 from specrag.retrieval.live_index import Visibility
@@ -86,15 +92,6 @@ PROBE_EVERY_S = 5.0
 _PLACEMENT_FIX = (
     "give --search-shard-cpus a smaller share, fewer --search-shards or --replicas, or a larger cluster"
 )
-
-
-class ShardState(enum.StrEnum):
-    """How a shard stands, as its last call or probe found it (``/health`` shows it)."""
-
-    SERVING = "serving"  # its last call was answered
-    UNRESPONSIVE = "unresponsive"  # its last call was not answered in time (busy, or Ray restarting it)
-    REPLACING = "replacing"  # Ray gave up on its actor: a new one is starting
-    FAILED = "failed"  # its replacement did not start either (the next call tries again)
 
 
 class RemoteShard:
@@ -169,7 +166,7 @@ class RemoteShard:
         shard: at once while it is being replaced, after ``wait_s`` when it does not answer."""
         with self._swapping:
             actor, state, reason = self.actor, self.state, self.reason
-        if state in (ShardState.REPLACING, ShardState.FAILED):
+        if state in (ShardState.REPLACING, ShardState.LOST):
             self._replace(actor, reason or "its actor died")
             raise ShardUnavailableError(f"search shard {self.name} is being replaced: {reason}")
         try:
@@ -207,7 +204,7 @@ class RemoteShard:
     def _mark(self, actor: Any, state: ShardState, reason: str | None) -> None:
         """What a call to ``actor`` found, unless the actor was replaced meanwhile."""
         with self._swapping:
-            if self.actor is actor and self.state not in (ShardState.REPLACING, ShardState.FAILED):
+            if self.actor is actor and self.state not in (ShardState.REPLACING, ShardState.LOST):
                 self.state, self.reason = state, reason
 
     def _replace(self, dead: Any, reason: str) -> None:
@@ -217,7 +214,7 @@ class RemoteShard:
                 return
             self.state, self.reason = ShardState.REPLACING, reason
             if self._spawn is None:
-                self.state = ShardState.FAILED
+                self.state = ShardState.LOST
                 return
             self._replacing = threading.Thread(
                 target=self._start_replacement, args=(reason,), name=f"replace-shard-{self.name}", daemon=True
@@ -239,7 +236,7 @@ class RemoteShard:
                     held = int(self._get(actor.add_rows.remote(vectors, rows, self.added.next_row, held)))
         except Exception as error:  # any failure leaves the shard failed, said in /health
             with self._swapping:
-                self.state, self.reason = ShardState.FAILED, f"{reason}; its new actor did not start: {error}"
+                self.state, self.reason = ShardState.LOST, f"{reason}; its new actor did not start: {error}"
             return
         with self._swapping:
             self.actor, self._info = actor, info

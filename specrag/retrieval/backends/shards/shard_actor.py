@@ -17,6 +17,7 @@ nothing the second time.
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import os
@@ -37,6 +38,15 @@ __all__ = ["Behind", "Expired", "RowView", "SearchShard", "ShardInfo"]
 # Searches a shard actor keeps in progress; the oldest is dropped past this (a search cancelled
 # by its caller never says so), and is recomputed if it ever asks again.
 _CURSORS_KEPT = 256
+
+
+class ShardState(enum.StrEnum):
+    """How a shard stands, as its last call or probe found it (``/health`` shows it)."""
+
+    SERVING = "serving"  # its last call was answered
+    UNRESPONSIVE = "unresponsive"  # its last call was not answered in time (busy, or Ray restarting it)
+    REPLACING = "replacing"  # Ray gave up on its actor: a new one is starting
+    LOST = "lost"  # its replacement did not start either (the next call tries again)
 
 
 @dataclass(frozen=True)
