@@ -66,14 +66,26 @@ def test_a_benchmarks_own_machine_record_is_replaced_by_the_one_taken_at_writing
 REPOSITORY = Path(__file__).resolve().parents[2]
 
 
-def _main_source(module: str) -> str:
-    """The source ``python -m MODULE`` runs: its file, or its package's __main__, and the module
-    whose ``main`` that imports (``bench.scale`` runs :mod:`bench.scale.routers`)."""
+def _main_source(module: str, seen: set[str] | None = None) -> str:
+    """The source ``python -m MODULE`` runs: its file, or its package's __main__, and the modules of
+    its own family that imports (``bench.e2e`` measures in :mod:`bench.e2e.measure`), and the module
+    whose ``main`` it imports (``bench.scale`` runs :mod:`bench.scale.routers`)."""
+    seen = set() if seen is None else seen
+    seen.add(module)
     base = REPOSITORY / module.replace(".", "/")
     path = base / "__main__.py" if base.is_dir() else base.with_suffix(".py")
     source = path.read_text(encoding="utf-8")
-    runs = re.search(r"^from (bench[\w.]*) import main$", source, re.MULTILINE)
-    return source + (_main_source(runs.group(1)) if runs else "")
+    family = ".".join(module.split(".")[:2])
+    imported = re.findall(r"^from (bench[\w.]*) import ", source, re.MULTILINE)
+    follow = [
+        name
+        for name in imported
+        if name not in seen
+        and (
+            name.startswith(family + ".") or re.search(rf"^from {re.escape(name)} import main$", source, re.M)
+        )
+    ]
+    return source + "".join(_main_source(name, seen) for name in follow)
 
 
 def test_every_benchmark_the_readme_names_writes_its_json_through_write_json() -> None:
