@@ -105,7 +105,7 @@ def test_writes_are_suspended_while_the_catch_up_fails(
     corpus = text_corpus(tmp_path, kind)
     fault = Fault(always=True)
     inject(corpus, "visibility", fault, monkeypatch)  # the vectors' add, once done, is not retried
-    first = new_passages(2, seed=4)
+    first = new_passages(2, seed=7)  # seed 4 is text_corpus's own: new-4-0 would repeat t0 word for word
     assert [w.visible for w in corpus.put(first)] == [False, False]
     with pytest.raises(WritesSuspendedError, match="injected fault"):
         corpus.put(new_passages(1, seed=5))
