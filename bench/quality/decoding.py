@@ -12,7 +12,7 @@ paired question by question), with the service's default answer length:
   the demo asks: the share of answers that loop (no gold answer to score).
 
 An answer **loops** when a run of :data:`LOOP_WORDS` words occurs in it twice (:func:`loops`). The
-chosen setting (:func:`choose`) keeps its accuracy inside greedy's interval and loops least; it
+chosen setting (:func:`choose`) keeps greedy's accuracy (not below its interval) and loops least; it
 meets the bar when at most :data:`MAX_LOOP_SHARE` of its answers loop in either set.
 
 Then, for greedy and the chosen setting, on the first ``--identity-sample`` module questions each
@@ -189,10 +189,11 @@ def _worst_loops(entry: Mapping[str, Any]) -> float:
 
 
 def choose(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """The setting that keeps accuracy within greedy's interval and loops least (in the worse of
-    the two sets; ties to the more accurate), and whether it meets :data:`MAX_LOOP_SHARE`."""
-    low, high = summary["greedy"]["accuracy"]["ci"]
-    keeping = [name for name, entry in summary.items() if low <= entry["accuracy"]["mean"] <= high]
+    """The setting that keeps greedy's accuracy (not below its interval: one above it keeps it too)
+    and loops least (in the worse of the two sets; ties to the more accurate), and whether it meets
+    :data:`MAX_LOOP_SHARE`."""
+    low = summary["greedy"]["accuracy"]["ci"][0]
+    keeping = [name for name, entry in summary.items() if entry["accuracy"]["mean"] >= low]
     chosen = min(keeping, key=lambda name: (_worst_loops(summary[name]), -summary[name]["accuracy"]["mean"]))
     worst = _worst_loops(summary[chosen])
     return {"setting": chosen, "worst_loop_share": worst, "meets_bar": worst <= MAX_LOOP_SHARE}

@@ -72,6 +72,20 @@ def test_the_default_keeps_greedys_accuracy_and_loops_least() -> None:
     assert choose(summary) == {"setting": "d", "worst_loop_share": 0.20, "meets_bar": False}
 
 
+def test_a_setting_more_accurate_than_greedys_interval_keeps_its_accuracy() -> None:
+    """The 300-question run: the frequency penalty answered above greedy's interval and stopped the
+    loops; being better than greedy must not rule it out."""
+    summary = {
+        "greedy": _entry(0.427, [0.37, 0.48], 0.14, 0.567),
+        "frequency_penalty=1.5": _entry(0.490, [0.433, 0.547], 0.01, 0.017),
+    }
+    assert choose(summary) == {
+        "setting": "frequency_penalty=1.5",
+        "worst_loop_share": 0.017,
+        "meets_bar": True,
+    }
+
+
 @pytest.mark.engine
 async def test_the_identity_check_compares_answers_of_the_same_prompt(
     vllm_engine: VllmEngine, tiny_assets: Assets
