@@ -33,7 +33,7 @@ import numpy as np
 from specrag.retrieval.backends.shards.store import load_shard
 from specrag.retrieval.live_index import Visibility
 
-__all__ = ["Behind", "Expired", "RowView", "SearchShard", "ShardInfo"]
+__all__ = ["Behind", "Expired", "RowView", "SearchShard", "ShardInfo", "ShardState"]
 
 # Searches a shard actor keeps in progress; the oldest is dropped past this (a search cancelled
 # by its caller never says so), and is recomputed if it ever asks again.
