@@ -143,7 +143,8 @@ def stopped(shard: Any) -> Iterator[None]:
 def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial(
     local_ray: None, saved: tuple[Path, dict[str, Any]], vectors: np.ndarray, queries: np.ndarray
 ) -> None:
-    from specrag.service.run.search_actors import RemoteShard, ShardState, search_shards
+    from specrag.retrieval.backends.shards.shard_actor import ShardState
+    from specrag.service.run.search_actors import RemoteShard, search_shards
 
     local = build_ivf_shards(vectors, 3, nlist=32, nprobe=16, codes="sq8")
     answering = ShardedSearcher(local.shards[:2], local.quantizer_sha256, local.keep_max)
