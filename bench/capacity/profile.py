@@ -7,7 +7,7 @@ replicas, trees, placement, controller and aiohttp application) over the data di
 and index, in front of ``--replicas`` simulated engines made nearly free (a GPU's pace: prefill
 ``--prefill-us-per-token`` per uncached token in one step, ``--decode-ms`` per token; their KV
 events feed each replica's tree as a mirror does), and beside it, in the same run, the thin front
-end of :mod:`bench.capacity.profile_thin` over the same index, prompts and engines.
+end of :mod:`bench.capacity.thin` over the same index, prompts and engines.
 
 For each configuration (``thin``, specrag in ``serial`` mode, specrag in the default ``all``) a
 client process (:mod:`bench.capacity.profile_load`) first asks with ``--concurrency`` clients back
@@ -41,7 +41,7 @@ from matplotlib import pyplot as plt
 
 from bench.capacity.profile_load import Load, Timing, running_load
 from bench.capacity.profile_sampler import CpuProfile, FrameSampler, largest
-from bench.capacity.profile_thin import thin_app
+from bench.capacity.thin import thin_app
 from bench.common import plot_path, print_summary, run_measurement, save_figure, write_json
 from bench.quality.questions import build_questions
 from specrag.cache.events import KVEvent
@@ -133,7 +133,7 @@ async def _thin(assets: Assets, settings: Settings) -> AsyncIterator[str]:
     engines = [_engine(settings, None) for _ in range(settings.replicas)]
     builder = prompt_builder(assets, engines[0])
     try:
-        async with serving(thin_app(assets.index, builder, engines), access_log=False) as url:
+        async with serving(thin_app(assets.index, builder, engines, settings.k), access_log=False) as url:
             yield url
     finally:
         for engine in engines:

@@ -62,7 +62,7 @@ COMPONENTS: tuple[tuple[str, tuple[str, ...], frozenset[str] | None], ...] = (
     ),
     ("controller other", ("specrag/controller/",), None),
     ("http", ("aiohttp/", "specrag/service/http/", "json/", "multidict", "yarl/"), None),
-    ("thin front end", ("bench/capacity/profile_thin.py",), None),
+    ("thin front end", ("bench/capacity/thin.py",), None),
     ("event loop", ("asyncio/",), None),
 )
 NATIVE = "native threads"

@@ -17,8 +17,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from specrag.pipeline.engines.http_engine import HttpEngine
-from specrag.pipeline.engines.protocol import Sampling
+from specrag.pipeline.engines.protocol import Engine, Sampling
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.vector_index import VectorIndex
 
@@ -30,7 +29,7 @@ def _event(name: str, data: dict[str, object]) -> bytes:
 
 
 def thin_app(
-    index: VectorIndex, builder: PromptBuilder, engines: Sequence[HttpEngine], k: int
+    index: VectorIndex, builder: PromptBuilder, engines: Sequence[Engine], k: int
 ) -> web.Application:
     """``POST /v1/rag`` (``query``, ``k``, ``max_tokens``; always streamed) over ``engines``, in turn."""
     turn = itertools.count()
