@@ -31,13 +31,14 @@ import aiohttp
 from bench.capacity import mirror_rate
 from bench.capacity.flags import parse_args
 from bench.capacity.load import offer
-from bench.capacity.replicas import StandIn, free_port, running_stand_ins
+from bench.capacity.replicas import StandIn, running_stand_ins
 from bench.capacity.report import ADDED_TTFT_BOUND_MS, draw, rate_point, summary
 from bench.common import OUT_DIR, plot_path, print_summary, run_measurement, write_json
 from bench.e2e.workload import generate
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.service.run.assets import ensure_assets
+from specrag.service.run.pools import free_port_pair
 
 FRONTS = ("specrag", "thin")
 FRONT_START_TIMEOUT_S = 600.0
@@ -57,7 +58,7 @@ def front_process(
     front: str, stand_ins: Sequence[StandIn], args: Any, data_dir: Path
 ) -> Iterator[tuple[str, str]]:
     """The front end's process (its URL and control URL) while the block runs; its log in bench/out."""
-    port, control = free_port(), free_port()
+    port, control = free_port_pair(), free_port_pair()
     command = [sys.executable, "-m", "bench.capacity.serving", "--front", front, "--port", str(port)]
     command += ["--control-port", str(control), "--data-dir", str(data_dir), "--k", str(args.k)]
     command += ["--model", args.model] + (["--cpus", args.service_cpus] if args.service_cpus else [])

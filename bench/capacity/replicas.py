@@ -15,14 +15,9 @@ import psutil
 from specrag.service.run.pinning import pin_threads
 from specrag.service.run.pools import free_port_pair
 
-__all__ = ["StandIn", "free_port", "running_stand_ins"]
+__all__ = ["StandIn", "running_stand_ins"]
 
 START_TIMEOUT_S = 600.0  # each imports vLLM's modules: minutes on a loaded 2-core machine
-
-
-def free_port() -> int:
-    """A loopback port and the next one free (the stand-ins' KV events need a pair too)."""
-    return free_port_pair()
 
 
 @dataclass
