@@ -2,7 +2,7 @@
 pipeline -> cache, retrieval; inside the service cli -> run -> http; inside the pipeline models <-
 document_kv <- engines <- kv_mirror, and store beside the engines; inside retrieval the index
 facade over backends/ (local, shards, pgvector) over search, lexical and embedders. The leaf
-modules (atomic, errors, locking, paths) serve everyone; the client needs only errors; the
+modules (atomic, errors, locking, paths, ray_placement) serve everyone; the client needs only errors; the
 simulator (sim) sits beside the product, which never imports it. Function-level imports count
 too: an import that runs back up is one, wherever it sits."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specrag"
-LEAVES = {"atomic", "errors", "locking", "paths"}
+LEAVES = {"atomic", "errors", "locking", "paths", "ray_placement"}
 ALLOWED = {
     "cache": LEAVES | {"cache"},
     "retrieval": LEAVES | {"retrieval"},

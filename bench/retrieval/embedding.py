@@ -25,7 +25,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 from bench.common import bootstrap_ratio_ci, print_summary, save_figure, write_report
-from specrag.pipeline.store.live_corpus import indexed_text
+from specrag.pipeline.store.document_writes import indexed_text
 from specrag.retrieval.corpus import load_passages
 from specrag.retrieval.embedders.batching import length_sorted_batches
 from specrag.retrieval.embedders.minilm_embedder import BATCH, MiniLMEmbedder, minilm_weights

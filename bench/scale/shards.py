@@ -43,10 +43,10 @@ from specrag.errors import ShardUnavailableError
 from specrag.retrieval.backends.local.staged_ivf import StagedIVF
 from specrag.retrieval.backends.shards.build import build_hnsw_shards, build_ivf_shards
 from specrag.retrieval.backends.shards.merge import MergedCursor, ShardedSearcher
+from specrag.retrieval.backends.shards.search_actors import RemoteShard, search_shards
 from specrag.retrieval.backends.shards.store import save_shards
 from specrag.retrieval.search.stages import StagePlan, run_stages, stage_plan
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
-from specrag.service.run.search_actors import RemoteShard, search_shards
 
 K = 10
 SHARD_COUNTS = (1, 2, 4)

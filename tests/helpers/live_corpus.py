@@ -59,7 +59,7 @@ def made_up_words(count: int, seed: int) -> list[str]:
     return list(words)
 
 
-def text_corpus(tmp_path: Path, kind: str, compact_share: float | None = None) -> LiveCorpus:
+def text_corpus(tmp_path: Path, kind: str, compact_share: float | None = None) -> LiveCorpus[LiveStore]:
     """A live hybrid corpus (TF-IDF vectors and BM25) of 800 documents ``t<i>`` of made-up words,
     on an index of ``kind`` ("ivf" or "hnsw"), tokenized one token a document."""
     words = made_up_words(400, seed=3)

@@ -18,7 +18,8 @@ import pytest
 from specrag.errors import ArtifactError, ConflictError, InvalidInputError, NotFoundError, TooLargeError
 from specrag.pipeline.document_kv.store import segment_key
 from specrag.pipeline.store.document_store import build_store
-from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, RETRAIN_DRIFT, LiveCorpus
+from specrag.pipeline.store.document_writes import MAX_BATCH_DOCUMENTS
+from specrag.pipeline.store.live_corpus import RETRAIN_DRIFT, LiveCorpus
 from specrag.pipeline.store.live_store import LiveStore
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW
@@ -34,7 +35,7 @@ from tests.helpers.live_corpus import TableEmbedder, one_token_each
 NEW_FACT = Passage("fact-1", "Quokka module", "The quokka module counts marsupials on Rottnest island.")
 
 
-def open_live(assets: Assets, log: Path) -> LiveCorpus:
+def open_live(assets: Assets, log: Path) -> LiveCorpus[LiveStore]:
     """A live corpus over the tiny assets' store and a fresh copy of their index, logging to ``log``."""
     index = load_index(assets.store.path.parent.parent / "index")
     return LiveCorpus.replayed(LiveStore(assets.store.path, log), index, assets.tokenizer.encode_batch)
@@ -47,7 +48,7 @@ def found(corpus: LiveCorpus, question: str, k: int = 5) -> list[int]:
 
 
 @pytest.fixture
-def corpus(tiny_assets: Assets, tmp_path: Path) -> LiveCorpus:
+def corpus(tiny_assets: Assets, tmp_path: Path) -> LiveCorpus[LiveStore]:
     return open_live(tiny_assets, tmp_path / "log.sqlite")
 
 
@@ -215,7 +216,7 @@ def test_a_compaction_starts_in_the_background_once_hidden_rows_pass_the_share(
     assert found(corpus, "How does the quokka module count marsupials?")[0] == store.row_of(written.id)
 
 
-def table_corpus(tmp_path: Path, build: Callable[[np.ndarray], StagedSearcher]) -> LiveCorpus:
+def table_corpus(tmp_path: Path, build: Callable[[np.ndarray], StagedSearcher]) -> LiveCorpus[LiveStore]:
     """A live corpus of 4,000 documents (``d<i>``) of one mixture, indexed by ``build``; the
     documents ``vec:4000`` to ``vec:4999`` added later lie in another mixture (drift)."""
     base = GaussianMixture(32, num_clusters=40, seed=1).sample(4000)

@@ -40,7 +40,7 @@ def base_store(directory: Path, fingerprint: str = "stand-in") -> Path:
 
 def open_corpus(
     directory: Path, table: np.ndarray = TABLE, kv_dir: Path | None = None, grace_s: float = 0.0
-) -> LiveCorpus:
+) -> LiveCorpus[LiveStore]:
     """A live corpus over the base store in ``directory`` and a fresh HNSW index of its vectors."""
     store = LiveStore(base_store(directory), document_kv_dir=kv_dir, retired_grace_s=grace_s)
     index = VectorIndex(

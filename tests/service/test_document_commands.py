@@ -13,7 +13,8 @@ import pytest
 from specrag.cli import main
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout
-from specrag.pipeline.store.live_corpus import LiveCorpus, Written
+from specrag.pipeline.store.document_writes import Written
+from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.retrieval.corpus import Passage
 from specrag.service.run.assets import Assets, ensure_assets
 

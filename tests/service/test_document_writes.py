@@ -24,7 +24,7 @@ from specrag.cli import main
 from specrag.client import AsyncClient
 from specrag.controller.controller import RagController
 from specrag.errors import InvalidInputError, NotFoundError, WritesSuspendedError
-from specrag.pipeline.store.live_corpus import Document, Written, check_document
+from specrag.pipeline.store.document_writes import Document, Written, check_document
 from specrag.retrieval.corpus import Passage
 from specrag.service.http.access import Access
 from specrag.service.http.app import create_app, serving

@@ -17,7 +17,7 @@ from specrag.cli import main
 from specrag.client import AsyncClient, SpecragHTTPError
 from specrag.controller.query import RagRequest
 from specrag.pipeline.engines.protocol import EngineOutput, Sampling
-from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS
+from specrag.pipeline.store.document_writes import MAX_BATCH_DOCUMENTS
 from specrag.retrieval.corpus import Passage
 from specrag.service.http.access import Access
 from specrag.service.http.app import create_app, serving

@@ -12,7 +12,7 @@ worker start method to ``spawn`` inside the actor by itself). :class:`RayEngine`
 - **Placement**: a GPU per replica when the cluster has them; otherwise a CPU, and the replica's
   vLLM worker is pinned to its own core (``omp_threads_bind``), or two replicas on one machine
   would both bind core 0. A replica Ray cannot place is said within a bound
-  (:mod:`~specrag.pipeline.engines.ray_placement`), not waited for.
+  (:mod:`~specrag.ray_placement`), not waited for.
 - **Faults**: a killed actor reaches the caller as ``ActorDiedError`` within milliseconds, turned
   into :class:`EngineError` here (the router then excludes the replica). A dead engine core inside
   a live actor fails every request; the actor then checks its engine and, if it no longer
@@ -42,7 +42,8 @@ from specrag.errors import EngineError
 from specrag.pipeline.engines.base import DescribedEngine
 from specrag.pipeline.engines.config import EngineConfig, KVEventSource
 from specrag.pipeline.engines.protocol import EngineCounts, EngineOutput, EngineShape, Sampling, now
-from specrag.pipeline.engines.ray_placement import PLACEMENT_WAIT_S, replica_options, unplaced
+from specrag.pipeline.engines.ray_placement import replica_options
+from specrag.ray_placement import PLACEMENT_WAIT_S, unplaced
 
 __all__ = [
     "EngineActor",
@@ -147,7 +148,7 @@ class RayEngine(DescribedEngine):
     ) -> RayEngine:
         """Place one replica on the running Ray cluster (``ray.init`` first) and wait until it
         serves; a replica Ray has not placed within ``place_s`` is an EngineError saying what it
-        waits for (:func:`~specrag.pipeline.engines.ray_placement.unplaced`)."""
+        waits for (:func:`~specrag.ray_placement.unplaced`)."""
         resources = replica_options(ray.cluster_resources())
         actor_class: Any = ray.remote(EngineActor)
         actor: Any = actor_class.options(

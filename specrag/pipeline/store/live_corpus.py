@@ -1,30 +1,36 @@
-"""A corpus that changes while it serves: the one writer of the live store and the live index.
+"""A corpus that changes while it serves: the one writer of its durable record and of the index.
 
-A change is made in this order, under one lock (one writer at a time):
+The durable record is pluggable (:class:`DurableRecord`): the live store's SQLite log
+(:class:`~specrag.pipeline.store.live_store.LiveStore`, under a local or a sharded index:
+:meth:`LiveCorpus.replayed`) or a pgvector table (:class:`~specrag.pipeline.store.table_corpus.TableStore`:
+:func:`~specrag.pipeline.store.table_corpus.open_table_corpus`). A change is made in this order,
+under one lock (one writer at a time):
 
 1. each new version is tokenized as its prompt segment (its own row's label) and embedded, and
    everything that can fail on it is checked and worked out for the index (its vectors, its rows,
    each text's terms: :meth:`~specrag.retrieval.vector_index.VectorIndex.prepare_changes`);
-2. the changes are committed to the store's log, fsynced
-   (:class:`~specrag.pipeline.store.live_store.LiveStore`): from here on the change survives a crash;
-3. the index appends the new rows and hides the replaced or deleted ones in one swap
+2. the changes are made durable in one transaction (the log's commit, fsynced; the table's
+   COMMIT): from here on the change survives a crash;
+3. the record's readers take it (:meth:`DurableRecord.show`), then the index appends the new rows
+   and hides the replaced or deleted ones in one swap
    (:meth:`~specrag.retrieval.vector_index.VectorIndex.apply_prepared`): a search that starts
    afterwards sees the new versions only, one that started before sees the old ones only.
 
 Only then is the change acknowledged. Should step 3 fail all the same, the change is durable and
 is not reported failed: it is acknowledged as not visible yet (:attr:`Written.visible` false), kept
 pending, and the corpus takes no write (:class:`~specrag.errors.WritesSuspendedError`, and
-:attr:`LiveCorpus.suspended` says why) until :meth:`LiveCorpus.catch_up` has applied it; each step
-of the apply skips what it did already, so the retry completes it.
+:attr:`LiveCorpus.suspended` says why) until :meth:`LiveCorpus.catch_up` has shown it; each step
+of the show skips what it did already, so the retry completes it.
 
 At start :meth:`LiveCorpus.replayed` replays the log onto the loaded index: the logged vectors and
-texts, not embedded again.
+texts, not embedded again. A table is read at start instead, and the changes other writers commit
+to it later are shown by :meth:`LiveCorpus.follow`, as the corpus's own are.
 
 Hidden rows stay in the index's lists, skipped by every search, until a compaction drops them: once
 they reach :data:`COMPACT_SHARE` of the rows it holds, a background thread copies the lists
 without them (same centroids and codes) and swaps the copy in. Searches run on throughout (one in
 flight finishes on the lists it started on); changes wait for the swap, as they would for
-another writer.
+another writer. (A table holds current versions only: its corpus is not compacted.)
 
 The centroids stay those of the build until the documents added since drift away from them: a
 live corpus compares how far each added vector lies from its nearest centroid with how far the
@@ -38,56 +44,41 @@ graph over the rows kept, and never re-trained.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-from specrag.errors import (
-    ArtifactError,
-    InvalidInputError,
-    NotFoundError,
-    TooLargeError,
-    WritesSuspendedError,
+from specrag.errors import ArtifactError, InvalidInputError, NotFoundError, WritesSuspendedError
+from specrag.pipeline.store.document_store import StoreInfo, TokenizeBatch, render_segment
+from specrag.pipeline.store.document_writes import (
+    Document,
+    Written,
+    check_delete_batch,
+    check_put_batch,
+    check_segment_lengths,
+    current_document,
+    indexed_text,
 )
-from specrag.pipeline.store.document_store import TokenizeBatch, render_segment
 from specrag.pipeline.store.live_log import Change
 from specrag.pipeline.store.live_store import LiveStore
 from specrag.pipeline.store.overlay_store import BASE_VERSION, Version
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.live_index import Retrainable
-from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import PreparedChanges, VectorIndex
 
 __all__ = [
     "COMPACT_SHARE",
-    "MAX_BATCH_DOCUMENTS",
-    "MAX_ID_CHARS",
-    "MAX_TEXT_CHARS",
     "RETRAIN_DRIFT",
     "RETRAIN_MIN_SHARE",
-    "Document",
+    "DurableRecord",
     "LiveCorpus",
-    "VersionedRows",
-    "Written",
-    "check_delete_batch",
-    "check_document",
-    "check_put_batch",
-    "check_segment_lengths",
-    "current_document",
-    "indexed_text",
 ]
 
-# One request's documents at most (a POST beyond is 413): a batch is one transaction and one
-# swap, held under the writer's lock while it is embedded.
-MAX_BATCH_DOCUMENTS = 1000
-MAX_ID_CHARS = 256
-# Ids a URL path segment cannot carry: clients and proxies resolve them as "this" and "parent".
-_UNREACHABLE_IDS = frozenset({".", ".."})
-MAX_TEXT_CHARS = 100_000
 # Compact the index once this share of the rows it holds is hidden (replaced or deleted): each
 # hidden row costs every search that scans its list, and compaction copies every list once.
 COMPACT_SHARE = 0.2
@@ -103,140 +94,55 @@ _REFERENCE_SAMPLE = 2000
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Document:
-    """A document as the API shows it: its current version."""
+class DurableRecord(Protocol):
+    """Where a corpus makes its changes durable, read as its document store: the rows past the
+    base's are the versions written since, each new version a new row (:attr:`next_row` on).
 
-    id: str
-    title: str
-    text: str
-    version: int
-
-
-@dataclass(frozen=True)
-class Written:
-    """The outcome of one document's write: its new version, whether the id was new, and whether
-    searches see it yet (false: logged durably, applied once the corpus has caught up)."""
-
-    id: str
-    version: int
-    created: bool
-    visible: bool = True
-
-
-def check_document(passage_id: object, title: object, text: object) -> Passage:
-    """The passage a write names, or InvalidInputError saying what is wrong with it.
-
-    An id must be reachable as one segment of a URL path (``/v1/documents/{id}``, which the
-    client quotes whole, ``/`` included): ``.`` and ``..`` are not, a URL resolves them away, and
-    an id with blanks around it would be told apart from the trimmed one by invisible characters.
-    Every field must be UTF-8 text: JSON can carry a lone surrogate (``"\\ud800"``), which the
-    tokenizer and the log cannot store.
+    ``until_shown`` and ``show_failed`` word the messages of a corpus that holds a durable change
+    it could not show yet: what it waits for, and what failed.
     """
-    if not isinstance(passage_id, str) or not passage_id.strip() or len(passage_id) > MAX_ID_CHARS:
-        raise InvalidInputError(
-            f"a document id must be a non-empty string of at most {MAX_ID_CHARS} characters"
-        )
-    _check_unicode(passage_id, f"document id {passage_id!r}")
-    if any(not character.isprintable() for character in passage_id):
-        raise InvalidInputError(f"document id {passage_id!r} holds unprintable characters")
-    if passage_id != passage_id.strip():
-        raise InvalidInputError(f"document id {passage_id!r} starts or ends with a blank")
-    if passage_id in _UNREACHABLE_IDS:
-        raise InvalidInputError(
-            f"document id {passage_id!r} cannot be named in a URL (/v1/documents/{passage_id} "
-            "resolves to another path): choose another"
-        )
-    if not isinstance(title, str):
-        raise InvalidInputError(f"document {passage_id!r}: 'title' must be a string")
-    _check_unicode(title, f"document {passage_id!r}: 'title'")
-    if not isinstance(text, str) or not text.strip():
-        raise InvalidInputError(f"document {passage_id!r}: 'text' must be a non-empty string")
-    _check_unicode(text, f"document {passage_id!r}: 'text'")
-    if len(title) + len(text) > MAX_TEXT_CHARS:
-        raise TooLargeError(f"document {passage_id!r} is longer than {MAX_TEXT_CHARS} characters")
-    return Passage(passage_id, title, text)
 
+    info: StoreInfo
+    until_shown: str
+    show_failed: str
 
-def _check_unicode(value: str, what: str) -> None:
-    """InvalidInputError unless ``value`` encodes as UTF-8 (a lone surrogate does not)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise InvalidInputError(
-            f"{what} is not valid Unicode text: a lone surrogate at character {error.start}"
-        ) from None
+    @property
+    def next_row(self) -> int: ...
 
-
-def indexed_text(passage: Passage) -> str:
-    """What both channels index of a passage (as the index build does)."""
-    return normalize_text(f"{passage.title}\n{passage.text}")
-
-
-class VersionedRows(Protocol):
-    """What :func:`current_document` reads: where an id stands, and a row's passage."""
+    def __len__(self) -> int: ...
 
     def version_of(self, passage_id: str) -> Version | None: ...
 
     def passage(self, row: int) -> Passage: ...
 
+    def commit(self, changes: Sequence[Change]) -> None:
+        """Make ``changes`` durable in one transaction (none of them when this raises)."""
+        ...
 
-def current_document(rows: VersionedRows, passage_id: str) -> Document:
-    """The current version of ``passage_id``; NotFoundError when unknown or deleted.
-
-    One read of where the id stands (row and version together), then that row's passage: a write
-    racing the read gives the old document or the new, never a mix of the two."""
-    current = rows.version_of(passage_id)
-    if current is None or current.row is None:
-        raise NotFoundError(f"unknown document id {passage_id!r}")
-    passage = rows.passage(current.row)
-    return Document(passage.id, passage.title, passage.text, current.version)
+    def show(self, first_row: int, changes: Sequence[Change], retired: Sequence[int]) -> None:
+        """Let readers of the record find committed ``changes`` (new rows from ``first_row``, the
+        ``retired`` rows replaced), before the index shows them; a retry skips what was done."""
+        ...
 
 
-def check_put_batch(passages: Sequence[Passage]) -> None:
-    """InvalidInputError or TooLargeError unless ``passages`` are one request's worth (one to
-    :data:`MAX_BATCH_DOCUMENTS`, each id once): a request is one transaction under the writer's lock."""
-    if not passages:
-        raise InvalidInputError("no documents given")
-    _check_batch_size(len(passages))
-    if len({passage.id for passage in passages}) < len(passages):
-        raise InvalidInputError("a request names each document id once")
+Record = TypeVar("Record", bound=DurableRecord)
 
 
-def check_delete_batch(passage_ids: Sequence[str]) -> None:
-    """As :func:`check_put_batch` for a deletion (an id named twice is deleted once)."""
-    if not passage_ids:
-        raise InvalidInputError("no document ids given")
-    _check_batch_size(len(passage_ids))
+@dataclass(frozen=True)
+class _Pending:
+    """A durable change not shown yet: what the index and the record's readers take of it."""
+
+    prepared: PreparedChanges
+    changes: tuple[Change, ...]
 
 
-def _check_batch_size(count: int) -> None:
-    if count > MAX_BATCH_DOCUMENTS:
-        raise TooLargeError(f"at most {MAX_BATCH_DOCUMENTS} documents a request, got {count}")
-
-
-def check_segment_lengths(
-    passages: Sequence[Passage], tokens: Sequence[Sequence[int]], limit: int | None
-) -> None:
-    """TooLargeError naming the first document whose prompt segment is over ``limit`` tokens (None:
-    no limit): a longer document would fit no prompt, and every query retrieving it would fail."""
-    if limit is None:
-        return
-    for passage, token_ids in zip(passages, tokens, strict=True):
-        if len(token_ids) > limit:
-            raise TooLargeError(
-                f"document {passage.id!r} is {len(token_ids)} tokens long; at most {limit} fit the "
-                "model's context beside the system prompt, a question and the answer: split it "
-                "into several documents"
-            )
-
-
-class LiveCorpus:
-    """Adds, replaces and deletes documents of a served store and index, durably and consistently."""
+class LiveCorpus(Generic[Record]):
+    """Adds, replaces and deletes documents of a served store and index, durably and consistently
+    (the documents API's :class:`~specrag.service.http.documents.DocumentCorpus`)."""
 
     def __init__(
         self,
-        store: LiveStore,
+        store: Record,
         index: VectorIndex,
         tokenize_batch: TokenizeBatch,
         compact_share: float | None = COMPACT_SHARE,
@@ -260,8 +166,8 @@ class LiveCorpus:
         self._reference_distance: float | None = None  # of the index's own rows; None: not read yet
         self._added_distance = 0.0  # summed over the documents added since the last training
         self._added = 0
-        # Changes logged but not applied to the index yet (its apply failed), in log order, and why.
-        self._pending: list[PreparedChanges] = []
+        # Changes made durable but not shown yet (showing failed), in order; and why.
+        self._pending: list[_Pending] = []
         self._suspended: str | None = None
         #: The most tokens a document's prompt segment may have (None: no limit), set by whoever
         #: knows the engine's context
@@ -269,14 +175,13 @@ class LiveCorpus:
         #: document would fit no prompt, and every query that retrieved it would fail.
         self.segment_token_limit: int | None = None
 
-    @classmethod
+    @staticmethod
     def replayed(
-        cls,
         store: LiveStore,
         index: VectorIndex,
         tokenize_batch: TokenizeBatch,
         compact_share: float | None = COMPACT_SHARE,
-    ) -> LiveCorpus:
+    ) -> LiveCorpus[LiveStore]:
         """The live corpus over a freshly loaded base index: the store's logged changes applied to it
         (its log checkpointed first: only current versions are replayed)."""
         logged = store.checkpoint(tokenize_batch, index.embedder, indexed_text)
@@ -297,60 +202,53 @@ class LiveCorpus:
                 texts.append(indexed_text(change.passage))
         matrix = np.stack(vectors) if vectors else np.zeros((0, index.dim), dtype=np.float32)
         index.apply_changes(ids, matrix, texts, retired)
-        return cls(store, index, tokenize_batch, compact_share)
+        return LiveCorpus(store, index, tokenize_batch, compact_share)
 
     def get(self, passage_id: str) -> Document:
-        """The current version of ``passage_id`` (:func:`current_document`)."""
+        """The current version of ``passage_id``
+        (:func:`~specrag.pipeline.store.document_writes.current_document`)."""
         return current_document(self.store, passage_id)
 
     @property
     def suspended(self) -> str | None:
-        """Why the corpus takes no writes now (a logged change it could not apply yet), or None."""
+        """Why the corpus takes no writes now (a durable change it could not show yet), or None."""
         return self._suspended
 
     def catch_up(self) -> bool:
-        """Apply the changes logged but not applied yet, in order; True once none is pending (the
-        corpus takes writes again), False when one failed again (:attr:`suspended` says why)."""
+        """Show the durable changes not shown yet, in order; True once none is pending (the corpus
+        takes writes again), False when one failed again (:attr:`suspended` says why)."""
         with self._lock:
             return self._catch_up()
 
     def put(self, passages: Sequence[Passage]) -> list[Written]:
         """Add or replace each of ``passages`` (ids distinct), all visible at once when this returns."""
         check_put_batch(passages)
-        self.index.check_growable()  # before anything is logged: a logged change must replay
+        self.index.check_growable()  # before anything is made durable: a durable change must be shown
         embedder = self.index.embedder
         assert embedder is not None
         texts = [indexed_text(passage) for passage in passages]
         vectors = np.asarray(embedder.embed(texts), dtype=np.float32)
         with self._lock:
             self._take_writes()
-            first = self.store.next_row
-            rows = range(first, first + len(passages))
-            template = self.store.info.segment_template
-            tokens = self._tokenize_batch(
-                [render_segment(row, passage, template) for row, passage in zip(rows, passages, strict=True)]
-            )
-            check_segment_lengths(passages, tokens, self.segment_token_limit)
-            changes: list[Change] = []
-            retired: list[int] = []
-            written: list[Written] = []
-            for row, passage, token_ids, vector in zip(rows, passages, tokens, vectors, strict=True):
+            versions, retired, written = [], [], []
+            for passage in passages:
                 before = self.store.version_of(passage.id)
-                version = BASE_VERSION if before is None else before.version + 1
+                versions.append(BASE_VERSION if before is None else before.version + 1)
                 if before is not None and before.row is not None:
                     retired.append(before.row)
-                changes.append(Change(passage.id, version, row, passage, tuple(token_ids), vector))
-                written.append(Written(passage.id, version, before is None or before.row is None))
+                written.append(Written(passage.id, versions[-1], before is None or before.row is None))
+            changes = self._new_versions(passages, versions, list(vectors))
+            check_segment_lengths(passages, [change.tokens for change in changes], self.segment_token_limit)
             prepared = self._prepared([p.id for p in passages], vectors, texts, retired)
             self.store.commit(changes)
-            if not self._applied(prepared):
-                return [Written(w.id, w.version, w.created, visible=False) for w in written]
+            if not self._shown(prepared, changes):
+                return [dataclasses.replace(one, visible=False) for one in written]
         self._compact_when_due()
         return written
 
     def delete(self, passage_ids: Sequence[str]) -> bool:
         """Delete each of ``passage_ids``; NotFoundError (and nothing deleted) if one is unknown.
-        Returns whether searches see the deletion yet (false: logged, applied once caught up)."""
+        Returns whether searches see the deletion yet (false: durable, shown once caught up)."""
         check_delete_batch(passage_ids)
         with self._lock:
             self._take_writes()
@@ -363,49 +261,100 @@ class LiveCorpus:
                 changes.append(Change(passage_id, before.version + 1))
             prepared = self._prepared([], np.zeros((0, self.index.dim), dtype=np.float32), [], retired)
             self.store.commit(changes)
-            if not self._applied(prepared):
+            if not self._shown(prepared, changes):
                 return False
         self._compact_when_due()
         return True
+
+    def follow(self, read: Callable[[], Sequence[tuple[str, Passage | None, int]]]) -> int:
+        """Show the changes another writer committed to the record. ``read``, called under the
+        writer's lock once the corpus's own changes are shown, gives each id whose record differs
+        from what the corpus shows: its passage there (None: gone) and its version. Each is shown
+        as the corpus's own writes are: a new version gets a new row (its prompt segment tokenized
+        with its own row label, so no cached form is shared with the old one), the old row hidden.
+        The record holds the vectors its searcher ranks by: the index takes none of them. Returns
+        how many ids changed; WritesSuspendedError while a change of its own is not shown yet."""
+        with self._lock:
+            self._take_writes()
+            found = read()
+            if not found:
+                return 0
+            passages, versions, gone, retired = [], [], [], []
+            for passage_id, passage, version in found:
+                before = self.store.version_of(passage_id)
+                if before is not None and before.row is not None:
+                    retired.append(before.row)
+                if passage is None:
+                    gone.append(Change(passage_id, version))
+                else:
+                    passages.append(passage)
+                    versions.append(version)
+            changes = self._new_versions(passages, versions, [None] * len(passages)) + gone
+            texts = [indexed_text(passage) for passage in passages]
+            vectors = np.zeros((len(passages), self.index.dim), np.float32)
+            self._shown(self._prepared([p.id for p in passages], vectors, texts, retired), changes)
+            return len(found)
+
+    def _new_versions(
+        self, passages: Sequence[Passage], versions: Sequence[int], vectors: Sequence[np.ndarray | None]
+    ) -> list[Change]:
+        """Each passage's new version as a change on the next rows, its prompt segment tokenized
+        with its own row label (under the lock)."""
+        if not passages:
+            return []
+        first = self.store.next_row
+        rows = range(first, first + len(passages))
+        template = self.store.info.segment_template
+        tokens = self._tokenize_batch(
+            [render_segment(row, passage, template) for row, passage in zip(rows, passages, strict=True)]
+        )
+        return [
+            Change(passage.id, version, row, passage, tuple(token_ids), vector)
+            for row, passage, version, token_ids, vector in zip(
+                rows, passages, versions, tokens, vectors, strict=True
+            )
+        ]
 
     def _take_writes(self) -> None:
         """Catch up first if changes are pending; WritesSuspendedError while that fails (under the lock)."""
         if self._pending and not self._catch_up():
             raise WritesSuspendedError(
-                f"the corpus takes no writes until it has applied a logged change: {self._suspended}"
+                f"the corpus takes no writes until it has {self.store.until_shown}: {self._suspended}"
             )
 
     def _prepared(
         self, ids: Sequence[str], vectors: np.ndarray, texts: Sequence[str], retired: Sequence[int]
     ) -> PreparedChanges:
-        """The change checked and worked out for the index, before it is logged (under the lock)."""
+        """The change checked and worked out for the index, before it is made durable (under the lock)."""
         prepared = self.index.prepare_changes(ids, vectors, texts, retired)
         if prepared.first_row != self.store.next_row:
             raise ArtifactError(
                 f"the index shows {prepared.first_row} rows, the store {self.store.next_row}: "
-                "restart to replay the log"
+                "restart to load both anew"
             )
         return prepared
 
-    def _applied(self, prepared: PreparedChanges) -> bool:
-        """Apply a logged change to the index; on failure keep it pending and stop taking writes
-        (under the lock). Returns whether it was applied."""
-        self._pending.append(prepared)
+    def _shown(self, prepared: PreparedChanges, changes: Sequence[Change]) -> bool:
+        """Show a durable change; on failure keep it pending and stop taking writes (under the
+        lock). Returns whether it was shown."""
+        self._pending.append(_Pending(prepared, tuple(changes)))
         return self._catch_up()
 
     def _catch_up(self) -> bool:
-        """Apply the pending changes in order, stopping at the first that fails (under the lock)."""
+        """Show the pending changes in order, stopping at the first that fails (under the lock):
+        the record's readers take each first, then the index swaps it in."""
         while self._pending:
-            prepared = self._pending[0]
+            pending = self._pending[0]
             try:
-                self.index.apply_prepared(prepared)
-            except Exception as error:  # the change is logged: it must be applied, not dropped
-                self._suspended = f"applying the change to the index failed: {error!r}"
-                logger.exception("a logged change could not be applied to the index; writes suspended")
+                self.store.show(pending.prepared.first_row, pending.changes, pending.prepared.retired)
+                self.index.apply_prepared(pending.prepared)
+            except Exception as error:  # durable: it must be shown, not dropped
+                self._suspended = f"{self.store.show_failed}: {error!r}"
+                logger.exception("%s; writes suspended", self.store.show_failed)
                 return False
             self._pending.pop(0)
             try:
-                self._watch_drift(prepared.vectors)
+                self._watch_drift(pending.prepared.vectors)
             except Exception:  # a statistic: missing it must not fail a write that was applied
                 logger.exception("the drift of added documents could not be measured")
         self._suspended = None

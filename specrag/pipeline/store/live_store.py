@@ -100,8 +100,12 @@ class LiveStore(OverlayStore):
     holds it); :meth:`checkpoint` then loads the log (:meth:`LiveCorpus.replayed
     <specrag.pipeline.store.live_corpus.LiveCorpus.replayed>` calls it). Reads are safe from any thread;
     writes (:meth:`commit`) come from one writer at a time (the live corpus holds its lock around
-    them).
+    them). It is the corpus's :class:`~specrag.pipeline.store.live_corpus.DurableRecord` whose
+    readers take a change at its commit.
     """
+
+    until_shown = "applied a logged change"
+    show_failed = "applying the change to the index failed"
 
     def __init__(
         self,
@@ -255,6 +259,9 @@ class LiveStore(OverlayStore):
         # At once, and again when the row leaves memory (a query in flight may have stored it anew).
         self._purge_document_kv(prepared.retired_segments)
         self.drop_retired()
+
+    def show(self, first_row: int, changes: Sequence[Change], retired: Sequence[int]) -> None:
+        """Nothing: memory took the change at its :meth:`commit`, before the index shows it."""
 
     def _prepare(self, changes: Sequence[Change], next_row: int) -> _Prepared:
         rows, current, retired = [], [], []

@@ -3,7 +3,7 @@
 Both corpora that change while serving keep the store built at start as their base, untouched, and
 append each new version as a new row after it: the live corpus's rows come from its SQLite log
 (:class:`~specrag.pipeline.store.live_store.LiveStore`), a pgvector table's from the table
-(:class:`~specrag.pipeline.store.table_corpus.TableRows`). What they share is here, once: reading
+(:class:`~specrag.pipeline.store.table_corpus.TableStore`). What they share is here, once: reading
 a row from memory or the base, where each id stands (:class:`Version`), and the retired rows'
 grace period. A replaced or deleted version stays readable for :data:`RETIRED_GRACE_S`, for a
 query whose search ran before the write and still reads its row, then leaves memory; its

@@ -8,7 +8,7 @@ the serving process holds the log's lock, and an offline command meets it at onc
 and stops, saying so (:mod:`specrag.pipeline.store.live_store`).
 
 ``add`` prints one JSON line per document written. A file of more than
-:data:`~specrag.pipeline.store.live_corpus.MAX_BATCH_DOCUMENTS` documents goes in batches, each its own
+:data:`~specrag.pipeline.store.document_writes.MAX_BATCH_DOCUMENTS` documents goes in batches, each its own
 transaction: when one fails, the lines printed are exactly the documents committed, and standard
 error says how many and from which line of the file to add again (exit status 2).
 """
@@ -27,7 +27,8 @@ from specrag.client import AsyncClient
 from specrag.controller.config import ControllerConfig
 from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, LiveCorpus, check_document
+from specrag.pipeline.store.document_writes import MAX_BATCH_DOCUMENTS, check_document
+from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.pipeline.store.prompt import PromptBuilder
 from specrag.retrieval.corpus import Passage
 from specrag.service.cli.commands import token_from_env

@@ -2,7 +2,7 @@
 
 ``PUT /v1/documents/{id}`` (``{"title", "text"}``: 201 when new, 200 when replaced, ``{"id",
 "version"}``), ``POST /v1/documents`` (``{"documents": [{"id", "title", "text"}, ...]}``, at most
-:data:`~specrag.pipeline.store.live_corpus.MAX_BATCH_DOCUMENTS`, 413 beyond; 200 with ``{"documents":
+:data:`~specrag.pipeline.store.document_writes.MAX_BATCH_DOCUMENTS`, 413 beyond; 200 with ``{"documents":
 [{"id", "version", "created", "visible"}, ...]}``), ``DELETE /v1/documents/{id}`` (204, 404 when
 unknown) and ``GET /v1/documents/{id}``. A write is answered only once it is on disk and visible
 to every search that starts afterwards (:mod:`specrag.pipeline.store.live_corpus`), with one exception:
@@ -34,7 +34,7 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import web
 
 from specrag.errors import InvalidInputError, OverloadedError, TooLargeError
-from specrag.pipeline.store.live_corpus import MAX_BATCH_DOCUMENTS, Document, Written, check_document
+from specrag.pipeline.store.document_writes import MAX_BATCH_DOCUMENTS, Document, Written, check_document
 from specrag.retrieval.corpus import Passage
 from specrag.service.http.auth import check_tokens, local_refusal, matching_token
 from specrag.service.http.bodies import check_fields

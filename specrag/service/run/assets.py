@@ -50,7 +50,6 @@ from specrag.retrieval.vector_index import VectorIndex
 
 if TYPE_CHECKING:  # the database's modules are imported only with --backend pgvector
     from specrag.pipeline.store.document_store import TokenizeBatch
-    from specrag.pipeline.store.table_corpus import TableCorpus
 
 __all__ = [
     "Assets",
@@ -75,7 +74,7 @@ class Assets:
     tokenizer: Tokenizer
     store: DocumentStore
     index: VectorIndex
-    corpus: LiveCorpus | TableCorpus | None = None
+    corpus: LiveCorpus | None = None
     """The documents changed since the build (``specrag documents``, ``/v1/documents``), replayed
     onto ``store`` and ``index``, or a table's documents API written through to it; None for assets
     assembled without it (a test's, a table this user may not write)."""
@@ -236,7 +235,7 @@ class ExternalIndex:
     name: str
     documents_off: str
     release: Callable[[VectorIndex], None]
-    documents: Callable[[VectorIndex, DocumentStore, TokenizeBatch, Path], TableCorpus] | None = None
+    documents: Callable[[VectorIndex, DocumentStore, TokenizeBatch, Path], LiveCorpus] | None = None
 
 
 def ensure_assets(
@@ -307,7 +306,7 @@ def _external_assets(
         tokenizer = Tokenizer(resolved_model)
         own = DataLayout(layout.root / "external" / external.name)
         store: DocumentStore = ensure_store(own, passages, tokenizer, accept_corpus_change=True)
-        corpus: TableCorpus | None = None
+        corpus: LiveCorpus | None = None
         documents_off: str | None = external.documents_off
         if external.documents is not None:
             try:

@@ -4,9 +4,9 @@ The index is loaded without its shards' vectors (:mod:`specrag.service.run.asset
 their checksummed manifests only) and checked against the corpus by its passage ids; before any
 engine starts, its shard count is checked against ``--search-shards`` (a mismatch is an
 :class:`InvalidInputError`: exit 2 with the reason), one actor per shard loads its shard from the
-index directory (:mod:`specrag.service.run.search_actors`), and the index searches through them from
-then on. The controller keeps the embedder, the passage ids, the hidden rows, the BM25 channel and
-the merge: never a shard's vectors, so the index may be larger than its machine. Documents
+index directory (:mod:`specrag.retrieval.backends.shards.search_actors`), and the index searches
+through them from then on. The controller keeps the embedder, the passage ids, the hidden rows, the
+BM25 channel and the merge: never a shard's vectors, so the index may be larger than its machine. Documents
 replayed from the live log at start were kept by the shards' manifests; each actor receives its
 own before the service answers.
 
@@ -88,7 +88,7 @@ def check_search_shards(index: VectorIndex, count: int, directory: str) -> dict[
 
 def shards_health(index: VectorIndex) -> list[dict[str, Any]]:
     """How each search shard actor of ``index`` stands, for ``/health``
-    (:meth:`specrag.service.run.search_actors.RemoteShard.health`; none outside
+    (:meth:`specrag.retrieval.backends.shards.search_actors.RemoteShard.health`; none outside
     :func:`searching_on_shards`)."""
     shards = getattr(index.searcher, "shards", ())
     return [shard.health() for shard in shards if callable(getattr(shard, "health", None))]
@@ -106,7 +106,7 @@ def searching_on_shards(index: VectorIndex, options: ServiceOptions) -> Iterator
     settings = check_search_shards(index, options.search_shards, options.index_dir)
     import ray
 
-    from specrag.service.run.search_actors import search_shards
+    from specrag.retrieval.backends.shards.search_actors import search_shards
 
     started_ray = not ray.is_initialized()
     if started_ray:

@@ -20,7 +20,8 @@ import pytest
 
 from specrag.cli import build_parser
 from specrag.paths import DataLayout
-from specrag.pipeline.store.table_corpus import TableCorpus
+from specrag.pipeline.store.live_corpus import LiveCorpus
+from specrag.pipeline.store.table_corpus import TableStore
 from specrag.retrieval.backends.pgvector.local_server import LocalPostgres, find_binaries
 from specrag.retrieval.corpus import Passage, write_passages
 from specrag.service.cli.commands import external_index
@@ -189,8 +190,9 @@ def test_the_change_listener_reconnects_after_the_database_dies_and_catches_up(
     assets = pgvector_assets(server, tmp_path, tiny_model_dir, passages)
     corpus = assets.corpus
     try:
-        assert isinstance(corpus, TableCorpus) and corpus.listener is not None
-        listener = corpus.listener
+        assert isinstance(corpus, LiveCorpus) and isinstance(corpus.store, TableStore)
+        assert corpus.store.listener is not None
+        listener = corpus.store.listener
         assert listener.connected.wait(10)
         unheard, returned, after = passages[3], passages[4], passages[5]
 

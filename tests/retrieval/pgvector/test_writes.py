@@ -18,7 +18,8 @@ import pytest
 from specrag.cli import build_parser
 from specrag.errors import NotFoundError
 from specrag.paths import DataLayout
-from specrag.pipeline.store.table_corpus import TableCorpus
+from specrag.pipeline.store.live_corpus import LiveCorpus
+from specrag.pipeline.store.table_corpus import TableStore, follow_table
 from specrag.retrieval.backends.pgvector.config import StageMode
 from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
 from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
@@ -67,6 +68,13 @@ def found_texts(assets: Assets, text: str, k: int = 5) -> list[str]:
     return [assets.store.passage(int(row)).text for row in rows if row >= 0]
 
 
+def table_corpus(assets: Assets) -> LiveCorpus[TableStore]:
+    """The corpus of served ``assets``: a pgvector table's, its documents API on."""
+    corpus = assets.corpus
+    assert isinstance(corpus, LiveCorpus) and isinstance(corpus.store, TableStore)
+    return corpus
+
+
 @pytest.fixture
 def assets(
     postgres: LocalPostgres, tmp_path: Path, tiny_model_dir: Path, default_corpus: list[Passage]
@@ -75,13 +83,13 @@ def assets(
     yield served_assets
     served_assets.close()
     corpus = served_assets.corpus
-    if isinstance(corpus, TableCorpus) and corpus.listener is not None:
-        assert not corpus.listener.thread.is_alive()  # stopped with the connections
+    if isinstance(corpus, LiveCorpus) and isinstance(corpus.store, TableStore) and corpus.store.listener:
+        assert not corpus.store.listener.thread.is_alive()  # stopped with the connections
 
 
 def test_put_replace_delete_go_through_the_table(assets: Assets, postgres: LocalPostgres) -> None:
-    corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus) and assets.documents_off is None
+    corpus = table_corpus(assets)
+    assert assets.documents_off is None
     table = assets.index.searcher.database.settings.table  # type: ignore[attr-defined]
 
     (written,) = corpus.put([Passage("quokka", "Quokka", NEW_TEXT)])
@@ -116,8 +124,7 @@ def test_put_replace_delete_go_through_the_table(assets: Assets, postgres: Local
 def test_a_replaced_versions_document_kv_is_removed(assets: Assets, tmp_path: Path) -> None:
     """As the live corpus does: a replaced or deleted version's KV is of no further use and holds
     what the document said, so it leaves the data directory's document-KV store."""
-    corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus)
+    corpus = table_corpus(assets)
     kv_dir = DataLayout(tmp_path).document_kv_dir
     base, other = assets.passages[20], assets.passages[21]
     replaced = kv_entry(kv_dir, assets.store.tokens(assets.store.row_of(base.id)))
@@ -129,9 +136,8 @@ def test_a_replaced_versions_document_kv_is_removed(assets: Assets, tmp_path: Pa
 
 
 def test_a_search_begun_before_a_replacement_keeps_its_version(assets: Assets) -> None:
-    corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus)
-    corpus.searcher.mode = StageMode.SEQUENTIAL  # one snapshot, taken at the first stage
+    corpus = table_corpus(assets)
+    corpus.store.searcher.mode = StageMode.SEQUENTIAL  # one snapshot, taken at the first stage
     target = assets.passages[10]
     index = assets.index
     vector = index.embed_query(target.text)
@@ -151,10 +157,9 @@ def test_a_search_between_a_commit_and_the_swap_finds_the_document_once(
     meets the new version in the table: it shows the version its visibility holds, so the
     document is found in one version, not missed. The write is held between its COMMIT and the
     index's swap (the searcher naming the new row is the swap's first step)."""
-    corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus)
+    corpus = table_corpus(assets)
     target = assets.passages[30]
-    searcher = corpus.searcher
+    searcher = corpus.store.searcher
     committed, release = threading.Event(), threading.Event()
     map_rows = searcher.map_rows
 
@@ -184,8 +189,7 @@ def test_a_search_between_a_commit_and_the_swap_finds_the_document_once(
 def test_searches_beside_a_writer_find_the_document_once(assets: Assets) -> None:
     """A writer replaces one document over and over (two texts of nearly one meaning) while
     one-shot searches run beside it, for a bounded time: each finds the document once."""
-    corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus)
+    corpus = table_corpus(assets)
     target = assets.passages[50]
     texts = (NEW_TEXT, NEW_TEXT + " Again.")
     stop = threading.Event()
@@ -236,10 +240,10 @@ def other_writer(postgres: LocalPostgres, statement: str, params: tuple[object, 
 def test_another_writers_update_insert_and_delete_are_shown(assets: Assets, postgres: LocalPostgres) -> None:
     """The change trigger numbers another application's version and notifies; the listener shows
     it, so searches that start afterwards find the new text and never the old one."""
-    corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
-    assert corpus.listener.connected.wait(WAIT_S)
-    table = corpus.searcher.database.settings.table
+    corpus = table_corpus(assets)
+    assert corpus.store.listener is not None
+    assert corpus.store.listener.connected.wait(WAIT_S)
+    table = corpus.store.searcher.database.settings.table
     target = assets.passages[7]
 
     # With an embedding of its own (another row's): a text left with its former embedding is
@@ -280,10 +284,10 @@ def test_another_writers_delete_then_insert_is_a_new_version(assets: Assets, pos
     """Another application replaces a row by DELETE then INSERT in one transaction (an upsert by
     hand): the row's version goes on from the deleted one's, never back to 1, so the service
     sees a new version and shows the new text."""
-    corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
-    assert corpus.listener.connected.wait(WAIT_S)
-    table = corpus.searcher.database.settings.table
+    corpus = table_corpus(assets)
+    assert corpus.store.listener is not None
+    assert corpus.store.listener.connected.wait(WAIT_S)
+    table = corpus.store.searcher.database.settings.table
     target, source = assets.passages[20], assets.passages[21]
     with psycopg.connect(postgres.dsn) as connection:  # one transaction, committed at the end
         connection.execute(f"DELETE FROM {table} WHERE id = %s", (target.id,))
@@ -310,10 +314,10 @@ def test_a_new_text_left_with_its_former_embedding_is_embedded_anew(
     """Another application changes a row's text but not its embedding: the service's embedder
     made that embedding (it makes it again from the former text), so it embeds the new text and
     writes the vector back as the next version; vector search then finds the new text."""
-    corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
-    assert corpus.listener.connected.wait(WAIT_S)
-    table = corpus.searcher.database.settings.table
+    corpus = table_corpus(assets)
+    assert corpus.store.listener is not None
+    assert corpus.store.listener.connected.wait(WAIT_S)
+    table = corpus.store.searcher.database.settings.table
     target = assets.passages[40]
     assert OTHER_TEXT not in dense_texts(assets, OTHER_TEXT)
     other_writer(postgres, f"UPDATE {table} SET text = %s WHERE id = %s", (OTHER_TEXT, target.id))
@@ -328,10 +332,10 @@ def test_a_new_text_left_with_its_former_embedding_is_embedded_anew(
 def test_changes_missed_while_not_listening_are_reconciled(assets: Assets, postgres: LocalPostgres) -> None:
     """A change nobody heard of (as while the listener was disconnected) is found by comparing
     the table's (id, version) set with what the service holds."""
-    corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
-    assert corpus.listener.connected.wait(WAIT_S)  # its own reconcile at connect is done
-    table = corpus.searcher.database.settings.table
+    corpus = table_corpus(assets)
+    assert corpus.store.listener is not None
+    assert corpus.store.listener.connected.wait(WAIT_S)  # its own reconcile at connect is done
+    table = corpus.store.searcher.database.settings.table
     target = assets.passages[12]
     with psycopg.connect(postgres.dsn, autocommit=True) as connection:
         # Without the trigger (as while the service was down), nothing is heard of the change.
@@ -341,19 +345,19 @@ def test_changes_missed_while_not_listening_are_reconciled(assets: Assets, postg
             (OTHER_TEXT, target.id),
         )
         connection.execute(f"ALTER TABLE {table} ENABLE TRIGGER specrag_changes")
-    assert corpus.apply_table_changes() == 1
+    assert follow_table(corpus) == 1
     assert OTHER_TEXT in found_texts(assets, OTHER_TEXT)
     assert target.text not in found_texts(assets, target.text, k=20)
-    assert corpus.apply_table_changes() == 0
+    assert follow_table(corpus) == 0
 
 
 def test_a_truncate_is_shown_at_once(assets: Assets, postgres: LocalPostgres) -> None:
     """A TRUNCATE fires no row trigger; its statement trigger's notification makes the listener
     reconcile, so the rows are gone from searches without waiting for a reconnect."""
-    corpus = assets.corpus
-    assert isinstance(corpus, TableCorpus) and corpus.listener is not None
-    assert corpus.listener.connected.wait(WAIT_S)
-    table = corpus.searcher.database.settings.table
+    corpus = table_corpus(assets)
+    assert corpus.store.listener is not None
+    assert corpus.store.listener.connected.wait(WAIT_S)
+    table = corpus.store.searcher.database.settings.table
     target = assets.passages[5]
     assert target.text in found_texts(assets, target.text)
     other_writer(postgres, f"TRUNCATE {table}", ())
@@ -382,8 +386,8 @@ def test_the_full_text_channel_finds_a_written_version_and_not_the_one_it_replac
 ) -> None:
     assets = served(postgres, tmp_path, tiny_model_dir, default_corpus[:300], lexical="fts")
     try:
-        corpus, index = assets.corpus, assets.index
-        assert isinstance(corpus, TableCorpus) and index.lexical is None and index.hybrid
+        corpus, index = table_corpus(assets), assets.index
+        assert index.lexical is None and index.hybrid
         corpus.put([Passage("quokka", "Quokka", NEW_TEXT)])
         assert found_texts(assets, "quokka xylophone driftwood")[0] == NEW_TEXT
         assert ranked_by_words(assets, "quokka xylophone driftwood") == [NEW_TEXT]

@@ -3,7 +3,8 @@
 A shard searched elsewhere (a Ray actor) loads its rows from its files, again after a restart: a
 row added only to the running shard would be lost with it. So the controller keeps every row it
 added to the shard (its vector and row number, in the order they were added) and sends a shard
-that holds fewer rows than it should the ones it lacks (:mod:`specrag.service.run.search_actors`).
+that holds fewer rows than it should the ones it lacks
+(:mod:`specrag.retrieval.backends.shards.search_actors`).
 A shard holds its files' rows and then a prefix of these, so the count it holds says which; the
 row numbers are the controller's, and each row is kept (and held by an actor) once, however often
 its add is sent.

@@ -14,7 +14,7 @@ search was given a :class:`ShardAnswers` (a request's ``allow_partial``): then t
 search, the merge goes on over the shards that answered, and the record names both.
 
 The shards are anything with a cursor (:class:`Shard`): searchers in this process, or search
-actors elsewhere (:mod:`specrag.service.run.search_actors`), advanced side by side through
+actors elsewhere (:mod:`specrag.retrieval.backends.shards.search_actors`), advanced side by side through
 ``fan_out``. The speculation policy, the stage plan and the timeline see one searcher.
 """
 

@@ -1,6 +1,6 @@
 """The search shard actor's own side: one shard, loaded from its directory, and its searches.
 
-:mod:`specrag.service.run.search_actors` starts these actors and stands for each in the
+:mod:`specrag.retrieval.backends.shards.search_actors` starts these actors and stands for each in the
 controller's process. The actor loads its shard on its first call, not in its constructor, so that
 Ray reports it placed (``__ray_ready__``) as soon as its worker runs: a placement that cannot be
 satisfied is then told apart from a shard that is slow to load. A restarted actor (Ray's

@@ -69,7 +69,7 @@ def local_ray() -> Iterator[None]:
 def test_shard_actors_give_the_in_process_stages(
     local_ray: None, saved: tuple[Path, dict[str, Any]], vectors: np.ndarray, queries: np.ndarray
 ) -> None:
-    from specrag.service.run.search_actors import search_shards
+    from specrag.retrieval.backends.shards.search_actors import search_shards
 
     local = build_ivf_shards(vectors, 3, nlist=32, nprobe=16, codes="sq8")
     hidden = np.arange(0, 3000, 5)  # rows of every shard
@@ -92,7 +92,7 @@ def test_shard_actors_give_the_in_process_stages(
 def test_a_killed_shard_is_restarted_and_no_answer_is_wrong(
     local_ray: None, saved: tuple[Path, dict[str, Any]], vectors: np.ndarray, queries: np.ndarray
 ) -> None:
-    from specrag.service.run.search_actors import RemoteShard, search_shards
+    from specrag.retrieval.backends.shards.search_actors import RemoteShard, search_shards
 
     expected = StagedIVF.build(vectors, nlist=32, nprobe=16, codes="sq8").search(queries, 10)[1]  # exact
     answers: list[tuple[int, np.ndarray]] = []
@@ -143,8 +143,8 @@ def stopped(shard: Any) -> Iterator[None]:
 def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial(
     local_ray: None, saved: tuple[Path, dict[str, Any]], vectors: np.ndarray, queries: np.ndarray
 ) -> None:
+    from specrag.retrieval.backends.shards.search_actors import RemoteShard, search_shards
     from specrag.retrieval.backends.shards.shard_actor import ShardState
-    from specrag.service.run.search_actors import RemoteShard, search_shards
 
     local = build_ivf_shards(vectors, 3, nlist=32, nprobe=16, codes="sq8")
     answering = ShardedSearcher(local.shards[:2], local.quantizer_sha256, local.keep_max)
@@ -167,7 +167,7 @@ def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial(
 def test_searches_abandoned_by_a_timeout_are_cancelled_not_run_later(
     local_ray: None, saved: tuple[Path, dict[str, Any]], queries: np.ndarray
 ) -> None:
-    from specrag.service.run.search_actors import RemoteShard, search_shards
+    from specrag.retrieval.backends.shards.search_actors import RemoteShard, search_shards
 
     with search_shards(*saved, num_cpus=0.5, wait_s=2, probe_every_s=600) as remote:
         victim = remote.shards[0]
@@ -190,7 +190,7 @@ def test_an_add_sent_again_after_its_answer_was_lost_adds_each_row_once(
 ) -> None:
     from ray.exceptions import GetTimeoutError
 
-    from specrag.service.run.search_actors import search_shards
+    from specrag.retrieval.backends.shards.search_actors import search_shards
 
     local = build_ivf_shards(vectors, 3, nlist=32, nprobe=16, codes="sq8")
     new = queries[:6] * 10  # each new row tops its query's search (inner product)
@@ -222,7 +222,7 @@ def test_an_add_sent_again_after_its_answer_was_lost_adds_each_row_once(
 def test_an_actor_ray_gave_up_on_is_replaced_and_health_names_every_shard(
     local_ray: None, saved: tuple[Path, dict[str, Any]], vectors: np.ndarray, queries: np.ndarray
 ) -> None:
-    from specrag.service.run.search_actors import RemoteShard, search_shards
+    from specrag.retrieval.backends.shards.search_actors import RemoteShard, search_shards
     from specrag.service.run.sharded_serving import shards_health
 
     local = build_ivf_shards(vectors, 3, nlist=32, nprobe=16, codes="sq8")
@@ -254,7 +254,7 @@ def test_an_actor_ray_gave_up_on_is_replaced_and_health_names_every_shard(
 def test_a_placement_ray_cannot_satisfy_is_said_within_seconds(
     local_ray: None, saved: tuple[Path, dict[str, Any]]
 ) -> None:
-    from specrag.service.run.search_actors import search_shards
+    from specrag.retrieval.backends.shards.search_actors import search_shards
 
     started = time.monotonic()
     with (
@@ -309,7 +309,7 @@ def restarted(shard: Any, pid: int) -> Any:
 def test_added_rows_are_found_through_the_actors_after_a_restart_and_at_start(
     local_ray: None, saved: tuple[Path, dict[str, Any]], vectors: np.ndarray, queries: np.ndarray
 ) -> None:
-    from specrag.service.run.search_actors import RemoteShard, search_shards
+    from specrag.retrieval.backends.shards.search_actors import RemoteShard, search_shards
 
     local = build_ivf_shards(vectors, 3, nlist=32, nprobe=16, codes="sq8")
     new = queries[:6] * 10  # each new row tops its query's search (inner product)

@@ -11,7 +11,7 @@ every shard "advance to ``n`` units" and gets its running top-k back, in one rou
 Placement. Each actor asks Ray for ``num_cpus`` (a share of a core is allowed: a reservation for
 Ray's placement, not a limit) and is waited for until placed for at most ``place_s``; past that
 the error names the shard, what it asks for and what the cluster has free
-(:mod:`~specrag.pipeline.engines.ray_placement`), instead of a start that never ends.
+(:mod:`~specrag.ray_placement`), instead of a start that never ends.
 
 Faults. A call names the whole search so far (the query, the rows visible, the units to reach),
 not a step of it: an actor that died and was restarted by Ray from its files (``max_restarts``,
@@ -56,7 +56,7 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
 
 from specrag.errors import ArtifactError, InvalidInputError, ShardUnavailableError
-from specrag.pipeline.engines.ray_placement import PLACEMENT_WAIT_S, unplaced
+from specrag.ray_placement import PLACEMENT_WAIT_S, unplaced
 from specrag.retrieval.backends.shards.added import AddedRows
 from specrag.retrieval.backends.shards.merge import ShardedSearcher, shard_name
 from specrag.retrieval.backends.shards.shard_actor import (
