@@ -1,7 +1,8 @@
 """The dependency direction (docs/architecture.md), read from the source: service -> controller ->
 pipeline -> cache, retrieval; inside the service cli -> run -> http; inside the pipeline models <-
 document_kv <- engines <- kv_mirror, and store beside the engines; inside retrieval the index
-facade over backends/ (local, shards, pgvector) over search, lexical and embedders. The leaf
+facade (vector_index.py and its parts in index/) over backends/ (local, shards, pgvector) over
+search, lexical and embedders. The leaf
 modules (atomic, errors, locking, paths, ray_placement) serve everyone; the client needs only errors; the
 simulator (sim) sits beside the product, which never imports it. Function-level imports count
 too: an import that runs back up is one, wherever it sits."""
@@ -42,7 +43,9 @@ PIPELINE_TOP = {"__init__.py", "commands.py"}
 # module beside the rooms named by its place under specrag/retrieval/. The staged search, the lexical
 # channel and the embedders know no backend and no index; a backend knows the staged search, not the
 # index facade (index_store, vector_index, conversational, ...) above it, except pgvector, whose
-# assembly still builds a served index itself; the shared modules import no room above them.
+# assembly still builds a served index itself; the shared modules import no room above them. The
+# facade's parts (index/: the searcher as its capabilities open it, rows, the hybrid channel) sit
+# above the rooms and below the facade modules, and name no backend but the shards' answers record.
 RETRIEVAL_ROOMS = {
     "search": LEAVES | {"search"},
     "lexical": LEAVES | {"lexical", "text"},
@@ -59,6 +62,7 @@ RETRIEVAL_ROOMS = {
     "index_files": LEAVES,
     "live_index": LEAVES | {"lexical"},
     "progress": LEAVES | {"embedders"},
+    "index": LEAVES | {"index", "search", "lexical", "live_index", "backends.shards"},
 }
 # The index facade beside the rooms: above every room, so it has no rule but the package's.
 RETRIEVAL_FACADE = {

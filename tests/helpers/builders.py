@@ -16,7 +16,7 @@ from specrag.pipeline.engines.protocol import (
     Engine,
 )
 from specrag.pipeline.store.prompt import PromptBuilder
-from specrag.retrieval.search.stages import StagePlan, StageResult
+from specrag.retrieval.search.stages import Capabilities, StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.assets import Assets
 from specrag.sim.replicas import simulated_replica
@@ -32,6 +32,7 @@ class ScriptedSearcher:
 
     kind = "scripted"
     owner: Any = None
+    capabilities = Capabilities()
 
     def __init__(self, stages: Sequence[Sequence[int]], ntotal: int, dim: int, stage_delay_s: float) -> None:
         self._stages = [list(ids) for ids in stages]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from specrag.pipeline.store.live_corpus import LiveCorpus
+from specrag.retrieval.index.hybrid import lexical_ranking
 from tests.helpers.live_corpus import text_corpus
 
 REPLACEMENTS = 500
@@ -18,7 +19,8 @@ def first_found(corpus: LiveCorpus, text: str) -> tuple[int, int, int, int]:
     index = corpus.index
     query = index.embed_query(text)
     dense = index.ranked_rows(index.search(query, 5)[1])
-    lexical = index._lexical_ranking(text, index._visibility).tolist()
+    assert index.lexical is not None
+    lexical = lexical_ranking(index.lexical, index.fusion, text, index.visibility).tolist()
     fused = index.ranked_rows(index.search(query, 5, query_text=text)[1])
     staged = [index.ranked_rows(stage.ids) for stage in index.search_staged(query, 5, query_text=text)]
     assert staged[-1] == fused  # the last stage is the one-shot search

@@ -14,7 +14,7 @@ import pytest
 from specrag.errors import InvalidInputError
 from specrag.retrieval.backends.local.staged_ivf import StagedIVF
 from specrag.retrieval.search.search_runner import SearchRunner
-from specrag.retrieval.search.stages import DEFAULT_STAGES, StagePlan, StageResult
+from specrag.retrieval.search.stages import DEFAULT_STAGES, Capabilities, StagePlan, StageResult
 from specrag.retrieval.vector_index import VectorIndex
 
 
@@ -28,6 +28,7 @@ class GatedSearcher:
     def __init__(self, inner: StagedIVF) -> None:
         self.inner = inner
         self.kind, self.dim, self.ntotal, self.settings = inner.kind, inner.dim, inner.ntotal, inner.settings
+        self.capabilities = Capabilities()  # its stages take no visibility
         self.computed: list[int] = []
         self.gate = threading.Event()
 

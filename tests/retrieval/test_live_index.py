@@ -288,7 +288,7 @@ def test_hidden_rows_are_skipped_at_the_source_and_the_last_stage_is_the_one_sho
         index.apply_changes([], vectors[:0], [], retired=list(range(0, 6000, 7)))
         index.compact()
     index.apply_changes([], vectors[:0], [], retired=list(range(1, 6000, 2)))
-    visibility = index._visibility
+    visibility = index.visibility
     searcher = index.searcher
     assert isinstance(searcher, Growable)
     _, ids = searcher.search(queries[:50], 10, visibility)

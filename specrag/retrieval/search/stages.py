@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_SCHEDULE",
     "DEFAULT_STAGES",
     "UNBOUNDED",
+    "Capabilities",
     "FaissBacked",
     "Schedule",
     "StageCursor",
@@ -245,11 +246,33 @@ class StageCursor(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a staged searcher can do beyond searching in one shot and in stages, declared by the
+    searcher and checked once, when an index opens it (the index never asks which class it holds).
+
+    ``live_rows``: it takes rows while it serves, returns only the rows a search's visibility shows,
+    and drops hidden ones when compacted (``live_index.Growable``); ``retrains``: its centroids can be
+    trained anew on the rows kept (``live_index.Retrainable``); ``ranks_text``: it ranks query texts
+    itself, in the same read of its rows as its stages (a database's full-text search); ``snapshot_rows``:
+    it takes every search's visibility, rows hidden or not, since its snapshot may hold versions the
+    visibility does not show yet (a database's); ``partial_answers``: its parts may fail one by one
+    and it can answer without them, saying which answered (a sharded index's ``ShardAnswers``).
+    """
+
+    live_rows: bool = False
+    retrains: bool = False
+    ranks_text: bool = False
+    snapshot_rows: bool = False
+    partial_answers: bool = False
+
+
 class StagedSearcher(Protocol):
     """What every staged index offers; rows are positional ids (row i = the i-th vector added)."""
 
     kind: str
     owner: Any  # the faiss index object to save (it owns the memory the searcher reads)
+    capabilities: Capabilities
 
     @property
     def dim(self) -> int: ...

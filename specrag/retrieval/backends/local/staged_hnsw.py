@@ -30,6 +30,7 @@ from specrag.retrieval.live_index import ReadWriteLock, Visibility, bitmap_selec
 from specrag.retrieval.progress import add_in_chunks
 from specrag.retrieval.search.stages import (
     UNBOUNDED,
+    Capabilities,
     FaissBacked,
     StagePlan,
     StageResult,
@@ -124,6 +125,7 @@ class StagedHNSW(FaissBacked):
     """A faiss ``IndexHNSWFlat`` searchable in one shot (faiss) or in stages (numba kernel)."""
 
     kind = "hnsw"
+    capabilities = Capabilities(live_rows=True)  # a graph has no centroids to re-train
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ from specrag.retrieval.backends.local.topk import RunningTopK, exact_top
 from specrag.retrieval.live_index import ReadWriteLock, Visibility, bitmap_selector
 from specrag.retrieval.progress import add_in_chunks
 from specrag.retrieval.search.stages import (
+    Capabilities,
     FaissBacked,
     StagePlan,
     StageResult,
@@ -79,6 +80,7 @@ class StagedIVF(FaissBacked):
     """A faiss IVF index (flat, PQ or SQ8 codes) searchable in one shot or in stages."""
 
     kind = "ivf"
+    capabilities = Capabilities(live_rows=True, retrains=True)
 
     def __init__(self, index: faiss.Index, nprobe: int | None = None, next_row: int | None = None) -> None:
         """``next_row`` is the row the next :meth:`add` must start at (None: the number of rows

@@ -68,7 +68,7 @@ from specrag.retrieval.backends.pgvector.queries import (
 from specrag.retrieval.backends.pgvector.rows import RowNames
 from specrag.retrieval.backends.pgvector.table import TableLayout
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.search.stages import StagePlan, StageResult, prepare_queries
+from specrag.retrieval.search.stages import Capabilities, StagePlan, StageResult, prepare_queries
 
 __all__ = ["PgVectorSearcher", "stage_probes"]
 
@@ -85,9 +85,6 @@ class PgVectorSearcher:
 
     kind = "pgvector"
     owner: Any = None  # nothing to save: the table is the index
-    #: A search's snapshot may hold versions its visibility does not show yet: it takes the
-    #: visibility always, to show the version the visibility does instead (:mod:`rows`).
-    snapshot_rows = True
 
     def __init__(
         self,
@@ -123,8 +120,11 @@ class PgVectorSearcher:
         self.changes_off: str | None = "no change trigger installed"
         #: What to stop before the connections close (a change listener), called by :meth:`close`.
         self.on_close: list[Callable[[], None]] = []
-        #: Whether the index ranks query texts by the table's full-text search (:meth:`search_text`).
-        self.ranks_text = fulltext
+        #: Rows are mapped while it serves (:meth:`map_rows`). A search's snapshot may hold versions
+        #: its visibility does not show yet: it takes the visibility always, to show the version the
+        #: visibility does instead (:mod:`rows`). With ``fulltext`` it ranks query texts by the
+        #: table's full-text search (:meth:`search_text`).
+        self.capabilities = Capabilities(live_rows=True, snapshot_rows=True, ranks_text=fulltext)
         self._table = TableSearch(database.settings, layout, self._names, version_column, fulltext)
         # Two threads a search (its final query and its earlier stages), as many searches as the
         # pool has pairs of connections for.
@@ -188,7 +188,7 @@ class PgVectorSearcher:
             "probes": self.nprobe,
             "stage_mode": str(self.mode),
             "stage_queries": str(self.queried),
-            "fulltext": self.ranks_text,
+            "fulltext": self.capabilities.ranks_text,
         }
 
     def close(self) -> None:

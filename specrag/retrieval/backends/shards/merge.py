@@ -32,7 +32,14 @@ import numpy as np
 from specrag.errors import InvalidInputError, ShardUnavailableError
 from specrag.retrieval.backends.local.topk import RunningTopK
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.search.stages import StageCursor, StagePlan, StageResult, prepare_queries, run_stages
+from specrag.retrieval.search.stages import (
+    Capabilities,
+    StageCursor,
+    StagePlan,
+    StageResult,
+    prepare_queries,
+    run_stages,
+)
 
 __all__ = [
     "FanOut",
@@ -204,6 +211,8 @@ class ShardedSearcher:
     """
 
     owner: Any = None  # a sharded index is saved shard by shard (specrag.retrieval.backends.shards.store)
+    # Its shards take rows; their centroids are one shared quantizer, re-trained by a rebuild only.
+    capabilities = Capabilities(live_rows=True, partial_answers=True)
 
     def __init__(
         self,
