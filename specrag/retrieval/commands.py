@@ -9,7 +9,7 @@ from pathlib import Path
 import faiss
 
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.retrieval.backends.contract import BROUGHT_EMBEDDERS, BuildRequest, EmbedderChoice
+from specrag.retrieval.backends.contract import BuildRequest
 from specrag.retrieval.backends.registry import add_arguments as add_backend_arguments
 from specrag.retrieval.backends.registry import chosen
 from specrag.retrieval.corpus import (
@@ -18,6 +18,7 @@ from specrag.retrieval.corpus import (
     load_passages,
     write_passages,
 )
+from specrag.retrieval.embedders.choice import BROUGHT_EMBEDDERS, EmbedderChoice
 from specrag.retrieval.index_store import BUILT_IN_EMBEDDERS, KINDS, IndexConfig
 
 __all__ = ["register"]

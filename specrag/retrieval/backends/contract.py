@@ -18,59 +18,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from specrag.errors import InvalidInputError
+import numpy as np
+
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.embedders.embedder import Embedder, SentenceTransformerEmbedder
+from specrag.retrieval.embedders.embedder import Embedder
 from specrag.retrieval.index_store import IndexConfig
+from specrag.retrieval.lexical.bm25 import LexicalIndex
 from specrag.retrieval.search.stages import StagedSearcher
 from specrag.retrieval.vector_index import VectorIndex
 
 __all__ = [
-    "BROUGHT_EMBEDDERS",
     "Backend",
     "BuildRequest",
     "DataDirectory",
-    "EmbedderChoice",
+    "Embed",
+    "Fit",
     "Flags",
     "OpenedIndex",
+    "OpenedSearcher",
 ]
 
 Flags = argparse._ActionsContainer
 """Where a backend adds its flags: a parser or one of its argument groups."""
-
-# Embedders a user brings: a model directory, or a server speaking OpenAI's /v1/embeddings.
-BROUGHT_EMBEDDERS = ("sentence-transformers", "openai")
-
-
-@dataclass(frozen=True)
-class EmbedderChoice:
-    """``--embedder`` and the flags that say where a brought one is, checked when read."""
-
-    name: str
-    model: str | None = None
-    url: str | None = None
-    key_env: str | None = None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> EmbedderChoice:
-        choice = cls(args.embedder, args.embedder_model, args.embedder_url, args.embedder_key_env)
-        if choice.name == "sentence-transformers" and not choice.model:
-            raise InvalidInputError("--embedder sentence-transformers needs --embedder-model DIR")
-        if choice.name == "openai" and (not choice.url or not choice.model):
-            raise InvalidInputError("--embedder openai needs --embedder-url URL and --embedder-model NAME")
-        return choice
-
-    def brought(self) -> Embedder | None:
-        """The brought embedder, made (None: a built-in one, which is fitted on the passages)."""
-        if self.name == "sentence-transformers":
-            assert self.model is not None, "checked by from_args"
-            return SentenceTransformerEmbedder(Path(self.model))
-        if self.name == "openai":
-            assert self.url is not None and self.model is not None, "checked by from_args"
-            from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
-
-            return OpenAIEmbedder(self.url, self.model, api_key_env=self.key_env)
-        return None
 
 
 @dataclass(frozen=True)
@@ -137,6 +106,42 @@ class OpenedIndex(Protocol):
         nothing to say. A part with ``"serving": False`` fails every query: ``/health`` is 503."""
         ...
 
+
+class OpenedSearcher(Protocol):
+    """What a backend that keeps its own vectors (a database's table) opens for serving: its
+    searcher, its rows as passages (row i = passage i), the query embedder and the lexical
+    channel (None: the searcher's own, or none); the registry puts the index around them."""
+
+    @property
+    def searcher(self) -> StagedSearcher: ...
+
+    @property
+    def passages(self) -> list[Passage]: ...
+
+    @property
+    def embedder(self) -> Embedder: ...
+
+    @property
+    def lexical(self) -> LexicalIndex | None: ...
+
+    @property
+    def store_name(self) -> str | None: ...
+
+    @property
+    def table(self) -> StagedSearcher | None: ...
+
+    @property
+    def documents_off(self) -> str | None: ...
+
+    def close(self) -> None: ...
+
+    def health(self, bound_s: float) -> dict[str, Any] | None: ...
+
+
+Fit = Callable[[str, Sequence[str]], Embedder]
+"""The built-in embedder of a name, fitted on the texts as ``index build`` fits it."""
+Embed = Callable[[Sequence[str]], np.ndarray]
+"""The vectors of the texts, by the embedder ``index build`` was given (row i = text i)."""
 
 S = TypeVar("S")
 

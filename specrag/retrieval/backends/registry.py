@@ -1,34 +1,39 @@
 """The retrieval backends, each registered once, and the one lookup from a command line to one.
 
 Adding a backend is a folder of its own under ``retrieval/backends/`` (its staged searcher, its
-flags, its build and open) and one :class:`~specrag.retrieval.backends.contract.Backend` in
-:data:`BACKENDS` below: ``--backend``'s choices, the flags of ``index build`` and ``serve``, what
-a command line may combine, the build and the service's assets all come from here
-(:func:`chosen`), and nothing else names a backend. The index facade is put around a backend's
-searcher here, so that no backend imports it.
+flags, its settings, its load and its open) and one registration below, in :data:`BACKENDS`
+(``searched(...)`` for a backend that keeps its own vectors, as pgvector does): ``--backend``'s
+choices, the flags of ``index build`` and ``serve``, what a command line may combine, the build,
+the service's assets and ``/health`` all come from here (:func:`chosen`), and nothing else names
+a backend. The index facade is put around a backend's searcher here (:func:`around`), so that no
+backend imports it.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+import numpy as np
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.backends.contract import (
-    BROUGHT_EMBEDDERS,
     Backend,
     BuildRequest,
     DataDirectory,
-    EmbedderChoice,
+    Embed,
+    Fit,
     Flags,
     OpenedIndex,
+    OpenedSearcher,
 )
-from specrag.retrieval.backends.pgvector import settings as table
-from specrag.retrieval.backends.pgvector.flags import add_arguments as add_table_arguments
+from specrag.retrieval.backends.pgvector import backend as pgvector
+from specrag.retrieval.backends.pgvector.flags import add_arguments as add_pgvector_arguments
 from specrag.retrieval.corpus import Passage
+from specrag.retrieval.embedders.choice import BROUGHT_EMBEDDERS
 from specrag.retrieval.embedders.embedder import Embedder
 from specrag.retrieval.index_store import (
     EMBEDDER_ENV,
@@ -43,9 +48,6 @@ from specrag.retrieval.progress import embed_in_batches
 from specrag.retrieval.search.stages import DEFAULT_STAGES, StagedSearcher
 from specrag.retrieval.vector_index import VectorIndex
 
-if TYPE_CHECKING:  # the database driver is imported only when a table is built or opened
-    from specrag.retrieval.backends.pgvector.assembly import OpenTable
-
 __all__ = [
     "BACKENDS",
     "LOCAL",
@@ -55,10 +57,13 @@ __all__ = [
     "STORES",
     "Chosen",
     "add_arguments",
+    "around",
     "chosen",
     "data_directory",
-    "open_table_index",
+    "searched",
 ]
+
+S = TypeVar("S")
 
 # The built-in embedders a service may embed questions with (TF-IDF's fitted state lives only in
 # an index directory, which a served index loads with it).
@@ -127,62 +132,42 @@ def _open_shard_manifests(settings: DirectorySettings, directory: DataDirectory)
     return _DirectoryIndex(directory, IndexConfig(embedder=settings.embedder), directory.passages(), False)
 
 
-@dataclass(frozen=True)
-class TableSettings:
-    """A pgvector table: where and how (``serve``), and the embedder questions are embedded with."""
-
-    table: table.PgServing
-    embedder: EmbedderChoice
-
-
-def _table_settings(args: argparse.Namespace, building: bool) -> table.PgBuild | TableSettings:
-    if building:
-        return table.build_settings(args)
-    return TableSettings(table.serve_settings(args), EmbedderChoice.from_args(args))
-
-
-def _build_table(settings: table.PgBuild | TableSettings, request: BuildRequest) -> str:
-    assert isinstance(settings, table.PgBuild), "index build reads the build's settings"
-    from specrag.retrieval.backends.pgvector.assembly import build_table, passage_texts
-
-    texts = passage_texts(request.passages)
-    if request.embedder is None:
-        _, vectors = request.config.fit_and_embed(texts, progress=True)
-    else:
-        vectors = embed_in_batches(request.embedder, texts, show=True)
-    return build_table(settings, request.passages, vectors, request.config.nlist, request.started)
-
-
 @dataclass
-class _TableIndex:
-    """A pgvector table opened for serving: its rows are the passages and the documents' record."""
+class _SearcherIndex:
+    """The index around a backend's own searcher (:class:`OpenedSearcher`), as the service opens it."""
 
-    opened: OpenTable
+    opened: OpenedSearcher
     vector_index: VectorIndex
-    store_name: str
-    documents_off: str = table.DOCUMENTS_OFF
 
     @property
     def passages(self) -> list[Passage]:
         return self.opened.passages
 
     @property
-    def table(self) -> StagedSearcher:
-        return self.opened.searcher
+    def store_name(self) -> str | None:
+        return self.opened.store_name
+
+    @property
+    def table(self) -> StagedSearcher | None:
+        return self.opened.table
+
+    @property
+    def documents_off(self) -> str | None:
+        return self.opened.documents_off
 
     def index(self) -> VectorIndex:
         return self.vector_index
 
     def close(self) -> None:
-        self.opened.searcher.close()
+        self.opened.close()
 
     def health(self, bound_s: float) -> dict[str, Any] | None:
-        from specrag.retrieval.backends.pgvector.assembly import database_health
-
-        return database_health(self.opened.searcher, bound_s)
+        return self.opened.health(bound_s)
 
 
-def _table_index(opened: OpenTable) -> VectorIndex:
+def around(opened: OpenedSearcher) -> VectorIndex:
+    """The index facade around a backend's opened searcher (row i = passage i): stage plan,
+    fusion and timeline as on every backend."""
     return VectorIndex(
         opened.searcher,
         [passage.id for passage in opened.passages],
@@ -192,29 +177,35 @@ def _table_index(opened: OpenTable) -> VectorIndex:
     )
 
 
-def open_table_index(
-    settings: table.PgServing, embedder: Embedder, lexical: bool = True
-) -> tuple[VectorIndex, list[Passage]]:
-    """The table as an index searched with ``embedder`` (the model that embedded it), and its rows
-    as passages; ``lexical=False``: no lexical channel (a test's or benchmark's dense search)."""
-    from specrag.retrieval.backends.pgvector.assembly import open_table
-
-    opened = open_table(settings, lambda texts: embedder, lexical)
-    return _table_index(opened), opened.passages
+def _fit_built_in(name: str, texts: Sequence[str]) -> Embedder:
+    return IndexConfig(embedder=name).fit(texts)
 
 
-def _open_table(settings: table.PgBuild | TableSettings, directory: DataDirectory) -> OpenedIndex:
-    assert isinstance(settings, TableSettings), "serve reads the service's settings"
-    from specrag.retrieval.backends.pgvector.assembly import open_table
+def searched(
+    name: str,
+    stores: str,
+    add_arguments: Callable[[Flags, bool], None],
+    settings: Callable[[argparse.Namespace, bool], S],
+    load: Callable[[S, Sequence[Passage], Embed, int, float], str],
+    open_searcher: Callable[[S, Fit], OpenedSearcher],
+) -> Backend[S]:
+    """A backend that keeps its own vectors: ``load`` puts the passages in it (embedded by what
+    ``index build`` was given), ``open_searcher`` opens its searcher for serving, and the
+    registry puts the index around it."""
 
-    brought = settings.embedder.brought()  # first: a bad choice fails before the database is reached
+    def build(chosen: S, request: BuildRequest) -> str:
+        def embed(texts: Sequence[str]) -> np.ndarray:
+            if request.embedder is None:
+                return request.config.fit_and_embed(texts, progress=True)[1]
+            return embed_in_batches(request.embedder, texts, show=True)
 
-    def fit(texts: Sequence[str]) -> Embedder:
-        """The brought embedder, else the built-in one fitted on the rows as the build fitted it."""
-        return brought or IndexConfig(embedder=settings.embedder.name).fit(texts)
+        return load(chosen, request.passages, embed, request.config.nlist, request.started)
 
-    opened = open_table(settings.table, fit)
-    return _TableIndex(opened, _table_index(opened), table.store_name(settings.table.table))
+    def open_index(chosen: S, directory: DataDirectory) -> OpenedIndex:
+        opened = open_searcher(chosen, _fit_built_in)
+        return _SearcherIndex(opened, around(opened))
+
+    return Backend(name, stores, False, add_arguments, settings, build, open_index)
 
 
 LOCAL: Backend[DirectorySettings] = Backend(
@@ -223,15 +214,13 @@ LOCAL: Backend[DirectorySettings] = Backend(
 SHARDS: Backend[DirectorySettings] = Backend(
     "shards", "local", True, _no_flags, _directory_settings, _build_directory, _open_shard_manifests
 )
-PGVECTOR: Backend[table.PgBuild | TableSettings] = Backend(
-    "pgvector", "pgvector", False, add_table_arguments, _table_settings, _build_table, _open_table
+PGVECTOR = searched(
+    "pgvector", "pgvector", add_pgvector_arguments, pgvector.settings, pgvector.load, pgvector.open_served
 )
 BACKENDS: tuple[Backend[Any], ...] = (LOCAL, SHARDS, PGVECTOR)
 """Every backend, once; the first of those that store alike is the one chosen without shards."""
 STORES = tuple(dict.fromkeys(backend.stores for backend in BACKENDS))
 """``--backend``'s choices: where the vectors live."""
-
-S = TypeVar("S")
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,17 @@ import numpy as np
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.backends.pgvector.changes import install_change_trigger
-from specrag.retrieval.backends.pgvector.config import LexicalChannel
+from specrag.retrieval.backends.pgvector.config import (
+    DOCUMENTS_OFF,
+    LexicalChannel,
+    PgBuild,
+    PgServing,
+    store_name,
+)
 from specrag.retrieval.backends.pgvector.database import Database, DatabaseUnavailableError
 from specrag.retrieval.backends.pgvector.deadline import Deadline
 from specrag.retrieval.backends.pgvector.fulltext import check_fulltext
 from specrag.retrieval.backends.pgvector.searcher import NO_CHANGE_TRIGGER, PgVectorSearcher
-from specrag.retrieval.backends.pgvector.settings import PgBuild, PgServing
 from specrag.retrieval.backends.pgvector.table import inspect_table, load_table, read_rows
 from specrag.retrieval.backends.pgvector.writes import VERSION_COLUMN, add_version_column
 from specrag.retrieval.corpus import Passage
@@ -69,21 +74,38 @@ def build_table(
 
 @dataclass(frozen=True)
 class OpenTable:
-    """A table opened for serving: its searcher, its rows as passages (row i = passage i), their
-    texts, the query embedder and specrag's BM25 over the texts (None: the table's full-text
-    search, or no lexical channel)."""
+    """A table opened for serving: its searcher, its rows as passages (row i = passage i), the
+    query embedder and specrag's BM25 over the rows' texts (None: the table's full-text search,
+    or no lexical channel). The table is the documents' record; their store is kept under
+    ``DATA_DIR/external/store_name``."""
 
     searcher: PgVectorSearcher
     passages: list[Passage]
     embedder: Embedder
     lexical: LexicalIndex | None
+    store_name: str
+    documents_off: str = DOCUMENTS_OFF
+
+    @property
+    def table(self) -> PgVectorSearcher:
+        return self.searcher
+
+    def close(self) -> None:
+        self.searcher.close()
+
+    def health(self, bound_s: float) -> dict[str, Any]:
+        return database_health(self.searcher, bound_s)
 
 
-def open_table(settings: PgServing, fit: Callable[[list[str]], Embedder], lexical: bool = True) -> OpenTable:
-    """The table checked and opened: ``fit`` gives the query embedder from the rows' texts (the
-    one that embedded the table). The dimension, columns and index are checked first:
-    InvalidInputError names the column, DatabaseUnavailableError the host (both exit 2 at start).
-    """
+def open_table(
+    settings: PgServing, fit: Callable[[str, Sequence[str]], Embedder], lexical: bool = True
+) -> OpenTable:
+    """The table checked and opened. Questions are embedded by the brought embedder, else by
+    ``fit``'s built-in one fitted on the rows' texts as ``index build`` fitted it. The dimension,
+    columns and index are checked first: InvalidInputError names the column,
+    DatabaseUnavailableError the host (both exit 2 at start). ``lexical=False``: no lexical
+    channel (a test's or a benchmark's dense search)."""
+    brought = settings.embedder.brought()  # first: a bad choice fails before the database is reached
     database = Database(settings.table)
     fulltext = lexical and settings.lexical is LexicalChannel.FTS
     try:
@@ -94,7 +116,7 @@ def open_table(settings: PgServing, fit: Callable[[list[str]], Embedder], lexica
         version_column = None if documents_off is not None else VERSION_COLUMN
         passages, versions = read_rows(database, version_column)
         texts = passage_texts(passages)
-        embedder = fit(texts)
+        embedder = brought or fit(settings.embedder.name, texts)
         if embedder.dim != layout.dim:
             raise InvalidInputError(
                 f"column {settings.table.columns.embedding!r} of {settings.table.table} holds "
@@ -123,7 +145,7 @@ def open_table(settings: PgServing, fit: Callable[[list[str]], Embedder], lexica
         raise
     logger.info("serving %d passages from %s: %s", len(passages), settings.table.where, searcher.settings)
     bm25 = LexicalIndex.build(texts) if lexical and not fulltext else None
-    return OpenTable(searcher, passages, embedder, bm25)
+    return OpenTable(searcher, passages, embedder, bm25, store_name(settings.table))
 
 
 def database_health(searcher: PgVectorSearcher, bound_s: float) -> dict[str, Any]:

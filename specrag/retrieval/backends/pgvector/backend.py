@@ -1,15 +1,18 @@
-"""The table's settings from the command line, typed and checked before any connection.
+"""What the registry registers of pgvector: the table's settings from the command line, typed
+and checked before any connection, its load (``index build``) and its open (``serve``).
 
-Apart from :mod:`~specrag.retrieval.backends.pgvector.assembly` so that reading them needs no
-database driver (the registry reads every backend's settings it is asked for).
+Apart from :mod:`~specrag.retrieval.backends.pgvector.assembly`, which the load and the open
+import when called, so that registering pgvector and reading its settings need no database
+driver: only a command that builds or serves a table imports it.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import re
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.backends.pgvector.config import (
@@ -17,56 +20,28 @@ from specrag.retrieval.backends.pgvector.config import (
     DEFAULT_SEARCH_TIMEOUT_S,
     Columns,
     LexicalChannel,
+    PgBuild,
+    PgServing,
     PgSettings,
     StageMode,
     StageQueries,
-    describe_dsn,
     resolve_dsn,
     search_timeout,
 )
+from specrag.retrieval.corpus import Passage
+from specrag.retrieval.embedders.choice import EmbedderChoice
+from specrag.retrieval.embedders.embedder import Embedder
 
-__all__ = [
-    "DOCUMENTS_OFF",
-    "SHARDS_REFUSED",
-    "PgBuild",
-    "PgServing",
-    "build_settings",
-    "serve_settings",
-    "store_name",
-]
+if TYPE_CHECKING:
+    from specrag.retrieval.backends.pgvector.assembly import OpenTable
 
-# Why the documents API is off when the service may not write the table (its routes answer 501).
-DOCUMENTS_OFF = (
-    "the documents API cannot write to this pgvector table: change the table's rows with your own "
-    "writer and restart the service (it reads the rows at start)"
-)
+__all__ = ["SHARDS_REFUSED", "build_settings", "load", "open_served", "serve_settings", "settings"]
+
 # What a sharded pgvector is refused with: the database scales the table itself.
 SHARDS_REFUSED = (
     "--search-shards splits the data directory's own index over Ray actors; --backend pgvector "
     "searches the database's table, which the database scales itself: give one of them"
 )
-
-
-@dataclass(frozen=True)
-class PgBuild:
-    """``index build --backend pgvector``'s flags: the table, and how to index it."""
-
-    table: PgSettings
-    metric: str
-    index_method: str
-    replace: bool
-
-
-@dataclass(frozen=True)
-class PgServing:
-    """``serve --backend pgvector``'s flags: the table, what to check of it and how to search it."""
-
-    table: PgSettings
-    metric: str | None
-    index_method: str | None
-    lexical: LexicalChannel
-    stage_mode: StageMode
-    stages: StageQueries
 
 
 def _table_settings(
@@ -111,12 +86,34 @@ def serve_settings(args: argparse.Namespace) -> PgServing:
         lexical=LexicalChannel(args.pg_lexical),
         stage_mode=StageMode(args.pg_stage_mode),
         stages=StageQueries(args.pg_stages),
+        embedder=EmbedderChoice.from_args(args),
     )
 
 
-def store_name(settings: PgSettings) -> str:
-    """A directory name for the table's document store: its table and a digest of where it is,
-    so that two servers' tables of one name keep two stores (never the password)."""
-    digest = hashlib.sha256(f"{describe_dsn(settings.dsn)}|{settings.table}".encode()).hexdigest()[:12]
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", settings.table)
-    return f"pgvector-{safe}-{digest}"
+def settings(args: argparse.Namespace, building: bool) -> PgBuild | PgServing:
+    """``index build``'s settings (``building``) or ``serve``'s."""
+    return build_settings(args) if building else serve_settings(args)
+
+
+def load(
+    settings: PgBuild | PgServing,
+    passages: Sequence[Passage],
+    embed: Callable[[Sequence[str]], np.ndarray],
+    nlist: int,
+    started: float,
+) -> str:
+    """Embed ``passages`` (``embed``: as ``index build`` was told) and load them into the table
+    (:func:`assembly.build_table`); returns the line that says so."""
+    assert isinstance(settings, PgBuild), "index build reads the build's settings"
+    from specrag.retrieval.backends.pgvector.assembly import build_table, passage_texts
+
+    return build_table(settings, passages, embed(passage_texts(passages)), nlist, started)
+
+
+def open_served(settings: PgBuild | PgServing, fit: Callable[[str, Sequence[str]], Embedder]) -> OpenTable:
+    """The table opened for serving (:func:`assembly.open_table`); ``fit`` gives the built-in
+    embedder of a name fitted on the rows' texts."""
+    assert isinstance(settings, PgServing), "serve reads the service's settings"
+    from specrag.retrieval.backends.pgvector.assembly import open_table
+
+    return open_table(settings, fit)
