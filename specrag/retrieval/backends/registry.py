@@ -79,12 +79,26 @@ class DirectorySettings:
 
 
 def _directory_settings(args: argparse.Namespace, building: bool) -> DirectorySettings:
+    """The data directory's settings: served, its index is embedded by a built-in query embedder."""
     if not building and args.embedder not in QUERY_EMBEDDERS:
         raise InvalidInputError(
             f"--embedder {args.embedder} needs --backend pgvector; a local index is embedded by "
             f"{' or '.join(QUERY_EMBEDDERS)} (--embedder or ${EMBEDDER_ENV})"
         )
     return DirectorySettings(args.embedder)
+
+
+def _shard_settings(args: argparse.Namespace, building: bool) -> DirectorySettings:
+    """A sharded index's settings; served, its shards are Ray actors: ``--ray``, at least one
+    shard and a CPU share Ray can count are needed."""
+    if not building:
+        if args.ray is None:
+            raise InvalidInputError("--search-shards places the shards as Ray actors: give --ray too")
+        if args.search_shards < 1:
+            raise InvalidInputError(f"--search-shards must be at least 1, got {args.search_shards}")
+        if args.search_shard_cpus is not None and not args.search_shard_cpus >= 0:  # NaN fails too
+            raise InvalidInputError(f"--search-shard-cpus must be 0 or more, got {args.search_shard_cpus}")
+    return _directory_settings(args, building)
 
 
 def _no_flags(parser: Flags, building: bool) -> None:
@@ -212,7 +226,7 @@ LOCAL: Backend[DirectorySettings] = Backend(
     "local", "local", False, _no_flags, _directory_settings, _build_directory, _open_directory
 )
 SHARDS: Backend[DirectorySettings] = Backend(
-    "shards", "local", True, _no_flags, _directory_settings, _build_directory, _open_shard_manifests
+    "shards", "local", True, _no_flags, _shard_settings, _build_directory, _open_shard_manifests
 )
 PGVECTOR = searched(
     "pgvector", "pgvector", add_pgvector_arguments, pgvector.settings, pgvector.load, pgvector.open_served
@@ -248,6 +262,8 @@ def chosen(args: argparse.Namespace, building: bool = False) -> Chosen[Any]:
     backend of the ``--backend`` named, or are refused by the one that has none."""
     stores = args.backend if "backend" in args else LOCAL.stores
     sharded = args.shards > 1 if building else vars(args).get("search_shards") is not None
+    if not building and not sharded and vars(args).get("search_shard_cpus") is not None:
+        raise InvalidInputError("--search-shard-cpus sizes the shard actors: give --search-shards too")
     alike = [backend for backend in BACKENDS if backend.stores == stores]
     backend = next((found for found in alike if found.sharded == sharded), alike[0])
     return Chosen(backend, backend.settings(args, building))
