@@ -42,8 +42,8 @@ PIPELINE_TOP = {"__init__.py", "commands.py"}
 # the modules beside them that a room uses: what each may import besides the leaves, a room or a
 # module beside the rooms named by its place under specrag/retrieval/. The staged search, the lexical
 # channel and the embedders know no backend and no index; a backend knows the staged search, not the
-# index facade (index_store, vector_index, conversational, ...) above it, except pgvector, whose
-# assembly still builds a served index itself; the shared modules import no room above them. The
+# index facade (index_store, vector_index, the backends' contract and registry, ...) above it; the
+# shared modules import no room above them; the
 # facade's parts (index/: the searcher as its capabilities open it, rows, the hybrid channel) sit
 # above the rooms and below the facade modules, and name no backend but the shards' answers record.
 RETRIEVAL_ROOMS = {
@@ -55,7 +55,7 @@ RETRIEVAL_ROOMS = {
     | {"backends.shards", "backends.local", "search", "live_index", "arrays", "index_files", "embedders"},
     "backends.pgvector": LEAVES
     | {"backends.pgvector", "backends.local", "search", "live_index", "corpus", "embedders", "lexical"}
-    | {"text", "progress", "index_store", "vector_index"},
+    | {"text"},
     "arrays": LEAVES,
     "text": LEAVES,
     "corpus": LEAVES,
@@ -65,6 +65,9 @@ RETRIEVAL_ROOMS = {
     "index": LEAVES | {"index", "search", "lexical", "live_index", "backends.shards"},
 }
 # The index facade beside the rooms: above every room, so it has no rule but the package's.
+# In backends/ beside the backends' rooms: the contract every backend keeps and the registry that
+# names each one once, both part of the facade (they put the index around a backend's searcher).
+BACKENDS_FACADE = {"__init__.py", "contract.py", "registry.py"}
 RETRIEVAL_FACADE = {
     "__init__.py",
     "commands.py",
@@ -197,7 +200,7 @@ def test_every_retrieval_module_lives_in_a_room_or_the_facade() -> None:
         if path.is_dir() and path.name != "__pycache__"
     }
     assert found - {"backends"} == rooms
-    assert {path.name for path in (retrieval / "backends").glob("*.py")} == {"__init__.py"}
+    assert {path.name for path in (retrieval / "backends").glob("*.py")} == BACKENDS_FACADE
 
 
 def test_retrieval_places_are_read_as_the_rules_name_them() -> None:

@@ -49,7 +49,8 @@ from specrag.cache.pgdsf import PrefillProfile
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.config import ControllerConfig
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.retrieval.index_store import IndexConfig, default_embedder
+from specrag.retrieval.backends.registry import data_directory
+from specrag.retrieval.index_store import default_embedder
 from specrag.service.http.access import Access
 from specrag.service.http.app import serving
 from specrag.service.run.assembly import prompt_builder, serving_engines
@@ -283,7 +284,7 @@ def _draw(results: dict[str, Any], path: Path) -> None:
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     layout = DataLayout(resolve_data_dir(args.data_dir))
     assets = await asyncio.to_thread(
-        ensure_assets, layout, index_config=IndexConfig(embedder=args.embedder), refuse_other_embedder=True
+        ensure_assets, layout, backend=data_directory(args.embedder), refuse_other_embedder=True
     )
     window = 5.0 if args.quick else args.measure_s
     settings = Settings(

@@ -30,11 +30,13 @@ from bench.retrieval.__main__ import belongs
 from bench.retrieval.conversations import KS, paired, recall
 from bench.retrieval.sets import EvaluationSet, manpages_set, pydoc_set
 from specrag.cli import build_parser
-from specrag.retrieval.backends.pgvector.assembly import open_index
+from specrag.retrieval.backends.pgvector.assembly import open_table
+from specrag.retrieval.backends.pgvector.backend import serve_settings
 from specrag.retrieval.backends.pgvector.config import LexicalChannel, PgSettings
 from specrag.retrieval.backends.pgvector.fulltext import fulltext_query
 from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
 from specrag.retrieval.backends.pgvector.table import load_table
+from specrag.retrieval.backends.registry import around
 from specrag.retrieval.embedders.embedder import Embedder
 from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.text import normalize_text
@@ -85,7 +87,7 @@ def _measure_set(
     for channel in LexicalChannel:
         flags = ["--backend", "pgvector", "--pg-dsn", settings.dsn, "--pg-table", settings.table]
         args = build_parser().parse_args(["serve", *flags, "--pg-lexical", str(channel)])
-        index, _ = open_index(args, embedder=embedder)
+        index = around(open_table(serve_settings(args), lambda name, texts: embedder))
         try:
             found, latencies = [], []
             for question in questions:

@@ -8,22 +8,20 @@ from pathlib import Path
 
 import faiss
 
-from specrag.errors import InvalidInputError
 from specrag.paths import DataLayout, resolve_data_dir
-from specrag.retrieval.backends.pgvector.flags import add_arguments as add_pgvector_arguments
+from specrag.retrieval.backends.contract import BuildRequest
+from specrag.retrieval.backends.registry import add_arguments as add_backend_arguments
+from specrag.retrieval.backends.registry import chosen
 from specrag.retrieval.corpus import (
     DEFAULT_PASSAGE_WORDS,
     build_default_corpus,
     load_passages,
     write_passages,
 )
-from specrag.retrieval.embedders.embedder import Embedder, SentenceTransformerEmbedder
-from specrag.retrieval.index_store import BUILT_IN_EMBEDDERS, KINDS, IndexConfig, build_index, save_index
+from specrag.retrieval.embedders.choice import BROUGHT_EMBEDDERS, EmbedderChoice
+from specrag.retrieval.index_store import BUILT_IN_EMBEDDERS, KINDS, IndexConfig
 
-__all__ = ["BROUGHT_EMBEDDERS", "brought_embedder", "register"]
-
-# Embedders a user brings: a model directory, or a server speaking OpenAI's /v1/embeddings.
-BROUGHT_EMBEDDERS = ("sentence-transformers", "openai")
+__all__ = ["register"]
 
 
 def _corpus_build(args: argparse.Namespace) -> int:
@@ -34,23 +32,10 @@ def _corpus_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def brought_embedder(args: argparse.Namespace) -> Embedder | None:
-    """The embedder ``--embedder`` names when it is not a built-in one (None then)."""
-    if args.embedder == "sentence-transformers":
-        if not args.embedder_model:
-            raise InvalidInputError("--embedder sentence-transformers needs --embedder-model DIR")
-        return SentenceTransformerEmbedder(Path(args.embedder_model))
-    if args.embedder == "openai":
-        if not args.embedder_url or not args.embedder_model:
-            raise InvalidInputError("--embedder openai needs --embedder-url URL and --embedder-model NAME")
-        from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
-
-        return OpenAIEmbedder(args.embedder_url, args.embedder_model, api_key_env=args.embedder_key_env)
-    return None
-
-
 def _index_build(args: argparse.Namespace) -> int:
-    brought = brought_embedder(args)  # first: a bad embedder choice fails before any work
+    # First: a combination the backend refuses, or a bad embedder choice, fails before any work.
+    backend = chosen(args, building=True)
+    brought = EmbedderChoice.from_args(args).brought()
     layout = DataLayout(resolve_data_dir(args.data_dir))
     corpus = Path(args.corpus) if args.corpus else layout.corpus_file
     if args.corpus is None and not corpus.is_file():
@@ -73,17 +58,7 @@ def _index_build(args: argparse.Namespace) -> int:
         shards=args.shards,
     )
     started = time.perf_counter()
-    passages = load_passages(corpus)
-    if args.backend == "pgvector":  # into a PostgreSQL table instead of the index directory
-        from specrag.retrieval.backends.pgvector.assembly import build_table
-
-        return build_table(args, passages, config, brought)
-    index = build_index(passages, config, embedder=brought, progress=True)
-    save_index(index, output)
-    print(
-        f"indexed {len(passages)} passages ({index.searcher.ntotal} rows, {index.dim} dims, "
-        f"{index.searcher.settings}) into {output} in {time.perf_counter() - started:.1f}s"
-    )
+    print(backend.build(BuildRequest(load_passages(corpus), config, brought, output, started)))
     return 0
 
 
@@ -151,5 +126,5 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     index_build.add_argument(
         "--seed", type=int, default=defaults.seed, help="seed of SVD, k-means and padding"
     )
-    add_pgvector_arguments(index_build, building=True)
+    add_backend_arguments(index_build, building=True)
     index_build.set_defaults(handler=_index_build)

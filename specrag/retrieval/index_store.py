@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import faiss
 import numpy as np
@@ -27,7 +27,7 @@ from specrag.retrieval.arrays import load_array
 from specrag.retrieval.backends.local.staged_ivf import DEFAULT_NLIST, StagedIVF
 from specrag.retrieval.backends.shards.build import build_hnsw_shards, build_ivf_shards
 from specrag.retrieval.backends.shards.merge import ShardedSearcher
-from specrag.retrieval.backends.shards.store import load_shards, save_shards, shard_manifests
+from specrag.retrieval.backends.shards.store import load_shards, save_shards, shard_manifests, sharded
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.embedders.embedder import (
     DEFAULT_DIM,
@@ -345,8 +345,8 @@ def save_index(index: VectorIndex, directory: Path, corpus_checksum: str | None 
 def _write_searcher(searcher: StagedSearcher, staging: Path) -> list[str]:
     """Write the searcher into the index version ``staging``: one faiss index, or a sharded
     index's shard directories; returns the files the manifest checksums."""
-    if isinstance(searcher, ShardedSearcher):
-        return save_shards(searcher, staging)
+    if sharded(searcher.settings):
+        return save_shards(cast(ShardedSearcher, searcher), staging)
     faiss.write_index(searcher.owner, str(staging / INDEX_FILE))
     return [INDEX_FILE]
 
@@ -386,10 +386,10 @@ def _read_searcher(directory: Path, manifest: dict[str, Any], shard_vectors: boo
     """The searcher of the index version in ``directory``, as its ``manifest`` says; a sharded
     one as its shards' manifests only unless ``shard_vectors``."""
     settings = manifest["searcher"]
-    if "shards" in settings and not shard_vectors:
+    if sharded(settings):
+        if shard_vectors:
+            return load_shards(directory, settings)
         return shard_manifests(directory, settings, int(manifest["dim"]), METRIC == "inner_product")
-    if "shards" in settings:
-        return load_shards(directory, settings)
     index_path = directory / INDEX_FILE
     try:
         # faiss returns the concrete class, owning its memory: keep this object, not a downcast copy.
@@ -419,7 +419,7 @@ def _load_version(directory: Path, runner: SearchRunner | None, shard_vectors: b
     verify_files(directory, manifest["files"])
     searcher = _read_searcher(directory, manifest, shard_vectors)
     if (searcher.dim, searcher.ntotal) != (manifest["dim"], manifest["ntotal"]):
-        where = directory if isinstance(searcher, ShardedSearcher) else directory / INDEX_FILE
+        where = directory if sharded(manifest["searcher"]) else directory / INDEX_FILE
         raise ArtifactError(
             f"{where}: {searcher.ntotal} × {searcher.dim} vectors, manifest says "
             f"{manifest['ntotal']} × {manifest['dim']}"

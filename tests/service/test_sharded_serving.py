@@ -9,9 +9,10 @@ import faiss
 import numpy as np
 import pytest
 
-from specrag.cli import main
+from specrag.cli import build_parser, main
 from specrag.errors import InvalidInputError
 from specrag.retrieval.backends.local.staged_ivf import StagedIVF
+from specrag.retrieval.backends.registry import chosen
 from specrag.retrieval.backends.shards.build import build_ivf_shards
 from specrag.retrieval.backends.shards.store import save_shards, shard_manifests
 from specrag.retrieval.search.stages import StagePlan
@@ -40,11 +41,16 @@ def read_nothing(*args: object) -> None:
     raise AssertionError("the serving process read a shard's vectors")
 
 
+def served(*flags: str) -> None:
+    """The shards backend's check of ``serve``'s flags (the registry's lookup)."""
+    chosen(build_parser().parse_args(["serve", *flags]))
+
+
 def test_search_shards_need_ray_and_a_positive_count() -> None:
     with pytest.raises(InvalidInputError, match="give --ray too"):
-        ServiceOptions(search_shards=2)
+        served("--search-shards", "2")
     with pytest.raises(InvalidInputError, match="at least 1"):
-        ServiceOptions(ray_address="", search_shards=0)
+        served("--ray", "--search-shards", "0")
 
 
 def test_serve_without_ray_exits_2_naming_the_flag(
@@ -155,6 +161,6 @@ def test_a_shard_placement_ray_could_never_satisfy_is_refused_naming_the_flag() 
         shard_cpus(greedy, {"CPU": 2.0})
     assert "--search-shard-cpus 0.5 or less" in str(failure.value)
     with pytest.raises(InvalidInputError, match="give --search-shards too"):
-        ServiceOptions(ray_address="", search_shard_cpus=0.5)
+        served("--ray", "--search-shard-cpus", "0.5")
     with pytest.raises(InvalidInputError, match="0 or more"):
-        ServiceOptions(ray_address="", search_shards=2, search_shard_cpus=float("nan"))
+        served("--ray", "--search-shards", "2", "--search-shard-cpus", "nan")

@@ -22,8 +22,7 @@ from specrag.errors import InvalidInputError, check_choice
 from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.engines.protocol import Sampling
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
-from specrag.retrieval.backends.pgvector.flags import QUERY_EMBEDDERS
-from specrag.retrieval.index_store import EMBEDDER_ENV, IndexConfig
+from specrag.retrieval.backends.registry import Chosen, chosen
 from specrag.service.cli.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.cli.engine_log import engine_output_to
 from specrag.service.http.access import Access
@@ -38,7 +37,6 @@ from specrag.service.run.assembly import (
 from specrag.service.run.assets import (
     Assets,
     CheckingAssets,
-    ExternalIndex,
     check_assets_in_background,
     ensure_assets,
 )
@@ -52,7 +50,6 @@ __all__ = [
     "answer_file",
     "batch_command",
     "demo_command",
-    "external_index",
     "prepare_command",
     "serve_command",
     "token_from_env",
@@ -65,53 +62,23 @@ def _paths(args: argparse.Namespace) -> tuple[DataLayout, str | None, Path | Non
 
 
 def _assets(
-    args: argparse.Namespace, serving: bool = False, on_model: Callable[[Path], None] | None = None
+    args: argparse.Namespace,
+    serving: bool = False,
+    on_model: Callable[[Path], None] | None = None,
+    backend: Chosen[Any] | None = None,
 ) -> Assets:
     """The assets the flags name; ``serving``: an index embedded by another embedder than
-    ``--embedder`` is refused (the questions would be embedded unlike it), not rebuilt. Shards
-    searched by Ray actors are loaded by them alone: this process keeps their manifests.
+    ``--embedder`` is refused (the questions would be embedded unlike it), not rebuilt. The
+    retrieval backend is ``backend`` when the command chose it already, else the one the flags
+    choose (:func:`~specrag.retrieval.backends.registry.chosen`), which opens the index (shards
+    searched by Ray actors are loaded by them alone: this process keeps their manifests).
     ``on_model`` is :func:`ensure_assets`'s."""
-    external = external_index(args)
-    if external is None and args.embedder not in QUERY_EMBEDDERS:
-        raise InvalidInputError(
-            f"--embedder {args.embedder} needs --backend pgvector; a local index is embedded by "
-            f"{' or '.join(QUERY_EMBEDDERS)} (--embedder or ${EMBEDDER_ENV})"
-        )
     return ensure_assets(
         *_paths(args),
         accept_corpus_change=args.accept_corpus_change,
-        external=external,
-        index_config=None if external is not None else IndexConfig(embedder=args.embedder),
+        backend=backend or chosen(args),
         refuse_other_embedder=serving,
-        shard_vectors=getattr(args, "search_shards", None) is None,
         on_model=on_model,
-    )
-
-
-def external_index(args: argparse.Namespace) -> ExternalIndex | None:
-    """The table ``--backend pgvector`` names (None: the data directory's own index). The
-    database's modules are imported only here, so the local backend needs no driver."""
-    if getattr(args, "backend", "local") != "pgvector":
-        return None
-    if args.corpus:
-        raise InvalidInputError("--corpus: with --backend pgvector the table's rows are the corpus")
-    from specrag.pipeline.store.table_corpus import open_table_corpus
-    from specrag.retrieval.backends.pgvector.assembly import (
-        DOCUMENTS_OFF,
-        close_index,
-        open_index,
-        settings_from,
-        store_name,
-    )
-    from specrag.retrieval.commands import brought_embedder
-
-    embedder = brought_embedder(args)  # first: a bad choice fails before the database is reached
-    return ExternalIndex(
-        open=lambda: open_index(args, embedder=embedder),
-        name=store_name(settings_from(args)),
-        documents_off=DOCUMENTS_OFF,
-        release=close_index,
-        documents=open_table_corpus,
     )
 
 
@@ -275,11 +242,7 @@ def serve_command(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--port must be between 0 and 65535, got {args.port}")
     if not args.shutdown_timeout >= 0:  # written so that NaN fails too
         raise InvalidInputError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
-    if args.search_shards is not None and args.backend == "pgvector":
-        raise InvalidInputError(
-            "--search-shards splits the data directory's own index over Ray actors; --backend pgvector "
-            "searches the database's table, which the database scales itself: give one of them"
-        )
+    backend = chosen(args)  # a combination the backend refuses fails before anything is touched
     access = _access(args)
     # Writer tokens alone make every endpoint but /health need a token (docs/updates.md).
     warn_if_exposed(args.host, bool(access.tokens) or bool(access.writer_tokens))
@@ -313,7 +276,7 @@ def serve_command(args: argparse.Namespace) -> int:
     def check(on_model: Callable[[Path], None]) -> Assets:
         """The artefacts, timed: the engine's load overlaps all but the model's verification."""
         progress.begin(Phase.ARTEFACTS)
-        assets = _assets(args, True, on_model)
+        assets = _assets(args, True, on_model, backend)
         progress.end(Phase.ARTEFACTS)
         return assets
 

@@ -17,8 +17,8 @@ from specrag.errors import values
 from specrag.pipeline.commands import add_kv_cache_tokens
 from specrag.pipeline.engines.config import EngineConfig
 from specrag.pipeline.models.catalog import DEFAULT_MODEL_NAME, MODEL_NAMES
-from specrag.retrieval.backends.pgvector.flags import QUERY_EMBEDDERS
-from specrag.retrieval.backends.pgvector.flags import add_arguments as add_pgvector_arguments
+from specrag.retrieval.backends.registry import QUERY_EMBEDDERS
+from specrag.retrieval.backends.registry import add_arguments as add_backend_arguments
 from specrag.retrieval.index_store import EMBEDDER_ENV, MINILM, WORDLLAMA, default_embedder
 from specrag.service.cli.commands import (
     batch_command,
@@ -118,7 +118,7 @@ def _register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     )
     _add_document_kv_bound(serve)
     add_kv_cache_tokens(serve)
-    add_pgvector_arguments(serve.add_argument_group("retrieval backend"), building=False)
+    add_backend_arguments(serve.add_argument_group("retrieval backend"), building=False)
     _add_client_options(serve)
     _add_query_options(serve)
     _add_engine_options(serve)

@@ -9,19 +9,20 @@ report, :mod:`specrag.service.http.mirror_report`'s; these handlers only answer 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from specrag.controller.facade import EngineHealth
 from specrag.retrieval.backends.shards.shard_actor import ShardState
 from specrag.service.http.auth import AUTHENTICATED
 from specrag.service.http.documents import CORPUS, documents_health
 from specrag.service.http.in_flight import STATE
 from specrag.service.http.mirror_report import MIRROR_HEALTH
 
-__all__ = ["SEARCH_SHARDS", "STARTUP", "StartupReport", "health", "metrics_exposition"]
+__all__ = ["INDEX_HEALTH", "SEARCH_SHARDS", "STARTUP", "StartupReport", "health", "metrics_exposition"]
 
 
 class StartupReport(Protocol):
@@ -38,10 +39,16 @@ SEARCH_SHARDS: web.AppKey[SearchShardsHealth] = web.AppKey("specrag_search_shard
 """How each search shard actor stands (:func:`specrag.service.run.sharded_serving.shards_health`);
 absent: the index is searched in this process."""
 
+IndexHealth = Callable[[], Awaitable[dict[str, Any] | None]]
+INDEX_HEALTH: web.AppKey[IndexHealth] = web.AppKey("specrag_index_health")
+"""The retrieval backend's part of ``/health``, bounded (a pgvector table's: whether the database
+answers); absent or None: the backend has nothing to say. ``"serving": False`` fails every query."""
+
 
 async def health(request: web.Request) -> web.Response:
-    """200 while an engine serves; 503 while it starts, recovers or is gone, or while a search
-    shard has failed (with the reason).
+    """200 while an engine serves; 503 while it starts, recovers or is gone, while a search
+    shard has failed, or while the retrieval backend cannot search (its database does not
+    answer), with the reason.
 
     Without a valid token (when tokens are set) only the status: the engine's last error and the
     replicas' details are for the operator, not for whoever can reach the port."""
@@ -49,7 +56,10 @@ async def health(request: web.Request) -> web.Response:
     health = await state.core.health()
     shards = request.app[SEARCH_SHARDS]() if SEARCH_SHARDS in request.app else None
     failed = [shard["name"] for shard in shards or () if shard["state"] == ShardState.LOST]
-    serving = health.serving and not failed  # a failed shard fails every query needing its rows
+    index = await request.app[INDEX_HEALTH]() if INDEX_HEALTH in request.app else None
+    searching = index is None or index["serving"]
+    # A failed shard fails every query needing its rows; a backend that cannot search, every query.
+    serving = health.serving and not failed and searching
     if state.tokens and not request[AUTHENTICATED]:  # open to load balancers: ready or not, no more
         return web.json_response(
             {"status": "ok" if serving else "unavailable"}, status=200 if serving else 503
@@ -76,10 +86,12 @@ async def health(request: web.Request) -> web.Response:
         replicas.update(documents_health(request.app))
     if shards is not None:
         replicas["search_shards"] = shards
+    if index is not None:
+        replicas["index"] = index
     if not serving:
-        reason = health.reason if not health.serving else f"search shard(s) {', '.join(failed)} failed"
         return web.json_response(
-            {"status": "unavailable", "reason": reason, **supervision, **replicas}, status=503
+            {"status": "unavailable", "reason": _why_not(health, failed, index), **supervision, **replicas},
+            status=503,
         )
     load = state.core.load()
     return web.json_response(
@@ -93,6 +105,15 @@ async def health(request: web.Request) -> web.Response:
             **replicas,
         }
     )
+
+
+def _why_not(health: EngineHealth, failed: list[str], index: dict[str, Any] | None) -> str | None:
+    """Why the service cannot answer: its engines', else its lost shards', else its index's."""
+    if not health.serving:
+        return health.reason
+    if failed:
+        return f"search shard(s) {', '.join(failed)} failed"
+    return None if index is None else index.get("reason")
 
 
 async def metrics_exposition(request: web.Request) -> web.Response:

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 from aiohttp import web
 
-from specrag.controller.controller import ControllerConfig, RagController
+from specrag.controller.controller import HEALTH_PROBE_TIMEOUT_S, ControllerConfig, RagController
 from specrag.controller.placement import Placement
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engines.config import KVEventSource, parse_cpus
@@ -41,7 +41,7 @@ from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.http.app import create_app
 from specrag.service.http.metrics import ServiceMetrics
 from specrag.service.http.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
-from specrag.service.http.monitoring import SEARCH_SHARDS
+from specrag.service.http.monitoring import INDEX_HEALTH, SEARCH_SHARDS
 from specrag.service.run.assets import Assets, CheckingAssets
 from specrag.service.run.options import ServiceOptions, base_engine_config
 from specrag.service.run.pinning import pin_threads
@@ -286,6 +286,9 @@ def _application(
         app[MIRROR_HEALTH] = lambda: mirror_health(mirrors)
     if options.search_shards is not None:
         app[SEARCH_SHARDS] = lambda: shards_health(assets.index)
+    if (opened := assets.opened) is not None:
+        # The backend's probe may ask a server: off the loop, within the engines' probe bound.
+        app[INDEX_HEALTH] = lambda: asyncio.to_thread(opened.health, HEALTH_PROBE_TIMEOUT_S)
     return app
 
 

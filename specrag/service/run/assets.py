@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
 
@@ -34,6 +34,8 @@ from specrag.pipeline.store.document_store import (
 )
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.pipeline.store.live_store import LiveStore
+from specrag.retrieval.backends.contract import OpenedIndex
+from specrag.retrieval.backends.registry import Chosen, data_directory
 from specrag.retrieval.corpus import Passage, build_default_corpus, load_passages, write_passages
 from specrag.retrieval.corpus_change import CorpusShrunkError, check_corpus_change
 from specrag.retrieval.index_store import (
@@ -48,13 +50,9 @@ from specrag.retrieval.index_store import (
 )
 from specrag.retrieval.vector_index import VectorIndex
 
-if TYPE_CHECKING:  # the database's modules are imported only with --backend pgvector
-    from specrag.pipeline.store.document_store import TokenizeBatch
-
 __all__ = [
     "Assets",
     "CheckingAssets",
-    "ExternalIndex",
     "check_assets_in_background",
     "ensure_assets",
     "ensure_corpus",
@@ -80,13 +78,14 @@ class Assets:
     assembled without it (a test's, a table this user may not write)."""
     documents_off: str | None = None
     """Why the documents API is off when ``corpus`` is None (its routes answer 501 saying so)."""
-    release: Callable[[], None] | None = None
-    """What to let go of when the service stops (a database's connections); None: nothing."""
+    opened: OpenedIndex | None = None
+    """The backend's opened index: what to let go of when the service stops (a database's
+    connections) and the backend's part of ``/health``; None for assets assembled without one."""
 
     def close(self) -> None:
         """Let go of what the index holds outside this process (idempotent enough: called once)."""
-        if self.release is not None:
-            self.release()
+        if self.opened is not None:
+            self.opened.close()
 
 
 def ensure_corpus(
@@ -221,21 +220,26 @@ def _describe(index: VectorIndex, what: str) -> None:
 
 
 @dataclass(frozen=True)
-class ExternalIndex:
-    """An index that lives elsewhere (a database table): how to open it, and what to say about it.
+class _DataDirectory:
+    """The data directory's corpus and index, as a backend that keeps its index there opens them
+    (:class:`~specrag.retrieval.backends.contract.DataDirectory`)."""
 
-    ``open`` gives the index and its rows as passages (row i = passage i); ``name`` names the
-    directory of the data directory its document store is kept in (a cache of its rows, apart from
-    the local corpus's); ``documents`` the documents API's corpus over the index and that store
-    (its own store replaces it; the document-KV store given loses replaced versions' entries), or
-    InvalidInputError saying why the API cannot change it, which ``documents_off`` begins.
-    """
+    layout: DataLayout
+    corpus_file: Path | None
+    accept_corpus_change: bool
+    refuse_other_embedder: bool
 
-    open: Callable[[], tuple[VectorIndex, list[Passage]]]
-    name: str
-    documents_off: str
-    release: Callable[[VectorIndex], None]
-    documents: Callable[[VectorIndex, DocumentStore, TokenizeBatch, Path], LiveCorpus] | None = None
+    def passages(self) -> list[Passage]:
+        return ensure_corpus(self.layout, self.corpus_file, self.accept_corpus_change)
+
+    def index(self, passages: list[Passage], config: IndexConfig, shard_vectors: bool) -> VectorIndex:
+        return ensure_index(
+            self.layout,
+            passages,
+            config,
+            refuse_other_embedder=self.refuse_other_embedder,
+            shard_vectors=shard_vectors,
+        )
 
 
 def ensure_assets(
@@ -243,82 +247,42 @@ def ensure_assets(
     model: str | Path | None = None,
     corpus_file: Path | None = None,
     accept_corpus_change: bool = False,
-    external: ExternalIndex | None = None,
-    index_config: IndexConfig | None = None,
+    backend: Chosen[Any] | None = None,
     refuse_other_embedder: bool = False,
-    shard_vectors: bool = True,
     on_model: Callable[[Path], None] | None = None,
 ) -> Assets:
     """Corpus, model, tokenizer, store and index, each built only if missing or stale.
 
-    ``model`` is a model name (None: the default, SmolLM2-135M-Instruct) or a model directory
+    ``backend`` is the retrieval backend the command line chose
+    (:func:`specrag.retrieval.backends.registry.chosen`; None: the data directory's index with
+    the default embedder): it opens the passages and the index (a table's rows are its passages:
+    ``corpus_file`` is then not read). ``model`` is a model name (None: the default,
+    SmolLM2-135M-Instruct) or a model directory
     (:func:`specrag.pipeline.models.catalog.resolve_model`). A corpus that lost passages since the
-    store and index were built is refused unless ``accept_corpus_change``. With ``external`` the
-    index and the passages are its (``corpus_file`` is not read): only the model and the store are
-    built, and there is no live corpus. ``index_config`` (default: the default index),
-    ``refuse_other_embedder`` and ``shard_vectors`` are :func:`ensure_index`'s. ``on_model`` is
-    told the model directory as soon as it is verified, before the other artefacts are: all an
-    engine needs to start (:func:`check_assets_in_background`).
+    store and index were built is refused unless ``accept_corpus_change``;
+    ``refuse_other_embedder`` is :func:`ensure_index`'s. ``on_model`` is told the model directory
+    as soon as it is verified, before the other artefacts are: all an engine needs to start
+    (:func:`check_assets_in_background`).
     """
-    if external is not None:
-        return _external_assets(layout, model, external, on_model)
-    passages = ensure_corpus(layout, corpus_file, accept_corpus_change)
-    resolved_model = resolve_model(layout, model, (passage.text for passage in passages))
-    if on_model is not None:
-        on_model(resolved_model)
-    tokenizer = Tokenizer(resolved_model)
-    base = ensure_store(layout, passages, tokenizer, accept_corpus_change)
-    base.close()
-    index = ensure_index(
-        layout,
-        passages,
-        index_config,
-        refuse_other_embedder=refuse_other_embedder,
-        shard_vectors=shard_vectors,
-    )
-    store = LiveStore(base.path, data_dir=layout.root, document_kv_dir=layout.document_kv_dir)
-    corpus = LiveCorpus.replayed(store, index, tokenizer.encode_batch)
-    logger.debug("assets ready: %d passages, model %s", len(passages), resolved_model)
-    return Assets(
-        passages=passages,
-        model_dir=resolved_model,
-        tokenizer=tokenizer,
-        store=corpus.store,
-        index=index,
-        corpus=corpus,
-    )
-
-
-def _external_assets(
-    layout: DataLayout,
-    model: str | Path | None,
-    external: ExternalIndex,
-    on_model: Callable[[Path], None] | None,
-) -> Assets:
-    """The assets over an index that lives elsewhere: its passages tokenized into a store of their
-    own (``DATA_DIR/external/NAME``), so that the local corpus's store is never rebuilt for it; a
-    table that lost rows since is its owner's doing, not a mistake to refuse."""
-    index, passages = external.open()
+    directory = _DataDirectory(layout, corpus_file, accept_corpus_change, refuse_other_embedder)
+    opened = (backend or data_directory()).open(directory)
     try:
+        passages = opened.passages
         resolved_model = resolve_model(layout, model, (passage.text for passage in passages))
         if on_model is not None:
             on_model(resolved_model)
         tokenizer = Tokenizer(resolved_model)
-        own = DataLayout(layout.root / "external" / external.name)
-        store: DocumentStore = ensure_store(own, passages, tokenizer, accept_corpus_change=True)
-        corpus: LiveCorpus | None = None
-        documents_off: str | None = external.documents_off
-        if external.documents is not None:
-            try:
-                corpus = external.documents(index, store, tokenizer.encode_batch, layout.document_kv_dir)
-                store, documents_off = corpus.store, None
-            except InvalidInputError as reason:
-                documents_off = f"{external.documents_off} ({reason})"
-                logger.warning("the documents API is off: %s", documents_off)
+        if opened.store_name is None:
+            base = ensure_store(layout, passages, tokenizer, accept_corpus_change)
+        else:  # rows that live elsewhere: a store of their own, and lost rows are their owner's doing
+            own = DataLayout(layout.root / "external" / opened.store_name)
+            base = ensure_store(own, passages, tokenizer, accept_corpus_change=True)
+        index = opened.index()
+        corpus, store, documents_off = _documents(opened, layout, base, index, tokenizer)
     except BaseException:
-        external.release(index)
+        opened.close()
         raise
-    logger.debug("assets ready: %d passages from %s, model %s", len(passages), external.name, resolved_model)
+    logger.debug("assets ready: %d passages, model %s", len(passages), resolved_model)
     return Assets(
         passages=passages,
         model_dir=resolved_model,
@@ -327,8 +291,30 @@ def _external_assets(
         index=index,
         corpus=corpus,
         documents_off=documents_off,
-        release=lambda: external.release(index),
+        opened=opened,
     )
+
+
+def _documents(
+    opened: OpenedIndex, layout: DataLayout, base: DocumentStore, index: VectorIndex, tokenizer: Tokenizer
+) -> tuple[LiveCorpus | None, DocumentStore, str | None]:
+    """The documents API's corpus over ``index`` and the store it keeps (which replaces ``base``),
+    or None and why the API is off: the table's corpus when the opened index says its table is
+    the documents' record, else the data directory's log replayed onto the index."""
+    if opened.table is None:
+        base.close()
+        live = LiveStore(base.path, data_dir=layout.root, document_kv_dir=layout.document_kv_dir)
+        corpus = LiveCorpus.replayed(live, index, tokenizer.encode_batch)
+        return corpus, corpus.store, None
+    from specrag.pipeline.store.table_corpus import open_table_corpus
+
+    try:
+        table = open_table_corpus(index, base, tokenizer.encode_batch, layout.document_kv_dir)
+    except InvalidInputError as reason:
+        documents_off = f"{opened.documents_off} ({reason})"
+        logger.warning("the documents API is off: %s", documents_off)
+        return None, base, documents_off
+    return table, table.store, None
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,8 @@ class ServiceOptions:
     replicas: int = 1
     # A sharded index searched by one Ray actor per shard (its shard count, checked against the
     # index at start), which loads its files from ``index_dir``: None searches in this process.
+    # What a command line may combine with them is the shards backend's to say
+    # (specrag.retrieval.backends.registry: --ray, a positive count, --search-shard-cpus).
     search_shards: int | None = None
     index_dir: str | None = None
     # The CPUs each shard actor asks Ray for (a share of a core allowed); None: what the cluster
@@ -87,20 +89,6 @@ class ServiceOptions:
                 "--replicas starts in-process engines; to pool engine servers, repeat --engine-url"
             )
         _check_distinct("--engine-url", self.engine_urls)
-        if self.search_shards is not None:
-            if self.ray_address is None:
-                raise InvalidInputError("--search-shards places the shards as Ray actors: give --ray too")
-            if self.search_shards < 1:
-                raise InvalidInputError(f"--search-shards must be at least 1, got {self.search_shards}")
-        if self.search_shard_cpus is not None:
-            if self.search_shards is None:
-                raise InvalidInputError(
-                    "--search-shard-cpus sizes the shard actors: give --search-shards too"
-                )
-            if not self.search_shard_cpus >= 0:  # written so that NaN fails too
-                raise InvalidInputError(
-                    f"--search-shard-cpus must be 0 or more, got {self.search_shard_cpus}"
-                )
         if self.document_kv_max_gib <= 0:
             raise InvalidInputError(f"--document-kv-max-gib must be positive, got {self.document_kv_max_gib}")
         if self.kv_cache_tokens is not None and self.engine_urls:

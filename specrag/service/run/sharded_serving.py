@@ -27,7 +27,7 @@ from typing import Any
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engines.ray_placement import replica_options
 from specrag.retrieval.backends.shards.merge import ShardedSearcher
-from specrag.retrieval.backends.shards.store import ShardManifest
+from specrag.retrieval.backends.shards.store import ShardManifest, sharded
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.run.options import ServiceOptions
 
@@ -73,7 +73,7 @@ def check_search_shards(index: VectorIndex, count: int, directory: str) -> dict[
     """The searcher settings of ``index`` when it has ``count`` shards, else InvalidInputError
     saying what it has and how to build what was asked."""
     settings = index.searcher.settings
-    if not isinstance(index.searcher, ShardedSearcher):
+    if not sharded(settings):
         raise InvalidInputError(
             f"--search-shards {count}: the index in {directory} is not sharded "
             f"(build it with `specrag index build --shards {count}`)"

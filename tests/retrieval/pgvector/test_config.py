@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,14 +10,15 @@ import numpy as np
 import psycopg
 import pytest
 
-from specrag.cli import main
+from specrag.cli import build_parser, main
 from specrag.errors import InvalidInputError
-from specrag.retrieval.backends.pgvector.assembly import open_index, settings_from
-from specrag.retrieval.backends.pgvector.config import Columns, PgSettings, describe_dsn
+from specrag.retrieval.backends.pgvector.backend import serve_settings
+from specrag.retrieval.backends.pgvector.config import Columns, PgServing, PgSettings, describe_dsn
 from specrag.retrieval.backends.pgvector.database import Database, DatabaseUnavailableError
 from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
 from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
 from specrag.retrieval.backends.pgvector.table import inspect_table, load_table, read_passages
+from tests.helpers.tables import table_index
 from tests.helpers.vectors import DIM, passages_for
 
 SECRET = "hunter2-not-a-real-password"
@@ -43,19 +43,14 @@ class FixedEmbedder:
         return {}
 
 
-def serve_args(dsn: str, table: str, **extra: Any) -> argparse.Namespace:
-    values = {
-        "pg_dsn": dsn,
-        "pg_table": table,
-        "pg_columns": None,
-        "pg_metric": None,
-        "pg_index": None,
-        "pg_statement_timeout": 5.0,
-        "pg_pool_size": 4,
-        "pg_stage_mode": "parallel",
-        "nprobe": None,
-    }
-    return argparse.Namespace(**{**values, **extra})
+def serve_args(dsn: str, table: str, **flags: Any) -> PgServing:
+    """``serve --backend pgvector``'s settings of the table, with ``flags`` (``pg_index="hnsw"``:
+    ``--pg-index hnsw``; None: not given)."""
+    line = ["serve", "--backend", "pgvector", "--pg-dsn", dsn, "--pg-table", table, "--pg-pool-size", "4"]
+    for name, value in flags.items():
+        if value is not None:
+            line += [f"--{name.replace('_', '-')}", str(value)]
+    return serve_settings(build_parser().parse_args(line))
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +75,7 @@ def test_a_users_table_is_searched_through_the_column_mapping(
     postgres: LocalPostgres, users_table: str, vectors: np.ndarray
 ) -> None:
     args = serve_args(postgres.dsn, users_table, pg_columns="id=doc_id,title=heading,text=body,embedding=vec")
-    index, passages = open_index(args, embedder=FixedEmbedder(DIM), lexical=False)
+    index, passages = table_index(args, embedder=FixedEmbedder(DIM), lexical=False)
     try:
         assert passages[0].title.startswith("heading") and len(passages) == 2000
         query = vectors[7]
@@ -110,13 +105,13 @@ def test_a_bad_configuration_is_refused_naming_the_column(
 ) -> None:
     args = serve_args(postgres.dsn, extra.pop("pg_table", users_table), **extra)
     with pytest.raises(InvalidInputError, match=named):
-        open_index(args, embedder=FixedEmbedder(DIM), lexical=False)
+        table_index(args, embedder=FixedEmbedder(DIM), lexical=False)
 
 
 def test_a_dimension_mismatch_names_the_column(postgres: LocalPostgres, users_table: str) -> None:
     args = serve_args(postgres.dsn, users_table, pg_columns="id=doc_id,title=heading,text=body,embedding=vec")
     with pytest.raises(InvalidInputError, match=r"'vec'.*vector\(32\).*16"):
-        open_index(args, embedder=FixedEmbedder(16), lexical=False)
+        table_index(args, embedder=FixedEmbedder(16), lexical=False)
 
 
 def test_column_specs_are_checked() -> None:
@@ -191,7 +186,7 @@ def test_index_build_makes_an_hnsw_table_that_serve_checks(postgres: LocalPostgr
     pg = ["--backend", "pgvector", "--pg-dsn", postgres.dsn, "--pg-table", "cli_hnsw"]
     build = ["--data-dir", str(tmp_path), "index", "build", "--corpus", str(corpus), *pg]
     assert main([*build, "--pg-index", "hnsw", "--embedder", "tfidf-svd", "--dim", "4"]) == 0
-    index, passages = open_index(
+    index, passages = table_index(
         serve_args(postgres.dsn, "cli_hnsw"), embedder=FixedEmbedder(4), lexical=False
     )
     try:
@@ -199,13 +194,13 @@ def test_index_build_makes_an_hnsw_table_that_serve_checks(postgres: LocalPostgr
     finally:
         index.searcher.close()  # type: ignore[attr-defined]
     with pytest.raises(InvalidInputError, match=r"'embedding'.*no ivfflat index.*hnsw"):
-        open_index(serve_args(postgres.dsn, "cli_hnsw", pg_index="ivfflat"), embedder=FixedEmbedder(4))
+        table_index(serve_args(postgres.dsn, "cli_hnsw", pg_index="ivfflat"), embedder=FixedEmbedder(4))
 
 
 def test_the_search_deadline_is_below_the_first_token_timeout(postgres: LocalPostgres) -> None:
     def chosen(given: float | None, first_token: float | None = None) -> float:
-        args = serve_args(postgres.dsn, "docs", pg_search_timeout=given, first_token_timeout_s=first_token)
-        return settings_from(args).search_timeout_s
+        settings = serve_args(postgres.dsn, "docs", pg_search_timeout=given, first_token_timeout=first_token)
+        return settings.table.search_timeout_s
 
     assert chosen(None, 6.0) == 3.0  # half the first-token timeout, shorter than the default
     assert chosen(None) == 10.0 and chosen(5.0, 60.0) == 5.0

@@ -10,8 +10,8 @@ import pytest
 
 from specrag.cli import build_parser
 from specrag.errors import InvalidInputError
-from specrag.retrieval.backends.pgvector.assembly import open_index
-from specrag.retrieval.backends.pgvector.config import PgSettings, StageMode
+from specrag.retrieval.backends.pgvector.backend import serve_settings
+from specrag.retrieval.backends.pgvector.config import PgServing, PgSettings, StageMode
 from specrag.retrieval.backends.pgvector.database import Database
 from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
 from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
@@ -20,6 +20,7 @@ from specrag.retrieval.corpus import Passage
 from specrag.retrieval.live_index import Visibility
 from specrag.retrieval.search.stages import StagePlan
 from tests.helpers.live_corpus import TableEmbedder
+from tests.helpers.tables import table_index
 from tests.helpers.vectors import DIM
 
 ROWS = 600
@@ -124,9 +125,13 @@ def serve_args(settings: PgSettings, lexical: str) -> list[str]:
     ]
 
 
+def served(settings: PgSettings, lexical: str) -> PgServing:
+    """``serve``'s settings of the table with ``--pg-lexical lexical``."""
+    return serve_settings(build_parser().parse_args(serve_args(settings, lexical)))
+
+
 def test_the_hybrid_index_fuses_the_full_text_ranking(table: PgSettings, vectors: np.ndarray) -> None:
-    args = build_parser().parse_args(serve_args(table, "fts"))
-    index, _ = open_index(args, embedder=TableEmbedder(vectors))
+    index, _ = table_index(served(table, "fts"), TableEmbedder(vectors))
     try:
         assert index.hybrid and index.lexical is None
         query = vectors[3]
@@ -151,8 +156,6 @@ def test_a_table_without_the_tsvector_is_refused_saying_how_to_add_it(
     with psycopg.connect(table.dsn, autocommit=True) as connection:
         connection.execute(f"ALTER TABLE {table.table} DROP COLUMN specrag_fts")
     with pytest.raises(InvalidInputError, match=r"specrag_fts.*ALTER TABLE.*--pg-lexical bm25"):
-        open_index(build_parser().parse_args(serve_args(table, "fts")), embedder=TableEmbedder(vectors))
-    index, _ = open_index(
-        build_parser().parse_args(serve_args(table, "bm25")), embedder=TableEmbedder(vectors)
-    )
+        table_index(served(table, "fts"), TableEmbedder(vectors))
+    index, _ = table_index(served(table, "bm25"), TableEmbedder(vectors))
     index.searcher.close()  # type: ignore[attr-defined]

@@ -1,7 +1,8 @@
 """``serve --backend pgvector`` as the service assembles it, on a real server and the simulated
 engine: passages come from the table, the documents API writes to it, the database killed
-under the service is a bounded 503 with Retry-After, and it recovers by itself; the listener for
-other writers' changes reconnects after it and catches up on what it missed."""
+under the service is a bounded 503 with Retry-After (and ``/health`` says so), and it recovers by
+itself; the listener for other writers' changes reconnects after it and catches up on what it
+missed."""
 
 from __future__ import annotations
 
@@ -23,9 +24,13 @@ from specrag.paths import DataLayout
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.pipeline.store.table_corpus import TableStore
 from specrag.retrieval.backends.pgvector.local_server import LocalPostgres, find_binaries
+from specrag.retrieval.backends.registry import chosen
 from specrag.retrieval.corpus import Passage, write_passages
-from specrag.service.cli.commands import external_index
+from specrag.service.http.app import serving as serving_app
+from specrag.service.run.assembly import serving_engines
 from specrag.service.run.assets import Assets, ensure_assets
+from specrag.service.run.options import ServiceOptions
+from specrag.service.run.pools import PoolEngine
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers.builders import make_controller
 from tests.helpers.http import running
@@ -72,7 +77,7 @@ def pgvector_assets(
             str(SEARCH_TIMEOUT_S),
         ]
     )
-    return ensure_assets(DataLayout(tmp_path), model_dir, external=external_index(args))
+    return ensure_assets(DataLayout(tmp_path), model_dir, backend=chosen(args))
 
 
 async def unavailable(http: aiohttp.ClientSession, url: str, query: dict[str, object], where: str) -> None:
@@ -167,6 +172,45 @@ async def test_a_stalled_database_is_a_bounded_503_and_the_service_answers_again
                 await answers_again(http, url, query)
         finally:
             proxy.resume()
+
+
+async def health(http: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, object]]:
+    started = time.monotonic()
+    async with http.get(f"{url}/health") as response:
+        body = await response.json()
+    assert time.monotonic() - started < SEARCH_TIMEOUT_S + 10  # the probe is bounded
+    return response.status, body
+
+
+async def test_health_says_whether_the_database_answers(
+    server: LocalPostgres, tmp_path: Path, tiny_model_dir: Path, default_corpus: list[Passage]
+) -> None:
+    """/health asks the database (the service's own wiring): 200 with ``index.database:
+    answers``, 503 saying it does not answer (never where it is) while the server is down, 200
+    again once it is back."""
+    assets = pgvector_assets(server, tmp_path, tiny_model_dir, table_passages(default_corpus))
+    engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+    try:
+        async with (
+            serving_engines([PoolEngine("0", engine, None)], assets, ServiceOptions()) as service,
+            serving_app(service.app, access_log=False) as url,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http,
+        ):
+            status, body = await health(http, url)
+            assert (status, body["index"]) == (200, {"serving": True, "database": "answers"}), body
+            server.kill()
+            status, body = await health(http, url)
+            assert status == 503 and body["reason"] == "the database does not answer", body
+            assert body["index"] == {"serving": False, "database": "unavailable", "reason": body["reason"]}
+            assert str(server.root) not in json.dumps(body) and "postgres" not in json.dumps(body)
+            server.start()
+            deadline = time.monotonic() + 30
+            while (await health(http, url))[0] != 200:
+                assert time.monotonic() < deadline, "/health did not recover"
+                await asyncio.sleep(0.5)
+    finally:
+        await engine.close()
+        assets.close()
 
 
 def within(seconds: float, check: Callable[[], bool]) -> None:

@@ -24,9 +24,9 @@ from specrag.retrieval.backends.pgvector.config import StageMode
 from specrag.retrieval.backends.pgvector.local_server import LocalPostgres
 from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
 from specrag.retrieval.backends.pgvector.writes import VERSION_COLUMN
+from specrag.retrieval.backends.registry import chosen
 from specrag.retrieval.corpus import Passage, write_passages
 from specrag.retrieval.live_index import Visibility
-from specrag.service.cli.commands import external_index
 from specrag.service.run.assets import Assets, ensure_assets
 from tests.helpers.document_kv import kv_entry
 
@@ -49,7 +49,7 @@ def served(
     args = build_parser().parse_args(
         ["--data-dir", str(tmp_path), "serve", *pg[:-1], "--pg-lexical", lexical]
     )
-    return ensure_assets(DataLayout(tmp_path), model_dir, external=external_index(args))
+    return ensure_assets(DataLayout(tmp_path), model_dir, backend=chosen(args))
 
 
 def table_row(postgres: LocalPostgres, table: str, passage_id: str) -> tuple[str, int] | None:

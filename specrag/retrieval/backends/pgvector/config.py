@@ -9,11 +9,13 @@ the command line, where ``ps`` shows it), and is never echoed: every message nam
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 import re
 from dataclasses import dataclass, field, fields
 
 from specrag.errors import InvalidInputError
+from specrag.retrieval.embedders.choice import EmbedderChoice
 
 __all__ = [
     "BULK_READ_TIMEOUT_S",
@@ -23,11 +25,14 @@ __all__ = [
     "DEFAULT_SEARCH_TIMEOUT_S",
     "DEFAULT_STAGE_MODE",
     "DEFAULT_STATEMENT_TIMEOUT_S",
+    "DOCUMENTS_OFF",
     "DSN_ENV",
     "INDEX_METHODS",
     "METRICS",
     "Columns",
     "LexicalChannel",
+    "PgBuild",
+    "PgServing",
     "PgSettings",
     "StageMode",
     "StageQueries",
@@ -36,6 +41,7 @@ __all__ = [
     "resolve_dsn",
     "scrub",
     "search_timeout",
+    "store_name",
 ]
 
 DSN_ENV = "SPECRAG_PG_DSN"
@@ -274,3 +280,42 @@ def scrub(text: str, dsn: str) -> str:
         if secret:
             text = text.replace(secret, "***")
     return text
+
+
+# Why the documents API is off when the service may not write the table (its routes answer 501).
+DOCUMENTS_OFF = (
+    "the documents API cannot write to this pgvector table: change the table's rows with your own "
+    "writer and restart the service (it reads the rows at start)"
+)
+
+
+@dataclass(frozen=True)
+class PgBuild:
+    """``index build --backend pgvector``'s flags: the table, and how to index it."""
+
+    table: PgSettings
+    metric: str
+    index_method: str
+    replace: bool
+
+
+@dataclass(frozen=True)
+class PgServing:
+    """``serve --backend pgvector``'s flags: the table, what to check of it and how to search it."""
+
+    table: PgSettings
+    metric: str | None
+    index_method: str | None
+    lexical: LexicalChannel
+    stage_mode: StageMode
+    stages: StageQueries
+    embedder: EmbedderChoice
+    """What embeds questions: the model that embedded the table."""
+
+
+def store_name(settings: PgSettings) -> str:
+    """A directory name for the table's document store: its table and a digest of where it is,
+    so that two servers' tables of one name keep two stores (never the password)."""
+    digest = hashlib.sha256(f"{describe_dsn(settings.dsn)}|{settings.table}".encode()).hexdigest()[:12]
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", settings.table)
+    return f"pgvector-{safe}-{digest}"

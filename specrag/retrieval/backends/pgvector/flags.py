@@ -1,4 +1,4 @@
-"""The ``--backend`` and ``--pg-*`` flags of ``index build`` and ``serve``.
+"""The ``--pg-*`` flags of ``index build`` and ``serve`` (``--backend`` is the registry's).
 
 Apart from the rest of the package so that registering the flags needs no database driver:
 the driver is imported only when ``--backend pgvector`` is chosen.
@@ -21,22 +21,12 @@ from specrag.retrieval.backends.pgvector.config import (
     StageMode,
     StageQueries,
 )
-from specrag.retrieval.index_store import EMBEDDER_ENV, MINILM, WORDLLAMA, default_embedder
 
-__all__ = ["BACKENDS", "QUERY_EMBEDDERS", "add_arguments", "add_stage_arguments"]
-
-# Where the vectors live: specrag's own index directory, or a PostgreSQL table with pgvector.
-BACKENDS = ("local", "pgvector")
-# The built-in embedders a service may embed questions with (TF-IDF's fitted state lives only in
-# an index directory, which a served index loads with it).
-QUERY_EMBEDDERS = (MINILM, WORDLLAMA)
+__all__ = ["add_arguments", "add_stage_arguments"]
 
 
 def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
-    """The ``--backend`` and ``--pg-*`` flags (``building``: the index build's, else serve's)."""
-    parser.add_argument(
-        "--backend", choices=BACKENDS, default="local", help="where the vectors live (default: local)"
-    )
+    """The ``--pg-*`` flags (``building``: the index build's, else serve's)."""
     parser.add_argument(
         "--pg-dsn",
         help=f"PostgreSQL connection string (else ${DSN_ENV}, which keeps a password off the command line)",
@@ -72,18 +62,6 @@ def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
     if building:
         parser.add_argument("--pg-replace", action="store_true", help="drop the table first if it exists")
         return
-    # The query side (index build has these already): it must be what embedded the index.
-    parser.add_argument(
-        "--embedder",
-        choices=(*QUERY_EMBEDDERS, "sentence-transformers", "openai"),
-        default=default_embedder(),
-        help="what embeds questions: what embedded the index, else the service refuses to start "
-        f"(default: ${EMBEDDER_ENV}, else {MINILM}, as index build and prepare embed; wordllama is "
-        "fitted on the passages as they fit it); sentence-transformers and openai: with --backend pgvector",
-    )
-    parser.add_argument("--embedder-model", help="model directory, or the model name a server serves")
-    parser.add_argument("--embedder-url", help="base URL of an OpenAI-compatible /v1/embeddings server")
-    parser.add_argument("--embedder-key-env", help="environment variable holding the server's API key")
     parser.add_argument(
         "--pg-pool-size", type=int, default=DEFAULT_POOL_SIZE, help="connections held at most"
     )

@@ -70,7 +70,10 @@ from specrag.retrieval.backends.pgvector.table import TableLayout
 from specrag.retrieval.live_index import Visibility
 from specrag.retrieval.search.stages import Capabilities, StagePlan, StageResult, prepare_queries
 
-__all__ = ["PgVectorSearcher", "stage_probes"]
+__all__ = ["NO_CHANGE_TRIGGER", "PgVectorSearcher", "stage_probes"]
+
+# Why other writers' changes go unnoticed while serving until a change trigger is installed.
+NO_CHANGE_TRIGGER = "no change trigger installed"
 
 
 class PgVectorSearcher:
@@ -97,6 +100,8 @@ class PgVectorSearcher:
         queried: StageQueries | str = StageQueries.ENDS,
         version_column: str | None = None,
         fulltext: bool = False,
+        documents_off: str | None = None,
+        changes_off: str | None = NO_CHANGE_TRIGGER,
     ) -> None:
         self.database = database
         self.layout = layout
@@ -112,12 +117,12 @@ class PgVectorSearcher:
             raise InvalidInputError(f"--nprobe must be at least 1, got {self.nprobe}")
         self._names = RowNames(row_ids, versions)
         self.version_column = version_column
-        #: Why the documents API may not write this table (None: it may), set by whoever opened it.
-        self.documents_off: str | None = None
-        if version_column is None:
+        #: Why the documents API may not write this table (None: it may), as whoever opened it found.
+        self.documents_off = documents_off
+        if version_column is None and documents_off is None:
             self.documents_off = "the table has no version column"
         #: Why changes by other writers are not noticed while serving (None: a trigger reports them).
-        self.changes_off: str | None = "no change trigger installed"
+        self.changes_off = changes_off
         #: What to stop before the connections close (a change listener), called by :meth:`close`.
         self.on_close: list[Callable[[], None]] = []
         #: Rows are mapped while it serves (:meth:`map_rows`). A search's snapshot may hold versions

@@ -14,6 +14,7 @@ holds their manifests only (:func:`shard_manifests`), never their vectors.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "save_shards",
     "shard_directory",
     "shard_manifests",
+    "sharded",
 ]
 
 SHARD_FORMAT = "specrag-index-shard"
@@ -51,6 +53,12 @@ ROWS_FILE = "rows.npy"
 def shard_directory(index_directory: Path, number: int) -> Path:
     """Where shard ``number`` of the index in ``index_directory`` lives."""
     return index_directory / f"shard-{number:03d}"
+
+
+def sharded(settings: Mapping[str, Any]) -> bool:
+    """Whether a searcher's settings (as an index manifest records them) are a sharded index's:
+    the one test of it, on what the index says of itself rather than on its searcher's class."""
+    return "shards" in settings
 
 
 def save_shards(searcher: ShardedSearcher, staging: Path) -> list[str]:
