@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import faiss
 
@@ -20,10 +21,15 @@ from specrag.retrieval.corpus import (
 from specrag.retrieval.embedders.embedder import Embedder, SentenceTransformerEmbedder
 from specrag.retrieval.index_store import BUILT_IN_EMBEDDERS, KINDS, IndexConfig, build_index, save_index
 
-__all__ = ["BROUGHT_EMBEDDERS", "brought_embedder", "register"]
+if TYPE_CHECKING:  # aiohttp's client is imported only for a server
+    from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
 
-# Embedders a user brings: a model directory, or a server speaking OpenAI's /v1/embeddings.
-BROUGHT_EMBEDDERS = ("sentence-transformers", "openai")
+__all__ = ["BROUGHT_EMBEDDERS", "SERVED_EMBEDDER", "brought_embedder", "embedding_server", "register"]
+
+# A server speaking OpenAI's /v1/embeddings (serve may embed a local index's questions with it).
+SERVED_EMBEDDER = "openai"
+# Embedders a user brings: a model directory, or such a server.
+BROUGHT_EMBEDDERS = ("sentence-transformers", SERVED_EMBEDDER)
 
 
 def _corpus_build(args: argparse.Namespace) -> int:
@@ -40,13 +46,25 @@ def brought_embedder(args: argparse.Namespace) -> Embedder | None:
         if not args.embedder_model:
             raise InvalidInputError("--embedder sentence-transformers needs --embedder-model DIR")
         return SentenceTransformerEmbedder(Path(args.embedder_model))
-    if args.embedder == "openai":
-        if not args.embedder_url or not args.embedder_model:
-            raise InvalidInputError("--embedder openai needs --embedder-url URL and --embedder-model NAME")
-        from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
-
-        return OpenAIEmbedder(args.embedder_url, args.embedder_model, api_key_env=args.embedder_key_env)
+    if args.embedder == SERVED_EMBEDDER:
+        return embedding_server(args)
     return None
+
+
+def embedding_server(args: argparse.Namespace) -> OpenAIEmbedder:
+    """The server ``--embedder-url`` and ``--embedder-model`` name, each call bounded by
+    ``--embedder-timeout`` (serve's; 30 s for an index build). It is asked for its dimension
+    now: an unreachable server fails the command, not its first question."""
+    if not args.embedder_url or not args.embedder_model:
+        raise InvalidInputError("--embedder openai needs --embedder-url URL and --embedder-model NAME")
+    from specrag.retrieval.embedders.http_embedder import DEFAULT_TIMEOUT_S, OpenAIEmbedder
+
+    timeout_s = getattr(args, "embedder_timeout", DEFAULT_TIMEOUT_S)
+    if not timeout_s > 0:
+        raise InvalidInputError(f"--embedder-timeout must be a positive number of seconds, got {timeout_s}")
+    return OpenAIEmbedder(
+        args.embedder_url, args.embedder_model, timeout_s=timeout_s, api_key_env=args.embedder_key_env
+    )
 
 
 def _index_build(args: argparse.Namespace) -> int:

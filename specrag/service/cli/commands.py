@@ -23,6 +23,7 @@ from specrag.paths import DataLayout, resolve_data_dir
 from specrag.pipeline.engines.protocol import Sampling
 from specrag.pipeline.models.random_model import RANDOM_MODEL_NAME
 from specrag.retrieval.backends.pgvector.flags import QUERY_EMBEDDERS
+from specrag.retrieval.commands import SERVED_EMBEDDER, embedding_server
 from specrag.retrieval.index_store import EMBEDDER_ENV, IndexConfig
 from specrag.service.cli.demo import DEMO_QUESTIONS, run_demo
 from specrag.service.cli.engine_log import engine_output_to
@@ -72,19 +73,22 @@ def _assets(
     searched by Ray actors are loaded by them alone: this process keeps their manifests.
     ``on_model`` is :func:`ensure_assets`'s."""
     external = external_index(args)
-    if external is None and args.embedder not in QUERY_EMBEDDERS:
+    served = external is None and args.embedder == SERVED_EMBEDDER
+    if external is None and args.embedder not in (*QUERY_EMBEDDERS, SERVED_EMBEDDER):
         raise InvalidInputError(
             f"--embedder {args.embedder} needs --backend pgvector; a local index is embedded by "
-            f"{' or '.join(QUERY_EMBEDDERS)} (--embedder or ${EMBEDDER_ENV})"
+            f"{' or '.join(QUERY_EMBEDDERS)} (--embedder or ${EMBEDDER_ENV}), or by a server "
+            f"serving its model (--embedder {SERVED_EMBEDDER})"
         )
     return ensure_assets(
         *_paths(args),
         accept_corpus_change=args.accept_corpus_change,
         external=external,
-        index_config=None if external is not None else IndexConfig(embedder=args.embedder),
+        index_config=None if external is not None or served else IndexConfig(embedder=args.embedder),
         refuse_other_embedder=serving,
         shard_vectors=getattr(args, "search_shards", None) is None,
         on_model=on_model,
+        query_embedder=embedding_server(args) if served else None,
     )
 
 

@@ -23,13 +23,21 @@ from specrag.retrieval.backends.pgvector.config import (
 )
 from specrag.retrieval.index_store import EMBEDDER_ENV, MINILM, WORDLLAMA, default_embedder
 
-__all__ = ["BACKENDS", "QUERY_EMBEDDERS", "add_arguments", "add_stage_arguments"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_EMBEDDER_TIMEOUT_S",
+    "QUERY_EMBEDDERS",
+    "add_arguments",
+    "add_stage_arguments",
+]
 
 # Where the vectors live: specrag's own index directory, or a PostgreSQL table with pgvector.
 BACKENDS = ("local", "pgvector")
 # The built-in embedders a service may embed questions with (TF-IDF's fitted state lives only in
 # an index directory, which a served index loads with it).
 QUERY_EMBEDDERS = (MINILM, WORDLLAMA)
+# Seconds an embedding server may take to embed a question: a GPU server's are milliseconds.
+DEFAULT_EMBEDDER_TIMEOUT_S = 5.0
 
 
 def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
@@ -79,11 +87,21 @@ def add_arguments(parser: argparse._ActionsContainer, building: bool) -> None:
         default=default_embedder(),
         help="what embeds questions: what embedded the index, else the service refuses to start "
         f"(default: ${EMBEDDER_ENV}, else {MINILM}, as index build and prepare embed; wordllama is "
-        "fitted on the passages as they fit it); sentence-transformers and openai: with --backend pgvector",
+        "fitted on the passages as they fit it); openai: an OpenAI-compatible embedding server serving "
+        "the index's model (--embedder-url, --embedder-model); sentence-transformers: with --backend "
+        "pgvector",
     )
     parser.add_argument("--embedder-model", help="model directory, or the model name a server serves")
     parser.add_argument("--embedder-url", help="base URL of an OpenAI-compatible /v1/embeddings server")
     parser.add_argument("--embedder-key-env", help="environment variable holding the server's API key")
+    parser.add_argument(
+        "--embedder-timeout",
+        type=float,
+        default=DEFAULT_EMBEDDER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="each call to the embedding server: past it the question answers 504 embedding_timeout "
+        "(default: %(default)s)",
+    )
     parser.add_argument(
         "--pg-pool-size", type=int, default=DEFAULT_POOL_SIZE, help="connections held at most"
     )
