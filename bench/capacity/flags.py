@@ -57,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip bench.capacity.mirror_rate (the block-event rate one KV mirror follows with 0 lost "
         "batches; 60 s a rate, 10 s with --quick), run first and reported as mirror_events_per_s_*",
     )
+    parser.add_argument(
+        "--no-embedding-elsewhere",
+        action="store_true",
+        help="skip the configuration whose questions the embedding stand-in embeds "
+        "(python -m specrag.sim.embedding_server; run in front of the most replicas, reported as "
+        "capacity_answers_per_s_embedding_elsewhere and the like)",
+    )
     parser.add_argument("--name", default="capacity", help="bench/out/NAME.json and NAME.png")
     args = parser.parse_args(argv)
     args.rates = args.rates or (QUICK_RATES if args.quick else FULL_RATES)
