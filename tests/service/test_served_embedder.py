@@ -15,12 +15,13 @@ from specrag.cli import main
 from specrag.client import AsyncClient, SpecragHTTPError
 from specrag.paths import DataLayout
 from specrag.pipeline.store.live_corpus import LiveCorpus
+from specrag.retrieval.backends.shards.merge import ShardedSearcher
 from specrag.retrieval.corpus import Passage, write_passages
 from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
 from specrag.retrieval.embedders.served import MINILM_SERVED_NAMES, ServedEmbedder, served_mismatch
-from specrag.retrieval.index_store import MINILM, IndexConfig
+from specrag.retrieval.index_store import MINILM, IndexConfig, recorded_embedder
 from specrag.service.http.app import create_app, serving
-from specrag.service.run.assets import Assets, ensure_assets
+from specrag.service.run.assets import Assets, ensure_assets, ensure_index
 from specrag.sim.engine import SimulatedEngine
 from tests.helpers.builders import make_controller
 from tests.helpers.embedding_server import embedding_stand_in
@@ -139,3 +140,32 @@ def test_a_server_that_does_not_answer_in_time_is_a_504_naming_it(
             stop_writing(served)
     assert refused.value.status == 504
     assert "embedding server" in str(refused.value) and slow.url in str(refused.value)
+
+
+def test_a_sharded_index_serve_builds_is_embedded_and_searched_through_the_server(
+    tmp_path: Path,
+    default_corpus: list[Passage],
+    data: tuple[DataLayout, Path],
+    tiny_model_dir: Path,
+    minilm_embedder: Any,
+    embedding_clients: list[OpenAIEmbedder],
+) -> None:
+    passages = default_corpus[:24]
+    questions = [f"What does {passage.title} say?" for passage in passages[1:24:7]]
+    assets = assets_of(data, tiny_model_dir)
+    stop_writing(assets)
+    in_process = assets.index  # unsharded, embedded in process
+    with embedding_stand_in(minilm_embedder) as server:
+        embedding_clients.append(OpenAIEmbedder(server.url, MODEL))
+        layout = DataLayout(tmp_path / "data")
+        sharded = ensure_index(
+            layout, passages, IndexConfig(nlist=2, shards=2), query_embedder=embedding_clients[-1]
+        )
+        recorded = recorded_embedder(layout.index_dir) or {}
+        assert (recorded.get("kind"), recorded.get("model"), recorded.get("dim")) == ("openai", MODEL, 384)
+        assert isinstance(sharded.searcher, ShardedSearcher)
+        assert isinstance(sharded.embedder, ServedEmbedder) and sharded.embedder.kind == "openai"
+        for question in questions:
+            _, expected = in_process.search(in_process.embed_query(question), 4, query_text=question)
+            _, found = sharded.search(sharded.embed_query(question), 4, query_text=question)
+            assert in_process.passage_ids_of(expected) == sharded.passage_ids_of(found)
