@@ -35,7 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="6 rates of 8 s each (5 min 19 s on a loaded 2-core machine; under 15 min)",
+        help="6 rates of 8 s each (10 min 6 s in all with the embedding served elsewhere, on a 2-core "
+        "machine at load 6-8; under 15 min)",
     )
     add_model_option(parser, DEFAULT_MODEL_NAME, "its tokenizer builds the prompts; the stand-ins serve them")
     parser.add_argument("--data-dir", help="data directory (default: $SPECRAG_DATA_DIR or ./data)")
