@@ -16,6 +16,7 @@ __all__ = [
     "ConflictError",
     "DatabaseUnavailableError",
     "EmbedderError",
+    "EmbedderTimeoutError",
     "EngineError",
     "EngineTimeoutError",
     "EngineUnavailableError",
@@ -101,7 +102,12 @@ class DatabaseUnavailableError(SpecragError):
 
 
 class EmbedderError(EngineError):
-    """An embedding server failed, timed out or answered malformed data (an upstream failure)."""
+    """An embedding server failed or answered malformed data (an upstream failure: HTTP 503
+    ``embedding_unavailable`` when it happens to a question)."""
+
+
+class EmbedderTimeoutError(EmbedderError):
+    """An embedding server did not answer within its bound (HTTP 504 ``embedding_timeout``)."""
 
 
 ECHO_LIMIT = 80

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -16,6 +17,7 @@ from specrag.pipeline.models.gguf import convert_gguf
 from specrag.pipeline.models.random_model import make_random_model
 from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.retrieval.corpus import Passage, build_default_corpus
+from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
 from specrag.retrieval.index_store import EMBEDDER_ENV, WORDLLAMA
 from specrag.service.run.assets import Assets, ensure_assets
 from tests.helpers.models import TINY_MODEL_SPEC, write_llama_gguf
@@ -82,3 +84,20 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) 
     assert isinstance(assets.corpus, LiveCorpus)
     assets.corpus.store.stop_writing()  # a test's `specrag serve` writes its log, not the session
     return assets
+
+
+@pytest.fixture(scope="session")
+def minilm_embedder() -> Any:
+    """The project's MiniLM embedder, loaded once (the embedding stand-in's vectors are its)."""
+    from specrag.retrieval.embedders.minilm_embedder import MiniLMEmbedder
+
+    return MiniLMEmbedder()
+
+
+@pytest.fixture
+def embedding_clients() -> Iterator[list[OpenAIEmbedder]]:
+    """Embedding-server clients a test makes, closed after it (each holds a loop thread)."""
+    made: list[OpenAIEmbedder] = []
+    yield made
+    for client in made:
+        client.close()

@@ -29,10 +29,11 @@ from typing import Any
 import aiohttp
 
 from bench.capacity import mirror_rate
+from bench.capacity.embedding import EmbeddingServer, running_embedding_server
 from bench.capacity.flags import parse_args
 from bench.capacity.load import offer
-from bench.capacity.replicas import StandIn, running_stand_ins
-from bench.capacity.report import ADDED_TTFT_BOUND_MS, draw, rate_point, summary
+from bench.capacity.replicas import StandIn, running_stand_ins, stop_process
+from bench.capacity.report import ADDED_TTFT_BOUND_MS, ELSEWHERE, draw, rate_point, summary
 from bench.common import OUT_DIR, plot_path, print_summary, run_measurement, write_json
 from bench.e2e.workload import generate
 from specrag.paths import DataLayout, resolve_data_dir
@@ -55,11 +56,13 @@ def cores(spec: str | None) -> set[int] | None:
 
 @contextlib.contextmanager
 def front_process(
-    front: str, stand_ins: Sequence[StandIn], args: Any, data_dir: Path
+    front: str, stand_ins: Sequence[StandIn], args: Any, data_dir: Path, embedding: EmbeddingServer | None
 ) -> Iterator[tuple[str, str]]:
-    """The front end's process (its URL and control URL) while the block runs; its log in bench/out."""
+    """The front end's process (its URL and control URL) while the block runs, its questions
+    embedded by ``embedding`` (None: in process); its log in bench/out."""
     port, control = free_port_pair(), free_port_pair()
     command = [sys.executable, "-m", "bench.capacity.serving", "--front", front, "--port", str(port)]
+    command += ["--embedding-url", embedding.url] if embedding else []
     command += ["--control-port", str(control), "--data-dir", str(data_dir), "--k", str(args.k)]
     command += ["--model", args.model] + (["--cpus", args.service_cpus] if args.service_cpus else [])
     for stand_in in stand_ins:
@@ -67,7 +70,7 @@ def front_process(
         if front == "specrag":
             command += ["--engine-kv-events", stand_in.kv_events]
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    log = (OUT_DIR / f"{args.name}-{front}.log").open("w")
+    log = (OUT_DIR / f"{args.name}-{front}{ELSEWHERE if embedding else ''}.log").open("w")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         assert process.stdout is not None
@@ -76,12 +79,7 @@ def front_process(
             raise RuntimeError(f"the {front} front did not start: see {log.name}")
         yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{control}"
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=30)
         log.close()
 
 
@@ -135,18 +133,42 @@ async def sweep(
     return points
 
 
-async def measure(args: Any, data_dir: Path, questions: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+async def measure(
+    args: Any, data_dir: Path, questions: Sequence[str]
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, int]]:
+    """Each front in front of each replica count, its questions embedded in process; then, in
+    front of the most replicas, embedded by the embedding stand-in (unless told not to). Also the
+    stand-in's counts, to show it computed no question while measured."""
     runs: dict[str, list[dict[str, Any]]] = {}
+    embedding_stats: dict[str, int] = {}
     for count in args.replicas:
         with running_stand_ins(count, cores(args.client_cpus)) as stand_ins:
             for front in FRONTS:
-                async with aiohttp.ClientSession() as session:
-                    for stand_in in stand_ins:  # every front starts from empty prefix caches
-                        if not await stand_in.reset_prefix_cache(session):
-                            raise RuntimeError(f"{stand_in.url} refused to reset its prefix cache")
-                with front_process(front, stand_ins, args, data_dir) as (url, control):
+                await _reset(stand_ins)
+                with front_process(front, stand_ins, args, data_dir, None) as (url, control):
                     runs[f"{front}-{count}"] = await sweep(front, url, control, stand_ins, questions, args)
-    return runs
+            if count != max(args.replicas) or args.no_embedding_elsewhere:
+                continue
+            measured = 0  # texts the stand-in computed during the sweeps (not the fronts' starts)
+            with running_embedding_server(questions, cores(args.client_cpus)) as embedding:
+                for front in FRONTS:
+                    await _reset(stand_ins)
+                    with front_process(front, stand_ins, args, data_dir, embedding) as (url, control):
+                        label = f"{front}-{count}{ELSEWHERE}"
+                        before = await embedding.stats()
+                        runs[label] = await sweep(label, url, control, stand_ins, questions, args)
+                        after = await embedding.stats()
+                        measured += after["computed_while_serving"] - before["computed_while_serving"]
+                embedding_stats = after | {"computed_while_measured": measured}
+    return runs, embedding_stats
+
+
+async def _reset(stand_ins: Sequence[StandIn]) -> None:
+    """Every front starts from empty prefix caches."""
+    async with aiohttp.ClientSession() as session:
+        for stand_in in stand_ins:
+            if not await stand_in.reset_prefix_cache(session):
+                raise RuntimeError(f"{stand_in.url} refused to reset its prefix cache")
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
@@ -163,10 +185,12 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         assets.corpus.store.stop_writing()  # each front process writes the corpus' log in its turn
     trace = generate(assets.passages, "zipf", 2000, 1.0, seed=0)
     questions = [query.query for query in trace]
-    runs = run_measurement(measure(args, data_dir, questions))
+    runs, embedding_stats = run_measurement(measure(args, data_dir, questions))
     headline = summary(runs, max(args.replicas)) | {
         key: mirror[key] for key in ("mirror_events_per_s_no_loss", "mirror_events_per_s_kept_pace") if mirror
     }
+    if embedding_stats:
+        headline["embedding_stand_in"] = embedding_stats
     settings = {key: value for key, value in vars(args).items() if key != "quick"} | {"quick": args.quick}
     write_json(
         args.name,

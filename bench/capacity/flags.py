@@ -35,7 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="6 rates of 8 s each (5 min 19 s on a loaded 2-core machine; under 15 min)",
+        help="6 rates of 8 s each (10 min 6 s in all with the embedding served elsewhere, on a 2-core "
+        "machine at load 6-8; under 15 min)",
     )
     add_model_option(parser, DEFAULT_MODEL_NAME, "its tokenizer builds the prompts; the stand-ins serve them")
     parser.add_argument("--data-dir", help="data directory (default: $SPECRAG_DATA_DIR or ./data)")
@@ -56,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="skip bench.capacity.mirror_rate (the block-event rate one KV mirror follows with 0 lost "
         "batches; 60 s a rate, 10 s with --quick), run first and reported as mirror_events_per_s_*",
+    )
+    parser.add_argument(
+        "--no-embedding-elsewhere",
+        action="store_true",
+        help="skip the configuration whose questions the embedding stand-in embeds "
+        "(python -m specrag.sim.embedding_server; run in front of the most replicas, reported as "
+        "capacity_answers_per_s_embedding_elsewhere and the like)",
     )
     parser.add_argument("--name", default="capacity", help="bench/out/NAME.json and NAME.png")
     args = parser.parse_args(argv)

@@ -15,7 +15,7 @@ import psutil
 from specrag.service.run.pinning import pin_threads
 from specrag.service.run.pools import free_port_pair
 
-__all__ = ["StandIn", "running_stand_ins"]
+__all__ = ["StandIn", "running_stand_ins", "stop_process"]
 
 START_TIMEOUT_S = 600.0  # each imports vLLM's modules: minutes on a loaded 2-core machine
 
@@ -69,14 +69,15 @@ def _wait_ready(stand_in: StandIn) -> None:
         raise RuntimeError(f"a stand-in did not start (exit {stand_in.process.poll()}): {line!r}")
 
 
-def _stop(stand_in: StandIn) -> None:
-    if stand_in.process.poll() is None:
-        stand_in.process.terminate()
+def stop_process(process: subprocess.Popen[str], timeout_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it has not ended within ``timeout_s``; reaped either way."""
+    if process.poll() is None:
+        process.terminate()
         try:
-            stand_in.process.wait(timeout=15)
+            process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            stand_in.process.kill()
-            stand_in.process.wait()
+            process.kill()
+            process.wait()
 
 
 @contextlib.contextmanager
@@ -93,4 +94,4 @@ def running_stand_ins(count: int, cpus: Collection[int] | None) -> Iterator[list
         yield stand_ins
     finally:
         for stand_in in stand_ins:
-            _stop(stand_in)
+            stop_process(stand_in.process)

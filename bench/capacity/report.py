@@ -13,10 +13,12 @@ from bench.capacity.load import Answer
 from bench.capacity.meters import COMPONENTS
 from bench.common import save_figure
 
-__all__ = ["ADDED_TTFT_BOUND_MS", "capacity_of", "draw", "rate_point", "summary"]
+__all__ = ["ADDED_TTFT_BOUND_MS", "ELSEWHERE", "capacity_of", "draw", "rate_point", "summary"]
 
 ADDED_TTFT_BOUND_MS = 10.0
 """The added time to first token, at p99, within which a rate counts as held (docs/capacity.md)."""
+ELSEWHERE = "-embedding-elsewhere"
+"""The suffix of a run, and of its headline keys, whose questions an embedding server embedded."""
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -99,21 +101,50 @@ def capacity_of(points: Sequence[Mapping[str, Any]]) -> tuple[float, Mapping[str
 
 
 def summary(runs: Mapping[str, Sequence[Mapping[str, Any]]], replicas: int) -> dict[str, Any]:
-    """The headline keys, for specrag and the thin front in front of ``replicas`` stand-ins."""
-    capacity, at = capacity_of(runs[f"specrag-{replicas}"])
-    thin, _ = capacity_of(runs[f"thin-{replicas}"])
+    """The headline keys, for specrag and the thin front in front of ``replicas`` stand-ins, their
+    questions embedded in process; then the same keys (suffixed ``_embedding_elsewhere``) of the
+    runs whose questions an embedding server embedded, when there are any."""
+    headline = _fronts(runs, replicas, "")
+    if f"specrag-{replicas}{ELSEWHERE}" in runs:
+        suffix = ELSEWHERE.replace("-", "_")
+        elsewhere = _fronts(runs, replicas, ELSEWHERE)
+        headline |= {f"{key}{suffix}": elsewhere[key] for key in _PER_CONFIGURATION}
     specrag_points = [
         point for name, points in runs.items() if name.startswith("specrag") for point in points
     ]
-    half = (
-        min(runs[f"specrag-{replicas}"], key=lambda p: abs(p["offered_per_s"] - capacity / 2))
-        if capacity
-        else None
-    )
     predictions = sum(point["predictions"] for point in specrag_points)
     equal = sum((point["predicted_equals_delivered"] or 0) * point["predictions"] for point in specrag_points)
     last_mirrors = [runs[name][-1]["mirrors"] for name in runs if name.startswith("specrag") and runs[name]]
-    thin_at = capacity_of(runs[f"thin-{replicas}"])[1]
+    return headline | {
+        "mirror_lost_batches": sum(m.get("lost_batches", 0) for mirrors in last_mirrors for m in mirrors),
+        "mirror_exact_at_end": all(m.get("exact", False) for mirrors in last_mirrors for m in mirrors),
+        "mirror_predicted_equals_delivered": round(equal / predictions, 4) if predictions else None,
+        "capacities": {name: capacity_of(points)[0] for name, points in runs.items()},
+    }
+
+
+# The headline keys each embedding configuration has.
+_PER_CONFIGURATION = (
+    "capacity_answers_per_s",
+    "capacity_offered_per_s",
+    "thin_capacity_answers_per_s",
+    "capacity_ratio_vs_thin",
+    "added_ttft_p99_ms_at_half_capacity",
+    "half_capacity_offered_per_s",
+    "cpu_ms_per_answer",
+)
+
+
+def _fronts(runs: Mapping[str, Sequence[Mapping[str, Any]]], replicas: int, suffix: str) -> dict[str, Any]:
+    """Capacities, ratio, added TTFT at half capacity and CPU per answer of the two fronts' runs
+    named with ``suffix``."""
+    capacity, at = capacity_of(runs[f"specrag-{replicas}{suffix}"])
+    thin, thin_at = capacity_of(runs[f"thin-{replicas}{suffix}"])
+    half = (
+        min(runs[f"specrag-{replicas}{suffix}"], key=lambda p: abs(p["offered_per_s"] - capacity / 2))
+        if capacity
+        else None
+    )
     return {
         "replicas": replicas,
         "capacity_answers_per_s": capacity,
@@ -122,14 +153,10 @@ def summary(runs: Mapping[str, Sequence[Mapping[str, Any]]], replicas: int) -> d
         "capacity_ratio_vs_thin": round(capacity / thin, 3) if thin else None,
         "added_ttft_p99_ms_at_half_capacity": half["added_ttft_ms"]["p99"] if half else None,
         "half_capacity_offered_per_s": half["offered_per_s"] if half else None,
-        "mirror_lost_batches": sum(m.get("lost_batches", 0) for mirrors in last_mirrors for m in mirrors),
-        "mirror_exact_at_end": all(m.get("exact", False) for mirrors in last_mirrors for m in mirrors),
-        "mirror_predicted_equals_delivered": round(equal / predictions, 4) if predictions else None,
         "cpu_ms_per_answer": {
-            "specrag": (at or _busiest(runs[f"specrag-{replicas}"]))["cpu_ms_per_answer"],
-            "thin": (thin_at or _busiest(runs[f"thin-{replicas}"]))["cpu_ms_per_answer"],
+            "specrag": (at or _busiest(runs[f"specrag-{replicas}{suffix}"]))["cpu_ms_per_answer"],
+            "thin": (thin_at or _busiest(runs[f"thin-{replicas}{suffix}"]))["cpu_ms_per_answer"],
         },
-        "capacities": {name: capacity_of(points)[0] for name, points in runs.items()},
     }
 
 
@@ -142,9 +169,10 @@ def draw(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path) -> None:
     for name, points in runs.items():
         rates = [point["offered_per_s"] for point in points]
         style = "-" if name.startswith("specrag") else "--"
-        served.plot(rates, [point["answers_per_s"] for point in points], style, marker="o", label=name)
+        marker = "s" if name.endswith(ELSEWHERE) else "o"
+        served.plot(rates, [point["answers_per_s"] for point in points], style, marker=marker, label=name)
         p99 = [point["added_ttft_ms"]["p99"] for point in points]
-        added.plot(rates, [np.nan if v is None else v for v in p99], style, marker="o", label=name)
+        added.plot(rates, [np.nan if v is None else v for v in p99], style, marker=marker, label=name)
     served.set(xlabel="offered answers/s (Poisson)", ylabel="answers/s served", title="Served")
     added.axhline(ADDED_TTFT_BOUND_MS, color="grey", linewidth=0.8)
     added.set(

@@ -1,7 +1,9 @@
 """``python -m bench.capacity.serving``: one front end (specrag's service, or the thin baseline)
 over stand-in replicas, in a process of its own with CPU meters, until SIGTERM.
 
-The front serves on ``--port``; ``GET /bench/state`` on ``--control-port`` reports its CPU seconds
+The front serves on ``--port``, its questions embedded in process (MiniLM) or, with
+``--embedding-url``, by that embedding server as ``serve --embedder openai`` has them embedded.
+``GET /bench/state`` on ``--control-port`` reports its CPU seconds
 per component (:mod:`bench.capacity.meters`) and, for specrag, each KV mirror's state. The meters
 wrap the functions doing each part, in this process only: the product's code is not changed.
 """
@@ -29,6 +31,9 @@ from specrag.pipeline.engines.http_engine import HttpEngine
 from specrag.pipeline.kv_mirror.mirror import KVMirror
 from specrag.pipeline.kv_mirror.sequence import EventSequence
 from specrag.pipeline.store.prompt import PromptBuilder
+from specrag.retrieval.backends.registry import data_directory
+from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
+from specrag.retrieval.embedders.served import MINILM_SERVED_NAMES
 from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.http.access import Access
 from specrag.service.http.app import serving
@@ -62,7 +67,13 @@ def mirror_state(mirror: KVMirror) -> dict[str, Any]:
 
 async def serve_front(args: argparse.Namespace, stop: asyncio.Event) -> None:
     meters = install_meters()
-    assets: Assets = await asyncio.to_thread(ensure_assets, DataLayout(Path(args.data_dir)), args.model)
+    server = OpenAIEmbedder(args.embedding_url, MINILM_SERVED_NAMES[0]) if args.embedding_url else None
+    assets: Assets = await asyncio.to_thread(
+        ensure_assets,
+        DataLayout(Path(args.data_dir)),
+        args.model,
+        backend=data_directory(query_embedder=server),
+    )
     mirrors: list[KVMirror] = []
 
     async def state(_: web.Request) -> web.Response:
@@ -105,6 +116,7 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--cpus", help="cores of this process once it serves, e.g. 0")
+    parser.add_argument("--embedding-url", help="questions embedded by this embedding server, not in process")
     args = parser.parse_args()
 
     async def run() -> None:

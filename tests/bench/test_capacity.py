@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bench.capacity.__main__ import run
-from bench.capacity.report import capacity_of
+from bench.capacity.report import ELSEWHERE, capacity_of, summary
 from bench.common import OUT_DIR
 
 
@@ -30,6 +30,38 @@ def test_the_capacity_is_the_highest_rate_held_with_nothing_failed() -> None:
     assert capacity_of([point(10, 11.0), point(20, None)]) == (0.0, None)
 
 
+def test_the_embedding_elsewhere_runs_have_headline_keys_of_their_own() -> None:
+    def run_of(rates: list[tuple[float, float]]) -> list[dict[str, Any]]:
+        return [
+            point(rate, p99)
+            | {
+                "predictions": 0,
+                "predicted_equals_delivered": None,
+                "mirrors": [],
+                "cpu_ms_per_answer": {"total": rate},
+            }
+            for rate, p99 in rates
+        ]
+
+    runs = {
+        "specrag-4": run_of([(10, 12.0)]),
+        "thin-4": run_of([(10, 9.0)]),
+        f"specrag-4{ELSEWHERE}": run_of([(10, 2.0), (20, 4.0), (40, 30.0)]),
+        f"thin-4{ELSEWHERE}": run_of([(10, 1.0), (20, 2.0), (40, 3.0)]),
+    }
+    headline = summary(runs, 4)
+    assert headline["capacity_answers_per_s"] == 0 and headline[
+        "thin_capacity_answers_per_s"
+    ] == pytest.approx(9.9)
+    assert headline["capacity_answers_per_s_embedding_elsewhere"] == pytest.approx(19.8)
+    assert headline["capacity_ratio_vs_thin_embedding_elsewhere"] == 0.5
+    assert headline["added_ttft_p99_ms_at_half_capacity_embedding_elsewhere"] == 2.0
+    assert headline["cpu_ms_per_answer_embedding_elsewhere"]["specrag"] == {"total": 20}
+    assert "capacity_answers_per_s_embedding_elsewhere" not in summary(
+        {name: points for name, points in runs.items() if not name.endswith(ELSEWHERE)}, 4
+    )
+
+
 @pytest.mark.timeout(900)
 def test_a_tiny_run_reports_every_key(tmp_path: Path, tiny_model_dir: Path) -> None:
     argv = ["--data-dir", str(tmp_path), "--model", str(tiny_model_dir), "--rates", "3", "--seconds", "2"]
@@ -44,6 +76,7 @@ def test_a_tiny_run_reports_every_key(tmp_path: Path, tiny_model_dir: Path) -> N
             "3",
             "--no-pin",
             "--no-mirror-rate",
+            "--no-embedding-elsewhere",  # the session's index is WordLlama's, which no server serves
             "--name",
             "capacity-test",
         ]

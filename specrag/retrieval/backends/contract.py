@@ -16,7 +16,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from specrag.retrieval.index_store import IndexConfig
 from specrag.retrieval.lexical.bm25 import LexicalIndex
 from specrag.retrieval.search.stages import StagedSearcher
 from specrag.retrieval.vector_index import VectorIndex
+
+if TYPE_CHECKING:  # aiohttp's client is imported only for a server
+    from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
 
 __all__ = [
     "Backend",
@@ -64,9 +67,16 @@ class DataDirectory(Protocol):
         """The corpus, built or copied into the data directory when needed."""
         ...
 
-    def index(self, passages: list[Passage], config: IndexConfig, shard_vectors: bool) -> VectorIndex:
+    def index(
+        self,
+        passages: list[Passage],
+        config: IndexConfig,
+        shard_vectors: bool,
+        query_embedder: OpenAIEmbedder | None = None,
+    ) -> VectorIndex:
         """The index over ``passages``; without ``shard_vectors`` a sharded one as its shards'
-        manifests (their actors hold the vectors)."""
+        manifests (their actors hold the vectors); ``query_embedder``: an embedding server that
+        must serve the index's model, and embeds its questions and documents."""
         ...
 
 

@@ -15,7 +15,7 @@ import argparse
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
@@ -33,7 +33,12 @@ from specrag.retrieval.backends.contract import (
 from specrag.retrieval.backends.pgvector import backend as pgvector
 from specrag.retrieval.backends.pgvector.flags import add_arguments as add_pgvector_arguments
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.embedders.choice import BROUGHT_EMBEDDERS
+from specrag.retrieval.embedders.choice import (
+    BROUGHT_EMBEDDERS,
+    DEFAULT_EMBEDDER_TIMEOUT_S,
+    SERVED_EMBEDDER,
+    EmbedderChoice,
+)
 from specrag.retrieval.embedders.embedder import Embedder
 from specrag.retrieval.index_store import (
     EMBEDDER_ENV,
@@ -47,6 +52,9 @@ from specrag.retrieval.index_store import (
 from specrag.retrieval.progress import embed_in_batches
 from specrag.retrieval.search.stages import DEFAULT_STAGES, StagedSearcher
 from specrag.retrieval.vector_index import VectorIndex
+
+if TYPE_CHECKING:  # aiohttp's client is imported only for a server
+    from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
 
 __all__ = [
     "BACKENDS",
@@ -73,17 +81,31 @@ QUERY_EMBEDDERS = (MINILM, WORDLLAMA)
 @dataclass(frozen=True)
 class DirectorySettings:
     """An index in the data directory: the built-in embedder that embeds questions (serve) or
-    the passages (``index build``, whose flags say how to build it)."""
+    the passages (``index build``, whose flags say how to build it); served, ``query_embedder``
+    (an embedding server serving the index's model) embeds its questions and documents instead."""
 
     embedder: str
+    query_embedder: OpenAIEmbedder | None = None
+
+    def config(self) -> IndexConfig:
+        """The index this data directory should hold (a served embedder's index: the default
+        one, checked against the server when loaded)."""
+        return IndexConfig() if self.query_embedder is not None else IndexConfig(embedder=self.embedder)
 
 
 def _directory_settings(args: argparse.Namespace, building: bool) -> DirectorySettings:
-    """The data directory's settings: served, its index is embedded by a built-in query embedder."""
-    if not building and args.embedder not in QUERY_EMBEDDERS:
+    """The data directory's settings: served, its index is embedded by a built-in query embedder
+    or by an embedding server serving its model (asked now, so a server that does not answer
+    fails the start before anything else is touched)."""
+    if building:
+        return DirectorySettings(args.embedder)
+    if args.embedder == SERVED_EMBEDDER:
+        return DirectorySettings(args.embedder, EmbedderChoice.from_args(args).served())
+    if args.embedder not in QUERY_EMBEDDERS:
         raise InvalidInputError(
             f"--embedder {args.embedder} needs --backend pgvector; a local index is embedded by "
-            f"{' or '.join(QUERY_EMBEDDERS)} (--embedder or ${EMBEDDER_ENV})"
+            f"{' or '.join(QUERY_EMBEDDERS)} (--embedder or ${EMBEDDER_ENV}), or by a server "
+            f"serving its model (--embedder {SERVED_EMBEDDER})"
         )
     return DirectorySettings(args.embedder)
 
@@ -123,12 +145,13 @@ class _DirectoryIndex:
     config: IndexConfig
     passages: list[Passage]
     shard_vectors: bool
+    query_embedder: OpenAIEmbedder | None = None
     store_name: str | None = None
     table: StagedSearcher | None = None
     documents_off: str | None = None
 
     def index(self) -> VectorIndex:
-        return self.directory.index(self.passages, self.config, self.shard_vectors)
+        return self.directory.index(self.passages, self.config, self.shard_vectors, self.query_embedder)
 
     def close(self) -> None:
         """Nothing outside this process (shard actors stop with the service's Ray block)."""
@@ -138,12 +161,12 @@ class _DirectoryIndex:
 
 
 def _open_directory(settings: DirectorySettings, directory: DataDirectory) -> OpenedIndex:
-    return _DirectoryIndex(directory, IndexConfig(embedder=settings.embedder), directory.passages(), True)
+    return _DirectoryIndex(directory, settings.config(), directory.passages(), True, settings.query_embedder)
 
 
 def _open_shard_manifests(settings: DirectorySettings, directory: DataDirectory) -> OpenedIndex:
     """A sharded index whose shards' actors hold the vectors: this process keeps the manifests."""
-    return _DirectoryIndex(directory, IndexConfig(embedder=settings.embedder), directory.passages(), False)
+    return _DirectoryIndex(directory, settings.config(), directory.passages(), False, settings.query_embedder)
 
 
 @dataclass
@@ -269,10 +292,13 @@ def chosen(args: argparse.Namespace, building: bool = False) -> Chosen[Any]:
     return Chosen(backend, backend.settings(args, building))
 
 
-def data_directory(embedder: str | None = None) -> Chosen[DirectorySettings]:
-    """The data directory's index embedded by ``embedder`` (None: the default): what a caller
-    without a serving command line serves (a benchmark's, a test's)."""
-    return Chosen(LOCAL, DirectorySettings(embedder or default_embedder()))
+def data_directory(
+    embedder: str | None = None, query_embedder: OpenAIEmbedder | None = None
+) -> Chosen[DirectorySettings]:
+    """The data directory's index embedded by ``embedder`` (None: the default), its questions by
+    ``query_embedder`` when given: what a caller without a serving command line serves (a
+    benchmark's, a test's)."""
+    return Chosen(LOCAL, DirectorySettings(embedder or default_embedder(), query_embedder))
 
 
 def add_arguments(parser: Flags, building: bool) -> None:
@@ -295,8 +321,18 @@ def _add_query_embedder(parser: Flags) -> None:
         default=default_embedder(),
         help="what embeds questions: what embedded the index, else the service refuses to start "
         f"(default: ${EMBEDDER_ENV}, else {MINILM}, as index build and prepare embed; wordllama is "
-        "fitted on the passages as they fit it); sentence-transformers and openai: with --backend pgvector",
+        "fitted on the passages as they fit it); openai: an OpenAI-compatible embedding server serving "
+        "the index's model (--embedder-url, --embedder-model); sentence-transformers: with --backend "
+        "pgvector",
     )
     parser.add_argument("--embedder-model", help="model directory, or the model name a server serves")
     parser.add_argument("--embedder-url", help="base URL of an OpenAI-compatible /v1/embeddings server")
     parser.add_argument("--embedder-key-env", help="environment variable holding the server's API key")
+    parser.add_argument(
+        "--embedder-timeout",
+        type=float,
+        default=DEFAULT_EMBEDDER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="each call to the embedding server: past it the question answers 504 embedding_timeout "
+        "(default: %(default)s)",
+    )

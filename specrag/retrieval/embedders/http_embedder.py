@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import numpy as np
 
-from specrag.errors import EmbedderError, InvalidInputError
+from specrag.errors import EmbedderError, EmbedderTimeoutError, InvalidInputError
 from specrag.retrieval.arrays import unit_rows
 
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S", "ENDPOINT", "OpenAIEmbedder"]
@@ -144,7 +144,9 @@ class OpenAIEmbedder:
                     raise EmbedderError(f"{self.url} answered HTTP {response.status}: {detail}")
                 payload = await response.json(content_type=None)
         except TimeoutError as error:
-            raise EmbedderError(f"{self.url} did not answer within {self.timeout_s:g} s") from error
+            raise EmbedderTimeoutError(
+                f"the embedding server {self.url} did not answer within {self.timeout_s:g} s"
+            ) from error
         except aiohttp.ClientError as error:
             raise EmbedderError(f"cannot reach the embedding server {self.url}: {error}") from error
         except ValueError as error:  # a body that is not JSON

@@ -38,6 +38,8 @@ from specrag.errors import (
     ArtifactError,
     ConflictError,
     DatabaseUnavailableError,
+    EmbedderError,
+    EmbedderTimeoutError,
     EngineError,
     EngineTimeoutError,
     EngineUnavailableError,
@@ -125,6 +127,12 @@ def describe_error(error: BaseException) -> ErrorInfo:
         )
     if isinstance(error, ShardUnavailableError):
         return ErrorInfo(503, str(error), "search_unavailable", "shard_unavailable", ENGINE_RETRY_AFTER_S)
+    if isinstance(error, EmbedderTimeoutError):
+        return ErrorInfo(504, str(error), "embedding_timeout", "embedding_timeout")
+    if isinstance(error, EmbedderError):  # the question's embedding server, not the engine
+        return ErrorInfo(
+            503, str(error), "embedding_unavailable", "embedding_unavailable", ENGINE_RETRY_AFTER_S
+        )
     if isinstance(error, EngineUnavailableError):
         return ErrorInfo(503, str(error), "engine_unavailable", "engine_unavailable", ENGINE_RETRY_AFTER_S)
     if isinstance(error, EngineTimeoutError):

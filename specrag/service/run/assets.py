@@ -38,6 +38,8 @@ from specrag.retrieval.backends.contract import OpenedIndex
 from specrag.retrieval.backends.registry import Chosen, data_directory
 from specrag.retrieval.corpus import Passage, build_default_corpus, load_passages, write_passages
 from specrag.retrieval.corpus_change import CorpusShrunkError, check_corpus_change
+from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
+from specrag.retrieval.embedders.served import ServedEmbedder, served_mismatch
 from specrag.retrieval.index_store import (
     IndexConfig,
     build_index,
@@ -166,6 +168,7 @@ def ensure_index(
     directory: Path | None = None,
     refuse_other_embedder: bool = False,
     shard_vectors: bool = True,
+    query_embedder: OpenAIEmbedder | None = None,
 ) -> VectorIndex:
     """The vector index over ``passages``, built when missing, corrupt, built from another corpus or
     with another embedder or channels than ``config`` (default: the hybrid default).
@@ -177,13 +180,20 @@ def ensure_index(
     is an InvalidInputError naming both instead of being rebuilt: questions embedded unlike the
     passages would find the wrong ones, and a rebuild is for ``prepare`` to decide. Without
     ``shard_vectors`` a sharded index is held as its shards' manifests (:func:`load_index`), a
-    fresh build included: actors search it.
+    fresh build included: actors search it. A ``query_embedder`` (an embedding server) must serve
+    the index's embedder (:func:`~specrag.retrieval.embedders.served.served_mismatch`, refused
+    otherwise), embeds an index built here, and then embeds the index's questions and documents.
     """
     directory = directory or layout.index_dir
     config = config or IndexConfig()
     with writer_lock(directory):
         checksum = corpus_checksum(passages)
-        other_embedder = config.embedder_mismatch(recorded_embedder(directory))
+        embedded_by = recorded_embedder(directory)
+        if query_embedder is not None:
+            other_embedder = served_mismatch(embedded_by, query_embedder)
+            if other_embedder is not None:
+                raise InvalidInputError(f"{directory}: {other_embedder}")
+        other_embedder = None if query_embedder else config.embedder_mismatch(embedded_by)
         if other_embedder is not None and refuse_other_embedder:
             raise InvalidInputError(
                 f"{directory}: {other_embedder}; serve with the index's embedder (--embedder) or "
@@ -200,19 +210,30 @@ def ensure_index(
                 mismatch = "built from the same passage ids with other titles or texts"
             if mismatch is None:
                 _describe(index, f"loaded the vector index {directory}")
-                return index
+                return _questions_by(index, query_embedder, directory)
             logger.warning("rebuilding the vector index in %s (%s)", directory, mismatch)
         except ArtifactError as reason:
             if directory.exists():
                 logger.warning("rebuilding the vector index in %s (%s)", directory, reason)
             else:
                 logger.info("building the vector index in %s", directory)
-        index = build_index(passages, config, progress=True)
+        index = build_index(passages, config, query_embedder, progress=True)
         save_index(index, directory, checksum)
         if not shard_vectors:
             index = load_index(directory, shard_vectors=False)
         _describe(index, f"built the vector index {directory}")
-        return index
+        return _questions_by(index, query_embedder, directory)
+
+
+def _questions_by(index: VectorIndex, server: OpenAIEmbedder | None, directory: Path) -> VectorIndex:
+    """``index``, its questions and added documents embedded by ``server`` (if any) under the
+    embedder it records; an embedding-server client the index loaded from its manifest is closed."""
+    recorded = recorded_embedder(directory) if server is not None else None
+    if server is not None and recorded is not None:  # recorded: the index was just loaded or saved
+        loaded, index.embedder = index.embedder, ServedEmbedder(server, recorded)
+        if isinstance(loaded, OpenAIEmbedder) and loaded is not server:  # not one it built
+            loaded.close()
+    return index
 
 
 def _describe(index: VectorIndex, what: str) -> None:
@@ -232,13 +253,20 @@ class _DataDirectory:
     def passages(self) -> list[Passage]:
         return ensure_corpus(self.layout, self.corpus_file, self.accept_corpus_change)
 
-    def index(self, passages: list[Passage], config: IndexConfig, shard_vectors: bool) -> VectorIndex:
+    def index(
+        self,
+        passages: list[Passage],
+        config: IndexConfig,
+        shard_vectors: bool,
+        query_embedder: OpenAIEmbedder | None = None,
+    ) -> VectorIndex:
         return ensure_index(
             self.layout,
             passages,
             config,
             refuse_other_embedder=self.refuse_other_embedder,
             shard_vectors=shard_vectors,
+            query_embedder=query_embedder,
         )
 
 

@@ -4,14 +4,12 @@ interrupted (SIGINT or SIGTERM stop it cleanly). See :mod:`specrag.sim.gpu_serve
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import signal
 import sys
 
 from specrag.errors import InvalidInputError
 from specrag.sim.gpu_server.server import HOST, StandInServer, StandInSettings
 from specrag.sim.gpu_server.time_model import TimeModel
+from specrag.sim.signals import run_until_interrupted, stop_on_signals
 
 _DEFAULTS = StandInSettings(port=8000, kv_events_port=5557)
 _TIMES = TimeModel()
@@ -60,10 +58,7 @@ def parse_settings(argv: list[str] | None = None) -> StandInSettings:
 
 
 async def serve(settings: StandInSettings) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    stop = stop_on_signals()
     async with StandInServer(settings):
         print(
             f"GPU stand-in on http://{HOST}:{settings.port}, KV events on tcp://{HOST}:{settings.kv_events_port}",
@@ -73,10 +68,7 @@ async def serve(settings: StandInSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse_settings(argv)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings))
-    return 0
+    return run_until_interrupted(serve(parse_settings(argv)))
 
 
 if __name__ == "__main__":
