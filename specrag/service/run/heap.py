@@ -8,7 +8,8 @@ ordering or its stream, every few hundred answers, stopping every answer in flig
 as the walk takes (docs/capacity.md, "Profile", gives the measured pause). ``gc.freeze`` moves
 the objects alive at the end of the start into the permanent generation, which collections skip;
 what the service makes afterwards (its trees, its queries) is collected as before. vLLM's own
-server freezes its heap the same way once started.
+engine core and server freeze theirs the same way once started
+(``vllm.utils.gc_utils.freeze_gc_heap``).
 
 One collection first, so that the start's own garbage is freed rather than frozen; on exit the
 heap is unfrozen, so that what the service held can be collected again in a process that goes
