@@ -6,11 +6,17 @@ charged to itself only, its caller paused meanwhile. The vector search's threads
 (``specrag-search``, where the staged search runs) are charged whole, read from the kernel's
 per-thread counters; what the process used beyond every meter is ``http_and_other`` (aiohttp,
 the query's coroutines, JSON, speculation decisions, the event loop itself).
+
+The garbage collector's passes are a component of their own (``gc``, through ``gc.callbacks``): a
+collection runs on whichever thread allocated when a threshold was reached, so without its own
+meter a full collection's pause would be charged to the function that happened to be running
+(ordering, most often: it allocates the most on the loop).
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +26,7 @@ import psutil
 
 __all__ = ["COMPONENTS", "CpuMeters"]
 
-COMPONENTS = ("embedding", "search", "ordering", "mirror", "prompt", "http_and_other")
+COMPONENTS = ("embedding", "search", "ordering", "mirror", "prompt", "gc", "http_and_other")
 SEARCH_THREAD_PREFIX = "specrag-search"
 
 
@@ -30,8 +36,9 @@ class CpuMeters:
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(COMPONENTS, 0.0)
         self._local = threading.local()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a collection may start inside snapshot's hold of it
         self._process = psutil.Process()
+        gc.callbacks.append(self._collecting)
 
     def wrap(self, owner: Any, name: str, component: str) -> None:
         """Meter ``owner.name`` (a class's method or a module's function) as ``component``."""
@@ -48,19 +55,38 @@ class CpuMeters:
 
         setattr(owner, name, metered)
 
+    def _collecting(self, phase: str, info: dict[str, int]) -> None:
+        """A collection's start and stop, metered as ``gc``; one that starts while a meter itself
+        updates (it allocates too) stays in the component running then, and one on a search
+        thread in ``search`` (charged whole)."""
+        if getattr(self._local, "updating", False) or threading.current_thread().name.startswith(
+            SEARCH_THREAD_PREFIX
+        ):
+            return
+        if phase == "start":
+            self._local.collecting = True
+            self._enter("gc")
+        elif getattr(self._local, "collecting", False):
+            self._local.collecting = False
+            self._leave()
+
     def _enter(self, component: str) -> None:
+        self._local.updating = True
         stack: list[list[Any]] = self._local.__dict__.setdefault("stack", [])
         now = time.thread_time()
         if stack:
             self._charge(stack[-1], now)
         stack.append([component, now])
+        self._local.updating = False
 
     def _leave(self) -> None:
+        self._local.updating = True
         stack: list[list[Any]] = self._local.stack
         now = time.thread_time()
         self._charge(stack.pop(), now)
         if stack:
             stack[-1][1] = now
+        self._local.updating = False
 
     def _charge(self, frame: list[Any], now: float) -> None:
         with self._lock:

@@ -6,6 +6,12 @@ The front serves on ``--port``, its questions embedded in process (MiniLM) or, w
 ``GET /bench/state`` on ``--control-port`` reports its CPU seconds
 per component (:mod:`bench.capacity.meters`) and, for specrag, each KV mirror's state. The meters
 wrap the functions doing each part, in this process only: the product's code is not changed.
+
+specrag is told the stand-ins' per-step token budget, as its warning asks an operator to do for
+an engine server that does not report one: assumed at a CPU engine's 512 tokens, its prefill
+pool would hold one final prompt per replica and queue the rest, where each stand-in computes
+8,192 tokens a step. The thin front runs with its start's heap frozen as the service's is
+(:func:`~specrag.service.run.heap.frozen_heap`), so that neither pays full collections of it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from aiohttp import web
 from bench.capacity.meters import CpuMeters
 from bench.capacity.thin import thin_app
 from specrag.cache.tree import KnowledgeTree
+from specrag.controller.config import ControllerConfig
 from specrag.controller.placement import Placement
 from specrag.paths import DataLayout
 from specrag.pipeline.engines.http_engine import HttpEngine
@@ -39,8 +46,10 @@ from specrag.service.http.access import Access
 from specrag.service.http.app import serving
 from specrag.service.run.assembly import open_service, prompt_builder
 from specrag.service.run.assets import Assets, ensure_assets
+from specrag.service.run.heap import frozen_heap
 from specrag.service.run.options import ServiceOptions
 from specrag.service.run.pinning import pin_threads
+from specrag.sim.gpu_server.time_model import TimeModel
 
 HOST = "127.0.0.1"
 UNLIMITED = 1_000_000  # a capacity run is bounded by its offered rate, not by admission limits
@@ -84,6 +93,7 @@ async def serve_front(args: argparse.Namespace, stop: asyncio.Event) -> None:
     async with contextlib.AsyncExitStack() as stack:
         if args.front == "specrag":
             options = ServiceOptions(
+                controller=ControllerConfig(batched_token_budget=TimeModel.max_num_batched_tokens),
                 engine_urls=tuple(args.engine_url),
                 engine_kv_events=tuple(args.engine_kv_events),
                 access=Access(max_queries=UNLIMITED, max_queries_per_client=UNLIMITED),
@@ -97,6 +107,7 @@ async def serve_front(args: argparse.Namespace, stop: asyncio.Event) -> None:
             for engine in engines:
                 stack.push_async_callback(engine.close)
             app = thin_app(assets.index, prompt_builder(assets, engines[0]), engines, args.k)
+            stack.enter_context(frozen_heap())
         await stack.enter_async_context(serving(app, HOST, args.port, access_log=False))
         await stack.enter_async_context(serving(control, HOST, args.control_port, access_log=False))
         if args.cpus:  # once started (on every core): every thread of this process, and later ones

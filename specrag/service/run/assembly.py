@@ -43,6 +43,7 @@ from specrag.service.http.metrics import ServiceMetrics
 from specrag.service.http.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
 from specrag.service.http.monitoring import INDEX_HEALTH, SEARCH_SHARDS
 from specrag.service.run.assets import Assets, CheckingAssets
+from specrag.service.run.heap import frozen_heap
 from specrag.service.run.options import ServiceOptions, base_engine_config
 from specrag.service.run.pinning import pin_threads
 from specrag.service.run.pools import (
@@ -251,7 +252,8 @@ async def serving_engines(
                         engines[0].engine.max_model_len, options.controller.max_tokens_default
                     )
                 app = _application(controller, options, assets, pool.mirrors)
-                yield Service(app, controller, pool.placement, pool.mirrors)
+                with frozen_heap():  # started: full collections skip what the start made
+                    yield Service(app, controller, pool.placement, pool.mirrors)
             finally:
                 await controller.close()
 
