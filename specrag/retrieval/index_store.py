@@ -10,10 +10,11 @@ is an :class:`ArtifactError` that names it rather than wrong search results.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -82,6 +83,8 @@ FORMAT = "specrag-index"
 #    an earlier version is rebuilt (ensure_index) rather than searched with normalised questions.
 VERSION = 3
 PASSAGE_IDS_FILE = "passage_ids.json"
+_MANIFEST_KEYS = {"format", "version", "metric", "dim", "ntotal", "num_passages", "searcher", "embedder"}
+_MANIFEST_KEYS |= {"lexical", "fusion", "files"}
 SOURCES_FILE = "synthetic_sources.npy"
 if TYPE_CHECKING:
     from specrag.retrieval.backends.local.staged_hnsw import StagedHNSW
@@ -355,20 +358,7 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST_FILE
     if not path.is_file():
         raise ArtifactError(f"index manifest not found: {path} (build it with `specrag index build`)")
-    required = (
-        "format",
-        "version",
-        "metric",
-        "dim",
-        "ntotal",
-        "num_passages",
-        "searcher",
-        "embedder",
-        "lexical",
-        "fusion",
-        "files",
-    )
-    manifest = read_manifest(path, "index manifest", required)
+    manifest = read_manifest(path, "index manifest", _MANIFEST_KEYS)
     if (manifest["format"], manifest["version"], manifest["metric"]) != (FORMAT, VERSION, METRIC):
         raise ArtifactError(f"{path}: unsupported index format {manifest['format']} v{manifest['version']}")
     return manifest
@@ -400,7 +390,11 @@ def _read_searcher(directory: Path, manifest: dict[str, Any], shard_vectors: boo
 
 
 def load_index(
-    directory: Path, runner: SearchRunner | None = None, *, shard_vectors: bool = True
+    directory: Path,
+    runner: SearchRunner | None = None,
+    *,
+    shard_vectors: bool = True,
+    embedded_by: Callable[[Mapping[str, Any]], Embedder] | None = None,
 ) -> VectorIndex:
     """Load and check an index directory written by :func:`save_index`.
 
@@ -409,12 +403,21 @@ def load_index(
     ``shard_vectors`` a sharded index's shards are read as their checksummed manifests only
     (:func:`~specrag.retrieval.backends.shards.store.shard_manifests`): a controller whose shards live in
     actors (``serve --search-shards``) never holds their vectors, and searches through the actors.
+    ``embedded_by`` gives the embedder of the recorded entry instead of loading it (an embedding
+    server's for ``serve --embedder openai``: the recorded model is then never loaded here).
     """
     with reading_directory(directory) as version:
-        return _load_version(version, runner, shard_vectors)
+        return _load_version(
+            version, runner, shard_vectors, embedded_by or functools.partial(load_embedder, version)
+        )
 
 
-def _load_version(directory: Path, runner: SearchRunner | None, shard_vectors: bool) -> VectorIndex:
+def _load_version(
+    directory: Path,
+    runner: SearchRunner | None,
+    shard_vectors: bool,
+    embedded_by: Callable[[Mapping[str, Any]], Embedder],
+) -> VectorIndex:
     manifest = _read_manifest(directory)
     verify_files(directory, manifest["files"])
     searcher = _read_searcher(directory, manifest, shard_vectors)
@@ -433,7 +436,7 @@ def _load_version(directory: Path, runner: SearchRunner | None, shard_vectors: b
         "passage_ids_sha256"
     ):
         raise ArtifactError(f"{ids_path}: passage ids do not match the manifest")
-    embedder = load_embedder(directory, manifest["embedder"])
+    embedder = embedded_by(manifest["embedder"])
     if embedder.dim != searcher.dim:
         raise ArtifactError(
             f"{directory}: embedder gives {embedder.dim} dimensions, index has {searcher.dim}"

@@ -17,6 +17,7 @@ scores them by fusion. A live corpus changes the index while searches run
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 
@@ -30,7 +31,7 @@ from specrag.retrieval.index.rows import PassageRows, PreparedChanges, visible_t
 from specrag.retrieval.index.searcher import OpenedSearcher
 from specrag.retrieval.lexical.bm25 import LexicalIndex
 from specrag.retrieval.lexical.fusion import FusionConfig
-from specrag.retrieval.live_index import Growable, Visibility
+from specrag.retrieval.live_index import Growable, Retrainable, Visibility
 from specrag.retrieval.search.search_runner import SearchRunner
 from specrag.retrieval.search.stage_stats import PlanKey, StageStatistics
 from specrag.retrieval.search.staged_search import StagedSearch
@@ -84,6 +85,29 @@ class VectorIndex:
     @searcher.setter
     def searcher(self, searcher: StagedSearcher) -> None:
         self._opened = OpenedSearcher.of(searcher)
+
+    @contextlib.contextmanager
+    def searching_through(self, searcher: StagedSearcher) -> Iterator[None]:
+        """Within the block, search through ``searcher`` (opened, its capabilities checked, first),
+        which must hold the same rows; the searcher held before comes back on exit, error or not
+        (a sharded index's Ray actors stand in for its shards' manifests while the service runs)."""
+        previous = self._opened
+        held = previous.searcher.ntotal
+        if searcher.ntotal != held:
+            raise InvalidInputError(
+                f"the {searcher.kind} searcher holds {searcher.ntotal} rows, the index {held}"
+            )
+        self._opened = OpenedSearcher.of(searcher)
+        try:
+            yield
+        finally:
+            self._opened = previous
+
+    @property
+    def retrainable(self) -> Retrainable | None:
+        """The searcher as one whose centroids can be trained anew (None: it declared no
+        ``retrains``, as an HNSW graph, a sharded index or a database)."""
+        return self._opened.retrainable
 
     @property
     def passage_ids(self) -> list[str]:

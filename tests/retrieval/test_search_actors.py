@@ -29,7 +29,6 @@ from specrag.retrieval.backends.shards.store import save_shards
 from specrag.retrieval.live_index import Visibility
 from specrag.retrieval.search.stages import StagePlan
 from specrag.retrieval.synthetic import GaussianMixture, queries_near
-from specrag.retrieval.vector_index import VectorIndex
 
 ray = pytest.importorskip("ray")
 
@@ -230,9 +229,8 @@ def test_an_actor_ray_gave_up_on_is_replaced_and_health_names_every_shard(
     local.add(new, 3000)
     expected = list(local.stages(queries, 10, PLAN))[-1].ids
     with search_shards(*saved, num_cpus=0.5, wait_s=30, max_restarts=0, probe_every_s=0.5) as remote:
-        index = VectorIndex(remote, [str(row) for row in range(3000)])
         remote.add(new, 3000)
-        assert [shard["state"] for shard in shards_health(index)] == ["serving"] * 3
+        assert [shard["state"] for shard in shards_health(remote)] == ["serving"] * 3
         victim = remote.shards[1]
         assert isinstance(victim, RemoteShard)
         dead_pid = victim.info.pid
@@ -244,7 +242,7 @@ def test_an_actor_ray_gave_up_on_is_replaced_and_health_names_every_shard(
             time.sleep(0.1)
         assert victim.replacements == 1 and victim.info.pid != dead_pid, states
         assert "replacing" in states
-        health = shards_health(index)
+        health = shards_health(remote)
         assert [shard["name"] for shard in health] == ["000", "001", "002"]
         assert [shard["state"] for shard in health] == ["serving"] * 3
         assert health[1]["replacements"] == 1 and health[1]["rows"] == 1002

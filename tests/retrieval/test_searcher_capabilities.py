@@ -166,3 +166,52 @@ def test_a_searcher_swapped_in_answers_as_its_capabilities_say(
     index.search(queries[0], 5, shard_answers=answers)
     list(index.search_staged(queries[0], 5, StagePlan(2, "equal"), shard_answers=staged))
     assert answers.answered == staged.answered == ["000", "001", "002"]
+
+
+def test_a_searcher_searched_through_for_a_block_is_opened_and_given_back(
+    vectors: np.ndarray, queries: np.ndarray
+) -> None:
+    """The swap a sharded service makes is the facade's one named operation: the searcher is
+    opened (its capabilities checked) and must hold the index's rows; the one held before comes
+    back on exit, also when the block fails."""
+    rows = vectors[:1200]
+    local = StagedIVF.build(rows, nlist=16, nprobe=8)
+    index = VectorIndex(local, [f"p{row}" for row in range(len(rows))])
+    sharded = build_ivf_shards(rows, 3, nlist=16, nprobe=8)
+    with index.searching_through(sharded):
+        assert index.searcher is sharded and index.retrainable is None
+        answers = ShardAnswers()
+        index.search(queries[0], 5, shard_answers=answers)
+        assert answers.answered == ["000", "001", "002"]
+    assert index.searcher is local and index.retrainable is local
+    with pytest.raises(RuntimeError, match="the block failed"), index.searching_through(sharded):
+        raise RuntimeError("the block failed")
+    assert index.searcher is local
+    with pytest.raises(InvalidInputError, match="holds 600 rows, the index 1200"):
+        index.searching_through(build_ivf_shards(rows[:600], 2, nlist=16, nprobe=8)).__enter__()
+    assert index.searcher is local
+    plain = PlainSearcher(Capabilities())
+    three = VectorIndex(plain, ["a", "b", "c"])
+    with pytest.raises(InvalidInputError, match="declares live_rows but lacks"):
+        three.searching_through(BlindGrower(Capabilities(live_rows=True))).__enter__()
+    assert three.searcher is plain
+
+
+def test_no_module_outside_the_backends_tests_a_searchers_class_or_capability() -> None:
+    """Outside ``retrieval/backends`` (whose modules know their own classes) and the facade's
+    opening, what a searcher can do is asked of the index (``VectorIndex.retrainable``, ...)."""
+    backends = backend_classes()
+    outside = [
+        source
+        for source in (RETRIEVAL.parent).rglob("*.py")
+        if RETRIEVAL / "backends" not in source.parents and source != RETRIEVAL / "index" / "searcher.py"
+    ]
+    found = []
+    for source in outside:
+        for function, call in calls_by_function(source):
+            callee = call.func.id if isinstance(call.func, ast.Name) else ""
+            if callee in CLASS_TESTS and len(call.args) == 2:
+                tested = named(call.args[1]) & (backends | CAPABILITY_PROTOCOLS)
+                if tested:
+                    found.append(f"{source.relative_to(RETRIEVAL.parent)} in {function}: {sorted(tested)}")
+    assert found == []

@@ -169,3 +169,27 @@ def test_a_sharded_index_serve_builds_is_embedded_and_searched_through_the_serve
             _, expected = in_process.search(in_process.embed_query(question), 4, query_text=question)
             _, found = sharded.search(sharded.embed_query(question), 4, query_text=question)
             assert in_process.passage_ids_of(expected) == sharded.passage_ids_of(found)
+
+
+def test_an_index_served_by_a_server_is_loaded_without_its_recorded_model(
+    data: tuple[DataLayout, Path],
+    tiny_model_dir: Path,
+    minilm_embedder: Any,
+    embedding_clients: list[OpenAIEmbedder],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``serve --embedder openai`` over a MiniLM index: the server embeds every question, so the
+    index loads without reading MiniLM's weights in this process."""
+    from specrag.retrieval.embedders.minilm_embedder import MiniLMEmbedder
+
+    stop_writing(assets_of(data, tiny_model_dir))  # the index, embedded in process
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the recorded MiniLM was loaded although a server embeds the questions")
+
+    monkeypatch.setattr(MiniLMEmbedder, "load", classmethod(refuse))
+    with embedding_stand_in(minilm_embedder) as server:
+        embedding_clients.append(OpenAIEmbedder(server.url, MODEL))
+        served = assets_of(data, tiny_model_dir, embedding_clients[-1])
+        assert isinstance(served.index.embedder, ServedEmbedder) and served.index.embedder.kind == MINILM
+        stop_writing(served)

@@ -89,8 +89,9 @@ def test_the_index_searches_through_shard_actors_while_serving(
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         options = ServiceOptions(ray_address="", search_shards=2, index_dir=str(tmp_path))
-        with searching_on_shards(index, options):
+        with searching_on_shards(index, options) as health:
             assert index.searcher is not manifests and index.searcher.settings["shards"] == 2
+            assert health is not None and [shard["state"] for shard in health()] == ["serving"] * 2
             for query, ids in zip(queries, expected, strict=True):
                 np.testing.assert_array_equal(
                     list(index.search_staged(query, 5, StagePlan(3, "equal")))[-1].ids, ids

@@ -68,7 +68,6 @@ from specrag.pipeline.store.live_log import Change
 from specrag.pipeline.store.live_store import LiveStore
 from specrag.pipeline.store.overlay_store import BASE_VERSION, Version
 from specrag.retrieval.corpus import Passage
-from specrag.retrieval.live_index import Retrainable
 from specrag.retrieval.vector_index import PreparedChanges, VectorIndex
 
 __all__ = [
@@ -384,8 +383,8 @@ class LiveCorpus(Generic[Record]):
 
     def _watch_drift(self, vectors: np.ndarray) -> None:
         """Add ``vectors``' distances to their centroids to the running drift (under the lock)."""
-        searcher = self.index.searcher
-        if not isinstance(searcher, Retrainable) or not len(vectors):  # HNSW: no centroids to drift from
+        searcher = self.index.retrainable
+        if searcher is None or not len(vectors):  # HNSW: no centroids to drift from
             return
         if self._reference_distance is None:
             try:

@@ -40,7 +40,7 @@ from specrag.pipeline.store.live_corpus import LiveCorpus
 from specrag.pipeline.store.live_log import Change
 from specrag.pipeline.store.overlay_store import RETIRED_GRACE_S, OverlayRow, OverlayStore, Version
 from specrag.retrieval.backends.pgvector.changes import ChangeListener, TableRow, read_rows_of, read_versions
-from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher
+from specrag.retrieval.backends.pgvector.searcher import PgVectorSearcher, served_table
 from specrag.retrieval.backends.pgvector.writes import RowWrite, TableWriter
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.embedders.embedder import Embedder
@@ -222,9 +222,7 @@ def open_table_corpus(
     at start, which the corpus's own store replaces: ``store`` is closed); ``document_kv_dir`` is
     the document-KV store whose entries of replaced versions are removed. InvalidInputError saying
     why when the table cannot be written (its routes then answer 501 saying so)."""
-    searcher = index.searcher
-    if not isinstance(searcher, PgVectorSearcher):
-        raise InvalidInputError(f"a {searcher.kind} index is not a pgvector table")
+    searcher = served_table(index.searcher)
     if searcher.documents_off is not None:
         raise InvalidInputError(searcher.documents_off)
     rows = TableStore(store.path, searcher, document_kv_dir=document_kv_dir)

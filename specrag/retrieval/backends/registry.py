@@ -62,13 +62,13 @@ __all__ = [
     "PGVECTOR",
     "QUERY_EMBEDDERS",
     "SHARDS",
-    "STORES",
     "Chosen",
     "add_arguments",
     "around",
     "chosen",
     "data_directory",
     "searched",
+    "stores",
 ]
 
 S = TypeVar("S")
@@ -256,8 +256,12 @@ PGVECTOR = searched(
 )
 BACKENDS: tuple[Backend[Any], ...] = (LOCAL, SHARDS, PGVECTOR)
 """Every backend, once; the first of those that store alike is the one chosen without shards."""
-STORES = tuple(dict.fromkeys(backend.stores for backend in BACKENDS))
-"""``--backend``'s choices: where the vectors live."""
+
+
+def stores() -> tuple[str, ...]:
+    """``--backend``'s choices: where the vectors live, read from :data:`BACKENDS` when a parser
+    is built (so a backend registered there, and only there, is offered)."""
+    return tuple(dict.fromkeys(backend.stores for backend in BACKENDS))
 
 
 @dataclass(frozen=True)
@@ -305,7 +309,7 @@ def add_arguments(parser: Flags, building: bool) -> None:
     """``--backend`` and every backend's flags (``building``: ``index build``'s, else ``serve``'s,
     with the embedder that embeds questions: index build has its own ``--embedder``)."""
     parser.add_argument(
-        "--backend", choices=STORES, default=LOCAL.stores, help="where the vectors live (default: local)"
+        "--backend", choices=stores(), default=LOCAL.stores, help="where the vectors live (default: local)"
     )
     if not building:
         _add_query_embedder(parser)

@@ -41,7 +41,7 @@ from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.http.app import create_app
 from specrag.service.http.metrics import ServiceMetrics
 from specrag.service.http.mirror_report import MIRROR_HEALTH, MirrorCollector, mirror_health
-from specrag.service.http.monitoring import INDEX_HEALTH, SEARCH_SHARDS
+from specrag.service.http.monitoring import INDEX_HEALTH, SEARCH_SHARDS, SearchShardsHealth
 from specrag.service.run.assets import Assets, CheckingAssets
 from specrag.service.run.heap import frozen_heap
 from specrag.service.run.options import ServiceOptions, base_engine_config
@@ -55,7 +55,7 @@ from specrag.service.run.pools import (
     open_remote_engines,
     starter,
 )
-from specrag.service.run.sharded_serving import searching_on_shards, shards_health
+from specrag.service.run.sharded_serving import searching_on_shards
 
 __all__ = [
     "Service",
@@ -197,10 +197,12 @@ async def open_service(
         assets = await assets.checked
     with contextlib.ExitStack() as shards:
         # Before the engines: a shard count the index does not have fails in seconds, not minutes.
-        await asyncio.to_thread(shards.enter_context, searching_on_shards(assets.index, options))
+        shard_health = await asyncio.to_thread(
+            shards.enter_context, searching_on_shards(assets.index, options)
+        )
         async with (
             _engines(assets, options, run_dir) as engines,
-            serving_engines(engines, assets, options) as service,
+            serving_engines(engines, assets, options, shard_health) as service,
         ):
             yield service
 
@@ -229,18 +231,25 @@ async def _serving_while_checked(
             raise
         engines = await starting
         with contextlib.ExitStack() as shards:
-            await asyncio.to_thread(shards.enter_context, searching_on_shards(assets.index, options))
-            async with serving_engines(engines, assets, options) as service:
+            shard_health = await asyncio.to_thread(
+                shards.enter_context, searching_on_shards(assets.index, options)
+            )
+            async with serving_engines(engines, assets, options, shard_health) as service:
                 yield service
 
 
 @contextlib.asynccontextmanager
 async def serving_engines(
-    engines: Sequence[PoolEngine], assets: Assets, options: ServiceOptions
+    engines: Sequence[PoolEngine],
+    assets: Assets,
+    options: ServiceOptions,
+    shard_health: SearchShardsHealth | None = None,
 ) -> AsyncIterator[Service]:
     """:func:`open_service` once the engines run and the index is ready to search; public for a
     benchmark that brings engines of its own (``bench.capacity.profile``: simulated ones, which
-    the service never starts), so that it measures the stack the service runs."""
+    the service never starts), so that it measures the stack the service runs. ``shard_health``:
+    how the search shard actors stand, when the index searches through them
+    (:func:`searching_on_shards`)."""
     with searching_on(assets.index, options.search_cpus):
         # Each tree predicts the system prompt as it starts every prompt: padded to the engines' blocks.
         builder = prompt_builder(assets, engines[0].engine)
@@ -251,7 +260,7 @@ async def serving_engines(
                     assets.corpus.segment_token_limit = builder.document_token_limit(
                         engines[0].engine.max_model_len, options.controller.max_tokens_default
                     )
-                app = _application(controller, options, assets, pool.mirrors)
+                app = _application(controller, options, assets, pool.mirrors, shard_health)
                 with frozen_heap():  # started: full collections skip what the start made
                     yield Service(app, controller, pool.placement, pool.mirrors)
             finally:
@@ -263,10 +272,12 @@ def _application(
     options: ServiceOptions,
     assets: Assets,
     mirrors: Sequence[KVMirror],
+    shard_health: SearchShardsHealth | None,
 ) -> web.Application:
     """The HTTP application over ``controller``, its metrics watching the profile and the mirrors,
-    with the document routes when the assets have a live corpus; it answers with the assets'
-    model's name, as ``/v1/models`` and every response name it."""
+    with the document routes when the assets have a live corpus and the search shard actors'
+    health when it has them; it answers with the assets' model's name, as ``/v1/models`` and
+    every response name it."""
     metrics = ServiceMetrics()
     replicas = controller.placement.replicas
     metrics.watch_prefill_profile(lambda: all(replica.tree.profile.measured for replica in replicas))
@@ -286,8 +297,8 @@ def _application(
     )
     if mirrors:
         app[MIRROR_HEALTH] = lambda: mirror_health(mirrors)
-    if options.search_shards is not None:
-        app[SEARCH_SHARDS] = lambda: shards_health(assets.index)
+    if shard_health is not None:
+        app[SEARCH_SHARDS] = shard_health
     if (opened := assets.opened) is not None:
         # The backend's probe may ask a server: off the loop, within the engines' probe bound.
         app[INDEX_HEALTH] = lambda: asyncio.to_thread(opened.health, HEALTH_PROBE_TIMEOUT_S)

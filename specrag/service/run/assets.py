@@ -13,6 +13,7 @@ said at WARNING, and one that lost passages is refused unless accepted
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,6 +187,8 @@ def ensure_index(
     """
     directory = directory or layout.index_dir
     config = config or IndexConfig()
+    # Questions embedded by a server: the recorded embedder is never loaded in this process.
+    served = None if query_embedder is None else functools.partial(ServedEmbedder, query_embedder)
     with writer_lock(directory):
         checksum = corpus_checksum(passages)
         embedded_by = recorded_embedder(directory)
@@ -202,7 +205,7 @@ def ensure_index(
         try:
             if other_embedder is not None:
                 raise ArtifactError(other_embedder)
-            index = load_index(directory, shard_vectors=shard_vectors)
+            index = load_index(directory, shard_vectors=shard_vectors, embedded_by=served)
             check_corpus(index, passages)
             recorded = built_corpus_checksum(directory)
             mismatch = config.mismatch(index)
@@ -210,7 +213,7 @@ def ensure_index(
                 mismatch = "built from the same passage ids with other titles or texts"
             if mismatch is None:
                 _describe(index, f"loaded the vector index {directory}")
-                return _questions_by(index, query_embedder, directory)
+                return index
             logger.warning("rebuilding the vector index in %s (%s)", directory, mismatch)
         except ArtifactError as reason:
             if directory.exists():
@@ -220,19 +223,18 @@ def ensure_index(
         index = build_index(passages, config, query_embedder, progress=True)
         save_index(index, directory, checksum)
         if not shard_vectors:
-            index = load_index(directory, shard_vectors=False)
+            index = load_index(directory, shard_vectors=False, embedded_by=served)
         _describe(index, f"built the vector index {directory}")
-        return _questions_by(index, query_embedder, directory)
+        return _served_after_build(index, query_embedder, directory)
 
 
-def _questions_by(index: VectorIndex, server: OpenAIEmbedder | None, directory: Path) -> VectorIndex:
-    """``index``, its questions and added documents embedded by ``server`` (if any) under the
-    embedder it records; an embedding-server client the index loaded from its manifest is closed."""
-    recorded = recorded_embedder(directory) if server is not None else None
-    if server is not None and recorded is not None:  # recorded: the index was just loaded or saved
-        loaded, index.embedder = index.embedder, ServedEmbedder(server, recorded)
-        if isinstance(loaded, OpenAIEmbedder) and loaded is not server:  # not one it built
-            loaded.close()
+def _served_after_build(index: VectorIndex, server: OpenAIEmbedder | None, directory: Path) -> VectorIndex:
+    """``index`` as built by ``server`` (if any), its questions and added documents embedded by it
+    under the embedder the index records, as a loaded index is given them (:func:`load_index`)."""
+    if server is not None and index.embedder is server:
+        recorded = recorded_embedder(directory)
+        assert recorded is not None, "the index was just saved with its embedder"
+        index.embedder = ServedEmbedder(server, recorded)
     return index
 
 

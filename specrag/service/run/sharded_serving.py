@@ -19,6 +19,7 @@ before any actor starts, naming what is short and the flag that changes it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -27,8 +28,9 @@ from typing import Any
 from specrag.errors import InvalidInputError
 from specrag.pipeline.engines.ray_placement import replica_options
 from specrag.retrieval.backends.shards.merge import ShardedSearcher
-from specrag.retrieval.backends.shards.store import ShardManifest, sharded
+from specrag.retrieval.backends.shards.store import replayed_rows, sharded
 from specrag.retrieval.vector_index import VectorIndex
+from specrag.service.http.monitoring import SearchShardsHealth
 from specrag.service.run.options import ServiceOptions
 
 __all__ = ["check_search_shards", "searching_on_shards", "shard_cpus", "shards_health"]
@@ -86,21 +88,20 @@ def check_search_shards(index: VectorIndex, count: int, directory: str) -> dict[
     return settings
 
 
-def shards_health(index: VectorIndex) -> list[dict[str, Any]]:
-    """How each search shard actor of ``index`` stands, for ``/health``
-    (:meth:`specrag.retrieval.backends.shards.search_actors.RemoteShard.health`; none outside
-    :func:`searching_on_shards`)."""
-    shards = getattr(index.searcher, "shards", ())
-    return [shard.health() for shard in shards if callable(getattr(shard, "health", None))]
+def shards_health(remote: ShardedSearcher) -> list[dict[str, Any]]:
+    """How each search shard actor of ``remote`` stands, for ``/health``
+    (:meth:`specrag.retrieval.backends.shards.search_actors.RemoteShard.health`)."""
+    return [health() for shard in remote.shards if callable(health := getattr(shard, "health", None))]
 
 
 @contextlib.contextmanager
-def searching_on_shards(index: VectorIndex, options: ServiceOptions) -> Iterator[None]:
-    """Within the block, ``index`` searches through one Ray actor per shard (nothing changes
-    without ``options.search_shards``); Ray is started here unless it runs already, and then
-    also serves the engine replicas."""
+def searching_on_shards(index: VectorIndex, options: ServiceOptions) -> Iterator[SearchShardsHealth | None]:
+    """Within the block, ``index`` searches through one Ray actor per shard
+    (:meth:`VectorIndex.searching_through`), and the block is given how the actors stand, for
+    ``/health``; nothing changes without ``options.search_shards`` (the block is given None). Ray
+    is started here unless it runs already, and then also serves the engine replicas."""
     if options.search_shards is None:
-        yield
+        yield None
         return
     assert options.index_dir is not None, "the service options name the index directory with the shard count"
     settings = check_search_shards(index, options.search_shards, options.index_dir)
@@ -111,23 +112,18 @@ def searching_on_shards(index: VectorIndex, options: ServiceOptions) -> Iterator
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=options.ray_address or None, include_dashboard=False, log_to_driver=False)
-    previous = index.searcher
-    assert isinstance(previous, ShardedSearcher), "check_search_shards admits sharded indexes only"
-    # The rows the live log replayed onto the manifests, for the actors to receive.
-    added = [shard.added for shard in previous.shards if isinstance(shard, ShardManifest)]
+    added = replayed_rows(index.searcher)
     try:
         cpus = shard_cpus(options, ray.cluster_resources())
         with search_shards(Path(options.index_dir), settings, added=added or None, num_cpus=cpus) as remote:
-            if remote.ntotal != previous.ntotal:
+            held = index.searcher.ntotal
+            if remote.ntotal != held:
                 raise InvalidInputError(
-                    f"the index holds {previous.ntotal} rows, its shard files {remote.ntotal}: documents "
+                    f"the index holds {held} rows, its shard files {remote.ntotal}: documents "
                     "were added to shards loaded in this process; rebuild it (`specrag index build`)"
                 )
-            index.searcher = remote
-            try:
-                yield
-            finally:
-                index.searcher = previous
+            with index.searching_through(remote):
+                yield functools.partial(shards_health, remote)
     finally:
         if started_ray:
             ray.shutdown()

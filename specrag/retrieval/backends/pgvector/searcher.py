@@ -68,9 +68,15 @@ from specrag.retrieval.backends.pgvector.queries import (
 from specrag.retrieval.backends.pgvector.rows import RowNames
 from specrag.retrieval.backends.pgvector.table import TableLayout
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.search.stages import Capabilities, StagePlan, StageResult, prepare_queries
+from specrag.retrieval.search.stages import (
+    Capabilities,
+    StagedSearcher,
+    StagePlan,
+    StageResult,
+    prepare_queries,
+)
 
-__all__ = ["NO_CHANGE_TRIGGER", "PgVectorSearcher", "stage_probes"]
+__all__ = ["NO_CHANGE_TRIGGER", "PgVectorSearcher", "served_table", "stage_probes"]
 
 # Why other writers' changes go unnoticed while serving until a change trigger is installed.
 NO_CHANGE_TRIGGER = "no change trigger installed"
@@ -275,3 +281,11 @@ class PgVectorSearcher:
                 now = time.perf_counter()
                 yield StageResult(number, ids, scores, last, now - started), lexical
                 started = now
+
+
+def served_table(searcher: StagedSearcher) -> PgVectorSearcher:
+    """``searcher`` as the pgvector table whose rows are the documents' record (what the table's
+    corpus writes and follows); InvalidInputError for another backend's searcher."""
+    if not isinstance(searcher, PgVectorSearcher):
+        raise InvalidInputError(f"a {searcher.kind} index is not a pgvector table")
+    return searcher

@@ -30,7 +30,7 @@ from specrag.retrieval.backends.shards.build import quantizer_digest
 from specrag.retrieval.backends.shards.merge import Shard, ShardedSearcher
 from specrag.retrieval.index_files import INDEX_FILE, MANIFEST_FILE, read_manifest, verify_files
 from specrag.retrieval.live_index import Visibility
-from specrag.retrieval.search.stages import StageCursor
+from specrag.retrieval.search.stages import StageCursor, StagedSearcher
 
 __all__ = [
     "ROWS_FILE",
@@ -38,6 +38,7 @@ __all__ = [
     "ShardManifest",
     "load_shard",
     "load_shards",
+    "replayed_rows",
     "save_shards",
     "shard_directory",
     "shard_manifests",
@@ -59,6 +60,15 @@ def sharded(settings: Mapping[str, Any]) -> bool:
     """Whether a searcher's settings (as an index manifest records them) are a sharded index's:
     the one test of it, on what the index says of itself rather than on its searcher's class."""
     return "shards" in settings
+
+
+def replayed_rows(searcher: StagedSearcher) -> list[AddedRows]:
+    """The rows the live log replayed onto a sharded index's manifests, one a shard, for their
+    actors to receive (none for shards loaded in this process); InvalidInputError for a searcher
+    that is not this backend's."""
+    if not isinstance(searcher, ShardedSearcher):
+        raise InvalidInputError(f"a {searcher.kind} index is not sharded")
+    return [shard.added for shard in searcher.shards if isinstance(shard, ShardManifest)]
 
 
 def save_shards(searcher: ShardedSearcher, staging: Path) -> list[str]:
