@@ -27,7 +27,7 @@ import numpy as np
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.arrays import unit_rows
-from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
+from specrag.retrieval.embedders.http_embedder import LoopEmbedder
 from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
 
@@ -94,7 +94,7 @@ async def conversation_query_on_loop(
     embedder is a server is asked on the loop itself (no thread hops); anything else (a model
     embedding in this process, a follow-up's several questions) runs on a worker thread."""
     embedder = index.embedder
-    if isinstance(embedder, OpenAIEmbedder) and not _recent(previous):
+    if isinstance(embedder, LoopEmbedder) and not _recent(previous):
         vector: np.ndarray = (await embedder.embed_async([normalize_text(question)]))[0]
         return ConversationQuery(vector, question, 0)
     loop = asyncio.get_running_loop()

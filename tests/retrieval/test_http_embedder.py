@@ -17,7 +17,8 @@ from specrag.errors import EmbedderError, InvalidInputError
 from specrag.retrieval.conversational import conversation_query, conversation_query_on_loop
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.embedders.embedder import load_embedder
-from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
+from specrag.retrieval.embedders.http_embedder import LoopEmbedder, OpenAIEmbedder
+from specrag.retrieval.embedders.served import ServedEmbedder
 from specrag.retrieval.index_store import IndexConfig, build_index, load_index, save_index
 
 DIM = 6
@@ -110,6 +111,9 @@ async def test_embed_async_asks_on_the_callers_loop(
 
     monkeypatch.setattr(embedder._loop, "run", no_hop)
     np.testing.assert_array_equal(await embedder.embed_async(texts), expected)
+    served = ServedEmbedder(embedder, {"kind": "minilm", "dim": DIM})  # an index's, as serve has it
+    assert isinstance(served, LoopEmbedder)
+    np.testing.assert_array_equal(await served.embed_async(texts), expected)
     assert (await embedder.embed_async([])).shape == (0, DIM)
     server.mode = "error"
     with pytest.raises(EmbedderError, match="HTTP 503"):

@@ -21,9 +21,10 @@ import asyncio
 import os
 import threading
 import weakref
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -32,7 +33,14 @@ import numpy as np
 from specrag.errors import EmbedderError, EmbedderTimeoutError, InvalidInputError
 from specrag.retrieval.arrays import unit_rows
 
-__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S", "ENDPOINT", "OpenAIEmbedder"]
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_TIMEOUT_S",
+    "ENDPOINT",
+    "LoopEmbedder",
+    "OpenAIEmbedder",
+]
 
 ENDPOINT = "/v1/embeddings"
 DEFAULT_BATCH_SIZE = 64
@@ -59,6 +67,31 @@ class _LoopThread:
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+@runtime_checkable
+class LoopEmbedder(Protocol):
+    """An embedder that a caller on an event loop can await there (a server's client)."""
+
+    async def embed_async(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class _HeldSession:
+    session: aiohttp.ClientSession
+    keeper: AsyncGenerator[aiohttp.ClientSession, None]
+
+
+async def _closed_at_shutdown(
+    session: aiohttp.ClientSession,
+) -> AsyncGenerator[aiohttp.ClientSession, None]:
+    """Holds a caller loop's session until that loop shuts its async generators down
+    (``asyncio.run`` does, before it closes the loop), then closes it there: the service never
+    says when it is done with the embedder, and a session left open warns at exit."""
+    try:
+        yield session
+    finally:
+        await session.close()
 
 
 class OpenAIEmbedder:
@@ -100,7 +133,7 @@ class OpenAIEmbedder:
                 raise InvalidInputError(f"the environment variable {api_key_env} (the API key) is not set")
             self._headers["Authorization"] = f"Bearer {key}"
         self._loop = _LoopThread()
-        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _HeldSession] = (
             weakref.WeakKeyDictionary()
         )
         """One session per loop that asks (the private one's, and a caller's for embed_async)."""
@@ -131,12 +164,13 @@ class OpenAIEmbedder:
             raise EmbedderError(f"{self.url} returned {vectors.shape[1]} dimensions, expected {self._dim}")
         return unit_rows(vectors)
 
-    def _session(self) -> aiohttp.ClientSession:
+    async def _session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
-        session = self._sessions.get(loop)
-        if session is None or session.closed:
-            session = self._sessions[loop] = aiohttp.ClientSession(headers=self._headers)
-        return session
+        held = self._sessions.get(loop)
+        if held is None or held.session.closed:
+            keeper = _closed_at_shutdown(aiohttp.ClientSession(headers=self._headers))
+            held = self._sessions[loop] = _HeldSession(await anext(keeper), keeper)
+        return held.session
 
     async def _embed_all(self, texts: list[str]) -> np.ndarray:
         limit = asyncio.Semaphore(self.max_in_flight)
@@ -154,7 +188,7 @@ class OpenAIEmbedder:
     async def _post(self, batch: list[str]) -> np.ndarray:
         body = {"model": self.model, "input": batch, "encoding_format": "float"}
         try:
-            async with self._session().post(
+            async with (await self._session()).post(
                 self.url, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
             ) as response:
                 if response.status != 200:
@@ -213,7 +247,8 @@ class OpenAIEmbedder:
         A caller's loop that still runs has its session closed there (without waiting: this may
         be that loop's own thread); one that is closed took its connections with it.
         """
-        for loop, session in list(self._sessions.items()):
+        for loop, held in list(self._sessions.items()):
+            session = held.session
             if loop is self._loop.loop:
                 self._loop.run(session.close())
             elif loop.is_running():
