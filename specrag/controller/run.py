@@ -27,7 +27,6 @@ A run owns its engine requests, so what is in flight is always what the live run
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -51,7 +50,7 @@ from specrag.controller.timeline import Timeline
 from specrag.errors import EngineError, OverloadedError
 from specrag.pipeline.engines.protocol import EngineOutput, latest_cached_tokens, now
 from specrag.retrieval.backends.shards.merge import ShardAnswers
-from specrag.retrieval.conversational import conversation_query
+from specrag.retrieval.conversational import conversation_query_on_loop
 
 __all__ = ["QueryRun"]
 
@@ -95,12 +94,11 @@ class QueryRun:
             )
             self._note_shards(checked.planned.shards)
             return await self.final_known(list(checked.planned.rows))
-        loop = asyncio.get_running_loop()
         timeline.embed_start = now()
         request = checked.request
         # A follow-up is searched with the questions before it, its session's or its chat's.
         previous = checked.session.questions if checked.session is not None else request.previous_questions
-        query = await loop.run_in_executor(None, conversation_query, shared.index, request.question, previous)
+        query = await conversation_query_on_loop(shared.index, request.question, previous)
         if query.joined:
             timeline.add("conversation", now(), questions=query.joined)
         timeline.search_start = now()

@@ -19,6 +19,7 @@ also measures what joining costs a follow-up that changes the subject.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ import numpy as np
 
 from specrag.errors import InvalidInputError
 from specrag.retrieval.arrays import unit_rows
+from specrag.retrieval.embedders.http_embedder import LoopEmbedder
+from specrag.retrieval.text import normalize_text
 from specrag.retrieval.vector_index import VectorIndex
 
 __all__ = [
@@ -71,7 +74,7 @@ def conversation_query(
     """
     if turns < 0:
         raise InvalidInputError(f"turns must be at least 0, got {turns}")
-    recent = [text for text in previous[-turns:] if text.strip()] if turns and weight else []
+    recent = _recent(previous, weight, turns)
     texts = [*recent, question]
     if not recent:
         return ConversationQuery(index.embed_query(question), question, 0)
@@ -82,3 +85,24 @@ def conversation_query(
     repeats = [max(1, round(w / smallest)) for w in weights]
     text = "\n".join(part for part, times in zip(texts, repeats, strict=True) for part in [part] * times)
     return ConversationQuery(vector.astype(vectors.dtype), text, len(recent))
+
+
+async def conversation_query_on_loop(
+    index: VectorIndex, question: str, previous: Sequence[str] = ()
+) -> ConversationQuery:
+    """:func:`conversation_query` from an event loop without blocking it: a first turn whose
+    embedder is a server is asked on the loop itself (no thread hops); anything else (a model
+    embedding in this process, a follow-up's several questions) runs on a worker thread."""
+    embedder = index.embedder
+    if isinstance(embedder, LoopEmbedder) and not _recent(previous):
+        vector: np.ndarray = (await embedder.embed_async([normalize_text(question)]))[0]
+        return ConversationQuery(vector, question, 0)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, conversation_query, index, question, previous)
+
+
+def _recent(
+    previous: Sequence[str], weight: float = PREVIOUS_QUESTION_WEIGHT, turns: int = CONVERSATION_TURNS
+) -> list[str]:
+    """The previous questions a follow-up is joined with (none for a first turn)."""
+    return [text for text in previous[-turns:] if text.strip()] if turns and weight else []

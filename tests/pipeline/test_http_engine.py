@@ -35,11 +35,12 @@ vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="100"} 1.0
 class FakeServer:
     """Streams like vLLM's /v1/completions; the prompt's first token picks the behaviour."""
 
-    NORMAL, NO_DETAILS, ENDLESS, HANG, SERVER_ERROR, TOO_LONG, MID_STREAM_STALL = range(1, 8)
+    NORMAL, NO_DETAILS, ENDLESS, HANG, SERVER_ERROR, TOO_LONG, MID_STREAM_STALL, BURST = range(1, 9)
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.disconnected = asyncio.Event()
+        self.release = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -74,6 +75,8 @@ class FakeServer:
             return web.json_response({"error": {"message": message, "code": 400}}, status=400)
         if mode == self.HANG:
             await asyncio.sleep(60)
+        if mode == self.BURST:
+            return await self.burst(request, body)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
@@ -96,6 +99,23 @@ class FakeServer:
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnected.set()
             raise
+        return response
+
+    async def burst(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """The first token alone, then (once the test has it) every other event in one write."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        count = body["max_tokens"]
+        events: list[dict[str, Any]] = [
+            {"choices": [{"index": 0, "text": f" w{i}", "token_ids": [100 + i], "finish_reason": None}]}
+            for i in range(count)
+        ]
+        events[-1]["choices"][0]["finish_reason"] = "length"
+        events.append({"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 64}}})
+        lines = [f"data: {json.dumps(event)}\n\n".encode() for event in events] + [b"data: [DONE]\n\n"]
+        await response.write(lines[0])
+        await asyncio.wait_for(self.release.wait(), timeout=5)
+        await response.write(b"".join(lines[1:]))
         return response
 
     @staticmethod
@@ -138,10 +158,12 @@ async def test_streams_tokens_and_reports_cached_tokens_on_the_last_output(
     engine: HttpEngine, fake: FakeServer
 ) -> None:
     outputs = await run_prompt(engine, [FakeServer.NORMAL, 5, 6, 7], 3)
-    assert [output.token_ids for output in outputs] == [(100,), (101,), (102,)]
+    # Events read together come as one increment: how many there are depends on the reads.
+    assert [token for output in outputs for token in output.token_ids] == [100, 101, 102]
     assert "".join(output.text for output in outputs) == " w0 w1 w2"
-    assert [output.cached_tokens for output in outputs] == [None, None, 64]
-    assert [output.finished for output in outputs] == [False, False, True]
+    assert [output.cached_tokens for output in outputs[:-1]] == [None] * (len(outputs) - 1)
+    assert outputs[-1].cached_tokens == 64 and outputs[-1].token_ids == (102,)
+    assert [output.finished for output in outputs] == [False] * (len(outputs) - 1) + [True]
     assert outputs[-1].finish_reason == "length" and outputs[0].prompt_tokens == 4
     body = fake.bodies[-1]
     assert body["prompt"] == [FakeServer.NORMAL, 5, 6, 7] and body["model"] == "fake"
@@ -194,6 +216,22 @@ async def test_leaving_the_stream_early_disconnects(engine: HttpEngine, fake: Fa
     await close_stream(stream)
     await asyncio.wait_for(fake.disconnected.wait(), timeout=5)
     assert engine.load().decoding == 0
+
+
+async def test_tokens_read_together_are_one_increment_and_the_first_is_not_held(
+    engine: HttpEngine, fake: FakeServer
+) -> None:
+    fake.release.clear()
+    stream = engine.generate("burst", [FakeServer.BURST, 5], Sampling(max_tokens=4))
+    try:
+        first = await asyncio.wait_for(anext(stream), timeout=5)  # while the server holds the rest
+        assert (first.token_ids, first.text, first.finished) == ((100,), " w0", False)
+        fake.release.set()
+        rest = [output async for output in stream]
+    finally:
+        await close_stream(stream)
+    assert [(output.token_ids, output.text) for output in rest] == [((101, 102), " w1 w2"), ((103,), " w3")]
+    assert [(output.finished, output.cached_tokens) for output in rest] == [(False, None), (True, 64)]
 
 
 async def test_a_request_is_prefilling_until_its_first_chunk(engine: HttpEngine) -> None:

@@ -14,9 +14,11 @@ import pytest_asyncio
 from aiohttp import web
 
 from specrag.errors import EmbedderError, InvalidInputError
+from specrag.retrieval.conversational import conversation_query, conversation_query_on_loop
 from specrag.retrieval.corpus import Passage
 from specrag.retrieval.embedders.embedder import load_embedder
-from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
+from specrag.retrieval.embedders.http_embedder import LoopEmbedder, OpenAIEmbedder
+from specrag.retrieval.embedders.served import ServedEmbedder
 from specrag.retrieval.index_store import IndexConfig, build_index, load_index, save_index
 
 DIM = 6
@@ -96,6 +98,31 @@ async def test_batches_in_order_and_unit_length(server: FakeEmbeddingServer) -> 
     embedder.close()
 
 
+async def test_embed_async_asks_on_the_callers_loop(
+    server: FakeEmbeddingServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    embedder = await make(server, dim=DIM, batch_size=2)
+    texts = [f"text number {i}" for i in range(3)]
+    expected = await asyncio.to_thread(embedder.embed, texts)
+
+    def no_hop(coroutine: Any) -> None:
+        coroutine.close()
+        raise AssertionError("embed_async went through the private loop's thread")
+
+    monkeypatch.setattr(embedder._loop, "run", no_hop)
+    np.testing.assert_array_equal(await embedder.embed_async(texts), expected)
+    served = ServedEmbedder(embedder, {"kind": "minilm", "dim": DIM})  # an index's, as serve has it
+    assert isinstance(served, LoopEmbedder)
+    np.testing.assert_array_equal(await served.embed_async(texts), expected)
+    assert (await embedder.embed_async([])).shape == (0, DIM)
+    server.mode = "error"
+    with pytest.raises(EmbedderError, match="HTTP 503"):
+        await embedder.embed_async(["one"])
+    monkeypatch.undo()
+    embedder.close()
+    await asyncio.sleep(0)  # the caller loop's session closes on that loop
+
+
 async def test_api_key_comes_from_the_environment(
     server: FakeEmbeddingServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -163,6 +190,14 @@ async def test_an_index_built_through_the_server_reloads_it(
 
     staged, one_shot = await asyncio.to_thread(build_save_load)
     np.testing.assert_array_equal(staged, one_shot)
+    index = await asyncio.to_thread(load_index, tmp_path / "index")
+    for previous in ([], ["What is asyncio?"]):  # a first turn on the loop, a follow-up off it
+        on_loop = await conversation_query_on_loop(index, "asyncio event loop", previous)
+        in_thread = await asyncio.to_thread(conversation_query, index, "asyncio event loop", previous)
+        np.testing.assert_array_equal(on_loop.vector, in_thread.vector)
+        assert (on_loop.text, on_loop.joined) == (in_thread.text, in_thread.joined)
+    assert isinstance(index.embedder, OpenAIEmbedder)
+    index.embedder.close()
     reloaded = load_embedder(tmp_path / "index", embedder.save(tmp_path))
     assert isinstance(reloaded, OpenAIEmbedder) and (reloaded.url, reloaded.dim) == (embedder.url, DIM)
     reloaded.close()

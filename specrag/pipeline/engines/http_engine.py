@@ -181,16 +181,22 @@ class HttpEngine(DescribedEngine):
         try:
             response = await self._post_completion(request_id, prompt, sampling)
             held: EngineOutput | None = None
-            async for event in self._events(response, request_id):
-                cached = _cached_tokens(event)
-                for choice in event.get("choices") or ():
-                    output = _output(request_id, len(prompt), choice)
-                    if output.finished:
-                        held = output  # wait for the usage chunk: it carries the cached tokens
-                        continue
-                    yield output
-                if held is not None and cached is not None:
-                    held = replace(held, cached_tokens=cached)
+            async for events in self._event_batches(response, request_id):
+                # The events of one read arrived together: their tokens go on as one increment
+                # (nothing waits for a later read), so each layer above handles it once.
+                arrived: EngineOutput | None = None
+                for event in events:
+                    cached = _cached_tokens(event)
+                    for choice in event.get("choices") or ():
+                        output = _output(request_id, len(prompt), choice)
+                        if output.finished:
+                            held = output  # wait for the usage chunk: it carries the cached tokens
+                        else:
+                            arrived = output if arrived is None else _joined(arrived, output)
+                    if held is not None and cached is not None:
+                        held = replace(held, cached_tokens=cached)
+                if arrived is not None:
+                    yield arrived
             if held is None:
                 raise EngineError(f"{self._base_url}: request {request_id} ended without finishing")
             finished = True
@@ -317,10 +323,11 @@ class HttpEngine(DescribedEngine):
         await self._raise_for_status(response, f"request {request_id}")
         return response
 
-    async def _events(
+    async def _event_batches(
         self, response: aiohttp.ClientResponse, request_id: str
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The JSON payloads of the server-sent events, until ``[DONE]`` or the end of the body.
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """The JSON payloads of the server-sent events, until ``[DONE]`` or the end of the body,
+        as one list per read: those the server's writes left in the buffer together.
 
         Lines are split here rather than with ``readline()``: aiohttp caps a line at 128 KiB
         and a chunk may echo a long prompt's token IDs.
@@ -346,11 +353,13 @@ class HttpEngine(DescribedEngine):
             limit, phase = self._timeouts.between_chunks_s, "the next chunk"
             buffer += data
             *lines, buffer = buffer.split(b"\n")
+            events: list[dict[str, Any]] = []
             for line in lines:
                 if not line.startswith(b"data:"):
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
+                    yield events
                     return
                 try:
                     event = json.loads(payload)
@@ -360,7 +369,9 @@ class HttpEngine(DescribedEngine):
                     ) from error
                 if not isinstance(event, dict) or "error" in event:
                     raise EngineError(f"{self._base_url}: request {request_id} failed: {_message(event)}")
-                yield event
+                events.append(event)
+            if events:
+                yield events
 
     async def _raise_for_status(self, response: aiohttp.ClientResponse, what: str) -> None:
         if response.status < 400:
@@ -419,6 +430,11 @@ def _output(request_id: str, prompt_tokens: int, choice: dict[str, Any]) -> Engi
         finish_reason=finish_reason,
         received_at=now(),
     )
+
+
+def _joined(first: EngineOutput, then: EngineOutput) -> EngineOutput:
+    """Two unfinished increments of one request as one, stamped when the first arrived."""
+    return replace(first, token_ids=first.token_ids + then.token_ids, text=first.text + then.text)
 
 
 def _cached_tokens(event: dict[str, Any]) -> int | None:

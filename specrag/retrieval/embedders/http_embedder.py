@@ -6,11 +6,13 @@ Texts go in batches of ``batch_size``, up to ``max_in_flight`` batches at once, 
 timeout; anything but a complete, well-formed answer is an :class:`EmbedderError` naming the
 server and what was wrong, never a silently short or misordered matrix.
 
-The :class:`Embedder` interface is synchronous (index builds and the controller's executor call
-it from worker threads), so the client keeps a private event loop on a daemon thread that owns
-the aiohttp session; :meth:`OpenAIEmbedder.embed` submits to it and waits. It must therefore not
-be called from that loop itself; from any other thread, the service's event loop included via
-``run_in_executor``, it is safe.
+The :class:`Embedder` interface is synchronous (index builds call it from worker threads), so the
+client keeps a private event loop on a daemon thread that owns the aiohttp session;
+:meth:`OpenAIEmbedder.embed` submits to it and waits. It must therefore not be called from that
+loop itself; from any other thread, the service's event loop included via ``run_in_executor``, it
+is safe. A caller that already runs on an event loop (the service embedding a question) awaits
+:meth:`OpenAIEmbedder.embed_async` instead: the request is made on that loop with a session of its
+own, with no hop to a worker thread and on to the private loop and back, each a GIL hand-over.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Coroutine, Sequence
+import weakref
+from collections.abc import AsyncGenerator, Coroutine, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -29,7 +33,14 @@ import numpy as np
 from specrag.errors import EmbedderError, EmbedderTimeoutError, InvalidInputError
 from specrag.retrieval.arrays import unit_rows
 
-__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S", "ENDPOINT", "OpenAIEmbedder"]
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_TIMEOUT_S",
+    "ENDPOINT",
+    "LoopEmbedder",
+    "OpenAIEmbedder",
+]
 
 ENDPOINT = "/v1/embeddings"
 DEFAULT_BATCH_SIZE = 64
@@ -56,6 +67,31 @@ class _LoopThread:
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+@runtime_checkable
+class LoopEmbedder(Protocol):
+    """An embedder that a caller on an event loop can await there (a server's client)."""
+
+    async def embed_async(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class _HeldSession:
+    session: aiohttp.ClientSession
+    keeper: AsyncGenerator[aiohttp.ClientSession, None]
+
+
+async def _closed_at_shutdown(
+    session: aiohttp.ClientSession,
+) -> AsyncGenerator[aiohttp.ClientSession, None]:
+    """Holds a caller loop's session until that loop shuts its async generators down
+    (``asyncio.run`` does, before it closes the loop), then closes it there: the service never
+    says when it is done with the embedder, and a session left open warns at exit."""
+    try:
+        yield session
+    finally:
+        await session.close()
 
 
 class OpenAIEmbedder:
@@ -97,7 +133,10 @@ class OpenAIEmbedder:
                 raise InvalidInputError(f"the environment variable {api_key_env} (the API key) is not set")
             self._headers["Authorization"] = f"Bearer {key}"
         self._loop = _LoopThread()
-        self._session: aiohttp.ClientSession | None = None
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _HeldSession] = (
+            weakref.WeakKeyDictionary()
+        )
+        """One session per loop that asks (the private one's, and a caller's for embed_async)."""
         self._dim = dim if dim is not None else self._loop.run(self._embed_all([_PROBE])).shape[1]
 
     @property
@@ -112,14 +151,28 @@ class OpenAIEmbedder:
         """Unit vectors of ``texts`` in order; :class:`EmbedderError` if the server fails."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        vectors = self._loop.run(self._embed_all(list(texts)))
+        return self._checked(self._loop.run(self._embed_all(list(texts))))
+
+    async def embed_async(self, texts: Sequence[str]) -> np.ndarray:
+        """:meth:`embed`, asked on the running loop itself (module doc)."""
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self._checked(await self._embed_all(list(texts)))
+
+    def _checked(self, vectors: np.ndarray) -> np.ndarray:
         if vectors.shape[1] != self._dim:
             raise EmbedderError(f"{self.url} returned {vectors.shape[1]} dimensions, expected {self._dim}")
         return unit_rows(vectors)
 
+    async def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        held = self._sessions.get(loop)
+        if held is None or held.session.closed:
+            keeper = _closed_at_shutdown(aiohttp.ClientSession(headers=self._headers))
+            held = self._sessions[loop] = _HeldSession(await anext(keeper), keeper)
+        return held.session
+
     async def _embed_all(self, texts: list[str]) -> np.ndarray:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._headers)
         limit = asyncio.Semaphore(self.max_in_flight)
 
         async def one(batch: list[str]) -> np.ndarray:
@@ -133,10 +186,9 @@ class OpenAIEmbedder:
         return np.concatenate(parts)
 
     async def _post(self, batch: list[str]) -> np.ndarray:
-        assert self._session is not None
         body = {"model": self.model, "input": batch, "encoding_format": "float"}
         try:
-            async with self._session.post(
+            async with (await self._session()).post(
                 self.url, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
             ) as response:
                 if response.status != 200:
@@ -190,8 +242,18 @@ class OpenAIEmbedder:
         }
 
     def close(self) -> None:
-        """Close the HTTP session and stop the loop thread."""
-        if self._session is not None:
-            self._loop.run(self._session.close())
-            self._session = None
+        """Close the HTTP sessions and stop the loop thread.
+
+        A caller's loop that still runs has its session closed there (without waiting: this may
+        be that loop's own thread); one that is closed took its connections with it.
+        """
+        for loop, held in list(self._sessions.items()):
+            session = held.session
+            if loop is self._loop.loop:
+                self._loop.run(session.close())
+            elif loop.is_running():
+                asyncio.run_coroutine_threadsafe(session.close(), loop)
+            elif not loop.is_closed():
+                loop.run_until_complete(session.close())
+        self._sessions.clear()
         self._loop.stop()

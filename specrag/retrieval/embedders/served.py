@@ -72,6 +72,9 @@ class ServedEmbedder:
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         return self.server.embed(texts)
 
+    async def embed_async(self, texts: Sequence[str]) -> np.ndarray:
+        return await self.server.embed_async(texts)
+
     def save(self, directory: Path) -> dict[str, Any]:
         """The index's own entry: the server stands in for the embedder that entry names."""
         return dict(self._recorded)
