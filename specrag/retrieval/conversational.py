@@ -36,6 +36,7 @@ __all__ = [
     "PREVIOUS_QUESTION_WEIGHT",
     "ConversationQuery",
     "conversation_query",
+    "conversation_query_on_loop",
     "question_weights",
 ]
 

@@ -63,6 +63,7 @@ __all__ = [
     "QUERY_EMBEDDERS",
     "SHARDS",
     "Chosen",
+    "DirectorySettings",
     "add_arguments",
     "around",
     "chosen",
