@@ -186,8 +186,9 @@ class PrefillGate:
                 waiter.result().release()  # granted just as we were cancelled: hand it on
             else:
                 waiter.cancel()
-                if isinstance(self._queue, WindowScheduler):
-                    self._queue.remove(waiter)  # its documents must not steer the others' order
+                # Counted as waiting it would turn callers away (max_queue); in the window, its
+                # documents would steer the others' order.
+                self._queue.remove(waiter)
             raise
 
     def _preempt_for_waiters(self) -> None:

@@ -109,3 +109,18 @@ async def test_a_cancelled_waiter_leaves_the_window() -> None:
     assert gate.waiting == 1
     held.release()
     assert (await asyncio.wait_for(staying, 1.0)).held and gate.pool == 1
+
+
+async def test_a_cancelled_waiter_is_no_longer_counted_as_waiting() -> None:
+    # The service refuses a final request (429) while `waiting` reaches max_queue: a caller who
+    # left must not keep its place in that count until a slot happens to free.
+    gate = PrefillGate(max_prefill_bs=1, starvation_window_s=10.0)
+    held = await gate.admit(cached_tokens=0, compute_tokens=100)
+    leaving = asyncio.create_task(gate.admit(0, 200))
+    staying = asyncio.create_task(gate.admit(0, 100))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    await asyncio.sleep(0)
+    assert gate.waiting == 1
+    held.release()
+    assert (await asyncio.wait_for(staying, 1.0)).held and (gate.pool, gate.waiting) == (1, 0)
