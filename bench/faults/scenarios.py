@@ -130,17 +130,31 @@ async def watch_health(url: str, run: Run, stop: asyncio.Event) -> None:
             await asyncio.sleep(0.5)
 
 
+# What a run that does not recover reports of the last /health.
+HEALTH_SEEN = ("status", "engine_state", "engine_restarts", "prefill_pool", "queued", "in_flight_queries")
+
+
 async def wait_recovered(client: AsyncClient, service: Service, restarts_before: int, run: Run) -> float:
-    """Seconds until /health is 200 on a replacement engine and a query succeeds (bounded)."""
+    """Seconds until /health is 200 on a replacement engine and a query succeeds (bounded); past
+    the bound, the error says what /health and the last query said (a full prefill pool and queue
+    read differently from an engine that never came back)."""
     deadline = time.perf_counter() + RECOVERY_BOUND_S
+    health: dict[str, Any] = {}
+    last_error: Exception | None = None
     while time.perf_counter() < deadline:
-        with contextlib.suppress(SpecragHTTPError, SpecragConnectionError, SpecragTimeoutError):
+        try:
             health = await client.health()
             if health.get("status") == "ok" and health.get("engine_restarts", 0) > restarts_before:
                 await client.rag(QUESTION, k=4, max_tokens=4)
                 return run.now()
+        except (SpecragHTTPError, SpecragConnectionError, SpecragTimeoutError) as error:
+            last_error = error
         await asyncio.sleep(0.25)
-    raise RuntimeError(f"the service did not recover within {RECOVERY_BOUND_S:.0f} s")
+    seen = ", ".join(f"{key} {health.get(key)}" for key in HEALTH_SEEN)
+    raise RuntimeError(
+        f"the service did not recover within {RECOVERY_BOUND_S:.0f} s (last /health: {seen}; "
+        f"last error: {last_error})"
+    )
 
 
 async def fault_scenario(
@@ -311,35 +325,37 @@ async def run_all(args: argparse.Namespace, run: Run, stopped: set[int]) -> None
             print(f"service on {url} (engine started in {time.perf_counter() - started:.0f} s)", flush=True)
             health_stop = asyncio.Event()
             health = asyncio.create_task(watch_health(url, run, health_stop))
-            async with AsyncClient(url, api_token=TOKEN, timeout_s=ERROR_BOUND_S) as client:
-                run.step = "the first query"
-                await client.rag(QUESTION, k=4, max_tokens=4)  # warm: compile paths, fill the cache
-                run.begin("(e) bad inputs")
-                await bad_inputs(url, run)
-                run.begin("(c) overload")
-                await overload(service, url, client, run, burst=args.burst)
-                run.begin("(d) disconnects")
-                await disconnects(url, client, run, args.disconnects)
-                await settle(service, run)
-                disconnect_leaks = dict(run.leaks)
-                run.begin(f"(f) soak with disconnects for {args.soak_s:.0f} s")
-                await soak(url, client, run, args.soak_s, args.clients)
-                await settle(service, run)
-                soak_leaks = dict(run.leaks)
-                run.begin("(a) kill the engine core")
-                await fault_scenario(
-                    "kill", lambda pid: os.kill(pid, signal.SIGKILL), service, client, run, args.clients
-                )
+            try:
+                async with AsyncClient(url, api_token=TOKEN, timeout_s=ERROR_BOUND_S) as client:
+                    run.step = "the first query"
+                    await client.rag(QUESTION, k=4, max_tokens=4)  # warm: compile paths, fill the cache
+                    run.begin("(e) bad inputs")
+                    await bad_inputs(url, run)
+                    run.begin("(c) overload")
+                    await overload(service, url, client, run, burst=args.burst)
+                    run.begin("(d) disconnects")
+                    await disconnects(url, client, run, args.disconnects)
+                    await settle(service, run)
+                    disconnect_leaks = dict(run.leaks)
+                    run.begin(f"(f) soak with disconnects for {args.soak_s:.0f} s")
+                    await soak(url, client, run, args.soak_s, args.clients)
+                    await settle(service, run)
+                    soak_leaks = dict(run.leaks)
+                    run.begin("(a) kill the engine core")
+                    await fault_scenario(
+                        "kill", lambda pid: os.kill(pid, signal.SIGKILL), service, client, run, args.clients
+                    )
 
-                def hang(pid: int) -> None:
-                    stopped.add(pid)
-                    os.kill(pid, signal.SIGSTOP)
+                    def hang(pid: int) -> None:
+                        stopped.add(pid)
+                        os.kill(pid, signal.SIGSTOP)
 
-                run.begin("(b) hang the engine core")
-                await fault_scenario("hang", hang, service, client, run, args.clients)
-                await settle(service, run)
-                run.leaks["after_disconnects"] = disconnect_leaks
-                run.leaks["after_soak"] = soak_leaks
-            run.begin("stopping the service")
-            health_stop.set()
-            await health
+                    run.begin("(b) hang the engine core")
+                    await fault_scenario("hang", hang, service, client, run, args.clients)
+                    await settle(service, run)
+                    run.leaks["after_disconnects"] = disconnect_leaks
+                    run.leaks["after_soak"] = soak_leaks
+                run.begin("stopping the service")
+            finally:  # a failed scenario too: polling a service that stops is no crash of it
+                health_stop.set()
+                await health

@@ -68,6 +68,18 @@ class RatioQueue(Generic[T]):
         self._fifo.append(entry)
         self._len += 1
 
+    def remove(self, request: T) -> bool:
+        """Forget a waiting request (its client left); False if it was not waiting.
+
+        Its entry is only marked: :meth:`pop` skips it, as it skips those already served.
+        """
+        for entry in self._fifo:
+            if entry.request is request and not entry.taken:
+                entry.taken = True
+                self._len -= 1
+                return True
+        return False
+
     def pop(self) -> T:
         """The next request to admit; IndexError when empty."""
         if not self._len:

@@ -189,7 +189,8 @@ class ControllerConfig:
     )
     #: No first token this long after the answer's prompt went to the engine: the query fails. It
     #: is retried only on another replica or an engine its supervisor replaced (it had hung); a
-    #: working engine that did not finish the prefill in time is not asked again.
+    #: working engine that did not finish the prefill in time is not asked again. A final request
+    #: also waits at most this long for a prefill slot (then 504 too).
     first_token_timeout_s: float = field(
         default=60.0,
         metadata=_flag(

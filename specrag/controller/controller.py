@@ -120,6 +120,7 @@ class RagController:
             self.config.starvation_window_s,
             self.config.speculative_token_budget or self.batched_token_budget * replicas,
             window,
+            max_wait_s=self.config.first_token_timeout_s,
         )
         self.sessions = SessionStore(
             self.config.max_sessions, self.config.session_ttl_s, self.config.max_sessions_per_client

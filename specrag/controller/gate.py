@@ -35,7 +35,7 @@ from specrag.cache.layout import DocId
 from specrag.cache.ordering import Ordering
 from specrag.cache.prefill_queue import RatioQueue, WindowScheduler
 from specrag.cache.tree import KnowledgeTree
-from specrag.errors import InvalidInputError
+from specrag.errors import EngineTimeoutError, InvalidInputError
 
 __all__ = ["OrderingWindow", "PrefillGate", "Slot", "default_max_prefill_bs"]
 
@@ -112,6 +112,7 @@ class PrefillGate:
         starvation_window_s: float,
         speculative_token_budget: int | None = None,
         window: OrderingWindow | None = None,
+        max_wait_s: float | None = None,
     ) -> None:
         if max_prefill_bs < 1:
             raise InvalidInputError(f"max_prefill_bs must be at least 1, got {max_prefill_bs}")
@@ -121,6 +122,9 @@ class PrefillGate:
             )
         self.max_prefill_bs = max_prefill_bs
         self.speculative_token_budget = speculative_token_budget
+        # A final request's wait for a slot is bounded: should a slot ever not come back, callers
+        # get an error naming the pool instead of waiting for their clients to give up.
+        self.max_wait_s = max_wait_s
         self._queue: RatioQueue[asyncio.Future[Slot]] | WindowScheduler[asyncio.Future[Slot]]
         self._window_tree = window.tree if window is not None else None
         if window is None:
@@ -180,14 +184,26 @@ class PrefillGate:
             self._queue.push(waiter, cached_tokens, compute_tokens)
         self._preempt_for_waiters()
         try:
+            async with asyncio.timeout(self.max_wait_s):
+                return await self._granted(waiter)
+        except TimeoutError:
+            raise EngineTimeoutError(
+                f"no prefill slot within {self.max_wait_s:.1f} s: the pool of {self.max_prefill_bs} is "
+                f"full and {len(self._queue)} other requests wait"
+            ) from None
+
+    async def _granted(self, waiter: asyncio.Future[Slot]) -> Slot:
+        """The slot ``waiter`` is granted; a caller that stops waiting leaves the queue."""
+        try:
             return await waiter
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 waiter.result().release()  # granted just as we were cancelled: hand it on
             else:
                 waiter.cancel()
-                if isinstance(self._queue, WindowScheduler):
-                    self._queue.remove(waiter)  # its documents must not steer the others' order
+                # Counted as waiting it would turn callers away (max_queue); in the window, its
+                # documents would steer the others' order.
+                self._queue.remove(waiter)
             raise
 
     def _preempt_for_waiters(self) -> None:

@@ -179,16 +179,28 @@ class QueryRun:
         reorderable = self.checked.mode.ordering and self._turn is None and self.checked.planned is None
         slot = await gate.admit(predicted, len(layout.token_ids) - predicted, rows if reorderable else ())
         timeline.queued_s = now() - queued_at
-        if not placed.replica.available:  # excluded while the request waited for its slot
-            placed = self.place(rows, final=True)
-        if slot.ordering is not None and slot.ordering.doc_ids != placed.layout.document_ids():
-            placed = self._reordered(placed, rows, slot.ordering.doc_ids)
-            timeline.add("reordered", now(), documents=len(rows))
+        try:
+            placed = self._placed_after_wait(placed, rows, slot)
+        except BaseException:
+            # No request holds the slot yet (e.g. the only engine is being replaced: no replica to
+            # place on): kept, it would shut the prefill pool for good.
+            slot.release()
+            raise
         # The cache may have changed while the request waited for its slot: predict again.
         final = self.launch(placed, slot, speculative=False, predicted=self._predicted(placed))
         self._note_route(placed)
         timeline.add("final_submit", final.submitted_at, request_id=final.request_id)
         return final
+
+    def _placed_after_wait(self, placed: Placed, rows: list[int], slot: Slot) -> Placed:
+        """The final prompt placed again if its replica left while it waited for ``slot``, and in
+        the document order the slot carries (the window order's)."""
+        if not placed.replica.available:  # excluded (or its engine replaced) while it waited
+            placed = self.place(rows, final=True)
+        if slot.ordering is not None and slot.ordering.doc_ids != placed.layout.document_ids():
+            placed = self._reordered(placed, rows, slot.ordering.doc_ids)
+            self.timeline.add("reordered", now(), documents=len(rows))
+        return placed
 
     async def stream_answer(self, flight: Flight) -> AsyncIterator[AnswerDelta | AnswerDone]:
         """The answer's deltas, then :class:`AnswerDone`; a session learns the turn at the end (the

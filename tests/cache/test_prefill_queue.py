@@ -144,3 +144,13 @@ def test_window_rejects_bad_input() -> None:
     window: WindowScheduler[str] = WindowScheduler(1.0)
     with pytest.raises(InvalidInputError):
         window.push("x", (1, 1), 10)
+
+
+def test_a_removed_request_is_not_served_nor_counted() -> None:
+    queue: RatioQueue[str] = RatioQueue(starvation_window_s=10.0, clock=Clock())
+    queue.push("gone", cached_tokens=90, compute_tokens=10)
+    queue.push("first", cached_tokens=0, compute_tokens=10)
+    assert queue.remove("gone") and not queue.remove("gone")
+    assert len(queue) == 1
+    assert queue.pop() == "first" and len(queue) == 0
+    assert not queue.remove("first")  # served: no longer waiting

@@ -165,3 +165,39 @@ async def test_failures_during_shutdown_are_unavailable_and_not_repaired(tiny_as
         await query
     assert engine.status().state == "stopping" and len(started) == 1 and engine.restarts == 0
     await engine.close()
+
+
+async def test_a_slot_granted_while_the_engine_is_replaced_is_given_back(tiny_assets: Assets) -> None:
+    # Closing a hung engine fails the request holding the one prefill slot; the slot passes to a
+    # queued final request while the supervisor is still starting the replacement. That request
+    # must fail (503) and give its slot back: a slot kept would shut the pool for good, every
+    # later request would queue behind it and, the queue full, be refused with 429 for ever.
+    replace = asyncio.Event()
+    started: list[SimulatedEngine] = []
+
+    async def held_start() -> SimulatedEngine:
+        if started:
+            await replace.wait()
+        engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
+        started.append(engine)
+        return engine
+
+    engine = await SupervisedEngine(held_start, FAST_POLICY).start()
+    controller = controller_on(engine, tiny_assets, first_token_timeout_s=30, max_prefill_bs=1)
+    started[0].stall()
+    request = RagRequest(QUESTION, k=3, mode="serial", max_tokens=4)
+    holder = asyncio.create_task(controller.answer(request))
+    await wait_until(lambda: controller.gate.pool == 1, within_s=10)
+    queued = asyncio.create_task(controller.answer(request))
+    await wait_until(lambda: controller.gate.waiting == 1, within_s=10)
+    engine.report_failure("no first token")  # what a first-token timeout reports
+    with pytest.raises(EngineUnavailableError, match="recovering"):
+        await asyncio.wait_for(queued, timeout=10)
+    assert engine.state == "recovering"  # the holder waits for the replacement, holding no slot
+    assert (controller.gate.pool, controller.gate.waiting) == (0, 0)
+    replace.set()
+    retried = await asyncio.wait_for(holder, timeout=10)
+    assert [e.kind for e in retried.timeline.events].count("retry") == 1 and retried.text
+    assert (await asyncio.wait_for(controller.answer(request), timeout=10)).text
+    await assert_engine_idle(started[1], controller)
+    await engine.close()

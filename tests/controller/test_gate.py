@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from specrag.controller.gate import OrderingWindow, PrefillGate
-from specrag.errors import InvalidInputError
+from specrag.errors import EngineTimeoutError, InvalidInputError
 from tests.helpers.tree import served_tree
 
 
@@ -109,3 +109,30 @@ async def test_a_cancelled_waiter_leaves_the_window() -> None:
     assert gate.waiting == 1
     held.release()
     assert (await asyncio.wait_for(staying, 1.0)).held and gate.pool == 1
+
+
+async def test_a_cancelled_waiter_is_no_longer_counted_as_waiting() -> None:
+    # The service refuses a final request (429) while `waiting` reaches max_queue: a caller who
+    # left must not keep its place in that count until a slot happens to free.
+    gate = PrefillGate(max_prefill_bs=1, starvation_window_s=10.0)
+    held = await gate.admit(cached_tokens=0, compute_tokens=100)
+    leaving = asyncio.create_task(gate.admit(0, 200))
+    staying = asyncio.create_task(gate.admit(0, 100))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    await asyncio.sleep(0)
+    assert gate.waiting == 1
+    held.release()
+    assert (await asyncio.wait_for(staying, 1.0)).held and (gate.pool, gate.waiting) == (1, 0)
+
+
+async def test_a_wait_for_a_slot_that_never_comes_back_ends_with_an_error() -> None:
+    # Should a slot ever leak, callers must get an error naming the pool within the bound, not
+    # wait until their clients give up; the one who timed out no longer counts as waiting.
+    gate = PrefillGate(max_prefill_bs=1, starvation_window_s=10.0, max_wait_s=0.05)
+    held = await gate.admit(cached_tokens=0, compute_tokens=100)
+    with pytest.raises(EngineTimeoutError, match=r"no prefill slot within 0\.1 s: the pool of 1 is full"):
+        await asyncio.wait_for(gate.admit(0, 200), 5.0)
+    assert (gate.pool, gate.waiting) == (1, 0)
+    held.release()
+    assert (await gate.admit(0, 100)).held
