@@ -256,7 +256,7 @@ def serve_command(args: argparse.Namespace) -> int:
         access=access,
         ray_address=args.ray,
         replicas=args.replicas,
-        search_shards=args.search_shards,
+        search_shards=args.search_shards if backend.backend.sharded else None,  # the lookup decides
         search_shard_cpus=args.search_shard_cpus,
         index_dir=str(_paths(args)[0].index_dir),
         router=args.router,
