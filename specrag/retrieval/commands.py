@@ -18,7 +18,7 @@ from specrag.retrieval.corpus import (
     load_passages,
     write_passages,
 )
-from specrag.retrieval.embedders.choice import BROUGHT_EMBEDDERS, EmbedderChoice
+from specrag.retrieval.embedders.choice import BROUGHT_EMBEDDERS, EmbedderChoice, add_brought_arguments
 from specrag.retrieval.index_store import BUILT_IN_EMBEDDERS, KINDS, IndexConfig
 
 __all__ = ["register"]
@@ -98,9 +98,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "vectors, IDF pooling: far faster to build, fewer right passages), tfidf-svd (fitted on the "
         "corpus), sentence-transformers (--embedder-model DIR) or openai (--embedder-url, --embedder-model)",
     )
-    index_build.add_argument("--embedder-model", help="model directory, or the model name a server serves")
-    index_build.add_argument("--embedder-url", help="base URL of an OpenAI-compatible /v1/embeddings server")
-    index_build.add_argument("--embedder-key-env", help="environment variable holding the server's API key")
+    add_brought_arguments(index_build)
     index_build.add_argument(
         "--lexical",
         action=argparse.BooleanOptionalAction,

@@ -38,6 +38,7 @@ from specrag.retrieval.embedders.choice import (
     DEFAULT_EMBEDDER_TIMEOUT_S,
     SERVED_EMBEDDER,
     EmbedderChoice,
+    add_brought_arguments,
 )
 from specrag.retrieval.embedders.embedder import Embedder
 from specrag.retrieval.index_store import (
@@ -330,9 +331,7 @@ def _add_query_embedder(parser: Flags) -> None:
         "the index's model (--embedder-url, --embedder-model); sentence-transformers: with --backend "
         "pgvector",
     )
-    parser.add_argument("--embedder-model", help="model directory, or the model name a server serves")
-    parser.add_argument("--embedder-url", help="base URL of an OpenAI-compatible /v1/embeddings server")
-    parser.add_argument("--embedder-key-env", help="environment variable holding the server's API key")
+    add_brought_arguments(parser)
     parser.add_argument(
         "--embedder-timeout",
         type=float,

@@ -14,7 +14,13 @@ from specrag.retrieval.embedders.embedder import Embedder, SentenceTransformerEm
 if TYPE_CHECKING:  # aiohttp's client is imported only for a server
     from specrag.retrieval.embedders.http_embedder import OpenAIEmbedder
 
-__all__ = ["BROUGHT_EMBEDDERS", "DEFAULT_EMBEDDER_TIMEOUT_S", "SERVED_EMBEDDER", "EmbedderChoice"]
+__all__ = [
+    "BROUGHT_EMBEDDERS",
+    "DEFAULT_EMBEDDER_TIMEOUT_S",
+    "SERVED_EMBEDDER",
+    "EmbedderChoice",
+    "add_brought_arguments",
+]
 
 # A server speaking OpenAI's /v1/embeddings (serve may embed any index's questions with it).
 SERVED_EMBEDDER = "openai"
@@ -23,6 +29,14 @@ BROUGHT_EMBEDDERS = ("sentence-transformers", SERVED_EMBEDDER)
 # Seconds an embedding server may take to embed a question (serve's --embedder-timeout): a GPU
 # server's are milliseconds; an index build's calls keep the client's own, longer bound.
 DEFAULT_EMBEDDER_TIMEOUT_S = 5.0
+
+
+def add_brought_arguments(parser: argparse._ActionsContainer) -> None:
+    """The flags that say where a brought embedder is (``index build``'s and ``serve``'s alike),
+    read by :meth:`EmbedderChoice.from_args`."""
+    parser.add_argument("--embedder-model", help="model directory, or the model name a server serves")
+    parser.add_argument("--embedder-url", help="base URL of an OpenAI-compatible /v1/embeddings server")
+    parser.add_argument("--embedder-key-env", help="environment variable holding the server's API key")
 
 
 @dataclass(frozen=True)
