@@ -6,6 +6,10 @@ tokens, computed tokens, prefill seconds); once enough are in, a cold-prefill mo
 ``seconds(n) = a·n + b·n²`` (per-token work plus attention, which grows with the context) is fitted
 by least squares with ``a, b >= 0`` and an intercept for the per-request overhead (scheduling, the
 first decode step), which cancels in a cost. Until then the given fallback profile stands.
+
+A refit reads the whole window, so once the fit has settled it runs every
+:data:`REFIT_EVERY`-th answer rather than after each: in front of a fast engine a refit per answer
+was a visible share of the service's own CPU, and a few new points among hundreds barely move it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ __all__ = ["PrefillEstimator"]
 
 _PROFILE_POINTS = 33
 """Points the fitted curve is sampled at over the observed prompt lengths (piecewise linear)."""
+
+REFIT_EVERY = 8
+"""Once ``2 × min_samples`` points are in, the profile is refitted after every this-many answers."""
 
 
 class PrefillEstimator:
@@ -49,8 +56,20 @@ class PrefillEstimator:
     def samples(self) -> int:
         return min(self._count, len(self._ring))
 
+    def typical_prompt(self) -> tuple[int, int] | None:
+        """The median (cached, computed) tokens of the requests in the window; None before any.
+
+        What a prompt of this service usually costs, for a decision taken before the prompt
+        exists (whether a search's stages could pay for a speculation at all).
+        """
+        if self._count == 0:
+            return None
+        rows = self._ring[: self.samples]
+        cached, computed = np.median(rows[:, 0]), np.median(rows[:, 1])
+        return int(cached), int(computed)
+
     def record(self, cached: int, computed: int, seconds: float) -> PrefillProfile | None:
-        """Add one served request; the refitted profile when there are enough points, else None.
+        """Add one served request; the refitted profile when this point was refitted at, else None.
 
         A request with nothing computed says nothing about prefill cost and is skipped.
         """
@@ -63,7 +82,8 @@ class PrefillEstimator:
             return None
         self._ring[self._count % len(self._ring)] = (cached, computed, seconds)
         self._count += 1
-        if self._count < self.min_samples:
+        settled = self._count >= 2 * self.min_samples
+        if self._count < self.min_samples or (settled and self._count % REFIT_EVERY):
             return None
         fitted = self._fit()
         if fitted is not None:

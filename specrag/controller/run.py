@@ -2,7 +2,8 @@
 RAGCache++ §3.6).
 
 1. Embed the question (a follow-up's joined with the questions before it,
-   :mod:`specrag.retrieval.conversational`); start the staged search; if the knowledge tree says
+   :mod:`specrag.retrieval.conversational`); start the staged search (in one stage when, priced
+   with a typical prompt, no stage is expected to launch a speculation); if the knowledge tree says
    the system prompt is not resident, have the controller warm it (shared work: recorded by the
    controller, not here)
    — with speculation on, only at a stage that could not speculate, since a speculation
@@ -51,6 +52,7 @@ from specrag.errors import EngineError, OverloadedError
 from specrag.pipeline.engines.protocol import EngineOutput, latest_cached_tokens, now
 from specrag.retrieval.backends.shards.merge import ShardAnswers
 from specrag.retrieval.conversational import conversation_query_on_loop
+from specrag.retrieval.vector_index import StagedSearch
 
 __all__ = ["QueryRun"]
 
@@ -103,16 +105,20 @@ class QueryRun:
             timeline.add("conversation", now(), questions=query.joined)
         timeline.search_start = now()
         config = shared.config
-        plan = shared.index.stage_plan(
-            config.num_stages if checked.speculation.speculates else 1, config.stage_schedule
-        )
-        # The query's text feeds the lexical channel of a hybrid index.
         answers = ShardAnswers() if request.allow_partial else None
-        search = shared.index.search_staged(
-            query.vector, checked.k, plan, query_text=query.text, shard_answers=answers
-        )
+
+        def search_in(stages: int | None) -> StagedSearch:
+            # The query's text feeds the lexical channel of a hybrid index.
+            plan = shared.index.stage_plan(stages, config.stage_schedule)
+            return shared.index.search_staged(
+                query.vector, checked.k, plan, query_text=query.text, shard_answers=answers
+            )
+
+        search = search_in(config.num_stages if checked.speculation.speculates else 1)
+        if search.num_stages > 1 and not self._speculating.stages_pay(search):
+            search = search_in(1)
         self._speculating.search = search
-        if plan.num_stages == 1:
+        if search.num_stages == 1:
             self._speculating.warm_up(0)
         final_rows: list[int] = []
         async with contextlib.aclosing(search) as staged:

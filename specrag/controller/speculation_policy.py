@@ -39,17 +39,40 @@ a stage whose top-k is unlikely final is held back until a later stage, whose to
 The system-prompt warm-up is priced the same way: the system prompt begins every final prompt,
 so its prefill is never stale (``p = 1``) and saves ``min(search left, its prefill)``; what it
 costs is one more request's fixed overhead, for this query's final request and every waiting one.
+
+Stages cost something themselves: each stage's top-k is handed to the query, ordered and built
+into a prompt only to be priced, and a staged search does more work than one search. So before a
+search starts, each stage the index has learned is priced the same way with a typical recent
+prompt in place of its own (which does not exist yet); when none is expected to gain more than it
+costs, the search runs in one stage (:meth:`SpeculationPolicy.unstaged`). In front of GPU replicas,
+whose prefill takes tens of milliseconds against a few of search, that is nearly every search. One
+in :data:`EXPLORE_EVERY` of them still runs in stages, so that the stages' figures go on being
+learned and a change (a slower engine, a larger index) is seen.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specrag.cache.prefill_estimator import PrefillEstimator
 from specrag.retrieval.search.stage_stats import StageOutlook
 
-__all__ = ["NO_SPECULATION", "Price", "QuerySpeculation", "SpeculationPolicy", "SpeculationSetting"]
+__all__ = [
+    "EXPLORE_EVERY",
+    "LEARNED_FROM",
+    "NO_SPECULATION",
+    "Price",
+    "QuerySpeculation",
+    "SpeculationPolicy",
+    "SpeculationSetting",
+]
+
+LEARNED_FROM = 8
+"""Searches every stage must have been learned from before a search may run in one stage."""
+
+EXPLORE_EVERY = 16
+"""Of the searches that would run in one stage, every this-many-th runs in stages anyway."""
 
 
 class SpeculationSetting(enum.StrEnum):
@@ -126,6 +149,11 @@ class QuerySpeculation:
         """The price of warming the system prompt now (:meth:`SpeculationPolicy.warmup`)."""
         return None if self.pricing is None else self.pricing.warmup(outlook, system_tokens, waiting)
 
+    def unstaged(self, start: StageOutlook, ordered: bool, waiting: int) -> Price | None:
+        """Whether a search about to start runs in one stage (:meth:`SpeculationPolicy.unstaged`);
+        a query whose launches are not priced always runs its stages."""
+        return None if self.pricing is None else self.pricing.unstaged(start, ordered, waiting)
+
 
 NO_SPECULATION = QuerySpeculation(speculates=False)
 """A query that speculates on nothing and prices nothing (a request not yet checked)."""
@@ -139,6 +167,7 @@ class SpeculationPolicy:
         self.setting = setting
         self._estimator = estimator
         self._step_tokens = step_tokens  # prompt tokens the engine computes in one step, at most
+        self._unstaged = 0  # searches found not worth their stages so far (every few run them anyway)
 
     def for_query(self, mode_speculates: bool) -> QuerySpeculation:
         """The answer for a query whose mode speculates (``mode_speculates``) or not: it
@@ -173,6 +202,30 @@ class SpeculationPolicy:
         gain = p * min(left, prefill) + rescue
         cost = (1 - p) * _stale_cost(left, hold, waiting)
         return Price(gain, cost, p, left, prefill, waiting, outlook.observed, later)
+
+    def unstaged(self, start: StageOutlook, ordered: bool, waiting: int) -> Price | None:
+        """The best price a stage of the search about to start is expected to have, when even it
+        gains no more than it costs: the search then runs in one stage. None: run the stages (one
+        may pay; a stage was learned from fewer than :data:`LEARNED_FROM` searches; no answer has
+        been served yet; or this is the one in :data:`EXPLORE_EVERY` kept staged).
+
+        ``start``: the search's outlook at its start, whose ``later`` are the learned stages. Each
+        is priced as :meth:`speculation` prices it, the stages after it as its later chances, with
+        the median recent prompt (:meth:`PrefillEstimator.typical_prompt`) as its prompt.
+        """
+        typical = self._estimator.typical_prompt()
+        stages = start.later
+        if typical is None or not stages or min(stage.observed for stage in stages) < LEARNED_FROM:
+            return None
+        prices = [
+            self.speculation(replace(stage, later=stages[number + 1 :]), ordered, *typical, waiting)
+            for number, stage in enumerate(stages)
+        ]
+        best = max(prices, key=lambda price: price.gain_s - price.cost_s)
+        if best.gain_s > best.cost_s:
+            return None
+        self._unstaged += 1
+        return None if self._unstaged % EXPLORE_EVERY == 0 else best
 
     def warmup(self, outlook: StageOutlook, system_tokens: int, waiting: int) -> Price:
         """The price of prefilling the cold system prompt now, beside the search left."""

@@ -62,6 +62,21 @@ class SpeculationSteps:
         self.search: StagedSearch | None = None  # the query's staged search, whose outlook prices
         self._background: set[asyncio.Task[None]] = set()  # aborts of preempted speculations
 
+    def stages_pay(self, search: StagedSearch) -> bool:
+        """Whether the query's search, about to start, should run its stages: not when its price
+        says no stage is expected to launch a speculation
+        (:meth:`~specrag.controller.speculation_policy.SpeculationPolicy.unstaged`), since every
+        stage's top-k is then ordered and built into a prompt for nothing. The decision and its
+        best stage's figures go in the timeline (``unstaged``)."""
+        self.search = search
+        replicas = self._shared.placement.replicas
+        waiting = min(self._waiting((replica,)) for replica in replicas)
+        price = self._checked.speculation.unstaged(self._outlook(0), self._checked.mode.ordering, waiting)
+        if price is None:
+            return True
+        self._timeline.add("unstaged", now(), **price.detail())
+        return False
+
     async def stage_arrived(self, rows: list[int], stage: int) -> None:
         """Speculate on a stage's running top-k if it changed and the prefill pool has room.
 

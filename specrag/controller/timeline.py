@@ -14,6 +14,7 @@ __all__ = ["EventKind", "Timeline", "TimelineEvent"]
 EventKind = Literal[
     "conversation",
     "planned",
+    "unstaged",
     "stage",
     "shards",
     "warmup_start",
@@ -43,6 +44,8 @@ class TimelineEvent:
       (:mod:`specrag.retrieval.conversational`);
     - ``planned``: a batch query starts with the documents its batch retrieved and ordered
       (``position`` in the batch's schedule; no search of its own);
+    - ``unstaged``: the search ran in one stage, since no stage was expected to launch a speculation
+      (the best stage's price, :meth:`~specrag.controller.speculation_policy.SpeculationPolicy.unstaged`);
     - ``stage``: a search stage's running top-k arrived (``done`` for the final one);
     - ``shards``: a search that accepted a partial top-k (``allow_partial``) ended: the shards that
       ``answered``, and those ``missing`` with why;

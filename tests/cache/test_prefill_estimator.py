@@ -7,6 +7,7 @@ import random
 import pytest
 
 from specrag.cache import KnowledgeTree, PrefillEstimator, PrefillProfile
+from specrag.cache.prefill_estimator import REFIT_EVERY
 from specrag.errors import InvalidInputError
 from tests.helpers.tree import BLOCK, SYSTEM, layout
 
@@ -93,8 +94,8 @@ def test_the_tree_costs_misses_with_the_profile_it_is_given() -> None:
 
 def test_a_full_window_fits_exactly_as_its_newest_points_alone() -> None:
     """The points kept in a ring, read back oldest first: the fit is the same floats as a fit of
-    the window's points given alone, in their order."""
-    points = synthetic(3e-4, 2e-8, 0.01, 61, seed=3)
+    the window's points given alone, in their order (both last refitted at their last point)."""
+    points = synthetic(3e-4, 2e-8, 0.01, 8 * REFIT_EVERY, seed=3)
     window = 16
     ringed = PrefillEstimator(FALLBACK, min_samples=8, window=window)
     for point in points:
@@ -107,3 +108,21 @@ def test_a_full_window_fits_exactly_as_its_newest_points_alone() -> None:
     assert [ringed.profile.seconds(n) for n in range(0, 6000, 37)] == [
         alone.profile.seconds(n) for n in range(0, 6000, 37)
     ]
+
+
+def test_once_settled_the_profile_is_refitted_every_few_answers_not_after_each() -> None:
+    estimator = PrefillEstimator(FALLBACK, min_samples=4)
+    refitted = [estimator.record(*point) is not None for point in synthetic(3e-4, 0.0, 0.01, 40)]
+    settled = 2 * estimator.min_samples  # a refit after every point until then
+    assert all(refitted[estimator.min_samples - 1 : settled])
+    later = [count for count, fit in enumerate(refitted[settled:], start=settled + 1) if fit]
+    assert later == [count for count in range(settled + 1, 41) if count % REFIT_EVERY == 0]
+
+
+def test_the_typical_prompt_is_the_median_of_the_window() -> None:
+    estimator = PrefillEstimator(FALLBACK, min_samples=4, window=4)
+    assert estimator.typical_prompt() is None
+    for cached, computed in [(0, 100), (900, 50), (0, 10), (300, 2000), (16, 400)]:
+        estimator.record(cached, computed, 0.1)
+    # the first point left the window: (900, 50), (0, 10), (300, 2000), (16, 400)
+    assert estimator.typical_prompt() == (158, 225)

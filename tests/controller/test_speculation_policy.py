@@ -4,20 +4,24 @@ prefill, and one much longer)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from specrag.cache.pgdsf import PrefillProfile
 from specrag.cache.prefill_estimator import PrefillEstimator
+from specrag.controller import speculation_policy
 from specrag.controller.controller import RagRequest
-from specrag.controller.speculation_policy import Price, SpeculationPolicy, SpeculationSetting
+from specrag.controller.speculation_policy import EXPLORE_EVERY, Price, SpeculationPolicy, SpeculationSetting
 from specrag.errors import InvalidInputError, check_choice
 from specrag.retrieval.search.stage_stats import WINDOW, PlanKey, StageOutlook, StageStatistics
 from specrag.retrieval.search.stages import Schedule, StageResult
+from specrag.retrieval.vector_index import VectorIndex
 from specrag.service.http.metrics import ServiceMetrics
 from specrag.service.run.assets import Assets
 from specrag.sim.engine import SimulatedEngine
-from tests.helpers.builders import QUESTION, A, B, make_controller, scripted_index
+from tests.helpers.builders import QUESTION, A, B, make_controller, questions, scripted_index
 
 # One second per 1000 prompt tokens, no fixed cost: prices that are easy to check by hand.
 LINEAR = PrefillProfile([(0, 0.0), (1000, 1.0)])
@@ -244,3 +248,81 @@ async def test_a_stage_that_waits_for_a_later_one_leaves_the_engine_to_that_one(
     assert not any(kind.startswith("warmup") for kind, _, _ in decisions)
     assert done.timeline.adopted and done.timeline.speculations_priced_out == 1
     await engine.close()
+
+
+def test_a_search_runs_in_one_stage_only_when_no_learned_stage_is_expected_to_pay() -> None:
+    estimator = PrefillEstimator(LINEAR)
+    unpriced = SpeculationPolicy(SpeculationSetting.AUTO, estimator, STEP_TOKENS)
+    short = StageOutlook(1.0, 1.0, 0.020, 10, later=(outlook(0.3, 0.015), outlook(0.8, 0.005)))
+    assert unpriced.unstaged(short, True, waiting=0) is None  # no answer served: no typical prompt
+    estimator.record(0, 500, 0.5)  # a typical prompt: 500 tokens, 0.5 s to prefill
+    # r << 1: 15 and 5 ms of search left against 0.5 s of prefill: no stage pays, one stage.
+    price = unpriced.unstaged(short, True, waiting=0)
+    assert price is not None and price.gain_s <= price.cost_s
+    assert price == policy_prices_best(unpriced, short)
+    # r >> 1: a stale prompt's prefill ends before the search does: stages.
+    long = StageOutlook(1.0, 1.0, 2.0, 10, later=(outlook(0.3, 1.5), outlook(0.8, 1.0)))
+    assert unpriced.unstaged(long, True, waiting=0) is None
+    # A stage learned from too few searches: stages, to learn it.
+    young = StageOutlook(1.0, 1.0, 0.020, 10, later=(outlook(0.3, 0.015), StageOutlook(0.8, 0.8, 0.005, 3)))
+    assert unpriced.unstaged(young, True, waiting=0) is None
+
+
+def policy_prices_best(policy: SpeculationPolicy, start: StageOutlook) -> Price:
+    """The best of the start's stages priced one by one with the typical prompt (0 cached, 500
+    computed), each with the stages after it as its later chances."""
+    first, second = start.later
+    prices = [
+        policy.speculation(replace(first, later=(second,)), True, 0, 500, 0),
+        policy.speculation(second, True, 0, 500, 0),
+    ]
+    return max(prices, key=lambda price: price.gain_s - price.cost_s)
+
+
+def test_one_search_in_a_few_that_need_no_stages_still_runs_them_to_go_on_learning() -> None:
+    estimator = PrefillEstimator(LINEAR)
+    estimator.record(0, 500, 0.5)
+    pricing = SpeculationPolicy(SpeculationSetting.AUTO, estimator, STEP_TOKENS)
+    short = StageOutlook(1.0, 1.0, 0.020, 10, later=(outlook(0.3, 0.015), outlook(0.8, 0.005)))
+    staged = [pricing.unstaged(short, True, waiting=0) is None for _ in range(3 * EXPLORE_EVERY)]
+    assert [number for number, yes in enumerate(staged, start=1) if yes] == [
+        EXPLORE_EVERY,
+        2 * EXPLORE_EVERY,
+        3 * EXPLORE_EVERY,
+    ]
+    always = SpeculationPolicy(SpeculationSetting.ALWAYS, estimator, STEP_TOKENS).for_query(True)
+    assert always.unstaged(short, True, waiting=0) is None  # unpriced launches: stages as asked
+
+
+async def test_a_search_whose_stages_cannot_pay_runs_in_one_stage_with_the_same_documents(
+    tiny_assets: Assets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real index's search of a few ms against a simulated prefill of hundreds (r << 1): once
+    its stages were learned from, a query's search runs in one stage; its documents are those of
+    the same question searched in stages."""
+    monkeypatch.setattr(speculation_policy, "LEARNED_FROM", 2)
+    fresh = learning_afresh(tiny_assets.index)
+    engine = SimulatedEngine(time_scale=0.2, max_model_len=4096)
+    controller = make_controller(engine, tiny_assets, fresh)
+    asked = questions(tiny_assets, 4)
+    runs = []
+    for question in asked:
+        done = await controller.answer(RagRequest(question, k=4, mode="speculation", max_tokens=2))
+        runs.append([event.kind for event in done.timeline.events])
+    assert fresh.default_stages > 1 and all(
+        kinds.count("stage") == fresh.default_stages for kinds in runs[:2]
+    )
+    assert "unstaged" in runs[3] and runs[3].count("stage") == 1
+    last = done.timeline.documents
+    staged = make_controller(engine, tiny_assets, learning_afresh(tiny_assets.index))
+    again = await staged.answer(RagRequest(asked[3], k=4, mode="speculation", max_tokens=2))
+    assert [event.kind for event in again.timeline.events].count("stage") == fresh.default_stages
+    assert again.timeline.documents == last
+    await engine.close()
+
+
+def learning_afresh(index: VectorIndex) -> VectorIndex:
+    """The same searcher with stage figures of its own (the shared index keeps what it learns)."""
+    return VectorIndex(
+        index.searcher, index.passage_ids, None, index.embedder, default_stages=index.default_stages
+    )

@@ -72,6 +72,11 @@ class StagedSearch:
                     self._stats.record(self._key, seen)
                 yield seen[-1]
 
+    @property
+    def num_stages(self) -> int:
+        """Stages the search is cut into (its plan's)."""
+        return self._key.num_stages
+
     def outlook(self, stage: int, elapsed_s: float) -> StageOutlook:
         """What searches of this plan taught about the rest of this one after ``stage`` (0: its
         start), ``elapsed_s`` into it (:meth:`StageStatistics.outlook`)."""

@@ -41,6 +41,7 @@ DECISIONS = {
     "spec_submit": ("speculation", "launched"),
     "warmup_start": ("warmup", "launched"),
     "warmup_skip": ("warmup", "price"),
+    "unstaged": ("stages", "price"),
 }
 
 
@@ -121,8 +122,9 @@ class ServiceMetrics:
         self.speculation_decisions = counter(
             "specrag_speculation_decisions",
             "Speculative prefill decisions of answered queries: speculations on a stage's top-k and "
-            "system-prompt warm-ups, launched or skipped (price: expected gain not above expected "
-            "cost; no_room: the prefill gate refused; too_long: the prompt does not fit the model)",
+            "system-prompt warm-ups, launched or skipped, and searches run in one stage (kind stages) "
+            "(price: expected gain not above expected cost; no_room: the prefill gate refused; "
+            "too_long: the prompt does not fit the model)",
             ("kind", "decision"),
         )
         self.adoptions = counter("specrag_adoptions", "Answers served by an adopted speculation")
