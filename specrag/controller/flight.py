@@ -122,11 +122,14 @@ class Flight:
         runs it (an in-process engine has no clock of its own between tokens), so the caller
         moves it elsewhere like one whose engine died. Only the wait for the engine counts: outputs
         already queued (a slow reader) are no stall."""
-        first = True
+        first, queue = True, self._outputs
         while True:
             try:
-                timeout = first_token_timeout_s if first else inter_token_timeout_s
-                item = await asyncio.wait_for(self._outputs.get(), timeout)
+                if queue.empty():  # a deadline on the wait only (no task made for it, as wait_for does)
+                    async with asyncio.timeout(first_token_timeout_s if first else inter_token_timeout_s):
+                        item = await queue.get()
+                else:
+                    item = queue.get_nowait()
             except TimeoutError:
                 await self.abort()
                 if first:

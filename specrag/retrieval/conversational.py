@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -95,11 +96,24 @@ async def conversation_query_on_loop(
     embedder is a server is asked on the loop itself (no thread hops); anything else (a model
     embedding in this process, a follow-up's several questions) runs on a worker thread."""
     embedder = index.embedder
-    if isinstance(embedder, LoopEmbedder) and not _recent(previous):
-        vector: np.ndarray = (await embedder.embed_async([normalize_text(question)]))[0]
+    if _asked_on_loop(embedder) and not _recent(previous):
+        served = cast(LoopEmbedder, embedder)
+        vector: np.ndarray = (await served.embed_async([normalize_text(question)]))[0]
         return ConversationQuery(vector, question, 0)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(None, conversation_query, index, question, previous)
+
+
+_ASKED_ON_LOOP: dict[type, bool] = {}
+"""Per embedder class, whether it is awaited on the loop: a protocol's ``isinstance`` walks its
+members on every call, a visible cost once per question, and a class's answer never changes."""
+
+
+def _asked_on_loop(embedder: object) -> bool:
+    kind = type(embedder)
+    if kind not in _ASKED_ON_LOOP:
+        _ASKED_ON_LOOP[kind] = isinstance(embedder, LoopEmbedder)
+    return _ASKED_ON_LOOP[kind]
 
 
 def _recent(
