@@ -36,6 +36,7 @@ class Answer:
     request_id: str | None = None
     predicted_cached: int | None = None
     delivered_cached: int | None = None
+    unstaged: bool | None = None  # specrag's search ran in one stage (None: the thin front's answer)
     error: str | None = None
 
 
@@ -80,6 +81,8 @@ def _record(answer: Answer, event: str, data: dict[str, Any]) -> None:
         timeline = data.get("specrag") or {}
         answer.predicted_cached = timeline.get("predicted_cached_tokens")
         answer.delivered_cached = timeline.get("cached_prompt_tokens")
+        if timeline:
+            answer.unstaged = any(event.get("kind") == "unstaged" for event in timeline.get("events", []))
     elif event == "error":
         answer.error = str(data.get("error") or data)
 

@@ -57,6 +57,10 @@ def test_the_embedding_elsewhere_runs_have_headline_keys_of_their_own() -> None:
     assert headline["capacity_ratio_vs_thin_embedding_elsewhere"] == 0.5
     assert headline["added_ttft_p99_ms_at_half_capacity_embedding_elsewhere"] == 2.0
     assert headline["cpu_ms_per_answer_embedding_elsewhere"]["specrag"] == {"total": 20}
+    # No rate held in process, yet what each served at most compares them.
+    assert headline["most_served_per_s"] == pytest.approx(9.9) == headline["thin_most_served_per_s"]
+    assert headline["most_served_ratio_vs_thin"] == 1.0
+    assert headline["most_served_ratio_vs_thin_embedding_elsewhere"] == pytest.approx(1.0)
     assert "capacity_answers_per_s_embedding_elsewhere" not in summary(
         {name: points for name, points in runs.items() if not name.endswith(ELSEWHERE)}, 4
     )
@@ -89,6 +93,7 @@ def test_a_tiny_run_reports_every_key(tmp_path: Path, tiny_model_dir: Path) -> N
         "mirror_lost_batches",
         "mirror_predicted_equals_delivered",
         "cpu_ms_per_answer",
+        "most_served_ratio_vs_thin",
         "machine",
     ):
         assert key in written
@@ -102,5 +107,7 @@ def test_a_tiny_run_reports_every_key(tmp_path: Path, tiny_model_dir: Path) -> N
     specrag = runs["specrag-1"][0]
     assert specrag["cpu_ms_per_answer"]["embedding"] > 0 and specrag["kv_events_per_s"] > 0
     assert specrag["mirrors"][0]["exact"] is True
+    assert specrag["engine_requests_per_answer"] >= 1 and specrag["searches_in_one_stage"] is not None
+    assert runs["thin-1"][0]["searches_in_one_stage"] is None
     assert headline["mirror_lost_batches"] == 0 and headline["mirror_predicted_equals_delivered"] is not None
     assert (OUT_DIR / "capacity-test.png").is_file()
