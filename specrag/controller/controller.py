@@ -127,7 +127,9 @@ class RagController:
         )
         self._hints = HintConfig(order_hint=self.config.order_hint)
         self._turn_prompts = TurnPrompts(builder, self._hints)
-        self._warmer = SystemPromptWarmer(self.placement.replicas, builder, self.gate)
+        self._warmer = SystemPromptWarmer(
+            self.placement.replicas, builder, self.gate, self.config.first_token_timeout_s
+        )
         self._runs: set[QueryRun] = set()
 
     # ------------------------------------------------------------------ queries

@@ -35,10 +35,18 @@ class WarmupRecord:
 
 class SystemPromptWarmer:
     """Prefills the system prompt on each replica whose tree says it is cold: one at a time per
-    replica, each in a free slot of the prefill pool."""
+    replica, each in a free slot of the prefill pool.
 
-    def __init__(self, replicas: Sequence[Replica], builder: PromptBuilder, gate: PrefillGate):
+    A warm-up is one token's request, so it gets the answers' first-token deadline
+    (``timeout_s``): on an engine that hangs it would otherwise hold its slot of the pool, and
+    keep its replica marked as warming, for as long as the engine does.
+    """
+
+    def __init__(
+        self, replicas: Sequence[Replica], builder: PromptBuilder, gate: PrefillGate, timeout_s: float
+    ):
         self.record = WarmupRecord()
+        self._timeout_s = timeout_s
         self._replicas = tuple(replicas)
         self._builder = builder
         self._gate = gate
@@ -75,11 +83,17 @@ class SystemPromptWarmer:
     async def _warm(self, replica: Replica, slot: Slot) -> None:
         try:
             prompt = self._builder.system_layout_tokens()
-            result = await replica.engine.warm(prompt, "warm-" + uuid.uuid4().hex)
+            async with asyncio.timeout(self._timeout_s):  # its request aborted if it passes
+                result = await replica.engine.warm(prompt, "warm-" + uuid.uuid4().hex)
             replica.tree.record_served(self._builder.system_layout(), result.cached_tokens)
             replica.tree.record_prefilled(self._builder.system_layout())
             self.record.succeeded += 1
             self.record.last_cached_tokens = result.cached_tokens
+        except TimeoutError:
+            self.record.failed += 1
+            logger.warning(
+                "system prompt warm-up on %s: no token within %.1f s", replica.name, self._timeout_s
+            )
         except Exception as error:  # warm-up is an optimisation: a failure must not fail a query
             self.record.failed += 1
             logger.warning("system prompt warm-up failed: %s", error)

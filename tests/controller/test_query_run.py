@@ -120,6 +120,27 @@ async def test_a_warm_up_that_outlives_its_query_is_recorded_by_the_controller(t
     await engine.close()
 
 
+async def test_a_warm_up_on_a_hung_engine_gives_its_slot_back_at_the_first_token_deadline(
+    tiny_assets: Assets,
+) -> None:
+    engine = HeldWarmEngine()  # its warm-up never ends unless released: a hung engine's
+    controller = make_controller(
+        engine,
+        tiny_assets,
+        scripted_index(tiny_assets, [A, A], 0.01),
+        max_prefill_bs=2,
+        speculation="always",
+        first_token_timeout_s=0.3,
+    )
+    done = await controller.answer(RagRequest(QUESTION, k=4, mode="warmup", max_tokens=2))
+    assert done.timeline.warmed and controller.warmups.started == 1
+    await wait_until(lambda: controller.warmups.failed == 1, 5.0)
+    assert controller.gate.pool == 0  # its slot of the pool is back
+    assert controller.warmups.succeeded == 0 and not engine.warm_returned.is_set()
+    await assert_engine_idle(engine, controller)
+    await engine.close()
+
+
 async def test_a_failed_warm_up_is_counted_and_the_query_still_answers(tiny_assets: Assets) -> None:
     engine = SimulatedEngine(time_scale=0.01, max_model_len=4096)
     index = scripted_index(tiny_assets, [A, A], 0.01)
