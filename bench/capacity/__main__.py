@@ -33,7 +33,14 @@ from bench.capacity.embedding import EmbeddingServer, running_embedding_server
 from bench.capacity.flags import parse_args
 from bench.capacity.load import offer
 from bench.capacity.replicas import StandIn, running_stand_ins, stop_process
-from bench.capacity.report import ADDED_TTFT_BOUND_MS, ELSEWHERE, draw, rate_point, summary
+from bench.capacity.report import (
+    ADDED_TTFT_BOUND_MS,
+    ELSEWHERE,
+    draw,
+    profile_per_answer,
+    rate_point,
+    summary,
+)
 from bench.common import OUT_DIR, plot_path, print_summary, run_measurement, write_json
 from bench.e2e.workload import generate
 from specrag.paths import DataLayout, resolve_data_dir
@@ -91,9 +98,16 @@ async def state(session: aiohttp.ClientSession, control: str) -> dict[str, Any]:
 
 
 async def sweep(
-    front: str, url: str, control: str, stand_ins: Sequence[StandIn], questions: Sequence[str], args: Any
+    front: str,
+    url: str,
+    control: str,
+    stand_ins: Sequence[StandIn],
+    questions: Sequence[str],
+    args: Any,
+    profiles: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """Every rate in turn, until the front no longer keeps up."""
+    """Every rate in turn, until the front no longer keeps up; with ``--profile`` the front's
+    sampled profile of the whole sweep goes in ``profiles[front]``."""
     points: list[dict[str, Any]] = []
     url = f"{url}/v1/rag"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
@@ -102,43 +116,66 @@ async def sweep(
         )
         for stand_in in stand_ins:
             await stand_in.records(session)  # the warm-up's, forgotten
-        for number, rate in enumerate(args.rates):
-            before = await state(session, control)
-            events_before = [await s.published_events(session) for s in stand_ins]
-            answers = await offer(
-                url, questions, rate, args.seconds, k=args.k, max_tokens=args.max_tokens, seed=number
-            )
-            after = await state(session, control)
-            events = sum([await s.published_events(session) for s in stand_ins]) - sum(events_before)
-            records: dict[str, Any] = {}
-            for stand_in in stand_ins:
-                records.update(await stand_in.records(session))
-            point = rate_point(
-                rate, args.seconds, answers, records, before["cpu"], after["cpu"], after["mirrors"], events
-            )
-            points.append(point)
-            print(
-                f"{front} × {len(stand_ins)}: offered {rate:g}/s served {point['answers_per_s']:.1f}/s, "
-                f"added TTFT p50/p99 {point['added_ttft_ms']['p50']}/{point['added_ttft_ms']['p99']} ms, "
-                f"failed {point['failed']}, CPU {point['cpu_ms_per_answer']['total']} ms/answer",
-                flush=True,
-            )
-            p99 = point["added_ttft_ms"]["p99"]
-            if (
-                point["answers_per_s"] < KEEPS_UP_SHARE * rate
-                or p99 is None
-                or p99 > GIVES_UP_FACTOR * ADDED_TTFT_BOUND_MS
-            ):
-                break
+        if args.profile:
+            async with session.post(f"{control}/bench/profile/start") as response:
+                response.raise_for_status()
+        await _rates(front, url, control, stand_ins, questions, args, session, points)
+        if args.profile:
+            async with session.post(f"{control}/bench/profile/stop") as response:
+                response.raise_for_status()
+                figures = await response.json()
+            profiles[front] = profile_per_answer(figures, sum(point["answered"] for point in points))
     return points
 
 
+async def _rates(
+    front: str,
+    url: str,
+    control: str,
+    stand_ins: Sequence[StandIn],
+    questions: Sequence[str],
+    args: Any,
+    session: aiohttp.ClientSession,
+    points: list[dict[str, Any]],
+) -> None:
+    """The sweep's rates, each point appended as it is measured."""
+    for number, rate in enumerate(args.rates):
+        before = await state(session, control)
+        events_before = [await s.published_events(session) for s in stand_ins]
+        answers = await offer(
+            url, questions, rate, args.seconds, k=args.k, max_tokens=args.max_tokens, seed=number
+        )
+        after = await state(session, control)
+        events = sum([await s.published_events(session) for s in stand_ins]) - sum(events_before)
+        records: dict[str, Any] = {}
+        for stand_in in stand_ins:
+            records.update(await stand_in.records(session))
+        point = rate_point(
+            rate, args.seconds, answers, records, before["cpu"], after["cpu"], after["mirrors"], events
+        )
+        points.append(point)
+        print(
+            f"{front} × {len(stand_ins)}: offered {rate:g}/s served {point['answers_per_s']:.1f}/s, "
+            f"added TTFT p50/p99 {point['added_ttft_ms']['p50']}/{point['added_ttft_ms']['p99']} ms, "
+            f"failed {point['failed']}, CPU {point['cpu_ms_per_answer']['total']} ms/answer",
+            flush=True,
+        )
+        p99 = point["added_ttft_ms"]["p99"]
+        if (
+            point["answers_per_s"] < KEEPS_UP_SHARE * rate
+            or p99 is None
+            or p99 > GIVES_UP_FACTOR * ADDED_TTFT_BOUND_MS
+        ):
+            break
+
+
 async def measure(
-    args: Any, data_dir: Path, questions: Sequence[str]
+    args: Any, data_dir: Path, questions: Sequence[str], profiles: dict[str, Any]
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, int]]:
     """Each front in front of each replica count, its questions embedded in process; then, in
     front of the most replicas, embedded by the embedding stand-in (unless told not to). Also the
-    stand-in's counts, to show it computed no question while measured."""
+    stand-in's counts, to show it computed no question while measured; with ``--profile`` each
+    run's profile in ``profiles``, by run."""
     runs: dict[str, list[dict[str, Any]]] = {}
     embedding_stats: dict[str, int] = {}
     for count in args.replicas:
@@ -146,7 +183,8 @@ async def measure(
             for front in FRONTS:
                 await _reset(stand_ins)
                 with front_process(front, stand_ins, args, data_dir, None) as (url, control):
-                    runs[f"{front}-{count}"] = await sweep(front, url, control, stand_ins, questions, args)
+                    label = f"{front}-{count}"
+                    runs[label] = await sweep(label, url, control, stand_ins, questions, args, profiles)
             if count != max(args.replicas) or args.no_embedding_elsewhere:
                 continue
             measured = 0  # texts the stand-in computed during the sweeps (not the fronts' starts)
@@ -156,7 +194,7 @@ async def measure(
                     with front_process(front, stand_ins, args, data_dir, embedding) as (url, control):
                         label = f"{front}-{count}{ELSEWHERE}"
                         before = await embedding.stats()
-                        runs[label] = await sweep(label, url, control, stand_ins, questions, args)
+                        runs[label] = await sweep(label, url, control, stand_ins, questions, args, profiles)
                         after = await embedding.stats()
                         measured += after["computed_while_serving"] - before["computed_while_serving"]
                 embedding_stats = after | {"computed_while_measured": measured}
@@ -185,7 +223,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         assets.corpus.store.stop_writing()  # each front process writes the corpus' log in its turn
     trace = generate(assets.passages, "zipf", 2000, 1.0, seed=0)
     questions = [query.query for query in trace]
-    runs, embedding_stats = run_measurement(measure(args, data_dir, questions))
+    profiles: dict[str, Any] = {}
+    runs, embedding_stats = run_measurement(measure(args, data_dir, questions, profiles))
     headline = summary(runs, max(args.replicas)) | {
         key: mirror[key] for key in ("mirror_events_per_s_no_loss", "mirror_events_per_s_kept_pace") if mirror
     }
@@ -194,7 +233,13 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     settings = {key: value for key, value in vars(args).items() if key != "quick"} | {"quick": args.quick}
     write_json(
         args.name,
-        {**headline, "settings": settings, "runs": runs, "added_ttft_bound_ms": ADDED_TTFT_BOUND_MS},
+        {
+            **headline,
+            "settings": settings,
+            "runs": runs,
+            "added_ttft_bound_ms": ADDED_TTFT_BOUND_MS,
+            **({"profiles": profiles} if profiles else {}),
+        },
     )
     draw(runs, plot_path(args.name))
     return headline

@@ -65,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(python -m specrag.sim.embedding_server; run in front of the most replicas, reported as "
         "capacity_answers_per_s_embedding_elsewhere and the like)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="sample each front's CPU by component and function over its sweep "
+        "(bench.capacity.profile_sampler), reported under 'profiles' in the JSON",
+    )
     parser.add_argument("--name", default="capacity", help="bench/out/NAME.json and NAME.png")
     args = parser.parse_args(argv)
     args.rates = args.rates or (QUICK_RATES if args.quick else FULL_RATES)

@@ -13,7 +13,15 @@ from bench.capacity.load import Answer
 from bench.capacity.meters import COMPONENTS
 from bench.common import save_figure
 
-__all__ = ["ADDED_TTFT_BOUND_MS", "ELSEWHERE", "capacity_of", "draw", "rate_point", "summary"]
+__all__ = [
+    "ADDED_TTFT_BOUND_MS",
+    "ELSEWHERE",
+    "capacity_of",
+    "draw",
+    "profile_per_answer",
+    "rate_point",
+    "summary",
+]
 
 ADDED_TTFT_BOUND_MS = 10.0
 """The added time to first token, at p99, within which a rate counts as held (docs/capacity.md)."""
@@ -81,6 +89,27 @@ def rate_point(
         "searches_in_one_stage": round(sum(searched) / len(searched), 3) if searched else None,
         "mirrors": list(mirrors),
         "kv_events_per_s": round(events / seconds, 1),
+    }
+
+
+def profile_per_answer(figures: Mapping[str, Any], answered: int) -> dict[str, Any]:
+    """A front's sampled profile of a sweep (:func:`bench.capacity.serving.profile_figures`) as CPU
+    ms per answer served. The sampler's own CPU is apart (``sampler``): the meters' process CPU in
+    a profiled run includes it, so compare CPU per answer between runs without ``--profile``."""
+    count = max(1, answered)
+
+    def per(seconds: float) -> float:
+        return round(1000 * seconds / count, 3)
+
+    components = sorted(figures["by_component_s"].items(), key=lambda item: -item[1])
+    return {
+        "answers": answered,
+        "process_ms": per(figures["process_cpu_s"]),
+        "loop_thread_ms": per(figures["loop_thread_cpu_s"]),
+        "sampler_ms": per(figures["sampler_cpu_s"]),
+        "by_component_ms": {name: per(seconds) for name, seconds in components},
+        "top_self_ms": [[site, per(seconds)] for site, seconds in figures["top_self_s"]],
+        "top_inclusive_ms": [[site, per(seconds)] for site, seconds in figures["top_inclusive_s"]],
     }
 
 

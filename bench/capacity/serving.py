@@ -6,6 +6,8 @@ The front serves on ``--port``, its questions embedded in process (MiniLM) or, w
 ``GET /bench/state`` on ``--control-port`` reports its CPU seconds
 per component (:mod:`bench.capacity.meters`) and, for specrag, each KV mirror's state. The meters
 wrap the functions doing each part, in this process only: the product's code is not changed.
+``POST /bench/profile/start`` and ``/bench/profile/stop`` (``bench.capacity --profile``) run the
+sampling profiler (:mod:`bench.capacity.profile_sampler`) between them; stop answers its figures.
 
 specrag is told the stand-ins' per-step token budget, as its warning asks an operator to do for
 an engine server that does not report one: assumed at a CPU engine's 512 tokens, its prefill
@@ -29,6 +31,7 @@ import psutil
 from aiohttp import web
 
 from bench.capacity.meters import CpuMeters
+from bench.capacity.profile_sampler import FrameSampler, largest
 from bench.capacity.thin import thin_app
 from specrag.cache.tree import KnowledgeTree
 from specrag.controller.config import ControllerConfig
@@ -74,6 +77,20 @@ def mirror_state(mirror: KVMirror) -> dict[str, Any]:
     return {**state, "lag": asdict(mirror.lag())}
 
 
+def profile_figures(sampler: FrameSampler) -> dict[str, Any]:
+    """A finished profile's CPU seconds by component and its top frames (self and inclusive)."""
+    profile = sampler.profile
+    return {
+        "by_component_s": dict(profile.by_component),
+        "top_self_s": largest(profile.self_sites, 40),
+        "top_inclusive_s": largest(profile.inclusive_sites, 80),
+        "process_cpu_s": profile.process_cpu_s,
+        "loop_thread_cpu_s": profile.loop_thread_cpu_s,
+        "sampler_cpu_s": profile.sampler_cpu_s,
+        "samples": profile.samples,
+    }
+
+
 async def serve_front(args: argparse.Namespace, stop: asyncio.Event) -> None:
     meters = install_meters()
     server = OpenAIEmbedder(args.embedding_url, MINILM_SERVED_NAMES[0]) if args.embedding_url else None
@@ -88,8 +105,24 @@ async def serve_front(args: argparse.Namespace, stop: asyncio.Event) -> None:
     async def state(_: web.Request) -> web.Response:
         return web.json_response({"cpu": meters.snapshot(), "mirrors": [mirror_state(m) for m in mirrors]})
 
+    sampling: list[FrameSampler] = []  # the profile running, if any
+
+    async def profile_start(_: web.Request) -> web.Response:
+        if not sampling:  # the sampler's signal handler is set here, in the loop's (main) thread
+            sampling.append(FrameSampler().__enter__())
+        return web.json_response({"started": True})
+
+    async def profile_stop(_: web.Request) -> web.Response:
+        if not sampling:
+            raise web.HTTPConflict(text="no profile is running")
+        sampler = sampling.pop()
+        sampler.__exit__(None, None, None)
+        return web.json_response(profile_figures(sampler))
+
     control = web.Application()
     control.router.add_get("/bench/state", state)
+    control.router.add_post("/bench/profile/start", profile_start)
+    control.router.add_post("/bench/profile/stop", profile_stop)
     async with contextlib.AsyncExitStack() as stack:
         if args.front == "specrag":
             options = ServiceOptions(

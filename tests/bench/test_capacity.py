@@ -81,6 +81,7 @@ def test_a_tiny_run_reports_every_key(tmp_path: Path, tiny_model_dir: Path) -> N
             "--no-pin",
             "--no-mirror-rate",
             "--no-embedding-elsewhere",  # the session's index is WordLlama's, which no server serves
+            "--profile",
             "--name",
             "capacity-test",
         ]
@@ -109,5 +110,11 @@ def test_a_tiny_run_reports_every_key(tmp_path: Path, tiny_model_dir: Path) -> N
     assert specrag["mirrors"][0]["exact"] is True
     assert specrag["engine_requests_per_answer"] >= 1 and specrag["searches_in_one_stage"] is not None
     assert runs["thin-1"][0]["searches_in_one_stage"] is None
+    profiles = written["profiles"]
+    assert set(profiles) == {"specrag-1", "thin-1"}
+    for label, profile in profiles.items():
+        assert profile["answers"] == runs[label][0]["answered"] and profile["process_ms"] > 0
+        assert profile["by_component_ms"] and profile["top_inclusive_ms"]
+    assert "http" in profiles["thin-1"]["by_component_ms"]
     assert headline["mirror_lost_batches"] == 0 and headline["mirror_predicted_equals_delivered"] is not None
     assert (OUT_DIR / "capacity-test.png").is_file()
