@@ -10,16 +10,31 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from sklearn.preprocessing import normalize
 
 from specrag.errors import ArtifactError
 
 __all__ = ["load_array", "unit_rows"]
 
 
+_NEAR_ZERO = 10 * np.finfo(np.float32).eps
+"""A row whose length is below this is left as it is (an all-zero row stays zero)."""
+
+
 def unit_rows(vectors: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit length (all-zero rows stay zero) as C-contiguous float32."""
-    return np.ascontiguousarray(normalize(np.asarray(vectors, dtype=np.float32)), dtype=np.float32)
+    """Rows scaled to unit length (all-zero rows stay zero) as a new C-contiguous float32 array;
+    ValueError for a NaN or infinite value.
+
+    The same arithmetic as scikit-learn's ``normalize`` (float32 row norms by ``einsum``, a norm
+    under :data:`_NEAR_ZERO` taken as 1), so vectors are bit for bit what they were, without its
+    argument validation, which cost about half a millisecond a call: once per served question.
+    """
+    rows = np.array(vectors, dtype=np.float32, order="C", ndmin=2)
+    if not np.isfinite(rows).all():
+        raise ValueError("vectors to normalise contain NaN or infinity")
+    norms = np.sqrt(np.einsum("ij,ij->i", rows, rows))
+    norms[norms < _NEAR_ZERO] = 1.0
+    rows /= norms[:, np.newaxis]
+    return rows
 
 
 def load_array(path: Path) -> np.ndarray:
