@@ -212,3 +212,25 @@ async def test_a_search_without_a_stage_count_takes_its_kinds_default(
         assert len(received) == DEFAULT_STAGES[kind]
     assert 1 <= len(received) <= DEFAULT_STAGES[kind] and received[-1].done
     np.testing.assert_array_equal(received[-1].ids, searcher.search(queries[0], 10)[1][0])
+
+
+@pytest.mark.parametrize("stages", [1, 4])
+async def test_a_search_hands_the_loop_its_stages_and_no_end_marker_after_the_last(
+    ivf: StagedIVF, queries: np.ndarray, monkeypatch: pytest.MonkeyPatch, stages: int
+) -> None:
+    """Each hand-off from the search thread wakes the loop's thread; the last stage says it is
+    the last (``done``), so the stream ends on it."""
+    loop = asyncio.get_running_loop()
+    handed: list[object] = []
+    hand = loop.call_soon_threadsafe
+
+    def counting(callback: object, *args: object) -> asyncio.Handle:
+        handed.append(args[0] if args else callback)
+        return hand(callback, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    received = [
+        stage async for stage in make_index(ivf).search_staged(queries[0], 10, StagePlan(stages, "equal"))
+    ]
+    assert [stage.stage for stage in received] == list(range(1, stages + 1)) and received[-1].done
+    assert [getattr(item, "stage", item) for item in handed] == [stage.stage for stage in received]

@@ -140,6 +140,9 @@ class SearchRunner:
                     loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def produce() -> None:
+            # The last stage (``done``) ends the stream by itself: no end marker after it, one
+            # hand-off to the loop fewer a search (each wakes the loop's thread: not free).
+            ended = False
             try:
                 stages = make_stages()
                 while not cancelled.is_set():
@@ -147,9 +150,12 @@ class SearchRunner:
                     if stage is None:
                         break
                     post(stage)
+                    ended = stage.done
             except Exception as error:
                 post(_Failure(error))
-            post(_END)
+                ended = False
+            if not ended:
+                post(_END)
 
         self._executor.submit(produce)
         try:
@@ -158,5 +164,7 @@ class SearchRunner:
                     raise item.error
                 assert isinstance(item, StageResult)
                 yield item
+                if item.done:
+                    return
         finally:
             cancelled.set()
