@@ -117,56 +117,47 @@ async def sweep(
         for stand_in in stand_ins:
             await stand_in.records(session)  # the warm-up's, forgotten
         if args.profile:
-            async with session.post(f"{control}/bench/profile/start") as response:
-                response.raise_for_status()
-        await _rates(front, url, control, stand_ins, questions, args, session, points)
+            await _profiler(session, control, "start")
+        for number, rate in enumerate(args.rates):
+            before = await state(session, control)
+            events_before = [await s.published_events(session) for s in stand_ins]
+            answers = await offer(
+                url, questions, rate, args.seconds, k=args.k, max_tokens=args.max_tokens, seed=number
+            )
+            after = await state(session, control)
+            events = sum([await s.published_events(session) for s in stand_ins]) - sum(events_before)
+            records: dict[str, Any] = {}
+            for stand_in in stand_ins:
+                records.update(await stand_in.records(session))
+            point = rate_point(
+                rate, args.seconds, answers, records, before["cpu"], after["cpu"], after["mirrors"], events
+            )
+            points.append(point)
+            print(
+                f"{front} × {len(stand_ins)}: offered {rate:g}/s served {point['answers_per_s']:.1f}/s, "
+                f"added TTFT p50/p99 {point['added_ttft_ms']['p50']}/{point['added_ttft_ms']['p99']} ms, "
+                f"failed {point['failed']}, CPU {point['cpu_ms_per_answer']['total']} ms/answer",
+                flush=True,
+            )
+            p99 = point["added_ttft_ms"]["p99"]
+            if (
+                point["answers_per_s"] < KEEPS_UP_SHARE * rate
+                or p99 is None
+                or p99 > GIVES_UP_FACTOR * ADDED_TTFT_BOUND_MS
+            ):
+                break
         if args.profile:
-            async with session.post(f"{control}/bench/profile/stop") as response:
-                response.raise_for_status()
-                figures = await response.json()
+            figures = await _profiler(session, control, "stop")
             profiles[front] = profile_per_answer(figures, sum(point["answered"] for point in points))
     return points
 
 
-async def _rates(
-    front: str,
-    url: str,
-    control: str,
-    stand_ins: Sequence[StandIn],
-    questions: Sequence[str],
-    args: Any,
-    session: aiohttp.ClientSession,
-    points: list[dict[str, Any]],
-) -> None:
-    """The sweep's rates, each point appended as it is measured."""
-    for number, rate in enumerate(args.rates):
-        before = await state(session, control)
-        events_before = [await s.published_events(session) for s in stand_ins]
-        answers = await offer(
-            url, questions, rate, args.seconds, k=args.k, max_tokens=args.max_tokens, seed=number
-        )
-        after = await state(session, control)
-        events = sum([await s.published_events(session) for s in stand_ins]) - sum(events_before)
-        records: dict[str, Any] = {}
-        for stand_in in stand_ins:
-            records.update(await stand_in.records(session))
-        point = rate_point(
-            rate, args.seconds, answers, records, before["cpu"], after["cpu"], after["mirrors"], events
-        )
-        points.append(point)
-        print(
-            f"{front} × {len(stand_ins)}: offered {rate:g}/s served {point['answers_per_s']:.1f}/s, "
-            f"added TTFT p50/p99 {point['added_ttft_ms']['p50']}/{point['added_ttft_ms']['p99']} ms, "
-            f"failed {point['failed']}, CPU {point['cpu_ms_per_answer']['total']} ms/answer",
-            flush=True,
-        )
-        p99 = point["added_ttft_ms"]["p99"]
-        if (
-            point["answers_per_s"] < KEEPS_UP_SHARE * rate
-            or p99 is None
-            or p99 > GIVES_UP_FACTOR * ADDED_TTFT_BOUND_MS
-        ):
-            break
+async def _profiler(session: aiohttp.ClientSession, control: str, action: str) -> dict[str, Any]:
+    """Start or stop the front's sampling profiler (:mod:`bench.capacity.serving`); its figures."""
+    async with session.post(f"{control}/bench/profile/{action}") as response:
+        response.raise_for_status()
+        figures: dict[str, Any] = await response.json()
+        return figures
 
 
 async def measure(
